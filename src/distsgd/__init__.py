@@ -1,0 +1,17 @@
+"""distsgd: train PyTorch models with parallel and distributed SGD.
+
+The Python API in one call::
+
+    import distsgd
+    result = distsgd.train(model="mnist_net", data="fashion-mnist", algo="single", epochs=1)
+    print(result.summary["final_test_accuracy"])
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from distsgd.api import TrainResult, train
+from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError
+
+__all__ = ["train", "TrainResult", "DistsgdError", "ConfigError", "DataError", "ModelError", "__version__"]

@@ -1,0 +1,3 @@
+from distsgd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The algorithms, one module each; :mod:`.registry` maps names to them."""

@@ -1,0 +1,96 @@
+"""The algorithm interface and the registry of algorithm names.
+
+One training loop (:mod:`distsgd.train.loop`) serves every algorithm. An algorithm says how its
+processes are arranged (its *topology*) and what happens at the loop's sync points:
+
+- ``setup(ctx, model)``: before the first step; may wrap or replace the model.
+- ``after_backward(ctx, model)``: gradients are ready; synchronise them here.
+- ``after_step(ctx, model)``: the optimiser has stepped; synchronise parameters here.
+- ``on_epoch_end(ctx, model, epoch)``.
+- ``agree(ctx, flag)``: every worker must reach the same stop decision.
+- ``finish(ctx, model)``: returns the model to evaluate and save.
+- ``summary()``: extra keys for summary.json (``bytes_sent``, ``staleness``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.train.optim import build_optimizer
+
+if TYPE_CHECKING:
+    from distsgd.train.loop import WorkerContext
+
+# How processes are arranged.
+SINGLE = "single"  # one process
+GROUP = "group"  # symmetric workers in a torch.distributed process group
+
+
+class Algorithm:
+    """Base class: a single process with no synchronisation at all."""
+
+    name: ClassVar[str] = ""
+    topology: ClassVar[str] = SINGLE
+    summary_line: ClassVar[str] = ""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.bytes_sent = 0
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        """Reject settings this algorithm cannot honour (raise ConfigError)."""
+
+    def setup(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+        return model
+
+    def make_optimizer(self, ctx: "WorkerContext", model: nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(self.cfg, model.parameters())
+
+    def after_backward(self, ctx: "WorkerContext", model: nn.Module) -> None:
+        pass
+
+    def after_step(self, ctx: "WorkerContext", model: nn.Module) -> None:
+        pass
+
+    def on_epoch_end(self, ctx: "WorkerContext", model: nn.Module, epoch: int) -> None:
+        pass
+
+    def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
+        return flag
+
+    def global_samples(self, ctx: "WorkerContext", local_samples: int) -> int:
+        """Samples processed by all workers, as this worker knows it (lockstep: local x world)."""
+        return local_samples * ctx.world
+
+    def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+        return model
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+_REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"bad or duplicate algorithm name {cls.name!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get(name: str) -> type[Algorithm]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm '{name}' (choose from {', '.join(_REGISTRY)})") from None
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)

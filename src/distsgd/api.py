@@ -1,0 +1,237 @@
+"""The Python API and the one place a run is put together.
+
+``train()`` is what Python users call; the CLI builds a :class:`RunConfig` and calls ``run()``.
+Both: validate everything, load the data once, check that the model fits it (before any process
+starts), launch the algorithm's workers, then write ``summary.json`` and ``model.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import logging
+import platform
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from distsgd import config as config_mod
+from distsgd.algorithms import registry
+from distsgd.algorithms.base import SINGLE
+from distsgd.checkpoint import atomic_write_json, save_model
+from distsgd.config import RunConfig, threads_per_worker, validate
+from distsgd.data import Dataset, from_arrays, load_dataset
+from distsgd.errors import ConfigError, DataError, ModelError
+from distsgd.metrics import Fanout, JsonlWriter, NullSink, first_reaching, make_progress
+from distsgd.models import ModelSpec, build_model, check_fits, describe
+from distsgd.train.loop import WorkerContext, WorkerResult, run_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run returns: ``summary`` (the summary.json dict), the trained ``model``, ``out``."""
+
+    summary: dict[str, Any]
+    model: nn.Module
+    out: Path | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # summary, model = distsgd.train(...)
+        return iter((self.summary, self.model))
+
+
+class _CopyOf:
+    """A picklable factory that returns a copy of a model instance the user passed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.__qualname__ = type(module).__name__
+
+    def __call__(self) -> nn.Module:
+        return copy.deepcopy(self.module)
+
+
+def train(model: ModelSpec | nn.Module = "mnist_net", data: Any = "fashion-mnist", algo: str = "single",
+          workers: int = 1, **settings: Any) -> TrainResult:
+    """Train ``model`` on ``data`` with ``algo`` and ``workers``; return the summary and the model.
+
+    ``model``: a built-in name (``mnist_net``, ``cifar_net``, ``mlp``, ``logreg``), a
+    ``path/file.py:Class`` string, an ``nn.Module`` class or factory, or a module instance (copied).
+    ``data``: a dataset name (see ``distsgd datasets``), a :class:`~distsgd.data.Dataset`, or arrays
+    ``(x, y)`` / ``(x, y, x_test, y_test)`` / a dict with those keys.
+    ``settings``: any :class:`~distsgd.config.RunConfig` field, e.g. ``epochs=2, lr=0.05``.
+    Files are written only when ``out=`` is given. Progress is shown unless ``quiet=True``.
+    """
+    cfg = config_mod.from_mapping(dict(settings), RunConfig(algo=algo, workers=workers), source="train()")
+    dataset: Dataset | None = None
+    if isinstance(data, str):
+        cfg = cfg.replace(dataset=data)
+    else:
+        dataset = _dataset_from(data)
+        cfg = cfg.replace(dataset=dataset.name)
+    if isinstance(model, nn.Module):
+        model = _CopyOf(model)
+    if isinstance(model, str):
+        cfg = cfg.replace(model=model)
+    else:
+        cfg = cfg.replace(model=describe(model))
+    return run(cfg, model_spec=model, dataset=dataset)
+
+
+def _dataset_from(data: Any) -> Dataset:
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, dict):
+        keys = ("x", "y", "x_test", "y_test")
+        unknown = set(data) - set(keys)
+        if unknown:
+            raise DataError(f"unknown data keys {sorted(unknown)} (use x, y, x_test, y_test)")
+        return from_arrays("arrays", *(data.get(k) for k in keys))
+    if isinstance(data, (tuple, list)) and len(data) in (2, 4):
+        return from_arrays("arrays", *data)
+    raise DataError("data must be a dataset name, a Dataset, (x, y), (x, y, x_test, y_test) or a dict of arrays")
+
+
+def prepare_out_dir(out: Path, overwrite: bool) -> Path:
+    """Create the run directory; never overwrite an existing run without ``overwrite``."""
+    if out.exists():
+        if not out.is_dir():
+            raise ConfigError(f"--out {out} exists and is not a directory")
+        if any(out.iterdir()):
+            if not overwrite:
+                raise ConfigError(f"run directory {out} already exists; choose another --out or pass --overwrite")
+            for child in out.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def default_out(algo: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{algo}"
+
+
+def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | None = None,
+        progress: Any = None) -> TrainResult:
+    """Run one training job as configured. Raises DistsgdError subclasses for user mistakes."""
+    validate(cfg)
+    algo_cls = registry.get(cfg.algo)
+    algo_cls.check(cfg)
+    spec: ModelSpec = model_spec if model_spec is not None else cfg.model
+    started = time.time()
+    started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+    if dataset is None:
+        dataset = load_dataset(cfg.dataset, cfg.data_dir)
+    probe = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+    check_fits(probe, dataset.input_shape, dataset.num_classes, describe(spec), dataset.name)
+    del probe
+    if len(dataset.y_train) < cfg.workers:
+        raise ConfigError(f"{len(dataset.y_train)} training samples cannot be shared among {cfg.workers} workers")
+
+    out = prepare_out_dir(Path(cfg.out), cfg.overwrite) if cfg.out else None
+    writer = None
+    sinks = []
+    if out is not None:
+        (out / "config.toml").write_text(config_mod.to_toml(cfg))
+        writer = JsonlWriter(out / "metrics.jsonl")
+        sinks.append(writer)
+    if progress is None:
+        progress = make_progress(cfg.quiet, _planned_samples(cfg, dataset), f"{cfg.algo} x{cfg.workers}")
+    sinks.append(progress)
+    sink = Fanout(*sinks) if sinks else NullSink()
+    try:
+        results = _launch(cfg, algo_cls, spec, dataset, sink)
+    finally:
+        if writer is not None:
+            writer.close()
+        if hasattr(progress, "close"):
+            progress.close()
+    chief = results[0]
+    summary = build_summary(cfg, dataset, spec, results, started, started_at)
+    if out is not None:
+        atomic_write_json(summary, out / "summary.json")
+        save_model(out / "model.pt", chief.model, model_spec=cfg.model, dataset=dataset.name,
+                   input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
+    return TrainResult(summary, chief.model, out)
+
+
+def _planned_samples(cfg: RunConfig, dataset: Dataset) -> int:
+    from distsgd.data.partition import shard_size
+
+    if cfg.max_samples is not None:
+        return cfg.max_samples
+    return cfg.epochs * shard_size(len(dataset.y_train), cfg.workers, cfg.partition) * cfg.workers
+
+
+def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Any) -> list[WorkerResult]:
+    if algo_cls.topology == SINGLE:
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=0, world=1, sink=sink)
+        return [run_worker(ctx, algo_cls(cfg))]
+    from distsgd import launch
+
+    return launch.run_local(cfg, algo_cls, spec, dataset, sink)
+
+
+def build_summary(cfg: RunConfig, dataset: Dataset, spec: ModelSpec, results: list[WorkerResult],
+                  started: float, started_at: str) -> dict[str, Any]:
+    """summary.json: the keys later tools and the benchmarks read (see the README)."""
+    chief = results[0]
+    samples = chief.global_samples
+    hit = first_reaching(chief.evals, cfg.target_accuracy)
+    summary: dict[str, Any] = {
+        "algo": cfg.algo,
+        "workers": cfg.workers,
+        "dataset": dataset.name,
+        "model": describe(spec) if not isinstance(spec, str) else spec,
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "samples": samples,
+        "wall_s": time.time() - started,
+        "train_wall_s": chief.train_wall_s,
+        "samples_per_s": samples / chief.train_wall_s if chief.train_wall_s > 0 else 0.0,
+        "final_test_accuracy": chief.final_test_accuracy,
+        "final_test_loss": chief.final_test_loss,
+        "target_accuracy": cfg.target_accuracy,
+        "time_to_target_s": hit["train_wall_s"] if hit else None,
+        "samples_to_target": hit["samples"] if hit else None,
+        "evals": [{k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss")} for e in chief.evals],
+        "threads_per_worker": threads_per_worker(cfg),
+        "torch_version": torch.__version__,
+        "started_at": started_at,
+        "host": platform.node(),
+    }
+    summary.update(chief.extra)
+    return summary
+
+
+def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: str | None = None,
+                        batch_size: int = 1000) -> dict[str, Any]:
+    """Load a saved model (weights only) and measure it on its dataset's test set."""
+    from distsgd.checkpoint import load_checkpoint
+    from distsgd.train.evaluate import evaluate
+
+    ckpt = load_checkpoint(Path(path))
+    ds = load_dataset(dataset or ckpt["dataset"], data_dir)
+    if list(ds.input_shape) != list(ckpt["input_shape"]) or ds.num_classes != ckpt["num_classes"]:
+        raise DataError(f"the checkpoint was trained on input {ckpt['input_shape']} with {ckpt['num_classes']} "
+                        f"classes; {ds.name} has {list(ds.input_shape)} and {ds.num_classes}")
+    init = ckpt["config"].get("init", "default")
+    model = build_model(ckpt["model"], ds.input_shape, ds.num_classes, init)
+    try:
+        model.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as exc:
+        raise ModelError(f"the checkpoint does not match model {ckpt['model']}: {str(exc).splitlines()[0]}") from None
+    acc, loss = evaluate(model, ds.x_test, ds.y_test, batch_size)
+    return {"checkpoint": str(path), "model": ckpt["model"], "dataset": ds.name, "test_samples": len(ds.y_test),
+            "test_accuracy": acc, "test_loss": loss}
+
+
+__all__ = ["train", "run", "TrainResult", "evaluate_checkpoint"]

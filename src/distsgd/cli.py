@@ -1,0 +1,183 @@
+"""The ``distsgd`` command: a thin layer that parses flags, builds a RunConfig and calls the API.
+
+    distsgd train --algo single --dataset fashion-mnist --model mnist_net --epochs 10
+    distsgd eval --checkpoint runs/<run>/model.pt
+    distsgd datasets
+    distsgd algorithms
+
+A user mistake prints one ``error: ...`` line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any, NoReturn
+
+from distsgd import __version__
+from distsgd import config as config_mod
+from distsgd.config import RunConfig
+from distsgd.errors import DistsgdError
+
+HELP = {
+    "algo": "training algorithm (see `distsgd algorithms`); default single",
+    "workers": "number of worker processes; default 1",
+    "dataset": "mnist, fashion-mnist, kmnist, cifar10, digits, npz:PATH or folder:PATH; default fashion-mnist",
+    "data_dir": "folder holding the dataset's files (searched first)",
+    "model": "mnist_net, cifar_net, mlp, logreg, or path/file.py:ClassName (runs that file); default mnist_net",
+    "epochs": "passes over the training data; default 1",
+    "max_samples": "stop after this many training samples (all workers together); overrides --epochs",
+    "batch_size": "samples per step per worker; default 64",
+    "lr": "learning rate; default 0.01",
+    "momentum": "SGD momentum; default 0.5",
+    "nesterov": "use Nesterov momentum (sgd)",
+    "optimizer": "sgd, adam or adamw; default sgd",
+    "weight_decay": "L2 weight decay; default 0",
+    "schedule": "learning-rate schedule: constant, step or cosine; default constant",
+    "lr_step_epochs": "step schedule: decay every this many epochs; default 1",
+    "lr_gamma": "step schedule: multiply the rate by this; default 0.1",
+    "init": "default (PyTorch's) or xavier initialisation",
+    "seed": "seed for weights and data order; default 0",
+    "partition": "sharded (disjoint shards) or replicated (every worker sees all data); default sharded",
+    "eval_every": "evaluate on the test set every this many samples; default: each epoch",
+    "eval_batch_size": "batch size for evaluation; default 1000",
+    "target_accuracy": "test accuracy (0..1) whose time and samples to reach are recorded",
+    "stop_at_target": "stop once --target-accuracy is reached",
+    "threads_per_worker": "torch threads per worker; default max(1, cores // workers)",
+    "log_every": "steps between progress events in metrics.jsonl; default 50",
+    "out": "run directory; default runs/<timestamp>-<algo>",
+    "overwrite": "replace an existing run directory",
+    "quiet": "print nothing but errors",
+    "backend": "torch.distributed backend: gloo (CPU), nccl (GPU) or mpi; default gloo",
+    "init_method": "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; default a free port on 127.0.0.1",
+    "timeout_s": "seconds before a collective or a silent worker counts as failed; default 300",
+    "bucket_mb": "allreduce: gradient bucket size in MB; default 25",
+}
+FLAG_NAMES = {"timeout_s": "--timeout"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "extra":
+            continue
+        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        kind = str(f.type)
+        if "bool" in kind:
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=HELP.get(f.name))
+            continue
+        conv: Any = int if ("int" in kind and "float" not in kind) else float if "float" in kind else str
+        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=HELP.get(f.name),
+                            metavar=f.name.split("_")[-1].upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="distsgd", description="Train PyTorch models with parallel and distributed SGD.")
+    parser.add_argument("--version", action="version", version=f"distsgd {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (dataset locations, workers)")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a model")
+    _add_run_flags(train)
+    ev = sub.add_parser("eval", help="measure a saved model on its test set")
+    ev.add_argument("--checkpoint", required=True, help="model.pt, or a run directory")
+    ev.add_argument("--dataset", help="dataset to evaluate on (default: the one it was trained on)")
+    ev.add_argument("--data-dir")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ds = sub.add_parser("datasets", help="list the built-in datasets and where their files are")
+    ds.add_argument("--data-dir")
+    sub.add_parser("algorithms", help="list the algorithms")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    cfg = config_mod.load_toml(args.config) if args.config else RunConfig()
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
+             if f.name != "extra" and getattr(args, f.name, None) is not None}
+    return config_mod.from_mapping(given, cfg, source="the command line")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from distsgd.api import default_out, run
+
+    cfg = config_from_args(args)
+    if cfg.out is None:
+        cfg = cfg.replace(out=str(default_out(cfg.algo)))
+    result = run(cfg)
+    s = result.summary
+    if not cfg.quiet:
+        target = ""
+        if s["target_accuracy"] is not None:
+            reached = s["time_to_target_s"]
+            target = (f"; reached {s['target_accuracy']:.2%} after {reached:.1f} s, {s['samples_to_target']} samples"
+                      if reached is not None else f"; did not reach {s['target_accuracy']:.2%}")
+        print(f"{s['algo']} x{s['workers']}: test accuracy {s['final_test_accuracy']:.4f}, "
+              f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
+              f"({s['samples_per_s']:.0f} samples/s){target}")
+        print(f"run saved in {result.out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from distsgd.api import evaluate_checkpoint
+
+    res = evaluate_checkpoint(args.checkpoint, args.dataset, args.data_dir)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): "
+              f"accuracy {res['test_accuracy']:.4f}, loss {res['test_loss']:.4f}")
+    return 0
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    from distsgd.data import available
+
+    rows = available(args.data_dir)
+    width = max(len(r[0]) for r in rows)
+    for name, status, where in rows:
+        print(f"{name:<{width}}  {status:<12}  {where}")
+    print(f"{'npz:PATH':<{width}}  {'user data':<12}  arrays x, y (optional x_test, y_test)")
+    print(f"{'folder:PATH':<{width}}  {'user data':<12}  PATH/train/<class>/*.png|jpg and PATH/test/<class>/...")
+    return 0
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    from distsgd.algorithms import registry
+
+    for name in registry.names():
+        cls = registry.get(name)
+        print(f"{name:<12} {cls.topology:<8} {cls.summary_line}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "datasets": cmd_datasets, "algorithms": cmd_algorithms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except DistsgdError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""The run configuration: one dataclass, filled from defaults, a TOML file and CLI flags.
+
+Precedence is the usual one: a flag on the command line beats the TOML file, which beats the
+defaults below. ``validate`` turns every impossible setting into a one-line ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from distsgd.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "step", "cosine")
+INITS = ("default", "xavier")
+PARTITIONS = ("sharded", "replicated")
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run. Field names are the CLI flags with ``-`` as ``_``."""
+
+    algo: str = "single"
+    workers: int = 1
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    model: str = "mnist_net"
+    epochs: int = 1
+    max_samples: int | None = None
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.5
+    nesterov: bool = False
+    optimizer: str = "sgd"
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    lr_step_epochs: int = 1
+    lr_gamma: float = 0.1
+    init: str = "default"
+    seed: int = 0
+    partition: str = "sharded"
+    eval_every: int | None = None
+    eval_batch_size: int = 1000
+    target_accuracy: float | None = None
+    stop_at_target: bool = False
+    threads_per_worker: int | None = None
+    log_every: int = 50
+    out: str | None = None
+    overwrite: bool = False
+    quiet: bool = False
+    # Process groups (used by the multi-process algorithms).
+    backend: str = "gloo"
+    init_method: str | None = None
+    timeout_s: float = 300.0
+    # allreduce: size of one gradient bucket.
+    bucket_mb: float = 25.0
+    # Extra settings an algorithm may read; kept so a TOML file round-trips.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name: f for f in fields(RunConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check a TOML or API value against the field's declared type."""
+    annotation = str(_FIELDS[name].type)
+    if value is None:
+        if "None" in annotation:
+            return None
+        raise ConfigError(f"setting '{name}' cannot be empty")
+    if name == "extra":
+        if not isinstance(value, dict):
+            raise ConfigError("setting 'extra' must be a table")
+        return value
+    if "bool" in annotation:
+        if not isinstance(value, bool):
+            raise ConfigError(f"setting '{name}' must be true or false, got {value!r}")
+        return value
+    if "int" in annotation and "float" not in annotation:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"setting '{name}' must be a whole number, got {value!r}")
+        return value
+    if "float" in annotation:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"setting '{name}' must be a number, got {value!r}")
+        return float(value)
+    if "str" in annotation:
+        if not isinstance(value, (str, os.PathLike)):
+            raise ConfigError(f"setting '{name}' must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_mapping(values: dict[str, Any], base: RunConfig | None = None, source: str = "settings") -> RunConfig:
+    """Build a config from ``values`` (keys may use ``-`` or ``_``) over ``base``."""
+    cfg = base or RunConfig()
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            close = _close_match(name)
+            hint = f" (did you mean '{close}'?)" if close else ""
+            raise ConfigError(f"unknown setting '{key}' in {source}{hint}")
+        changes[name] = _coerce(name, value)
+    return dataclasses.replace(cfg, **changes)
+
+
+def _close_match(name: str) -> str | None:
+    import difflib
+
+    found = difflib.get_close_matches(name, list(_FIELDS), n=1, cutoff=0.7)
+    return found[0] if found else None
+
+
+def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    """Read a TOML config. Keys are top-level, or under a ``[train]`` table."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    if set(data) == {"train"} and isinstance(data["train"], dict):
+        data = data["train"]
+    return from_mapping(data, base, source=str(path))
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved configuration as TOML (settings that are unset are left out)."""
+    lines = ["# distsgd run configuration (resolved). Re-run with: distsgd train --config config.toml"]
+    extra = {}
+    for name, value in cfg.to_dict().items():
+        if name == "extra":
+            extra = value
+            continue
+        if value is None:
+            continue
+        lines.append(f"{name} = {_toml_value(value)}")
+    if extra:
+        lines.append("")
+        lines.append("[extra]")
+        for key, value in extra.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"cannot write {value!r} to TOML")
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} to TOML")
+
+
+def cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(cfg: RunConfig) -> int:
+    if cfg.threads_per_worker is not None:
+        return cfg.threads_per_worker
+    return max(1, cores() // cfg.workers)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Reject impossible settings with one clear line each."""
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}")
+    need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
+    need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
+    need(cfg.max_samples is None or cfg.max_samples >= 1, f"--max-samples must be at least 1, got {cfg.max_samples}")
+    need(math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}")
+    need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")
+    need(not cfg.nesterov or cfg.momentum > 0, "--nesterov needs a --momentum above 0")
+    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    need(cfg.optimizer in OPTIMIZERS, f"unknown optimizer '{cfg.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
+    need(cfg.schedule in SCHEDULES, f"unknown schedule '{cfg.schedule}' (choose from {', '.join(SCHEDULES)})")
+    need(cfg.lr_step_epochs >= 1, f"--lr-step-epochs must be at least 1, got {cfg.lr_step_epochs}")
+    need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
+    need(cfg.init in INITS, f"unknown init '{cfg.init}' (choose from {', '.join(INITS)})")
+    need(cfg.partition in PARTITIONS, f"unknown partition '{cfg.partition}' (choose from {', '.join(PARTITIONS)})")
+    need(cfg.eval_every is None or cfg.eval_every >= 1, f"--eval-every must be at least 1 sample, got {cfg.eval_every}")
+    need(cfg.eval_batch_size >= 1, f"--eval-batch-size must be at least 1, got {cfg.eval_batch_size}")
+    need(
+        cfg.target_accuracy is None or 0 < cfg.target_accuracy <= 1,
+        f"--target-accuracy must be in (0, 1], got {cfg.target_accuracy}",
+    )
+    need(not cfg.stop_at_target or cfg.target_accuracy is not None, "--stop-at-target needs --target-accuracy")
+    need(
+        cfg.threads_per_worker is None or cfg.threads_per_worker >= 1,
+        f"--threads-per-worker must be at least 1, got {cfg.threads_per_worker}",
+    )
+    need(cfg.log_every >= 1, f"--log-every must be at least 1 step, got {cfg.log_every}")
+    need(cfg.backend in BACKENDS, f"unknown backend '{cfg.backend}' (choose from {', '.join(BACKENDS)})")
+    need(cfg.timeout_s > 0, f"--timeout must be positive, got {cfg.timeout_s}")
+    need(cfg.bucket_mb > 0, f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+    from distsgd.algorithms import registry
+
+    registry.get(cfg.algo)  # raises ConfigError for an unknown name
+    return cfg

@@ -1,0 +1,165 @@
+"""The one training loop every algorithm runs in each of its workers.
+
+Per step: take the next batch of this worker's partition (tensor indexing only), forward,
+cross-entropy loss, backward, ``algo.after_backward`` (gradient sync), optimiser step,
+``algo.after_step`` (parameter sync). The reporting worker (rank 0) evaluates every
+``eval_every`` samples (default: each epoch) with the training clock paused, and emits events.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distsgd.algorithms.base import Algorithm
+from distsgd.config import RunConfig, threads_per_worker
+from distsgd.data import Dataset
+from distsgd.errors import ConfigError
+from distsgd.data.partition import _mix, epoch_indices, shard_size
+from distsgd.metrics import NullSink, Sink, TrainClock
+from distsgd.models import ModelSpec, build_model
+from distsgd.train.evaluate import evaluate
+from distsgd.train.optim import lr_at, set_lr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerContext:
+    """What one worker knows about the run."""
+
+    cfg: RunConfig
+    dataset: Dataset
+    model_spec: ModelSpec
+    rank: int = 0
+    world: int = 1
+    sink: Sink = field(default_factory=NullSink)
+    reports: bool = True  # evaluates and emits events (rank 0)
+    state: dict[str, Any] = field(default_factory=dict)  # the algorithm's per-worker scratch
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    samples: int  # this worker's training samples
+    global_samples: int  # all workers', as this worker counted them
+    train_wall_s: float
+    evals: list[dict[str, Any]]
+    final_test_accuracy: float | None
+    final_test_loss: float | None
+    model: nn.Module | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
+    """Train this worker's share of the run and return what it measured."""
+    cfg, ds = ctx.cfg, ctx.dataset
+    torch.set_num_threads(threads_per_worker(cfg))
+    # Same seed in every worker: every replica starts from the same weights.
+    model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
+    model.train()
+    model = algo.setup(ctx, model)
+    optimizer = algo.make_optimizer(ctx, model)
+    torch.manual_seed(_mix(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
+
+    x_all, y_all = ds.x_train, ds.y_train
+    n = len(y_all)
+    per_epoch = shard_size(n, ctx.world, cfg.partition)
+    if per_epoch == 0:
+        raise ConfigError(f"{n} training samples cannot be shared among {ctx.world} workers")
+    global_per_epoch = per_epoch * ctx.world
+    total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / global_per_epoch
+    constant_lr = cfg.schedule == "constant"
+
+    clock = TrainClock()
+    evals: list[dict[str, Any]] = []
+    local = 0
+    steps = 0
+    loss_sum = torch.zeros(())
+    loss_steps = 0
+    next_eval = cfg.eval_every
+    stop = False
+    last_eval_at = -1
+
+    def global_now() -> int:
+        return algo.global_samples(ctx, local)
+
+    def do_eval(epoch_f: float, decide: bool = True) -> bool:
+        """Evaluate on rank 0 with the clock paused; return whether every worker should stop."""
+        nonlocal last_eval_at
+        reached = False
+        gs = global_now()
+        last_eval_at = gs
+        if ctx.reports:
+            clock.pause()
+            acc, loss = evaluate(model, ds.x_test, ds.y_test, cfg.eval_batch_size)
+            event = {"event": "eval", "samples": gs, "epoch": round(epoch_f, 4), "train_wall_s": clock.elapsed(),
+                     "test_accuracy": acc, "test_loss": loss}
+            evals.append(event)
+            ctx.sink.emit(event)
+            clock.resume()
+            reached = cfg.stop_at_target and cfg.target_accuracy is not None and acc >= cfg.target_accuracy
+        return algo.agree(ctx, reached) if cfg.stop_at_target and decide else False
+
+    epoch = 0
+    while not stop and (cfg.max_samples is not None or epoch < cfg.epochs):
+        order = epoch_indices(n, epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
+        for start in range(0, len(order), cfg.batch_size):
+            if cfg.max_samples is not None and global_now() >= cfg.max_samples:
+                stop = True
+                break
+            idx = order[start:start + cfg.batch_size]
+            x, y = x_all[idx], y_all[idx]
+            if not constant_lr:
+                set_lr(optimizer, lr_at(cfg, local / per_epoch, total_epochs))
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            algo.after_backward(ctx, model)
+            optimizer.step()
+            algo.after_step(ctx, model)
+            local += len(idx)
+            steps += 1
+            loss_sum += loss.detach()
+            loss_steps += 1
+            if ctx.reports and steps % cfg.log_every == 0:
+                elapsed = clock.elapsed()
+                mean_loss = float(loss_sum) / loss_steps
+                if not math.isfinite(mean_loss):
+                    log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, global_now())
+                ctx.sink.emit({"event": "progress", "samples": global_now(), "epoch": round(local / per_epoch, 4),
+                               "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"], "train_wall_s": elapsed,
+                               "samples_per_s": global_now() / elapsed if elapsed > 0 else 0.0})
+                loss_sum.zero_()
+                loss_steps = 0
+            if next_eval is not None and global_now() >= next_eval:
+                while next_eval <= global_now():
+                    next_eval += cfg.eval_every
+                if do_eval(local / per_epoch):
+                    stop = True
+                    break
+        algo.on_epoch_end(ctx, model, epoch)
+        epoch += 1
+        if not stop and cfg.eval_every is None and (cfg.max_samples is None or global_now() < cfg.max_samples):
+            stop = do_eval(local / per_epoch)
+    train_wall_s = clock.elapsed()
+    model = algo.finish(ctx, model)
+    if global_now() != last_eval_at:  # the final model is always evaluated
+        do_eval(local / per_epoch, decide=False)
+    final = evals[-1] if evals else None
+    return WorkerResult(
+        rank=ctx.rank, samples=local, global_samples=global_now(), train_wall_s=train_wall_s, evals=evals,
+        final_test_accuracy=final["test_accuracy"] if final else None,
+        final_test_loss=final["test_loss"] if final else None,
+        model=model if ctx.reports else None,
+        extra=algo.summary(),
+    )
+
+
+__all__ = ["WorkerContext", "WorkerResult", "run_worker"]
