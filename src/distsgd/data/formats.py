@@ -11,6 +11,7 @@ import gzip
 import io
 import pickle
 import struct
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class _CifarUnpickler(pickle.Unpickler):
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
     }
 
     def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
@@ -119,7 +121,7 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, zlib.error, EOFError) as exc:
+    except (OSError, ValueError, zlib.error, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"cannot read {path}: {exc}") from None
     for key in ("x", "y"):
         if key not in arrays:

@@ -1,0 +1,109 @@
+"""The distsgd command end to end, in a subprocess, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_formats import make_idx_dataset
+
+pytest.importorskip("sklearn")
+
+
+def distsgd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "distsgd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_eval_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = distsgd("train", "--dataset", "digits", "--model", "mlp", "--epochs", "3", "--lr", "0.05",
+                  "--target-accuracy", "0.5", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "test accuracy" in res.stdout and f"run saved in {out}" in res.stdout
+    assert "eval  samples=1437" in res.stderr  # plain progress lines when not on a terminal
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algo"] == "single" and summary["epochs"] == 3 and summary["final_test_accuracy"] > 0.8
+    assert 'lr = 0.05' in (out / "config.toml").read_text()
+    res = distsgd("eval", "--checkpoint", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"])
+
+
+def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nmodel = "logreg"\nepochs = 5\nbatch_size = 32\n')
+    out = tmp_path / "run"
+    res = distsgd("train", "--config", str(cfg), "--epochs", "1", "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "" and res.stderr == ""
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["model"], summary["epochs"], summary["batch_size"]) == ("logreg", 1, 32)
+
+
+def test_listing_commands() -> None:
+    res = distsgd("algorithms")
+    assert res.returncode == 0 and res.stdout.startswith("single")
+    res = distsgd("datasets")
+    assert res.returncode == 0 and "digits" in res.stdout and "npz:PATH" in res.stdout
+    assert distsgd("--version").stdout.startswith("distsgd ")
+
+
+def _corrupt_idx(tmp_path: Path) -> str:
+    folder = make_idx_dataset(tmp_path / "corrupt", gz=False)
+    path = folder / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:1000])
+    return str(folder)
+
+
+def _bad_magic_idx(tmp_path: Path) -> str:
+    folder = make_idx_dataset(tmp_path / "magic", gz=False)
+    path = folder / "t10k-labels-idx1-ubyte"
+    path.write_bytes(b"\x00\x00\x08\x03" + path.read_bytes()[4:])
+    return str(folder)
+
+
+BAD = {
+    "missing dataset": (lambda t: ["--dataset", "mnist", "--data-dir", str(t / "empty")], "dataset 'mnist' not found"),
+    "truncated idx": (lambda t: ["--dataset", "mnist", "--data-dir", _corrupt_idx(t)],
+                      "train-images-idx3-ubyte is truncated"),
+    "wrong dims idx": (lambda t: ["--dataset", "kmnist", "--data-dir", _bad_magic_idx(t)],
+                       "t10k-labels-idx1-ubyte: expected an IDX file of 1 dimensions"),
+    "unknown model": (lambda t: ["--dataset", "digits", "--model", "resnet9"], "unknown model 'resnet9'"),
+    "unknown algorithm": (lambda t: ["--algo", "gossip"], "unknown algorithm 'gossip'"),
+    "model does not fit": (lambda t: ["--dataset", "digits", "--model", "mnist_net"],
+                           "model mnist_net cannot take digits's input of shape 1x8x8"),
+    "zero workers": (lambda t: ["--workers", "0"], "--workers must be at least 1"),
+    "negative workers": (lambda t: ["--workers", "-3"], "--workers must be at least 1"),
+    "zero batch": (lambda t: ["--batch-size", "0"], "--batch-size must be at least 1"),
+    "negative batch": (lambda t: ["--batch-size", "-64"], "--batch-size must be at least 1"),
+    "unknown flag": (lambda t: ["--learning-rate", "0.1"], "unrecognized arguments: --learning-rate"),
+    "not a number": (lambda t: ["--lr", "fast"], "argument --lr: invalid float value"),
+    "unknown dataset": (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    "missing npz": (lambda t: ["--dataset", f"npz:{t / 'x.npz'}", "--model", "logreg"], "npz file not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
+    make_args, message = BAD[case]
+    res = distsgd("train", "--out", str(tmp_path / "out"), *make_args(tmp_path))
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_eval_of_a_missing_checkpoint(tmp_path: Path) -> None:
+    res = distsgd("eval", "--checkpoint", str(tmp_path / "nothing.pt"))
+    assert res.returncode == 2 and res.stderr.startswith("error: checkpoint not found")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    res = distsgd("eval", "--checkpoint", str(bad))
+    assert res.returncode == 2 and res.stderr.startswith("error: cannot load checkpoint")
+    assert len(res.stderr.strip().splitlines()) == 1

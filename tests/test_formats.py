@@ -1,0 +1,192 @@
+"""The file readers: real formats written here, and every way they can be broken."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distsgd.data import formats, load_dataset
+from distsgd.errors import DataError
+
+
+def write_idx(path: Path, array: np.ndarray, magic: int | None = None, gz: bool = False) -> Path:
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) if magic is None else struct.pack(">I", magic)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    if gz:
+        with gzip.open(path, "wb") as fh:
+            fh.write(data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def make_idx_dataset(folder: Path, n_train: int = 60, n_test: int = 20, gz: bool = True) -> Path:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), gz=gz)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, n), gz=gz)
+    return folder
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_round_trip(tmp_path: Path, gz: bool) -> None:
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = write_idx(tmp_path / ("a.gz" if gz else "a"), arr, gz=gz)
+    np.testing.assert_array_equal(formats.read_idx(path), arr)
+
+
+def test_idx_bad_magic_names_file(tmp_path: Path) -> None:
+    path = write_idx(tmp_path / "bad", np.zeros((2, 2, 2)), magic=0x12345678)
+    with pytest.raises(DataError, match=r"bad.*bad magic number 0x12345678"):
+        formats.read_idx(path)
+
+
+def test_idx_truncated(tmp_path: Path) -> None:
+    path = write_idx(tmp_path / "t", np.zeros((4, 5, 5)))
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(DataError, match=r"t is truncated: 93 bytes of data for shape \(4, 5, 5\), expected 100"):
+        formats.read_idx(path)
+
+
+def test_idx_truncated_gzip(tmp_path: Path) -> None:
+    path = write_idx(tmp_path / "t.gz", np.random.default_rng(0).integers(0, 255, (50, 28, 28)), gz=True)
+    path.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(DataError, match="t.gz.*corrupt or truncated"):
+        formats.read_idx(path)
+
+
+def test_idx_pair_checks_counts_and_labels(tmp_path: Path) -> None:
+    images = write_idx(tmp_path / "i", np.zeros((3, 28, 28)))
+    labels = write_idx(tmp_path / "l", np.array([0, 1]))
+    with pytest.raises(DataError, match="3 images but .* 2 labels"):
+        formats.read_idx_pair(images, labels)
+    labels = write_idx(tmp_path / "l", np.array([0, 1, 12]))
+    with pytest.raises(DataError, match=r"labels must lie in 0..9, found 0..12"):
+        formats.read_idx_pair(images, labels)
+    with pytest.raises(DataError, match="expected an IDX file of 3 dimensions"):
+        formats.read_idx_pair(labels, labels)
+
+
+def test_idx_dataset_loads_from_data_dir_normalised(tmp_path: Path) -> None:
+    make_idx_dataset(tmp_path / "fm")
+    ds = load_dataset("fashion-mnist", data_dir=str(tmp_path / "fm"))
+    assert ds.x_train.shape == (60, 1, 28, 28) and ds.x_test.shape == (20, 1, 28, 28)
+    assert ds.num_classes == 10 and ds.y_train.dtype.is_floating_point is False
+    assert abs(float(ds.x_train.mean())) < 1e-4 and abs(float(ds.x_train.std()) - 1) < 1e-2
+
+
+def _cifar_batch(path: Path, n: int, label_max: int = 9) -> None:
+    rng = np.random.default_rng(1)
+    batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+             b"labels": list(rng.integers(0, label_max + 1, n).tolist()), b"batch_label": b"x"}
+    path.write_bytes(pickle.dumps(batch, protocol=2))
+
+
+def test_cifar_batches(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        _cifar_batch(folder / name, 10)
+    ds = load_dataset("cifar10", data_dir=str(tmp_path))
+    assert ds.x_train.shape == (50, 3, 32, 32) and ds.x_test.shape == (10, 3, 32, 32)
+
+
+def test_cifar_refuses_code_in_pickles(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": Evil(), b"labels": []}))
+    with pytest.raises(DataError, match="refusing to load"):
+        formats.read_cifar_batch(path)
+
+
+def test_cifar_bad_shape_and_labels(tmp_path: Path) -> None:
+    path = tmp_path / "b"
+    path.write_bytes(pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}))
+    with pytest.raises(DataError, match=r"shape \(N, 3072\)"):
+        formats.read_cifar_batch(path)
+    _cifar_batch(path, 5, label_max=20)
+    with pytest.raises(DataError, match="labels must lie"):
+        formats.read_cifar_batch(path)
+
+
+def test_npz_user_data(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "d.npz"
+    np.savez(path, x=rng.normal(size=(100, 5)).astype(np.float32), y=rng.integers(0, 3, 100),
+             x_test=rng.normal(size=(20, 5)), y_test=rng.integers(0, 3, 20))
+    ds = load_dataset(f"npz:{path}")
+    assert ds.input_shape == (5,) and len(ds.y_train) == 100 and len(ds.y_test) == 20 and ds.num_classes == 3
+
+
+def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.arange(200, dtype=np.float32).reshape(100, 2), y=np.arange(100) % 4)
+    ds = load_dataset(f"npz:{path}")
+    assert len(ds.y_train) == 90 and len(ds.y_test) == 10
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"x": np.zeros((3, 2))}, "no array 'y'"),
+    ({"x": np.array([[np.nan, 1.0]]), "y": np.array([0])}, "NaN"),
+    ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=int)}, "3 rows but 'y' has 2"),
+    ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "integer labels"),
+    ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, "negative labels"),
+    ({"x": np.zeros((3, 2)), "y": np.zeros(3, dtype=int), "x_test": np.zeros((1, 2))}, "both 'x_test' and 'y_test'"),
+])
+def test_npz_bad_arrays(tmp_path: Path, arrays: dict, message: str) -> None:
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(DataError, match=message):
+        load_dataset(f"npz:{path}")
+
+
+def test_npz_corrupt_and_missing(tmp_path: Path) -> None:
+    path = tmp_path / "c.npz"
+    path.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(DataError, match="cannot read"):
+        load_dataset(f"npz:{path}")
+    with pytest.raises(DataError, match="npz file not found"):
+        load_dataset(f"npz:{tmp_path / 'nope.npz'}")
+
+
+def test_image_folder(tmp_path: Path) -> None:
+    Image = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4), ("test", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(tmp_path / split / cls / f"{i}.png")
+    ds = load_dataset(f"folder:{tmp_path}")
+    assert ds.x_train.shape == (8, 3, 6, 5) and ds.x_test.shape == (4, 3, 6, 5) and ds.num_classes == 2
+    assert ds.y_train.tolist() == [0] * 4 + [1] * 4
+    Image.fromarray(np.zeros((7, 7, 3), dtype=np.uint8)).save(tmp_path / "train" / "dog" / "odd.png")
+    with pytest.raises(DataError, match="odd.png.*one size"):
+        load_dataset(f"folder:{tmp_path}")
+    (tmp_path / "train" / "dog" / "odd.png").write_bytes(b"\x89PNG broken")
+    with pytest.raises(DataError, match="cannot read image .*odd.png"):
+        load_dataset(f"folder:{tmp_path}")
+
+
+def test_digits() -> None:
+    pytest.importorskip("sklearn")
+    ds = load_dataset("digits")
+    assert ds.input_shape == (1, 8, 8) and len(ds.y_train) == 1437 and len(ds.y_test) == 360
+
+
+def test_unknown_dataset() -> None:
+    with pytest.raises(DataError, match="unknown dataset 'imagenet'"):
+        load_dataset("imagenet")

@@ -1,0 +1,156 @@
+"""The shared training loop, through the API, on real data to a real accuracy."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import distsgd
+from distsgd.api import evaluate_checkpoint
+from distsgd.config import RunConfig
+from distsgd.train.optim import lr_at
+
+from conftest import needs_fashion
+
+pytest.importorskip("sklearn")
+
+QUIET = {"quiet": True}
+
+
+def test_digits_mlp_learns() -> None:
+    summary, model = distsgd.train(model="mlp", data="digits", epochs=8, lr=0.05, **QUIET)
+    assert summary["final_test_accuracy"] >= 0.92
+    assert summary["samples"] == 8 * 1437
+    assert len(summary["evals"]) == 8
+    assert summary["evals"][-1]["test_accuracy"] == summary["final_test_accuracy"]
+    assert isinstance(model, nn.Module)
+
+
+@needs_fashion
+def test_fashion_mnist_net_learns() -> None:
+    summary, _ = distsgd.train(model="mnist_net", data="fashion-mnist", max_samples=12_800, lr=0.05,
+                               eval_every=6400, **QUIET)
+    assert summary["samples"] == 12_800
+    assert [e["samples"] for e in summary["evals"]] == [6400, 12_800]
+    assert summary["final_test_accuracy"] >= 0.65
+
+
+def test_same_seed_same_run() -> None:
+    a = distsgd.train(model="mlp", data="digits", epochs=2, seed=3, **QUIET)
+    b = distsgd.train(model="mlp", data="digits", epochs=2, seed=3, **QUIET)
+    c = distsgd.train(model="mlp", data="digits", epochs=2, seed=4, **QUIET)
+    pa, pb, pc = (list(r.model.parameters()) for r in (a, b, c))
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert not all(torch.equal(x, y) for x, y in zip(pa, pc))
+    assert a.summary["evals"][-1]["test_loss"] == b.summary["evals"][-1]["test_loss"]
+
+
+def test_loop_matches_a_hand_written_sgd_loop() -> None:
+    """One epoch of the loop equals plain torch SGD over the same batches, to the last bit."""
+    from distsgd.data import load_dataset
+    from distsgd.data.partition import epoch_indices
+    from distsgd.models import build_model
+
+    ds = load_dataset("digits")
+    result = distsgd.train(model="logreg", data=ds, epochs=1, lr=0.1, momentum=0.9, batch_size=100, seed=5, **QUIET)
+    model = build_model("logreg", ds.input_shape, 10, seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    order = epoch_indices(len(ds.y_train), 0, seed=5)
+    for start in range(0, len(order), 100):
+        idx = order[start:start + 100]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
+        opt.step()
+    for p, q in zip(result.model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_stop_at_target_stops_early() -> None:
+    summary, _ = distsgd.train(model="mlp", data="digits", epochs=20, lr=0.05, eval_every=256,
+                               target_accuracy=0.6, stop_at_target=True, **QUIET)
+    assert summary["time_to_target_s"] is not None and summary["samples_to_target"] is not None
+    assert summary["samples"] == summary["samples_to_target"] < 20 * 1437
+    assert summary["final_test_accuracy"] >= 0.6
+
+
+def test_unreached_target_is_null() -> None:
+    summary, _ = distsgd.train(model="logreg", data="digits", max_samples=64, target_accuracy=0.999, **QUIET)
+    assert summary["time_to_target_s"] is None and summary["samples_to_target"] is None
+
+
+def test_api_accepts_tensors_classes_factories_and_instances() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+
+    class Net(nn.Module):
+        def __init__(self, num_classes: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, num_classes)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.fc(t)
+
+    for model in (Net, lambda: nn.Linear(6, 2), nn.Linear(6, 2)):
+        summary, trained = distsgd.train(model=model, data=(x, y), epochs=5, lr=0.5, **QUIET)
+        assert summary["final_test_accuracy"] >= 0.9, model
+    summary, _ = distsgd.train(model="logreg", data={"x": x[:300], "y": y[:300], "x_test": x[300:], "y_test": y[300:]},
+                               epochs=3, lr=0.5, **QUIET)
+    assert summary["dataset"] == "arrays" and summary["final_test_accuracy"] >= 0.9
+
+
+def test_optimizers_and_schedules_train() -> None:
+    for opt, lr in (("adam", 0.003), ("adamw", 0.003), ("sgd", 0.05)):
+        summary, _ = distsgd.train(model="mlp", data="digits", epochs=3, lr=lr, optimizer=opt, schedule="cosine",
+                                   nesterov=opt == "sgd", momentum=0.9 if opt == "sgd" else 0.5, init="xavier", **QUIET)
+        assert summary["final_test_accuracy"] >= 0.85, opt
+
+
+def test_schedules() -> None:
+    cfg = RunConfig(lr=0.1, schedule="step", lr_step_epochs=2, lr_gamma=0.5)
+    assert [lr_at(cfg, e, 10) for e in (0, 1.9, 2, 4.5)] == [0.1, 0.1, 0.05, 0.025]
+    cfg = RunConfig(lr=0.1, schedule="cosine")
+    assert lr_at(cfg, 0, 4) == pytest.approx(0.1)
+    assert lr_at(cfg, 2, 4) == pytest.approx(0.05)
+    assert lr_at(cfg, 4, 4) == pytest.approx(0.0, abs=1e-12)
+    assert lr_at(RunConfig(lr=0.3), 7, 8) == 0.3
+
+
+def test_run_directory_and_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = distsgd.train(model="mlp", data="digits", epochs=2, out=str(out), target_accuracy=0.5, **QUIET)
+    assert sorted(p.name for p in out.iterdir()) == ["config.toml", "metrics.jsonl", "model.pt", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("algo", "workers", "dataset", "model", "epochs", "batch_size", "samples", "wall_s", "train_wall_s",
+                "samples_per_s", "final_test_accuracy", "final_test_loss", "target_accuracy", "time_to_target_s",
+                "samples_to_target", "evals", "threads_per_worker", "torch_version", "started_at", "host"):
+        assert key in summary, key
+    assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_wall_s"])
+    assert summary["train_wall_s"] <= summary["wall_s"]
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [(e["samples"], e["test_accuracy"]) for e in evals] == \
+        [(e["samples"], e["test_accuracy"]) for e in summary["evals"]]
+    assert len(evals) == 2
+    assert all(math.isfinite(e["loss"]) for e in events if e["event"] == "progress")
+    evaluated = evaluate_checkpoint(out / "model.pt")
+    assert evaluated["test_accuracy"] == pytest.approx(result.summary["final_test_accuracy"])
+    with pytest.raises(distsgd.ConfigError, match="already exists"):
+        distsgd.train(model="mlp", data="digits", epochs=1, out=str(out), **QUIET)
+    distsgd.train(model="mlp", data="digits", epochs=1, out=str(out), overwrite=True, **QUIET)
+
+
+def test_bad_api_input() -> None:
+    with pytest.raises(distsgd.ConfigError, match="unknown setting 'epoch'"):
+        distsgd.train(model="mlp", data="digits", epoch=1)
+    with pytest.raises(distsgd.DataError, match="must be a dataset name"):
+        distsgd.train(model="mlp", data=42)
+    with pytest.raises(distsgd.ModelError, match="cannot take digits's input"):
+        distsgd.train(model="mnist_net", data="digits", **QUIET)
+    with pytest.raises(distsgd.ConfigError, match="single runs one worker"):
+        distsgd.train(model="mlp", data="digits", workers=2, **QUIET)
