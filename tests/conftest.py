@@ -10,17 +10,39 @@ from pathlib import Path
 
 import pytest
 
-FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
-needs_fashion = pytest.mark.skipif(not FASHION_DIR.is_dir(),
-                                   reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
-
-
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """No downloads and an empty user cache, so tests see only the files they set up."""
     monkeypatch.setenv("DISTSGD_OFFLINE", "1")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     monkeypatch.delenv("DISTSGD_DATA", raising=False)
+
+
+def _become_subreaper() -> None:
+    """Orphaned grandchildren (workers of a CLI run in a subprocess) are re-parented to pytest, so
+    the reaper below sees them instead of losing them to init."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+_become_subreaper()
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _children(pid: int) -> list[int]:
@@ -53,22 +75,31 @@ def reap_children():
     yield
     if not sys.platform.startswith("linux"):
         return
+    _reap_zombies()
     deadline = time.time() + 5
-    left = descendants(os.getpid())
+    left = [p for p in descendants(os.getpid()) if _alive(p)]
     while left and time.time() < deadline:
         time.sleep(0.1)
+        _reap_zombies()
         left = [p for p in descendants(os.getpid()) if _alive(p)]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    _reap_zombies()
     assert not left, f"processes left behind: {left}"
 
 
+# Helpers that live as long as the test process by design, not workers of a run.
+_LIFETIME_HELPERS = (b"multiprocessing.resource_tracker", b"torch_shm_manager")
+
+
 def _alive(pid: int) -> bool:
+    """A live process that is not one of Python's or torch's lifetime helpers."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return state != "Z"
+    return state != "Z" and not any(h in cmdline for h in _LIFETIME_HELPERS)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_formats import make_idx_dataset
+from helpers import make_idx_dataset, run_cli
 
 pytest.importorskip("sklearn")
 
 
 def distsgd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distsgd", *args], capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, timeout=timeout)
 
 
 def test_train_eval_end_to_end(tmp_path: Path) -> None:

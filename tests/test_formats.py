@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gzip
 import pickle
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -13,27 +11,7 @@ import pytest
 from distsgd.data import formats, load_dataset
 from distsgd.errors import DataError
 
-
-def write_idx(path: Path, array: np.ndarray, magic: int | None = None, gz: bool = False) -> Path:
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) if magic is None else struct.pack(">I", magic)
-    header += struct.pack(f">{array.ndim}I", *array.shape)
-    data = header + array.astype(np.uint8).tobytes()
-    if gz:
-        with gzip.open(path, "wb") as fh:
-            fh.write(data)
-    else:
-        path.write_bytes(data)
-    return path
-
-
-def make_idx_dataset(folder: Path, n_train: int = 60, n_test: int = 20, gz: bool = True) -> Path:
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    suffix = ".gz" if gz else ""
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), gz=gz)
-        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, n), gz=gz)
-    return folder
+from helpers import make_idx_dataset, write_idx
 
 
 @pytest.mark.parametrize("gz", [False, True])

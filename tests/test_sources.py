@@ -13,7 +13,7 @@ import pytest
 from distsgd.data import sources
 from distsgd.errors import DataError
 
-from test_formats import make_idx_dataset
+from helpers import make_idx_dataset
 
 
 def test_search_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

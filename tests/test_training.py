@@ -15,7 +15,7 @@ from distsgd.api import evaluate_checkpoint
 from distsgd.config import RunConfig
 from distsgd.train.optim import lr_at
 
-from conftest import needs_fashion
+from helpers import needs_fashion
 
 pytest.importorskip("sklearn")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import logging
+import os
 import platform
 import shutil
 import time
@@ -121,9 +122,18 @@ def default_out(algo: str) -> Path:
 def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | None = None,
         progress: Any = None) -> TrainResult:
     """Run one training job as configured. Raises DistsgdError subclasses for user mistakes."""
+    from distsgd.comm import group
+
+    torchrun = group.under_torchrun()
+    if torchrun:  # the group torchrun formed decides how many workers there are
+        cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]))
     validate(cfg)
     algo_cls = registry.get(cfg.algo)
     algo_cls.check(cfg)
+    if algo_cls.topology != SINGLE:
+        group.check_backend(cfg)
+        group.check_init_method(cfg.init_method)
+    chief = not torchrun or os.environ.get("RANK") == "0"
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -136,7 +146,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     if len(dataset.y_train) < cfg.workers:
         raise ConfigError(f"{len(dataset.y_train)} training samples cannot be shared among {cfg.workers} workers")
 
-    out = prepare_out_dir(Path(cfg.out), cfg.overwrite) if cfg.out else None
+    out = prepare_out_dir(Path(cfg.out), cfg.overwrite) if cfg.out and chief else None
     writer = None
     sinks = []
     if out is not None:
@@ -144,23 +154,22 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
         writer = JsonlWriter(out / "metrics.jsonl")
         sinks.append(writer)
     if progress is None:
-        progress = make_progress(cfg.quiet, _planned_samples(cfg, dataset), f"{cfg.algo} x{cfg.workers}")
+        progress = make_progress(cfg.quiet or not chief, _planned_samples(cfg, dataset), f"{cfg.algo} x{cfg.workers}")
     sinks.append(progress)
     sink = Fanout(*sinks) if sinks else NullSink()
     try:
-        results = _launch(cfg, algo_cls, spec, dataset, sink)
+        results = _launch(cfg, algo_cls, spec, dataset, sink, torchrun)
     finally:
         if writer is not None:
             writer.close()
         if hasattr(progress, "close"):
             progress.close()
-    chief = results[0]
     summary = build_summary(cfg, dataset, spec, results, started, started_at)
     if out is not None:
         atomic_write_json(summary, out / "summary.json")
-        save_model(out / "model.pt", chief.model, model_spec=cfg.model, dataset=dataset.name,
+        save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,
                    input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
-    return TrainResult(summary, chief.model, out)
+    return TrainResult(summary, results[0].model, out)
 
 
 def _planned_samples(cfg: RunConfig, dataset: Dataset) -> int:
@@ -171,12 +180,16 @@ def _planned_samples(cfg: RunConfig, dataset: Dataset) -> int:
     return cfg.epochs * shard_size(len(dataset.y_train), cfg.workers, cfg.partition) * cfg.workers
 
 
-def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Any) -> list[WorkerResult]:
+def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Any,
+            torchrun: bool) -> list[WorkerResult]:
+    """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
     if algo_cls.topology == SINGLE:
         ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=0, world=1, sink=sink)
         return [run_worker(ctx, algo_cls(cfg))]
     from distsgd import launch
 
+    if torchrun:
+        return launch.run_torchrun(cfg, algo_cls, spec, dataset, sink)
     return launch.run_local(cfg, algo_cls, spec, dataset, sink)
 
 
@@ -209,6 +222,13 @@ def build_summary(cfg: RunConfig, dataset: Dataset, spec: ModelSpec, results: li
         "host": platform.node(),
     }
     summary.update(chief.extra)
+    if len(results) > 1 or cfg.workers > 1:
+        summary["global_batch_size"] = cfg.batch_size * cfg.workers
+    if "bytes_sent" in chief.extra:
+        per_worker = [r.extra.get("bytes_sent", 0) for r in results]
+        summary["bytes_sent"] = sum(per_worker)
+        summary["bytes_sent_per_worker"] = per_worker
+        summary["bytes_sent_per_sample"] = sum(per_worker) / samples if samples else None
     return summary
 
 

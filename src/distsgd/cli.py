@@ -113,7 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = cfg.replace(out=str(default_out(cfg.algo)))
     result = run(cfg)
     s = result.summary
-    if not cfg.quiet:
+    if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports
         target = ""
         if s["target_accuracy"] is not None:
             reached = s["time_to_target_s"]

@@ -192,7 +192,8 @@ def cores() -> int:
 def threads_per_worker(cfg: RunConfig) -> int:
     if cfg.threads_per_worker is not None:
         return cfg.threads_per_worker
-    return max(1, cores() // cfg.workers)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
+    return max(1, cores() // local)
 
 
 def validate(cfg: RunConfig) -> RunConfig:

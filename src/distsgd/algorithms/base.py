@@ -68,6 +68,10 @@ class Algorithm:
         """Samples processed by all workers, as this worker knows it (lockstep: local x world)."""
         return local_samples * ctx.world
 
+    def evaluation_model(self, model: nn.Module) -> nn.Module:
+        """The module to evaluate on one worker alone (e.g. what a DDP wrapper holds)."""
+        return model
+
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return model
 
@@ -94,3 +98,24 @@ def get(name: str) -> type[Algorithm]:
 
 def names() -> list[str]:
     return list(_REGISTRY)
+
+
+class GroupAlgorithm(Algorithm):
+    """Symmetric workers in a torch.distributed process group, stepping in lockstep."""
+
+    topology: ClassVar[str] = GROUP
+
+    def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
+        """Rank 0 decides (it evaluates); everyone follows."""
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0])
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    def sent(self, nbytes: int, world: int) -> None:
+        """Count an all-reduce of ``nbytes``: a ring all-reduce sends 2 (W-1)/W of it per worker."""
+        self.bytes_sent += int(2 * (world - 1) * nbytes / world)
+
+    def summary(self) -> dict[str, Any]:
+        return {"bytes_sent": self.bytes_sent}

@@ -1,8 +1,12 @@
-"""Name -> algorithm class. Importing this module registers every built-in algorithm."""
+"""Name -> algorithm class. Importing this module registers every built-in algorithm,
+in the order `distsgd algorithms` lists them: the baseline first."""
 
 from __future__ import annotations
 
+# isort: off
 from distsgd.algorithms import single  # noqa: F401  (registers)
+from distsgd.algorithms import allreduce, ddp  # noqa: F401
+# isort: on
 from distsgd.algorithms.base import Algorithm, get, names
 
 __all__ = ["Algorithm", "get", "names"]

@@ -98,7 +98,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
         last_eval_at = gs
         if ctx.reports:
             clock.pause()
-            acc, loss = evaluate(model, ds.x_test, ds.y_test, cfg.eval_batch_size)
+            acc, loss = evaluate(algo.evaluation_model(model), ds.x_test, ds.y_test, cfg.eval_batch_size)
             event = {"event": "eval", "samples": gs, "epoch": round(epoch_f, 4), "train_wall_s": clock.elapsed(),
                      "test_accuracy": acc, "test_loss": loss}
             evals.append(event)

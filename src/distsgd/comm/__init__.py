@@ -1,0 +1,1 @@
+"""Communication helpers: process groups (and, later, RPC and shared memory)."""

@@ -1,0 +1,69 @@
+"""Process groups: joining one, free ports, and torchrun's environment.
+
+Servers bind to 127.0.0.1 unless the user names another address; torch.distributed has no
+authentication or encryption, so distsgd warns when it is asked to listen elsewhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or any launcher using its variables) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """Reject a backend this torch build or machine cannot run, before any process starts."""
+    if cfg.backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ConfigError("--backend nccl needs CUDA GPUs and a torch build with NCCL; use --backend gloo on CPU")
+    if cfg.backend == "mpi" and not dist.is_mpi_available():
+        raise ConfigError("--backend mpi is not available in this torch build; use --backend gloo")
+    if cfg.backend == "gloo" and not dist.is_gloo_available():
+        raise ConfigError("--backend gloo is not available in this torch build")
+
+
+def check_init_method(init_method: str | None) -> None:
+    if init_method is None:
+        return
+    if not init_method.startswith(("env://", "tcp://", "file://")):
+        raise ConfigError(f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'")
+    if init_method.startswith("tcp://"):
+        host = init_method[len("tcp://"):].rsplit(":", 1)[0]
+        if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+            log.warning("the rendezvous listens on %s: torch.distributed has no authentication or encryption; "
+                        "use it only on a trusted network", host)
+
+
+def init_group(cfg: RunConfig, rank: int, world: int, init_method: str) -> None:
+    """Join the default process group with the run's backend and collective timeout."""
+    dist.init_process_group(backend=cfg.backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+
+
+def leave_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - tearing down a broken group
+            pass

@@ -1,0 +1,125 @@
+"""Synchronous data parallel: equivalence with single, the launcher's supervision, torchrun."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import distsgd
+from distsgd.algorithms.allreduce import make_buckets
+from distsgd.data import load_dataset
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+B = 16
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def _params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def single_reference(digits):
+    result = distsgd.train(model="mlp", data=digits, algo="single", batch_size=2 * B, max_samples=STEPS * 2 * B,
+                           lr=0.1, momentum=0.9, seed=7, quiet=True)
+    assert result.summary["samples"] == STEPS * 2 * B
+    return _params(result.model)
+
+
+@pytest.mark.parametrize("algo, bucket_mb", [("allreduce", 25.0), ("allreduce", 0.02), ("ddp", 25.0)])
+def test_two_workers_equal_single_with_the_global_batch(digits, single_reference, algo, bucket_mb) -> None:
+    result = distsgd.train(model="mlp", data=digits, algo=algo, workers=2, batch_size=B, max_samples=STEPS * 2 * B,
+                           lr=0.1, momentum=0.9, seed=7, bucket_mb=bucket_mb, quiet=True)
+    s = result.summary
+    assert s["samples"] == STEPS * 2 * B and s["global_batch_size"] == 2 * B and s["workers"] == 2
+    ours = _params(result.model)
+    assert not torch.equal(ours, _params(distsgd.models.build_model("mlp", (1, 8, 8), 10, seed=7)))  # it trained
+    rel = float((ours - single_reference).norm() / single_reference.norm())
+    assert rel < 1e-5, rel
+    assert (ours - single_reference).abs().max() < 1e-4
+    per_worker = s["bytes_sent_per_worker"]
+    n_params = ours.numel()
+    assert per_worker == [STEPS * n_params * 4] * 2  # ring all-reduce of 2 workers: 2(W-1)/W = 1x the gradient
+    if algo == "allreduce":
+        assert s["buckets"] == (1 if bucket_mb == 25.0 else 4)
+
+
+def test_buckets_keep_order_and_cap() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 5, 5, 200)]
+    buckets = make_buckets(params, cap_bytes=1200)
+    assert [[p.numel() for p in b.params] for b in buckets] == [[10], [300], [5, 5, 200]]
+    assert [b.buffer.numel() for b in buckets] == [10, 300, 210]
+    assert [p for b in buckets for p in b.params] == params
+
+
+def test_stop_at_target_is_agreed_by_all_workers(digits) -> None:
+    s = distsgd.train(model="mlp", data=digits, algo="allreduce", workers=2, epochs=30, lr=0.05, eval_every=512,
+                      target_accuracy=0.7, stop_at_target=True, quiet=True).summary
+    assert s["samples_to_target"] is not None and s["samples"] == s["samples_to_target"] < 30 * 1436
+    assert s["final_test_accuracy"] >= 0.7
+
+
+FAILING_MODEL = '''
+import os, signal
+import torch.nn as nn
+
+class Failing(nn.Module):
+    """mlp-sized model whose worker 1 fails at its 5th training step."""
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if os.environ.get("RANK") == "1" and self.calls == 5:
+                if os.environ.get("HOW") == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected failure at step 5")
+        return self.net(x)
+'''
+
+
+@pytest.mark.parametrize("how, message", [("raise", "worker 1 failed: RuntimeError: injected failure at step 5"),
+                                          ("kill", "worker 1 failed: killed by SIGKILL")])
+def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) -> None:
+    model = tmp_path / "failing.py"
+    model.write_text(FAILING_MODEL)
+    start = time.monotonic()
+    res = run_cli("train", "--algo", "allreduce", "--workers", "2", "--dataset", "digits", "--model",
+                  f"{model}:Failing", "--epochs", "50", "--out", str(tmp_path / "run"), "--quiet",
+                  timeout=60, env={"HOW": how})
+    assert time.monotonic() - start < 30
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {message}", res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+    # The reaper fixture (conftest) fails this test if any worker process is still alive.
+
+
+def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("--standalone", "--nproc-per-node", "2", "-m", "distsgd", "train", "--algo", "allreduce",
+                  "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--out", str(out),
+                  module="torch.distributed.run", timeout=180, env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["algo"] == "allreduce" and summary["global_batch_size"] == 128
+    assert summary["samples"] == 2 * 1436
+    assert summary["final_test_accuracy"] > 0.6
+    assert len(summary["bytes_sent_per_worker"]) == 2 and summary["bytes_sent_per_worker"][1] > 0
+    assert res.stdout.count("run saved in") == 1  # only rank 0 reports

@@ -1,0 +1,46 @@
+"""Helpers shared by the tests (importable because pyproject puts tests/ on the path)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+needs_fashion = pytest.mark.skipif(not FASHION_DIR.is_dir(),
+                                   reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+
+def write_idx(path: Path, array: np.ndarray, magic: int | None = None, gz: bool = False) -> Path:
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) if magic is None else struct.pack(">I", magic)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    if gz:
+        with gzip.open(path, "wb") as fh:
+            fh.write(data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def make_idx_dataset(folder: Path, n_train: int = 60, n_test: int = 20, gz: bool = True) -> Path:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), gz=gz)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, n), gz=gz)
+    return folder
+
+
+def run_cli(*args: str, timeout: float = 120, module: str = "distsgd",
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m distsgd ARGS`` (or another module) in a subprocess, with a timeout."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
