@@ -123,3 +123,28 @@ def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     assert summary["final_test_accuracy"] > 0.6
     assert len(summary["bytes_sent_per_worker"]) == 2 and summary["bytes_sent_per_worker"][1] > 0
     assert res.stdout.count("run saved in") == 1  # only rank 0 reports
+
+
+def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "train", "--algo", "allreduce", "--workers", "2",
+                             "--dataset", "digits", "--model", "mlp", "--epochs", "100000", "--out",
+                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+            time.sleep(0.2)  # wait until the workers are training
+        assert metrics.exists(), "the run never started"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted"
+    # The reaper fixture checks that no worker outlived the launcher.
