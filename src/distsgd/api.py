@@ -24,7 +24,7 @@ from torch import nn
 
 from distsgd import config as config_mod
 from distsgd.algorithms import registry
-from distsgd.algorithms.base import SINGLE
+from distsgd.algorithms.base import GROUP, SHARED, SINGLE
 from distsgd.checkpoint import atomic_write_json, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate
 from distsgd.data import Dataset, from_arrays, load_dataset
@@ -130,9 +130,12 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     validate(cfg)
     algo_cls = registry.get(cfg.algo)
     algo_cls.check(cfg)
-    if algo_cls.topology != SINGLE:
+    if algo_cls.topology == GROUP:
         group.check_backend(cfg)
         group.check_init_method(cfg.init_method)
+    if algo_cls.topology == SHARED and torchrun:
+        raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
+                          f"torchrun, with --workers N (across machines, use hogwild++)")
     chief = not torchrun or os.environ.get("RANK") == "0"
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
@@ -143,6 +146,14 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     probe = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, dataset.input_shape, dataset.num_classes, describe(spec), dataset.name)
     del probe
+    if algo_cls.topology != SINGLE and not isinstance(spec, str):
+        import pickle
+
+        try:
+            pickle.dumps(spec)
+        except Exception:
+            raise ModelError(f"model {describe(spec)} cannot be sent to worker processes: pass a built-in name, "
+                             f"'path/file.py:Class', or a class or function defined at module level") from None
     if len(dataset.y_train) < cfg.workers:
         raise ConfigError(f"{len(dataset.y_train)} training samples cannot be shared among {cfg.workers} workers")
 
@@ -188,6 +199,8 @@ def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, s
         return [run_worker(ctx, algo_cls(cfg))]
     from distsgd import launch
 
+    if algo_cls.topology == SHARED:
+        return launch.run_shared(cfg, algo_cls, spec, dataset, sink)
     if torchrun:
         return launch.run_torchrun(cfg, algo_cls, spec, dataset, sink)
     return launch.run_local(cfg, algo_cls, spec, dataset, sink)

@@ -55,6 +55,7 @@ HELP = {
     "init_method": "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; default a free port on 127.0.0.1",
     "timeout_s": "seconds before a collective or a silent worker counts as failed; default 300",
     "bucket_mb": "allreduce: gradient bucket size in MB; default 25",
+    "hogwild_lock": "hogwild: lock around every update (to compare with lock-free)",
 }
 FLAG_NAMES = {"timeout_s": "--timeout"}
 

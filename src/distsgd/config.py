@@ -66,6 +66,8 @@ class RunConfig:
     timeout_s: float = 300.0
     # allreduce: size of one gradient bucket.
     bucket_mb: float = 25.0
+    # hogwild: take a lock around every update (for comparison with lock-free).
+    hogwild_lock: bool = False
     # Extra settings an algorithm may read; kept so a TOML file round-trips.
     extra: dict[str, Any] = field(default_factory=dict)
 

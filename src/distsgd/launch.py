@@ -40,13 +40,14 @@ STOP_GRACE_S = 5.0
 
 
 class QueueSink:
-    """Forwards rank 0's metrics events to the collector in the launching process."""
+    """Forwards a worker's metrics events to the collector in the launching process."""
 
-    def __init__(self, q: Any) -> None:
+    def __init__(self, q: Any, rank: int = 0) -> None:
         self.q = q
+        self.rank = rank
 
     def emit(self, event: dict[str, Any]) -> None:
-        self.q.put(("event", 0, event))
+        self.q.put(("event", self.rank, event))
 
 
 def _error_text(exc: BaseException) -> str:
@@ -219,4 +220,152 @@ def run_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Datas
     return [mine] + [WorkerResult(model=None, **g) for g in gathered[1:]]
 
 
-__all__ = ["run_local", "run_torchrun", "stop_all"]
+def _shared_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset,
+                  shared: dict[str, Any], q: Any) -> None:
+    """The body of a worker that trains a model held in shared memory (Hogwild!)."""
+    logging.basicConfig(level=logging.WARNING, format=f"worker {rank}: %(levelname)s: %(message)s")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    from distsgd.algorithms import registry
+
+    try:
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
+                            sink=QueueSink(q, rank), reports=True, evaluates=False, state={**shared, "queue": q})
+        result = run_worker(ctx, registry.get(algo_name)(cfg))
+        q.put(("result", rank, _pack(result)))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except BaseException as exc:
+        q.put(("error", rank, _error_text(exc)))
+        raise SystemExit(1) from None
+
+
+def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink) -> list[WorkerResult]:
+    """Start ``cfg.workers`` processes that all train one model in shared memory; watch and evaluate it.
+
+    The workers never pause: this process copies the shared weights every ``eval_every``
+    samples and evaluates the copies after training (at once with ``stop_at_target``). A worker
+    that dies is recorded in ``failed_workers``; the others carry on.
+    """
+    from distsgd.data.partition import shard_size
+    from distsgd.train.evaluate import evaluate
+
+    world = cfg.workers
+    dataset.share_memory_()
+    model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+    model.share_memory()
+    mpc = mp.get_context("spawn")
+    shared = {"shared_state": model.state_dict(keep_vars=False), "counts": torch.zeros(world, dtype=torch.int64).share_memory_(),
+              "stop": mpc.Event(), "go": mpc.Event(), "lock": mpc.Lock() if cfg.hogwild_lock else None}
+    counts = shared["counts"]
+    q = mpc.Queue()
+    procs: list[Any] = []
+    payloads: dict[int, dict[str, Any]] = {}
+    failed: dict[int, str] = {}
+    global_per_epoch = shard_size(len(dataset.y_train), world, cfg.partition) * world
+    eval_every = cfg.eval_every or global_per_epoch
+    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+    evals: list[dict[str, Any]] = []
+    threads = torch.get_num_threads()
+
+    def evaluate_now(samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        probe = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init)
+        probe.load_state_dict(state)
+        acc, loss = evaluate(probe, dataset.x_test, dataset.y_test, cfg.eval_batch_size)
+        event = {"event": "eval", "samples": samples, "epoch": round(samples / global_per_epoch, 4),
+                 "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
+        sink.emit(event)
+        return event
+
+    def handle(kind: str, rank: int, body: Any, clock: Any | None) -> None:
+        if kind == "result":
+            payloads[rank] = body
+        elif kind == "error":
+            failed.setdefault(rank, body)
+        elif kind == "event" and clock is not None and body.get("event") == "progress":
+            done = int(counts.sum())
+            elapsed = clock.elapsed()
+            sink.emit({**body, "samples": done, "train_wall_s": elapsed,
+                       "samples_per_s": done / elapsed if elapsed > 0 else 0.0})
+
+    def reap_exits() -> None:
+        for r, p in enumerate(procs):
+            if p.exitcode is not None and p.exitcode != 0 and r not in failed and r not in payloads:
+                failed[r] = _describe_exit(p.exitcode)
+
+    try:
+        for rank in range(world):
+            p = mpc.Process(target=_shared_entry, name=f"distsgd-worker-{rank}",
+                            args=(rank, world, cfg, algo_cls.name, spec, dataset, shared, q))
+            p.start()
+            procs.append(p)
+        ready: set[int] = set()
+        deadline = time.monotonic() + cfg.timeout_s
+        while len(ready) + len(failed) < world:  # everyone has built its model and optimiser
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers {sorted(set(range(world)) - ready)} did not start "
+                                  f"within {cfg.timeout_s:.0f} s")
+            try:
+                kind, rank, body = q.get(timeout=0.1)
+                if kind == "ready":
+                    ready.add(rank)
+                else:
+                    handle(kind, rank, body, None)
+            except queue.Empty:
+                reap_exits()
+        from distsgd.metrics import TrainClock
+
+        clock = TrainClock()
+        shared["go"].set()
+        next_eval = eval_every
+        while len(payloads) + len(failed) < world:
+            try:
+                kind, rank, body = q.get(timeout=0.01)
+                handle(kind, rank, body, clock)
+            except queue.Empty:
+                reap_exits()
+            done = int(counts.sum())
+            if done >= next_eval:
+                while next_eval <= done:
+                    next_eval += eval_every
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                if cfg.stop_at_target:
+                    torch.set_num_threads(1)
+                    event = evaluate_now(done, clock.elapsed(), state)
+                    evals.append(event)
+                    if cfg.target_accuracy is not None and event["test_accuracy"] >= cfg.target_accuracy:
+                        shared["stop"].set()
+                else:
+                    snapshots.append((done, clock.elapsed(), state))
+        train_wall_s = clock.elapsed()
+    finally:
+        stop_all(procs)
+        q.close()
+    if len(failed) == world:
+        first = min(failed)
+        raise WorkerError(f"all {world} workers failed; worker {first}: {failed[first]}")
+    torch.set_num_threads(threads)
+    for samples, train_s, state in snapshots:
+        evals.append(evaluate_now(samples, train_s, state))
+    total = int(counts.sum())
+    if not evals or evals[-1]["samples"] != total:
+        evals.append(evaluate_now(total, train_wall_s,
+                                  {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    extra: dict[str, Any] = {}
+    for r in sorted(payloads):
+        extra = {**payloads[r]["extra"], **extra}
+    extra["dataset_shared"] = all(p["extra"].get("dataset_shared", False) for p in payloads.values())
+    extra["samples_per_worker"] = [int(c) for c in counts]
+    extra["failed_workers"] = sorted(failed)
+    if failed:
+        extra["worker_errors"] = {str(r): failed[r] for r in sorted(failed)}
+    final = evals[-1]
+    chief = WorkerResult(rank=0, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s, evals=evals,
+                         final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
+                         model=model, extra=extra)
+    others = [WorkerResult(rank=r, samples=int(counts[r]), global_samples=total, train_wall_s=train_wall_s, evals=[],
+                           final_test_accuracy=None, final_test_loss=None, model=None,
+                           extra=payloads.get(r, {}).get("extra", {})) for r in range(1, world)]
+    return [chief] + others
+
+
+__all__ = ["run_local", "run_torchrun", "run_shared", "stop_all"]

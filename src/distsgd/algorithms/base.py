@@ -4,8 +4,11 @@ One training loop (:mod:`distsgd.train.loop`) serves every algorithm. An algorit
 processes are arranged (its *topology*) and what happens at the loop's sync points:
 
 - ``setup(ctx, model)``: before the first step; may wrap or replace the model.
+- ``before_training(ctx)``: everything is built; the training clock starts when this returns.
 - ``after_backward(ctx, model)``: gradients are ready; synchronise them here.
-- ``after_step(ctx, model)``: the optimiser has stepped; synchronise parameters here.
+- ``apply_step(ctx, optimizer)``: apply the update (a lock, a push to a server, ...).
+- ``after_step(ctx, model, local_samples)``: the update is applied; synchronise parameters here.
+- ``keep_going(ctx)``: checked before every step; False stops this worker.
 - ``on_epoch_end(ctx, model, epoch)``.
 - ``agree(ctx, flag)``: every worker must reach the same stop decision.
 - ``finish(ctx, model)``: returns the model to evaluate and save.
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 # How processes are arranged.
 SINGLE = "single"  # one process
 GROUP = "group"  # symmetric workers in a torch.distributed process group
+SHARED = "shared"  # workers on one machine sharing one model in shared memory
 
 
 class Algorithm:
@@ -52,11 +56,20 @@ class Algorithm:
     def make_optimizer(self, ctx: "WorkerContext", model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(self.cfg, model.parameters())
 
+    def before_training(self, ctx: "WorkerContext") -> None:
+        pass
+
     def after_backward(self, ctx: "WorkerContext", model: nn.Module) -> None:
         pass
 
-    def after_step(self, ctx: "WorkerContext", model: nn.Module) -> None:
+    def apply_step(self, ctx: "WorkerContext", optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def after_step(self, ctx: "WorkerContext", model: nn.Module, local_samples: int) -> None:
         pass
+
+    def keep_going(self, ctx: "WorkerContext") -> bool:
+        return True
 
     def on_epoch_end(self, ctx: "WorkerContext", model: nn.Module, epoch: int) -> None:
         pass
@@ -104,6 +117,12 @@ class GroupAlgorithm(Algorithm):
     """Symmetric workers in a torch.distributed process group, stepping in lockstep."""
 
     topology: ClassVar[str] = GROUP
+
+    def before_training(self, ctx: "WorkerContext") -> None:
+        """Start every worker's clock together, not when each finished building its model."""
+        import torch.distributed as dist
+
+        dist.barrier()
 
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         """Rank 0 decides (it evaluates); everyone follows."""

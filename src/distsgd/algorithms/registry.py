@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # isort: off
 from distsgd.algorithms import single  # noqa: F401  (registers)
-from distsgd.algorithms import allreduce, ddp  # noqa: F401
+from distsgd.algorithms import allreduce, ddp, hogwild  # noqa: F401
 # isort: on
 from distsgd.algorithms.base import Algorithm, get, names
 

@@ -40,7 +40,12 @@ class WorkerContext:
     rank: int = 0
     world: int = 1
     sink: Sink = field(default_factory=NullSink)
-    reports: bool = True  # evaluates and emits events (rank 0)
+    reports: bool = True  # emits progress events (rank 0; every Hogwild worker)
+    evaluates: bool | None = None  # evaluates the model (default: same as reports)
+
+    def __post_init__(self) -> None:
+        if self.evaluates is None:
+            self.evaluates = self.reports
     state: dict[str, Any] = field(default_factory=dict)  # the algorithm's per-worker scratch
 
 
@@ -77,6 +82,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
     total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / global_per_epoch
     constant_lr = cfg.schedule == "constant"
 
+    algo.before_training(ctx)
     clock = TrainClock()
     evals: list[dict[str, Any]] = []
     local = 0
@@ -96,7 +102,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
         reached = False
         gs = global_now()
         last_eval_at = gs
-        if ctx.reports:
+        if ctx.evaluates:
             clock.pause()
             acc, loss = evaluate(algo.evaluation_model(model), ds.x_test, ds.y_test, cfg.eval_batch_size)
             event = {"event": "eval", "samples": gs, "epoch": round(epoch_f, 4), "train_wall_s": clock.elapsed(),
@@ -111,7 +117,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
     while not stop and (cfg.max_samples is not None or epoch < cfg.epochs):
         order = epoch_indices(n, epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
         for start in range(0, len(order), cfg.batch_size):
-            if cfg.max_samples is not None and global_now() >= cfg.max_samples:
+            if (cfg.max_samples is not None and global_now() >= cfg.max_samples) or not algo.keep_going(ctx):
                 stop = True
                 break
             idx = order[start:start + cfg.batch_size]
@@ -122,9 +128,9 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             algo.after_backward(ctx, model)
-            optimizer.step()
-            algo.after_step(ctx, model)
+            algo.apply_step(ctx, optimizer)
             local += len(idx)
+            algo.after_step(ctx, model, local)
             steps += 1
             loss_sum += loss.detach()
             loss_steps += 1
@@ -134,7 +140,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
                 if not math.isfinite(mean_loss):
                     log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, global_now())
                 ctx.sink.emit({"event": "progress", "samples": global_now(), "epoch": round(local / per_epoch, 4),
-                               "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"], "train_wall_s": elapsed,
+                               "rank": ctx.rank, "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"], "train_wall_s": elapsed,
                                "samples_per_s": global_now() / elapsed if elapsed > 0 else 0.0})
                 loss_sum.zero_()
                 loss_steps = 0
@@ -157,7 +163,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
         rank=ctx.rank, samples=local, global_samples=global_now(), train_wall_s=train_wall_s, evals=evals,
         final_test_accuracy=final["test_accuracy"] if final else None,
         final_test_loss=final["test_loss"] if final else None,
-        model=model if ctx.reports else None,
+        model=model if ctx.evaluates else None,
         extra=algo.summary(),
     )
 

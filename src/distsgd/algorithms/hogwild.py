@@ -1,0 +1,89 @@
+"""hogwild: Hogwild! (Niu, Recht, Re, Wright, NIPS 2011): lock-free SGD on one shared model.
+
+Update rule, in each of N worker processes independently and with no lock:
+w <- w - lr * grad L(w_read; batch), where w_read is whatever the shared weights held when this
+worker read them, possibly half-overwritten by another worker's update. For sparse problems the
+paper proves near-linear speed-up; for dense models like ours it works well in practice because
+the collisions are small and rare relative to a step.
+
+How it runs here: the model's parameters live in shared memory (``Tensor.share_memory_``) and
+every worker process steps them in place with its own optimiser. Gradients are per process.
+**Optimiser state is per worker**: each keeps its own momentum buffer (or Adam moments), built from
+its own gradients only, applied to the shared weights; there is no shared momentum. The dataset
+tensors are shared too, so N workers hold one copy. Threads per worker default to cores // N so
+the workers do not oversubscribe the machine (pytorch/examples' mnist_hogwild lets every process
+take every core). ``--hogwild-lock`` takes one lock around every update, for comparison.
+
+The launching process evaluates the shared model every ``--eval-every`` samples without pausing
+the workers: it copies the weights at that moment (a Hogwild-consistent read) and evaluates the
+copies once training ends, so evaluation takes no CPU from the workers and time-to-accuracy is
+measured on the real shared model. With ``--stop-at-target`` it evaluates at once, to know when to
+stop. A worker that dies does not stop the others; summary.json lists it in ``failed_workers``
+and ``samples`` counts only the samples really processed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from distsgd.algorithms.base import SHARED, Algorithm, register
+from distsgd.train.loop import WorkerContext
+
+
+def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> nn.Module:
+    """Make ``model``'s parameters and buffers *be* the shared tensors (no copy), in place."""
+    for name, param in model.named_parameters():
+        param.data = shared_state[name]
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                key = f"{module_name}.{buffer_name}" if module_name else buffer_name
+                module._buffers[buffer_name] = shared_state[key]
+    return model
+
+
+@register
+class Hogwild(Algorithm):
+    name = "hogwild"
+    topology = SHARED
+    summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
+
+    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        shared = bind_to_shared(model, ctx.state["shared_state"])
+        self.counts: torch.Tensor = ctx.state["counts"]  # samples done, one slot per worker
+        self.lock = ctx.state.get("lock")
+        self.stop = ctx.state["stop"]
+        ds = ctx.dataset
+        self.dataset_shared = all(t.is_shared() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
+        self.model_shared = all(p.is_shared() for p in shared.parameters())
+        shared.train()
+        return shared
+
+    def before_training(self, ctx: WorkerContext) -> None:
+        """Tell the launcher this worker is built, then start with the others on its signal."""
+        ctx.state["queue"].put(("ready", ctx.rank, None))
+        if not ctx.state["go"].wait(self.cfg.timeout_s):
+            raise TimeoutError(f"no start signal from the launcher within {self.cfg.timeout_s:.0f} s")
+
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+        if self.lock is None:
+            optimizer.step()
+        else:
+            with self.lock:
+                optimizer.step()
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
+        self.counts[ctx.rank] = local_samples  # only this worker writes its slot
+
+    def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
+        return int(self.counts.sum())
+
+    def keep_going(self, ctx: WorkerContext) -> bool:
+        return not self.stop.is_set()
+
+    def summary(self) -> dict[str, Any]:
+        return {"bytes_sent": 0, "dataset_shared": self.dataset_shared, "model_shared": self.model_shared,
+                "hogwild_lock": self.lock is not None}
