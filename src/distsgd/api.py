@@ -24,7 +24,7 @@ from torch import nn
 
 from distsgd import config as config_mod
 from distsgd.algorithms import registry
-from distsgd.algorithms.base import GROUP, SHARED, SINGLE
+from distsgd.algorithms.base import GROUP, SERVER, SHARED, SINGLE
 from distsgd.checkpoint import atomic_write_json, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate
 from distsgd.data import Dataset, from_arrays, load_dataset
@@ -125,10 +125,13 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     from distsgd.comm import group
 
     torchrun = group.under_torchrun()
-    if torchrun:  # the group torchrun formed decides how many workers there are
-        cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]))
     validate(cfg)
-    algo_cls = registry.get(cfg.algo)
+    algo_cls = registry.resolve(cfg.algo, cfg)
+    if torchrun:  # the group torchrun formed decides how many workers there are (rank 0 serves)
+        world = int(os.environ["WORLD_SIZE"])
+        cfg = cfg.replace(workers=world - 1 if algo_cls.topology == SERVER else world)
+        if cfg.workers < 1:
+            raise ConfigError(f"{cfg.algo} needs a server and at least one worker: torchrun --nproc-per-node 2 or more")
     algo_cls.check(cfg)
     if algo_cls.topology == GROUP:
         group.check_backend(cfg)
@@ -201,6 +204,10 @@ def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, s
 
     if algo_cls.topology == SHARED:
         return launch.run_shared(cfg, algo_cls, spec, dataset, sink)
+    if algo_cls.topology == SERVER:
+        if torchrun:
+            return launch.run_server_torchrun(cfg, algo_cls, spec, dataset, sink)
+        return launch.run_server_local(cfg, algo_cls, spec, dataset, sink)
     if torchrun:
         return launch.run_torchrun(cfg, algo_cls, spec, dataset, sink)
     return launch.run_local(cfg, algo_cls, spec, dataset, sink)
@@ -237,11 +244,13 @@ def build_summary(cfg: RunConfig, dataset: Dataset, spec: ModelSpec, results: li
     summary.update(chief.extra)
     if len(results) > 1 or cfg.workers > 1:
         summary["global_batch_size"] = cfg.batch_size * cfg.workers
-    if "bytes_sent" in chief.extra:
-        per_worker = [r.extra.get("bytes_sent", 0) for r in results]
-        summary["bytes_sent"] = sum(per_worker)
+    if "bytes_sent" in chief.extra:  # every process's sends; the server's (if any) apart
+        server = chief.extra.get("server_bytes_sent", 0)
+        per_worker = [r.extra.get("bytes_sent", 0) for r in (results[1:] if "server_bytes_sent" in chief.extra
+                                                             else results)]
+        summary["bytes_sent"] = server + sum(per_worker)
         summary["bytes_sent_per_worker"] = per_worker
-        summary["bytes_sent_per_sample"] = sum(per_worker) / samples if samples else None
+        summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
     return summary
 
 

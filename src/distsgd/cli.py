@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from typing import Any, NoReturn
 
 from distsgd import __version__
@@ -56,6 +57,18 @@ HELP = {
     "timeout_s": "seconds before a collective or a silent worker counts as failed; default 300",
     "bucket_mb": "allreduce: gradient bucket size in MB; default 25",
     "hogwild_lock": "hogwild: lock around every update (to compare with lock-free)",
+    "staleness_lr": "asgd: divide the learning rate by each gradient's staleness",
+    "staleness": "ssp: how many pushes a worker may run ahead of the slowest; default 2",
+    "dc_lambda": "dcasgd: the compensation strength lambda; default 0.04",
+    "dc_adaptive": "dcasgd: adaptive lambda / sqrt(mean square of gradients) (DC-ASGD-a)",
+    "sync_every": "local-sgd: average the models every H steps, or 'epoch'; default 8",
+    "warmup_steps": "local-sgd: synchronous all-reduce steps before going local (post-local SGD); default 0",
+    "tau": "easgd: steps between elastic exchanges; default 8",
+    "alpha": "easgd: elastic strength; default 0.9 / workers",
+    "easgd_mode": "easgd: sync (all-reduce) or async (centre on a parameter server); default sync",
+    "cluster_size": "hogwild++: worker processes per cluster; default 1",
+    "update_delay": "hogwild++: local updates a cluster makes before passing the token on; default 16",
+    "straggler": "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in proportion to its step time)",
 }
 FLAG_NAMES = {"timeout_s": "--timeout"}
 
@@ -66,10 +79,10 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
-        if f.name == "extra":
+        if f.name == "extra" or f.name in skip:
             continue
         flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
         kind = str(f.type)
@@ -96,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     ds = sub.add_parser("datasets", help="list the built-in datasets and where their files are")
     ds.add_argument("--data-dir")
     sub.add_parser("algorithms", help="list the algorithms")
+    bench = sub.add_parser("bench", help="run algorithms side by side and report them")
+    bench.add_argument("--algos", required=True,
+                       help="comma-separated algorithms, each optionally with settings: local-sgd[sync_every=8]")
+    bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
+    bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
+    _add_run_flags(bench, skip=("algo", "workers"))
     return parser
 
 
@@ -103,6 +122,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = config_mod.load_toml(args.config) if args.config else RunConfig()
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
              if f.name != "extra" and getattr(args, f.name, None) is not None}
+    if args.command == "bench":
+        given.pop("workers", None)
     return config_mod.from_mapping(given, cfg, source="the command line")
 
 
@@ -160,7 +181,41 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "datasets": cmd_datasets, "algorithms": cmd_algorithms}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distsgd.bench import parse_algos, run_bench
+    from distsgd.errors import ConfigError
+
+    base = config_from_args(args)
+    algos = parse_algos(args.algos)
+    try:
+        workers = [int(w) for w in args.bench_workers.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--workers must be comma-separated numbers, got '{args.bench_workers}'") from None
+    out = Path(base.out) if base.out else Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    total = len(algos) * len(workers) * args.repeats
+    done = 0
+
+    def progress(entry: dict) -> None:
+        nonlocal done
+        done += 1
+        if base.quiet:
+            return
+        s = entry["summary"]
+        reached = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}s"
+        print(f"[{done}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}: "
+              f"{s['samples_per_s']:.0f} samples/s, acc {s['final_test_accuracy']:.4f}, to target {reached}",
+              flush=True)
+
+    bench = run_bench(base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress)
+    if not base.quiet:
+        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "datasets": cmd_datasets, "algorithms": cmd_algorithms,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

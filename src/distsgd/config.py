@@ -68,6 +68,23 @@ class RunConfig:
     bucket_mb: float = 25.0
     # hogwild: take a lock around every update (for comparison with lock-free).
     hogwild_lock: bool = False
+    # parameter server: staleness-aware lr (asgd), bound S (ssp), delay compensation (dcasgd).
+    staleness_lr: bool = False
+    staleness: int = 2
+    dc_lambda: float = 0.04
+    dc_adaptive: bool = False
+    # local-sgd: average every H steps (or "epoch"), after K synchronous warm-up steps.
+    sync_every: str = "8"
+    warmup_steps: int = 0
+    # easgd: exchange every tau steps with elastic strength alpha (default 0.9 / workers).
+    tau: int = 8
+    alpha: float | None = None
+    easgd_mode: str = "sync"
+    # hogwild++: processes per cluster, and local updates between token passes.
+    cluster_size: int = 1
+    update_delay: int = 16
+    # Benchmarks: "RANK:FACTOR" makes worker RANK FACTOR times slower (it sleeps after each step).
+    straggler: str | None = None
     # Extra settings an algorithm may read; kept so a TOML file round-trips.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -106,6 +123,8 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"setting '{name}' must be a number, got {value!r}")
         return float(value)
+    if name == "sync_every" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     if "str" in annotation:
         if not isinstance(value, (str, os.PathLike)):
             raise ConfigError(f"setting '{name}' must be a string, got {value!r}")
@@ -234,7 +253,27 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.backend in BACKENDS, f"unknown backend '{cfg.backend}' (choose from {', '.join(BACKENDS)})")
     need(cfg.timeout_s > 0, f"--timeout must be positive, got {cfg.timeout_s}")
     need(cfg.bucket_mb > 0, f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+    need(cfg.staleness >= 0, f"--staleness must be >= 0, got {cfg.staleness}")
+    need(cfg.dc_lambda >= 0, f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
+    need(cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
+    need(cfg.cluster_size >= 1, f"--cluster-size must be at least 1, got {cfg.cluster_size}")
+    need(cfg.update_delay >= 1, f"--update-delay must be at least 1, got {cfg.update_delay}")
+    if cfg.straggler is not None:
+        rank, factor = parse_straggler(cfg.straggler)
+        need(rank < cfg.workers, f"--straggler names worker {rank}, but there are only {cfg.workers} workers")
     from distsgd.algorithms import registry
 
     registry.get(cfg.algo)  # raises ConfigError for an unknown name
     return cfg
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    """'1:3' -> (worker 1, 3x slower)."""
+    rank_text, sep, factor_text = text.partition(":")
+    try:
+        rank, factor = int(rank_text), float(factor_text)
+    except ValueError:
+        rank, factor = -1, 0.0
+    if not sep or rank < 0 or not math.isfinite(factor) or factor < 1:
+        raise ConfigError(f"--straggler must be RANK:FACTOR with RANK >= 0 and FACTOR >= 1, got '{text}'")
+    return rank, factor

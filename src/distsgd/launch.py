@@ -15,11 +15,13 @@ Two ways in, one training loop:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +39,22 @@ from distsgd.train.loop import WorkerContext, WorkerResult, run_worker
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+
+
+@contextlib.contextmanager
+def _child_env(**values: str) -> Iterator[None]:
+    """Set environment variables for the processes spawned inside the block (unless already set)."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class QueueSink:
@@ -80,11 +98,13 @@ def _worker_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: M
     """The body of a spawned worker process."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {rank}: %(levelname)s: %(message)s")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    if cfg.init_method is None:
+        _loopback_only()
     from distsgd.algorithms import registry
 
     try:
         init_group(cfg, rank, world, init_method)
-        algo = registry.get(algo_name)(cfg)
+        algo = registry.resolve(algo_name, cfg)(cfg)
         ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
                             sink=QueueSink(q) if rank == 0 else NullSink(), reports=rank == 0)
         result = run_worker(ctx, algo)
@@ -230,7 +250,7 @@ def _shared_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: M
     try:
         ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
                             sink=QueueSink(q, rank), reports=True, evaluates=False, state={**shared, "queue": q})
-        result = run_worker(ctx, registry.get(algo_name)(cfg))
+        result = run_worker(ctx, registry.resolve(algo_name, cfg)(cfg))
         q.put(("result", rank, _pack(result)))
     except KeyboardInterrupt:
         raise SystemExit(130) from None
@@ -251,11 +271,20 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
 
     world = cfg.workers
     dataset.share_memory_()
-    model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-    model.share_memory()
+    models = [build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+              for _ in range(algo_cls.models(cfg))]
+    for m in models:
+        m.share_memory()
+    states = [m.state_dict() for m in models]
     mpc = mp.get_context("spawn")
-    shared = {"shared_state": model.state_dict(keep_vars=False), "counts": torch.zeros(world, dtype=torch.int64).share_memory_(),
-              "stop": mpc.Event(), "go": mpc.Event(), "lock": mpc.Lock() if cfg.hogwild_lock else None}
+    shared = {"shared_states": states, "shared_state": states[0],
+              "counts": torch.zeros(world, dtype=torch.int64).share_memory_(),
+              "stop": mpc.Event(), "go": mpc.Event(), "lock": mpc.Lock() if cfg.hogwild_lock else None,
+              **algo_cls.shared_extras(cfg, mpc, states)}
+
+    def current_state() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in algo_cls.combine(states).items()}
+
     counts = shared["counts"]
     q = mpc.Queue()
     procs: list[Any] = []
@@ -327,7 +356,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
             if done >= next_eval:
                 while next_eval <= done:
                     next_eval += eval_every
-                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                state = current_state()
                 if cfg.stop_at_target:
                     torch.set_num_threads(1)
                     event = evaluate_now(done, clock.elapsed(), state)
@@ -347,12 +376,17 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     for samples, train_s, state in snapshots:
         evals.append(evaluate_now(samples, train_s, state))
     total = int(counts.sum())
+    final_state = current_state()
     if not evals or evals[-1]["samples"] != total:
-        evals.append(evaluate_now(total, train_wall_s,
-                                  {k: v.detach().clone() for k, v in model.state_dict().items()}))
+        evals.append(evaluate_now(total, train_wall_s, final_state))
+    model = models[0] if len(models) == 1 else build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init)
+    if len(models) > 1:
+        model.load_state_dict(final_state)
     extra: dict[str, Any] = {}
     for r in sorted(payloads):
         extra = {**payloads[r]["extra"], **extra}
+    if "token_passes" in extra:  # shared counters: read the final value, not a worker's last view
+        extra["token_passes"] = int(shared["passes"][0])
     extra["dataset_shared"] = all(p["extra"].get("dataset_shared", False) for p in payloads.values())
     extra["samples_per_worker"] = [int(c) for c in counts]
     extra["failed_workers"] = sorted(failed)
@@ -368,4 +402,148 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     return [chief] + others
 
 
-__all__ = ["run_local", "run_torchrun", "run_shared", "stop_all"]
+def _loopback_only() -> None:
+    """Keep gloo's and TensorPipe's listeners of a local run on the loopback interface."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+
+def _rpc_init(cfg: RunConfig, name: str, rank: int, world: int, init_method: str) -> Any:
+    import warnings
+
+    from torch.distributed import rpc
+
+    warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own rpc init
+
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=cfg.timeout_s,
+                                              num_worker_threads=max(16, 2 * world + 4))
+    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    return rpc
+
+
+def _server_role(cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset, world: int, init_method: str,
+                 sink: Sink, dead: Any) -> WorkerResult:
+    from distsgd.algorithms import param_server, registry
+
+    role = param_server.ServerRole(cfg, registry.resolve(algo_name, cfg).mode, spec, dataset, world - 1, sink)
+    rpc = _rpc_init(cfg, "ps", 0, world, init_method)
+    try:
+        return role.run(dead)
+    finally:
+        rpc.shutdown(graceful=False)
+
+
+def _ps_worker_role(cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset, rank: int, world: int,
+                    init_method: str, sink: Sink) -> WorkerResult:
+    from distsgd.algorithms import registry
+
+    rpc = _rpc_init(cfg, f"worker{rank}", rank, world, init_method)
+    try:
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank - 1, world=world - 1,
+                            sink=sink, reports=True, evaluates=False)
+        return run_worker(ctx, registry.resolve(algo_name, cfg)(cfg))
+    finally:
+        rpc.shutdown(graceful=False)
+
+
+def _ps_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset,
+              init_method: str, q: Any, dead_flags: torch.Tensor) -> None:
+    """A spawned process of a parameter-server run: rank 0 serves, the others train."""
+    logging.basicConfig(level=logging.WARNING,
+                        format=("server" if rank == 0 else f"worker {rank - 1}") + ": %(levelname)s: %(message)s")
+    _loopback_only()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    try:
+        if rank == 0:
+            dead = lambda: {int(r) for r in torch.nonzero(dead_flags).flatten()}  # noqa: E731
+            result = _server_role(cfg, algo_name, spec, dataset, world, init_method, QueueSink(q, 0), dead)
+        else:
+            result = _ps_worker_role(cfg, algo_name, spec, dataset, rank, world, init_method, QueueSink(q, rank))
+        q.put(("result", rank, _pack(result)))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except BaseException as exc:
+        q.put(("error", rank, _error_text(exc)))
+        raise SystemExit(1) from None
+
+
+def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
+                     sink: Sink) -> list[WorkerResult]:
+    """One server process and ``cfg.workers`` worker processes on this machine, over RPC.
+
+    A worker that dies is recorded in ``failed_workers`` and the server carries on without it;
+    if the server dies, the run fails at once with one line.
+    """
+    workers = cfg.workers
+    world = workers + 1
+    init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
+    dataset.share_memory_()
+    dead_flags = torch.zeros(world, dtype=torch.int8).share_memory_()
+    mpc = mp.get_context("spawn")
+    q = mpc.Queue()
+    procs: list[Any] = []
+    payloads: dict[int, dict[str, Any]] = {}
+    failed: dict[int, str] = {}
+    try:
+        # TensorPipe logs every closed pipe at shutdown as a warning; keep C++ logs to errors.
+        with _child_env(TORCH_CPP_LOG_LEVEL="ERROR"):
+            for rank in range(world):
+                p = mpc.Process(target=_ps_entry, name="distsgd-server" if rank == 0 else f"distsgd-worker-{rank - 1}",
+                                args=(rank, world, cfg, algo_cls.name, spec, dataset, init_method, q, dead_flags))
+                p.start()
+                procs.append(p)
+        while 0 not in payloads:
+            try:
+                kind, rank, body = q.get(timeout=0.05)
+                if kind == "event":
+                    sink.emit(body)
+                elif kind == "result":
+                    payloads[rank] = body
+                elif kind == "error":
+                    failed.setdefault(rank, body)
+            except queue.Empty:
+                pass
+            if 0 in failed or procs[0].exitcode not in (None, 0):
+                reason = failed.get(0) or _describe_exit(procs[0].exitcode)
+                raise WorkerError(f"the parameter server failed: {reason}")
+            for rank in range(1, world):
+                code = procs[rank].exitcode
+                if rank not in payloads and (rank in failed or code not in (None, 0)):
+                    failed.setdefault(rank, _describe_exit(code))
+                    dead_flags[rank] = 1
+            if len(failed) == workers:
+                raise WorkerError(f"all {workers} workers failed; worker 0: {failed.get(1)}")
+        deadline = time.monotonic() + STOP_GRACE_S  # the workers are done: collect their figures
+        while len(payloads) + len(failed) < world and time.monotonic() < deadline:
+            try:
+                kind, rank, body = q.get(timeout=0.05)
+                if kind == "result":
+                    payloads[rank] = body
+                elif kind == "error":
+                    failed.setdefault(rank, body)
+            except queue.Empty:
+                pass
+    finally:
+        stop_all(procs)
+        q.close()
+    chief = _unpack(payloads[0], cfg, spec, dataset)
+    chief.extra["failed_workers"] = sorted(r - 1 for r in failed)
+    if failed:
+        chief.extra["worker_errors"] = {str(r - 1): failed[r] for r in sorted(failed)}
+    others = [_unpack(payloads[r], cfg, spec, dataset) for r in range(1, world) if r in payloads]
+    return [chief] + others
+
+
+def run_server_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
+                        sink: Sink) -> list[WorkerResult]:
+    """Under torchrun: rank 0 serves, the other ranks are workers; rank 0 returns the results."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_method = "env://"
+    if rank == 0:
+        chief = _server_role(cfg, algo_cls.name, spec, dataset, world, init_method, sink, set)
+        chief.extra["failed_workers"] = []
+        return [chief]
+    return [_ps_worker_role(cfg, algo_cls.name, spec, dataset, rank, world, init_method, NullSink())]
+
+
+__all__ = ["run_local", "run_torchrun", "run_shared", "run_server_local", "run_server_torchrun", "stop_all"]

@@ -57,6 +57,9 @@ class TrainClock:
     """Wall time spent training: ``pause()`` around evaluation so it does not count."""
 
     def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
         self._start = time.perf_counter()
         self._paused_total = 0.0
         self._paused_at: float | None = None

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 SINGLE = "single"  # one process
 GROUP = "group"  # symmetric workers in a torch.distributed process group
 SHARED = "shared"  # workers on one machine sharing one model in shared memory
+SERVER = "server"  # a parameter server (rank 0) and workers, over torch.distributed.rpc
 
 
 class Algorithm:
@@ -49,6 +50,11 @@ class Algorithm:
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
         """Reject settings this algorithm cannot honour (raise ConfigError)."""
+
+    @classmethod
+    def variant(cls, cfg: RunConfig) -> type["Algorithm"]:
+        """The class that runs ``cfg`` (an algorithm may have modes with other topologies)."""
+        return cls
 
     def setup(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return model
@@ -107,6 +113,11 @@ def get(name: str) -> type[Algorithm]:
         return _REGISTRY[name]
     except KeyError:
         raise ConfigError(f"unknown algorithm '{name}' (choose from {', '.join(_REGISTRY)})") from None
+
+
+def resolve(name: str, cfg: RunConfig) -> type[Algorithm]:
+    """The class that runs algorithm ``name`` with these settings."""
+    return get(name).variant(cfg)
 
 
 def names() -> list[str]:

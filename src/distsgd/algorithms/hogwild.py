@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from distsgd.algorithms.base import SHARED, Algorithm, register
+from distsgd.config import RunConfig
 from distsgd.train.loop import WorkerContext
 
 
@@ -50,6 +51,21 @@ class Hogwild(Algorithm):
     name = "hogwild"
     topology = SHARED
     summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
+
+    @classmethod
+    def models(cls, cfg: RunConfig) -> int:
+        """How many models the launcher keeps in shared memory."""
+        return 1
+
+    @classmethod
+    def shared_extras(cls, cfg: RunConfig, mpc: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """More shared state the workers need (hogwild++: the token ring)."""
+        return {}
+
+    @classmethod
+    def combine(cls, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The one model to evaluate and save, from the shared models."""
+        return states[0]
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         shared = bind_to_shared(model, ctx.state["shared_state"])

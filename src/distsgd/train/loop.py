@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distsgd.algorithms.base import Algorithm
-from distsgd.config import RunConfig, threads_per_worker
+from distsgd.config import RunConfig, parse_straggler, threads_per_worker
 from distsgd.data import Dataset
 from distsgd.errors import ConfigError
 from distsgd.data.partition import _mix, epoch_indices, shard_size
@@ -79,6 +80,10 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
     if per_epoch == 0:
         raise ConfigError(f"{n} training samples cannot be shared among {ctx.world} workers")
     global_per_epoch = per_epoch * ctx.world
+    slowdown = 0.0  # a simulated straggler sleeps (factor - 1) x its own step time after each step
+    if cfg.straggler is not None:
+        slow_rank, factor = parse_straggler(cfg.straggler)
+        slowdown = factor - 1 if slow_rank == ctx.rank else 0.0
     total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / global_per_epoch
     constant_lr = cfg.schedule == "constant"
 
@@ -120,6 +125,8 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
             if (cfg.max_samples is not None and global_now() >= cfg.max_samples) or not algo.keep_going(ctx):
                 stop = True
                 break
+            if slowdown:
+                step_start = time.perf_counter()
             idx = order[start:start + cfg.batch_size]
             x, y = x_all[idx], y_all[idx]
             if not constant_lr:
@@ -131,6 +138,8 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
             algo.apply_step(ctx, optimizer)
             local += len(idx)
             algo.after_step(ctx, model, local)
+            if slowdown:
+                time.sleep(slowdown * (time.perf_counter() - step_start))
             steps += 1
             loss_sum += loss.detach()
             loss_steps += 1

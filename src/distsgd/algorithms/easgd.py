@@ -1,0 +1,128 @@
+"""easgd: elastic averaging SGD (Zhang, Choromanska, LeCun, "Deep learning with Elastic Averaging
+SGD", NIPS 2015).
+
+Workers train their own models x_i, tied to a centre variable x~ by an elastic force. Every
+``--tau`` steps, with alpha = ``--alpha`` (default: beta / N with beta = N alpha = 0.9):
+
+    x_i <- x_i - alpha (x_i - x~)            on every worker
+    x~  <- x~  + alpha sum_i (x_i - x~)      the centre moves towards the workers
+
+``--easgd-mode sync`` (default): every worker keeps the same copy of x~ and the sum is one
+all-reduce of the elastic differences. ``--easgd-mode async``: x~ lives on the parameter server;
+every tau steps a worker sends its x_i, the server computes d = x_i - x~, moves x~ <- x~ + alpha d
+under its lock and returns d, and the worker sets x_i <- x_i - alpha d (the paper's asynchronous
+EASGD). Between exchanges each worker runs its own optimiser (its momentum stays local). The model
+evaluated and saved is the centre x~.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distsgd.algorithms.averaging import flatten, params, unflatten_into
+from distsgd.algorithms.base import SERVER, GroupAlgorithm, register
+from distsgd.algorithms.param_server import ServerAlgorithm, load_flat
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.train.loop import WorkerContext
+
+
+def elastic_alpha(cfg: RunConfig, workers: int) -> float:
+    return cfg.alpha if cfg.alpha is not None else 0.9 / workers
+
+
+def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int) -> int:
+    """One synchronous EASGD exchange; returns the bytes all-reduced."""
+    diff = flatten(x) - flatten(center)
+    total = diff.clone()
+    if world > 1:
+        dist.all_reduce(total)
+    unflatten_into(flatten(x) - alpha * diff, x)
+    unflatten_into(flatten(center) + alpha * total, center)
+    return total.numel() * total.element_size()
+
+
+class _Check:
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        if cfg.tau < 1:
+            raise ConfigError(f"--tau must be at least 1 step, got {cfg.tau}")
+        if cfg.easgd_mode not in ("sync", "async"):
+            raise ConfigError(f"--easgd-mode must be sync or async, got '{cfg.easgd_mode}'")
+        alpha = elastic_alpha(cfg, cfg.workers)
+        if not 0 < alpha * cfg.workers < 2:  # the paper's stability condition on beta = N alpha
+            raise ConfigError(f"--alpha {alpha} gives beta = N alpha = {alpha * cfg.workers:.3g}; it must lie in (0, 2)")
+
+
+@register
+class EASGD(_Check, GroupAlgorithm):
+    name = "easgd"
+    summary_line = "elastic averaging SGD: workers pulled towards a centre every --tau steps (--easgd-mode)"
+
+    @classmethod
+    def variant(cls, cfg: RunConfig) -> type:
+        """``--easgd-mode async`` runs on the parameter server."""
+        return AsyncEASGD if cfg.easgd_mode == "async" else cls
+
+    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        self.world = ctx.world
+        self.alpha = elastic_alpha(self.cfg, ctx.world)
+        for p in model.parameters():  # one starting point for workers and centre
+            dist.broadcast(p.data, src=0)
+        self.center_model = copy.deepcopy(model)
+        self.center = params(self.center_model)
+        self.x = params(model)
+        self.steps = 0
+        return model
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
+        self.steps += 1
+        if self.steps % self.cfg.tau == 0:
+            self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
+
+    def evaluation_model(self, model: nn.Module) -> nn.Module:
+        return self.center_model
+
+    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        return self.center_model
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "alpha": self.alpha, "tau": self.cfg.tau, "easgd_mode": "sync"}
+
+
+class AsyncEASGD(_Check, ServerAlgorithm):
+    """The worker side of asynchronous EASGD: exchange elastic differences with the server."""
+
+    name = "easgd"
+    topology = SERVER
+    mode = "easgd"
+
+    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        model = super().setup(ctx, model)  # pulls the centre as the starting point
+        self.alpha = elastic_alpha(self.cfg, ctx.world)
+        self.steps = 0
+        return model
+
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()  # local steps between exchanges
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
+        self.steps += 1
+        self.local = local_samples
+        if self.steps % self.cfg.tau:
+            return
+        from distsgd.algorithms.param_server import _rpc_elastic
+
+        x = flatten(params(model))
+        diff, self.version, self.total, self.stop = self.rpc.rpc_sync(
+            "ps", _rpc_elastic, args=(self.me, x, local_samples))
+        self.bytes_sent += x.numel() * x.element_size()
+        load_flat(model, x - self.alpha * diff)
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "alpha": self.alpha, "tau": self.cfg.tau, "easgd_mode": "async"}

@@ -1,0 +1,467 @@
+"""A parameter server over ``torch.distributed.rpc``: asgd, sync-ps, ssp and dcasgd.
+
+Roles: rank 0 is the server, ranks 1..N are the workers (world size N+1). The server holds the
+model and the optimiser. A worker pulls the weights once, as one flat tensor with their version;
+then, every step, it computes a gradient on its shard and pushes it with the version it read, and
+gets the new weights (and their version) back in the same call.
+
+Update rules (g_r: worker r's gradient, computed on weights of version v_r; v: server version):
+
+- ``asgd`` (asynchronous SGD): apply every gradient on arrival, w <- w - lr * g_r. Its staleness
+  is tau = v - v_r. ``--staleness-lr`` uses lr / max(1, tau) instead (Zhang, Gupta, Lian, Liu,
+  "Staleness-aware Async-SGD", IJCAI 2016).
+- ``sync-ps`` (the seeds' scheme): wait for the gradients of all N workers, step once with their
+  mean; equal to one process taking the global batch.
+- ``ssp`` (stale synchronous parallel, Ho et al., NIPS 2013): apply on arrival as asgd, but a
+  worker that is more than ``--staleness S`` pushes ahead of the slowest live worker waits for it.
+- ``dcasgd`` (delay-compensated ASGD, Zheng et al., ICML 2017): apply
+  g_r + lambda * g_r * g_r * (w - w_r), where w_r are the weights worker r read: a first-order
+  Taylor correction of the stale gradient towards the current weights. ``--dc-lambda`` (0.04) is
+  the constant lambda; ``--dc-adaptive`` uses lambda / sqrt(m + eps), m being a running mean
+  (decay 0.95) of g * g, as the paper's DC-ASGD-a.
+
+Concurrency: every change to the server's state (gradients, optimiser step, version, counters)
+happens under one lock, so updates are atomic with respect to each other; nothing is accumulated
+into shared state outside it. Workers keep computing while the server applies other gradients.
+Waiting (sync-ps, ssp) uses futures, so no RPC thread is held while a worker waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.futures import Future
+
+from distsgd.algorithms.base import SERVER, Algorithm, register
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.train.loop import WorkerContext
+from distsgd.train.optim import build_optimizer, lr_at, set_lr
+
+log = logging.getLogger(__name__)
+
+MODES = ("asgd", "sync-ps", "ssp", "dcasgd", "easgd")
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+
+class ParameterServer:
+    """The server's state and update rules, independent of RPC (so tests can drive it directly).
+
+    ``pull(rank)`` returns (weights, version). ``push(rank, grad, version_read, local_samples)``
+    returns a Future of (weights, version, total_samples, stop).
+    """
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, mode: str,
+                 samples_per_epoch: int, on_update: Callable[[int], None] | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown parameter-server mode {mode!r}")
+        self.cfg, self.model, self.mode, self.workers = cfg, model, mode, workers
+        self.params = [p for p in model.parameters()]
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.samples_per_epoch = samples_per_epoch
+        self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / samples_per_epoch
+        self.on_update = on_update
+        self.on_start = on_start
+        self.lock = threading.Lock()
+        self.version = 0
+        self.counts = [0] * (workers + 1)  # local samples reported by each worker rank (1..N)
+        self.clocks = [0] * (workers + 1)  # pushes by each worker
+        self.active = set(range(1, workers + 1))  # neither finished nor failed
+        self.staleness: Counter[int] = Counter()
+        self.stop = False
+        self.bytes_sent = 0
+        self._ready: list[Future] = []
+        # sync-ps: the round being gathered
+        self._sum = torch.zeros_like(flat_params(model))
+        self._gathered: list[tuple[int, Future]] = []
+        # ssp: workers held back until the slowest catches up
+        self._held: list[tuple[int, Future]] = []
+        # dcasgd: the weights each worker read, and the running mean square of gradients
+        self._read: dict[int, torch.Tensor] = {}
+        self._meansq: torch.Tensor | None = None
+
+    # -- what the workers call ------------------------------------------------------------
+    def ready(self) -> Future:
+        """A barrier: resolves once every worker has built its model, so they start together."""
+        fut: Future = Future()
+        with self.lock:
+            self._ready.append(fut)
+            if len(self._ready) >= len(self.active):
+                if self.on_start is not None:
+                    self.on_start()
+                for f in self._ready:
+                    f.set_result(None)
+                self._ready = []
+        return fut
+
+    def pull(self, rank: int) -> tuple[torch.Tensor, int]:
+        with self.lock:
+            flat = flat_params(self.model).clone()
+            self.bytes_sent += flat.numel() * flat.element_size()
+            if self.mode == "dcasgd":
+                self._read[rank] = flat
+            return flat, self.version
+
+    def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            self.counts[rank] = local_samples
+            self.clocks[rank] += 1
+            if self.mode == "sync-ps":
+                self._sum += grad
+                self._gathered.append((rank, fut))
+                self._maybe_finish_round()
+                return fut
+            tau = self.version - version_read
+            self.staleness[tau] += 1
+            lr = self._lr()
+            if self.mode == "asgd" and self.cfg.staleness_lr:
+                lr = lr / max(1, tau)
+            if self.mode == "dcasgd":
+                grad = self._compensate(rank, grad)
+            self._apply(grad, lr)
+            if self.mode == "ssp" and self._ahead(rank):
+                self._held.append((rank, fut))  # answered, with the newest weights, once it may go on
+            else:
+                answer = self._answer()
+                if self.mode == "dcasgd":
+                    self._read[rank] = answer[0]
+                fut.set_result(answer)
+            self._release_held()
+        return fut
+
+    def elastic(self, rank: int, x: torch.Tensor, local_samples: int) -> tuple[torch.Tensor, int, int, bool]:
+        """Asynchronous EASGD: d = x - centre; centre += alpha d; the worker gets d back."""
+        with self.lock:
+            self.counts[rank] = local_samples
+            center = flat_params(self.model)
+            diff = x - center
+            alpha = self.cfg.alpha if self.cfg.alpha is not None else 0.9 / self.workers
+            load_flat(self.model, center + alpha * diff)
+            self.version += 1
+            self.bytes_sent += diff.numel() * diff.element_size()
+            if self.on_update is not None:
+                self.on_update(self.total_samples())
+            return diff, self.version, self.total_samples(), self.stop
+
+    def finished(self, rank: int, local_samples: int | None = None) -> None:
+        """Worker ``rank`` is done (or dead): stop waiting for it."""
+        with self.lock:
+            if local_samples is not None:
+                self.counts[rank] = local_samples
+            self.active.discard(rank)
+            if self.mode == "sync-ps":
+                self._maybe_finish_round()
+            self._release_held()
+
+    # -- inside the lock --------------------------------------------------------------------
+    def total_samples(self) -> int:
+        return sum(self.counts)
+
+    def _lr(self) -> float:
+        return lr_at(self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs)
+
+    def _apply(self, grad: torch.Tensor, lr: float) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = grad[offset:offset + n].view_as(p).clone()
+            offset += n
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.version += 1
+        if self.on_update is not None:
+            self.on_update(self.total_samples())
+
+    def _answer(self) -> tuple[torch.Tensor, int, int, bool]:
+        flat = flat_params(self.model).clone()
+        self.bytes_sent += flat.numel() * flat.element_size()
+        return flat, self.version, self.total_samples(), self.stop
+
+    def _compensate(self, rank: int, grad: torch.Tensor) -> torch.Tensor:
+        lam = self.cfg.dc_lambda
+        if self.cfg.dc_adaptive:
+            decay = 0.95
+            sq = grad * grad
+            self._meansq = sq.clone() if self._meansq is None else decay * self._meansq + (1 - decay) * sq
+            lam_t: torch.Tensor | float = lam / torch.sqrt(self._meansq + 1e-7)
+        else:
+            lam_t = lam
+        w = flat_params(self.model)
+        return grad + lam_t * grad * grad * (w - self._read[rank])
+
+    def _maybe_finish_round(self) -> None:
+        if not self._gathered or len(self._gathered) < len(self.active):
+            return
+        n = len(self._gathered)
+        self.staleness[0] += n
+        self._apply(self._sum / n, self._lr())
+        self._sum.zero_()
+        answer = self._answer()
+        for _, f in self._gathered:
+            f.set_result(answer)
+        self._gathered = []
+
+    def _ahead(self, rank: int) -> bool:
+        others = [self.clocks[r] for r in self.active if r != rank]
+        slowest = min(others) if others else self.clocks[rank]
+        return self.clocks[rank] - slowest > self.cfg.staleness
+
+    def _release_held(self) -> None:
+        still = []
+        for rank, fut in self._held:
+            if self._ahead(rank) and rank in self.active:
+                still.append((rank, fut))
+            else:
+                fut.set_result(self._answer())
+        self._held = still
+
+    # -- reporting -----------------------------------------------------------------------------
+    def staleness_summary(self) -> dict[str, Any]:
+        return staleness_stats(self.staleness)
+
+
+def staleness_stats(hist: Counter[int]) -> dict[str, Any]:
+    n = sum(hist.values())
+    if n == 0:
+        return {"mean": None, "p50": None, "p99": None, "max": None, "histogram": {}}
+    ordered = sorted(hist.items())
+
+    def quantile(q: float) -> int:
+        need = math.ceil(q * n)
+        seen = 0
+        for value, count in ordered:
+            seen += count
+            if seen >= need:
+                return value
+        return ordered[-1][0]
+
+    return {"mean": sum(v * c for v, c in ordered) / n, "p50": quantile(0.5), "p99": quantile(0.99),
+            "max": ordered[-1][0], "histogram": {str(v): c for v, c in ordered}}
+
+
+# --- RPC plumbing: module-level functions the workers call on the server process --------------
+_SERVER: ParameterServer | None = None
+
+try:  # the handler returns a Future; the RPC thread is free while a worker waits
+    from torch.distributed.rpc.functions import async_execution as _async_execution
+except ImportError:  # pragma: no cover - a torch build without RPC
+    def _async_execution(fn: Callable) -> Callable:
+        return fn
+
+
+def _rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
+    assert _SERVER is not None
+    return _SERVER.pull(rank)
+
+
+@_async_execution
+def _rpc_push(rank: int, grad: torch.Tensor, version_read: int, local_samples: int) -> Future:
+    assert _SERVER is not None
+    return _SERVER.push(rank, grad, version_read, local_samples)
+
+
+def _rpc_done(rank: int, local_samples: int) -> None:
+    assert _SERVER is not None
+    _SERVER.finished(rank, local_samples)
+
+
+def _rpc_elastic(rank: int, x: torch.Tensor, local_samples: int) -> tuple[torch.Tensor, int, int, bool]:
+    assert _SERVER is not None
+    return _SERVER.elastic(rank, x, local_samples)
+
+
+@_async_execution
+def _rpc_ready() -> Future:
+    assert _SERVER is not None
+    return _SERVER.ready()
+
+
+
+class ServerAlgorithm(Algorithm):
+    """The worker side of every parameter-server mode: push the gradient, take the new weights."""
+
+    topology = SERVER
+    mode = "asgd"
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        if cfg.optimizer != "sgd" and cls.mode == "dcasgd":
+            raise ConfigError("dcasgd compensates SGD gradients: use --optimizer sgd")
+
+    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        from torch.distributed import rpc
+
+        self.rpc = rpc
+        self.me = ctx.rank + 1  # data rank r is RPC rank r + 1; the server is rank 0
+        self.local = 0
+        flat, self.version = rpc.rpc_sync("ps", _rpc_pull, args=(self.me,))
+        load_flat(model, flat)
+        self.total = 0
+        self.stop = False
+        return model
+
+    def before_training(self, ctx: WorkerContext) -> None:
+        self.rpc.rpc_sync("ps", _rpc_ready)
+
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+        pass  # the server steps; see after_step
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
+        self.local = local_samples
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in model.parameters()])
+        flat, self.version, self.total, self.stop = self.rpc.rpc_sync(
+            "ps", _rpc_push, args=(self.me, grad, self.version, local_samples))
+        self.bytes_sent += grad.numel() * grad.element_size()
+        load_flat(model, flat)
+
+    def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
+        return max(self.total, local_samples)
+
+    def keep_going(self, ctx: WorkerContext) -> bool:
+        return not self.stop
+
+    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        self.rpc.rpc_sync("ps", _rpc_done, args=(self.me, self.local))
+        return model
+
+    def summary(self) -> dict[str, Any]:
+        return {"bytes_sent": self.bytes_sent}
+
+
+class ServerRole:
+    """The server role: hold the model, apply pushes until every worker is done, then evaluate.
+
+    Built before RPC starts (so the first pull finds it), then ``run()``. Like Hogwild!, the model
+    is copied every ``eval_every`` samples (inside the update lock, so each copy is one consistent
+    version) and the copies are evaluated after training; with ``stop_at_target`` the copy is
+    evaluated at once and the workers are told to stop.
+    """
+
+    def __init__(self, cfg: RunConfig, mode: str, spec: Any, dataset: Any, workers: int, sink: Any) -> None:
+        global _SERVER
+        from distsgd.data.partition import shard_size
+        from distsgd.metrics import TrainClock
+        from distsgd.models import build_model
+
+        torch.set_num_threads(1)
+        self.cfg, self.spec, self.dataset, self.sink = cfg, spec, dataset, sink
+        self.model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+        self.per_epoch = shard_size(len(dataset.y_train), workers, cfg.partition) * workers
+        self.eval_every = cfg.eval_every or self.per_epoch
+        self.next_eval = self.eval_every
+        self.clock = TrainClock()
+        self.snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.server = ParameterServer(cfg, self.model, workers, mode, self.per_epoch, self._on_update,
+                                      on_start=self.clock.restart)
+        _SERVER = self.server
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _evaluate(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        from distsgd.models import build_model
+        from distsgd.train.evaluate import evaluate
+
+        probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
+        probe.load_state_dict(state)
+        acc, loss = evaluate(probe, self.dataset.x_test, self.dataset.y_test, self.cfg.eval_batch_size)
+        event = {"event": "eval", "samples": samples, "epoch": round(samples / self.per_epoch, 4),
+                 "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
+        self.sink.emit(event)
+        return event
+
+    def _on_update(self, total: int) -> None:  # runs inside the server's lock
+        if total < self.next_eval:
+            return
+        while self.next_eval <= total:
+            self.next_eval += self.eval_every
+        if self.cfg.stop_at_target and self.cfg.target_accuracy is not None:
+            self.clock.pause()
+            event = self._evaluate(total, self.clock.elapsed(), self._state())
+            self.clock.resume()
+            self.evals.append(event)
+            if event["test_accuracy"] >= self.cfg.target_accuracy:
+                self.server.stop = True
+        else:
+            self.snapshots.append((total, self.clock.elapsed(), self._state()))
+
+    def run(self, dead: Callable[[], set[int]] = set) -> Any:
+        """Serve until every worker has finished or died; return the chief WorkerResult."""
+        global _SERVER
+        from distsgd.train.loop import WorkerResult
+
+        server = self.server
+        while server.active:
+            for rank in dead() & server.active:
+                log.warning("worker %d died; the server carries on without it", rank - 1)
+                server.finished(rank)
+            time.sleep(0.01)
+        train_wall_s = self.clock.elapsed()
+        for samples, train_s, state in self.snapshots:
+            self.evals.append(self._evaluate(samples, train_s, state))
+        total = server.total_samples()
+        if not self.evals or self.evals[-1]["samples"] != total:
+            self.evals.append(self._evaluate(total, train_wall_s, self._state()))
+        extra = {"staleness": server.staleness_summary(), "server_updates": server.version,
+                 "server_updates_per_s": server.version / train_wall_s if train_wall_s > 0 else 0.0,
+                 "bytes_sent": server.bytes_sent, "server_bytes_sent": server.bytes_sent,
+                 "samples_per_worker": server.counts[1:]}
+        _SERVER = None
+        final = self.evals[-1]
+        return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=self.evals,
+                            final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
+                            model=self.model, extra=extra)
+
+
+@register
+class ASGD(ServerAlgorithm):
+    name = "asgd"
+    mode = "asgd"
+    summary_line = "asynchronous SGD on a parameter server; --staleness-lr divides lr by the staleness"
+
+
+@register
+class SyncPS(ServerAlgorithm):
+    name = "sync-ps"
+    mode = "sync-ps"
+    summary_line = "parameter server that waits for all workers' gradients, then steps once (the seeds')"
+
+
+@register
+class SSP(ServerAlgorithm):
+    name = "ssp"
+    mode = "ssp"
+    summary_line = "stale synchronous parallel: no worker runs more than --staleness pushes ahead"
+
+
+@register
+class DCASGD(ServerAlgorithm):
+    name = "dcasgd"
+    mode = "dcasgd"
+    summary_line = "delay-compensated ASGD: g + lambda g*g*(w - w_read); --dc-adaptive"
+
+
+__all__ = ["ParameterServer", "staleness_stats", "MODES"]

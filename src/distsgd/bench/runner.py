@@ -1,0 +1,139 @@
+"""Running the configurations of a bench, one after another."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from distsgd import config as config_mod
+from distsgd.algorithms import registry
+from distsgd.api import prepare_out_dir, run
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_SPEC = re.compile(r"^(?P<name>[a-z0-9+_-]+)(\[(?P<opts>[^\]]*)\])?$")
+
+
+@dataclass(frozen=True)
+class AlgoSpec:
+    """An algorithm with settings of its own: ``local-sgd[sync_every=8]``, ``easgd[easgd_mode=async]``."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def label(self) -> str:
+        if not self.options:
+            return self.name
+        return self.name + "[" + ",".join(f"{k}={v}" for k, v in self.options) + "]"
+
+
+def _value(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_algos(text: str) -> list[AlgoSpec]:
+    """``allreduce,local-sgd[sync_every=8;warmup_steps=100],asgd`` -> specs (``;`` between options)."""
+    specs = []
+    for part in _split_top(text):
+        m = _SPEC.match(part.strip())
+        if not m:
+            raise ConfigError(f"cannot read algorithm '{part}' (write NAME or NAME[key=value;key=value])")
+        registry.get(m["name"])
+        opts = []
+        for item in filter(None, (m["opts"] or "").split(";")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"option '{item}' of {m['name']} needs key=value")
+            opts.append((key.strip().replace("-", "_"), _value(value.strip())))
+        specs.append(AlgoSpec(m["name"], tuple(opts)))
+    if not specs:
+        raise ConfigError("--algos is empty")
+    return specs
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return [p for p in parts if p.strip()]
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu or platform.processor(), "cores": config_mod.cores(),
+            "torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+
+
+def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeats: int, out: Path,
+              overwrite: bool = False, on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``."""
+    from distsgd.bench import report
+
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {repeats}")
+    if not workers or min(workers) < 1:
+        raise ConfigError(f"--workers must list positive counts, got {workers}")
+    plan = []
+    for spec in algos:
+        for w in workers:
+            cfg = config_mod.from_mapping(dict(spec.options), base.replace(algo=spec.name, workers=w), spec.label)
+            try:
+                config_mod.validate(cfg)
+                registry.resolve(cfg.algo, cfg).check(cfg)
+            except ConfigError as exc:
+                log.warning("skipping %s with %d workers: %s", spec.label, w, exc)
+                continue
+            plan.append((spec, w, cfg))
+    if not plan:
+        raise ConfigError("no configuration of the bench can run (see the warnings above)")
+    out = prepare_out_dir(out, overwrite)
+    runs: list[dict[str, Any]] = []
+    for spec, w, cfg in plan:
+        for r in range(repeats):
+            run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
+            cfg_r = cfg.replace(seed=base.seed + r, out=str(run_dir), overwrite=True, quiet=True)
+            summary = run(cfg_r).summary
+            entry = {"algo": spec.label, "workers": w, "repeat": r, "run_dir": str(run_dir.relative_to(out)),
+                     "summary": summary}
+            runs.append(entry)
+            if on_run is not None:
+                on_run(entry)
+    bench = report.derive(runs, machine_facts(), base, repeats)
+    (out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    (out / "bench.md").write_text(report.markdown(bench))
+    bench["plots"] = report.plots(bench, out)
+    (out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    return bench

@@ -1,0 +1,66 @@
+"""local-sgd, easgd and hogwild++ end to end on digits with 2 workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distsgd
+from distsgd.data import load_dataset
+
+pytest.importorskip("sklearn")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def _params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_local_sgd_every_step_equals_allreduce_without_momentum(digits) -> None:
+    common = dict(model="mlp", data=digits, workers=2, batch_size=16, max_samples=640, lr=0.1, momentum=0.0,
+                  seed=2, quiet=True)
+    ar = distsgd.train(algo="allreduce", **common)
+    local = distsgd.train(algo="local-sgd", sync_every="1", **common)
+    a, b = _params(ar.model), _params(local.model)
+    assert float((a - b).norm() / a.norm()) < 1e-5
+
+
+def test_local_sgd_h8_sends_an_eighth_of_allreduce(digits) -> None:
+    common = dict(model="mlp", data=digits, workers=2, batch_size=16, epochs=2, lr=0.05, quiet=True)
+    ar = distsgd.train(algo="allreduce", **common).summary
+    local = distsgd.train(algo="local-sgd", sync_every="8", **common).summary
+    steps = 2 * -(-718 // 16)  # 90 steps per worker
+    assert local["samples"] == ar["samples"]
+    assert local["averagings"] == -(-steps // 8)  # every 8 steps, the last (partial) period at the end
+    per_step = ar["bytes_sent_per_worker"][0] / steps  # one gradient all-reduce
+    assert local["bytes_sent_per_worker"] == [local["averagings"] * per_step] * 2  # one model each time
+    assert local["bytes_sent_per_sample"] <= ar["bytes_sent_per_sample"] / 8 * (1 + 8 / steps)
+
+
+@pytest.mark.parametrize("algo, extra", [
+    ("local-sgd", {"sync_every": "epoch"}),
+    ("local-sgd", {"sync_every": "4", "warmup_steps": 10}),
+    ("easgd", {"easgd_mode": "sync", "tau": 4}),
+    ("easgd", {"easgd_mode": "async", "tau": 4}),
+    ("hogwild++", {"cluster_size": 1, "update_delay": 4}),
+])
+def test_learns_digits(digits, algo: str, extra: dict) -> None:
+    s = distsgd.train(model="mlp", data=digits, algo=algo, workers=2, epochs=5, lr=0.05, quiet=True, **extra).summary
+    assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]  # asynchronous runs vary; chance is 0.1
+    assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
+    if algo == "hogwild++":
+        assert s["clusters"] == 2 and s["token_passes"] > 0
+        assert s["ring_beta"] == pytest.approx((5 ** 0.5 - 1) / 2)
+
+
+def test_bad_settings() -> None:
+    with pytest.raises(distsgd.ConfigError, match="not a multiple of --cluster-size"):
+        distsgd.train(model="mlp", data="digits", algo="hogwild++", workers=3, cluster_size=2, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="beta = N alpha"):
+        distsgd.train(model="mlp", data="digits", algo="easgd", workers=2, alpha=1.5, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="--sync-every"):
+        distsgd.train(model="mlp", data="digits", algo="local-sgd", workers=2, sync_every="sometimes", quiet=True)

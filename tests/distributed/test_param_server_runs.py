@@ -1,0 +1,123 @@
+"""Parameter-server runs end to end: real RPC between a server process and worker processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import distsgd
+from distsgd.data import load_dataset
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+B, STEPS = 16, 20
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def _params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_sync_ps_equals_single_with_the_global_batch(digits) -> None:
+    common = dict(model="mlp", data=digits, max_samples=STEPS * 2 * B, lr=0.1, momentum=0.9, seed=3, quiet=True)
+    single = distsgd.train(algo="single", batch_size=2 * B, **common)
+    ps = distsgd.train(algo="sync-ps", workers=2, batch_size=B, **common)
+    assert ps.summary["samples"] == STEPS * 2 * B and ps.summary["server_updates"] == STEPS
+    a, b = _params(single.model), _params(ps.model)
+    assert float((a - b).norm() / a.norm()) < 1e-5
+    assert ps.summary["staleness"]["max"] == 0
+
+
+@pytest.mark.parametrize("algo, extra", [("asgd", {"staleness_lr": True}), ("ssp", {"staleness": 1}),
+                                         ("dcasgd", {"dc_adaptive": True})])
+def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra: dict) -> None:
+    s = distsgd.train(model="mlp", data=digits, algo=algo, workers=2, epochs=4, lr=0.05, quiet=True, **extra).summary
+    assert s["final_test_accuracy"] >= 0.85, s["final_test_accuracy"]
+    st = s["staleness"]
+    assert sum(st["histogram"].values()) == s["server_updates"]
+    assert st["max"] >= st["p99"] >= st["p50"] >= 0
+    n_params = _params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
+    # A worker sends one float32 gradient a step: 4 epochs of ceil(718 / 64) steps.
+    assert s["bytes_sent_per_worker"] == [4 * -(-718 // 64) * n_params * 4] * 2
+    # The server answers each push (and the first pull) with the weights.
+    assert s["bytes_sent"] > sum(s["bytes_sent_per_worker"]) and s["failed_workers"] == []
+
+
+KILLER = '''
+import os, signal
+import torch.nn as nn
+
+class Net(nn.Module):
+    """logreg whose worker KILL_WORKER is SIGKILLed at its 5th step; the server (RANK 0) when
+    KILL_SERVER is set, on its 40th look at the weights."""
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+        self.calls = 0
+        self.looks = 0
+
+    def parameters(self, recurse=True):
+        if os.environ.get("RANK") == "0" and os.environ.get("KILL_SERVER"):
+            self.looks += 1
+            if self.looks == 40:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().parameters(recurse)
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if os.environ.get("RANK") == os.environ.get("KILL_WORKER") and self.calls == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.fc(x.flatten(1))
+'''
+
+
+@pytest.fixture
+def killer(tmp_path: Path) -> str:
+    path = tmp_path / "killer.py"
+    path.write_text(KILLER)
+    return f"{path}:Net"
+
+
+def test_a_killed_worker_leaves_the_others_to_finish(digits, killer, monkeypatch) -> None:
+    monkeypatch.setenv("KILL_WORKER", "2")  # RPC rank 2 = worker 1
+    s = distsgd.train(model=killer, data=digits, algo="asgd", workers=2, epochs=3, lr=0.05, quiet=True).summary
+    assert s["failed_workers"] == [1] and s["worker_errors"] == {"1": "killed by SIGKILL"}
+    assert s["samples_per_worker"] == [3 * 718, 4 * 64]
+    assert s["samples"] == 3 * 718 + 4 * 64
+
+
+def test_ssp_does_not_wait_forever_for_a_dead_worker(digits, killer, monkeypatch) -> None:
+    monkeypatch.setenv("KILL_WORKER", "2")
+    s = distsgd.train(model=killer, data=digits, algo="ssp", workers=2, epochs=3, staleness=1, quiet=True).summary
+    assert s["failed_workers"] == [1] and s["samples_per_worker"][0] == 3 * 718
+
+
+def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
+    start = time.monotonic()
+    res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", killer,
+                  "--epochs", "50", "--out", str(tmp_path / "run"), "--quiet", timeout=90, env={"KILL_SERVER": "1"})
+    assert time.monotonic() - start < 45
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == "error: the parameter server failed: killed by SIGKILL"
+
+
+def test_torchrun_rank_zero_serves(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_cli("--standalone", "--nproc-per-node", "3", "-m", "distsgd", "train", "--algo", "asgd",
+                  "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--out", str(out),
+                  module="torch.distributed.run", timeout=180, env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 2 and s["algo"] == "asgd" and s["samples"] == 2 * 1436
+    assert s["staleness"]["histogram"] and s["final_test_accuracy"] > 0.6

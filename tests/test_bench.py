@@ -1,0 +1,62 @@
+"""distsgd bench: a tiny real bench, the files it writes, and its bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import distsgd
+from distsgd.bench import parse_algos
+from distsgd.config import RunConfig, validate
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+
+def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    res = run_cli("bench", "--algos", "single,local-sgd[sync_every=4]", "--workers", "1,2", "--dataset", "digits",
+                  "--model", "mlp", "--epochs", "1", "--lr", "0.05", "--target-accuracy", "0.3", "--eval-every", "400",
+                  "--out", str(out), timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert "skipping single with 2 workers" in res.stderr
+    assert "[3/4]" in res.stdout and "wrote" in res.stdout
+    bench = json.loads((out / "bench.json").read_text())
+    rows = {(r["algo"], r["workers"]): r for r in bench["rows"]}
+    assert set(rows) == {("single", 1), ("local-sgd[sync_every=4]", 1), ("local-sgd[sync_every=4]", 2)}
+    assert rows[("single", 1)]["scaling_efficiency"] == pytest.approx(1.0)
+    two = rows[("local-sgd[sync_every=4]", 2)]
+    assert two["samples"]["median"] == 1436 and two["bytes_sent_per_sample"]["median"] > 0
+    assert bench["machine"]["cores"] >= 1 and bench["machine"]["torch_version"]
+    for entry in bench["runs"]:
+        assert (out / entry["run_dir"] / "summary.json").is_file()
+    table = (out / "bench.md").read_text()
+    assert "| local-sgd[sync_every=4] | 2 |" in table and "time to 30%" in table
+    for png in ("accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput_vs_workers.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_bad_input(tmp_path: Path) -> None:
+    res = run_cli("bench", "--algos", "single,gossip", "--dataset", "digits", "--out", str(tmp_path / "b"))
+    assert res.returncode == 2 and res.stderr.strip() == "error: unknown algorithm 'gossip' (choose from " + \
+        ", ".join(distsgd.algorithms.registry.names()) + ")"
+    res = run_cli("bench", "--algos", "local-sgd[sync_every]", "--dataset", "digits", "--out", str(tmp_path / "b"))
+    assert res.returncode == 2 and "needs key=value" in res.stderr
+
+
+def test_parse_algos() -> None:
+    specs = parse_algos("allreduce,local-sgd[sync_every=8;warmup_steps=100],easgd[easgd_mode=async]")
+    assert [s.label for s in specs] == ["allreduce", "local-sgd[sync_every=8,warmup_steps=100]",
+                                        "easgd[easgd_mode=async]"]
+    assert specs[1].options == (("sync_every", 8), ("warmup_steps", 100))
+
+
+@pytest.mark.parametrize("text", ["3", "a:2", "1:0.5", "-1:3"])
+def test_bad_straggler(text: str) -> None:
+    with pytest.raises(distsgd.ConfigError, match="--straggler"):
+        validate(RunConfig(workers=4, straggler=text))
+    with pytest.raises(distsgd.ConfigError, match="only 2 workers"):
+        validate(RunConfig(workers=2, straggler="2:3"))

@@ -1,0 +1,111 @@
+"""The parameter server's update rules and accounting, driven directly (no RPC) in a chosen order."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from distsgd.algorithms.param_server import ParameterServer, flat_params, staleness_stats
+from distsgd.config import RunConfig
+
+
+def make_server(mode: str, workers: int = 2, **cfg) -> ParameterServer:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    settings = {"lr": 0.1, "momentum": 0.0, **cfg}
+    return ParameterServer(RunConfig(**settings), model, workers, mode, samples_per_epoch=1000)
+
+
+def grad(seed: int, n: int = 8) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def result(fut):
+    assert fut.done()
+    return fut.wait()
+
+
+def test_asgd_staleness_under_a_controlled_interleaving() -> None:
+    ps = make_server("asgd")
+    _, v1 = ps.pull(1)
+    _, v2 = ps.pull(2)
+    _, v1, *_ = result(ps.push(1, grad(1), v1, 10))  # read v0, server at v0: staleness 0
+    _, v2, *_ = result(ps.push(2, grad(2), v2, 10))  # read v0, server at v1: staleness 1
+    _, v1, *_ = result(ps.push(1, grad(3), v1, 20))  # read v1, server at v2: staleness 1
+    _, _, total, _ = result(ps.push(1, grad(4), v1, 30))  # read v3, server at v3: staleness 0
+    _, _, _, _ = result(ps.push(2, grad(5), v2, 20))  # read v2, server at v4: staleness 2
+    assert ps.staleness == Counter({0: 2, 1: 2, 2: 1})
+    assert ps.version == 5 and total == 40 and ps.total_samples() == 50
+    stats = ps.staleness_summary()
+    assert stats == {"mean": 0.8, "p50": 1, "p99": 2, "max": 2, "histogram": {"0": 2, "1": 2, "2": 1}}
+
+
+def test_asgd_applies_sgd_and_staleness_aware_lr() -> None:
+    for aware in (False, True):
+        ps = make_server("asgd", staleness_lr=aware)
+        w0, _ = ps.pull(1)
+        ps.push(2, grad(9), 0, 1)  # version 1
+        ps.push(2, grad(8), 1, 2)  # version 2
+        before = flat_params(ps.model).clone()
+        after, *_ = result(ps.push(1, grad(1), 0, 1))  # staleness 2
+        lr = 0.1 / 2 if aware else 0.1
+        torch.testing.assert_close(after, before - lr * grad(1))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_dcasgd_matches_a_float64_reference(adaptive: bool) -> None:
+    ps = make_server("dcasgd", dc_lambda=0.5, dc_adaptive=adaptive)
+    w_read, v = ps.pull(1)  # worker 1 reads w_read
+    ps.pull(2)
+    result(ps.push(2, grad(2), 0, 1))  # worker 2 moves the weights on
+    w = flat_params(ps.model).double()
+    g = grad(1).double()
+    lam = torch.full_like(g, 0.5)
+    if adaptive:  # the running mean square so far: g2^2 then decayed with g1^2
+        meansq = 0.95 * grad(2).double() ** 2 + 0.05 * g ** 2
+        lam = 0.5 / torch.sqrt(meansq + 1e-7)
+    expected = w - 0.1 * (g + lam * g * g * (w - w_read.double()))
+    after, *_ = result(ps.push(1, grad(1), v, 1))
+    torch.testing.assert_close(after.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_sync_ps_waits_for_everyone_then_steps_with_the_mean() -> None:
+    ps = make_server("sync-ps")
+    w0, _ = ps.pull(1)
+    first = ps.push(1, grad(1), 0, 5)
+    assert not first.done() and ps.version == 0
+    second = ps.push(2, grad(2), 0, 5)
+    w1, version, total, _ = result(first)
+    assert result(second)[1] == version == 1 and total == 10
+    torch.testing.assert_close(w1, w0 - 0.1 * (grad(1) + grad(2)) / 2)
+    assert ps.staleness == Counter({0: 2})
+
+
+def test_sync_ps_carries_on_without_a_dead_worker() -> None:
+    ps = make_server("sync-ps")
+    waiting = ps.push(1, grad(1), 0, 5)
+    assert not waiting.done()
+    ps.finished(2)  # worker 2 died
+    assert result(waiting)[1] == 1
+
+
+def test_ssp_holds_a_worker_that_runs_too_far_ahead() -> None:
+    ps = make_server("ssp", staleness=1)
+    result(ps.push(1, grad(1), 0, 1))  # clocks 1 : 0 -> within the bound
+    held = ps.push(1, grad(2), 1, 2)  # clocks 2 : 0 -> 2 ahead of the slowest
+    assert not held.done() and ps.version == 2  # applied, but the worker waits
+    result(ps.push(2, grad(3), 0, 1))  # clocks 2 : 1 -> released
+    weights, version, *_ = result(held)
+    assert version == 3  # it goes on with the newest weights
+    torch.testing.assert_close(weights, flat_params(ps.model))
+    ps.finished(2)
+    result(ps.push(1, grad(4), version, 3))  # alone now: never held
+
+
+def test_staleness_stats_empty_and_quantiles() -> None:
+    assert staleness_stats(Counter())["mean"] is None
+    stats = staleness_stats(Counter({0: 98, 7: 2}))
+    assert (stats["p50"], stats["p99"], stats["max"]) == (0, 7, 7)

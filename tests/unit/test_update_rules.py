@@ -1,0 +1,74 @@
+"""Update rules of the averaging algorithms against hand-written float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distsgd.algorithms.easgd import elastic_alpha, sync_elastic_step
+from distsgd.algorithms.hogwildpp import ring_constants, token_pass
+from distsgd.algorithms.local_sgd import parse_sync_every
+from distsgd.algorithms.param_server import ParameterServer, flat_params
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+
+
+def vec(seed: int, n: int = 6) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_sync_easgd_step_single_worker() -> None:
+    x, c = [vec(1), vec(2, 3)], [vec(3), vec(4, 3)]
+    x64, c64 = [t.double() for t in x], [t.double() for t in c]
+    sync_elastic_step(x, c, alpha=0.3, world=1)
+    for xa, ca, xb, cb in zip(x, c, x64, c64):
+        torch.testing.assert_close(xa.double(), xb - 0.3 * (xb - cb))
+        torch.testing.assert_close(ca.double(), cb + 0.3 * (xb - cb))
+
+
+def test_easgd_alpha_default_gives_beta_point_nine() -> None:
+    assert elastic_alpha(RunConfig(), 4) * 4 == pytest.approx(0.9)
+    assert elastic_alpha(RunConfig(alpha=0.1), 4) == 0.1
+
+
+def test_async_easgd_server_exchange() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ps = ParameterServer(RunConfig(alpha=0.25), model, 2, "easgd", samples_per_epoch=100)
+    c = flat_params(model).double()
+    x = vec(7, 8)
+    diff, version, total, stop = ps.elastic(1, x, 64)
+    torch.testing.assert_close(diff.double(), x.double() - c)
+    torch.testing.assert_close(flat_params(model).double(), c + 0.25 * (x.double() - c))
+    assert (version, total, stop) == (1, 64, False)
+    # the worker then moves: x - alpha d
+    torch.testing.assert_close((x - 0.25 * diff).double(), x.double() - 0.25 * (x.double() - c))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_constants(n: int) -> None:
+    beta, lam = ring_constants(n)
+    assert 0 < beta < 1 and abs(beta ** n + beta - 1) < 1e-12
+    assert lam == pytest.approx(1 - beta ** (n - 1))
+    if n == 2:
+        assert beta == pytest.approx((5 ** 0.5 - 1) / 2)
+
+
+def test_token_pass_matches_float64_reference() -> None:
+    beta, lam = ring_constants(3)
+    w_i, w_next, w_old = vec(1), vec(2), vec(3)
+    a, b, o = (t.double() for t in (w_i, w_next, w_old))
+    delta = a - o
+    next_ref = b + beta * delta
+    i_ref = lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta
+    new_i, new_next = token_pass(w_i, w_next, w_old, beta, lam)
+    torch.testing.assert_close(new_next.double(), next_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_sync_every_parsing() -> None:
+    assert parse_sync_every("epoch") is None and parse_sync_every("8") == 8
+    for bad in ("0", "-2", "often"):
+        with pytest.raises(ConfigError, match="--sync-every"):
+            parse_sync_every(bad)
