@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.85)
     parser.add_argument("--budget", type=int, default=1_200_000, help="samples for the time-to-target runs")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-time-to-target", action="store_true")
     args = parser.parse_args()
     ds = load_dataset("fashion-mnist")
     print(f"machine: {platform.node()}, torch {torch.__version__}")
@@ -46,6 +47,8 @@ def main() -> None:
         for k, v in rates.items():
             print(f"| {k} | {med[k]:.0f} | {min(v):.0f}-{max(v):.0f} |")
         print(f"\nhogwild 2x1 / single 1x1 = {med['hogwild 2x1'] / med['single 1x1']:.2f}\n", flush=True)
+    if args.skip_time_to_target:
+        return
     print(f"| partition | lock | time to {args.target:.0%} | samples to {args.target:.0%} | samples/s "
           f"| final acc ({args.budget} samples) |\n|---|---|---|---|---|---|")
     for partition, lock in (("replicated", False), ("sharded", False), ("replicated", True)):

@@ -22,6 +22,7 @@ import os
 import queue
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,26 @@ def _child_env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def record_workers(cfg: RunConfig, procs: list[Any], roles: list[tuple[str, int]]) -> None:
+    """While the run is live, ``<out>/workers.json`` lists every process: {role, rank, pid, host}."""
+    if not cfg.out:
+        return
+    import json
+    import socket
+
+    from distsgd.checkpoint import atomic_write_bytes
+
+    entries = [{"role": role, "rank": rank, "pid": p.pid, "host": socket.gethostname()}
+               for (role, rank), p in zip(roles, procs)]
+    entries.insert(0, {"role": "launcher", "rank": None, "pid": os.getpid(), "host": socket.gethostname()})
+    atomic_write_bytes(Path(cfg.out) / "workers.json", (json.dumps(entries, indent=2) + "\n").encode())
+
+
+def forget_workers(cfg: RunConfig) -> None:
+    if cfg.out:
+        (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
 
 
 class QueueSink:
@@ -133,9 +154,11 @@ def run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
                             args=(rank, world, cfg, algo_cls.name, spec, dataset, init_method, q))
             p.start()
             procs.append(p)
+        record_workers(cfg, procs, [("worker", r) for r in range(world)])
         payloads = _supervise(procs, q, sink)
     finally:
         stop_all(procs)
+        forget_workers(cfg)
         q.close()
     return [_unpack(payloads[r], cfg, spec, dataset) for r in range(world)]
 
@@ -327,6 +350,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                             args=(rank, world, cfg, algo_cls.name, spec, dataset, shared, q))
             p.start()
             procs.append(p)
+        record_workers(cfg, procs, [("worker", r) for r in range(world)])
         ready: set[int] = set()
         deadline = time.monotonic() + cfg.timeout_s
         while len(ready) + len(failed) < world:  # everyone has built its model and optimiser
@@ -368,6 +392,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
         train_wall_s = clock.elapsed()
     finally:
         stop_all(procs)
+        forget_workers(cfg)
         q.close()
     if len(failed) == world:
         first = min(failed)
@@ -492,6 +517,7 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
                                 args=(rank, world, cfg, algo_cls.name, spec, dataset, init_method, q, dead_flags))
                 p.start()
                 procs.append(p)
+        record_workers(cfg, procs, [("server", 0)] + [("worker", r) for r in range(workers)])
         while 0 not in payloads:
             try:
                 kind, rank, body = q.get(timeout=0.05)
@@ -525,6 +551,7 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
                 pass
     finally:
         stop_all(procs)
+        forget_workers(cfg)
         q.close()
     chief = _unpack(payloads[0], cfg, spec, dataset)
     chief.extra["failed_workers"] = sorted(r - 1 for r in failed)

@@ -25,7 +25,8 @@ def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig,
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for entry in runs:
         groups.setdefault((entry["algo"], entry["workers"]), []).append(entry["summary"])
-    single = [s["samples_per_s"] for (a, w), ss in groups.items() if a == "single" and w == 1 for s in ss]
+    single = [s["samples_per_s"] for (a, w), ss in groups.items() if a.split("[")[0] == "single" and w == 1
+              for s in ss]
     rows = []
     for (algo, workers), summaries in groups.items():
         own_one = [s["samples_per_s"] for s in groups.get((algo, 1), [])]

@@ -107,8 +107,10 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
     if not workers or min(workers) < 1:
         raise ConfigError(f"--workers must list positive counts, got {workers}")
     plan = []
+    seen = set()
     for spec in algos:
         for w in workers:
+            # an algorithm's own options may fix its worker count: single[workers=1]
             cfg = config_mod.from_mapping(dict(spec.options), base.replace(algo=spec.name, workers=w), spec.label)
             try:
                 config_mod.validate(cfg)
@@ -116,7 +118,9 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
             except ConfigError as exc:
                 log.warning("skipping %s with %d workers: %s", spec.label, w, exc)
                 continue
-            plan.append((spec, w, cfg))
+            if (spec.label, cfg.workers) not in seen:
+                seen.add((spec.label, cfg.workers))
+                plan.append((spec, cfg.workers, cfg))
     if not plan:
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
     out = prepare_out_dir(out, overwrite)
