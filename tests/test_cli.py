@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from distsgd import cli
+
 from helpers import make_idx_dataset, run_cli
 
 pytest.importorskip("sklearn")
@@ -83,19 +85,71 @@ BAD = {
     "not a number": (lambda t: ["--lr", "fast"], "argument --lr: invalid float value"),
     "unknown dataset": (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     "missing npz": (lambda t: ["--dataset", f"npz:{t / 'x.npz'}", "--model", "logreg"], "npz file not found"),
+    "nan in npz": (lambda t: ["--dataset", f"npz:{_nan_npz(t)}", "--model", "logreg"], "contains NaN"),
+    "labels out of range": (lambda t: ["--dataset", "mnist", "--data-dir", _bad_labels_idx(t)],
+                            "labels must lie in 0..9"),
+    "mistyped toml key": (lambda t: ["--config", _toml(t, "epohcs = 3\n")], "unknown setting 'epohcs'"),
+    "wrong toml type": (lambda t: ["--config", _toml(t, "workers = 'two'\n")], "'workers' must be a whole number"),
+    "nccl without a gpu": (lambda t: ["--algo", "allreduce", "--workers", "2", "--backend", "nccl"],
+                           "--backend nccl needs CUDA GPUs"),
+    "existing run directory": (lambda t: ["--dataset", "digits", "--model", "logreg", "--out", _existing(t)],
+                               "already exists; choose another --out or pass --overwrite"),
+    "bad init method": (lambda t: ["--algo", "allreduce", "--workers", "2", "--init-method", "udp://x:1"],
+                        "--init-method must be"),
+    "bad checkpoint interval": (lambda t: ["--checkpoint-every", "abc"], "--checkpoint-every must be"),
 }
 
 
+def _nan_npz(t: Path) -> Path:
+    import numpy as np
+
+    path = t / "nan.npz"
+    np.savez(path, x=np.array([[1.0, np.nan], [0.0, 1.0]]), y=np.array([0, 1]))
+    return path
+
+
+def _bad_labels_idx(t: Path) -> str:
+    from helpers import write_idx
+    import numpy as np
+
+    folder = make_idx_dataset(t / "labels", gz=False)
+    write_idx(folder / "train-labels-idx1-ubyte", np.full(60, 11))
+    return str(folder)
+
+
+def _toml(t: Path, text: str) -> str:
+    path = t / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _existing(t: Path) -> str:
+    (t / "old").mkdir()
+    (t / "old" / "summary.json").write_text("{}")
+    return str(t / "old")
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
+def test_bad_input_is_one_error_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture) -> None:
+    """In-process, through the same main() the command runs (one subprocess case below proves the wiring)."""
     make_args, message = BAD[case]
-    res = distsgd("train", "--out", str(tmp_path / "out"), *make_args(tmp_path))
-    assert res.returncode == 2, res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
+    try:
+        code = cli.main(["train", "--out", str(tmp_path / "out"), *make_args(tmp_path)])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
-    assert "Traceback" not in res.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    res = distsgd("train", "--dataset", "digits", "--model", "mnist_net", "--out", str(tmp_path / "out"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == "error: model mnist_net cannot take digits's input of shape 1x8x8: " + \
+        res.stderr.strip().split(": ", 2)[2]
 
 
 def test_eval_of_a_missing_checkpoint(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from distsgd import config as config_mod
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import GROUP, SERVER, SHARED, SINGLE
-from distsgd.checkpoint import atomic_write_json, save_model
+from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate
 from distsgd.data import Dataset, from_arrays, load_dataset
 from distsgd.errors import ConfigError, DataError, ModelError
@@ -59,8 +59,8 @@ class _CopyOf:
         return copy.deepcopy(self.module)
 
 
-def train(model: ModelSpec | nn.Module = "mnist_net", data: Any = "fashion-mnist", algo: str = "single",
-          workers: int = 1, **settings: Any) -> TrainResult:
+def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: str | None = None,
+          workers: int | None = None, **settings: Any) -> TrainResult:
     """Train ``model`` on ``data`` with ``algo`` and ``workers``; return the summary and the model.
 
     ``model``: a built-in name (``mnist_net``, ``cifar_net``, ``mlp``, ``logreg``), a
@@ -69,8 +69,18 @@ def train(model: ModelSpec | nn.Module = "mnist_net", data: Any = "fashion-mnist
     ``(x, y)`` / ``(x, y, x_test, y_test)`` / a dict with those keys.
     ``settings``: any :class:`~distsgd.config.RunConfig` field, e.g. ``epochs=2, lr=0.05``.
     Files are written only when ``out=`` is given. Progress is shown unless ``quiet=True``.
+    ``resume="runs/x"`` continues the run saved there (with e.g. a new ``epochs=``); defaults are
+    then the saved run's settings.
     """
-    cfg = config_mod.from_mapping(dict(settings), RunConfig(algo=algo, workers=workers), source="train()")
+    given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
+    if settings.get("resume"):
+        cfg = config_mod.for_resume(settings["resume"], {**given, **settings})
+        model = model if model is not None else cfg.model
+        data = data if data is not None else cfg.dataset
+    else:
+        cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="train()")
+        model = model if model is not None else cfg.model
+        data = data if data is not None else cfg.dataset
     dataset: Dataset | None = None
     if isinstance(data, str):
         cfg = cfg.replace(dataset=data)
@@ -133,6 +143,20 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
         if cfg.workers < 1:
             raise ConfigError(f"{cfg.algo} needs a server and at least one worker: torchrun --nproc-per-node 2 or more")
     algo_cls.check(cfg)
+    if torchrun and cfg.out and not cfg.resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
+            and read_manifest(Path(cfg.out)) is not None:
+        log.warning("torchrun restarted the group: resuming from the checkpoint in %s", cfg.out)
+        cfg = cfg.replace(resume=cfg.out)
+    if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
+        raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo} yet (they are for single, "
+                          f"allreduce, ddp, local-sgd and sync easgd)")
+    if cfg.resume:
+        manifest = read_manifest(Path(cfg.resume))
+        if manifest is None:
+            raise ConfigError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
+        if manifest["world"] != cfg.workers:
+            raise ConfigError(f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
+                              f"--workers {manifest['world']}")
     if algo_cls.topology == GROUP:
         group.check_backend(cfg)
         group.check_init_method(cfg.init_method)
@@ -140,6 +164,9 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
         raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
                           f"torchrun, with --workers N (across machines, use hogwild++)")
     chief = not torchrun or os.environ.get("RANK") == "0"
+    if torchrun and chief and os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
+                    "use it only on a trusted network", os.environ.get("MASTER_ADDR"))
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -160,7 +187,10 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     if len(dataset.y_train) < cfg.workers:
         raise ConfigError(f"{len(dataset.y_train)} training samples cannot be shared among {cfg.workers} workers")
 
-    out = prepare_out_dir(Path(cfg.out), cfg.overwrite) if cfg.out and chief else None
+    resuming_in_place = bool(cfg.resume and cfg.out and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
+    out = None
+    if cfg.out and chief:
+        out = Path(cfg.out) if resuming_in_place else prepare_out_dir(Path(cfg.out), cfg.overwrite)
     writer = None
     sinks = []
     if out is not None:

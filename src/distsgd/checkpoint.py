@@ -84,3 +84,56 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path} is not a distsgd model checkpoint")
     return data
+
+
+# --- training checkpoints: one file per worker rank, and a manifest naming the newest whole set ---
+CHECKPOINT_DIR = "checkpoint"
+MANIFEST = "manifest.json"
+
+
+def worker_file(ckpt_dir: Path, seq: int, rank: int) -> Path:
+    return ckpt_dir / f"ckpt-{seq:06d}-rank{rank}.pt"
+
+
+def save_worker_state(ckpt_dir: Path, seq: int, rank: int, state: dict[str, Any]) -> None:
+    """Write one worker's state of checkpoint ``seq`` (atomically; the manifest comes later)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    atomic_save(state, worker_file(ckpt_dir, seq, rank))
+
+
+def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any]) -> None:
+    """Point the manifest at checkpoint ``seq`` once every worker's file is written, then drop older ones.
+
+    Until the manifest is replaced, it names the previous whole checkpoint, so a crash while
+    writing never leaves a run without one.
+    """
+    missing = [r for r in range(world) if not worker_file(ckpt_dir, seq, r).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {seq} is missing the files of workers {missing}")
+    atomic_write_json({"seq": seq, "world": world, **meta}, ckpt_dir / MANIFEST)
+    for old in ckpt_dir.glob("ckpt-*-rank*.pt"):
+        if not old.name.startswith(f"ckpt-{seq:06d}-"):
+            old.unlink(missing_ok=True)
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / CHECKPOINT_DIR / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def load_worker_state(run_dir: Path, rank: int) -> dict[str, Any]:
+    """This worker's state from the newest whole checkpoint in ``run_dir`` (weights only)."""
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
+    path = worker_file(Path(run_dir) / CHECKPOINT_DIR, manifest["seq"], rank)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None

@@ -68,6 +68,8 @@ HELP = {
     "easgd_mode": "easgd: sync (all-reduce) or async (centre on a parameter server); default sync",
     "cluster_size": "hogwild++: worker processes per cluster; default 1",
     "update_delay": "hogwild++: local updates a cluster makes before passing the token on; default 16",
+    "checkpoint_every": "save a checkpoint every N samples (all workers) or 'epoch' into <out>/checkpoint",
+    "resume": "continue the run saved in DIR (up to the --epochs or --max-samples given now), into DIR or --out",
     "straggler": "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in proportion to its step time)",
 }
 FLAG_NAMES = {"timeout_s": "--timeout"}
@@ -119,11 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    cfg = config_mod.load_toml(args.config) if args.config else RunConfig()
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
              if f.name != "extra" and getattr(args, f.name, None) is not None}
     if args.command == "bench":
         given.pop("workers", None)
+    if given.get("resume"):  # the saved run's settings, with the flags given now on top
+        return config_mod.for_resume(given["resume"], given)
+    cfg = config_mod.load_toml(args.config) if args.config else RunConfig()
     return config_mod.from_mapping(given, cfg, source="the command line")
 
 

@@ -83,6 +83,9 @@ class RunConfig:
     # hogwild++: processes per cluster, and local updates between token passes.
     cluster_size: int = 1
     update_delay: int = 16
+    # Checkpoints: every N samples (all workers) or "epoch"; --resume DIR continues a run.
+    checkpoint_every: str | None = None
+    resume: str | None = None
     # Benchmarks: "RANK:FACTOR" makes worker RANK FACTOR times slower (it sleeps after each step).
     straggler: str | None = None
     # Extra settings an algorithm may read; kept so a TOML file round-trips.
@@ -123,7 +126,7 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"setting '{name}' must be a number, got {value!r}")
         return float(value)
-    if name == "sync_every" and isinstance(value, int) and not isinstance(value, bool):
+    if name in ("sync_every", "checkpoint_every") and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if "str" in annotation:
         if not isinstance(value, (str, os.PathLike)):
@@ -258,6 +261,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
     need(cfg.cluster_size >= 1, f"--cluster-size must be at least 1, got {cfg.cluster_size}")
     need(cfg.update_delay >= 1, f"--update-delay must be at least 1, got {cfg.update_delay}")
+    if cfg.checkpoint_every is not None:
+        checkpoint_interval(cfg.checkpoint_every)
+        need(cfg.out is not None, "--checkpoint-every needs a run directory (--out)")
     if cfg.straggler is not None:
         rank, factor = parse_straggler(cfg.straggler)
         need(rank < cfg.workers, f"--straggler names worker {rank}, but there are only {cfg.workers} workers")
@@ -265,6 +271,33 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     registry.get(cfg.algo)  # raises ConfigError for an unknown name
     return cfg
+
+
+def checkpoint_interval(text: str) -> int | None:
+    """'epoch' -> None (at each epoch's end), else a positive number of samples."""
+    if text == "epoch":
+        return None
+    try:
+        samples = int(text)
+    except ValueError:
+        samples = 0
+    if samples < 1:
+        raise ConfigError(f"--checkpoint-every must be a positive number of samples or 'epoch', got '{text}'")
+    return samples
+
+
+def for_resume(run_dir: str | Path, overrides: dict[str, Any]) -> RunConfig:
+    """The configuration of the run saved in ``run_dir``, with ``overrides`` (e.g. a new --epochs) on top.
+
+    It writes back into ``run_dir`` unless ``overrides`` names another ``out``.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"--resume {run_dir}: not a distsgd run directory (no config.toml)")
+    base = load_toml(run_dir / "config.toml")
+    changes = {k: v for k, v in overrides.items() if k != "resume"}
+    cfg = from_mapping(changes, base, source="the resumed run's settings")
+    return cfg.replace(resume=str(run_dir), out=cfg.out if "out" in changes else str(run_dir))
 
 
 def parse_straggler(text: str) -> tuple[int, float]:

@@ -64,6 +64,10 @@ class TrainClock:
         self._paused_total = 0.0
         self._paused_at: float | None = None
 
+    def add(self, seconds: float) -> None:
+        """Count ``seconds`` of earlier training (a resumed run)."""
+        self._start -= seconds
+
     def pause(self) -> None:
         if self._paused_at is None:
             self._paused_at = time.perf_counter()

@@ -97,6 +97,23 @@ class Algorithm:
     def summary(self) -> dict[str, Any]:
         return {}
 
+    # -- checkpoints ------------------------------------------------------------------------
+    checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
+
+    def local_module(self, model: nn.Module) -> nn.Module:
+        """This worker's own model, unwrapped (what a checkpoint stores)."""
+        return model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The algorithm's own state for a checkpoint (plain values and tensors only)."""
+        return {"bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bytes_sent = state["bytes_sent"]
+
+    def barrier(self, ctx: "WorkerContext") -> None:
+        """Wait until every worker got here (a checkpoint is whole only then)."""
+
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -131,6 +148,11 @@ class GroupAlgorithm(Algorithm):
 
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def barrier(self, ctx: "WorkerContext") -> None:
         import torch.distributed as dist
 
         dist.barrier()

@@ -32,5 +32,8 @@ class DDP(GroupAlgorithm):
         # Evaluating through the wrapper would run DDP's forward (and its collectives) on rank 0 alone.
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    def local_module(self, model: nn.Module) -> nn.Module:
+        return self.evaluation_model(model)
+
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.evaluation_model(model)

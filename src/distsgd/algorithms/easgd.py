@@ -72,8 +72,9 @@ class EASGD(_Check, GroupAlgorithm):
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world
         self.alpha = elastic_alpha(self.cfg, ctx.world)
-        for p in model.parameters():  # one starting point for workers and centre
-            dist.broadcast(p.data, src=0)
+        if not ctx.resumed:
+            for p in model.parameters():  # one starting point for workers and centre
+                dist.broadcast(p.data, src=0)
         self.center_model = copy.deepcopy(model)
         self.center = params(self.center_model)
         self.x = params(model)
@@ -88,6 +89,14 @@ class EASGD(_Check, GroupAlgorithm):
     def evaluation_model(self, model: nn.Module) -> nn.Module:
         return self.center_model
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self.steps, "center": flatten(self.center)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps = state["steps"]
+        unflatten_into(state["center"], self.center)
+
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
 
@@ -98,6 +107,7 @@ class EASGD(_Check, GroupAlgorithm):
 class AsyncEASGD(_Check, ServerAlgorithm):
     """The worker side of asynchronous EASGD: exchange elastic differences with the server."""
 
+    checkpoints = False
     name = "easgd"
     topology = SERVER
     mode = "easgd"

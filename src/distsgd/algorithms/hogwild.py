@@ -50,6 +50,7 @@ def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> n
 class Hogwild(Algorithm):
     name = "hogwild"
     topology = SHARED
+    checkpoints = False  # not yet: see the README
     summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
 
     @classmethod

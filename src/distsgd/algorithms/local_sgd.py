@@ -54,7 +54,8 @@ class LocalSGD(GroupAlgorithm):
         self.steps = 0
         self.averagings = 0
         self.dirty = False
-        allreduce_mean_(self.params, self.world)  # start from one model
+        if not ctx.resumed:  # start from one model (a resumed worker keeps its own)
+            allreduce_mean_(self.params, self.world)
         return model
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
@@ -82,6 +83,13 @@ class LocalSGD(GroupAlgorithm):
         self.sent(allreduce_mean_(self.params, self.world), self.world)
         self.averagings += 1
         self.dirty = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self.steps, "averagings": self.averagings, "dirty": self.dirty}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps, self.averagings, self.dirty = state["steps"], state["averagings"], state["dirty"]
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "averagings": self.averagings}

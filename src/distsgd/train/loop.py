@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distsgd.algorithms.base import Algorithm
-from distsgd.config import RunConfig, parse_straggler, threads_per_worker
+from distsgd.config import RunConfig, checkpoint_interval, parse_straggler, threads_per_worker
 from distsgd.data import Dataset
+from distsgd import checkpoint
 from distsgd.errors import ConfigError
 from distsgd.data.partition import _mix, epoch_indices, shard_size
 from distsgd.metrics import NullSink, Sink, TrainClock
@@ -48,6 +50,7 @@ class WorkerContext:
         if self.evaluates is None:
             self.evaluates = self.reports
     state: dict[str, Any] = field(default_factory=dict)  # the algorithm's per-worker scratch
+    resumed: bool = False  # continuing from a checkpoint: do not re-synchronise the start
 
 
 @dataclass
@@ -70,9 +73,19 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
     # Same seed in every worker: every replica starts from the same weights.
     model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
     model.train()
+    resume = checkpoint.load_worker_state(Path(cfg.resume), ctx.rank) if cfg.resume else None
+    ctx.resumed = resume is not None
+    if resume is not None:
+        model.load_state_dict(resume["model"])
     model = algo.setup(ctx, model)
     optimizer = algo.make_optimizer(ctx, model)
     torch.manual_seed(_mix(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        algo.load_state_dict(resume["algo"])
+        torch.set_rng_state(resume["rng"])
+    ckpt_every = checkpoint_interval(cfg.checkpoint_every) if cfg.checkpoint_every else None
+    ckpt_dir = Path(cfg.out) / checkpoint.CHECKPOINT_DIR if cfg.out else None
 
     x_all, y_all = ds.x_train, ds.y_train
     n = len(y_all)
@@ -95,8 +108,15 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
     loss_sum = torch.zeros(())
     loss_steps = 0
     next_eval = cfg.eval_every
+    next_ckpt = ckpt_every
     stop = False
     last_eval_at = -1
+    epoch, first_start, seq = 0, 0, 0
+    if resume is not None:
+        epoch, first_start, local, steps = resume["epoch"], resume["start"], resume["local"], resume["steps"]
+        evals, next_eval, last_eval_at, seq = resume["evals"], resume["next_eval"], resume["last_eval_at"], resume["seq"]
+        next_ckpt = resume["next_ckpt"] if ckpt_every is not None else None
+        clock.add(resume["train_wall_s"])
 
     def global_now() -> int:
         return algo.global_samples(ctx, local)
@@ -118,10 +138,27 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
             reached = cfg.stop_at_target and cfg.target_accuracy is not None and acc >= cfg.target_accuracy
         return algo.agree(ctx, reached) if cfg.stop_at_target and decide else False
 
-    epoch = 0
+    def save_checkpoint(epoch_next: int, start_next: int) -> None:
+        """Every worker writes its state; rank 0 then points the manifest at the new set."""
+        nonlocal seq
+        clock.pause()
+        seq += 1
+        state = {"model": algo.local_module(model).state_dict(), "optimizer": optimizer.state_dict(),
+                 "algo": algo.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch_next, "start": start_next,
+                 "local": local, "steps": steps, "evals": evals, "next_eval": next_eval, "next_ckpt": next_ckpt,
+                 "last_eval_at": last_eval_at, "seq": seq, "train_wall_s": clock.elapsed()}
+        checkpoint.save_worker_state(ckpt_dir, seq, ctx.rank, state)
+        algo.barrier(ctx)
+        if ctx.rank == 0:
+            checkpoint.commit_checkpoint(ckpt_dir, seq, ctx.world, {"samples": global_now(), "epoch": epoch_next,
+                                                                    "algo": cfg.algo})
+            ctx.sink.emit({"event": "checkpoint", "seq": seq, "samples": global_now(), "epoch": epoch_next,
+                           "train_wall_s": clock.elapsed()})
+        clock.resume()
+
     while not stop and (cfg.max_samples is not None or epoch < cfg.epochs):
         order = epoch_indices(n, epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
-        for start in range(0, len(order), cfg.batch_size):
+        for start in range(first_start, len(order), cfg.batch_size):
             if (cfg.max_samples is not None and global_now() >= cfg.max_samples) or not algo.keep_going(ctx):
                 stop = True
                 break
@@ -159,10 +196,19 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
                 if do_eval(local / per_epoch):
                     stop = True
                     break
+            if next_ckpt is not None and global_now() >= next_ckpt:
+                while next_ckpt <= global_now():
+                    next_ckpt += ckpt_every
+                save_checkpoint(epoch, start + cfg.batch_size)
+        first_start = 0
+        if stop:
+            break
         algo.on_epoch_end(ctx, model, epoch)
         epoch += 1
-        if not stop and cfg.eval_every is None and (cfg.max_samples is None or global_now() < cfg.max_samples):
+        if cfg.eval_every is None and (cfg.max_samples is None or global_now() < cfg.max_samples):
             stop = do_eval(local / per_epoch)
+        if cfg.checkpoint_every == "epoch":
+            save_checkpoint(epoch, 0)
     train_wall_s = clock.elapsed()
     model = algo.finish(ctx, model)
     if global_now() != last_eval_at:  # the final model is always evaluated

@@ -1,0 +1,128 @@
+"""Checkpoints and exact resume; a torchrun restart after a SIGKILL resumes by itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import distsgd
+from distsgd import checkpoint
+from distsgd.errors import CheckpointError
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+DROPOUT_MODEL = '''
+import os, signal
+import torch.nn as nn
+
+class Net(nn.Module):
+    """A small MLP with dropout, so resuming must restore the random state too. Under torchrun,
+    worker KILL_RANK is SIGKILLed at its KILL_STEP-th step of the first attempt only."""
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            self.calls += 1
+            if os.environ.get("RANK") == os.environ.get("KILL_RANK") and self.calls == int(os.environ["KILL_STEP"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+
+@pytest.fixture
+def dropout_model(tmp_path: Path) -> str:
+    path = tmp_path / "dropnet.py"
+    path.write_text(DROPOUT_MODEL)
+    return f"{path}:Net"
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("algo, workers, every", [("single", 1, "300"), ("allreduce", 2, "epoch"),
+                                                  ("local-sgd", 2, "500"), ("ddp", 2, "epoch")])
+def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every) -> None:
+    common = dict(model=dropout_model, data="digits", algo=algo, workers=workers, lr=0.05, checkpoint_every=every,
+                  quiet=True, sync_every="4")
+    full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
+    distsgd.train(max_samples=1436, out=str(tmp_path / "part"), **common)
+    resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=2872)
+    assert resumed.summary["samples"] == full.summary["samples"]
+    assert resumed.summary["final_test_loss"] == full.summary["final_test_loss"]
+    assert all(torch.equal(a, b) for a, b in zip(_params(full.model), _params(resumed.model)))
+    # Evaluations made before the checkpoint come back; one made only because the first run ended there
+    # (its final evaluation) does not.
+    assert {e["samples"] for e in resumed.summary["evals"]} <= {e["samples"] for e in full.summary["evals"]}
+    assert resumed.summary["evals"][-1] == full.summary["evals"][-1] | {"train_wall_s": resumed.summary["evals"][-1]
+                                                                        ["train_wall_s"]}
+    saved = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert saved["samples"] == full.summary["samples"]  # written back into the resumed directory
+
+
+def test_resume_elsewhere_and_continue_training_in_epochs(tmp_path) -> None:
+    distsgd.train(model="mlp", data="digits", epochs=1, checkpoint_every="epoch", out=str(tmp_path / "a"), quiet=True)
+    s = distsgd.train(resume=str(tmp_path / "a"), epochs=3, out=str(tmp_path / "b")).summary
+    assert s["samples"] == 3 * 1437 and len(s["evals"]) == 3
+    assert (tmp_path / "b" / "model.pt").exists() and (tmp_path / "b" / "summary.json").exists()
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["samples"] == 1437  # untouched
+
+
+def test_previous_checkpoint_stays_until_the_new_one_is_whole(tmp_path) -> None:
+    ckpt = tmp_path / "checkpoint"
+    for rank in range(2):
+        checkpoint.save_worker_state(ckpt, 1, rank, {"x": torch.ones(2) * rank})
+    checkpoint.commit_checkpoint(ckpt, 1, 2, {})
+    checkpoint.save_worker_state(ckpt, 2, 0, {"x": torch.zeros(2)})  # worker 1 dies before writing seq 2
+    with pytest.raises(CheckpointError, match=r"missing the files of workers \[1\]"):
+        checkpoint.commit_checkpoint(ckpt, 2, 2, {})
+    assert checkpoint.read_manifest(tmp_path)["seq"] == 1
+    assert torch.equal(checkpoint.load_worker_state(tmp_path, 1)["x"], torch.ones(2))
+    assert not list(tmp_path.glob("checkpoint/*.tmp"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"algo": "hogwild", "workers": 2, "checkpoint_every": "epoch"}, "not supported for hogwild"),
+    ({"checkpoint_every": "often"}, "--checkpoint-every must be"),
+])
+def test_bad_checkpoint_settings(tmp_path, kwargs, message) -> None:
+    with pytest.raises(distsgd.ConfigError, match=message):
+        distsgd.train(model="mlp", data="digits", out=str(tmp_path / "r"), quiet=True, **kwargs)
+
+
+def test_bad_resume(tmp_path) -> None:
+    with pytest.raises(distsgd.ConfigError, match="not a distsgd run directory"):
+        distsgd.train(resume=str(tmp_path / "nothing"))
+    distsgd.train(model="mlp", data="digits", epochs=1, out=str(tmp_path / "plain"), quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="no checkpoint in"):
+        distsgd.train(resume=str(tmp_path / "plain"), epochs=2)
+    distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, epochs=1, checkpoint_every="epoch",
+                  out=str(tmp_path / "two"), quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="has 2 workers; resume it with --workers 2"):
+        distsgd.train(resume=str(tmp_path / "two"), workers=1, algo="single", epochs=2)
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
+    args = ["train", "--algo", "allreduce", "--dataset", "digits", "--model", dropout_model, "--max-samples", "2872",
+            "--lr", "0.05", "--checkpoint-every", "400", "--quiet"]
+    torchrun = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "distsgd"]
+    env = {"OMP_NUM_THREADS": "1", "KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
+    res = run_cli(*torchrun, *args, "--out", str(tmp_path / "restarted"), module="torch.distributed.run",
+                  timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from the checkpoint" in res.stderr
+    res = run_cli(*torchrun, *args, "--out", str(tmp_path / "clean"), module="torch.distributed.run", timeout=240,
+                  env={**env, "KILL_RANK": "none"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    restarted = json.loads((tmp_path / "restarted" / "summary.json").read_text())
+    clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
+    assert restarted["samples"] == clean["samples"] == 2872
+    assert restarted["final_test_loss"] == clean["final_test_loss"]
