@@ -273,17 +273,21 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def checkpoint_interval(text: str) -> int | None:
-    """'epoch' -> None (at each epoch's end), else a positive number of samples."""
+def parse_every(text: str, flag: str, unit: str) -> int | None:
+    """'epoch' -> None (at each epoch's end), else a positive whole number of ``unit``."""
     if text == "epoch":
         return None
     try:
-        samples = int(text)
+        count = int(text)
     except ValueError:
-        samples = 0
-    if samples < 1:
-        raise ConfigError(f"--checkpoint-every must be a positive number of samples or 'epoch', got '{text}'")
-    return samples
+        count = 0
+    if count < 1:
+        raise ConfigError(f"{flag} must be a positive number of {unit} or 'epoch', got '{text}'")
+    return count
+
+
+def checkpoint_interval(text: str) -> int | None:
+    return parse_every(text, "--checkpoint-every", "samples")
 
 
 def for_resume(run_dir: str | Path, overrides: dict[str, Any]) -> RunConfig:

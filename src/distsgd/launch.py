@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distsgd.comm.group import LOOPBACK, free_port, init_group, leave_group
+from distsgd.comm.group import LOOPBACK, free_port, init_group, init_torchrun_group, leave_group
 from distsgd.config import RunConfig
 from distsgd.data import Dataset
 from distsgd.errors import WorkerError
@@ -114,6 +114,36 @@ def _unpack(payload: dict[str, Any], cfg: RunConfig, spec: ModelSpec, dataset: D
     return WorkerResult(model=model, **payload)
 
 
+def _report(q: Any, rank: int, body: Any) -> None:
+    """Run a worker's body; send its result, or its error in one line, to the launcher."""
+    try:
+        q.put(("result", rank, _pack(body())))
+    except KeyboardInterrupt:
+        q.put(("error", rank, "interrupted"))
+        raise SystemExit(130) from None
+    except BaseException as exc:  # report anything, in one line, then exit non-zero
+        q.put(("error", rank, _error_text(exc)))
+        raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def _spawned(cfg: RunConfig, mpc: Any, q: Any, target: Any, roles: list[tuple[str, int]],
+             args: Any) -> Iterator[list[Any]]:
+    """Start one process per role (``args(i)`` gives the i-th one's arguments); reap them all on exit."""
+    procs: list[Any] = []
+    try:
+        for i, (role, rank) in enumerate(roles):
+            p = mpc.Process(target=target, name=f"distsgd-{role}-{rank}", args=args(i))
+            p.start()
+            procs.append(p)
+        record_workers(cfg, procs, roles)
+        yield procs
+    finally:
+        stop_all(procs)
+        forget_workers(cfg)
+        q.close()
+
+
 def _worker_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset,
                   init_method: str, q: Any) -> None:
     """The body of a spawned worker process."""
@@ -123,19 +153,14 @@ def _worker_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: M
         _loopback_only()
     from distsgd.algorithms import registry
 
-    try:
+    def body() -> WorkerResult:
         init_group(cfg, rank, world, init_method)
-        algo = registry.resolve(algo_name, cfg)(cfg)
         ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
                             sink=QueueSink(q) if rank == 0 else NullSink(), reports=rank == 0)
-        result = run_worker(ctx, algo)
-        q.put(("result", rank, _pack(result)))
-    except KeyboardInterrupt:
-        q.put(("error", rank, "interrupted"))
-        raise SystemExit(130) from None
-    except BaseException as exc:  # report anything, in one line, then exit non-zero
-        q.put(("error", rank, _error_text(exc)))
-        raise SystemExit(1) from None
+        return run_worker(ctx, registry.resolve(algo_name, cfg)(cfg))
+
+    try:
+        _report(q, rank, body)
     finally:
         leave_group()
 
@@ -145,21 +170,11 @@ def run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
     world = cfg.workers
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     dataset.share_memory_()  # every worker reads one copy
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = []
-    try:
-        for rank in range(world):
-            p = ctx.Process(target=_worker_entry, name=f"distsgd-worker-{rank}",
-                            args=(rank, world, cfg, algo_cls.name, spec, dataset, init_method, q))
-            p.start()
-            procs.append(p)
-        record_workers(cfg, procs, [("worker", r) for r in range(world)])
+    mpc = mp.get_context("spawn")
+    q = mpc.Queue()
+    with _spawned(cfg, mpc, q, _worker_entry, [("worker", r) for r in range(world)],
+                  lambda r: (r, world, cfg, algo_cls.name, spec, dataset, init_method, q)) as procs:
         payloads = _supervise(procs, q, sink)
-    finally:
-        stop_all(procs)
-        forget_workers(cfg)
-        q.close()
     return [_unpack(payloads[r], cfg, spec, dataset) for r in range(world)]
 
 
@@ -248,7 +263,7 @@ def stop_all(procs: list[Any], grace_s: float = STOP_GRACE_S) -> None:
 def run_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink) -> list[WorkerResult]:
     """Be one worker of the group torchrun formed. Rank 0 gets every worker's result."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_group(cfg, rank, world, "env://")
+    init_torchrun_group(cfg, rank, world)
     try:
         ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
                             sink=sink if rank == 0 else NullSink(), reports=rank == 0)
@@ -270,16 +285,12 @@ def _shared_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: M
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     from distsgd.algorithms import registry
 
-    try:
+    def body() -> WorkerResult:
         ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
                             sink=QueueSink(q, rank), reports=True, evaluates=False, state={**shared, "queue": q})
-        result = run_worker(ctx, registry.resolve(algo_name, cfg)(cfg))
-        q.put(("result", rank, _pack(result)))
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
-    except BaseException as exc:
-        q.put(("error", rank, _error_text(exc)))
-        raise SystemExit(1) from None
+        return run_worker(ctx, registry.resolve(algo_name, cfg)(cfg))
+
+    _report(q, rank, body)
 
 
 def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink) -> list[WorkerResult]:
@@ -310,7 +321,6 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
 
     counts = shared["counts"]
     q = mpc.Queue()
-    procs: list[Any] = []
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
     global_per_epoch = shard_size(len(dataset.y_train), world, cfg.partition) * world
@@ -344,13 +354,8 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
             if p.exitcode is not None and p.exitcode != 0 and r not in failed and r not in payloads:
                 failed[r] = _describe_exit(p.exitcode)
 
-    try:
-        for rank in range(world):
-            p = mpc.Process(target=_shared_entry, name=f"distsgd-worker-{rank}",
-                            args=(rank, world, cfg, algo_cls.name, spec, dataset, shared, q))
-            p.start()
-            procs.append(p)
-        record_workers(cfg, procs, [("worker", r) for r in range(world)])
+    with _spawned(cfg, mpc, q, _shared_entry, [("worker", r) for r in range(world)],
+                  lambda r: (r, world, cfg, algo_cls.name, spec, dataset, shared, q)) as procs:
         ready: set[int] = set()
         deadline = time.monotonic() + cfg.timeout_s
         while len(ready) + len(failed) < world:  # everyone has built its model and optimiser
@@ -390,10 +395,6 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                 else:
                     snapshots.append((done, clock.elapsed(), state))
         train_wall_s = clock.elapsed()
-    finally:
-        stop_all(procs)
-        forget_workers(cfg)
-        q.close()
     if len(failed) == world:
         first = min(failed)
         raise WorkerError(f"all {world} workers failed; worker {first}: {failed[first]}")
@@ -478,18 +479,15 @@ def _ps_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: Model
                         format=("server" if rank == 0 else f"worker {rank - 1}") + ": %(levelname)s: %(message)s")
     _loopback_only()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    try:
+    def body() -> WorkerResult:
         if rank == 0:
-            dead = lambda: {int(r) for r in torch.nonzero(dead_flags).flatten()}  # noqa: E731
-            result = _server_role(cfg, algo_name, spec, dataset, world, init_method, QueueSink(q, 0), dead)
-        else:
-            result = _ps_worker_role(cfg, algo_name, spec, dataset, rank, world, init_method, QueueSink(q, rank))
-        q.put(("result", rank, _pack(result)))
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
-    except BaseException as exc:
-        q.put(("error", rank, _error_text(exc)))
-        raise SystemExit(1) from None
+            def dead() -> set[int]:
+                return {int(r) for r in torch.nonzero(dead_flags).flatten()}
+
+            return _server_role(cfg, algo_name, spec, dataset, world, init_method, QueueSink(q, 0), dead)
+        return _ps_worker_role(cfg, algo_name, spec, dataset, rank, world, init_method, QueueSink(q, rank))
+
+    _report(q, rank, body)
 
 
 def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
@@ -506,18 +504,12 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
     dead_flags = torch.zeros(world, dtype=torch.int8).share_memory_()
     mpc = mp.get_context("spawn")
     q = mpc.Queue()
-    procs: list[Any] = []
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
-    try:
-        # TensorPipe logs every closed pipe at shutdown as a warning; keep C++ logs to errors.
-        with _child_env(TORCH_CPP_LOG_LEVEL="ERROR"):
-            for rank in range(world):
-                p = mpc.Process(target=_ps_entry, name="distsgd-server" if rank == 0 else f"distsgd-worker-{rank - 1}",
-                                args=(rank, world, cfg, algo_cls.name, spec, dataset, init_method, q, dead_flags))
-                p.start()
-                procs.append(p)
-        record_workers(cfg, procs, [("server", 0)] + [("worker", r) for r in range(workers)])
+    # TensorPipe logs every closed pipe at shutdown as a warning; keep C++ logs to errors.
+    with _child_env(TORCH_CPP_LOG_LEVEL="ERROR"), \
+            _spawned(cfg, mpc, q, _ps_entry, [("server", 0)] + [("worker", r) for r in range(workers)],
+                     lambda i: (i, world, cfg, algo_cls.name, spec, dataset, init_method, q, dead_flags)) as procs:
         while 0 not in payloads:
             try:
                 kind, rank, body = q.get(timeout=0.05)
@@ -549,10 +541,6 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
                     failed.setdefault(rank, body)
             except queue.Empty:
                 pass
-    finally:
-        stop_all(procs)
-        forget_workers(cfg)
-        q.close()
     chief = _unpack(payloads[0], cfg, spec, dataset)
     chief.extra["failed_workers"] = sorted(r - 1 for r in failed)
     if failed:

@@ -20,22 +20,13 @@ from torch import nn
 
 from distsgd.algorithms.averaging import allreduce_mean_, params
 from distsgd.algorithms.base import GroupAlgorithm, register
-from distsgd.config import RunConfig
-from distsgd.errors import ConfigError
+from distsgd.config import RunConfig, parse_every
 from distsgd.train.loop import WorkerContext
 
 
 def parse_sync_every(value: str) -> int | None:
     """'epoch' -> None (average at each epoch's end), else a positive number of steps."""
-    if value == "epoch":
-        return None
-    try:
-        steps = int(value)
-    except ValueError:
-        steps = 0
-    if steps < 1:
-        raise ConfigError(f"--sync-every must be a positive number of steps or 'epoch', got '{value}'")
-    return steps
+    return parse_every(value, "--sync-every", "steps")
 
 
 @register

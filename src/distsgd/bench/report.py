@@ -115,13 +115,16 @@ def plots(bench: dict[str, Any], out: Path) -> list[str]:
         log.warning("matplotlib is not installed: no plots (pip install 'distsgd[bench]')")
         return []
     firsts = [e for e in bench["runs"] if e["repeat"] == 0]
+    colors = plt.get_cmap("tab20").colors
+    styles = ["-", "--", "-.", ":"]
     written = []
     for x_key, name, xlabel in (("train_wall_s", "accuracy_vs_time.png", "training time (s)"),
                                 ("samples", "accuracy_vs_samples.png", "training samples (all workers)")):
         fig, ax = plt.subplots(figsize=(8, 5))
-        for e in firsts:
+        for i, e in enumerate(firsts):
             evals = e["summary"]["evals"]
-            ax.plot([v[x_key] for v in evals], [v["test_accuracy"] for v in evals], marker=".",
+            ax.plot([v[x_key] for v in evals], [v["test_accuracy"] for v in evals], marker=".", markersize=3,
+                    color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20], linestyle=styles[i // 5 % 4],
                     label=f"{e['algo']} x{e['workers']}")
         target = bench["settings"].get("target_accuracy")
         if target:

@@ -61,6 +61,21 @@ def init_group(cfg: RunConfig, rank: int, world: int, init_method: str) -> None:
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
 
 
+def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
+    """Join the group torchrun formed. After a restart, the store may still hold the previous
+    attempt's addresses under the default keys, so each attempt uses keys of its own."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        init_group(cfg, rank, world, "env://")
+        return
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    dist.init_process_group(backend=cfg.backend, store=dist.PrefixStore(f"distsgd/attempt-{restart}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
 def leave_group() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
