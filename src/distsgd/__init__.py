@@ -4,7 +4,7 @@ The Python API in one call::
 
     import distsgd
     result = distsgd.train(model="mnist_net", data="fashion-mnist", algo="single", epochs=1)
-    print(result.summary["final_test_accuracy"])
+    accuracy = result.summary["final_test_accuracy"]  # 0..1; result.model is the trained model
 """
 
 from __future__ import annotations
