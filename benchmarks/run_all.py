@@ -1,7 +1,7 @@
 """Regenerate docs/BENCHMARKS.md for this machine.
 
     python benchmarks/run_all.py                # run every part (about an hour on 2 cores), then render
-    python benchmarks/run_all.py --part main    # one part: seeds | main | straggler | bare | sync | hogwild
+    python benchmarks/run_all.py --part main    # one part: seeds | main | easgd_tau | straggler | bare | sync | hogwild
     python benchmarks/run_all.py --render       # only rebuild docs/BENCHMARKS.md from benchmarks/results/
 
 Every part stores what it measured under benchmarks/results/ (bench.json, bench.md and plots from
@@ -78,6 +78,8 @@ def seeds_single() -> None:
 PARTS = {
     "seeds": seeds_single,
     "main": lambda: bench("main", MAIN_ALGOS, ["--max-samples", MAIN_BUDGET, "--eval-every", "30000"]),
+    "easgd_tau": lambda: bench("easgd_tau", "easgd[tau=1],easgd[tau=2]", ["--max-samples", MAIN_BUDGET,
+                                                                         "--eval-every", "30000"]),
     "straggler": lambda: bench("straggler", STRAGGLER_ALGOS, ["--max-samples", STRAGGLER_BUDGET, "--eval-every",
                                                               "60000", "--straggler", "1:3"]),
     "bare": lambda: script("single_vs_bare", []),
@@ -125,6 +127,12 @@ def render() -> str:
         notes = RESULTS / "NOTES.md"
         if notes.exists():
             out += [notes.read_text().strip(), ""]
+    tau = load("easgd_tau")
+    if tau:
+        out += ["## EASGD with shorter exchange periods", "",
+                f"`easgd` at the main bench's settings but exchanging every tau = 1 or 2 steps instead of 8 "
+                f"(run on {tau['date']}, 2 workers of 1 thread, 1.2M samples):", ""]
+        out += [line for line in markdown(tau).split("\n") if line.startswith("|")] + [""]
     strag = load("straggler")
     if strag and main:
         out += straggler_section(strag, main)
