@@ -510,17 +510,21 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
     with _child_env(TORCH_CPP_LOG_LEVEL="ERROR"), \
             _spawned(cfg, mpc, q, _ps_entry, [("server", 0)] + [("worker", r) for r in range(workers)],
                      lambda i: (i, world, cfg, algo_cls.name, spec, dataset, init_method, q, dead_flags)) as procs:
-        while 0 not in payloads:
+        def take() -> None:
+            """File the next message, if one comes within 50 ms."""
             try:
                 kind, rank, body = q.get(timeout=0.05)
-                if kind == "event":
-                    sink.emit(body)
-                elif kind == "result":
-                    payloads[rank] = body
-                elif kind == "error":
-                    failed.setdefault(rank, body)
             except queue.Empty:
-                pass
+                return
+            if kind == "event":
+                sink.emit(body)
+            elif kind == "result":
+                payloads[rank] = body
+            elif kind == "error":
+                failed.setdefault(rank, body)
+
+        while 0 not in payloads:
+            take()
             if 0 in failed or procs[0].exitcode not in (None, 0):
                 reason = failed.get(0) or _describe_exit(procs[0].exitcode)
                 raise WorkerError(f"the parameter server failed: {reason}")
@@ -533,14 +537,7 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
                 raise WorkerError(f"all {workers} workers failed; worker 0: {failed.get(1)}")
         deadline = time.monotonic() + STOP_GRACE_S  # the workers are done: collect their figures
         while len(payloads) + len(failed) < world and time.monotonic() < deadline:
-            try:
-                kind, rank, body = q.get(timeout=0.05)
-                if kind == "result":
-                    payloads[rank] = body
-                elif kind == "error":
-                    failed.setdefault(rank, body)
-            except queue.Empty:
-                pass
+            take()
     chief = _unpack(payloads[0], cfg, spec, dataset)
     chief.extra["failed_workers"] = sorted(r - 1 for r in failed)
     if failed:
