@@ -149,7 +149,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
         cfg = cfg.replace(resume=cfg.out)
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo} yet (they are for single, "
-                          f"allreduce, ddp, local-sgd and sync easgd)")
+                          f"allreduce, ddp, local-sgd, sync easgd and sync-ps)")
     if cfg.resume:
         manifest = read_manifest(Path(cfg.resume))
         if manifest is None:

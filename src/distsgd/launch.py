@@ -301,7 +301,8 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     that dies is recorded in ``failed_workers``; the others carry on.
     """
     from distsgd.data.partition import shard_size
-    from distsgd.train.evaluate import evaluate
+    from distsgd.metrics import TrainClock
+    from distsgd.train.evaluate import Snapshots
 
     world = cfg.workers
     dataset.share_memory_()
@@ -324,19 +325,8 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
     global_per_epoch = shard_size(len(dataset.y_train), world, cfg.partition) * world
-    eval_every = cfg.eval_every or global_per_epoch
-    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
-    evals: list[dict[str, Any]] = []
+    snapshots = Snapshots(cfg, spec, dataset, global_per_epoch, sink)
     threads = torch.get_num_threads()
-
-    def evaluate_now(samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        probe = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init)
-        probe.load_state_dict(state)
-        acc, loss = evaluate(probe, dataset.x_test, dataset.y_test, cfg.eval_batch_size)
-        event = {"event": "eval", "samples": samples, "epoch": round(samples / global_per_epoch, 4),
-                 "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
-        sink.emit(event)
-        return event
 
     def handle(kind: str, rank: int, body: Any, clock: Any | None) -> None:
         if kind == "result":
@@ -370,11 +360,9 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                     handle(kind, rank, body, None)
             except queue.Empty:
                 reap_exits()
-        from distsgd.metrics import TrainClock
-
         clock = TrainClock()
         shared["go"].set()
-        next_eval = eval_every
+        torch.set_num_threads(1)  # evaluations during training share the cores with the workers
         while len(payloads) + len(failed) < world:
             try:
                 kind, rank, body = q.get(timeout=0.01)
@@ -382,29 +370,16 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
             except queue.Empty:
                 reap_exits()
             done = int(counts.sum())
-            if done >= next_eval:
-                while next_eval <= done:
-                    next_eval += eval_every
-                state = current_state()
-                if cfg.stop_at_target:
-                    torch.set_num_threads(1)
-                    event = evaluate_now(done, clock.elapsed(), state)
-                    evals.append(event)
-                    if cfg.target_accuracy is not None and event["test_accuracy"] >= cfg.target_accuracy:
-                        shared["stop"].set()
-                else:
-                    snapshots.append((done, clock.elapsed(), state))
+            if snapshots.due(done) and snapshots.take(done, clock.elapsed(), current_state()):
+                shared["stop"].set()
         train_wall_s = clock.elapsed()
+    torch.set_num_threads(threads)
     if len(failed) == world:
         first = min(failed)
         raise WorkerError(f"all {world} workers failed; worker {first}: {failed[first]}")
-    torch.set_num_threads(threads)
-    for samples, train_s, state in snapshots:
-        evals.append(evaluate_now(samples, train_s, state))
     total = int(counts.sum())
     final_state = current_state()
-    if not evals or evals[-1]["samples"] != total:
-        evals.append(evaluate_now(total, train_wall_s, final_state))
+    evals = snapshots.finish(total, train_wall_s, final_state)
     model = models[0] if len(models) == 1 else build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init)
     if len(models) > 1:
         model.load_state_dict(final_state)
@@ -533,6 +508,9 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
                 if rank not in payloads and (rank in failed or code not in (None, 0)):
                     failed.setdefault(rank, _describe_exit(code))
                     dead_flags[rank] = 1
+                    if cfg.checkpoint_every:  # a checkpointed run cannot go on without a worker's state
+                        raise WorkerError(f"worker {rank - 1} failed: {failed[rank]}; continue from the last "
+                                          f"checkpoint with --resume {cfg.out}")
             if len(failed) == workers:
                 raise WorkerError(f"all {workers} workers failed; worker 0: {failed.get(1)}")
         deadline = time.monotonic() + STOP_GRACE_S  # the workers are done: collect their figures

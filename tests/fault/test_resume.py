@@ -10,7 +10,7 @@ import torch
 
 import distsgd
 from distsgd import checkpoint
-from distsgd.errors import CheckpointError
+from distsgd.errors import CheckpointError, WorkerError
 
 from helpers import run_cli
 
@@ -66,6 +66,26 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_mo
                                                                         ["train_wall_s"]}
     saved = json.loads((tmp_path / "part" / "summary.json").read_text())
     assert saved["samples"] == full.summary["samples"]  # written back into the resumed directory
+
+
+def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_model, monkeypatch) -> None:
+    common = dict(model=dropout_model, data="digits", algo="sync-ps", workers=2, lr=0.05, checkpoint_every="500",
+                  quiet=True)
+    full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
+    # Worker 1 (RPC rank 2) is SIGKILLed at its 15th step, after the third checkpoint (about 1500 samples).
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("KILL_RANK", "2")
+    monkeypatch.setenv("KILL_STEP", "15")
+    out = str(tmp_path / "killed")
+    with pytest.raises(WorkerError, match=rf"worker 1 failed: killed by SIGKILL; .* --resume {out}$"):
+        distsgd.train(max_samples=2872, out=out, **common)
+    assert checkpoint.read_manifest(Path(out))["samples"] >= 1500
+    monkeypatch.delenv("KILL_RANK")
+    resumed = distsgd.train(resume=out)
+    assert resumed.summary["samples"] == full.summary["samples"] == 2872
+    assert resumed.summary["final_test_loss"] == full.summary["final_test_loss"]
+    assert all(torch.equal(a, b) for a, b in zip(_params(full.model), _params(resumed.model)))
+    assert resumed.summary["server_updates"] == full.summary["server_updates"]
 
 
 def test_resume_elsewhere_and_continue_training_in_epochs(tmp_path) -> None:

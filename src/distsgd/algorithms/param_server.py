@@ -11,7 +11,10 @@ Update rules (g_r: worker r's gradient, computed on weights of version v_r; v: s
   is tau = v - v_r. ``--staleness-lr`` uses lr / max(1, tau) instead (Zhang, Gupta, Lian, Liu,
   "Staleness-aware Async-SGD", IJCAI 2016).
 - ``sync-ps`` (the seeds' scheme): wait for the gradients of all N workers, step once with their
-  mean; equal to one process taking the global batch.
+  mean (summed in rank order, so a run is deterministic); equal to one process taking the global
+  batch. It is the one server mode with checkpoints (``--checkpoint-every``, ``--resume``): every
+  worker saves its own loop state at the same round, and worker 0's file carries the server's
+  state (weights, optimiser, counters, evaluations) fetched over RPC at that round.
 - ``ssp`` (stale synchronous parallel, Ho et al., NIPS 2013): apply on arrival as asgd, but a
   worker that is more than ``--staleness S`` pushes ahead of the slowest live worker waits for it.
 - ``dcasgd`` (delay-compensated ASGD, Zheng et al., ICML 2017): apply
@@ -90,10 +93,10 @@ class ParameterServer:
         self.staleness: Counter[int] = Counter()
         self.stop = False
         self.bytes_sent = 0
-        self._ready: list[Future] = []
-        # sync-ps: the round being gathered
-        self._sum = torch.zeros_like(flat_params(model))
-        self._gathered: list[tuple[int, Future]] = []
+        self._waiting: list[Future] = []  # workers at a barrier
+        self._started = False
+        # sync-ps: the round being gathered, gradients by worker rank
+        self._gathered: dict[int, tuple[torch.Tensor, Future]] = {}
         # ssp: workers held back until the slowest catches up
         self._held: list[tuple[int, Future]] = []
         # dcasgd: the weights each worker read, and the running mean square of gradients
@@ -101,18 +104,16 @@ class ParameterServer:
         self._meansq: torch.Tensor | None = None
 
     # -- what the workers call ------------------------------------------------------------
-    def ready(self) -> Future:
-        """A barrier: resolves once every worker has built its model, so they start together."""
+    def barrier(self) -> Future:
+        """Resolves once every live worker has called it. The first one marks the start of training
+        (every worker has built its model), so the workers start together."""
         fut: Future = Future()
         with self.lock:
-            self._ready.append(fut)
-            if len(self._ready) >= len(self.active):
-                if self.on_start is not None:
-                    self.on_start()
-                for f in self._ready:
-                    f.set_result(None)
-                self._ready = []
+            self._waiting.append(fut)
+            self._release_barrier()
         return fut
+
+    ready = barrier
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         with self.lock:
@@ -128,8 +129,7 @@ class ParameterServer:
             self.counts[rank] = local_samples
             self.clocks[rank] += 1
             if self.mode == "sync-ps":
-                self._sum += grad
-                self._gathered.append((rank, fut))
+                self._gathered[rank] = (grad, fut)
                 self._maybe_finish_round()
                 return fut
             tau = self.version - version_read
@@ -173,6 +173,7 @@ class ParameterServer:
             if self.mode == "sync-ps":
                 self._maybe_finish_round()
             self._release_held()
+            self._release_barrier()
 
     # -- inside the lock --------------------------------------------------------------------
     def total_samples(self) -> int:
@@ -215,12 +216,26 @@ class ParameterServer:
             return
         n = len(self._gathered)
         self.staleness[0] += n
-        self._apply(self._sum / n, self._lr())
-        self._sum.zero_()
+        ranks = sorted(self._gathered)
+        total = self._gathered[ranks[0]][0].clone()
+        for r in ranks[1:]:  # a fixed order: float sums depend on it
+            total += self._gathered[r][0]
+        self._apply(total / n, self._lr())
         answer = self._answer()
-        for _, f in self._gathered:
-            f.set_result(answer)
-        self._gathered = []
+        for r in ranks:
+            self._gathered[r][1].set_result(answer)
+        self._gathered = {}
+
+    def _release_barrier(self) -> None:
+        if not self._waiting or len(self._waiting) < len(self.active):
+            return
+        if not self._started:
+            self._started = True
+            if self.on_start is not None:
+                self.on_start()
+        waiting, self._waiting = self._waiting, []
+        for f in waiting:
+            f.set_result(None)
 
     def _ahead(self, rank: int) -> bool:
         others = [self.clocks[r] for r in self.active if r != rank]
@@ -235,6 +250,21 @@ class ParameterServer:
             else:
                 fut.set_result(self._answer())
         self._held = still
+
+    # -- checkpoints (sync-ps: taken between rounds, when no gradient is pending) --------------
+    def state_dict(self) -> dict[str, Any]:
+        """The server's state (call with the lock held)."""
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "version": self.version, "counts": list(self.counts),
+                "clocks": list(self.clocks), "staleness": {str(k): v for k, v in self.staleness.items()},
+                "bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.bytes_sent = state["version"], state["bytes_sent"]
+        self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
+        self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
 
     # -- reporting -----------------------------------------------------------------------------
     def staleness_summary(self) -> dict[str, Any]:
@@ -262,6 +292,7 @@ def staleness_stats(hist: Counter[int]) -> dict[str, Any]:
 
 # --- RPC plumbing: module-level functions the workers call on the server process --------------
 _SERVER: ParameterServer | None = None
+_ROLE: "ServerRole | None" = None
 
 try:  # the handler returns a Future; the RPC thread is free while a worker waits
     from torch.distributed.rpc.functions import async_execution as _async_execution
@@ -297,13 +328,24 @@ def _rpc_ready() -> Future:
     return _SERVER.ready()
 
 
+@_async_execution
+def _rpc_barrier() -> Future:
+    assert _SERVER is not None
+    return _SERVER.barrier()
+
+
+def _rpc_checkpoint_state() -> dict[str, Any]:
+    assert _ROLE is not None
+    return _ROLE.state_dict()
+
+
 
 class ServerAlgorithm(Algorithm):
     """The worker side of every parameter-server mode: push the gradient, take the new weights."""
 
     topology = SERVER
     mode = "asgd"
-    checkpoints = False  # not yet: see the README
+    checkpoints = False  # sync-ps only: the asynchronous modes have no round at which all agree
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -315,6 +357,7 @@ class ServerAlgorithm(Algorithm):
 
         self.rpc = rpc
         self.me = ctx.rank + 1  # data rank r is RPC rank r + 1; the server is rank 0
+        self.chief = ctx.rank == 0
         self.local = 0
         flat, self.version = rpc.rpc_sync("ps", _rpc_pull, args=(self.me,))
         load_flat(model, flat)
@@ -350,6 +393,20 @@ class ServerAlgorithm(Algorithm):
     def summary(self) -> dict[str, Any]:
         return {"bytes_sent": self.bytes_sent}
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = {**super().state_dict(), "version": self.version, "total": self.total}
+        if self.chief:  # worker 0's file carries the server's state, as of this round
+            state["server"] = self.rpc.rpc_sync("ps", _rpc_checkpoint_state)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.version, self.total = state["version"], state["total"]
+
+    def barrier(self, ctx: WorkerContext) -> None:
+        self.rpc.rpc_sync("ps", _rpc_barrier)
+
 
 class ServerRole:
     """The server role: hold the model, apply pushes until every worker is done, then evaluate.
@@ -357,61 +414,62 @@ class ServerRole:
     Built before RPC starts (so the first pull finds it), then ``run()``. Like Hogwild!, the model
     is copied every ``eval_every`` samples (inside the update lock, so each copy is one consistent
     version) and the copies are evaluated after training; with ``stop_at_target`` the copy is
-    evaluated at once and the workers are told to stop.
+    evaluated at once, with the clock paused since the workers wait on the lock, and the workers
+    are told to stop. With ``cfg.resume`` it starts from the server state saved in worker 0's
+    checkpoint file.
     """
 
     def __init__(self, cfg: RunConfig, mode: str, spec: Any, dataset: Any, workers: int, sink: Any) -> None:
-        global _SERVER
+        global _SERVER, _ROLE
         from distsgd.data.partition import shard_size
         from distsgd.metrics import TrainClock
         from distsgd.models import build_model
+        from distsgd.train.evaluate import Snapshots
 
         torch.set_num_threads(1)
-        self.cfg, self.spec, self.dataset, self.sink = cfg, spec, dataset, sink
+        self.cfg = cfg
         self.model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-        self.per_epoch = shard_size(len(dataset.y_train), workers, cfg.partition) * workers
-        self.eval_every = cfg.eval_every or self.per_epoch
-        self.next_eval = self.eval_every
+        per_epoch = shard_size(len(dataset.y_train), workers, cfg.partition) * workers
+        self.snapshots = Snapshots(cfg, spec, dataset, per_epoch, sink)
         self.clock = TrainClock()
-        self.snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
-        self.evals: list[dict[str, Any]] = []
-        self.server = ParameterServer(cfg, self.model, workers, mode, self.per_epoch, self._on_update,
-                                      on_start=self.clock.restart)
-        _SERVER = self.server
+        self.earlier_s = 0.0  # training time before the checkpoint resumed from
+        self.server = ParameterServer(cfg, self.model, workers, mode, per_epoch, self._on_update,
+                                      on_start=self._start_clock)
+        if cfg.resume:
+            from pathlib import Path
+
+            from distsgd.checkpoint import load_worker_state
+
+            self.load_state_dict(load_worker_state(Path(cfg.resume), 0)["algo"]["server"])
+        _SERVER, _ROLE = self.server, self
+
+    def _start_clock(self) -> None:
+        self.clock.restart()
+        self.clock.add(self.earlier_s)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.server.lock:
+            return {**self.server.state_dict(), **self.snapshots.state_dict(), "train_wall_s": self.clock.elapsed()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state)
+        self.snapshots.load_state_dict(state)
+        self.earlier_s = state["train_wall_s"]
 
     def _state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def _evaluate(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        from distsgd.models import build_model
-        from distsgd.train.evaluate import evaluate
-
-        probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
-        probe.load_state_dict(state)
-        acc, loss = evaluate(probe, self.dataset.x_test, self.dataset.y_test, self.cfg.eval_batch_size)
-        event = {"event": "eval", "samples": samples, "epoch": round(samples / self.per_epoch, 4),
-                 "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
-        self.sink.emit(event)
-        return event
-
     def _on_update(self, total: int) -> None:  # runs inside the server's lock
-        if total < self.next_eval:
+        if not self.snapshots.due(total):
             return
-        while self.next_eval <= total:
-            self.next_eval += self.eval_every
-        if self.cfg.stop_at_target and self.cfg.target_accuracy is not None:
-            self.clock.pause()
-            event = self._evaluate(total, self.clock.elapsed(), self._state())
-            self.clock.resume()
-            self.evals.append(event)
-            if event["test_accuracy"] >= self.cfg.target_accuracy:
-                self.server.stop = True
-        else:
-            self.snapshots.append((total, self.clock.elapsed(), self._state()))
+        self.clock.pause()
+        if self.snapshots.take(total, self.clock.elapsed(), self._state()):
+            self.server.stop = True
+        self.clock.resume()
 
     def run(self, dead: Callable[[], set[int]] = set) -> Any:
         """Serve until every worker has finished or died; return the chief WorkerResult."""
-        global _SERVER
+        global _SERVER, _ROLE
         from distsgd.train.loop import WorkerResult
 
         server = self.server
@@ -421,18 +479,15 @@ class ServerRole:
                 server.finished(rank)
             time.sleep(0.01)
         train_wall_s = self.clock.elapsed()
-        for samples, train_s, state in self.snapshots:
-            self.evals.append(self._evaluate(samples, train_s, state))
         total = server.total_samples()
-        if not self.evals or self.evals[-1]["samples"] != total:
-            self.evals.append(self._evaluate(total, train_wall_s, self._state()))
+        evals = self.snapshots.finish(total, train_wall_s, self._state())
         extra = {"staleness": server.staleness_summary(), "server_updates": server.version,
                  "server_updates_per_s": server.version / train_wall_s if train_wall_s > 0 else 0.0,
                  "bytes_sent": server.bytes_sent, "server_bytes_sent": server.bytes_sent,
                  "samples_per_worker": server.counts[1:]}
-        _SERVER = None
-        final = self.evals[-1]
-        return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=self.evals,
+        _SERVER = _ROLE = None
+        final = evals[-1]
+        return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
                             final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
                             model=self.model, extra=extra)
 
@@ -448,6 +503,7 @@ class ASGD(ServerAlgorithm):
 class SyncPS(ServerAlgorithm):
     name = "sync-ps"
     mode = "sync-ps"
+    checkpoints = True
     summary_line = "parameter server that waits for all workers' gradients, then steps once (the seeds')"
 
 

@@ -156,10 +156,11 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
                            "train_wall_s": clock.elapsed()})
         clock.resume()
 
+    gs = global_now()  # all workers' samples, read once per step (for Hogwild! it sums a shared tensor)
     while not stop and (cfg.max_samples is not None or epoch < cfg.epochs):
         order = epoch_indices(n, epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
         for start in range(first_start, len(order), cfg.batch_size):
-            if (cfg.max_samples is not None and global_now() >= cfg.max_samples) or not algo.keep_going(ctx):
+            if (cfg.max_samples is not None and gs >= cfg.max_samples) or not algo.keep_going(ctx):
                 stop = True
                 break
             if slowdown:
@@ -178,26 +179,27 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
             if slowdown:
                 time.sleep(slowdown * (time.perf_counter() - step_start))
             steps += 1
+            gs = global_now()
             loss_sum += loss.detach()
             loss_steps += 1
             if ctx.reports and steps % cfg.log_every == 0:
                 elapsed = clock.elapsed()
                 mean_loss = float(loss_sum) / loss_steps
                 if not math.isfinite(mean_loss):
-                    log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, global_now())
-                ctx.sink.emit({"event": "progress", "samples": global_now(), "epoch": round(local / per_epoch, 4),
-                               "rank": ctx.rank, "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"], "train_wall_s": elapsed,
-                               "samples_per_s": global_now() / elapsed if elapsed > 0 else 0.0})
+                    log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
+                ctx.sink.emit({"event": "progress", "samples": gs, "epoch": round(local / per_epoch, 4),
+                               "rank": ctx.rank, "loss": mean_loss, "lr": optimizer.param_groups[0]["lr"],
+                               "train_wall_s": elapsed, "samples_per_s": gs / elapsed if elapsed > 0 else 0.0})
                 loss_sum.zero_()
                 loss_steps = 0
-            if next_eval is not None and global_now() >= next_eval:
-                while next_eval <= global_now():
+            if next_eval is not None and gs >= next_eval:
+                while next_eval <= gs:
                     next_eval += cfg.eval_every
                 if do_eval(local / per_epoch):
                     stop = True
                     break
-            if next_ckpt is not None and global_now() >= next_ckpt:
-                while next_ckpt <= global_now():
+            if next_ckpt is not None and gs >= next_ckpt:
+                while next_ckpt <= gs:
                     next_ckpt += ckpt_every
                 save_checkpoint(epoch, start + cfg.batch_size)
         first_start = 0
@@ -205,7 +207,8 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
             break
         algo.on_epoch_end(ctx, model, epoch)
         epoch += 1
-        if cfg.eval_every is None and (cfg.max_samples is None or global_now() < cfg.max_samples):
+        gs = global_now()
+        if cfg.eval_every is None and (cfg.max_samples is None or gs < cfg.max_samples):
             stop = do_eval(local / per_epoch)
         if cfg.checkpoint_every == "epoch":
             save_checkpoint(epoch, 0)
