@@ -139,7 +139,10 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     algo_cls = registry.resolve(cfg.algo, cfg)
     if torchrun:  # the group torchrun formed decides how many workers there are (rank 0 serves)
         world = int(os.environ["WORLD_SIZE"])
-        cfg = cfg.replace(workers=world - 1 if algo_cls.topology == SERVER else world)
+        if algo_cls.topology == SHARED and algo_cls.across_nodes:  # each process is a cluster of local workers
+            cfg = cfg.replace(workers=world * cfg.cluster_size)
+        else:
+            cfg = cfg.replace(workers=world - 1 if algo_cls.topology == SERVER else world)
         if cfg.workers < 1:
             raise ConfigError(f"{cfg.algo} needs a server and at least one worker: torchrun --nproc-per-node 2 or more")
     algo_cls.check(cfg)
@@ -160,9 +163,12 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     if algo_cls.topology == GROUP:
         group.check_backend(cfg)
         group.check_init_method(cfg.init_method)
-    if algo_cls.topology == SHARED and torchrun:
+    if algo_cls.topology == SHARED and torchrun and not algo_cls.across_nodes:
         raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
                           f"torchrun, with --workers N (across machines, use hogwild++)")
+    if algo_cls.topology == SHARED and torchrun and cfg.backend != "gloo":
+        raise ConfigError(f"{cfg.algo} keeps its models in CPU shared memory and passes the token with gloo: "
+                          f"use --backend gloo")
     chief = not torchrun or os.environ.get("RANK") == "0"
     if torchrun and chief and os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
@@ -233,6 +239,8 @@ def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, s
     from distsgd import launch
 
     if algo_cls.topology == SHARED:
+        if torchrun:
+            return launch.run_shared_torchrun(cfg, algo_cls, spec, dataset, sink)
         return launch.run_shared(cfg, algo_cls, spec, dataset, sink)
     if algo_cls.topology == SERVER:
         if torchrun:

@@ -279,32 +279,38 @@ def run_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Datas
 
 
 def _shared_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset,
-                  shared: dict[str, Any], q: Any) -> None:
-    """The body of a worker that trains a model held in shared memory (Hogwild!)."""
-    logging.basicConfig(level=logging.WARNING, format=f"worker {rank}: %(levelname)s: %(message)s")
+                  shared: dict[str, Any], q: Any, first_rank: int, data_world: int) -> None:
+    """The body of a worker that trains a model held in shared memory (Hogwild!). ``rank`` is its
+    slot on this machine; it reads data shard ``first_rank + rank`` of ``data_world``."""
+    logging.basicConfig(level=logging.WARNING, format=f"worker {first_rank + rank}: %(levelname)s: %(message)s")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     from distsgd.algorithms import registry
 
     def body() -> WorkerResult:
-        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
-                            sink=QueueSink(q, rank), reports=True, evaluates=False, state={**shared, "queue": q})
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=first_rank + rank, world=data_world,
+                            sink=QueueSink(q, rank), reports=True, evaluates=False,
+                            state={**shared, "queue": q, "slot": rank})
         return run_worker(ctx, registry.resolve(algo_name, cfg)(cfg))
 
     _report(q, rank, body)
 
 
-def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink) -> list[WorkerResult]:
+def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink, *,
+               first_rank: int = 0, data_world: int | None = None, ring: Any = None) -> list[WorkerResult]:
     """Start ``cfg.workers`` processes that all train one model in shared memory; watch and evaluate it.
 
     The workers never pause: this process copies the shared weights every ``eval_every``
     samples and evaluates the copies after training (at once with ``stop_at_target``). A worker
-    that dies is recorded in ``failed_workers``; the others carry on.
+    that dies is recorded in ``failed_workers``; the others carry on. With ``ring`` (a factory
+    for a hogwild++ :class:`TokenRing`), this machine is one cluster among several: its workers
+    read shards ``first_rank ..`` of ``data_world`` and the ring links its model to the others'.
     """
     from distsgd.data.partition import shard_size
     from distsgd.metrics import TrainClock
     from distsgd.train.evaluate import Snapshots
 
     world = cfg.workers
+    data_world = data_world or world
     dataset.share_memory_()
     models = [build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
               for _ in range(algo_cls.models(cfg))]
@@ -321,10 +327,16 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
         return {k: v.detach().clone() for k, v in algo_cls.combine(states).items()}
 
     counts = shared["counts"]
+    if ring is not None:
+        ring = ring(states[0], counts, shared["stop"])
+
+    def samples_now() -> int:
+        return ring.global_samples() if ring is not None else int(counts.sum())
+
     q = mpc.Queue()
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
-    global_per_epoch = shard_size(len(dataset.y_train), world, cfg.partition) * world
+    global_per_epoch = shard_size(len(dataset.y_train), data_world, cfg.partition) * data_world
     snapshots = Snapshots(cfg, spec, dataset, global_per_epoch, sink)
     threads = torch.get_num_threads()
 
@@ -334,7 +346,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
         elif kind == "error":
             failed.setdefault(rank, body)
         elif kind == "event" and clock is not None and body.get("event") == "progress":
-            done = int(counts.sum())
+            done = samples_now()
             elapsed = clock.elapsed()
             sink.emit({**body, "samples": done, "train_wall_s": elapsed,
                        "samples_per_s": done / elapsed if elapsed > 0 else 0.0})
@@ -345,7 +357,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                 failed[r] = _describe_exit(p.exitcode)
 
     with _spawned(cfg, mpc, q, _shared_entry, [("worker", r) for r in range(world)],
-                  lambda r: (r, world, cfg, algo_cls.name, spec, dataset, shared, q)) as procs:
+                  lambda r: (r, world, cfg, algo_cls.name, spec, dataset, shared, q, first_rank, data_world)) as procs:
         ready: set[int] = set()
         deadline = time.monotonic() + cfg.timeout_s
         while len(ready) + len(failed) < world:  # everyone has built its model and optimiser
@@ -362,6 +374,8 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                 reap_exits()
         clock = TrainClock()
         shared["go"].set()
+        if ring is not None:
+            ring.start()
         torch.set_num_threads(1)  # evaluations during training share the cores with the workers
         while len(payloads) + len(failed) < world:
             try:
@@ -369,15 +383,17 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                 handle(kind, rank, body, clock)
             except queue.Empty:
                 reap_exits()
-            done = int(counts.sum())
+            done = samples_now()
             if snapshots.due(done) and snapshots.take(done, clock.elapsed(), current_state()):
+                if ring is not None:
+                    ring.request_stop()
                 shared["stop"].set()
+        if len(failed) == world:
+            first = min(failed)
+            raise WorkerError(f"all {world} workers failed; worker {first_rank + first}: {failed[first]}")
+        total = ring.finish() if ring is not None else int(counts.sum())  # the ring: every cluster is done
         train_wall_s = clock.elapsed()
     torch.set_num_threads(threads)
-    if len(failed) == world:
-        first = min(failed)
-        raise WorkerError(f"all {world} workers failed; worker {first}: {failed[first]}")
-    total = int(counts.sum())
     final_state = current_state()
     evals = snapshots.finish(total, train_wall_s, final_state)
     model = models[0] if len(models) == 1 else build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init)
@@ -388,19 +404,68 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
         extra = {**payloads[r]["extra"], **extra}
     if "token_passes" in extra:  # shared counters: read the final value, not a worker's last view
         extra["token_passes"] = int(shared["passes"][0])
+    if ring is not None:
+        extra.update(ring.summary())
     extra["dataset_shared"] = all(p["extra"].get("dataset_shared", False) for p in payloads.values())
     extra["samples_per_worker"] = [int(c) for c in counts]
-    extra["failed_workers"] = sorted(failed)
+    extra["failed_workers"] = sorted(first_rank + r for r in failed)
     if failed:
-        extra["worker_errors"] = {str(r): failed[r] for r in sorted(failed)}
+        extra["worker_errors"] = {str(first_rank + r): failed[r] for r in sorted(failed)}
     final = evals[-1]
-    chief = WorkerResult(rank=0, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s, evals=evals,
-                         final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
+    chief = WorkerResult(rank=first_rank, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
+                         evals=evals, final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
                          model=model, extra=extra)
-    others = [WorkerResult(rank=r, samples=int(counts[r]), global_samples=total, train_wall_s=train_wall_s, evals=[],
+    others = [WorkerResult(rank=first_rank + r, samples=int(counts[r]), global_samples=total,
+                           train_wall_s=train_wall_s, evals=[],
                            final_test_accuracy=None, final_test_loss=None, model=None,
                            extra=payloads.get(r, {}).get("extra", {})) for r in range(1, world)]
     return [chief] + others
+
+
+def run_shared_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
+                        sink: Sink) -> list[WorkerResult]:
+    """hogwild++ across machines: this torchrun process is one cluster of ``--cluster-size`` local
+    Hogwild! workers; a token ring over the process group links the clusters. Rank 0 evaluates
+    (its own cluster's model during training, the average of all at the end) and gets every
+    worker's figures."""
+    from distsgd.algorithms.hogwild import Hogwild
+    from distsgd.algorithms.hogwildpp import TokenRing
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    size = cfg.cluster_size
+    local = cfg.replace(workers=size)
+    if cfg.max_samples is not None:  # each cluster trains its share
+        local = local.replace(max_samples=-(-cfg.max_samples // n))
+    if rank != 0:  # only rank 0 evaluates during training and writes the run directory
+        local = local.replace(eval_every=2 ** 62, out=None, stop_at_target=False)
+    names = [name for name, _ in build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init).named_parameters()]
+
+    def ring(state: dict[str, torch.Tensor], counts: torch.Tensor, stop: Any) -> TokenRing:
+        return TokenRing(cfg, rank, n, [state[k] for k in names], lambda: int(counts.sum()) // cfg.batch_size,
+                         lambda: int(counts.sum()), stop)
+
+    init_torchrun_group(cfg, rank, n)
+    try:
+        mine = run_shared(local, Hogwild, spec, dataset, sink if rank == 0 else NullSink(), first_rank=rank * size,
+                          data_world=n * size, ring=ring)
+        light = [{k: v for k, v in vars(r).items() if k != "model"} for r in mine]
+        gathered: list[Any] = [None] * n if rank == 0 else []
+        dist.gather_object(light, gathered if rank == 0 else None, dst=0)
+    finally:
+        leave_group()
+    if rank != 0:
+        return mine
+    results = mine + [WorkerResult(model=None, **g) for node in gathered[1:] for g in node]
+    chiefs = [node[0]["extra"] for node in gathered]
+    extra = results[0].extra
+    extra["samples_per_worker"] = [c for e in chiefs for c in e["samples_per_worker"]]
+    extra["failed_workers"] = sorted(r for e in chiefs for r in e["failed_workers"])
+    errors = {k: v for e in chiefs for k, v in e.get("worker_errors", {}).items()}
+    if errors:
+        extra["worker_errors"] = errors
+    extra["token_passes"] = sum(e["token_passes"] for e in chiefs)
+    extra["dataset_shared"] = all(e["dataset_shared"] for e in chiefs)
+    return results
 
 
 def _loopback_only() -> None:
@@ -536,4 +601,5 @@ def run_server_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset
     return [_ps_worker_role(cfg, algo_cls.name, spec, dataset, rank, world, init_method, NullSink())]
 
 
-__all__ = ["run_local", "run_torchrun", "run_shared", "run_server_local", "run_server_torchrun", "stop_all"]
+__all__ = ["run_local", "run_torchrun", "run_shared", "run_shared_torchrun", "run_server_local", "run_server_torchrun",
+           "stop_all"]

@@ -64,3 +64,25 @@ def test_bad_settings() -> None:
         distsgd.train(model="mlp", data="digits", algo="easgd", workers=2, alpha=1.5, quiet=True)
     with pytest.raises(distsgd.ConfigError, match="--sync-every"):
         distsgd.train(model="mlp", data="digits", algo="local-sgd", workers=2, sync_every="sometimes", quiet=True)
+
+
+def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path) -> None:
+    """Under torchrun each process is a cluster (here 2 of 2 local Hogwild! workers each) and the
+    token travels between the processes over gloo, as it would between nodes."""
+    import json
+
+    from helpers import run_cli
+
+    res = run_cli("--standalone", "--nproc-per-node", "2", "-m", "distsgd", "train", "--algo", "hogwild++",
+                  "--cluster-size", "2", "--update-delay", "4", "--dataset", "digits", "--model", "mlp", "--epochs",
+                  "3", "--lr", "0.05", "--out", str(tmp_path / "run"), "--quiet", module="torch.distributed.run",
+                  timeout=180, env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["workers"] == 4 and s["clusters"] == 2 and s["failed_workers"] == []
+    assert s["samples"] == 3 * 1436 and s["samples_per_worker"] == [3 * 359] * 4  # 1436 / 4 a shard
+    assert s["token_passes"] > 0
+    # Each pass: the holder sends a header of 3 + 2n int64 and delta; the next cluster answers with its weights.
+    n_params = _params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
+    assert s["bytes_sent"] == s["token_passes"] * (2 * 4 * n_params + 8 * (3 + 2 * 2))
+    assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]  # the average of the two clusters

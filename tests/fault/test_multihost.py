@@ -1,4 +1,5 @@
-"""A real multi-host run: two network namespaces joined by a veth pair, torchrun --nnodes 2 across them.
+"""A real multi-host run: two network namespaces joined by a veth pair, torchrun --nnodes 2 across them
+for allreduce, asgd and hogwild++.
 
 Each namespace is a host with its own network stack and address (10.99.0.1 and 10.99.0.2 on a
 private link that exists only inside this test); traffic between them crosses the veth pair, with
@@ -79,11 +80,12 @@ def _run_on_both(names, veth, algo: str, out: Path, port: int) -> list[subproces
     return results
 
 
-@pytest.mark.parametrize("algo, workers", [("allreduce", 2), ("asgd", 1)])
+@pytest.mark.parametrize("algo, workers", [("allreduce", 2), ("asgd", 1), ("hogwild++", 2)])
 def test_torchrun_across_two_hosts(two_hosts, tmp_path: Path, algo: str, workers: int) -> None:
+    """hogwild++: each host is one cluster (one local Hogwild! worker here); the token crosses the link."""
     names, veth = two_hosts
     out = tmp_path / "run"
-    results = _run_on_both(names, veth, algo, out, 29511 if algo == "allreduce" else 29512)
+    results = _run_on_both(names, veth, algo, out, {"allreduce": 29511, "asgd": 29512, "hogwild++": 29513}[algo])
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -91,3 +93,5 @@ def test_torchrun_across_two_hosts(two_hosts, tmp_path: Path, algo: str, workers
     assert summary["final_test_accuracy"] > 0.6 and summary["bytes_sent"] > 0
     # distsgd says that it listens on a non-loopback address without authentication
     assert "no authentication or encryption" in results[0].stderr
+    if algo == "hogwild++":
+        assert summary["clusters"] == 2 and summary["token_passes"] > 0

@@ -51,6 +51,7 @@ class Hogwild(Algorithm):
     name = "hogwild"
     topology = SHARED
     checkpoints = False  # not yet: see the README
+    across_nodes = False  # under torchrun, each process would be a cluster (hogwild++ only)
     summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
 
     @classmethod
@@ -70,7 +71,8 @@ class Hogwild(Algorithm):
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         shared = bind_to_shared(model, ctx.state["shared_state"])
-        self.counts: torch.Tensor = ctx.state["counts"]  # samples done, one slot per worker
+        self.counts: torch.Tensor = ctx.state["counts"]  # samples done, one slot per worker of this machine
+        self.slot = ctx.state.get("slot", ctx.rank)
         self.lock = ctx.state.get("lock")
         self.stop = ctx.state["stop"]
         ds = ctx.dataset
@@ -93,7 +95,7 @@ class Hogwild(Algorithm):
                 optimizer.step()
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.counts[ctx.rank] = local_samples  # only this worker writes its slot
+        self.counts[self.slot] = local_samples  # only this worker writes its slot
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return int(self.counts.sum())
