@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,19 @@ def seeds_single() -> None:
         shutil.copy(f"{tmp}/run/summary.json", dest / "summary.json")
 
 
+def hogwildpp_torchrun() -> None:
+    """hogwild++ with its clusters in separate processes (as on separate nodes): torchrun, 2 x 1."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "distsgd",
+               "train", "--algo", "hogwild++", "--cluster-size", "1", *SEEDS, "--max-samples", MAIN_BUDGET,
+               "--eval-every", "30000", "--out", f"{tmp}/run", "--quiet"]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        dest = RESULTS / "hogwildpp_torchrun"
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f"{tmp}/run/summary.json", dest / "summary.json")
+
+
 PARTS = {
     "seeds": seeds_single,
     "main": lambda: bench("main", MAIN_ALGOS, ["--max-samples", MAIN_BUDGET, "--eval-every", "30000"]),
@@ -82,6 +96,7 @@ PARTS = {
                                                                          "--eval-every", "30000"]),
     "easgd_lr": lambda: bench("easgd_lr", "easgd[lr=0.015],easgd[lr=0.015;easgd_mode=async]",
                               ["--max-samples", MAIN_BUDGET, "--eval-every", "30000"]),
+    "hogwildpp_torchrun": hogwildpp_torchrun,
     "straggler": lambda: bench("straggler", STRAGGLER_ALGOS, ["--max-samples", STRAGGLER_BUDGET, "--eval-every",
                                                               "60000", "--straggler", "1:3"]),
     "bare": lambda: script("single_vs_bare", []),
@@ -142,6 +157,29 @@ def render() -> str:
                 f"SGD's pace at the same lr. `easgd` with lr 0.015 = 0.01 x 3/2, everything else as in the main "
                 f"bench (run on {lr['date']}, 2 workers of 1 thread, tau 8, 1.2M samples):", ""]
         out += [line for line in markdown(lr).split("\n") if line.startswith("|")] + [""]
+    hpp = RESULTS / "hogwildpp_torchrun" / "summary.json"
+    if hpp.exists() and main:
+        h = json.loads(hpp.read_text())
+        one = row(main, "hogwild++")
+        out += ["## hogwild++ with its clusters in separate processes", "",
+                f"The same settings as the main bench, but each of the 2 clusters (1 worker each) is its own "
+                f"torchrun process, as it would be on its own node, and the token moves by gloo send/recv "
+                f"(`torchrun --standalone --nproc-per-node 2 ... --algo hogwild++ --cluster-size 1`, run on "
+                f"{h['started_at'][:10]}):", "",
+                "| run | samples/s | time to 85% (s) | samples to 85% | final acc | token passes | bytes/sample |",
+                "|---|---|---|---|---|---|---|"]
+        if one:
+            out.append(f"| one process per worker, shared memory (main bench) | {med(one['samples_per_s']):.0f} | "
+                       f"{_fmt(med(one['time_to_target_s']))} | {_fmt(med(one['samples_to_target']), 0)} | "
+                       f"{med(one['final_test_accuracy']):.4f} | - | {med(one['bytes_sent_per_sample']):.0f} |")
+        out.append(f"| one torchrun process per cluster, point-to-point | {h['samples_per_s']:.0f} | "
+                   f"{_fmt(h['time_to_target_s'])} | {_fmt(h['samples_to_target'], 0)} | "
+                   f"{h['final_test_accuracy']:.4f} | {h['token_passes']} | {h['bytes_sent_per_sample']:.0f} |")
+        out += ["", "Across processes a pass costs two messages (delta out, the next cluster's weights back), "
+                "so bytes per sample double. During the run rank 0 evaluates its own cluster's model, with the "
+                "other cluster's samples as of the token's last visit, so time and samples to 85% are that "
+                "cluster's; the final accuracy is the average of both clusters. The extra processes (a launcher "
+                "per cluster) share the 2 cores with the workers.", ""]
     strag = load("straggler")
     if strag and main:
         out += straggler_section(strag, main)
@@ -163,6 +201,10 @@ def render() -> str:
             out += [f"## {title}", "", f"`python benchmarks/{name}.py`, stored in `benchmarks/results/{name}.txt`:",
                     "", "```", path.read_text().strip(), "```", ""]
     return "\n".join(out) + "\n"
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def highlights(b: dict[str, Any]) -> list[str]:
