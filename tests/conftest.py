@@ -91,15 +91,19 @@ def reap_children():
     assert not left, f"processes left behind: {left}"
 
 
-# Helpers that live as long as the test process by design, not workers of a run.
-_LIFETIME_HELPERS = (b"multiprocessing.resource_tracker", b"torch_shm_manager")
+# Helpers that live as long as the test process by design, not workers of a run. (The fork server
+# that starts workers is one; the workers it forks share its command line, so they are told apart
+# by their parent.)
+_LIFETIME_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", b"torch_shm_manager")
 
 
 def _alive(pid: int) -> bool:
     """A live process that is not one of Python's or torch's lifetime helpers."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        parent = Path(f"/proc/{fields[1]}/cmdline").read_bytes()
     except OSError:
         return False
-    return state != "Z" and not any(h in cmdline for h in _LIFETIME_HELPERS)
+    helper = any(h in cmdline for h in _LIFETIME_HELPERS) and b"multiprocessing.forkserver" not in parent
+    return fields[0] != "Z" and not helper

@@ -2,7 +2,8 @@
 
 Two ways in, one training loop:
 
-- **Local** (``run_local``): ``--workers N`` spawns N processes on this machine. They form a
+- **Local** (``run_local``): ``--workers N`` starts N processes on this machine (forked from a
+  fork server that has imported torch once, see ``mp_context``). They form a
   process group over a free port on 127.0.0.1 (or ``--init-method``), train, and send their
   results back on a queue. Rank 0 also sends its metrics events, which this process (the one
   collector) writes to ``metrics.jsonl`` and the progress display. If a worker raises or dies,
@@ -56,6 +57,70 @@ def _child_env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def mp_context() -> Any:
+    """How worker processes start: forked from a fork server, or spawned where there is none.
+
+    The fork server (one per launching process, started on first use and kept until it exits)
+    has imported torch and distsgd once, so each worker starts in a fraction of a second instead
+    of importing them again (3.5 s of CPU each). Like spawn, and unlike a plain fork, no worker
+    inherits the launcher's threads or state; each gets the launcher's environment as it is when
+    the worker starts (``_bootstrap``).
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["distsgd._preload"])
+    # The server starts ignoring Ctrl-C (the launcher handles it and stops the workers; otherwise
+    # a Ctrl-C while the server imports torch prints its traceback). Workers restore the handler.
+    with _child_env(TORCH_CPP_LOG_LEVEL="ERROR"), _sigint_ignored():  # TensorPipe logs closed pipes
+        forkserver.ensure_running()
+    global _WARM_SERVER
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server != _WARM_SERVER:
+        # Wait until the server has imported everything: a worker asked for before then would be
+        # forked later, and a Ctrl-C meanwhile would leave it to start after the launcher is gone.
+        p = ctx.Process(target=_nothing, name="distsgd-warmup")
+        p.start()
+        p.join()
+        _WARM_SERVER = server
+    return ctx
+
+
+_WARM_SERVER: int | None = None
+
+
+def _nothing() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    import signal
+
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: leave the handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _bootstrap(env: dict[str, str], target: Any, args: tuple) -> None:
+    """A worker's first step: take the launcher's environment as of now and Python's usual Ctrl-C
+    handler (the fork server ignores Ctrl-C), then run ``target``."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
 
 
 def record_workers(cfg: RunConfig, procs: list[Any], roles: list[tuple[str, int]]) -> None:
@@ -133,7 +198,7 @@ def _spawned(cfg: RunConfig, mpc: Any, q: Any, target: Any, roles: list[tuple[st
     procs: list[Any] = []
     try:
         for i, (role, rank) in enumerate(roles):
-            p = mpc.Process(target=target, name=f"distsgd-{role}-{rank}", args=args(i))
+            p = mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}", args=(dict(os.environ), target, args(i)))
             p.start()
             procs.append(p)
         record_workers(cfg, procs, roles)
@@ -170,7 +235,7 @@ def run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
     world = cfg.workers
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     dataset.share_memory_()  # every worker reads one copy
-    mpc = mp.get_context("spawn")
+    mpc = mp_context()
     q = mpc.Queue()
     with _spawned(cfg, mpc, q, _worker_entry, [("worker", r) for r in range(world)],
                   lambda r: (r, world, cfg, algo_cls.name, spec, dataset, init_method, q)) as procs:
@@ -317,7 +382,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     for m in models:
         m.share_memory()
     states = [m.state_dict() for m in models]
-    mpc = mp.get_context("spawn")
+    mpc = mp_context()
     shared = {"shared_states": states, "shared_state": states[0],
               "counts": torch.zeros(world, dtype=torch.int64).share_memory_(),
               "stop": mpc.Event(), "go": mpc.Event(), "lock": mpc.Lock() if cfg.hogwild_lock else None,
@@ -542,7 +607,7 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     dataset.share_memory_()
     dead_flags = torch.zeros(world, dtype=torch.int8).share_memory_()
-    mpc = mp.get_context("spawn")
+    mpc = mp_context()
     q = mpc.Queue()
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}

@@ -70,8 +70,12 @@ def test_every_workers_updates_land_in_the_one_shared_model(digits, ticker, lock
     ticks = result.model.ticks.detach()
     if lock:
         assert ticks.tolist() == [0.5 * steps, 0.5 * steps]
-    else:  # without a lock a concurrent update may, rarely, overwrite another's
-        assert all(0.9 * 0.5 * steps <= t <= 0.5 * steps for t in ticks.tolist()), ticks
+    else:
+        # Without a lock an update may overwrite another's: a worker preempted between reading and
+        # writing the tensor erases whatever the other did meanwhile (seen: 7 of 24 steps on a busy
+        # machine). Still, both workers' updates land in the one model, and none is counted twice.
+        assert all(0 < t <= 0.5 * steps for t in ticks.tolist()), ticks
+        assert float(ticks.sum()) >= 0.5 * 0.5 * 2 * steps, ticks
     assert s["model_shared"] and s["dataset_shared"], "workers must read one shared copy"
     assert s["hogwild_lock"] is lock and s["failed_workers"] == []
 
