@@ -120,7 +120,24 @@ def _bootstrap(env: dict[str, str], target: Any, args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(env)
+    _exit_with_launcher()
     target(*args)
+
+
+def _exit_with_launcher() -> None:
+    """End this worker when its launcher dies (SIGKILL, OOM killer): no one would collect its
+    result, and it would otherwise train on alone."""
+    import threading
+
+    launcher = mp.parent_process()
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        launcher.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="distsgd-launcher-watch", daemon=True).start()
 
 
 def record_workers(cfg: RunConfig, procs: list[Any], roles: list[tuple[str, int]]) -> None:

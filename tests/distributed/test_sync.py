@@ -132,7 +132,10 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
 
     proc = subprocess.Popen([sys.executable, "-m", "distsgd", "train", "--algo", "allreduce", "--workers", "2",
                              "--dataset", "digits", "--model", "mlp", "--epochs", "100000", "--out",
-                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a shell without job control starts background jobs (a CI
+                            # script run with &, say) with Ctrl-C ignored, and children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         metrics = tmp_path / "run" / "metrics.jsonl"
@@ -148,3 +151,36 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "error: interrupted"
     # The reaper fixture checks that no worker outlived the launcher.
+
+
+def test_workers_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    """A SIGKILLed launcher cannot stop its workers; they notice it is gone and exit by themselves."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2",
+                             "--dataset", "digits", "--model", "mlp", "--epochs", "100000", "--out", str(out),
+                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+            time.sleep(0.1)  # wait until the workers are training
+        assert metrics.exists(), "the run never started"
+        pids = [e["pid"] for e in json.loads((out / "workers.json").read_text()) if e["role"] != "launcher"]
+        assert len(pids) == 3  # the server and two workers
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if running(p)], "workers outlived their launcher"
