@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from distsgd.algorithms.easgd import elastic_alpha, sync_elastic_step
-from distsgd.algorithms.hogwildpp import ring_constants, token_pass
+from distsgd.algorithms.hogwildpp import holder_increment, ring_constants, token_pass
 from distsgd.algorithms.local_sgd import parse_sync_every
 from distsgd.algorithms.param_server import ParameterServer, flat_params
 from distsgd.config import RunConfig
@@ -64,6 +64,21 @@ def test_token_pass_matches_float64_reference() -> None:
     i_ref = lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta
     new_i, new_next = token_pass(w_i, w_next, w_old, beta, lam)
     torch.testing.assert_close(new_next.double(), next_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_token_pass_between_processes_matches_the_same_reference() -> None:
+    """Across processes: the next cluster adds beta * delta and answers with its model; the holder
+    adds an increment to its own. Same result as the shared-memory pass, in float64."""
+    beta, lam = ring_constants(2)
+    w_i, w_next, w_old = vec(4), vec(5), vec(6)
+    a, b, o = (t.double() for t in (w_i, w_next, w_old))
+    delta = a - o
+    next_ref = b + beta * delta
+    i_ref = lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta
+    answered = w_next + beta * (w_i - w_old)  # what the next cluster holds and sends back
+    new_i = w_i + holder_increment(w_i, answered, w_i - w_old, beta, lam)
+    torch.testing.assert_close(answered.double(), next_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
 
 

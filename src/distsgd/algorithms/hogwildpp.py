@@ -65,6 +65,14 @@ def token_pass(w_i: torch.Tensor, w_next: torch.Tensor, w_old: torch.Tensor, bet
     return w_i, w_next
 
 
+def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tensor, beta: float,
+                     lam: float) -> torch.Tensor:
+    """Across processes the holder adds this to w_i, where w_next is the next cluster's model after
+    it added beta * delta: w_i + increment is the new w_i of :func:`token_pass`. As an increment it
+    keeps the local updates made to w_i while the token's messages travelled."""
+    return lam * (w_next - w_i) + (beta + lam - 1) * delta
+
+
 @register
 class HogwildPP(Hogwild):
     name = "hogwild++"
@@ -213,8 +221,7 @@ class TokenRing:
                 dist.send(delta, self.next, tag=2)
                 w_next = torch.empty_like(w)
                 dist.recv(w_next, self.next, tag=3)
-                # w_i <- lam w_next + (1 - lam) w_i + (beta + lam - 1) delta, as an increment on w_i
-                step = self.lam * (w_next - w) + (self.beta + self.lam - 1) * delta
+                step = holder_increment(w, w_next, delta, self.beta, self.lam)
                 self._add(step)
                 old = w + step
                 held_at = self.steps()
