@@ -55,30 +55,28 @@ def test_ring_constants(n: int) -> None:
         assert beta == pytest.approx((5 ** 0.5 - 1) / 2)
 
 
-def test_token_pass_matches_float64_reference() -> None:
-    beta, lam = ring_constants(3)
-    w_i, w_next, w_old = vec(1), vec(2), vec(3)
+def _ring_reference(w_i, w_next, w_old, beta, lam):
+    """The paper's pass in float64: (new w_i, new w_next)."""
     a, b, o = (t.double() for t in (w_i, w_next, w_old))
     delta = a - o
     next_ref = b + beta * delta
-    i_ref = lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta
+    return lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta, next_ref
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_token_pass_matches_float64_reference(n: int) -> None:
+    beta, lam = ring_constants(n)
+    w_i, w_next, w_old = vec(1), vec(2), vec(3)
+    i_ref, next_ref = _ring_reference(w_i, w_next, w_old, beta, lam)
+    # One machine: the holder updates both models in shared memory.
     new_i, new_next = token_pass(w_i, w_next, w_old, beta, lam)
     torch.testing.assert_close(new_next.double(), next_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
-
-
-def test_token_pass_between_processes_matches_the_same_reference() -> None:
-    """Across processes: the next cluster adds beta * delta and answers with its model; the holder
-    adds an increment to its own. Same result as the shared-memory pass, in float64."""
-    beta, lam = ring_constants(2)
-    w_i, w_next, w_old = vec(4), vec(5), vec(6)
-    a, b, o = (t.double() for t in (w_i, w_next, w_old))
-    delta = a - o
-    next_ref = b + beta * delta
-    i_ref = lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta
-    answered = w_next + beta * (w_i - w_old)  # what the next cluster holds and sends back
-    new_i = w_i + holder_increment(w_i, answered, w_i - w_old, beta, lam)
+    # Across processes: the next cluster adds beta * delta and answers with its model; the holder
+    # adds an increment to its own.
+    answered = w_next + beta * (w_i - w_old)
     torch.testing.assert_close(answered.double(), next_ref, rtol=1e-6, atol=1e-6)
+    new_i = w_i + holder_increment(w_i, answered, w_i - w_old, beta, lam)
     torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
 
 
