@@ -114,4 +114,6 @@ def test_hogwild_refuses_torchrun(monkeypatch) -> None:
         monkeypatch.setenv(k, v)
     with pytest.raises(distsgd.ConfigError, match="one machine"):
         distsgd.train(model="mlp", data="digits", algo="hogwild", quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="use --backend gloo"):  # hogwild++ may, but on gloo
+        distsgd.train(model="mlp", data="digits", algo="hogwild++", backend="nccl", quiet=True)
     torch.set_num_threads(torch.get_num_threads())
