@@ -5,7 +5,7 @@ Two ways in, one training loop:
 - **Local** (``run_local``): ``--workers N`` starts N processes on this machine (forked from a
   fork server that has imported torch once, see ``mp_context``). They form a
   process group over a free port on 127.0.0.1 (or ``--init-method``), train, and send their
-  results back on a queue. Rank 0 also sends its metrics events, which this process (the one
+  results back, each on its own pipe. Rank 0 also sends its metrics events, which this process (the one
   collector) writes to ``metrics.jsonl`` and the progress display. If a worker raises or dies,
   the others are stopped at once and the run fails with one line naming that worker. No worker
   outlives the run: they are reaped on success, failure and Ctrl-C.
@@ -160,6 +160,55 @@ def forget_workers(cfg: RunConfig) -> None:
         (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
 
 
+class Outbox:
+    """A worker's end of its own pipe to the launcher (one writer per pipe).
+
+    With one multiprocessing.Queue shared by all workers, a worker killed while writing keeps the
+    queue's write lock forever, and every other worker blocks on its next message: the run hangs.
+    A pipe per worker breaks only the dead worker's own channel.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        import threading
+
+        self.conn = conn
+        self.lock = threading.Lock()  # threads of this process (the server's RPC threads) take turns
+
+    def put(self, message: Any) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+
+class Inbox:
+    """The launcher's ends of the workers' pipes, read as one queue: ``get(timeout)`` returns the
+    next message from any worker or raises ``queue.Empty``. A pipe whose worker died is dropped."""
+
+    def __init__(self) -> None:
+        self.conns: list[Any] = []
+
+    def add(self, conn: Any) -> None:
+        self.conns.append(conn)
+
+    def get(self, timeout: float) -> Any:
+        from multiprocessing.connection import wait
+
+        if not self.conns:
+            time.sleep(timeout)
+            raise queue.Empty
+        for conn in wait(self.conns, timeout):
+            try:
+                return conn.recv()
+            except Exception:  # EOF or a message cut short: its writer is gone
+                self.conns.remove(conn)
+                conn.close()
+        raise queue.Empty
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+
 class QueueSink:
     """Forwards a worker's metrics events to the collector in the launching process."""
 
@@ -209,14 +258,19 @@ def _report(q: Any, rank: int, body: Any) -> None:
 
 
 @contextlib.contextmanager
-def _spawned(cfg: RunConfig, mpc: Any, q: Any, target: Any, roles: list[tuple[str, int]],
+def _spawned(cfg: RunConfig, mpc: Any, q: Inbox, target: Any, roles: list[tuple[str, int]],
              args: Any) -> Iterator[list[Any]]:
-    """Start one process per role (``args(i)`` gives the i-th one's arguments); reap them all on exit."""
+    """Start one process per role (``args(i, out)`` gives the i-th one's arguments, ``out`` the
+    writing end of its pipe into ``q``); reap them all on exit."""
     procs: list[Any] = []
     try:
         for i, (role, rank) in enumerate(roles):
-            p = mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}", args=(dict(os.environ), target, args(i)))
+            read, write = mpc.Pipe(duplex=False)
+            q.add(read)
+            p = mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
+                            args=(dict(os.environ), target, args(i, write)))
             p.start()
+            write.close()  # the worker holds it now
             procs.append(p)
         record_workers(cfg, procs, roles)
         yield procs
@@ -229,6 +283,7 @@ def _spawned(cfg: RunConfig, mpc: Any, q: Any, target: Any, roles: list[tuple[st
 def _worker_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset,
                   init_method: str, q: Any) -> None:
     """The body of a spawned worker process."""
+    q = Outbox(q)
     logging.basicConfig(level=logging.WARNING, format=f"worker {rank}: %(levelname)s: %(message)s")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     if cfg.init_method is None:
@@ -253,9 +308,9 @@ def run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     dataset.share_memory_()  # every worker reads one copy
     mpc = mp_context()
-    q = mpc.Queue()
+    q = Inbox()
     with _spawned(cfg, mpc, q, _worker_entry, [("worker", r) for r in range(world)],
-                  lambda r: (r, world, cfg, algo_cls.name, spec, dataset, init_method, q)) as procs:
+                  lambda r, out: (r, world, cfg, algo_cls.name, spec, dataset, init_method, out)) as procs:
         payloads = _supervise(procs, q, sink)
     return [_unpack(payloads[r], cfg, spec, dataset) for r in range(world)]
 
@@ -364,6 +419,7 @@ def _shared_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: M
                   shared: dict[str, Any], q: Any, first_rank: int, data_world: int) -> None:
     """The body of a worker that trains a model held in shared memory (Hogwild!). ``rank`` is its
     slot on this machine; it reads data shard ``first_rank + rank`` of ``data_world``."""
+    q = Outbox(q)
     logging.basicConfig(level=logging.WARNING, format=f"worker {first_rank + rank}: %(levelname)s: %(message)s")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     from distsgd.algorithms import registry
@@ -415,7 +471,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     def samples_now() -> int:
         return ring.global_samples() if ring is not None else int(counts.sum())
 
-    q = mpc.Queue()
+    q = Inbox()
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
     global_per_epoch = shard_size(len(dataset.y_train), data_world, cfg.partition) * data_world
@@ -439,7 +495,8 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
                 failed[r] = _describe_exit(p.exitcode)
 
     with _spawned(cfg, mpc, q, _shared_entry, [("worker", r) for r in range(world)],
-                  lambda r: (r, world, cfg, algo_cls.name, spec, dataset, shared, q, first_rank, data_world)) as procs:
+                  lambda r, out: (r, world, cfg, algo_cls.name, spec, dataset, shared, out, first_rank,
+                                  data_world)) as procs:
         ready: set[int] = set()
         deadline = time.monotonic() + cfg.timeout_s
         while len(ready) + len(failed) < world:  # everyone has built its model and optimiser
@@ -597,6 +654,7 @@ def _ps_worker_role(cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Da
 def _ps_entry(rank: int, world: int, cfg: RunConfig, algo_name: str, spec: ModelSpec, dataset: Dataset,
               init_method: str, q: Any, dead_flags: torch.Tensor) -> None:
     """A spawned process of a parameter-server run: rank 0 serves, the others train."""
+    q = Outbox(q)
     logging.basicConfig(level=logging.WARNING,
                         format=("server" if rank == 0 else f"worker {rank - 1}") + ": %(levelname)s: %(message)s")
     _loopback_only()
@@ -625,13 +683,14 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
     dataset.share_memory_()
     dead_flags = torch.zeros(world, dtype=torch.int8).share_memory_()
     mpc = mp_context()
-    q = mpc.Queue()
+    q = Inbox()
     payloads: dict[int, dict[str, Any]] = {}
     failed: dict[int, str] = {}
     # TensorPipe logs every closed pipe at shutdown as a warning; keep C++ logs to errors.
     with _child_env(TORCH_CPP_LOG_LEVEL="ERROR"), \
             _spawned(cfg, mpc, q, _ps_entry, [("server", 0)] + [("worker", r) for r in range(workers)],
-                     lambda i: (i, world, cfg, algo_cls.name, spec, dataset, init_method, q, dead_flags)) as procs:
+                     lambda i, out: (i, world, cfg, algo_cls.name, spec, dataset, init_method, out,
+                                     dead_flags)) as procs:
         def take() -> None:
             """File the next message, if one comes within 50 ms."""
             try:
