@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import queue
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,7 @@ def _child_env(**values: str) -> Iterator[None]:
 
 
 def mp_context() -> Any:
-    """How worker processes start: forked from a fork server, or spawned where there is none.
+    """How worker processes start: forked from a fork server on Linux, spawned elsewhere.
 
     The fork server (one per launching process, started on first use and kept until it exits)
     has imported torch and distsgd once, so each worker starts in a fraction of a second instead
@@ -68,8 +69,8 @@ def mp_context() -> Any:
     inherits the launcher's threads or state; each gets the launcher's environment as it is when
     the worker starts (``_bootstrap``).
     """
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
+    if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")  # macOS: forking after system frameworks load is unsafe
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
