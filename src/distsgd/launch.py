@@ -204,6 +204,22 @@ class Inbox:
                 conn.close()
         raise queue.Empty
 
+    def take(self, timeout: float, payloads: dict[int, Any], errors: dict[int, str],
+             on_event: Any) -> tuple[str, int, Any] | None:
+        """File the next message, if one comes within ``timeout``: a result into ``payloads``, a
+        worker's first error into ``errors``, an event to ``on_event``. Returns the message."""
+        try:
+            kind, rank, body = self.get(timeout)
+        except queue.Empty:
+            return None
+        if kind == "result":
+            payloads[rank] = body
+        elif kind == "error":
+            errors.setdefault(rank, body)
+        elif kind == "event":
+            on_event(body)
+        return kind, rank, body
+
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
@@ -319,19 +335,13 @@ def run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
 def _supervise(procs: list[Any], q: Any, sink: Sink) -> dict[int, dict[str, Any]]:
     """Relay events until every worker has reported; fail fast when one fails."""
     payloads: dict[int, dict[str, Any]] = {}
+    errors: dict[int, str] = {}
     while len(payloads) < len(procs):
-        try:
-            kind, rank, body = q.get(timeout=0.2)
-        except queue.Empty:
-            if any(p.exitcode is not None and r not in payloads for r, p in enumerate(procs)):
-                raise _diagnose(procs, q, sink, payloads, {})
-            continue
-        if kind == "event":
-            sink.emit(body)
-        elif kind == "result":
-            payloads[rank] = body
-        elif kind == "error":
-            raise _diagnose(procs, q, sink, payloads, {rank: body})
+        if q.take(0.2, payloads, errors, sink.emit) is None and \
+                any(p.exitcode is not None and r not in payloads for r, p in enumerate(procs)):
+            raise _diagnose(procs, q, sink, payloads, errors)
+        if errors:
+            raise _diagnose(procs, q, sink, payloads, errors)
     return payloads
 
 
@@ -350,16 +360,7 @@ def _diagnose(procs: list[Any], q: Any, sink: Sink, payloads: dict[int, dict[str
     """
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        try:
-            kind, rank, body = q.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        if kind == "error":
-            errors.setdefault(rank, body)
-        elif kind == "result":
-            payloads[rank] = body
-        elif kind == "event":
-            sink.emit(body)
+        q.take(0.05, payloads, errors, sink.emit)
     silent = [r for r, p in enumerate(procs)
               if p.exitcode is not None and p.exitcode != 0 and r not in errors and r not in payloads]
     if silent:
@@ -479,15 +480,12 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     snapshots = Snapshots(cfg, spec, dataset, global_per_epoch, sink)
     threads = torch.get_num_threads()
 
-    def handle(kind: str, rank: int, body: Any, clock: Any | None) -> None:
-        if kind == "result":
-            payloads[rank] = body
-        elif kind == "error":
-            failed.setdefault(rank, body)
-        elif kind == "event" and clock is not None and body.get("event") == "progress":
+    def relay_progress(event: dict[str, Any]) -> None:
+        """A worker's progress line, with all workers' samples and the launcher's clock."""
+        if event.get("event") == "progress":
             done = samples_now()
             elapsed = clock.elapsed()
-            sink.emit({**body, "samples": done, "train_wall_s": elapsed,
+            sink.emit({**event, "samples": done, "train_wall_s": elapsed,
                        "samples_per_s": done / elapsed if elapsed > 0 else 0.0})
 
     def reap_exits() -> None:
@@ -504,24 +502,18 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
             if time.monotonic() > deadline:
                 raise WorkerError(f"workers {sorted(set(range(world)) - ready)} did not start "
                                   f"within {cfg.timeout_s:.0f} s")
-            try:
-                kind, rank, body = q.get(timeout=0.1)
-                if kind == "ready":
-                    ready.add(rank)
-                else:
-                    handle(kind, rank, body, None)
-            except queue.Empty:
+            message = q.take(0.1, payloads, failed, lambda event: None)
+            if message is None:
                 reap_exits()
+            elif message[0] == "ready":
+                ready.add(message[1])
         clock = TrainClock()
         shared["go"].set()
         if ring is not None:
             ring.start()
         torch.set_num_threads(1)  # evaluations during training share the cores with the workers
         while len(payloads) + len(failed) < world:
-            try:
-                kind, rank, body = q.get(timeout=0.01)
-                handle(kind, rank, body, clock)
-            except queue.Empty:
+            if q.take(0.01, payloads, failed, relay_progress) is None:
                 reap_exits()
             done = samples_now()
             if snapshots.due(done) and snapshots.take(done, clock.elapsed(), current_state()):
@@ -581,8 +573,7 @@ def run_shared_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset
     names = [name for name, _ in build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init).named_parameters()]
 
     def ring(state: dict[str, torch.Tensor], counts: torch.Tensor, stop: Any) -> TokenRing:
-        return TokenRing(cfg, rank, n, [state[k] for k in names], lambda: int(counts.sum()) // cfg.batch_size,
-                         lambda: int(counts.sum()), stop)
+        return TokenRing(cfg, rank, n, [state[k] for k in names], counts, stop)
 
     init_torchrun_group(cfg, rank, n)
     try:
@@ -693,17 +684,7 @@ def run_server_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: D
                      lambda i, out: (i, world, cfg, algo_cls.name, spec, dataset, init_method, out,
                                      dead_flags)) as procs:
         def take() -> None:
-            """File the next message, if one comes within 50 ms."""
-            try:
-                kind, rank, body = q.get(timeout=0.05)
-            except queue.Empty:
-                return
-            if kind == "event":
-                sink.emit(body)
-            elif kind == "result":
-                payloads[rank] = body
-            elif kind == "error":
-                failed.setdefault(rank, body)
+            q.take(0.05, payloads, failed, sink.emit)
 
         while 0 not in payloads:
             take()

@@ -157,17 +157,17 @@ class TokenRing:
 
     Runs in a thread of each cluster's launching process, beside its local Hogwild! workers, over
     the default process group (one rank per cluster). ``params`` are the cluster model's shared
-    parameter tensors; ``steps()`` counts the cluster's local updates. Each message starts with a
+    parameter tensors; ``counts`` the samples of each of the cluster's workers (shared). Each message starts with a
     header [kind, origin, stop, counts..., done...]: every holder writes its samples and whether
     its workers are done, so every cluster knows the others' progress as of the token's last
     visit. When a holder sees every cluster done, it sends STOP round the ring. ``request_stop()``
     (the target accuracy was reached) travels with the token and sets each cluster's stop event.
     """
 
-    def __init__(self, cfg: RunConfig, rank: int, n: int, params: list[torch.Tensor], steps: Any,
-                 samples: Any, stop_event: Any) -> None:
+    def __init__(self, cfg: RunConfig, rank: int, n: int, params: list[torch.Tensor], counts: torch.Tensor,
+                 stop_event: Any) -> None:
         self.cfg, self.rank, self.n = cfg, rank, n
-        self.params, self.steps, self.samples, self.stop_event = params, steps, samples, stop_event
+        self.params, self.counts, self.stop_event = params, counts, stop_event
         self.next, self.prev = (rank + 1) % n, (rank - 1) % n
         self.beta, self.lam = ring_constants(n)
         self.known = torch.zeros(n, dtype=torch.int64)  # samples of each cluster, as last heard
@@ -182,6 +182,12 @@ class TokenRing:
     def start(self) -> None:
         if self.n > 1:
             self.thread.start()
+
+    def samples(self) -> int:
+        return int(self.counts.sum())
+
+    def steps(self) -> int:
+        return self.samples() // self.cfg.batch_size
 
     def global_samples(self) -> int:
         """All clusters' samples: this one's now, the others' as of the token's last visit."""

@@ -117,7 +117,7 @@ class ParameterServer:
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         with self.lock:
-            flat = flat_params(self.model).clone()
+            flat = flat_params(self.model)  # a new tensor (torch.cat)
             self.bytes_sent += flat.numel() * flat.element_size()
             if self.mode == "dcasgd":
                 self._read[rank] = flat
@@ -186,7 +186,7 @@ class ParameterServer:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = grad[offset:offset + n].view_as(p).clone()
+            p.grad = grad[offset:offset + n].view_as(p)  # views: grad is this update's own tensor
             offset += n
         set_lr(self.optimizer, lr)
         self.optimizer.step()
@@ -195,7 +195,7 @@ class ParameterServer:
             self.on_update(self.total_samples())
 
     def _answer(self) -> tuple[torch.Tensor, int, int, bool]:
-        flat = flat_params(self.model).clone()
+        flat = flat_params(self.model)
         self.bytes_sent += flat.numel() * flat.element_size()
         return flat, self.version, self.total_samples(), self.stop
 
