@@ -71,7 +71,7 @@ class RunConfig:
     # parameter server: staleness-aware lr (asgd), bound S (ssp), delay compensation (dcasgd).
     staleness_lr: bool = False
     staleness: int = 2
-    dc_lambda: float = 0.04
+    dc_lambda: float | None = None
     dc_adaptive: bool = False
     # local-sgd: average every H steps (or "epoch"), after K synchronous warm-up steps.
     sync_every: str = "8"
@@ -257,7 +257,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.timeout_s > 0, f"--timeout must be positive, got {cfg.timeout_s}")
     need(cfg.bucket_mb > 0, f"--bucket-mb must be positive, got {cfg.bucket_mb}")
     need(cfg.staleness >= 0, f"--staleness must be >= 0, got {cfg.staleness}")
-    need(cfg.dc_lambda >= 0, f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
+    need(cfg.dc_lambda is None or cfg.dc_lambda >= 0, f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
     need(cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
     need(cfg.cluster_size >= 1, f"--cluster-size must be at least 1, got {cfg.cluster_size}")
     need(cfg.update_delay >= 1, f"--update-delay must be at least 1, got {cfg.update_delay}")

@@ -460,8 +460,8 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
     mpc = mp_context()
     shared = {"shared_states": states, "shared_state": states[0],
               "counts": torch.zeros(world, dtype=torch.int64).share_memory_(),
-              "stop": mpc.Event(), "go": mpc.Event(), "lock": mpc.Lock() if cfg.hogwild_lock else None,
-              **algo_cls.shared_extras(cfg, mpc, states)}
+              "stop": torch.zeros(1, dtype=torch.int8).share_memory_(), "go": mpc.Event(), "lock": mpc.Lock() if cfg.hogwild_lock else None,
+              **algo_cls.shared_extras(cfg, mpc, models)}
 
     def current_state() -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in algo_cls.combine(states).items()}
@@ -519,7 +519,7 @@ def run_shared(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset
             if snapshots.due(done) and snapshots.take(done, clock.elapsed(), current_state()):
                 if ring is not None:
                     ring.request_stop()
-                shared["stop"].set()
+                shared["stop"].fill_(1)
         if len(failed) == world:
             first = min(failed)
             raise WorkerError(f"all {world} workers failed; worker {first_rank + first}: {failed[first]}")
@@ -570,10 +570,11 @@ def run_shared_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset
         local = local.replace(max_samples=-(-cfg.max_samples // n))
     if rank != 0:  # only rank 0 evaluates during training and writes the run directory
         local = local.replace(eval_every=2 ** 62, out=None, stop_at_target=False)
-    names = [name for name, _ in build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init).named_parameters()]
+    from distsgd.algorithms.hogwild import bind_to_shared
 
-    def ring(state: dict[str, torch.Tensor], counts: torch.Tensor, stop: Any) -> TokenRing:
-        return TokenRing(cfg, rank, n, [state[k] for k in names], counts, stop)
+    def ring(state: dict[str, torch.Tensor], counts: torch.Tensor, stop: torch.Tensor) -> TokenRing:
+        model = bind_to_shared(build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init), state)
+        return TokenRing(cfg, rank, n, model, counts, stop)
 
     init_torchrun_group(cfg, rank, n)
     try:

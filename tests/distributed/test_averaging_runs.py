@@ -82,7 +82,10 @@ def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path)
     assert s["workers"] == 4 and s["clusters"] == 2 and s["failed_workers"] == []
     assert s["samples"] == 3 * 1436 and s["samples_per_worker"] == [3 * 359] * 4  # 1436 / 4 a shard
     assert s["token_passes"] > 0
-    # Each pass: the holder sends a header of 3 + 2n int64 and delta; the next cluster answers with its weights.
+    # Each exchange: the holder sends a SYNC header of 3 + 2n int64 and delta, the next cluster answers
+    # with its weights; then the holder sends a TOKEN header, except after the last exchange, when a
+    # STOP header goes round the ring of n = 2 (sent once, not forwarded back to its origin).
     n_params = _params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
-    assert s["bytes_sent"] == s["token_passes"] * (2 * 4 * n_params + 8 * (3 + 2 * 2))
+    passes, header = s["token_passes"], 8 * (3 + 2 * 2)
+    assert s["bytes_sent"] == passes * 2 * 4 * n_params + (2 * passes - 1 + 1) * header
     assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]  # the average of the two clusters

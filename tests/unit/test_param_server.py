@@ -55,6 +55,25 @@ def test_asgd_applies_sgd_and_staleness_aware_lr() -> None:
         torch.testing.assert_close(after, before - lr * grad(1))
 
 
+def test_staleness_aware_rule_divides_the_gradient_not_momentum_or_weight_decay() -> None:
+    """Zhang et al. (IJCAI 2016) scale the stale gradient by 1/tau. With momentum mu and weight
+    decay wd, SGD then takes buf <- mu buf + (g / tau + wd w), w <- w - lr buf (float64 here);
+    dividing the lr instead would also divide the momentum history and the decay."""
+    mu, wd, lr = 0.9, 0.01, 0.1
+    ps = make_server("asgd", staleness_lr=True, momentum=mu, weight_decay=wd)
+    w = flat_params(ps.model).double()
+    result(ps.push(2, grad(9), 0, 1))  # staleness 0: buf = g9 + wd w
+    buf = grad(9).double() + wd * w
+    w = w - lr * buf
+    result(ps.push(2, grad(8), 1, 2))  # staleness 0
+    buf = mu * buf + grad(8).double() + wd * w
+    w = w - lr * buf
+    after, *_ = result(ps.push(1, grad(1), 0, 1))  # read version 0, server at 2: tau = 2
+    buf = mu * buf + grad(1).double() / 2 + wd * w
+    w = w - lr * buf
+    torch.testing.assert_close(after.double(), w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_dcasgd_matches_a_float64_reference(adaptive: bool) -> None:
     ps = make_server("dcasgd", dc_lambda=0.5, dc_adaptive=adaptive)
@@ -64,8 +83,8 @@ def test_dcasgd_matches_a_float64_reference(adaptive: bool) -> None:
     w = flat_params(ps.model).double()
     g = grad(1).double()
     lam = torch.full_like(g, 0.5)
-    if adaptive:  # the running mean square so far: g2^2 then decayed with g1^2
-        meansq = 0.95 * grad(2).double() ** 2 + 0.05 * g ** 2
+    if adaptive:  # DC-ASGD-a: MeanSquare starts at 0, m <- 0.95 m + 0.05 g^2 at every push
+        meansq = 0.95 * (0.05 * grad(2).double() ** 2) + 0.05 * g ** 2
         lam = 0.5 / torch.sqrt(meansq + 1e-7)
     expected = w - 0.1 * (g + lam * g * g * (w - w_read.double()))
     after, *_ = result(ps.push(1, grad(1), v, 1))
@@ -109,3 +128,21 @@ def test_staleness_stats_empty_and_quantiles() -> None:
     assert staleness_stats(Counter())["mean"] is None
     stats = staleness_stats(Counter({0: 98, 7: 2}))
     assert (stats["p50"], stats["p99"], stats["max"]) == (0, 7, 7)
+
+
+def test_dcasgd_lambda_defaults_are_the_papers() -> None:
+    from distsgd.algorithms.param_server import dc_lambda
+
+    assert dc_lambda(RunConfig()) == 0.04  # DC-ASGD-c
+    assert dc_lambda(RunConfig(dc_adaptive=True)) == 2.0  # DC-ASGD-a's lambda0
+    assert dc_lambda(RunConfig(dc_adaptive=True, dc_lambda=0.5)) == 0.5
+
+
+def test_replies_are_completed_outside_the_lock() -> None:
+    """A reply's Future is completed (and so serialised by RPC) only once the server's lock is free."""
+    ps = make_server("sync-ps")
+    seen = []
+    first = ps.push(1, grad(1), 0, 5)
+    first.then(lambda f: seen.append(ps.lock.locked()))
+    ps.push(2, grad(2), 0, 5)  # completes the round, and both futures
+    assert first.done() and seen == [False]

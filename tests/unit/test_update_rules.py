@@ -38,7 +38,7 @@ def test_async_easgd_server_exchange() -> None:
     ps = ParameterServer(RunConfig(alpha=0.25), model, 2, "easgd", samples_per_epoch=100)
     c = flat_params(model).double()
     x = vec(7, 8)
-    diff, version, total, stop = ps.elastic(1, x, 64)
+    diff, version, total, stop = ps.elastic(1, x, torch.zeros(0, dtype=torch.int64), 64)
     torch.testing.assert_close(diff.double(), x.double() - c)
     torch.testing.assert_close(flat_params(model).double(), c + 0.25 * (x.double() - c))
     assert (version, total, stop) == (1, 64, False)
@@ -55,29 +55,57 @@ def test_ring_constants(n: int) -> None:
         assert beta == pytest.approx((5 ** 0.5 - 1) / 2)
 
 
-def _ring_reference(w_i, w_next, w_old, beta, lam):
-    """The paper's pass in float64: (new w_i, new w_next)."""
-    a, b, o = (t.double() for t in (w_i, w_next, w_old))
-    delta = a - o
-    next_ref = b + beta * delta
-    return lam * next_ref + (1 - lam) * a + (beta + lam - 1) * delta, next_ref
+def _authors_exchange(w_i, w_next, w_old, beta, lam):
+    """One exchange as the authors' code makes it (huanzhang12/hogwildpp, src/numasvm/svm_exec.hxx,
+    ModelUpdate; without its step-size factor and tolerance branch), per coordinate, in float64:
+
+        delta = wi - old_vals[i]; next = next_vals[i];
+        new_wi = next * lambda + wi * (1 - lambda) + (beta + lambda - 1) * delta;
+        next_vals[i] = next + beta * delta; vals[i] = new_wi; old_vals[i] = new_wi;
+
+    ``next`` is read before next_vals[i] is written. Returns (new w_i, new w_next)."""
+    out_i, out_next = [], []
+    for wi, nxt, old in zip(*(t.double().tolist() for t in (w_i, w_next, w_old))):
+        delta = wi - old
+        out_i.append(nxt * lam + wi * (1 - lam) + (beta + lam - 1) * delta)
+        out_next.append(nxt + beta * delta)
+    return torch.tensor(out_i, dtype=torch.float64), torch.tensor(out_next, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_token_pass_matches_float64_reference(n: int) -> None:
+def test_token_pass_matches_the_authors_rule(n: int) -> None:
     beta, lam = ring_constants(n)
     w_i, w_next, w_old = vec(1), vec(2), vec(3)
-    i_ref, next_ref = _ring_reference(w_i, w_next, w_old, beta, lam)
+    i_ref, next_ref = _authors_exchange(w_i, w_next, w_old, beta, lam)
     # One machine: the holder updates both models in shared memory.
     new_i, new_next = token_pass(w_i, w_next, w_old, beta, lam)
     torch.testing.assert_close(new_next.double(), next_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
-    # Across processes: the next cluster adds beta * delta and answers with its model; the holder
-    # adds an increment to its own.
-    answered = w_next + beta * (w_i - w_old)
-    torch.testing.assert_close(answered.double(), next_ref, rtol=1e-6, atol=1e-6)
-    new_i = w_i + holder_increment(w_i, answered, w_i - w_old, beta, lam)
+    # Across processes: the next cluster answers with its model from before it adds beta * delta;
+    # the holder adds an increment to its own.
+    new_i = w_i + holder_increment(w_i, w_next, w_i - w_old, beta, lam)
     torch.testing.assert_close(new_i.double(), i_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n, settles_at", [(2, 1.0), (3, 0.8712), (4, None)])
+def test_one_local_update_is_not_amplified_by_the_ring(n: int, settles_at: float | None) -> None:
+    """Every model starts at 0; cluster 0 makes one local update of +1; the token then goes round
+    the ring with no other updates. With the authors' rule every model settles at 1.0 (n = 2) or
+    below; mixing with the next model *after* it received beta * delta settles at 1.38 (n = 2)."""
+    beta, lam = ring_constants(n)
+    w = [torch.zeros(1) for _ in range(n)]
+    old = [torch.zeros(1) for _ in range(n)]
+    w[0] = torch.ones(1)
+    for k in range(60 * n):
+        i, j = k % n, (k + 1) % n
+        w[i], w[j] = token_pass(w[i], w[j], old[i], beta, lam)
+        old[i] = w[i].clone()
+        ref_models = [float(x) for x in w]
+        assert max(ref_models) <= 1.0 + 1e-5, (k, ref_models)  # never more than the update itself
+    final = [float(x) for x in w]
+    assert max(final) - min(final) < 1e-4  # the models agree
+    if settles_at is not None:
+        assert final[0] == pytest.approx(settles_at, abs=1e-3)
 
 
 def test_sync_every_parsing() -> None:

@@ -12,6 +12,12 @@ earlier layers. Buckets start strictly in order, so every rank issues the same c
 same order. After backward, the loop waits for the buckets, divides by W and copies the averages
 back into ``.grad``. One collective per bucket, not one per tensor (Li et al., "PyTorch
 Distributed", VLDB 2020, describe the same scheme for DDP).
+
+Buffers (BatchNorm statistics): each replica's forward updates its own; after every step the
+floating-point buffers are averaged with one all-reduce (so the running statistics are those of
+the global batch, as SyncBatchNorm's would be for the running mean), and at the end rank 0's
+integer buffers (``num_batches_tracked``, equal anyway in lockstep) are copied to all. Replicas
+thus hold equal parameters and buffers after every step.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distsgd.algorithms.averaging import allreduce_mean_, broadcast_, float_buffers, int_buffers
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.train.loop import WorkerContext
 
@@ -69,12 +76,12 @@ class AllReduce(GroupAlgorithm):
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world
         params = [p for p in model.parameters() if p.requires_grad]
-        # Start from rank 0's weights, whatever the model's constructor did.
-        for p in params:
-            dist.broadcast(p.data, src=0)
+        # Start from rank 0's weights and buffers, whatever the model's constructor did.
+        broadcast_(params + list(model.buffers()))
         self.buckets = make_buckets(list(reversed(params)), int(self.cfg.bucket_mb * 1024 * 1024))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
+        self.float_buffers = float_buffers(model)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         return model
@@ -114,6 +121,12 @@ class AllReduce(GroupAlgorithm):
             bucket.ready = 0
             bucket.handle = None
         self._next = 0
+        if self.float_buffers:
+            self.sent(allreduce_mean_(self.float_buffers, self.world), self.world)
+
+    def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        broadcast_(int_buffers(model))
+        return model
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "buckets": len(self.buckets)}

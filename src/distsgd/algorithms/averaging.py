@@ -1,17 +1,46 @@
-"""Helpers shared by the model-averaging algorithms: flat views of parameters and their all-reduce."""
+"""Flat views of a model's state and their collectives: the one helper every algorithm uses.
+
+A model's state is its parameters, its floating-point buffers (BatchNorm's running mean and
+variance) and its integer buffers (BatchNorm's ``num_batches_tracked``). Averaging algorithms
+average the first two and *copy* the integer ones (the mean of two counters is no counter, and
+``mean()`` of an integer tensor fails), the way DDP broadcasts buffers rather than reducing them.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return list(model.parameters())
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if b.dtype.is_floating_point]
+
+
+def int_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if not b.dtype.is_floating_point]
+
+
+def averaged(model: nn.Module) -> list[torch.Tensor]:
+    """What averaging algorithms average: parameters, then floating-point buffers."""
+    return params(model) + float_buffers(model)
+
+
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One new contiguous 1-D tensor holding ``tensors`` in order."""
+    if not tensors:
+        return torch.zeros(0)
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors`` (in place; views stay views)."""
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -20,8 +49,20 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
             offset += n
 
 
+def add_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Add consecutive pieces of ``flat`` to ``tensors`` in place."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.add_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
 def allreduce_mean_(tensors: list[torch.Tensor], world: int) -> int:
     """Average ``tensors`` across the group in place with one all-reduce; return the bytes reduced."""
+    if not tensors:
+        return 0
     flat = flatten(tensors)
     dist.all_reduce(flat)
     flat.div_(world)
@@ -29,5 +70,44 @@ def allreduce_mean_(tensors: list[torch.Tensor], world: int) -> int:
     return flat.numel() * flat.element_size()
 
 
-def params(model: nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters()]
+def broadcast_(tensors: list[torch.Tensor], src: int = 0) -> int:
+    """Make ``tensors`` rank ``src``'s, with one broadcast; return the bytes of the message."""
+    if not tensors:
+        return 0
+    flat = flatten(tensors)
+    dist.broadcast(flat, src=src)
+    unflatten_into(flat, tensors)
+    return flat.numel() * flat.element_size()
+
+
+def average_model_(model: nn.Module, world: int) -> int:
+    """Average parameters and floating-point buffers across the group; copy rank 0's integer
+    buffers. Returns the bytes all-reduced (the integer buffers' broadcast is a few bytes)."""
+    sent = allreduce_mean_(averaged(model), world)
+    broadcast_(int_buffers(model))
+    return sent
+
+
+def elastic_alpha(cfg: Any, workers: int) -> float:
+    """EASGD's elastic strength: ``--alpha``, by default beta / N with beta = N alpha = 0.9."""
+    return cfg.alpha if cfg.alpha is not None else 0.9 / workers
+
+
+def mean_state(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The average of several state dicts of one architecture: floating-point entries are
+    averaged, integer ones (counters) are taken from the first."""
+    return {k: (torch.stack([s[k].detach() for s in states]).mean(dim=0) if v.dtype.is_floating_point
+                else v.detach().clone())
+            for k, v in states[0].items()}
+
+
+def max_abs_diff(model: nn.Module, world: int) -> float:
+    """How far the replicas of ``model`` are apart: max over its state (parameters and all buffers)
+    of (max over ranks - min over ranks). 0.0 when every replica holds the same values."""
+    flat = flatten([t.double() for t in list(model.parameters()) + list(model.buffers())])
+    if world == 1 or flat.numel() == 0:
+        return 0.0
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return float((hi - lo).max())

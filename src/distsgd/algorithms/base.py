@@ -11,6 +11,9 @@ processes are arranged (its *topology*) and what happens at the loop's sync poin
 - ``keep_going(ctx)``: checked before every step; False stops this worker.
 - ``on_epoch_end(ctx, model, epoch)``.
 - ``agree(ctx, flag)``: every worker must reach the same stop decision.
+- ``evaluation_model(ctx, model)``: the model the algorithm would return now, to evaluate. Called
+  on every worker at every evaluation point (it may be a collective); only the reporting worker
+  evaluates what it returns.
 - ``finish(ctx, model)``: returns the model to evaluate and save.
 - ``summary()``: extra keys for summary.json (``bytes_sent``, ``staleness``, ...).
 """
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from distsgd.algorithms.averaging import max_abs_diff
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.train.optim import build_optimizer
@@ -87,8 +91,9 @@ class Algorithm:
         """Samples processed by all workers, as this worker knows it (lockstep: local x world)."""
         return local_samples * ctx.world
 
-    def evaluation_model(self, model: nn.Module) -> nn.Module:
-        """The module to evaluate on one worker alone (e.g. what a DDP wrapper holds)."""
+    def evaluation_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+        """What this algorithm would return at this moment (the average, the centre, the module a
+        DDP wrapper holds). Every worker calls it at an evaluation point, so it may communicate."""
         return model
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
@@ -100,8 +105,8 @@ class Algorithm:
     # -- checkpoints ------------------------------------------------------------------------
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
 
-    def local_module(self, model: nn.Module) -> nn.Module:
-        """This worker's own model, unwrapped (what a checkpoint stores)."""
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """This worker's own module, without any wrapper ``setup`` put round it (DDP's)."""
         return model
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,5 +174,18 @@ class GroupAlgorithm(Algorithm):
         """Count an all-reduce of ``nbytes``: a ring all-reduce sends 2 (W-1)/W of it per worker."""
         self.bytes_sent += int(2 * (world - 1) * nbytes / world)
 
+    def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+        """The model to return, then how far its replicas are apart (0.0: equal parameters and buffers)."""
+        final = self.final_model(ctx, model)
+        self.replica_max_abs_diff = max_abs_diff(final, ctx.world)
+        return final
+
+    def final_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+        """The model every replica returns (after any last synchronisation)."""
+        return model
+
     def summary(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent}
+        out: dict[str, Any] = {"bytes_sent": self.bytes_sent}
+        if hasattr(self, "replica_max_abs_diff"):
+            out["replica_max_abs_diff"] = self.replica_max_abs_diff
+        return out

@@ -3,6 +3,11 @@
 Same update rule as ``allreduce``: g = (1/W) sum_r grad L(w; batch_r), w <- w - lr * g. DDP
 averages the gradients with bucketed all-reduces during backward (``--bucket-mb`` sets its
 ``bucket_cap_mb``), and broadcasts rank 0's weights at construction.
+
+Buffers (BatchNorm statistics): DDP's own rule, ``broadcast_buffers=True``: before every forward
+rank 0's buffers are broadcast to the others, so each step's statistics are rank 0's. After the
+last step rank 0's buffers are broadcast once more, so every replica ends equal to the model
+that is returned, evaluated and saved (rank 0's).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.train.loop import WorkerContext
 
@@ -22,18 +28,26 @@ class DDP(GroupAlgorithm):
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         return DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_mb)
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
-        # DDP has already averaged the gradients during backward; count what it sent.
+        # DDP has already averaged the gradients during backward; count what it sent (and, on
+        # rank 0, the buffers it broadcast before the forward).
         self.sent(self._grad_bytes, self.world)
+        if ctx.rank == 0:
+            self.bytes_sent += self._buffer_bytes * (self.world - 1)
 
-    def evaluation_model(self, model: nn.Module) -> nn.Module:
+    def unwrap(self, model: nn.Module) -> nn.Module:
         # Evaluating through the wrapper would run DDP's forward (and its collectives) on rank 0 alone.
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def local_module(self, model: nn.Module) -> nn.Module:
-        return self.evaluation_model(model)
+    def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        return self.unwrap(model)
 
-    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        return self.evaluation_model(model)
+    def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        module = self.unwrap(model)
+        sent = broadcast_(list(module.buffers()))
+        if ctx.rank == 0:
+            self.bytes_sent += sent * (self.world - 1)
+        return module

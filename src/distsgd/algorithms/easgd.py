@@ -14,6 +14,11 @@ under its lock and returns d, and the worker sets x_i <- x_i - alpha d (the pape
 EASGD). Between exchanges each worker runs its own optimiser (its momentum stays local). The model
 evaluated and saved is the centre x~.
 
+Buffers (BatchNorm statistics): floating-point buffers take part in the elastic exchange exactly
+like parameters (x_i and x~ include them), so the centre carries statistics the workers learnt;
+the centre's integer buffers (``num_batches_tracked``) are copied from the worker that exchanged
+(in sync mode every worker's are equal).
+
 The learning rate: an exchange leaves N x_mean + x~ unchanged (the workers lose what the centre
 gains), and only the workers' gradient steps move that sum. Once the centre follows the workers,
 it therefore advances at N / (N + 1) of the rate at which averaged SGD (allreduce, local-sgd) would
@@ -30,16 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distsgd.algorithms.averaging import flatten, params, unflatten_into
+from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
 from distsgd.algorithms.base import SERVER, GroupAlgorithm, register
-from distsgd.algorithms.param_server import ServerAlgorithm, load_flat
+from distsgd.algorithms.param_server import ServerAlgorithm
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.train.loop import WorkerContext
-
-
-def elastic_alpha(cfg: RunConfig, workers: int) -> float:
-    return cfg.alpha if cfg.alpha is not None else 0.9 / workers
 
 
 def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int) -> int:
@@ -82,8 +83,9 @@ class EASGD(_Check, GroupAlgorithm):
             for p in model.parameters():  # one starting point for workers and centre
                 dist.broadcast(p.data, src=0)
         self.center_model = copy.deepcopy(model)
-        self.center = params(self.center_model)
-        self.x = params(model)
+        self.center = averaged(self.center_model)
+        self.x = averaged(model)
+        self.x_ints, self.center_ints = int_buffers(model), int_buffers(self.center_model)
         self.steps = 0
         return model
 
@@ -91,8 +93,9 @@ class EASGD(_Check, GroupAlgorithm):
         self.steps += 1
         if self.steps % self.cfg.tau == 0:
             self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
+            unflatten_into(flatten(self.x_ints), self.center_ints)
 
-    def evaluation_model(self, model: nn.Module) -> nn.Module:
+    def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,7 +106,7 @@ class EASGD(_Check, GroupAlgorithm):
         self.steps = state["steps"]
         unflatten_into(state["center"], self.center)
 
-    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+    def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
 
     def summary(self) -> dict[str, Any]:
@@ -121,6 +124,7 @@ class AsyncEASGD(_Check, ServerAlgorithm):
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         model = super().setup(ctx, model)  # pulls the centre as the starting point
         self.alpha = elastic_alpha(self.cfg, ctx.world)
+        self.x, self.ints = averaged(model), int_buffers(model)
         self.steps = 0
         return model
 
@@ -134,11 +138,11 @@ class AsyncEASGD(_Check, ServerAlgorithm):
             return
         from distsgd.algorithms.param_server import _rpc_elastic
 
-        x = flatten(params(model))
+        x, ints = flatten(self.x), flatten(self.ints)
         diff, self.version, self.total, self.stop = self.rpc.rpc_sync(
-            "ps", _rpc_elastic, args=(self.me, x, local_samples))
-        self.bytes_sent += x.numel() * x.element_size()
-        load_flat(model, x - self.alpha * diff)
+            "ps", _rpc_elastic, args=(self.me, x, ints, local_samples))
+        self.bytes_sent += x.numel() * x.element_size() + ints.numel() * ints.element_size()
+        unflatten_into(x - self.alpha * diff, self.x)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "alpha": self.alpha, "tau": self.cfg.tau, "easgd_mode": "async"}

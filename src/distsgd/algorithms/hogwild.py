@@ -60,7 +60,7 @@ class Hogwild(Algorithm):
         return 1
 
     @classmethod
-    def shared_extras(cls, cfg: RunConfig, mpc: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> dict[str, Any]:
         """More shared state the workers need (hogwild++: the token ring)."""
         return {}
 
@@ -74,7 +74,7 @@ class Hogwild(Algorithm):
         self.counts: torch.Tensor = ctx.state["counts"]  # samples done, one slot per worker of this machine
         self.slot = ctx.state.get("slot", ctx.rank)
         self.lock = ctx.state.get("lock")
-        self.stop = ctx.state["stop"]
+        self.stop: torch.Tensor = ctx.state["stop"]  # one shared byte: read with no lock, set by the launcher
         ds = ctx.dataset
         self.dataset_shared = all(t.is_shared() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
         self.model_shared = all(p.is_shared() for p in shared.parameters())
@@ -101,7 +101,7 @@ class Hogwild(Algorithm):
         return int(self.counts.sum())
 
     def keep_going(self, ctx: WorkerContext) -> bool:
-        return not self.stop.is_set()
+        return not self.stop[0]
 
     def summary(self) -> dict[str, Any]:
         return {"bytes_sent": 0, "dataset_shared": self.dataset_shared, "model_shared": self.model_shared,

@@ -2,26 +2,43 @@
 together by a token passed around a ring.
 
 Workers form clusters of ``--cluster-size C`` processes; each cluster runs Hogwild! on its own
-model w_i in shared memory (n = workers / C clusters). A token travels round the ring of clusters.
-The cluster holding it, once it has made ``--update-delay`` local updates since it last held it:
+model w_i in shared memory (n = workers / C clusters). A token travels round the ring of
+clusters 0 -> 1 -> ... -> n-1 -> 0. As in the authors' code (huanzhang12/hogwildpp,
+``src/numasvm/svm_exec.hxx``, ``ModelUpdate``), the cluster that receives the token at once
+mixes its model with the next cluster's, w_next being read *before* it receives beta * delta:
 
     delta   = w_i - w_i_old
-    w_next <- w_next + beta * delta
     w_i    <- lambda * w_next + (1 - lambda) * w_i + (beta + lambda - 1) * delta
+    w_next <- w_next + beta * delta
     w_i_old <- w_i
 
-and passes the token to the next cluster. beta solves beta^n + beta - 1 = 0 and
-lambda = 1 - beta^(n - 1), so that, as the paper shows, the models' average is preserved.
+then keeps the token for tau0 = ``--update-delay`` more local updates of its own, and passes it
+on. beta solves beta^n + beta - 1 = 0 and lambda = 1 - beta^(n - 1). With this rule one local
+update is never amplified by the ring: passed round with no other updates it settles at 1.0 of
+itself in every model for n = 2 and 0.87 for n = 3 (mixing with w_next *after* it received
+beta * delta would settle at 1.38 and 1.34: a hidden, ring-size-dependent learning-rate factor).
 
-On one machine (``--workers N``) the clusters' models all live in shared memory and the worker
-that finds the token ready makes the pass; ``bytes_sent`` counts the delta each pass hands to the
-next cluster. Across machines (torchrun, one process per node) each torchrun process is one
-cluster: it starts ``--cluster-size`` local Hogwild! workers on its model in shared memory and
-passes the token to the next process with torch.distributed point-to-point messages
-(:class:`TokenRing`): the holder sends delta, the next cluster adds beta * delta to its model and
-answers with it, and the holder applies the rule above as an increment (so the local updates made
-during the round trip are kept). There ``bytes_sent`` counts both messages. The model evaluated
-and saved is the average of the cluster models. Optimiser state is per worker, as in Hogwild!.
+Where this differs from the authors' code, and why: tau0 counts the cluster's updates divided by
+C (the authors count the holding thread's own, which is the same on average), so any worker of
+the holding cluster may pass the token and a dead worker cannot stall the ring; delta is the
+model's change itself (the authors' code further multiplies it by the current step size and
+skips coordinates whose delta is below 1e-2, neither of which the paper describes); both models
+are changed by increments, so Hogwild! updates that other workers make meanwhile are kept.
+
+Buffers (BatchNorm statistics) stay with their cluster's model during training (shared by its
+workers, as in Hogwild!); the model evaluated and saved is the average of the cluster models,
+floating-point buffers averaged too, integer ones (``num_batches_tracked``) taken from cluster 0,
+never averaged.
+
+On one machine (``--workers N``) the clusters' models all live in shared memory and a worker of
+the holding cluster makes the exchange; ``bytes_sent`` counts the delta it hands to the next
+cluster. Across machines (torchrun, one process per node) each torchrun process is one cluster:
+it starts ``--cluster-size`` local Hogwild! workers on its model in shared memory and a thread
+(:class:`TokenRing`) runs the ring over torch.distributed point-to-point messages: the holder
+sends delta, the next cluster answers with its model as it was before adding beta * delta, and
+the holder applies the rule as an increment; after tau0 it sends the token. There
+``bytes_sent`` counts delta, the answer and the two messages' headers. Optimiser state is per
+worker, as in Hogwild!.
 """
 
 from __future__ import annotations
@@ -35,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distsgd.algorithms.averaging import flatten, unflatten_into
+from distsgd.algorithms.averaging import add_into, average_model_, flatten, mean_state, params
 from distsgd.algorithms.base import register
 from distsgd.algorithms.hogwild import Hogwild, bind_to_shared
 from distsgd.config import RunConfig
@@ -58,18 +75,17 @@ def ring_constants(n: int) -> tuple[float, float]:
 
 def token_pass(w_i: torch.Tensor, w_next: torch.Tensor, w_old: torch.Tensor, beta: float,
                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of the token on flat tensors: returns the new (w_i, w_next); w_i_old becomes w_i."""
+    """One exchange on flat tensors, the authors' rule: returns the new (w_i, w_next); the holder's
+    w_i_old becomes the new w_i. w_next is mixed in as it was before receiving beta * delta."""
     delta = w_i - w_old
-    w_next = w_next + beta * delta
-    w_i = lam * w_next + (1 - lam) * w_i + (beta + lam - 1) * delta
-    return w_i, w_next
+    return lam * w_next + (1 - lam) * w_i + (beta + lam - 1) * delta, w_next + beta * delta
 
 
 def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tensor, beta: float,
                      lam: float) -> torch.Tensor:
-    """Across processes the holder adds this to w_i, where w_next is the next cluster's model after
-    it added beta * delta: w_i + increment is the new w_i of :func:`token_pass`. As an increment it
-    keeps the local updates made to w_i while the token's messages travelled."""
+    """What the holder adds to w_i: the new w_i of :func:`token_pass` minus w_i, where w_next is the
+    next cluster's model before it received beta * delta. Added as an increment, it keeps the
+    local updates made to w_i meanwhile."""
     return lam * (w_next - w_i) + (beta + lam - 1) * delta
 
 
@@ -89,58 +105,70 @@ class HogwildPP(Hogwild):
         return cfg.workers // cfg.cluster_size
 
     @classmethod
-    def shared_extras(cls, cfg: RunConfig, mpc: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        n = len(states)
-        old = [flatten(list(s.values())).share_memory_() for s in states]
-        return {"old": old, "token": torch.zeros(1, dtype=torch.int64).share_memory_(),
-                "held_at": torch.zeros(n, dtype=torch.int64).share_memory_(),
-                "passes": torch.zeros(1, dtype=torch.int64).share_memory_(), "ring_lock": mpc.Lock()}
+    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> dict[str, Any]:
+        old = [flatten(params(m)).share_memory_() for m in models]
+
+        def shared_int() -> torch.Tensor:
+            return torch.zeros(1, dtype=torch.int64).share_memory_()
+
+        # token: the cluster holding it; synced: whether the holder has made its exchange yet;
+        # synced_at: the holding cluster's steps at that exchange; passes: exchanges made.
+        return {"old": old, "token": shared_int(), "synced": shared_int(), "synced_at": shared_int(),
+                "passes": shared_int(), "ring_lock": mpc.Lock()}
 
     @classmethod
     def combine(cls, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {k: torch.stack([s[k].detach() for s in states]).mean(dim=0).to(states[0][k].dtype)
-                for k in states[0]}
+        """The model returned: the clusters' average (integer buffers from cluster 0)."""
+        return mean_state(states)
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         states = ctx.state["shared_states"]
         self.n = len(states)
-        self.cluster = ctx.rank // self.cfg.cluster_size
-        self.members = range(self.cluster * self.cfg.cluster_size, (self.cluster + 1) * self.cfg.cluster_size)
+        size = self.cfg.cluster_size
+        self.cluster = ctx.rank // size
+        self.members = slice(self.cluster * size, (self.cluster + 1) * size)
         ctx.state = {**ctx.state, "shared_state": states[self.cluster]}
         model = super().setup(ctx, model)
-        self.mine = [p for p in model.parameters()]
+        self.mine = params(model)
         nxt = bind_to_shared(copy.deepcopy(model), states[(self.cluster + 1) % self.n]) if self.n > 1 else None
-        self.next_params = [p for p in nxt.parameters()] if nxt is not None else []
+        self.next_params = params(nxt) if nxt is not None else []
         self.beta, self.lam = ring_constants(self.n)
         self.old = ctx.state["old"][self.cluster]
-        self.token, self.held_at, self.passes = ctx.state["token"], ctx.state["held_at"], ctx.state["passes"]
-        self.ring_lock = ctx.state["ring_lock"]
-        self.steps = 0
+        self.token, self.synced, self.synced_at = ctx.state["token"], ctx.state["synced"], ctx.state["synced_at"]
+        self.passes, self.ring_lock = ctx.state["passes"], ctx.state["ring_lock"]
+        self.hold_steps = self.cfg.update_delay * size  # tau0 updates per worker of the cluster
         return model
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         super().after_step(ctx, model, local_samples)
-        self.steps += 1
         if self.n == 1 or int(self.token) != self.cluster:
             return
-        cluster_steps = int(self.counts[self.members.start:self.members.stop].sum()) // self.cfg.batch_size
-        if cluster_steps - int(self.held_at[self.cluster]) < self.cfg.update_delay:
+        cluster_steps = int(self.counts[self.members].sum()) // self.cfg.batch_size
+        if self.synced[0] and cluster_steps - int(self.synced_at[0]) < self.hold_steps:
             return
         if not self.ring_lock.acquire(block=False):
             return
         try:
             if int(self.token) != self.cluster:  # another worker of this cluster passed it already
                 return
-            w_i, w_next = token_pass(flatten(self.mine), flatten(self.next_params), self.old, self.beta, self.lam)
-            unflatten_into(w_next, self.next_params)
-            unflatten_into(w_i, self.mine)
-            self.old.copy_(w_i)
-            self.bytes_sent += w_i.numel() * w_i.element_size()
-            self.held_at[self.cluster] = cluster_steps
-            self.passes += 1
-            self.token.fill_((self.cluster + 1) % self.n)
+            if not self.synced[0]:  # the token just arrived: exchange with the next cluster
+                self._exchange()
+                self.synced.fill_(1)
+                self.synced_at.fill_(cluster_steps)
+            elif cluster_steps - int(self.synced_at[0]) >= self.hold_steps:  # held tau0: pass it on
+                self.synced.fill_(0)
+                self.token.fill_((self.cluster + 1) % self.n)
         finally:
             self.ring_lock.release()
+
+    def _exchange(self) -> None:
+        w_i, w_next = flatten(self.mine), flatten(self.next_params)
+        new_i, new_next = token_pass(w_i, w_next, self.old, self.beta, self.lam)
+        add_into(new_next - w_next, self.next_params)  # increments: updates made meanwhile stay
+        add_into(new_i - w_i, self.mine)
+        self.old.copy_(new_i)
+        self.bytes_sent += w_i.numel() * w_i.element_size()
+        self.passes += 1
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
@@ -149,25 +177,27 @@ class HogwildPP(Hogwild):
         return out
 
 
-PASS, STOP = 0, 1  # kinds of ring message
+SYNC, TOKEN, STOP = 0, 1, 2  # kinds of ring message
 
 
 class TokenRing:
     """The token ring between clusters in different processes (one per node under torchrun).
 
     Runs in a thread of each cluster's launching process, beside its local Hogwild! workers, over
-    the default process group (one rank per cluster). ``params`` are the cluster model's shared
-    parameter tensors; ``counts`` the samples of each of the cluster's workers (shared). Each message starts with a
-    header [kind, origin, stop, counts..., done...]: every holder writes its samples and whether
+    the default process group (one rank per cluster). ``model`` is the cluster's model, bound to
+    the tensors its workers share; ``counts`` the samples of each of the cluster's workers
+    (shared). The holder sends SYNC (then delta; the next cluster answers with its model as it was
+    before adding beta * delta), waits tau0 updates per worker, then sends TOKEN. Each message is
+    a header [kind, origin, stop, counts..., done...]: every holder writes its samples and whether
     its workers are done, so every cluster knows the others' progress as of the token's last
     visit. When a holder sees every cluster done, it sends STOP round the ring. ``request_stop()``
-    (the target accuracy was reached) travels with the token and sets each cluster's stop event.
+    (the target accuracy was reached) travels with the token and raises each cluster's stop flag.
     """
 
-    def __init__(self, cfg: RunConfig, rank: int, n: int, params: list[torch.Tensor], counts: torch.Tensor,
-                 stop_event: Any) -> None:
+    def __init__(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
+                 stop_flag: torch.Tensor) -> None:
         self.cfg, self.rank, self.n = cfg, rank, n
-        self.params, self.counts, self.stop_event = params, counts, stop_event
+        self.model, self.params, self.counts, self.stop_flag = model, params(model), counts, stop_flag
         self.next, self.prev = (rank + 1) % n, (rank - 1) % n
         self.beta, self.lam = ring_constants(n)
         self.known = torch.zeros(n, dtype=torch.int64)  # samples of each cluster, as last heard
@@ -195,11 +225,25 @@ class TokenRing:
 
     def request_stop(self) -> None:
         self.stop_all = 1
-        self.stop_event.set()
+        self.stop_flag.fill_(1)
 
     # -- the ring thread ---------------------------------------------------------------------
-    def _header(self, kind: int, origin: int) -> torch.Tensor:
-        return torch.cat([torch.tensor([kind, origin, self.stop_all]), self.known, self.done])
+    def _send_header(self, kind: int, origin: int) -> None:
+        self.known[self.rank] = self.samples()
+        self.done[self.rank] = int(self.local_done.is_set())
+        header = torch.cat([torch.tensor([kind, origin, self.stop_all]), self.known, self.done])
+        dist.send(header, self.next, tag=1)
+        self.bytes_sent += header.numel() * header.element_size()
+
+    def _read_header(self, header: torch.Tensor) -> tuple[int, int]:
+        kind, origin, stop_all = (int(v) for v in header[:3])
+        mine = int(self.known[self.rank])
+        self.known = torch.maximum(self.known, header[3:3 + self.n])
+        self.known[self.rank] = mine
+        self.done = torch.maximum(self.done, header[3 + self.n:])
+        if stop_all and not self.stop_all:
+            self.request_stop()
+        return kind, origin
 
     def _guarded(self) -> None:
         try:
@@ -208,67 +252,58 @@ class TokenRing:
             self.error = exc
 
     def _run(self) -> None:
-        holding = self.rank == 0
-        old = flatten(self.params).clone()
-        held_at = 0
+        old = flatten(self.params)
         header = torch.zeros(3 + 2 * self.n, dtype=torch.int64)
+        holding = self.rank == 0
         while True:
             if holding:
-                while not self.local_done.is_set() and self.steps() - held_at < self.cfg.update_delay:
+                old = self._exchange(old)
+                synced_at = self.steps()
+                while not self.local_done.is_set() and \
+                        self.steps() - synced_at < self.cfg.update_delay * self.cfg.cluster_size:
                     time.sleep(0.0005)
-                self.known[self.rank] = int(self.samples())
                 self.done[self.rank] = int(self.local_done.is_set())
                 if bool(self.done.all()):
-                    dist.send(self._header(STOP, self.rank), self.next, tag=1)
+                    self._send_header(STOP, self.rank)
                     return
-                w = flatten(self.params)
-                delta = w - old
-                dist.send(self._header(PASS, -1), self.next, tag=1)
-                dist.send(delta, self.next, tag=2)
-                w_next = torch.empty_like(w)
-                dist.recv(w_next, self.next, tag=3)
-                step = holder_increment(w, w_next, delta, self.beta, self.lam)
-                self._add(step)
-                old = w + step
-                held_at = self.steps()
-                self.passes += 1
-                self.bytes_sent += header.numel() * header.element_size() + delta.numel() * delta.element_size()
+                self._send_header(TOKEN, -1)
                 holding = False
-            else:
-                dist.recv(header, self.prev, tag=1)
-                kind, origin, stop_all = (int(v) for v in header[:3])
-                counts, done = header[3:3 + self.n], header[3 + self.n:]
-                mine = int(self.known[self.rank])
-                self.known = torch.maximum(self.known, counts)
-                self.known[self.rank] = mine
-                self.done = torch.maximum(self.done, done)
-                if stop_all and not self.stop_all:
-                    self.request_stop()
-                if kind == STOP:
-                    if self.next != origin:
-                        dist.send(header, self.next, tag=1)
-                    return
-                delta = torch.empty_like(old)
-                dist.recv(delta, self.prev, tag=2)
-                self._add(self.beta * delta)
-                w = flatten(self.params)
-                dist.send(w, self.prev, tag=3)
-                self.bytes_sent += w.numel() * w.element_size()
+                continue
+            dist.recv(header, self.prev, tag=1)
+            kind, origin = self._read_header(header)
+            if kind == STOP:
+                if self.next != origin:
+                    dist.send(header, self.next, tag=1)
+                    self.bytes_sent += header.numel() * header.element_size()
+                return
+            if kind == TOKEN:
                 holding = True
+                continue
+            delta = torch.empty_like(old)  # SYNC: answer with the model before adding beta * delta
+            dist.recv(delta, self.prev, tag=2)
+            w = flatten(self.params)
+            dist.send(w, self.prev, tag=3)
+            self.bytes_sent += w.numel() * w.element_size()
+            add_into(self.beta * delta, self.params)
 
-    def _add(self, flat: torch.Tensor) -> None:
-        """Add ``flat`` to the shared parameters in place (the workers keep writing meanwhile)."""
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                k = p.numel()
-                p.add_(flat[offset:offset + k].view_as(p))
-                offset += k
+    def _exchange(self, old: torch.Tensor) -> torch.Tensor:
+        """The holder's exchange with the next cluster; returns the new w_i_old."""
+        w = flatten(self.params)
+        delta = w - old
+        self._send_header(SYNC, -1)
+        dist.send(delta, self.next, tag=2)
+        w_next = torch.empty_like(w)
+        dist.recv(w_next, self.next, tag=3)
+        step = holder_increment(w, w_next, delta, self.beta, self.lam)
+        add_into(step, self.params)
+        self.bytes_sent += delta.numel() * delta.element_size()
+        self.passes += 1
+        return w + step
 
     def finish(self) -> int:
         """This cluster's workers are done: keep passing until every cluster is; then make every
-        cluster's model the average of all (the model to evaluate and save) and return the
-        samples of all clusters."""
+        cluster's model the average of all (the model to evaluate and save; floating-point buffers
+        averaged, integer ones rank 0's) and return the samples of all clusters."""
         self.local_done.set()
         if self.n > 1:
             self.thread.join()
@@ -276,9 +311,7 @@ class TokenRing:
             raise RuntimeError(f"the token ring failed: {self.error}") from self.error
         total = torch.tensor([int(self.samples())])
         if self.n > 1:
-            flat = flatten(self.params)
-            dist.all_reduce(flat)
-            unflatten_into(flat / self.n, self.params)
+            average_model_(self.model, self.n)
             dist.all_reduce(total)
         return int(total)
 

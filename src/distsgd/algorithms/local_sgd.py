@@ -9,16 +9,24 @@ all-reduce SGD (gradients averaged every step) before going local: post-local SG
 
 Communication: one model's worth every H steps instead of one gradient's worth every step, so
 H = 8 sends 1/8 of what ``allreduce`` does per sample. **Optimiser state stays local**: each
-worker keeps its own momentum buffer, which is not averaged. The final model is the average.
+worker keeps its own momentum buffer, which is not averaged.
+
+Buffers (BatchNorm statistics): averaged with the parameters (floating-point buffers in the same
+all-reduce), integer ones copied from rank 0; during warm-up, averaged after every step.
+
+What is evaluated and returned is the average: at an evaluation point between two averagings the
+workers average their models into a scratch copy (the training models are left alone), and the
+last, partial period is averaged at the end. The model saved is the one evaluated.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
 
-from distsgd.algorithms.averaging import allreduce_mean_, params
+from distsgd.algorithms.averaging import allreduce_mean_, average_model_, float_buffers, params
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import RunConfig, parse_every
 from distsgd.train.loop import WorkerContext
@@ -46,32 +54,41 @@ class LocalSGD(GroupAlgorithm):
         self.averagings = 0
         self.dirty = False
         if not ctx.resumed:  # start from one model (a resumed worker keeps its own)
-            allreduce_mean_(self.params, self.world)
+            average_model_(model, self.world)
         return model
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
         if self.steps < self.cfg.warmup_steps:  # post-local SGD: synchronous first
             grads = [p.grad for p in self.params if p.grad is not None]
-            self.sent(allreduce_mean_(grads, self.world), self.world)
+            self.sent(allreduce_mean_(grads + float_buffers(model), self.world), self.world)
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         self.steps += 1
         self.dirty = self.steps > self.cfg.warmup_steps
         if self.steps > self.cfg.warmup_steps and self.every is not None \
                 and (self.steps - self.cfg.warmup_steps) % self.every == 0:
-            self._average()
+            self._average(model)
 
     def on_epoch_end(self, ctx: WorkerContext, model: nn.Module, epoch: int) -> None:
         if self.every is None:
-            self._average()
+            self._average(model)
 
-    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        if self.dirty:  # return the average, not rank 0's own model
-            self._average()
+    def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        """The average of the workers' models now, in a scratch copy (not counted as sent: it is
+        the measurement's, not the algorithm's)."""
+        if not self.dirty:
+            return model
+        scratch = copy.deepcopy(model)
+        average_model_(scratch, self.world)
+        return scratch
+
+    def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        if self.dirty:  # the last, partial period: return the average, not rank 0's own model
+            self._average(model)
         return model
 
-    def _average(self) -> None:
-        self.sent(allreduce_mean_(self.params, self.world), self.world)
+    def _average(self, model: nn.Module) -> None:
+        self.sent(average_model_(model, self.world), self.world)
         self.averagings += 1
         self.dirty = False
 

@@ -8,8 +8,9 @@ gets the new weights (and their version) back in the same call.
 Update rules (g_r: worker r's gradient, computed on weights of version v_r; v: server version):
 
 - ``asgd`` (asynchronous SGD): apply every gradient on arrival, w <- w - lr * g_r. Its staleness
-  is tau = v - v_r. ``--staleness-lr`` uses lr / max(1, tau) instead (Zhang, Gupta, Lian, Liu,
-  "Staleness-aware Async-SGD", IJCAI 2016).
+  is tau = v - v_r. ``--staleness-lr`` (any asynchronous mode) divides the stale gradient by
+  max(1, tau) before the optimiser sees it (Zhang, Gupta, Lian, Liu, "Staleness-aware
+  Async-SGD", IJCAI 2016: the gradient is scaled, so momentum history and weight decay are not).
 - ``sync-ps`` (the seeds' scheme): wait for the gradients of all N workers, step once with their
   mean (summed in rank order, so a run is deterministic); equal to one process taking the global
   batch. It is the one server mode with checkpoints (``--checkpoint-every``, ``--resume``): every
@@ -19,14 +20,22 @@ Update rules (g_r: worker r's gradient, computed on weights of version v_r; v: s
   worker that is more than ``--staleness S`` pushes ahead of the slowest live worker waits for it.
 - ``dcasgd`` (delay-compensated ASGD, Zheng et al., ICML 2017): apply
   g_r + lambda * g_r * g_r * (w - w_r), where w_r are the weights worker r read: a first-order
-  Taylor correction of the stale gradient towards the current weights. ``--dc-lambda`` (0.04) is
-  the constant lambda; ``--dc-adaptive`` uses lambda / sqrt(m + eps), m being a running mean
-  (decay 0.95) of g * g, as the paper's DC-ASGD-a.
+  Taylor correction of the stale gradient towards the current weights. ``--dc-lambda`` is the
+  constant lambda (default 0.04, DC-ASGD-c); ``--dc-adaptive`` uses lambda0 / sqrt(m + eps), as
+  the paper's DC-ASGD-a: m is a running mean square of gradients, m <- 0.95 m + 0.05 g * g,
+  starting from 0, eps = 1e-7, and lambda0 defaults to the paper's 2.
+
+Buffers (BatchNorm statistics): the server's model would otherwise keep its initial running
+statistics, since only gradients reach it. Each push also carries the worker's buffers; the
+server's floating-point buffers are the mean of every worker's most recent ones, and its integer
+buffers (``num_batches_tracked``) those of the latest push. They are set whenever the server's
+model is taken (evaluated, checkpointed, returned), so the model evaluated is the model saved.
 
 Concurrency: every change to the server's state (gradients, optimiser step, version, counters)
 happens under one lock, so updates are atomic with respect to each other; nothing is accumulated
 into shared state outside it. Workers keep computing while the server applies other gradients.
-Waiting (sync-ps, ssp) uses futures, so no RPC thread is held while a worker waits.
+Waiting (sync-ps, ssp) uses futures, so no RPC thread is held while a worker waits; futures are
+completed after the lock is released, so replies are serialised outside the critical section.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import torch
 from torch import nn
 from torch.futures import Future
 
+from distsgd.algorithms.averaging import (averaged, elastic_alpha, flatten, float_buffers, int_buffers, params,
+                                          unflatten_into)
 from distsgd.algorithms.base import SERVER, Algorithm, register
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
@@ -54,16 +65,14 @@ MODES = ("asgd", "sync-ps", "ssp", "dcasgd", "easgd")
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flatten(params(model))
 
 
-def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+def dc_lambda(cfg: RunConfig) -> float:
+    """lambda (DC-ASGD-c) or lambda0 (DC-ASGD-a): ``--dc-lambda``, else the paper's 0.04 or 2."""
+    if cfg.dc_lambda is not None:
+        return cfg.dc_lambda
+    return 2.0 if cfg.dc_adaptive else 0.04
 
 
 class ParameterServer:
@@ -102,6 +111,10 @@ class ParameterServer:
         # dcasgd: the weights each worker read, and the running mean square of gradients
         self._read: dict[int, torch.Tensor] = {}
         self._meansq: torch.Tensor | None = None
+        # every worker's most recent buffers (floating-point, integer), and the latest integer ones
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._ints: torch.Tensor | None = None
+        self._done: list[tuple[Future, Any]] = []  # futures to complete once the lock is released
 
     # -- what the workers call ------------------------------------------------------------
     def barrier(self) -> Future:
@@ -111,6 +124,8 @@ class ParameterServer:
         with self.lock:
             self._waiting.append(fut)
             self._release_barrier()
+            done = self._take_done()
+        _complete(done)
         return fut
 
     ready = barrier
@@ -123,41 +138,52 @@ class ParameterServer:
                 self._read[rank] = flat
             return flat, self.version
 
-    def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int) -> Future:
+    def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int,
+             buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future:
+        """Apply (or gather) worker ``rank``'s gradient; ``buffers`` are its (floating-point,
+        integer) buffers, flat. The Future resolves to (weights, version, total samples, stop)."""
         fut: Future = Future()
         with self.lock:
             self.counts[rank] = local_samples
             self.clocks[rank] += 1
+            if buffers is not None:
+                self._buffers[rank], self._ints = buffers
             if self.mode == "sync-ps":
                 self._gathered[rank] = (grad, fut)
                 self._maybe_finish_round()
-                return fut
-            tau = self.version - version_read
-            self.staleness[tau] += 1
-            lr = self._lr()
-            if self.mode == "asgd" and self.cfg.staleness_lr:
-                lr = lr / max(1, tau)
-            if self.mode == "dcasgd":
-                grad = self._compensate(rank, grad)
-            self._apply(grad, lr)
-            if self.mode == "ssp" and self._ahead(rank):
-                self._held.append((rank, fut))  # answered, with the newest weights, once it may go on
             else:
-                answer = self._answer()
-                if self.mode == "dcasgd":
-                    self._read[rank] = answer[0]
-                fut.set_result(answer)
+                self._apply_async(rank, grad, version_read, fut)
             self._release_held()
+            done = self._take_done()
+        _complete(done)
         return fut
 
-    def elastic(self, rank: int, x: torch.Tensor, local_samples: int) -> tuple[torch.Tensor, int, int, bool]:
-        """Asynchronous EASGD: d = x - centre; centre += alpha d; the worker gets d back."""
+    def _apply_async(self, rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
+        tau = self.version - version_read
+        self.staleness[tau] += 1
+        if self.mode == "dcasgd":
+            grad = self._compensate(rank, grad)
+        if self.cfg.staleness_lr and tau > 1:
+            grad = grad / tau
+        self._apply(grad, self._lr())
+        if self.mode == "ssp" and self._ahead(rank):
+            self._held.append((rank, fut))  # answered, with the newest weights, once it may go on
+            return
+        answer = self._answer()
+        if self.mode == "dcasgd":
+            self._read[rank] = answer[0]
+        self._done.append((fut, answer))
+
+    def elastic(self, rank: int, x: torch.Tensor, ints: torch.Tensor,
+                local_samples: int) -> tuple[torch.Tensor, int, int, bool]:
+        """Asynchronous EASGD: d = x - centre; centre += alpha d; the worker gets d back. ``x`` holds
+        the worker's parameters and floating-point buffers; ``ints`` its integer buffers."""
         with self.lock:
             self.counts[rank] = local_samples
-            center = flat_params(self.model)
-            diff = x - center
-            alpha = self.cfg.alpha if self.cfg.alpha is not None else 0.9 / self.workers
-            load_flat(self.model, center + alpha * diff)
+            centre = averaged(self.model)
+            diff = x - flatten(centre)
+            unflatten_into(flatten(centre) + elastic_alpha(self.cfg, self.workers) * diff, centre)
+            unflatten_into(ints, int_buffers(self.model))
             self.version += 1
             self.bytes_sent += diff.numel() * diff.element_size()
             if self.on_update is not None:
@@ -174,8 +200,26 @@ class ParameterServer:
                 self._maybe_finish_round()
             self._release_held()
             self._release_barrier()
+            done = self._take_done()
+        _complete(done)
+
+    def sync_buffers(self) -> None:
+        """Give the server's model the workers' buffers (call with the lock held): the mean of each
+        worker's most recent floating-point buffers, the latest integer ones."""
+        if self._buffers:
+            ranks = sorted(self._buffers)
+            total = self._buffers[ranks[0]].clone()
+            for r in ranks[1:]:  # a fixed order: float sums depend on it
+                total += self._buffers[r]
+            unflatten_into(total / len(ranks), float_buffers(self.model))
+        if self._ints is not None:
+            unflatten_into(self._ints, int_buffers(self.model))
 
     # -- inside the lock --------------------------------------------------------------------
+    def _take_done(self) -> list[tuple[Future, Any]]:
+        done, self._done = self._done, []
+        return done
+
     def total_samples(self) -> int:
         return sum(self.counts)
 
@@ -200,11 +244,12 @@ class ParameterServer:
         return flat, self.version, self.total_samples(), self.stop
 
     def _compensate(self, rank: int, grad: torch.Tensor) -> torch.Tensor:
-        lam = self.cfg.dc_lambda
-        if self.cfg.dc_adaptive:
+        lam = dc_lambda(self.cfg)
+        if self.cfg.dc_adaptive:  # DC-ASGD-a: MeanSquare starts at 0
             decay = 0.95
-            sq = grad * grad
-            self._meansq = sq.clone() if self._meansq is None else decay * self._meansq + (1 - decay) * sq
+            if self._meansq is None:
+                self._meansq = torch.zeros_like(grad)
+            self._meansq.mul_(decay).add_((1 - decay) * grad * grad)
             lam_t: torch.Tensor | float = lam / torch.sqrt(self._meansq + 1e-7)
         else:
             lam_t = lam
@@ -222,8 +267,7 @@ class ParameterServer:
             total += self._gathered[r][0]
         self._apply(total / n, self._lr())
         answer = self._answer()
-        for r in ranks:
-            self._gathered[r][1].set_result(answer)
+        self._done.extend((self._gathered[r][1], answer) for r in ranks)
         self._gathered = {}
 
     def _release_barrier(self) -> None:
@@ -234,8 +278,7 @@ class ParameterServer:
             if self.on_start is not None:
                 self.on_start()
         waiting, self._waiting = self._waiting, []
-        for f in waiting:
-            f.set_result(None)
+        self._done.extend((f, None) for f in waiting)
 
     def _ahead(self, rank: int) -> bool:
         others = [self.clocks[r] for r in self.active if r != rank]
@@ -248,19 +291,23 @@ class ParameterServer:
             if self._ahead(rank) and rank in self.active:
                 still.append((rank, fut))
             else:
-                fut.set_result(self._answer())
+                self._done.append((fut, self._answer()))
         self._held = still
 
     # -- checkpoints (sync-ps: taken between rounds, when no gradient is pending) --------------
     def state_dict(self) -> dict[str, Any]:
         """The server's state (call with the lock held)."""
+        self.sync_buffers()
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "version": self.version, "counts": list(self.counts),
                 "clocks": list(self.clocks), "staleness": {str(k): v for k, v in self.staleness.items()},
-                "bytes_sent": self.bytes_sent}
+                "bytes_sent": self.bytes_sent, "buffers": {str(r): b.clone() for r, b in self._buffers.items()},
+                "ints": self._ints}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+        self._buffers = {int(r): b for r, b in state["buffers"].items()}
+        self._ints = state["ints"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.bytes_sent = state["version"], state["bytes_sent"]
         self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
@@ -269,6 +316,12 @@ class ParameterServer:
     # -- reporting -----------------------------------------------------------------------------
     def staleness_summary(self) -> dict[str, Any]:
         return staleness_stats(self.staleness)
+
+
+def _complete(done: list[tuple[Future, Any]]) -> None:
+    """Resolve futures (and so serialise RPC replies) outside the server's lock."""
+    for fut, value in done:
+        fut.set_result(value)
 
 
 def staleness_stats(hist: Counter[int]) -> dict[str, Any]:
@@ -307,9 +360,10 @@ def _rpc_pull(rank: int) -> tuple[torch.Tensor, int]:
 
 
 @_async_execution
-def _rpc_push(rank: int, grad: torch.Tensor, version_read: int, local_samples: int) -> Future:
+def _rpc_push(rank: int, grad: torch.Tensor, version_read: int, local_samples: int,
+              buffers: tuple[torch.Tensor, torch.Tensor] | None) -> Future:
     assert _SERVER is not None
-    return _SERVER.push(rank, grad, version_read, local_samples)
+    return _SERVER.push(rank, grad, version_read, local_samples, buffers)
 
 
 def _rpc_done(rank: int, local_samples: int) -> None:
@@ -317,9 +371,10 @@ def _rpc_done(rank: int, local_samples: int) -> None:
     _SERVER.finished(rank, local_samples)
 
 
-def _rpc_elastic(rank: int, x: torch.Tensor, local_samples: int) -> tuple[torch.Tensor, int, int, bool]:
+def _rpc_elastic(rank: int, x: torch.Tensor, ints: torch.Tensor,
+                 local_samples: int) -> tuple[torch.Tensor, int, int, bool]:
     assert _SERVER is not None
-    return _SERVER.elastic(rank, x, local_samples)
+    return _SERVER.elastic(rank, x, ints, local_samples)
 
 
 @_async_execution
@@ -360,7 +415,9 @@ class ServerAlgorithm(Algorithm):
         self.chief = ctx.rank == 0
         self.local = 0
         flat, self.version = rpc.rpc_sync("ps", _rpc_pull, args=(self.me,))
-        load_flat(model, flat)
+        self.params = params(model)
+        unflatten_into(flat, self.params)
+        self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.total = 0
         self.stop = False
         return model
@@ -373,12 +430,12 @@ class ServerAlgorithm(Algorithm):
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         self.local = local_samples
-        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in model.parameters()])
+        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        buffers = (flatten(self.floats), flatten(self.ints)) if self.floats or self.ints else None
         flat, self.version, self.total, self.stop = self.rpc.rpc_sync(
-            "ps", _rpc_push, args=(self.me, grad, self.version, local_samples))
-        self.bytes_sent += grad.numel() * grad.element_size()
-        load_flat(model, flat)
+            "ps", _rpc_push, args=(self.me, grad, self.version, local_samples, buffers))
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in (grad, *(buffers or ())))
+        unflatten_into(flat, self.params)
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)
@@ -457,6 +514,8 @@ class ServerRole:
         self.earlier_s = state["train_wall_s"]
 
     def _state(self) -> dict[str, torch.Tensor]:
+        """A copy of the server's model with the workers' buffers (call with the lock held)."""
+        self.server.sync_buffers()
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _on_update(self, total: int) -> None:  # runs inside the server's lock

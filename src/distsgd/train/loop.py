@@ -127,9 +127,12 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
         reached = False
         gs = global_now()
         last_eval_at = gs
+        clock.pause()
+        returned = algo.evaluation_model(ctx, model)  # on every worker: it may be a collective
+        clock.resume()
         if ctx.evaluates:
             clock.pause()
-            acc, loss = evaluate(algo.evaluation_model(model), ds.x_test, ds.y_test, cfg.eval_batch_size)
+            acc, loss = evaluate(returned, ds.x_test, ds.y_test, cfg.eval_batch_size)
             event = {"event": "eval", "samples": gs, "epoch": round(epoch_f, 4), "train_wall_s": clock.elapsed(),
                      "test_accuracy": acc, "test_loss": loss}
             evals.append(event)
@@ -143,7 +146,7 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
         nonlocal seq
         clock.pause()
         seq += 1
-        state = {"model": algo.local_module(model).state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"model": algo.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                  "algo": algo.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch_next, "start": start_next,
                  "local": local, "steps": steps, "evals": evals, "next_eval": next_eval, "next_ckpt": next_ckpt,
                  "last_eval_at": last_eval_at, "seq": seq, "train_wall_s": clock.elapsed()}
@@ -167,8 +170,8 @@ def run_worker(ctx: WorkerContext, algo: Algorithm) -> WorkerResult:
                 step_start = time.perf_counter()
             idx = order[start:start + cfg.batch_size]
             x, y = x_all[idx], y_all[idx]
-            if not constant_lr:
-                set_lr(optimizer, lr_at(cfg, local / per_epoch, total_epochs))
+            if not constant_lr:  # the run's progress (all workers'), not this worker's
+                set_lr(optimizer, lr_at(cfg, gs / global_per_epoch, total_epochs))
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
