@@ -12,8 +12,8 @@ from distsgd.errors import ConfigError
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
-    cfg = RunConfig(lr=0.05, epochs=3, dataset="digits", stop_at_target=True, target_accuracy=0.9,
-                    extra={"note": "x"})
+    cfg = RunConfig(lr=0.05, epochs=3, dataset="digits", stop_at_target=True, target_accuracy=0.9, sync_every="epoch",
+                    checkpoint_every="640", out="runs/x")
     path = tmp_path / "c.toml"
     path.write_text(config.to_toml(cfg))
     assert config.load_toml(path) == cfg
@@ -55,7 +55,10 @@ def test_missing_config_file(tmp_path: Path) -> None:
     ({"partition": "random"}, "unknown partition"),
     ({"stop_at_target": True}, "--stop-at-target needs --target-accuracy"),
     ({"target_accuracy": 85.0}, r"--target-accuracy must be in \(0, 1\]"),
-    ({"algo": "sgd9000"}, "unknown algorithm 'sgd9000'"),
+    ({"checkpoint_every": "often", "out": "x"}, "--checkpoint-every must be a positive number of samples"),
+    ({"checkpoint_every": "100"}, "--checkpoint-every needs a run directory"),
+    ({"straggler": "1"}, "--straggler must be RANK:FACTOR"),
+    ({"straggler": "3:2"}, "--straggler names worker 3, but there are only 1 workers"),
     ({"nesterov": True, "momentum": 0.0}, "--nesterov needs a --momentum"),
 ])
 def test_validation(changes: dict, message: str) -> None:
@@ -67,3 +70,25 @@ def test_threads_per_worker_default() -> None:
     assert config.threads_per_worker(RunConfig(workers=1)) == max(1, config.cores())
     assert config.threads_per_worker(RunConfig(workers=64)) == 1
     assert config.threads_per_worker(RunConfig(threads_per_worker=3)) == 3
+
+
+def test_structured_strings_are_parsed_once_into_typed_values() -> None:
+    cfg = RunConfig(checkpoint_every="epoch", sync_every="16", straggler="1:2.5", workers=2)
+    assert cfg.checkpoint_period == config.Period(None) and cfg.checkpoint_period.each_epoch
+    assert cfg.sync_period == config.Period(16)
+    assert cfg.straggler_spec == config.Straggler(1, 2.5)
+    assert RunConfig().checkpoint_period is None and RunConfig().straggler_spec is None
+
+
+def test_every_setting_has_its_help_beside_it() -> None:
+    import dataclasses
+
+    missing = [f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("help")]
+    assert missing == []
+
+
+def test_an_unknown_algorithm_is_one_error() -> None:
+    import distsgd
+
+    with pytest.raises(ConfigError, match="unknown algorithm 'sgd9000'"):
+        distsgd.train(model="mlp", data="digits", algo="sgd9000", quiet=True)

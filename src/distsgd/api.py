@@ -23,15 +23,20 @@ import torch
 from torch import nn
 
 from distsgd import config as config_mod
+from distsgd import launch
 from distsgd.algorithms import registry
-from distsgd.algorithms.base import GROUP, SERVER, SHARED, SINGLE
+from distsgd.algorithms.base import SINGLE
 from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate
 from distsgd.data import Dataset, from_arrays, load_dataset
+from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, DataError, ModelError
-from distsgd.metrics import Fanout, JsonlWriter, NullSink, first_reaching, make_progress
+from distsgd.launch.rendezvous import under_torchrun
+from distsgd.metrics import Fanout, JsonlWriter, first_reaching, make_progress
 from distsgd.models import ModelSpec, build_model, check_fits, describe
-from distsgd.train.loop import WorkerContext, WorkerResult, run_worker
+from distsgd.train.context import WorkerResult
+
+LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
 
 log = logging.getLogger(__name__)
 
@@ -132,19 +137,44 @@ def default_out(algo: str) -> Path:
 def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | None = None,
         progress: Any = None) -> TrainResult:
     """Run one training job as configured. Raises DistsgdError subclasses for user mistakes."""
-    from distsgd.comm import group
+    torchrun = under_torchrun()
+    cfg, algo_cls = settle(cfg, torchrun)
+    chief = not torchrun or os.environ.get("RANK") == "0"
+    spec: ModelSpec = model_spec if model_spec is not None else cfg.model
+    started = time.time()
+    started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    if dataset is None:
+        dataset = load_dataset(cfg.dataset, cfg.data_dir)
+    _check_model(cfg, algo_cls, spec, dataset)
+    out = None
+    if cfg.out and chief:
+        resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
+        out = Path(cfg.out) if resuming_in_place else prepare_out_dir(Path(cfg.out), cfg.overwrite)
+        (out / "config.toml").write_text(config_mod.to_toml(cfg))
+    if progress is None:
+        planned = cfg.max_samples or cfg.epochs * samples_per_epoch(len(dataset.y_train), cfg.workers, cfg.partition)
+        progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
+    writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
+    try:
+        results = launch.run(cfg, algo_cls, spec, dataset, Fanout(*filter(None, (writer, progress))), torchrun)
+    finally:
+        for sink in (writer, progress):
+            if hasattr(sink, "close"):
+                sink.close()
+    summary = build_summary(cfg, dataset, spec, results, started, started_at)
+    if out is not None:
+        atomic_write_json(summary, out / "summary.json")
+        save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,
+                   input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
+    return TrainResult(summary, results[0].model, out)
 
-    torchrun = group.under_torchrun()
+
+def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
+    """The settings a run will use, and its algorithm class: the general checks, the topology's
+    plan, the algorithm's own checks, then what resuming needs."""
     validate(cfg)
     algo_cls = registry.resolve(cfg.algo, cfg)
-    if torchrun:  # the group torchrun formed decides how many workers there are (rank 0 serves)
-        world = int(os.environ["WORLD_SIZE"])
-        if algo_cls.topology == SHARED and algo_cls.across_nodes:  # each process is a cluster of local workers
-            cfg = cfg.replace(workers=world * cfg.cluster_size)
-        else:
-            cfg = cfg.replace(workers=world - 1 if algo_cls.topology == SERVER else world)
-        if cfg.workers < 1:
-            raise ConfigError(f"{cfg.algo} needs a server and at least one worker: torchrun --nproc-per-node 2 or more")
+    cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
     if torchrun and cfg.out and not cfg.resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
             and read_manifest(Path(cfg.out)) is not None:
@@ -160,28 +190,16 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
         if manifest["world"] != cfg.workers:
             raise ConfigError(f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
                               f"--workers {manifest['world']}")
-    if algo_cls.topology == GROUP:
-        group.check_backend(cfg)
-        group.check_init_method(cfg.init_method)
-    if algo_cls.topology == SHARED and torchrun and not algo_cls.across_nodes:
-        raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
-                          f"torchrun, with --workers N (across machines, use hogwild++)")
-    if algo_cls.topology == SHARED and torchrun and cfg.backend != "gloo":
-        raise ConfigError(f"{cfg.algo} keeps its models in CPU shared memory and passes the token with gloo: "
-                          f"use --backend gloo")
-    chief = not torchrun or os.environ.get("RANK") == "0"
-    if torchrun and chief and os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost", "::1"):
+    if torchrun and os.environ.get("RANK") == "0" and os.environ.get("MASTER_ADDR") not in LOCAL_NAMES:
         log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
                     "use it only on a trusted network", os.environ.get("MASTER_ADDR"))
-    spec: ModelSpec = model_spec if model_spec is not None else cfg.model
-    started = time.time()
-    started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return cfg, algo_cls
 
-    if dataset is None:
-        dataset = load_dataset(cfg.dataset, cfg.data_dir)
+
+def _check_model(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset) -> None:
+    """Before any process starts: the model takes the data, and can travel to worker processes."""
     probe = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, dataset.input_shape, dataset.num_classes, describe(spec), dataset.name)
-    del probe
     if algo_cls.topology != SINGLE and not isinstance(spec, str):
         import pickle
 
@@ -192,63 +210,6 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
                              f"'path/file.py:Class', or a class or function defined at module level") from None
     if len(dataset.y_train) < cfg.workers:
         raise ConfigError(f"{len(dataset.y_train)} training samples cannot be shared among {cfg.workers} workers")
-
-    resuming_in_place = bool(cfg.resume and cfg.out and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
-    out = None
-    if cfg.out and chief:
-        out = Path(cfg.out) if resuming_in_place else prepare_out_dir(Path(cfg.out), cfg.overwrite)
-    writer = None
-    sinks = []
-    if out is not None:
-        (out / "config.toml").write_text(config_mod.to_toml(cfg))
-        writer = JsonlWriter(out / "metrics.jsonl")
-        sinks.append(writer)
-    if progress is None:
-        progress = make_progress(cfg.quiet or not chief, _planned_samples(cfg, dataset), f"{cfg.algo} x{cfg.workers}")
-    sinks.append(progress)
-    sink = Fanout(*sinks) if sinks else NullSink()
-    try:
-        results = _launch(cfg, algo_cls, spec, dataset, sink, torchrun)
-    finally:
-        if writer is not None:
-            writer.close()
-        if hasattr(progress, "close"):
-            progress.close()
-    summary = build_summary(cfg, dataset, spec, results, started, started_at)
-    if out is not None:
-        atomic_write_json(summary, out / "summary.json")
-        save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,
-                   input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
-    return TrainResult(summary, results[0].model, out)
-
-
-def _planned_samples(cfg: RunConfig, dataset: Dataset) -> int:
-    from distsgd.data.partition import shard_size
-
-    if cfg.max_samples is not None:
-        return cfg.max_samples
-    return cfg.epochs * shard_size(len(dataset.y_train), cfg.workers, cfg.partition) * cfg.workers
-
-
-def _launch(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Any,
-            torchrun: bool) -> list[WorkerResult]:
-    """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
-    if algo_cls.topology == SINGLE:
-        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=0, world=1, sink=sink)
-        return [run_worker(ctx, algo_cls(cfg))]
-    from distsgd import launch
-
-    if algo_cls.topology == SHARED:
-        if torchrun:
-            return launch.run_shared_torchrun(cfg, algo_cls, spec, dataset, sink)
-        return launch.run_shared(cfg, algo_cls, spec, dataset, sink)
-    if algo_cls.topology == SERVER:
-        if torchrun:
-            return launch.run_server_torchrun(cfg, algo_cls, spec, dataset, sink)
-        return launch.run_server_local(cfg, algo_cls, spec, dataset, sink)
-    if torchrun:
-        return launch.run_torchrun(cfg, algo_cls, spec, dataset, sink)
-    return launch.run_local(cfg, algo_cls, spec, dataset, sink)
 
 
 def build_summary(cfg: RunConfig, dataset: Dataset, spec: ModelSpec, results: list[WorkerResult],

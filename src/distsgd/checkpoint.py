@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -137,3 +137,54 @@ def load_worker_state(run_dir: Path, rank: int) -> dict[str, Any]:
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None
+
+
+# --- the stateful pieces of a run, saved and restored together ------------------------------------
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RngState:
+    """torch's global random state (dropout) as a stateful piece."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+
+
+def gather(pieces: dict[str, Stateful]) -> dict[str, Any]:
+    """Every piece's state, under the piece's name."""
+    return {name: piece.state_dict() for name, piece in pieces.items()}
+
+
+def scatter(pieces: dict[str, Stateful], state: dict[str, Any]) -> None:
+    """Give every piece its saved state back."""
+    for name, piece in pieces.items():
+        piece.load_state_dict(state[name])
+
+
+class Checkpointer:
+    """Saves and restores one worker's stateful pieces (model, optimiser, algorithm, loop, random
+    state): one file per worker per checkpoint, then rank 0 points the manifest at the new set."""
+
+    def __init__(self, out: str | None, resume: str | None, rank: int, world: int) -> None:
+        self.dir = Path(out) / CHECKPOINT_DIR if out else None
+        self.resume, self.rank, self.world = resume, rank, world
+
+    def load(self) -> dict[str, Any] | None:
+        """This worker's saved pieces from the run given to ``--resume`` (None: a fresh run). The
+        caller scatters them, the model before the algorithm wraps it, the rest after."""
+        return load_worker_state(Path(self.resume), self.rank) if self.resume else None
+
+    def save(self, seq: int, pieces: dict[str, Stateful]) -> None:
+        assert self.dir is not None, "checkpoints need a run directory"
+        save_worker_state(self.dir, seq, self.rank, gather(pieces))
+
+    def commit(self, seq: int, meta: dict[str, Any]) -> None:
+        """Rank 0, once every worker has saved: the manifest now names checkpoint ``seq``."""
+        assert self.dir is not None
+        commit_checkpoint(self.dir, seq, self.world, meta)

@@ -23,59 +23,6 @@ from distsgd import config as config_mod
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError
 
-HELP = {
-    "algo": "training algorithm (see `distsgd algorithms`); default single",
-    "workers": "number of worker processes; default 1",
-    "dataset": "mnist, fashion-mnist, kmnist, cifar10, digits, npz:PATH or folder:PATH; default fashion-mnist",
-    "data_dir": "folder holding the dataset's files (searched first)",
-    "model": "mnist_net, cifar_net, mlp, logreg, or path/file.py:ClassName (runs that file); default mnist_net",
-    "epochs": "passes over the training data; default 1",
-    "max_samples": "stop after this many training samples (all workers together); overrides --epochs",
-    "batch_size": "samples per step per worker; default 64",
-    "lr": "learning rate; default 0.01",
-    "momentum": "SGD momentum; default 0.5",
-    "nesterov": "use Nesterov momentum (sgd)",
-    "optimizer": "sgd, adam or adamw; default sgd",
-    "weight_decay": "L2 weight decay; default 0",
-    "schedule": "learning-rate schedule: constant, step or cosine; default constant",
-    "lr_step_epochs": "step schedule: decay every this many epochs; default 1",
-    "lr_gamma": "step schedule: multiply the rate by this; default 0.1",
-    "init": "default (PyTorch's) or xavier initialisation",
-    "seed": "seed for weights and data order; default 0",
-    "partition": "sharded (disjoint shards) or replicated (every worker sees all data); default sharded",
-    "eval_every": "evaluate on the test set every this many samples; default: each epoch",
-    "eval_batch_size": "batch size for evaluation; default 1000",
-    "target_accuracy": "test accuracy (0..1) whose time and samples to reach are recorded",
-    "stop_at_target": "stop once --target-accuracy is reached",
-    "threads_per_worker": "torch threads per worker; default max(1, cores // workers)",
-    "log_every": "steps between progress events in metrics.jsonl; default 50",
-    "out": "run directory; default runs/<timestamp>-<algo>",
-    "overwrite": "replace an existing run directory",
-    "quiet": "print nothing but errors",
-    "backend": "torch.distributed backend: gloo (CPU), nccl (GPU) or mpi; default gloo",
-    "init_method": "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; default a free port on 127.0.0.1",
-    "timeout_s": "seconds before a collective or a silent worker counts as failed; default 300",
-    "bucket_mb": "allreduce: gradient bucket size in MB; default 25",
-    "hogwild_lock": "hogwild: lock around every update (to compare with lock-free)",
-    "staleness_lr": "asgd, ssp, dcasgd: divide each gradient by its staleness (staleness-aware ASGD)",
-    "staleness": "ssp: how many pushes a worker may run ahead of the slowest; default 2",
-    "dc_lambda": "dcasgd: the compensation strength lambda (lambda0 with --dc-adaptive); default 0.04, adaptive 2",
-    "dc_adaptive": "dcasgd: adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)",
-    "sync_every": "local-sgd: average the models every H steps, or 'epoch'; default 8",
-    "warmup_steps": "local-sgd: synchronous all-reduce steps before going local (post-local SGD); default 0",
-    "tau": "easgd: steps between elastic exchanges; default 8",
-    "alpha": "easgd: elastic strength; default 0.9 / workers",
-    "easgd_mode": "easgd: sync (all-reduce) or async (centre on a parameter server); default sync",
-    "cluster_size": "hogwild++: worker processes per cluster; default 1",
-    "update_delay": "hogwild++: tau0, local updates per worker the holding cluster makes after its exchange "
-                    "before passing the token on; default 16",
-    "checkpoint_every": "save a checkpoint every N samples (all workers) or 'epoch' into <out>/checkpoint",
-    "resume": "continue the run saved in DIR (up to the --epochs or --max-samples given now), into DIR or --out",
-    "straggler": "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in proportion to its step time)",
-}
-FLAG_NAMES = {"timeout_s": "--timeout"}
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
@@ -83,17 +30,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per RunConfig field, with the help text the field carries."""
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
-        if f.name == "extra" or f.name in skip:
+        if f.name in skip:
             continue
-        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
-        kind = str(f.type)
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        kind, help_text = str(f.type), f.metadata.get("help")
         if "bool" in kind:
-            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=HELP.get(f.name))
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
             continue
         conv: Any = int if ("int" in kind and "float" not in kind) else float if "float" in kind else str
-        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=HELP.get(f.name),
+        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text,
                             metavar=f.name.split("_")[-1].upper())
 
 
@@ -123,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-             if f.name != "extra" and getattr(args, f.name, None) is not None}
+             if getattr(args, f.name, None) is not None}
     if args.command == "bench":
         given.pop("workers", None)
     if given.get("resume"):  # the saved run's settings, with the flags given now on top

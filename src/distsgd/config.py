@@ -7,6 +7,7 @@ defaults below. ``validate`` turns every impossible setting into a one-line ``Co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -28,74 +29,123 @@ PARTITIONS = ("sharded", "replicated")
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
+def setting(default: Any, help: str, flag: str | None = None) -> Any:
+    """A RunConfig field with its help text (the CLI's ``--help``) beside it."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class Period:
+    """Every ``count`` units (samples, steps), or at each epoch's end when ``count`` is None."""
+
+    count: int | None
+
+    @property
+    def each_epoch(self) -> bool:
+        return self.count is None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """Worker ``rank`` made ``factor`` times slower (it sleeps (factor - 1) x its step time)."""
+
+    rank: int
+    factor: float
+
+
 @dataclass
 class RunConfig:
-    """Everything that defines a run. Field names are the CLI flags with ``-`` as ``_``."""
+    """Everything that defines a run. Field names are the CLI flags with ``-`` as ``_``; each field
+    carries its help text. Strings with a structure (``checkpoint_every``, ``sync_every``,
+    ``straggler``) stay as the user wrote them, for the TOML file, and are parsed once into the
+    typed properties below."""
 
-    algo: str = "single"
-    workers: int = 1
-    dataset: str = "fashion-mnist"
-    data_dir: str | None = None
-    model: str = "mnist_net"
-    epochs: int = 1
-    max_samples: int | None = None
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.5
-    nesterov: bool = False
-    optimizer: str = "sgd"
-    weight_decay: float = 0.0
-    schedule: str = "constant"
-    lr_step_epochs: int = 1
-    lr_gamma: float = 0.1
-    init: str = "default"
-    seed: int = 0
-    partition: str = "sharded"
-    eval_every: int | None = None
-    eval_batch_size: int = 1000
-    target_accuracy: float | None = None
-    stop_at_target: bool = False
-    threads_per_worker: int | None = None
-    log_every: int = 50
-    out: str | None = None
-    overwrite: bool = False
-    quiet: bool = False
-    # Process groups (used by the multi-process algorithms).
-    backend: str = "gloo"
-    init_method: str | None = None
-    timeout_s: float = 300.0
-    # allreduce: size of one gradient bucket.
-    bucket_mb: float = 25.0
-    # hogwild: take a lock around every update (for comparison with lock-free).
-    hogwild_lock: bool = False
-    # parameter server: staleness-aware lr (asgd), bound S (ssp), delay compensation (dcasgd).
-    staleness_lr: bool = False
-    staleness: int = 2
-    dc_lambda: float | None = None
-    dc_adaptive: bool = False
-    # local-sgd: average every H steps (or "epoch"), after K synchronous warm-up steps.
-    sync_every: str = "8"
-    warmup_steps: int = 0
-    # easgd: exchange every tau steps with elastic strength alpha (default 0.9 / workers).
-    tau: int = 8
-    alpha: float | None = None
-    easgd_mode: str = "sync"
-    # hogwild++: processes per cluster, and local updates between token passes.
-    cluster_size: int = 1
-    update_delay: int = 16
-    # Checkpoints: every N samples (all workers) or "epoch"; --resume DIR continues a run.
-    checkpoint_every: str | None = None
-    resume: str | None = None
-    # Benchmarks: "RANK:FACTOR" makes worker RANK FACTOR times slower (it sleeps after each step).
-    straggler: str | None = None
-    # Extra settings an algorithm may read; kept so a TOML file round-trips.
-    extra: dict[str, Any] = field(default_factory=dict)
+    algo: str = setting("single", "training algorithm (see `distsgd algorithms`); default single")
+    workers: int = setting(1, "number of worker processes; default 1")
+    dataset: str = setting("fashion-mnist", "mnist, fashion-mnist, kmnist, cifar10, digits, npz:PATH or folder:PATH; "
+                                            "default fashion-mnist")
+    data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
+    model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, or path/file.py:ClassName (runs that file); "
+                                      "default mnist_net")
+    epochs: int = setting(1, "passes over the training data; default 1")
+    max_samples: int | None = setting(None, "stop after this many training samples (all workers together); "
+                                            "overrides --epochs")
+    batch_size: int = setting(64, "samples per step per worker; default 64")
+    lr: float = setting(0.01, "learning rate; default 0.01")
+    momentum: float = setting(0.5, "SGD momentum; default 0.5")
+    nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
+    optimizer: str = setting("sgd", "sgd, adam or adamw; default sgd")
+    weight_decay: float = setting(0.0, "L2 weight decay; default 0")
+    schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
+    lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
+    lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
+    init: str = setting("default", "default (PyTorch's) or xavier initialisation")
+    seed: int = setting(0, "seed for weights and data order; default 0")
+    partition: str = setting("sharded", "sharded (disjoint shards) or replicated (every worker sees all data); "
+                                        "default sharded")
+    eval_every: int | None = setting(None, "evaluate on the test set every this many samples; default: each epoch")
+    eval_batch_size: int = setting(1000, "batch size for evaluation; default 1000")
+    target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
+    stop_at_target: bool = setting(False, "stop once --target-accuracy is reached")
+    threads_per_worker: int | None = setting(None, "torch threads per worker; default max(1, cores // workers)")
+    log_every: int = setting(50, "steps between progress events in metrics.jsonl; default 50")
+    out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
+    overwrite: bool = setting(False, "replace an existing run directory")
+    quiet: bool = setting(False, "print nothing but errors")
+    # Process groups (the multi-process algorithms).
+    backend: str = setting("gloo", "torch.distributed backend: gloo (CPU), nccl (GPU) or mpi; default gloo")
+    init_method: str | None = setting(None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; "
+                                            "default a free port on 127.0.0.1")
+    timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed; default 300",
+                               flag="--timeout")
+    # Algorithms' own settings: each is checked by its algorithm's ``check``.
+    bucket_mb: float = setting(25.0, "allreduce, ddp: gradient bucket size in MB; default 25")
+    hogwild_lock: bool = setting(False, "hogwild: lock around every update (to compare with lock-free)")
+    staleness_lr: bool = setting(False, "asgd, ssp, dcasgd: divide each gradient by its staleness "
+                                        "(staleness-aware ASGD)")
+    staleness: int = setting(2, "ssp: how many pushes a worker may run ahead of the slowest; default 2")
+    dc_lambda: float | None = setting(None, "dcasgd: the compensation strength lambda (lambda0 with --dc-adaptive); "
+                                            "default 0.04, adaptive 2")
+    dc_adaptive: bool = setting(False, "dcasgd: adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)")
+    sync_every: str = setting("8", "local-sgd: average the models every H steps, or 'epoch'; default 8")
+    warmup_steps: int = setting(0, "local-sgd: synchronous all-reduce steps before going local (post-local SGD); "
+                                   "default 0")
+    tau: int = setting(8, "easgd: steps between elastic exchanges; default 8")
+    alpha: float | None = setting(None, "easgd: elastic strength; default 0.9 / workers")
+    easgd_mode: str = setting("sync", "easgd: sync (all-reduce) or async (centre on a parameter server); default sync")
+    cluster_size: int = setting(1, "hogwild++: worker processes per cluster; default 1")
+    update_delay: int = setting(16, "hogwild++: tau0, local updates per worker the holding cluster makes after its "
+                                    "exchange before passing the token on; default 16")
+    # Checkpoints.
+    checkpoint_every: str | None = setting(None, "save a checkpoint every N samples (all workers) or 'epoch' into "
+                                                 "<out>/checkpoint")
+    resume: str | None = setting(None, "continue the run saved in DIR (up to the --epochs or --max-samples given now), "
+                                       "into DIR or --out")
+    # Benchmarks.
+    straggler: str | None = setting(None, "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in "
+                                          "proportion to its step time)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)
+
+    @functools.cached_property
+    def checkpoint_period(self) -> Period | None:
+        """``--checkpoint-every`` parsed: N samples, each epoch, or None (no checkpoints)."""
+        if self.checkpoint_every is None:
+            return None
+        return parse_period(self.checkpoint_every, "--checkpoint-every", "samples")
+
+    @functools.cached_property
+    def sync_period(self) -> Period:
+        """``--sync-every`` parsed: H steps, or each epoch."""
+        return parse_period(self.sync_every, "--sync-every", "steps")
+
+    @functools.cached_property
+    def straggler_spec(self) -> Straggler | None:
+        return None if self.straggler is None else parse_straggler(self.straggler)
 
 
 _FIELDS = {f.name: f for f in fields(RunConfig)}
@@ -108,10 +158,6 @@ def _coerce(name: str, value: Any) -> Any:
         if "None" in annotation:
             return None
         raise ConfigError(f"setting '{name}' cannot be empty")
-    if name == "extra":
-        if not isinstance(value, dict):
-            raise ConfigError("setting 'extra' must be a table")
-        return value
     if "bool" in annotation:
         if not isinstance(value, bool):
             raise ConfigError(f"setting '{name}' must be true or false, got {value!r}")
@@ -174,19 +220,9 @@ def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
 def to_toml(cfg: RunConfig) -> str:
     """The resolved configuration as TOML (settings that are unset are left out)."""
     lines = ["# distsgd run configuration (resolved). Re-run with: distsgd train --config config.toml"]
-    extra = {}
     for name, value in cfg.to_dict().items():
-        if name == "extra":
-            extra = value
-            continue
-        if value is None:
-            continue
-        lines.append(f"{name} = {_toml_value(value)}")
-    if extra:
-        lines.append("")
-        lines.append("[extra]")
-        for key, value in extra.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+        if value is not None:
+            lines.append(f"{name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -221,7 +257,8 @@ def threads_per_worker(cfg: RunConfig) -> int:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Reject impossible settings with one clear line each."""
+    """Reject impossible settings with one clear line each. The algorithm's own settings are its
+    ``check``'s to judge; this knows no algorithm."""
 
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -255,39 +292,25 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.log_every >= 1, f"--log-every must be at least 1 step, got {cfg.log_every}")
     need(cfg.backend in BACKENDS, f"unknown backend '{cfg.backend}' (choose from {', '.join(BACKENDS)})")
     need(cfg.timeout_s > 0, f"--timeout must be positive, got {cfg.timeout_s}")
-    need(cfg.bucket_mb > 0, f"--bucket-mb must be positive, got {cfg.bucket_mb}")
-    need(cfg.staleness >= 0, f"--staleness must be >= 0, got {cfg.staleness}")
-    need(cfg.dc_lambda is None or cfg.dc_lambda >= 0, f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
-    need(cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
-    need(cfg.cluster_size >= 1, f"--cluster-size must be at least 1, got {cfg.cluster_size}")
-    need(cfg.update_delay >= 1, f"--update-delay must be at least 1, got {cfg.update_delay}")
-    if cfg.checkpoint_every is not None:
-        checkpoint_interval(cfg.checkpoint_every)
+    if cfg.checkpoint_period is not None:
         need(cfg.out is not None, "--checkpoint-every needs a run directory (--out)")
-    if cfg.straggler is not None:
-        rank, factor = parse_straggler(cfg.straggler)
+    if cfg.straggler_spec is not None:
+        rank = cfg.straggler_spec.rank
         need(rank < cfg.workers, f"--straggler names worker {rank}, but there are only {cfg.workers} workers")
-    from distsgd.algorithms import registry
-
-    registry.get(cfg.algo)  # raises ConfigError for an unknown name
     return cfg
 
 
-def parse_every(text: str, flag: str, unit: str) -> int | None:
-    """'epoch' -> None (at each epoch's end), else a positive whole number of ``unit``."""
+def parse_period(text: str, flag: str, unit: str) -> Period:
+    """'epoch' -> each epoch, else a positive whole number of ``unit``."""
     if text == "epoch":
-        return None
+        return Period(None)
     try:
         count = int(text)
     except ValueError:
         count = 0
     if count < 1:
         raise ConfigError(f"{flag} must be a positive number of {unit} or 'epoch', got '{text}'")
-    return count
-
-
-def checkpoint_interval(text: str) -> int | None:
-    return parse_every(text, "--checkpoint-every", "samples")
+    return Period(count)
 
 
 def for_resume(run_dir: str | Path, overrides: dict[str, Any]) -> RunConfig:
@@ -304,8 +327,8 @@ def for_resume(run_dir: str | Path, overrides: dict[str, Any]) -> RunConfig:
     return cfg.replace(resume=str(run_dir), out=cfg.out if "out" in changes else str(run_dir))
 
 
-def parse_straggler(text: str) -> tuple[int, float]:
-    """'1:3' -> (worker 1, 3x slower)."""
+def parse_straggler(text: str) -> Straggler:
+    """'1:3' -> worker 1, 3x slower."""
     rank_text, sep, factor_text = text.partition(":")
     try:
         rank, factor = int(rank_text), float(factor_text)
@@ -313,4 +336,4 @@ def parse_straggler(text: str) -> tuple[int, float]:
         rank, factor = -1, 0.0
     if not sep or rank < 0 or not math.isfinite(factor) or factor < 1:
         raise ConfigError(f"--straggler must be RANK:FACTOR with RANK >= 0 and FACTOR >= 1, got '{text}'")
-    return rank, factor
+    return Straggler(rank, factor)

@@ -59,19 +59,19 @@ import torch.nn as nn
 
 class Net(nn.Module):
     """logreg whose worker KILL_WORKER is SIGKILLed at its 5th step; the server (RANK 0) when
-    KILL_SERVER is set, on its 40th look at the weights."""
+    KILL_SERVER is set, when it copies its model for the 5th time (the 5th epoch's evaluation)."""
     def __init__(self, num_classes, input_shape):
         super().__init__()
         self.fc = nn.Linear(64, num_classes)
         self.calls = 0
-        self.looks = 0
+        self.copies = 0
 
-    def parameters(self, recurse=True):
+    def state_dict(self, *args, **kwargs):
         if os.environ.get("RANK") == "0" and os.environ.get("KILL_SERVER"):
-            self.looks += 1
-            if self.looks == 40:
+            self.copies += 1
+            if self.copies == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return super().parameters(recurse)
+        return super().state_dict(*args, **kwargs)
 
     def forward(self, x):
         if self.training:

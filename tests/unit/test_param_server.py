@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from distsgd.algorithms.param_server import ParameterServer, flat_params, staleness_stats
+from distsgd.algorithms.averaging import flatten
+from distsgd.algorithms.param_server import ParameterServer, staleness_stats
 from distsgd.config import RunConfig
 
 
@@ -49,7 +50,7 @@ def test_asgd_applies_sgd_and_staleness_aware_lr() -> None:
         w0, _ = ps.pull(1)
         ps.push(2, grad(9), 0, 1)  # version 1
         ps.push(2, grad(8), 1, 2)  # version 2
-        before = flat_params(ps.model).clone()
+        before = flatten(list(ps.model.parameters())).clone()
         after, *_ = result(ps.push(1, grad(1), 0, 1))  # staleness 2
         lr = 0.1 / 2 if aware else 0.1
         torch.testing.assert_close(after, before - lr * grad(1))
@@ -61,7 +62,7 @@ def test_staleness_aware_rule_divides_the_gradient_not_momentum_or_weight_decay(
     dividing the lr instead would also divide the momentum history and the decay."""
     mu, wd, lr = 0.9, 0.01, 0.1
     ps = make_server("asgd", staleness_lr=True, momentum=mu, weight_decay=wd)
-    w = flat_params(ps.model).double()
+    w = flatten(list(ps.model.parameters())).double()
     result(ps.push(2, grad(9), 0, 1))  # staleness 0: buf = g9 + wd w
     buf = grad(9).double() + wd * w
     w = w - lr * buf
@@ -80,7 +81,7 @@ def test_dcasgd_matches_a_float64_reference(adaptive: bool) -> None:
     w_read, v = ps.pull(1)  # worker 1 reads w_read
     ps.pull(2)
     result(ps.push(2, grad(2), 0, 1))  # worker 2 moves the weights on
-    w = flat_params(ps.model).double()
+    w = flatten(list(ps.model.parameters())).double()
     g = grad(1).double()
     lam = torch.full_like(g, 0.5)
     if adaptive:  # DC-ASGD-a: MeanSquare starts at 0, m <- 0.95 m + 0.05 g^2 at every push
@@ -119,7 +120,7 @@ def test_ssp_holds_a_worker_that_runs_too_far_ahead() -> None:
     result(ps.push(2, grad(3), 0, 1))  # clocks 2 : 1 -> released
     weights, version, *_ = result(held)
     assert version == 3  # it goes on with the newest weights
-    torch.testing.assert_close(weights, flat_params(ps.model))
+    torch.testing.assert_close(weights, flatten(list(ps.model.parameters())))
     ps.finished(2)
     result(ps.push(1, grad(4), version, 3))  # alone now: never held
 

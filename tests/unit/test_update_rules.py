@@ -8,8 +8,8 @@ from torch import nn
 
 from distsgd.algorithms.easgd import elastic_alpha, sync_elastic_step
 from distsgd.algorithms.hogwildpp import holder_increment, ring_constants, token_pass
-from distsgd.algorithms.local_sgd import parse_sync_every
-from distsgd.algorithms.param_server import ParameterServer, flat_params
+from distsgd.algorithms.averaging import flatten
+from distsgd.algorithms.param_server import ParameterServer
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 
@@ -36,11 +36,11 @@ def test_async_easgd_server_exchange() -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     ps = ParameterServer(RunConfig(alpha=0.25), model, 2, "easgd", samples_per_epoch=100)
-    c = flat_params(model).double()
+    c = flatten(list(model.parameters())).double()
     x = vec(7, 8)
-    diff, version, total, stop = ps.elastic(1, x, torch.zeros(0, dtype=torch.int64), 64)
+    diff, version, total, stop = ps.exchange(1, x, torch.zeros(0, dtype=torch.int64), 64)
     torch.testing.assert_close(diff.double(), x.double() - c)
-    torch.testing.assert_close(flat_params(model).double(), c + 0.25 * (x.double() - c))
+    torch.testing.assert_close(flatten(list(model.parameters())).double(), c + 0.25 * (x.double() - c))
     assert (version, total, stop) == (1, 64, False)
     # the worker then moves: x - alpha d
     torch.testing.assert_close((x - 0.25 * diff).double(), x.double() - 0.25 * (x.double() - c))
@@ -109,7 +109,7 @@ def test_one_local_update_is_not_amplified_by_the_ring(n: int, settles_at: float
 
 
 def test_sync_every_parsing() -> None:
-    assert parse_sync_every("epoch") is None and parse_sync_every("8") == 8
+    assert RunConfig(sync_every="epoch").sync_period.each_epoch and RunConfig(sync_every="8").sync_period.count == 8
     for bad in ("0", "-2", "often"):
         with pytest.raises(ConfigError, match="--sync-every"):
-            parse_sync_every(bad)
+            RunConfig(sync_every=bad).sync_period

@@ -31,7 +31,9 @@ from torch import nn
 
 from distsgd.algorithms.averaging import allreduce_mean_, broadcast_, float_buffers, int_buffers
 from distsgd.algorithms.base import GroupAlgorithm, register
-from distsgd.train.loop import WorkerContext
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.train.context import WorkerContext
 
 
 @dataclass
@@ -68,10 +70,19 @@ def _bucket(params: list[nn.Parameter]) -> Bucket:
     return Bucket(params=params, buffer=torch.zeros(total, dtype=params[0].dtype), offsets=offsets)
 
 
+def check_bucket(cfg: RunConfig) -> None:
+    if not cfg.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+
+
 @register
 class AllReduce(GroupAlgorithm):
     name = "allreduce"
     summary_line = "synchronous data parallel; bucketed all-reduce of gradients, overlapped with backward"
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        check_bucket(cfg)
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world

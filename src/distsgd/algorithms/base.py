@@ -1,21 +1,33 @@
 """The algorithm interface and the registry of algorithm names.
 
-One training loop (:mod:`distsgd.train.loop`) serves every algorithm. An algorithm says how its
-processes are arranged (its *topology*) and what happens at the loop's sync points:
+One training loop (:mod:`distsgd.train.loop`) serves every algorithm. An algorithm is one class
+with a registered ``name``, a ``topology`` (how its processes are arranged, which decides the
+launcher: :mod:`distsgd.launch`), and the loop's hooks, called in this order:
 
-- ``setup(ctx, model)``: before the first step; may wrap or replace the model.
+- ``check(cfg)`` (class method): reject settings the algorithm cannot honour, before any process
+  starts; the algorithm's own options (``--tau``, ``--staleness``, ...) are judged here.
+- ``variant(cfg)`` (class method): the class that runs these settings (easgd's async mode is a
+  parameter-server algorithm).
+- ``setup(ctx, model) -> model``: before the first step; may wrap or replace the model.
+- ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter).
 - ``before_training(ctx)``: everything is built; the training clock starts when this returns.
-- ``after_backward(ctx, model)``: gradients are ready; synchronise them here.
-- ``apply_step(ctx, optimizer)``: apply the update (a lock, a push to a server, ...).
-- ``after_step(ctx, model, local_samples)``: the update is applied; synchronise parameters here.
 - ``keep_going(ctx)``: checked before every step; False stops this worker.
+- ``after_backward(ctx, model)``: gradients are ready; synchronise them here.
+- ``apply_step(ctx, optimizer)``: apply the update (plain, under a lock, or by a server).
+- ``after_step(ctx, model, local_samples)``: the update is applied; synchronise parameters here.
+- ``global_samples(ctx, local_samples)``: all workers' samples, as this worker knows them.
 - ``on_epoch_end(ctx, model, epoch)``.
-- ``agree(ctx, flag)``: every worker must reach the same stop decision.
-- ``evaluation_model(ctx, model)``: the model the algorithm would return now, to evaluate. Called
-  on every worker at every evaluation point (it may be a collective); only the reporting worker
-  evaluates what it returns.
-- ``finish(ctx, model)``: returns the model to evaluate and save.
+- ``evaluation_model(ctx, model)``: the model the algorithm would return now. Called on every
+  worker at every evaluation point (so it may be a collective); the evaluating worker measures it.
+- ``agree(ctx, flag)``: every worker reaches the same stop decision (rank 0's).
+- ``barrier(ctx)``: every worker got here (a checkpoint is whole only then).
+- ``finish(ctx, model) -> model``: the model to evaluate, return and save.
+- ``unwrap(model)``: this worker's own module, without the wrapper ``setup`` put round it.
+- ``state_dict()`` / ``load_state_dict(state)``: the algorithm's part of a checkpoint.
 - ``summary()``: extra keys for summary.json (``bytes_sent``, ``staleness``, ...).
+
+Each algorithm's docstring states its update rule, its paper, and what happens to buffers
+(BatchNorm statistics) at each synchronisation.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import max_abs_diff
@@ -31,9 +44,9 @@ from distsgd.errors import ConfigError
 from distsgd.train.optim import build_optimizer
 
 if TYPE_CHECKING:
-    from distsgd.train.loop import WorkerContext
+    from distsgd.train.context import WorkerContext
 
-# How processes are arranged.
+# How processes are arranged; each has its launcher module in distsgd.launch.
 SINGLE = "single"  # one process
 GROUP = "group"  # symmetric workers in a torch.distributed process group
 SHARED = "shared"  # workers on one machine sharing one model in shared memory
@@ -46,6 +59,7 @@ class Algorithm:
     name: ClassVar[str] = ""
     topology: ClassVar[str] = SINGLE
     summary_line: ClassVar[str] = ""
+    checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -69,6 +83,9 @@ class Algorithm:
     def before_training(self, ctx: "WorkerContext") -> None:
         pass
 
+    def keep_going(self, ctx: "WorkerContext") -> bool:
+        return True
+
     def after_backward(self, ctx: "WorkerContext", model: nn.Module) -> None:
         pass
 
@@ -78,32 +95,26 @@ class Algorithm:
     def after_step(self, ctx: "WorkerContext", model: nn.Module, local_samples: int) -> None:
         pass
 
-    def keep_going(self, ctx: "WorkerContext") -> bool:
-        return True
-
-    def on_epoch_end(self, ctx: "WorkerContext", model: nn.Module, epoch: int) -> None:
-        pass
-
-    def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
-        return flag
-
     def global_samples(self, ctx: "WorkerContext", local_samples: int) -> int:
         """Samples processed by all workers, as this worker knows it (lockstep: local x world)."""
         return local_samples * ctx.world
 
+    def on_epoch_end(self, ctx: "WorkerContext", model: nn.Module, epoch: int) -> None:
+        pass
+
     def evaluation_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """What this algorithm would return at this moment (the average, the centre, the module a
         DDP wrapper holds). Every worker calls it at an evaluation point, so it may communicate."""
-        return model
+        return self.unwrap(model)
+
+    def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
+        return flag
+
+    def barrier(self, ctx: "WorkerContext") -> None:
+        """Wait until every worker got here (a checkpoint is whole only then)."""
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
-        return model
-
-    def summary(self) -> dict[str, Any]:
-        return {}
-
-    # -- checkpoints ------------------------------------------------------------------------
-    checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
+        return self.unwrap(model)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """This worker's own module, without any wrapper ``setup`` put round it (DDP's)."""
@@ -116,8 +127,8 @@ class Algorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bytes_sent = state["bytes_sent"]
 
-    def barrier(self, ctx: "WorkerContext") -> None:
-        """Wait until every worker got here (a checkpoint is whole only then)."""
+    def summary(self) -> dict[str, Any]:
+        return {}
 
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
@@ -153,19 +164,13 @@ class GroupAlgorithm(Algorithm):
 
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
-        import torch.distributed as dist
-
         dist.barrier()
 
     def barrier(self, ctx: "WorkerContext") -> None:
-        import torch.distributed as dist
-
         dist.barrier()
 
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         """Rank 0 decides (it evaluates); everyone follows."""
-        import torch.distributed as dist
-
         t = torch.tensor([1 if flag else 0])
         dist.broadcast(t, src=0)
         return bool(t.item())
@@ -182,7 +187,7 @@ class GroupAlgorithm(Algorithm):
 
     def final_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """The model every replica returns (after any last synchronisation)."""
-        return model
+        return self.unwrap(model)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes_sent": self.bytes_sent}

@@ -15,15 +15,21 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distsgd.algorithms.allreduce import check_bucket
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
-from distsgd.train.loop import WorkerContext
+from distsgd.config import RunConfig
+from distsgd.train.context import WorkerContext
 
 
 @register
 class DDP(GroupAlgorithm):
     name = "ddp"
     summary_line = "synchronous data parallel through torch DistributedDataParallel (the reference)"
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        check_bucket(cfg)
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world
@@ -41,9 +47,6 @@ class DDP(GroupAlgorithm):
     def unwrap(self, model: nn.Module) -> nn.Module:
         # Evaluating through the wrapper would run DDP's forward (and its collectives) on rank 0 alone.
         return model.module if isinstance(model, DistributedDataParallel) else model
-
-    def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        return self.unwrap(model)
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         module = self.unwrap(model)

@@ -37,10 +37,11 @@ from torch import nn
 
 from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
 from distsgd.algorithms.base import SERVER, GroupAlgorithm, register
-from distsgd.algorithms.param_server import ServerAlgorithm
+from distsgd.algorithms.param_server.rules import Elastic
+from distsgd.algorithms.param_server.worker import ServerAlgorithm
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.loop import WorkerContext
+from distsgd.train.context import WorkerContext
 
 
 def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int) -> int:
@@ -119,12 +120,12 @@ class AsyncEASGD(_Check, ServerAlgorithm):
     checkpoints = False
     name = "easgd"
     topology = SERVER
-    mode = "easgd"
+    rule = Elastic
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         model = super().setup(ctx, model)  # pulls the centre as the starting point
         self.alpha = elastic_alpha(self.cfg, ctx.world)
-        self.x, self.ints = averaged(model), int_buffers(model)
+        self.x, self.x_ints = averaged(model), int_buffers(model)
         self.steps = 0
         return model
 
@@ -136,11 +137,8 @@ class AsyncEASGD(_Check, ServerAlgorithm):
         self.local = local_samples
         if self.steps % self.cfg.tau:
             return
-        from distsgd.algorithms.param_server import _rpc_elastic
-
-        x, ints = flatten(self.x), flatten(self.ints)
-        diff, self.version, self.total, self.stop = self.rpc.rpc_sync(
-            "ps", _rpc_elastic, args=(self.me, x, ints, local_samples))
+        x, ints = flatten(self.x), flatten(self.x_ints)
+        diff, self.version, self.total, self.stop = self.client.exchange(x, ints, local_samples)
         self.bytes_sent += x.numel() * x.element_size() + ints.numel() * ints.element_size()
         unflatten_into(x - self.alpha * diff, self.x)
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from distsgd.algorithms.base import SHARED, Algorithm, register
 from distsgd.config import RunConfig
-from distsgd.train.loop import WorkerContext
+from distsgd.train.context import WorkerContext
 
 
 def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> nn.Module:
@@ -51,30 +51,63 @@ class Hogwild(Algorithm):
     name = "hogwild"
     topology = SHARED
     checkpoints = False  # not yet: see the README
-    across_nodes = False  # under torchrun, each process would be a cluster (hogwild++ only)
     summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
 
+    # -- what the shared-memory launcher asks of the algorithm (class methods) ------------------
     @classmethod
     def models(cls, cfg: RunConfig) -> int:
         """How many models the launcher keeps in shared memory."""
         return 1
 
     @classmethod
-    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> dict[str, Any]:
-        """More shared state the workers need (hogwild++: the token ring)."""
-        return {}
+    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> Any:
+        """More shared state the workers need (hogwild++: the token ring's), handed over opaque."""
+        return None
 
     @classmethod
     def combine(cls, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The one model to evaluate and save, from the shared models."""
         return states[0]
 
+    @classmethod
+    def shared_summary(cls, extras: Any) -> dict[str, Any]:
+        """summary.json keys read from the shared state once every worker is done."""
+        return {}
+
+    @classmethod
+    def local_workers(cls, cfg: RunConfig) -> int | None:
+        """Under torchrun, how many Hogwild! workers each process starts on its own model (one
+        cluster per process); None: this algorithm runs on one machine only."""
+        return None
+
+    @classmethod
+    def node_algorithm(cls) -> type["Hogwild"]:
+        """Under torchrun: the algorithm each process's local workers run on its one model."""
+        return cls
+
+    @classmethod
+    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
+             stop: torch.Tensor) -> Any:
+        """Under torchrun: what joins this process's model to the others' (hogwild++: its token ring)."""
+        raise NotImplementedError
+
+    @classmethod
+    def merge_nodes(cls, chiefs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Under torchrun: summary keys of the whole run from every process's own."""
+        return {}
+
+    # -- the worker ------------------------------------------------------------------------------
+    def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
+        """The shared model this worker trains."""
+        assert ctx.shared is not None
+        return ctx.shared.states[0]
+
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        shared = bind_to_shared(model, ctx.state["shared_state"])
-        self.counts: torch.Tensor = ctx.state["counts"]  # samples done, one slot per worker of this machine
-        self.slot = ctx.state.get("slot", ctx.rank)
-        self.lock = ctx.state.get("lock")
-        self.stop: torch.Tensor = ctx.state["stop"]  # one shared byte: read with no lock, set by the launcher
+        handles = ctx.shared
+        assert handles is not None, "hogwild runs under the shared-memory launcher"
+        shared = bind_to_shared(model, self.shared_state(ctx))
+        self.counts, self.slot, self.lock = handles.counts, handles.slot, handles.lock
+        self.stop = handles.stop.numpy()  # one shared byte, read every step with no lock
         ds = ctx.dataset
         self.dataset_shared = all(t.is_shared() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
         self.model_shared = all(p.is_shared() for p in shared.parameters())
@@ -83,9 +116,8 @@ class Hogwild(Algorithm):
 
     def before_training(self, ctx: WorkerContext) -> None:
         """Tell the launcher this worker is built, then start with the others on its signal."""
-        ctx.state["queue"].put(("ready", ctx.rank, None))
-        if not ctx.state["go"].wait(self.cfg.timeout_s):
-            raise TimeoutError(f"no start signal from the launcher within {self.cfg.timeout_s:.0f} s")
+        assert ctx.shared is not None and ctx.shared.start_together is not None
+        ctx.shared.start_together()
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
         if self.lock is None:

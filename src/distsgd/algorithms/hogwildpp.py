@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ from distsgd.algorithms.base import register
 from distsgd.algorithms.hogwild import Hogwild, bind_to_shared
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.loop import WorkerContext
+from distsgd.train.context import WorkerContext
 
 
 def ring_constants(n: int) -> tuple[float, float]:
@@ -89,14 +90,29 @@ def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tenso
     return lam * (w_next - w_i) + (beta + lam - 1) * delta
 
 
+@dataclass
+class RingState:
+    """The token ring's state in shared memory, one machine (hogwild++'s ``shared_extras``)."""
+
+    old: list[torch.Tensor]  # each cluster's w_i_old, flat
+    token: torch.Tensor  # the cluster holding the token
+    synced: torch.Tensor  # whether the holder has made its exchange yet
+    synced_at: torch.Tensor  # the holding cluster's steps at that exchange
+    passes: torch.Tensor  # exchanges made
+    lock: Any  # one exchange at a time
+
+
 @register
 class HogwildPP(Hogwild):
     name = "hogwild++"
-    across_nodes = True  # under torchrun: one cluster per process, see TokenRing
     summary_line = "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay)"
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
+        if cfg.cluster_size < 1:
+            raise ConfigError(f"--cluster-size must be at least 1, got {cfg.cluster_size}")
+        if cfg.update_delay < 1:
+            raise ConfigError(f"--update-delay must be at least 1, got {cfg.update_delay}")
         if cfg.workers % cfg.cluster_size:
             raise ConfigError(f"--workers {cfg.workers} is not a multiple of --cluster-size {cfg.cluster_size}")
 
@@ -105,61 +121,82 @@ class HogwildPP(Hogwild):
         return cfg.workers // cfg.cluster_size
 
     @classmethod
-    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> dict[str, Any]:
-        old = [flatten(params(m)).share_memory_() for m in models]
-
+    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> RingState:
         def shared_int() -> torch.Tensor:
             return torch.zeros(1, dtype=torch.int64).share_memory_()
 
-        # token: the cluster holding it; synced: whether the holder has made its exchange yet;
-        # synced_at: the holding cluster's steps at that exchange; passes: exchanges made.
-        return {"old": old, "token": shared_int(), "synced": shared_int(), "synced_at": shared_int(),
-                "passes": shared_int(), "ring_lock": mpc.Lock()}
+        return RingState(old=[flatten(params(m)).share_memory_() for m in models], token=shared_int(),
+                         synced=shared_int(), synced_at=shared_int(), passes=shared_int(), lock=mpc.Lock())
 
     @classmethod
     def combine(cls, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The model returned: the clusters' average (integer buffers from cluster 0)."""
         return mean_state(states)
 
+    @classmethod
+    def shared_summary(cls, extras: RingState) -> dict[str, Any]:
+        return {"token_passes": int(extras.passes[0])}  # the final count, not a worker's last view
+
+    @classmethod
+    def local_workers(cls, cfg: RunConfig) -> int:
+        return cfg.cluster_size
+
+    @classmethod
+    def node_algorithm(cls) -> type[Hogwild]:
+        return Hogwild  # each process is one cluster: plain Hogwild! on its model, linked by the ring
+
+    @classmethod
+    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
+             stop: torch.Tensor) -> "TokenRing":
+        return TokenRing(cfg, rank, n, model, counts, stop)
+
+    @classmethod
+    def merge_nodes(cls, chiefs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"token_passes": sum(e["token_passes"] for e in chiefs)}
+
+    def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
+        assert ctx.shared is not None
+        return ctx.shared.states[ctx.rank // self.cfg.cluster_size]
+
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        states = ctx.state["shared_states"]
+        assert ctx.shared is not None
+        states, ring = ctx.shared.states, ctx.shared.extras
         self.n = len(states)
         size = self.cfg.cluster_size
         self.cluster = ctx.rank // size
         self.members = slice(self.cluster * size, (self.cluster + 1) * size)
-        ctx.state = {**ctx.state, "shared_state": states[self.cluster]}
         model = super().setup(ctx, model)
         self.mine = params(model)
         nxt = bind_to_shared(copy.deepcopy(model), states[(self.cluster + 1) % self.n]) if self.n > 1 else None
         self.next_params = params(nxt) if nxt is not None else []
         self.beta, self.lam = ring_constants(self.n)
-        self.old = ctx.state["old"][self.cluster]
-        self.token, self.synced, self.synced_at = ctx.state["token"], ctx.state["synced"], ctx.state["synced_at"]
-        self.passes, self.ring_lock = ctx.state["passes"], ctx.state["ring_lock"]
+        self.ring: RingState = ring
+        self.old = ring.old[self.cluster]
         self.hold_steps = self.cfg.update_delay * size  # tau0 updates per worker of the cluster
         return model
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         super().after_step(ctx, model, local_samples)
-        if self.n == 1 or int(self.token) != self.cluster:
+        ring = self.ring
+        if self.n == 1 or int(ring.token) != self.cluster:
             return
         cluster_steps = int(self.counts[self.members].sum()) // self.cfg.batch_size
-        if self.synced[0] and cluster_steps - int(self.synced_at[0]) < self.hold_steps:
+        if ring.synced[0] and cluster_steps - int(ring.synced_at[0]) < self.hold_steps:
             return
-        if not self.ring_lock.acquire(block=False):
+        if not ring.lock.acquire(block=False):
             return
         try:
-            if int(self.token) != self.cluster:  # another worker of this cluster passed it already
+            if int(ring.token) != self.cluster:  # another worker of this cluster passed it already
                 return
-            if not self.synced[0]:  # the token just arrived: exchange with the next cluster
+            if not ring.synced[0]:  # the token just arrived: exchange with the next cluster
                 self._exchange()
-                self.synced.fill_(1)
-                self.synced_at.fill_(cluster_steps)
-            elif cluster_steps - int(self.synced_at[0]) >= self.hold_steps:  # held tau0: pass it on
-                self.synced.fill_(0)
-                self.token.fill_((self.cluster + 1) % self.n)
+                ring.synced.fill_(1)
+                ring.synced_at.fill_(cluster_steps)
+            elif cluster_steps - int(ring.synced_at[0]) >= self.hold_steps:  # held tau0: pass it on
+                ring.synced.fill_(0)
+                ring.token.fill_((self.cluster + 1) % self.n)
         finally:
-            self.ring_lock.release()
+            ring.lock.release()
 
     def _exchange(self) -> None:
         w_i, w_next = flatten(self.mine), flatten(self.next_params)
@@ -168,11 +205,11 @@ class HogwildPP(Hogwild):
         add_into(new_i - w_i, self.mine)
         self.old.copy_(new_i)
         self.bytes_sent += w_i.numel() * w_i.element_size()
-        self.passes += 1
+        self.ring.passes += 1
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
-        out.update(bytes_sent=self.bytes_sent, token_passes=int(self.passes[0]), clusters=self.n,
+        out.update(bytes_sent=self.bytes_sent, token_passes=int(self.ring.passes[0]), clusters=self.n,
                    ring_beta=self.beta, ring_lambda=self.lam)
         return out
 

@@ -28,13 +28,9 @@ from torch import nn
 
 from distsgd.algorithms.averaging import allreduce_mean_, average_model_, float_buffers, params
 from distsgd.algorithms.base import GroupAlgorithm, register
-from distsgd.config import RunConfig, parse_every
-from distsgd.train.loop import WorkerContext
-
-
-def parse_sync_every(value: str) -> int | None:
-    """'epoch' -> None (average at each epoch's end), else a positive number of steps."""
-    return parse_every(value, "--sync-every", "steps")
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.train.context import WorkerContext
 
 
 @register
@@ -44,11 +40,13 @@ class LocalSGD(GroupAlgorithm):
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
-        parse_sync_every(cfg.sync_every)
+        cfg.sync_period  # parses --sync-every (a ConfigError if it cannot)
+        if cfg.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world
-        self.every = parse_sync_every(self.cfg.sync_every)
+        self.every = self.cfg.sync_period.count  # None: at each epoch's end
         self.params = params(model)
         self.steps = 0
         self.averagings = 0

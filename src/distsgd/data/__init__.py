@@ -12,6 +12,7 @@ Names: ``mnist``, ``fashion-mnist``, ``kmnist``, ``cifar10``, ``digits``, ``npz:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,12 @@ class Dataset:
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
+
+    def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The training batches of ``order`` (sample indices) from position ``start``: tensor indexing."""
+        for first in range(start, len(order), batch_size):
+            idx = order[first:first + batch_size]
+            yield self.x_train[idx], self.y_train[idx]
 
     def share_memory_(self) -> "Dataset":
         for t in (self.x_train, self.y_train, self.x_test, self.y_test):

@@ -24,12 +24,12 @@ def epoch_indices(n: int, epoch: int, rank: int = 0, world: int = 1, seed: int =
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     if mode == "sharded":
-        gen = torch.Generator().manual_seed(_mix(seed, epoch))
+        gen = torch.Generator().manual_seed(mix_seed(seed, epoch))
         perm = torch.randperm(n, generator=gen)
         usable = n - n % world
         return perm[:usable][rank::world]
     if mode == "replicated":
-        gen = torch.Generator().manual_seed(_mix(seed, epoch, rank + 1))
+        gen = torch.Generator().manual_seed(mix_seed(seed, epoch, rank + 1))
         return torch.randperm(n, generator=gen)
     raise ValueError(f"unknown partition mode {mode!r}")
 
@@ -39,7 +39,12 @@ def shard_size(n: int, world: int, mode: str) -> int:
     return n // world if mode == "sharded" else n
 
 
-def _mix(*values: int) -> int:
+def samples_per_epoch(n: int, world: int, mode: str) -> int:
+    """Samples all ``world`` workers visit together in one epoch."""
+    return shard_size(n, world, mode) * world
+
+
+def mix_seed(*values: int) -> int:
     """A 63-bit seed from several integers (splitmix64-style), so nearby seeds do not collide."""
     h = 0x9E3779B97F4A7C15
     for v in values:

@@ -1,12 +1,15 @@
-"""Test loss and accuracy of a model on in-memory tensors; snapshots of a model others train."""
+"""Test loss and accuracy of a model, and the one watcher of models that other processes train."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from distsgd.metrics import TrainClock
+from distsgd.train.context import Every
 
 
 @torch.no_grad()
@@ -32,37 +35,46 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     return correct / n, loss_sum / n
 
 
-class Snapshots:
-    """Evaluation of a model that other processes keep training (Hogwild!, the parameter server).
+class Watcher:
+    """Evaluation of a model that other processes train (Hogwild! workers, a parameter server's
+    pushes): the one loop-side view of such a model, with the run's training clock.
 
-    Every ``eval_every`` samples the owner calls :meth:`take` with a copy of the weights at that
-    moment; the copies are evaluated after training (:meth:`finish`), so evaluation takes no CPU
-    from the workers. With ``stop_at_target`` a copy is evaluated at once instead, to know when to
-    stop. Each evaluation is emitted to ``sink`` as an ``eval`` event.
+    ``state()`` gives a consistent copy of the model now. Every ``eval_every`` samples (default:
+    each epoch) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
+    evaluation takes no CPU from the workers; with ``stop_at_target`` the copy is evaluated at once,
+    to know when to stop. ``pause_to_copy``: the trainers wait while the copy is taken (the server's
+    lock), so the clock stops meanwhile. Each evaluation is emitted to ``sink`` as an ``eval`` event.
     """
 
-    def __init__(self, cfg: Any, spec: Any, dataset: Any, per_epoch: int, sink: Any) -> None:
+    def __init__(self, cfg: Any, spec: Any, dataset: Any, per_epoch: int, sink: Any,
+                 state: Callable[[], dict[str, torch.Tensor]], pause_to_copy: bool = False) -> None:
         self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = cfg, spec, dataset, per_epoch, sink
-        self.every = cfg.eval_every or per_epoch
-        self.next = self.every
+        self.state, self.pause_to_copy = state, pause_to_copy
+        self.at = Every(cfg.eval_every or per_epoch)
+        self.clock = TrainClock()
+        self.earlier_s = 0.0  # training time before the checkpoint this run resumed from
         self.pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         self.evals: list[dict[str, Any]] = []
 
-    def due(self, samples: int) -> bool:
-        """Whether ``samples`` crossed the next evaluation point (then the point moves on)."""
-        if samples < self.next:
-            return False
-        while self.next <= samples:
-            self.next += self.every
-        return True
+    def start(self) -> None:
+        """Training starts now (the clock counts from here, plus any resumed run's time)."""
+        self.clock.restart()
+        self.clock.add(self.earlier_s)
 
-    def take(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> bool:
-        """File a copy of the weights; return whether it reached the target (``stop_at_target`` only)."""
-        if not (self.cfg.stop_at_target and self.cfg.target_accuracy is not None):
-            self.pending.append((samples, train_s, state))
+    def observe(self, samples: int) -> bool:
+        """Note that ``samples`` have been trained; True when the target accuracy is reached."""
+        if not self.at.due(samples):
             return False
-        event = self.evaluate(samples, train_s, state)
-        return event["test_accuracy"] >= self.cfg.target_accuracy
+        if self.pause_to_copy:
+            self.clock.pause()
+        copy, elapsed = self.state(), self.clock.elapsed()
+        reached = False
+        if self.cfg.stop_at_target and self.cfg.target_accuracy is not None:
+            reached = self.evaluate(samples, elapsed, copy)["test_accuracy"] >= self.cfg.target_accuracy
+        else:
+            self.pending.append((samples, elapsed, copy))
+        self.clock.resume()
+        return reached
 
     def evaluate(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         from distsgd.models import build_model
@@ -76,19 +88,23 @@ class Snapshots:
         self.sink.emit(event)
         return event
 
-    def finish(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-        """Evaluate the filed copies, then the final weights (unless the last copy was of them)."""
+    def finish(self, samples: int) -> tuple[float, list[dict[str, Any]]]:
+        """Training is over: (training time, every evaluation), the final model's last (unless the
+        last copy was of it)."""
+        train_s = self.clock.elapsed()
         for n, t, st in self.pending:
             self.evaluate(n, t, st)
         self.pending = []
         if not self.evals or self.evals[-1]["samples"] != samples:
-            self.evaluate(samples, train_s, state)
-        return self.evals
+            self.evaluate(samples, train_s, self.state())
+        return train_s, self.evals
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_eval": self.next, "evals": list(self.evals),
+        return {"evals_at": self.at.state_dict(), "evals": list(self.evals), "train_wall_s": self.clock.elapsed(),
                 "snapshots": [{"samples": n, "train_s": t, "state": st} for n, t, st in self.pending]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next, self.evals = state["next_eval"], list(state["evals"])
+        self.at.load_state_dict(state["evals_at"])
+        self.evals = list(state["evals"])
         self.pending = [(s["samples"], s["train_s"], s["state"]) for s in state["snapshots"]]
+        self.earlier_s = state["train_wall_s"]

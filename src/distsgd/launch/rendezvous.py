@@ -1,4 +1,4 @@
-"""Process groups: joining one, free ports, and torchrun's environment.
+"""Rendezvous: joining a process group, free ports, torchrun's environment, loopback only.
 
 Servers bind to 127.0.0.1 unless the user names another address; torch.distributed has no
 authentication or encryption, so distsgd warns when it is asked to listen elsewhere.
@@ -82,3 +82,9 @@ def leave_group() -> None:
             dist.destroy_process_group()
         except Exception:  # pragma: no cover - tearing down a broken group
             pass
+
+
+def loopback_only() -> None:
+    """Keep gloo's and TensorPipe's listeners of a local run on the loopback interface."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")

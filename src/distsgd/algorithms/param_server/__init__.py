@@ -1,0 +1,29 @@
+"""A parameter server: asgd, sync-ps, ssp and dcasgd (and the centre of async easgd).
+
+Roles: rank 0 is the server, ranks 1..N are the workers (world size N+1). The server holds the
+model and the optimiser. A worker pulls the weights once, as one flat tensor with their version;
+then, every step, it computes a gradient on its shard and pushes it with the version it read, and
+gets the new weights (and their version) back in the same call.
+
+The package, by part:
+
+- :mod:`.core`: the server's mechanics (one lock, versions, sample counts, barriers, the workers'
+  buffers, futures completed outside the lock), whatever the rule;
+- :mod:`.rules`: the update rules, one small class each, with their papers;
+- :mod:`.transport`: how workers reach the server (``torch.distributed.rpc``);
+- :mod:`.role`: the server process: the core, a watcher that evaluates its model, checkpoints;
+- :mod:`.worker`: the workers' side, and the registered algorithms.
+
+Buffers (BatchNorm statistics): the server's model would otherwise keep its initial running
+statistics, since only gradients reach it. Each push also carries the worker's buffers; the
+server's floating-point buffers are the mean of every worker's most recent ones, and its integer
+buffers (``num_batches_tracked``) those of the latest push. They are set whenever the server's
+model is taken (evaluated, checkpointed, returned), so the model evaluated is the model saved.
+"""
+
+from distsgd.algorithms.param_server.core import ParameterServer, staleness_stats
+from distsgd.algorithms.param_server.rules import RULES, dc_lambda
+from distsgd.algorithms.param_server.worker import ASGD, DCASGD, SSP, ServerAlgorithm, SyncPS
+
+__all__ = ["ParameterServer", "staleness_stats", "RULES", "dc_lambda", "ServerAlgorithm", "ASGD", "SyncPS", "SSP",
+           "DCASGD"]

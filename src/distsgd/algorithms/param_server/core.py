@@ -1,0 +1,214 @@
+"""The parameter server's mechanics, whatever its update rule (:mod:`.rules`).
+
+Concurrency: every change to the server's state (gradients, optimiser step, version, counters)
+happens under one lock, so updates are atomic with respect to each other; nothing is accumulated
+into shared state outside it. Workers keep computing while the server applies other gradients.
+Waiting (sync-ps, ssp, barriers) uses futures, so no RPC thread is held while a worker waits;
+futures are completed after the lock is released, so replies are serialised outside the
+critical section. The core knows no RPC: tests drive it directly, in a chosen order.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.futures import Future
+
+from distsgd.algorithms.averaging import flatten, float_buffers, int_buffers, params, unflatten_into
+from distsgd.algorithms.param_server.rules import RULES, Rule
+from distsgd.config import RunConfig
+from distsgd.train.optim import build_optimizer, lr_at, set_lr
+
+Answer = tuple[torch.Tensor, int, int, bool]  # weights, version, all workers' samples, stop
+
+
+class ParameterServer:
+    """The server's state. ``pull(rank)`` returns (weights, version); ``push(rank, grad,
+    version_read, local_samples, buffers)`` returns a Future of an :data:`Answer`; ``exchange``
+    is async EASGD's elastic exchange. Worker ranks are 1..N."""
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, rule: str | Rule,
+                 samples_per_epoch: int, on_update: Callable[[int], None] | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
+        self.cfg, self.model, self.workers = cfg, model, workers
+        self.rule = RULES[rule](cfg) if isinstance(rule, str) else rule
+        self.params = params(model)
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.samples_per_epoch = samples_per_epoch
+        self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / samples_per_epoch
+        self.on_update, self.on_start = on_update, on_start
+        self.lock = threading.Lock()
+        self.version = 0
+        self.counts = [0] * (workers + 1)  # local samples reported by each worker rank (1..N)
+        self.clocks = [0] * (workers + 1)  # pushes by each worker
+        self.active = set(range(1, workers + 1))  # neither finished nor failed
+        self.staleness: Counter[int] = Counter()
+        self.stop = False
+        self.bytes_sent = 0
+        self._waiting: list[Future] = []  # workers at a barrier
+        self._started = False
+        self._buffers: dict[int, torch.Tensor] = {}  # every worker's latest floating-point buffers
+        self._ints: torch.Tensor | None = None  # the latest integer buffers
+        self._done: list[tuple[Future, Any]] = []  # futures to complete once the lock is released
+
+    # -- what the workers call (each takes the lock, then completes futures outside it) ----------
+    def barrier(self) -> Future:
+        """Resolves once every live worker has called it. The first one marks the start of training
+        (every worker has built its model), so the workers start together."""
+        fut: Future = Future()
+        with self.lock:
+            self._waiting.append(fut)
+            self._release_barrier()
+            done = self._take_done()
+        _complete(done)
+        return fut
+
+    def pull(self, rank: int) -> tuple[torch.Tensor, int]:
+        with self.lock:
+            flat = flatten(self.params)
+            self.bytes_sent += flat.numel() * flat.element_size()
+            self.rule.on_pull(self, rank, flat)
+            return flat, self.version
+
+    def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int,
+             buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future:
+        """Worker ``rank``'s gradient and its (floating-point, integer) buffers, flat."""
+        fut: Future = Future()
+        with self.lock:
+            self.counts[rank] = local_samples
+            self.clocks[rank] += 1
+            if buffers is not None:
+                self._buffers[rank], self._ints = buffers
+            self.rule.on_push(self, rank, grad, version_read, fut)
+            self.rule.release(self)
+            done = self._take_done()
+        _complete(done)
+        return fut
+
+    def exchange(self, rank: int, x: torch.Tensor, ints: torch.Tensor, local_samples: int) -> Answer:
+        """Async EASGD's elastic exchange (:class:`.rules.Elastic`): returns (d, version, samples, stop)."""
+        with self.lock:
+            self.counts[rank] = local_samples
+            diff = self.rule.exchange(self, rank, x, ints)
+            self.version += 1
+            self.bytes_sent += diff.numel() * diff.element_size()
+            if self.on_update is not None:
+                self.on_update(self.total_samples())
+            return diff, self.version, self.total_samples(), self.stop
+
+    def finished(self, rank: int, local_samples: int | None = None) -> None:
+        """Worker ``rank`` is done (or dead): stop waiting for it."""
+        with self.lock:
+            if local_samples is not None:
+                self.counts[rank] = local_samples
+            self.active.discard(rank)
+            self.rule.on_leave(self, rank)
+            self.rule.release(self)
+            self._release_barrier()
+            done = self._take_done()
+        _complete(done)
+
+    # -- for the rules and the role (call with the lock held) ------------------------------------
+    def total_samples(self) -> int:
+        return sum(self.counts)
+
+    def apply(self, grad: torch.Tensor) -> None:
+        """One optimiser step with ``grad`` (flat) at the schedule's lr for the run's progress."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = grad[offset:offset + n].view_as(p)  # views: grad is this update's own tensor
+            offset += n
+        set_lr(self.optimizer, lr_at(self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs))
+        self.optimizer.step()
+        self.version += 1
+        if self.on_update is not None:
+            self.on_update(self.total_samples())
+
+    def answer(self) -> Answer:
+        flat = flatten(self.params)  # a new tensor: this version's weights
+        self.bytes_sent += flat.numel() * flat.element_size()
+        return flat, self.version, self.total_samples(), self.stop
+
+    def reply(self, fut: Future, value: Any) -> None:
+        """Complete ``fut`` with ``value`` once the lock is released."""
+        self._done.append((fut, value))
+
+    def sync_buffers(self) -> None:
+        """Give the server's model the workers' buffers: the mean of each worker's most recent
+        floating-point buffers (summed in rank order), the latest integer ones."""
+        if self._buffers:
+            ranks = sorted(self._buffers)
+            total = self._buffers[ranks[0]].clone()
+            for r in ranks[1:]:
+                total += self._buffers[r]
+            unflatten_into(total / len(ranks), float_buffers(self.model))
+        if self._ints is not None:
+            unflatten_into(self._ints, int_buffers(self.model))
+
+    def _take_done(self) -> list[tuple[Future, Any]]:
+        done, self._done = self._done, []
+        return done
+
+    def _release_barrier(self) -> None:
+        if not self._waiting or len(self._waiting) < len(self.active):
+            return
+        if not self._started:
+            self._started = True
+            if self.on_start is not None:
+                self.on_start()
+        waiting, self._waiting = self._waiting, []
+        self._done.extend((f, None) for f in waiting)
+
+    # -- checkpoints (sync-ps: taken between rounds, when no gradient is pending) ----------------
+    def state_dict(self) -> dict[str, Any]:
+        """The server's state (call with the lock held)."""
+        self.sync_buffers()
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "version": self.version, "counts": list(self.counts),
+                "clocks": list(self.clocks), "staleness": {str(k): v for k, v in self.staleness.items()},
+                "bytes_sent": self.bytes_sent, "buffers": {str(r): b.clone() for r, b in self._buffers.items()},
+                "ints": self._ints}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.bytes_sent = state["version"], state["bytes_sent"]
+        self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
+        self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
+        self._buffers = {int(r): b for r, b in state["buffers"].items()}
+        self._ints = state["ints"]
+
+    def staleness_summary(self) -> dict[str, Any]:
+        return staleness_stats(self.staleness)
+
+
+def _complete(done: list[tuple[Future, Any]]) -> None:
+    """Resolve futures (and so serialise RPC replies) outside the server's lock."""
+    for fut, value in done:
+        fut.set_result(value)
+
+
+def staleness_stats(hist: Counter[int]) -> dict[str, Any]:
+    """{mean, p50, p99, max, histogram} of how many versions old each applied gradient was."""
+    n = sum(hist.values())
+    if n == 0:
+        return {"mean": None, "p50": None, "p99": None, "max": None, "histogram": {}}
+    ordered = sorted(hist.items())
+
+    def quantile(q: float) -> int:
+        need = math.ceil(q * n)
+        seen = 0
+        for value, count in ordered:
+            seen += count
+            if seen >= need:
+                return value
+        return ordered[-1][0]
+
+    return {"mean": sum(v * c for v, c in ordered) / n, "p50": quantile(0.5), "p99": quantile(0.99),
+            "max": ordered[-1][0], "histogram": {str(v): c for v, c in ordered}}

@@ -1,0 +1,78 @@
+"""The server process: the core with its rule, a watcher evaluating its model, checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from distsgd.algorithms.param_server.core import ParameterServer
+from distsgd.algorithms.param_server.rules import Rule
+from distsgd.checkpoint import gather, load_worker_state, scatter
+from distsgd.config import RunConfig
+from distsgd.data.partition import samples_per_epoch
+from distsgd.models import build_model
+from distsgd.train.context import WorkerResult
+from distsgd.train.evaluate import Watcher
+
+log = logging.getLogger(__name__)
+
+
+class ServerRole:
+    """Hold the model, apply pushes until every worker is done or dead, then evaluate.
+
+    Built before RPC starts (so the first pull finds it), then :meth:`run`. A :class:`Watcher`
+    copies the model every ``eval_every`` samples (inside the update lock, so each copy is one
+    consistent version, with the clock paused since the workers wait on the lock) and evaluates
+    the copies after training. With ``cfg.resume`` it starts from the server state saved in
+    worker 0's checkpoint file (sync-ps).
+    """
+
+    def __init__(self, cfg: RunConfig, rule: Rule, spec: Any, dataset: Any, workers: int, sink: Any) -> None:
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+        per_epoch = samples_per_epoch(len(dataset.y_train), workers, cfg.partition)
+        self.watcher = Watcher(cfg, spec, dataset, per_epoch, sink, self._state, pause_to_copy=True)
+        self.server = ParameterServer(cfg, self.model, workers, rule, per_epoch, self._on_update,
+                                      on_start=self.watcher.start)
+        self.pieces = {"server": self.server, "watcher": self.watcher}
+        if cfg.resume:
+            scatter(self.pieces, load_worker_state(Path(cfg.resume), 0)["algo"]["server"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What worker 0's checkpoint file carries of the server, as of now (a round's end)."""
+        with self.server.lock:
+            return gather(self.pieces)
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """A copy of the server's model with the workers' buffers (call with the lock held)."""
+        self.server.sync_buffers()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _on_update(self, total: int) -> None:  # runs inside the server's lock
+        if self.watcher.observe(total):
+            self.server.stop = True
+
+    def run(self, dead: Callable[[], set[int]] = set) -> WorkerResult:
+        """Serve until every worker has finished or died; return the chief WorkerResult."""
+        server = self.server
+        while server.active:
+            for rank in dead() & server.active:
+                log.warning("worker %d died; the server carries on without it", rank - 1)
+                server.finished(rank)
+            time.sleep(0.01)
+        total = server.total_samples()
+        server.sync_buffers()  # the model returned carries the workers' statistics
+        train_wall_s, evals = self.watcher.finish(total)
+        extra = {"staleness": server.staleness_summary(), "server_updates": server.version,
+                 "server_updates_per_s": server.version / train_wall_s if train_wall_s > 0 else 0.0,
+                 "bytes_sent": server.bytes_sent, "server_bytes_sent": server.bytes_sent,
+                 "samples_per_worker": server.counts[1:]}
+        final = evals[-1]
+        return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
+                            final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
+                            model=self.model, extra=extra)

@@ -1,0 +1,194 @@
+"""The parameter server's update rules, one small class each. g_r is worker r's gradient,
+computed on weights of version v_r; v is the server's version. Every method runs inside the
+server's lock (:class:`~.core.ParameterServer` takes it) and answers workers through
+``ps.reply``, which completes their futures once the lock is released.
+
+- :class:`Asynchronous` (``asgd``): apply every gradient on arrival, w <- w - lr * g_r. Its
+  staleness is tau = v - v_r. ``--staleness-lr`` (any asynchronous rule) divides the stale
+  gradient by max(1, tau) before the optimiser sees it (Zhang, Gupta, Lian, Liu,
+  "Staleness-aware Async-SGD", IJCAI 2016: the gradient is scaled, so momentum history and weight
+  decay are not).
+- :class:`SyncRound` (``sync-ps``, the seeds' scheme): wait for the gradients of all N live
+  workers, step once with their mean (summed in rank order, so a run is deterministic); equal to
+  one process taking the global batch.
+- :class:`BoundedStaleness` (``ssp``, stale synchronous parallel, Ho et al., NIPS 2013): apply
+  on arrival as asgd, but a worker more than ``--staleness S`` pushes ahead of the slowest live
+  worker waits for it.
+- :class:`DelayCompensated` (``dcasgd``, Zheng et al., ICML 2017): apply
+  g_r + lambda * g_r * g_r * (w - w_r), w_r being the weights worker r read: a first-order Taylor
+  correction of the stale gradient towards the current weights. ``--dc-lambda`` is the constant
+  lambda (default 0.04, DC-ASGD-c); ``--dc-adaptive`` uses lambda0 / sqrt(m + eps) as the paper's
+  DC-ASGD-a: m <- 0.95 m + 0.05 g * g, starting from 0, eps = 1e-7, lambda0 by default 2.
+- :class:`Elastic` (async ``easgd``, Zhang, Choromanska, LeCun, NIPS 2015): the server holds the
+  centre x~; a worker sends x_i, the server computes d = x_i - x~, moves x~ <- x~ + alpha d and
+  returns d (the worker then moves x_i <- x_i - alpha d).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.futures import Future
+
+from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
+from distsgd.config import RunConfig
+
+if TYPE_CHECKING:
+    from distsgd.algorithms.param_server.core import ParameterServer
+
+
+def dc_lambda(cfg: RunConfig) -> float:
+    """lambda (DC-ASGD-c) or lambda0 (DC-ASGD-a): ``--dc-lambda``, else the paper's 0.04 or 2."""
+    if cfg.dc_lambda is not None:
+        return cfg.dc_lambda
+    return 2.0 if cfg.dc_adaptive else 0.04
+
+
+class Rule:
+    """What the server does with what workers send (the base: nothing)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
+        """Worker ``rank`` read ``weights``."""
+
+    def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes no gradients")
+
+    def on_leave(self, ps: "ParameterServer", rank: int) -> None:
+        """Worker ``rank`` finished or died: stop waiting for it."""
+
+    def release(self, ps: "ParameterServer") -> None:
+        """After every push or departure: answer workers that may now go on."""
+
+    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} makes no elastic exchanges")
+
+
+class Asynchronous(Rule):
+    """asgd: every gradient applied on arrival."""
+
+    def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
+        tau = ps.version - version_read
+        ps.staleness[tau] += 1
+        grad = self.correct(ps, rank, grad)
+        if self.cfg.staleness_lr and tau > 1:
+            grad = grad / tau
+        ps.apply(grad)
+        if not self.hold(ps, rank, fut):
+            self.answer(ps, rank, fut)
+
+    def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient to apply (delay compensation changes it)."""
+        return grad
+
+    def hold(self, ps: "ParameterServer", rank: int, fut: Future) -> bool:
+        """Keep this worker waiting (ssp)? Then it is answered later, by ``release``."""
+        return False
+
+    def answer(self, ps: "ParameterServer", rank: int, fut: Future) -> None:
+        ps.reply(fut, ps.answer())
+
+
+class BoundedStaleness(Asynchronous):
+    """ssp: no worker more than ``--staleness`` pushes ahead of the slowest live one."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.held: list[tuple[int, Future]] = []
+
+    def _ahead(self, ps: "ParameterServer", rank: int) -> bool:
+        others = [ps.clocks[r] for r in ps.active if r != rank]
+        slowest = min(others) if others else ps.clocks[rank]
+        return ps.clocks[rank] - slowest > self.cfg.staleness
+
+    def hold(self, ps: "ParameterServer", rank: int, fut: Future) -> bool:
+        if not self._ahead(ps, rank):
+            return False
+        self.held.append((rank, fut))  # answered, with the newest weights, once it may go on
+        return True
+
+    def release(self, ps: "ParameterServer") -> None:
+        still = []
+        for rank, fut in self.held:
+            if self._ahead(ps, rank) and rank in ps.active:
+                still.append((rank, fut))
+            else:
+                self.answer(ps, rank, fut)
+        self.held = still
+
+
+class DelayCompensated(Asynchronous):
+    """dcasgd: the stale gradient corrected towards the current weights."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.read: dict[int, torch.Tensor] = {}  # the weights each worker read
+        self.meansq: torch.Tensor | None = None  # DC-ASGD-a's MeanSquare
+
+    def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
+        self.read[rank] = weights
+
+    def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor) -> torch.Tensor:
+        lam: torch.Tensor | float = dc_lambda(self.cfg)
+        if self.cfg.dc_adaptive:  # MeanSquare starts at 0
+            if self.meansq is None:
+                self.meansq = torch.zeros_like(grad)
+            self.meansq.mul_(0.95).add_(0.05 * grad * grad)
+            lam = lam / torch.sqrt(self.meansq + 1e-7)
+        return grad + lam * grad * grad * (flatten(ps.params) - self.read[rank])
+
+    def answer(self, ps: "ParameterServer", rank: int, fut: Future) -> None:
+        reply = ps.answer()
+        self.read[rank] = reply[0]
+        ps.reply(fut, reply)
+
+
+class SyncRound(Rule):
+    """sync-ps: one step with the mean of every live worker's gradient."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.gathered: dict[int, tuple[torch.Tensor, Future]] = {}
+
+    def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
+        self.gathered[rank] = (grad, fut)
+        self._maybe_step(ps)
+
+    def on_leave(self, ps: "ParameterServer", rank: int) -> None:
+        self._maybe_step(ps)
+
+    def _maybe_step(self, ps: "ParameterServer") -> None:
+        if not self.gathered or len(self.gathered) < len(ps.active):
+            return
+        ranks = sorted(self.gathered)
+        ps.staleness[0] += len(ranks)
+        total = self.gathered[ranks[0]][0].clone()
+        for r in ranks[1:]:  # a fixed order: float sums depend on it
+            total += self.gathered[r][0]
+        ps.apply(total / len(ranks))
+        reply = ps.answer()
+        for r in ranks:
+            ps.reply(self.gathered[r][1], reply)
+        self.gathered = {}
+
+
+class Elastic(Rule):
+    """Async easgd's centre: x and the centre include floating-point buffers; the centre copies the
+    exchanging worker's integer buffers."""
+
+    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+        centre = averaged(ps.model)
+        diff = x - flatten(centre)
+        unflatten_into(flatten(centre) + elastic_alpha(self.cfg, ps.workers) * diff, centre)
+        unflatten_into(ints, int_buffers(ps.model))
+        return diff
+
+
+RULES: dict[str, type[Rule]] = {"asgd": Asynchronous, "sync-ps": SyncRound, "ssp": BoundedStaleness,
+                                "dcasgd": DelayCompensated, "easgd": Elastic}
+
+__all__ = ["RULES", "Rule", "Asynchronous", "SyncRound", "BoundedStaleness", "DelayCompensated", "Elastic",
+           "dc_lambda"]

@@ -1,0 +1,150 @@
+"""The workers' side of the parameter server, and the registered algorithms asgd, sync-ps, ssp
+and dcasgd (their rules: :mod:`.rules`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from distsgd.algorithms.averaging import flatten, float_buffers, int_buffers, params, unflatten_into
+from distsgd.algorithms.base import SERVER, Algorithm, register
+from distsgd.algorithms.param_server import transport
+from distsgd.algorithms.param_server.role import ServerRole
+from distsgd.algorithms.param_server.rules import (Asynchronous, BoundedStaleness, DelayCompensated, Rule,
+                                                   SyncRound)
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.metrics import Sink
+from distsgd.models import ModelSpec
+from distsgd.train.context import WorkerContext, WorkerResult
+
+
+class ServerAlgorithm(Algorithm):
+    """The worker side of every parameter-server rule: push the gradient, take the new weights."""
+
+    topology = SERVER
+    rule: ClassVar[type[Rule]] = Asynchronous
+    checkpoints = False  # sync-ps only: the asynchronous rules have no round at which all agree
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        if cfg.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {cfg.staleness}")
+        if cfg.dc_lambda is not None and cfg.dc_lambda < 0:
+            raise ConfigError(f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
+
+    # -- what the parameter-server launcher asks of the algorithm (class methods) ---------------
+    @classmethod
+    def connect(cls, cfg: RunConfig, rank: int, world: int, init_method: str) -> contextlib.AbstractContextManager:
+        """A worker process's connection to the server, for the duration of its run."""
+        return transport.connect(cfg, rank, world, init_method)
+
+    @classmethod
+    def serve(cls, cfg: RunConfig, spec: ModelSpec, dataset: Any, world: int, init_method: str, sink: Sink,
+              dead: Callable[[], set[int]] = set) -> WorkerResult:
+        """Be the server (rank 0) of ``world - 1`` workers until they are all done."""
+        role = ServerRole(cfg, cls.rule(cfg), spec, dataset, world - 1, sink)
+        transport.serve(role.server, role)  # before RPC starts: the first pull finds it
+        try:
+            with transport.connect(cfg, 0, world, init_method):
+                return role.run(dead)
+        finally:
+            transport.serve(None, None)
+
+    # -- the worker ------------------------------------------------------------------------------
+    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        self.client = transport.Client(ctx.rank + 1)  # data rank r is RPC rank r + 1; the server is 0
+        self.chief = ctx.rank == 0
+        self.local = 0
+        flat, self.version = self.client.pull()
+        self.params = params(model)
+        unflatten_into(flat, self.params)
+        self.floats, self.ints = float_buffers(model), int_buffers(model)
+        self.total = 0
+        self.stop = False
+        return model
+
+    def before_training(self, ctx: WorkerContext) -> None:
+        self.client.barrier()  # every worker is built: start together
+
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+        pass  # the server steps; see after_step
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
+        self.local = local_samples
+        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        buffers = (flatten(self.floats), flatten(self.ints)) if self.floats or self.ints else None
+        flat, self.version, self.total, self.stop = self.client.push(grad, self.version, local_samples, buffers)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in (grad, *(buffers or ())))
+        unflatten_into(flat, self.params)
+
+    def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
+        return max(self.total, local_samples)
+
+    def keep_going(self, ctx: WorkerContext) -> bool:
+        return not self.stop
+
+    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        self.client.done(self.local)
+        return model
+
+    def summary(self) -> dict[str, Any]:
+        return {"bytes_sent": self.bytes_sent}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {**super().state_dict(), "version": self.version, "total": self.total}
+        if self.chief:  # worker 0's file carries the server's state, as of this round
+            state["server"] = self.client.checkpoint_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.version, self.total = state["version"], state["total"]
+
+    def barrier(self, ctx: WorkerContext) -> None:
+        self.client.barrier()
+
+
+@register
+class ASGD(ServerAlgorithm):
+    name = "asgd"
+    rule = Asynchronous
+    summary_line = "asynchronous SGD on a parameter server; --staleness-lr divides each gradient by its staleness"
+
+
+@register
+class SyncPS(ServerAlgorithm):
+    """sync-ps is the one server algorithm with checkpoints (``--checkpoint-every``, ``--resume``):
+    every worker saves its own loop state at the same round, and worker 0's file carries the
+    server's state (weights, optimiser, counters, evaluations) fetched at that round."""
+
+    name = "sync-ps"
+    rule = SyncRound
+    checkpoints = True
+    summary_line = "parameter server that waits for all workers' gradients, then steps once (the seeds')"
+
+
+@register
+class SSP(ServerAlgorithm):
+    name = "ssp"
+    rule = BoundedStaleness
+    summary_line = "stale synchronous parallel: no worker runs more than --staleness pushes ahead"
+
+
+@register
+class DCASGD(ServerAlgorithm):
+    name = "dcasgd"
+    rule = DelayCompensated
+    summary_line = "delay-compensated ASGD: g + lambda g*g*(w - w_read); --dc-adaptive"
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        super().check(cfg)
+        if cfg.optimizer != "sgd":
+            raise ConfigError("dcasgd compensates SGD gradients: use --optimizer sgd")
+
+
+__all__ = ["ServerAlgorithm", "ASGD", "SyncPS", "SSP", "DCASGD"]

@@ -1,1 +1,0 @@
-"""Communication helpers: process groups (and, later, RPC and shared memory)."""

@@ -1,0 +1,50 @@
+"""Starting, joining and supervising the processes of a run: one module per topology.
+
+- :mod:`.procs`: process plumbing (fork server, pipes, supervision, blame); knows no algorithm;
+- :mod:`.group`: a ``torch.distributed`` process group (allreduce, ddp, local-sgd, sync easgd);
+- :mod:`.shared`: models in shared memory on one machine (hogwild, hogwild++);
+- :mod:`.server`: a parameter server and its workers (asgd, sync-ps, ssp, dcasgd, async easgd).
+
+Each topology has a ``plan`` (its rules about settings: how many workers torchrun's group means,
+which backend) and a ``run``. Locally (``--workers N``) the launcher starts the processes; under
+torchrun this process is one of them and there is no launcher. What is an algorithm's own (the
+server's rule, hogwild++'s ring) is reached through the algorithm class handed in, never imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distsgd.algorithms.base import GROUP, SERVER, SHARED, SINGLE
+from distsgd.config import RunConfig
+from distsgd.data import Dataset
+from distsgd.metrics import Sink
+from distsgd.models import ModelSpec
+from distsgd.train.context import WorkerContext, WorkerResult
+
+
+def _topology(algo_cls: Any) -> Any:
+    from distsgd.launch import group, server, shared
+
+    return {GROUP: group, SHARED: shared, SERVER: server}[algo_cls.topology]
+
+
+def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
+    """The settings this algorithm's topology runs with (raises ConfigError for impossible ones)."""
+    if algo_cls.topology == SINGLE:
+        return cfg
+    return _topology(algo_cls).plan(cfg, algo_cls, torchrun)
+
+
+def run(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink,
+        torchrun: bool) -> list[WorkerResult]:
+    """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
+    if algo_cls.topology == SINGLE:
+        from distsgd.train.loop import run_worker
+
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=0, world=1, sink=sink)
+        return [run_worker(ctx, algo_cls(cfg))]
+    return _topology(algo_cls).run(cfg, algo_cls, spec, dataset, sink, torchrun)
+
+
+__all__ = ["plan", "run"]

@@ -1,0 +1,100 @@
+"""The process-group topology (allreduce, ddp, local-sgd, sync easgd): symmetric workers in one
+``torch.distributed`` group, stepping in lockstep.
+
+- **Local** (``--workers N``): N processes on this machine form a group over a free port on
+  127.0.0.1 (or ``--init-method``), train, and send their results back, each on its own pipe;
+  rank 0 also sends its metrics events, which the launching process writes. If a worker raises
+  or dies, the others are stopped at once and the run fails with one line naming that worker.
+- **torchrun**: this process *is* one worker. It joins the group torchrun formed (``env://``);
+  rank 0 gathers the others' figures.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from distsgd.config import RunConfig
+from distsgd.data import Dataset
+from distsgd.launch import procs
+from distsgd.launch.rendezvous import (LOOPBACK, check_backend, check_init_method, free_port, init_group,
+                                       init_torchrun_group, leave_group, loopback_only)
+from distsgd.metrics import NullSink, Sink
+from distsgd.models import ModelSpec
+from distsgd.train.context import WorkerContext, WorkerResult
+from distsgd.train.loop import run_worker
+
+
+def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
+    """Under torchrun the group's size is the number of workers; the backend and rendezvous must work here."""
+    if torchrun:
+        cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]))
+    check_backend(cfg)
+    check_init_method(cfg.init_method)
+    return cfg
+
+
+def run(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink,
+        torchrun: bool) -> list[WorkerResult]:
+    """Every worker's result, rank 0 first (under torchrun, a rank > 0 gets only its own)."""
+    return _run_torchrun(cfg, algo_cls, spec, dataset, sink) if torchrun else _run_local(cfg, algo_cls, spec,
+                                                                                          dataset, sink)
+
+
+def _entry(rank: int, world: int, cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
+           init_method: str, out: Any) -> None:
+    """The body of a worker process."""
+    q = procs.Outbox(out)
+    procs.begin_worker(f"worker {rank}", rank, world)
+    if cfg.init_method is None:
+        loopback_only()
+
+    def body() -> WorkerResult:
+        init_group(cfg, rank, world, init_method)
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
+                            sink=procs.QueueSink(q) if rank == 0 else NullSink(), reports=rank == 0)
+        return run_worker(ctx, algo_cls(cfg))
+
+    try:
+        procs.report(q, rank, body)
+    finally:
+        leave_group()
+
+
+def _run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
+               sink: Sink) -> list[WorkerResult]:
+    world = cfg.workers
+    init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
+    dataset.share_memory_()  # every worker reads one copy
+    with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
+                       lambda r, out: (r, world, cfg, algo_cls, spec, dataset, init_method, out)) as (ps, inbox):
+        sup = procs.Supervisor(ps, inbox, sink.emit)
+        while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker
+            sup.poll(0.2)
+            if sup.failed():
+                raise sup.blame()
+    return [procs.unpack(sup.results[r], cfg, spec, dataset) for r in range(world)]
+
+
+def _run_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
+                  sink: Sink) -> list[WorkerResult]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_torchrun_group(cfg, rank, world)
+    try:
+        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
+                            sink=sink if rank == 0 else NullSink(), reports=rank == 0)
+        mine = run_worker(ctx, algo_cls(cfg))
+        gathered = gather_results([mine], rank, world)
+    finally:
+        leave_group()
+    return [mine] + [r for node in gathered[1:] for r in node] if rank == 0 else [mine]
+
+
+def gather_results(mine: list[WorkerResult], rank: int, world: int) -> list[list[WorkerResult]]:
+    """Every process's results (without models) on rank 0, by rank; others get []."""
+    light = [{k: v for k, v in vars(r).items() if k != "model"} for r in mine]
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(light, gathered if rank == 0 else None, dst=0)
+    return [[WorkerResult(model=None, **g) for g in node] for node in gathered]

@@ -1,0 +1,226 @@
+"""The shared-memory topology (hogwild, hogwild++): workers on one machine train models held in
+shared memory, and this process watches and evaluates them.
+
+The workers never pause: this process copies the shared weights every ``eval_every`` samples and
+evaluates the copies after training (at once with ``stop_at_target``). A worker that dies is
+recorded in ``failed_workers``; the others carry on. Under torchrun (hogwild++ only) each process
+is one machine's cluster of local workers, and what links the clusters (hogwild++'s token ring)
+comes from the algorithm's own ``link``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+
+from distsgd.config import RunConfig
+from distsgd.data import Dataset
+from distsgd.data.partition import samples_per_epoch
+from distsgd.errors import ConfigError, WorkerError
+from distsgd.launch import procs
+from distsgd.launch.group import gather_results
+from distsgd.launch.rendezvous import init_torchrun_group, leave_group
+from distsgd.metrics import NullSink, Sink
+from distsgd.models import ModelSpec, build_model
+from distsgd.train.context import SharedHandles, WorkerContext, WorkerResult
+from distsgd.train.evaluate import Watcher
+from distsgd.train.loop import run_worker
+
+
+def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
+    """Under torchrun, only an algorithm whose clusters can be linked across machines runs (one
+    cluster of ``local_workers`` per process), with gloo."""
+    if not torchrun:
+        return cfg
+    per_process = algo_cls.local_workers(cfg)
+    if per_process is None:
+        raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
+                          f"torchrun, with --workers N (across machines, use hogwild++)")
+    if cfg.backend != "gloo":
+        raise ConfigError(f"{cfg.algo} keeps its models in CPU shared memory and passes the token with gloo: "
+                          f"use --backend gloo")
+    return cfg.replace(workers=int(os.environ["WORLD_SIZE"]) * per_process)
+
+
+def run(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink,
+        torchrun: bool) -> list[WorkerResult]:
+    if torchrun:
+        return _run_torchrun(cfg, algo_cls, spec, dataset, sink)
+    return Machine(cfg, algo_cls, spec, dataset, sink).run()
+
+
+def _entry(slot: int, world: int, cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
+           handles: SharedHandles, go: Any, out: Any, first_rank: int, data_world: int) -> None:
+    """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
+    this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
+    q = procs.Outbox(out)
+    procs.begin_worker(f"worker {first_rank + slot}", slot, world)
+
+    def start_together() -> None:
+        q.put(("ready", slot, None))
+        if not go.wait(cfg.timeout_s):
+            raise TimeoutError(f"no start signal from the launcher within {cfg.timeout_s:.0f} s")
+
+    mine = dataclasses.replace(handles, slot=slot, start_together=start_together)
+    ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=first_rank + slot, world=data_world,
+                        sink=procs.QueueSink(q, slot), reports=True, evaluates=False, shared=mine)
+    procs.report(q, slot, lambda: run_worker(ctx, algo_cls(cfg)))
+
+
+class Machine:
+    """This machine's shared models, its workers, and the watch over them. With ``link`` (under
+    torchrun) it is one cluster among several: its workers read shards ``first_rank ..`` of
+    ``data_world``, and the link joins its model to the other machines'."""
+
+    def __init__(self, cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink, *,
+                 first_rank: int = 0, data_world: int | None = None, link: Any = None,
+                 evaluates: bool = True) -> None:
+        self.cfg, self.algo_cls, self.spec, self.dataset, self.sink = cfg, algo_cls, spec, dataset, sink
+        self.first_rank, self.data_world = first_rank, data_world or cfg.workers
+        self.evaluates = evaluates
+        dataset.share_memory_()
+        self.models = [build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+                       for _ in range(algo_cls.models(cfg))]
+        for m in self.models:
+            m.share_memory()
+        self.states = [m.state_dict() for m in self.models]
+        mpc = procs.mp_context()
+        self.go = mpc.Event()
+        self.handles = SharedHandles(states=self.states, counts=torch.zeros(cfg.workers, dtype=torch.int64).share_memory_(),
+                                     stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
+                                     lock=mpc.Lock() if cfg.hogwild_lock else None,
+                                     extras=algo_cls.shared_extras(cfg, mpc, self.models))
+        self.link = link(self.models[0], self.handles.counts, self.handles.stop) if link is not None else None
+        per_epoch = samples_per_epoch(len(dataset.y_train), self.data_world, cfg.partition)
+        self.watcher = Watcher(cfg, spec, dataset, per_epoch, sink, self.current_state)
+
+    def current_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the model the algorithm returns (hogwild++: the clusters' average)."""
+        return {k: v.detach().clone() for k, v in self.algo_cls.combine(self.states).items()}
+
+    def samples(self) -> int:
+        return self.link.global_samples() if self.link is not None else int(self.handles.counts.sum())
+
+    def relay(self, event: dict[str, Any]) -> None:
+        """A worker's progress line, with all workers' samples and the launcher's clock."""
+        if event.get("event") == "progress":
+            done, elapsed = self.samples(), self.watcher.clock.elapsed()
+            self.sink.emit({**event, "samples": done, "train_wall_s": elapsed,
+                            "samples_per_s": done / elapsed if elapsed > 0 else 0.0})
+
+    def run(self) -> list[WorkerResult]:
+        cfg, world = self.cfg, self.cfg.workers
+        with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
+                           lambda r, out: (r, world, cfg, self.algo_cls, self.spec, self.dataset, self.handles,
+                                           self.go, out, self.first_rank, self.data_world)) as (ps, inbox):
+            sup = procs.Supervisor(ps, inbox, self.relay)
+            self._start_together(sup)
+            self._watch(sup)
+            failed = sup.failed()
+            if len(failed) == world:
+                first = min(failed)
+                raise WorkerError(f"all {world} workers failed; worker {self.first_rank + first}: {sup.reason(first)}")
+            total = self.link.finish() if self.link is not None else int(self.handles.counts.sum())
+            train_wall_s, evals = self.watcher.finish(total) if self.evaluates else (self.watcher.clock.elapsed(), [])
+        return self._results(sup, total, train_wall_s, evals)
+
+    def _start_together(self, sup: procs.Supervisor) -> None:
+        """Wait until every worker has built its model and optimiser (or failed), then say go."""
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while len(ready | sup.failed()) < self.cfg.workers:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.cfg.workers)) - ready)
+                raise WorkerError(f"workers {missing} did not start within {self.cfg.timeout_s:.0f} s")
+            message = sup.poll(0.1)
+            if message is not None and message[0] == "ready":
+                ready.add(message[1])
+        self.go.set()
+        self.watcher.start()
+        if self.link is not None:
+            self.link.start()
+
+    def _watch(self, sup: procs.Supervisor) -> None:
+        """Until every worker is done or dead: relay progress, copy the model at evaluation points."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # evaluations during training share the cores with the workers
+        try:
+            while len(sup.results) + len(sup.failed()) < self.cfg.workers:
+                sup.poll(0.01)
+                if self.evaluates and self.watcher.observe(self.samples()):
+                    if self.link is not None:
+                        self.link.request_stop()
+                    self.handles.stop.fill_(1)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _results(self, sup: procs.Supervisor, total: int, train_wall_s: float,
+                 evals: list[dict[str, Any]]) -> list[WorkerResult]:
+        counts, first, failed = self.handles.counts, self.first_rank, sorted(sup.failed())
+        model = self.models[0]
+        if len(self.models) > 1:
+            model = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
+            model.load_state_dict(self.current_state())
+        extra: dict[str, Any] = {}
+        for r in sorted(sup.results, reverse=True):  # the lowest slot's values win
+            extra.update(sup.results[r]["extra"])
+        extra.update(self.algo_cls.shared_summary(self.handles.extras))
+        if self.link is not None:
+            extra.update(self.link.summary())
+        extra["dataset_shared"] = all(p["extra"].get("dataset_shared", False) for p in sup.results.values())
+        extra["samples_per_worker"] = [int(c) for c in counts]
+        extra["failed_workers"] = [first + r for r in failed]
+        if failed:
+            extra["worker_errors"] = {str(first + r): sup.reason(r) for r in failed}
+        final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
+        chief = WorkerResult(rank=first, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
+                             evals=evals, final_test_accuracy=final["test_accuracy"],
+                             final_test_loss=final["test_loss"], model=model, extra=extra)
+        others = [WorkerResult(rank=first + r, samples=int(counts[r]), global_samples=total,
+                               train_wall_s=train_wall_s, evals=[], final_test_accuracy=None, final_test_loss=None,
+                               model=None, extra=sup.results.get(r, {}).get("extra", {}))
+                  for r in range(1, self.cfg.workers)]
+        return [chief] + others
+
+
+def _run_torchrun(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
+                  sink: Sink) -> list[WorkerResult]:
+    """Across machines: this torchrun process is one cluster of ``local_workers`` Hogwild! workers;
+    the algorithm's link (hogwild++'s token ring over the process group) joins the clusters. Rank 0
+    evaluates (its own cluster's model during training, the average of all at the end) and gets
+    every worker's figures."""
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    size = algo_cls.local_workers(cfg)
+    local = cfg.replace(workers=size)
+    if cfg.max_samples is not None:  # each cluster trains its share
+        local = local.replace(max_samples=-(-cfg.max_samples // n))
+    if rank != 0:  # only rank 0 evaluates and writes the run directory
+        local = local.replace(out=None, stop_at_target=False)
+
+    def link(model: torch.nn.Module, counts: torch.Tensor, stop: torch.Tensor) -> Any:
+        return algo_cls.link(cfg, rank, n, model, counts, stop)
+
+    init_torchrun_group(cfg, rank, n)
+    try:
+        mine = Machine(local, algo_cls.node_algorithm(), spec, dataset, sink if rank == 0 else NullSink(),
+                       first_rank=rank * size, data_world=n * size, link=link, evaluates=rank == 0).run()
+        gathered = gather_results(mine, rank, n)
+    finally:
+        leave_group()
+    if rank != 0:
+        return mine
+    results = mine + [r for node in gathered[1:] for r in node]
+    chiefs = [node[0].extra for node in gathered]
+    extra = results[0].extra
+    extra["samples_per_worker"] = [c for e in chiefs for c in e["samples_per_worker"]]
+    extra["failed_workers"] = sorted(r for e in chiefs for r in e["failed_workers"])
+    errors = {k: v for e in chiefs for k, v in e.get("worker_errors", {}).items()}
+    if errors:
+        extra["worker_errors"] = errors
+    extra["dataset_shared"] = all(e["dataset_shared"] for e in chiefs)
+    extra.update(algo_cls.merge_nodes(chiefs))
+    return results
