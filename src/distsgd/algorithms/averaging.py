@@ -39,24 +39,20 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of ``flat`` into ``tensors`` (in place; views stay views)."""
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], add: bool = False) -> None:
+    """Copy (or, with ``add``, add) consecutive pieces of ``flat`` into ``tensors``, in place."""
     offset = 0
     with torch.no_grad():
         for t in tensors:
             n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
+            piece = flat[offset:offset + n].view_as(t)
+            t.add_(piece) if add else t.copy_(piece)
             offset += n
 
 
 def add_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Add consecutive pieces of ``flat`` to ``tensors`` in place."""
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.add_(flat[offset:offset + n].view_as(t))
-            offset += n
+    unflatten_into(flat, tensors, add=True)
 
 
 def allreduce_mean_(tensors: list[torch.Tensor], world: int) -> int:
