@@ -6,6 +6,7 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from distsgd.data import formats, load_dataset
@@ -120,7 +121,8 @@ def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
     ({"x": np.zeros((3, 2))}, "no array 'y'"),
     ({"x": np.array([[np.nan, 1.0]]), "y": np.array([0])}, "NaN"),
     ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=int)}, "3 rows but 'y' has 2"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "integer labels"),
+    ({"x": np.zeros((3, 2)), "y": np.array(["a", "b", "c"])}, "integer labels or float targets"),
+    ({"x": np.zeros((3, 2)), "y": np.array([0.5, np.inf, 1.0])}, "regression targets"),
     ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, "negative labels"),
     ({"x": np.zeros((3, 2)), "y": np.zeros(3, dtype=int), "x_test": np.zeros((1, 2))}, "both 'x_test' and 'y_test'"),
 ])
@@ -140,7 +142,7 @@ def test_npz_corrupt_and_missing(tmp_path: Path) -> None:
         load_dataset(f"npz:{tmp_path / 'nope.npz'}")
 
 
-def test_image_folder(tmp_path: Path) -> None:
+def test_image_folder_streams_images(tmp_path: Path) -> None:
     Image = pytest.importorskip("PIL.Image")
     rng = np.random.default_rng(0)
     for split, n in (("train", 4), ("test", 2)):
@@ -149,10 +151,19 @@ def test_image_folder(tmp_path: Path) -> None:
             for i in range(n):
                 Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(tmp_path / split / cls / f"{i}.png")
     ds = load_dataset(f"folder:{tmp_path}")
-    assert ds.x_train.shape == (8, 3, 6, 5) and ds.x_test.shape == (4, 3, 6, 5) and ds.num_classes == 2
-    assert ds.y_train.tolist() == [0] * 4 + [1] * 4
+    assert ds.input_shape == (3, 6, 5) and ds.num_classes == 2 and (ds.n_train, ds.n_test) == (8, 4)
+    assert ds.train.labels == [0] * 4 + [1] * 4
+    x, y = ds.train[5]
+    assert x.shape == (3, 6, 5) and y == 1
+    mean = torch.stack([ds.train[i][0] for i in range(8)]).mean(dim=(0, 2, 3))
+    assert mean.abs().max() < 1e-4  # normalised with the training images' statistics
+    # Images are read as training goes: a bad one is found when it is read, and named.
+    # (The statistics are taken from up to 512 images, here all: a bad one is found at once.)
     Image.fromarray(np.zeros((7, 7, 3), dtype=np.uint8)).save(tmp_path / "train" / "dog" / "odd.png")
-    with pytest.raises(DataError, match="odd.png.*one size"):
+    with pytest.raises(DataError, match="odd.png is 7x7, but the first image is 6x5"):
+        ds.train.files.append(str(tmp_path / "train" / "dog" / "odd.png"))
+        ds.train[len(ds.train) - 1]
+    with pytest.raises(DataError, match="odd.png is 7x7"):
         load_dataset(f"folder:{tmp_path}")
     (tmp_path / "train" / "dog" / "odd.png").write_bytes(b"\x89PNG broken")
     with pytest.raises(DataError, match="cannot read image .*odd.png"):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,12 +29,14 @@ from distsgd.algorithms.base import SINGLE
 from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate
 from distsgd.data import Dataset, from_arrays, load_dataset
+from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, DataError, ModelError
 from distsgd.launch.rendezvous import under_torchrun
 from distsgd.metrics import Fanout, JsonlWriter, first_reaching, make_progress
 from distsgd.models import ModelSpec, build_model, check_fits, describe
-from distsgd.train.context import WorkerResult
+from distsgd.train.context import Job, WorkerResult
+from distsgd.train.objective import loss_function
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
 
@@ -65,28 +67,37 @@ class _CopyOf:
 
 
 def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: str | None = None,
-          workers: int | None = None, **settings: Any) -> TrainResult:
+          workers: int | None = None, *, loss: str | Callable | None = None, optimizer: Callable | None = None,
+          param_groups: Callable | None = None, **settings: Any) -> TrainResult:
     """Train ``model`` on ``data`` with ``algo`` and ``workers``; return the summary and the model.
 
-    ``model``: a built-in name (``mnist_net``, ``cifar_net``, ``mlp``, ``logreg``), a
+    ``model``: a built-in name (``mnist_net``, ``cifar_net``, ``mlp``, ``logreg``, ``resnet20``), a
     ``path/file.py:Class`` string, an ``nn.Module`` class or factory, or a module instance (copied).
-    ``data``: a dataset name (see ``distsgd datasets``), a :class:`~distsgd.data.Dataset`, or arrays
-    ``(x, y)`` / ``(x, y, x_test, y_test)`` / a dict with those keys.
+    ``data``: a dataset name (see ``distsgd datasets``), ``(train, test)`` torch Datasets, a
+    :class:`~distsgd.data.Dataset`, or arrays ``(x, y)`` / ``(x, y, x_test, y_test)`` / a dict.
+    ``loss``: ``"cross-entropy"``, ``"nll"``, ``"mse"`` or a function ``loss(output, target)``.
+    ``optimizer``: ``"sgd"``, ``"adam"``, ``"adamw"`` or a function ``optimizer(model) -> torch.optim.Optimizer``; ``param_groups``: a
+    function ``param_groups(model) -> [{"params": [...], "lr": ...}, ...]`` for ``--optimizer``.
+    Functions must be defined at module level (they travel to worker processes).
     ``settings``: any :class:`~distsgd.config.RunConfig` field, e.g. ``epochs=2, lr=0.05``.
     Files are written only when ``out=`` is given. Progress is shown unless ``quiet=True``.
     ``resume="runs/x"`` continues the run saved there (with e.g. a new ``epochs=``); defaults are
     then the saved run's settings.
     """
     given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
+    if isinstance(optimizer, str):  # the --optimizer setting, not a factory
+        given["optimizer"], optimizer = optimizer, None
+    if isinstance(loss, str):
+        given["loss"] = loss
+    elif loss is not None:
+        given["loss"] = f"python:{describe(loss)}"
     if settings.get("resume"):
         cfg = config_mod.for_resume(settings["resume"], {**given, **settings})
-        model = model if model is not None else cfg.model
-        data = data if data is not None else cfg.dataset
     else:
         cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="train()")
-        model = model if model is not None else cfg.model
-        data = data if data is not None else cfg.dataset
-    dataset: Dataset | None = None
+    model = model if model is not None else cfg.model
+    data = data if data is not None else cfg.dataset
+    dataset = None
     if isinstance(data, str):
         cfg = cfg.replace(dataset=data)
     else:
@@ -94,16 +105,17 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
         cfg = cfg.replace(dataset=dataset.name)
     if isinstance(model, nn.Module):
         model = _CopyOf(model)
-    if isinstance(model, str):
-        cfg = cfg.replace(model=model)
-    else:
-        cfg = cfg.replace(model=describe(model))
-    return run(cfg, model_spec=model, dataset=dataset)
+    cfg = cfg.replace(model=model if isinstance(model, str) else describe(model))
+    return run(cfg, model_spec=model, dataset=dataset,
+               code={"loss": None if isinstance(loss, str) else loss, "optimizer": optimizer,
+                     "param_groups": param_groups})
 
 
-def _dataset_from(data: Any) -> Dataset:
-    if isinstance(data, Dataset):
+def _dataset_from(data: Any) -> Dataset | TorchData:
+    if isinstance(data, (Dataset, TorchData)):
         return data
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
+        return TorchData(data[0], data[1], name="dataset")
     if isinstance(data, dict):
         keys = ("x", "y", "x_test", "y_test")
         unknown = set(data) - set(keys)
@@ -112,7 +124,8 @@ def _dataset_from(data: Any) -> Dataset:
         return from_arrays("arrays", *(data.get(k) for k in keys))
     if isinstance(data, (tuple, list)) and len(data) in (2, 4):
         return from_arrays("arrays", *data)
-    raise DataError("data must be a dataset name, a Dataset, (x, y), (x, y, x_test, y_test) or a dict of arrays")
+    raise DataError("data must be a dataset name, (train, test) torch Datasets, a distsgd Dataset, (x, y), "
+                    "(x, y, x_test, y_test) or a dict of arrays")
 
 
 def prepare_out_dir(out: Path, overwrite: bool) -> Path:
@@ -134,9 +147,10 @@ def default_out(algo: str) -> Path:
     return Path("runs") / f"{stamp}-{algo}"
 
 
-def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | None = None,
-        progress: Any = None) -> TrainResult:
-    """Run one training job as configured. Raises DistsgdError subclasses for user mistakes."""
+def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | TorchData | None = None,
+        progress: Any = None, code: dict[str, Any] | None = None) -> TrainResult:
+    """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
+    ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
     torchrun = under_torchrun()
     cfg, algo_cls = settle(cfg, torchrun)
     chief = not torchrun or os.environ.get("RANK") == "0"
@@ -145,18 +159,20 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if dataset is None:
         dataset = load_dataset(cfg.dataset, cfg.data_dir)
-    _check_model(cfg, algo_cls, spec, dataset)
+    dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
+    job = Job(cfg, spec, dataset, **(code or {}))
+    _check_job(job, algo_cls)
     out = None
     if cfg.out and chief:
         resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
         out = Path(cfg.out) if resuming_in_place else prepare_out_dir(Path(cfg.out), cfg.overwrite)
         (out / "config.toml").write_text(config_mod.to_toml(cfg))
     if progress is None:
-        planned = cfg.max_samples or cfg.epochs * samples_per_epoch(len(dataset.y_train), cfg.workers, cfg.partition)
+        planned = cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
     try:
-        results = launch.run(cfg, algo_cls, spec, dataset, Fanout(*filter(None, (writer, progress))), torchrun)
+        results = launch.run(job, algo_cls, Fanout(*filter(None, (writer, progress))), torchrun)
     finally:
         for sink in (writer, progress):
             if hasattr(sink, "close"):
@@ -196,28 +212,37 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     return cfg, algo_cls
 
 
-def _check_model(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset) -> None:
-    """Before any process starts: the model takes the data, and can travel to worker processes."""
-    probe = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-    check_fits(probe, dataset.input_shape, dataset.num_classes, describe(spec), dataset.name)
-    if algo_cls.topology != SINGLE and not isinstance(spec, str):
+def _check_job(job: Job, algo_cls: type) -> None:
+    """Before any process starts: the model takes the data, the loss fits the targets, and the
+    user's code can travel to worker processes."""
+    cfg, spec, data = job.cfg, job.model, job.data
+    probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
+    check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name)
+    loss_function(cfg.loss, job.loss, data.task)
+    if algo_cls.topology != SINGLE:
         import pickle
 
-        try:
-            pickle.dumps(spec)
-        except Exception:
-            raise ModelError(f"model {describe(spec)} cannot be sent to worker processes: pass a built-in name, "
-                             f"'path/file.py:Class', or a class or function defined at module level") from None
-    if len(dataset.y_train) < cfg.workers:
-        raise ConfigError(f"{len(dataset.y_train)} training samples cannot be shared among {cfg.workers} workers")
+        datasets = [type(data.train), type(data.test)] if isinstance(data, TorchData) else []
+        for what, obj in (("model", spec), ("loss", job.loss), ("optimizer", job.optimizer),
+                          ("param_groups", job.param_groups), *(("dataset", d) for d in datasets)):
+            if obj is None or isinstance(obj, str):
+                continue
+            try:
+                pickle.dumps(obj)
+            except Exception as exc:
+                raise ConfigError(f"the {what} ({describe(obj)}) cannot be sent to worker processes "
+                                  f"({type(exc).__name__}): define it at module level, not inside a function "
+                                  f"or as a lambda") from None
+    if data.n_train < cfg.workers:
+        raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
 
 
-def build_summary(cfg: RunConfig, dataset: Dataset, spec: ModelSpec, results: list[WorkerResult],
+def build_summary(cfg: RunConfig, dataset: Dataset | TorchData, spec: ModelSpec, results: list[WorkerResult],
                   started: float, started_at: str) -> dict[str, Any]:
     """summary.json: the keys later tools and the benchmarks read (see the README)."""
     chief = results[0]
     samples = chief.global_samples
-    hit = first_reaching(chief.evals, cfg.target_accuracy)
+    hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
     summary: dict[str, Any] = {
         "algo": cfg.algo,
         "workers": cfg.workers,
@@ -232,6 +257,7 @@ def build_summary(cfg: RunConfig, dataset: Dataset, spec: ModelSpec, results: li
         "final_test_accuracy": chief.final_test_accuracy,
         "final_test_loss": chief.final_test_loss,
         "target_accuracy": cfg.target_accuracy,
+        "target_loss": cfg.target_loss,
         "time_to_target_s": hit["train_wall_s"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
         "evals": [{k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss")} for e in chief.evals],
@@ -270,8 +296,9 @@ def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: 
         model.load_state_dict(ckpt["state_dict"])
     except RuntimeError as exc:
         raise ModelError(f"the checkpoint does not match model {ckpt['model']}: {str(exc).splitlines()[0]}") from None
-    acc, loss = evaluate(model, ds.x_test, ds.y_test, batch_size)
-    return {"checkpoint": str(path), "model": ckpt["model"], "dataset": ds.name, "test_samples": len(ds.y_test),
+    loss_fn = loss_function(ckpt["config"].get("loss", "auto"), None, ds.task)
+    acc, loss = evaluate(model, ds, batch_size, loss_fn)
+    return {"checkpoint": str(path), "model": ckpt["model"], "dataset": ds.name, "test_samples": ds.n_test,
             "test_accuracy": acc, "test_loss": loss}
 
 

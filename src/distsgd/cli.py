@@ -90,12 +90,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     s = result.summary
     if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports
         target = ""
-        if s["target_accuracy"] is not None:
+        goal = (f"{s['target_accuracy']:.2%}" if s["target_accuracy"] is not None else
+                f"test loss {s['target_loss']:.4g}" if s.get("target_loss") is not None else None)
+        if goal is not None:
             reached = s["time_to_target_s"]
-            target = (f"; reached {s['target_accuracy']:.2%} after {reached:.1f} s, {s['samples_to_target']} samples"
-                      if reached is not None else f"; did not reach {s['target_accuracy']:.2%}")
-        print(f"{s['algo']} x{s['workers']}: test accuracy {s['final_test_accuracy']:.4f}, "
-              f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
+            target = (f"; reached {goal} after {reached:.1f} s, {s['samples_to_target']} samples"
+                      if reached is not None else f"; did not reach {goal}")
+        acc = s["final_test_accuracy"]
+        print(f"{s['algo']} x{s['workers']}: " + (f"test accuracy {acc:.4f}, " if acc is not None else "")
+              + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
               f"({s['samples_per_s']:.0f} samples/s){target}")
         print(f"run saved in {result.out}")
     return 0
@@ -108,8 +111,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): "
-              f"accuracy {res['test_accuracy']:.4f}, loss {res['test_loss']:.4f}")
+        acc = f"accuracy {res['test_accuracy']:.4f}, " if res["test_accuracy"] is not None else ""
+        print(f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): {acc}loss {res['test_loss']:.4f}")
     return 0
 
 
@@ -121,7 +124,9 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     for name, status, where in rows:
         print(f"{name:<{width}}  {status:<12}  {where}")
     print(f"{'npz:PATH':<{width}}  {'user data':<12}  arrays x, y (optional x_test, y_test)")
-    print(f"{'folder:PATH':<{width}}  {'user data':<12}  PATH/train/<class>/*.png|jpg and PATH/test/<class>/...")
+    print(f"{'folder:PATH':<{width}}  {'user data':<12}  PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., "
+          f"streamed")
+    print(f"{'FILE.py:FUNC':<{width}}  {'user data':<12}  a function returning (train, test) torch Datasets")
     return 0
 
 

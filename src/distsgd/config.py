@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+LOSSES = ("auto", "cross-entropy", "nll", "mse")
 SCHEDULES = ("constant", "step", "cosine")
 INITS = ("default", "xavier")
 PARTITIONS = ("sharded", "replicated")
@@ -62,15 +63,24 @@ class RunConfig:
 
     algo: str = setting("single", "training algorithm (see `distsgd algorithms`); default single")
     workers: int = setting(1, "number of worker processes; default 1")
-    dataset: str = setting("fashion-mnist", "mnist, fashion-mnist, kmnist, cifar10, digits, npz:PATH or folder:PATH; "
+    dataset: str = setting("fashion-mnist", "mnist, fashion-mnist, kmnist, cifar10, digits, npz:PATH, folder:PATH, "
+                                            "or path/file.py:function returning (train, test) torch Datasets; "
                                             "default fashion-mnist")
     data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
-    model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, or path/file.py:ClassName (runs that file); "
-                                      "default mnist_net")
+    model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, resnet20, or path/file.py:ClassName (runs "
+                                      "that file); default mnist_net")
     epochs: int = setting(1, "passes over the training data; default 1")
     max_samples: int | None = setting(None, "stop after this many training samples (all workers together); "
                                             "overrides --epochs")
-    batch_size: int = setting(64, "samples per step per worker; default 64")
+    batch_size: int = setting(64, "samples per micro-batch per worker; default 64")
+    accumulate: int = setting(1, "micro-batches per step (gradient accumulation): a step on K x --batch-size "
+                                 "samples; default 1")
+    loss: str = setting("auto", "cross-entropy, nll or mse; default auto: cross-entropy for class labels, mse for "
+                                "float targets")
+    augment: bool = setting(False, "random crop (with padding) and horizontal flip of training images "
+                                   "(built-in and folder: image datasets)")
+    loader_workers: int = setting(0, "DataLoader processes per worker reading a torch Dataset or folder: images; "
+                                     "default 0 (read on the training thread)")
     lr: float = setting(0.01, "learning rate; default 0.01")
     momentum: float = setting(0.5, "SGD momentum; default 0.5")
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
@@ -86,7 +96,8 @@ class RunConfig:
     eval_every: int | None = setting(None, "evaluate on the test set every this many samples; default: each epoch")
     eval_batch_size: int = setting(1000, "batch size for evaluation; default 1000")
     target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
-    stop_at_target: bool = setting(False, "stop once --target-accuracy is reached")
+    target_loss: float | None = setting(None, "test loss whose time and samples to reach are recorded (regression)")
+    stop_at_target: bool = setting(False, "stop once --target-accuracy (or --target-loss) is reached")
     threads_per_worker: int | None = setting(None, "torch threads per worker; default max(1, cores // workers)")
     log_every: int = setting(50, "steps between progress events in metrics.jsonl; default 50")
     out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
@@ -284,7 +295,13 @@ def validate(cfg: RunConfig) -> RunConfig:
         cfg.target_accuracy is None or 0 < cfg.target_accuracy <= 1,
         f"--target-accuracy must be in (0, 1], got {cfg.target_accuracy}",
     )
-    need(not cfg.stop_at_target or cfg.target_accuracy is not None, "--stop-at-target needs --target-accuracy")
+    need(cfg.target_loss is None or cfg.target_loss >= 0, f"--target-loss must be >= 0, got {cfg.target_loss}")
+    need(not cfg.stop_at_target or cfg.target_accuracy is not None or cfg.target_loss is not None,
+         "--stop-at-target needs --target-accuracy or --target-loss")
+    need(cfg.loss in LOSSES or cfg.loss.startswith("python:"),
+         f"unknown loss '{cfg.loss}' (choose from {', '.join(LOSSES)}, or pass a function as loss= in Python)")
+    need(cfg.accumulate >= 1, f"--accumulate must be at least 1 micro-batch, got {cfg.accumulate}")
+    need(cfg.loader_workers >= 0, f"--loader-workers must be >= 0, got {cfg.loader_workers}")
     need(
         cfg.threads_per_worker is None or cfg.threads_per_worker >= 1,
         f"--threads-per-worker must be at least 1, got {cfg.threads_per_worker}",

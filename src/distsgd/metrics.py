@@ -95,9 +95,9 @@ class LineProgress:
         kind = event.get("event")
         if kind == "eval":
             self._acc = event["test_accuracy"]
+            acc = f"test_acc={event['test_accuracy']:.4f} " if event["test_accuracy"] is not None else ""
             self._write(f"eval  samples={event['samples']} epoch={event['epoch']:.2f} "
-                        f"test_acc={event['test_accuracy']:.4f} test_loss={event['test_loss']:.4f} "
-                        f"train_s={event['train_wall_s']:.1f}")
+                        f"{acc}test_loss={event['test_loss']:.4f} train_s={event['train_wall_s']:.1f}")
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             self._write(f"train samples={event['samples']} epoch={event['epoch']:.2f} loss={event['loss']:.4f} "
@@ -123,7 +123,7 @@ class BarProgress:
     def emit(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
         if kind == "eval":
-            self._acc = event["test_accuracy"]
+            self._acc = event["test_accuracy"] if event["test_accuracy"] is not None else self._acc
         if kind in ("progress", "eval"):
             self.bar.update(max(0, event["samples"] - self.bar.n))
             post = {"loss": f"{event['loss']:.4f}"} if "loss" in event else {}
@@ -145,11 +145,17 @@ def make_progress(quiet: bool, total: int | None, desc: str) -> Any:
     return LineProgress()
 
 
-def first_reaching(evals: list[dict[str, Any]], target: float | None) -> dict[str, Any] | None:
-    """The first evaluation whose accuracy reached ``target``."""
-    if target is None:
-        return None
+def reached(event: dict[str, Any], target_accuracy: float | None, target_loss: float | None = None) -> bool:
+    """Whether an evaluation reached the target: the accuracy if one is set, else the loss."""
+    if target_accuracy is not None:
+        return event["test_accuracy"] is not None and event["test_accuracy"] >= target_accuracy
+    return target_loss is not None and event["test_loss"] <= target_loss
+
+
+def first_reaching(evals: list[dict[str, Any]], target_accuracy: float | None,
+                   target_loss: float | None = None) -> dict[str, Any] | None:
+    """The first evaluation that reached the target (accuracy, else loss)."""
     for e in evals:
-        if e["test_accuracy"] >= target:
+        if reached(e, target_accuracy, target_loss):
             return e
     return None

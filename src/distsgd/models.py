@@ -11,18 +11,16 @@ arguments. Loading it runs that file's code, like any import.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distsgd import user
 from distsgd.errors import ModelError
 
 ModelSpec = Union[str, Callable[..., nn.Module]]
@@ -95,11 +93,67 @@ def logreg(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(_features(input_shape), num_classes))
 
 
+class _BasicBlock(nn.Module):
+    """Two 3x3 conv-BN layers and an identity shortcut; when the block halves the size and doubles
+    the channels, the shortcut subsamples and pads the new channels with zeros (option A)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.stride, self.extra = stride, cout - cin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
+        if self.extra:
+            shortcut = F.pad(shortcut, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
+        return F.relu(out + shortcut)
+
+
+class ResNet20(nn.Module):
+    """He, Zhang, Ren, Sun, "Deep Residual Learning for Image Recognition" (CVPR 2016), section 4.2:
+    the CIFAR ResNet with n = 3: a 3x3 conv of 16 filters, three stages of n basic blocks with 16,
+    32 and 64 filters (the last two start with stride 2), global average pooling and a linear
+    layer; 6n + 2 = 20 layers, 0.27M parameters, BatchNorm after every conv, option-A shortcuts,
+    He initialisation. Any input channel count and size (the pooling is global)."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, n: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        blocks: list[nn.Module] = []
+        cin = 16
+        for stage, cout in enumerate((16, 32, 64)):
+            for i in range(n):
+                blocks.append(_BasicBlock(cin, cout, 2 if stage > 0 and i == 0 else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, num_classes)
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(m.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.bn(self.conv(x))))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def resnet20(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(input_shape) != 3:
+        raise ModelError(f"resnet20 takes images (C, H, W), not inputs of shape {tuple(input_shape)}")
+    return ResNet20(num_classes, in_channels=input_shape[0])
+
+
 BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mnist_net": mnist_net,
     "cifar_net": cifar_net,
     "mlp": mlp,
     "logreg": logreg,
+    "resnet20": resnet20,
 }
 
 
@@ -111,28 +165,9 @@ def describe(spec: ModelSpec) -> str:
 
 
 def _load_user(spec: str) -> Callable[..., nn.Module]:
-    path_text, _, name = spec.rpartition(":")
-    path = Path(path_text)
-    if not path_text.endswith(".py") or not name:
+    if not spec.rpartition(":")[0].endswith(".py"):
         raise ModelError(f"unknown model '{spec}' (choose from {', '.join(BUILTIN)}, or give path/file.py:ClassName)")
-    if not path.is_file():
-        raise ModelError(f"model file not found: {path}")
-    module_name = f"distsgd_user_{abs(hash(str(path.resolve())))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ModelError(f"cannot import {path}")
-        module = importlib.util.module_from_spec(loader_spec)
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:  # the user's code: report whatever it raised, in one line
-            raise ModelError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
-        sys.modules[module_name] = module
-    factory = getattr(module, name, None)
-    if factory is None or not callable(factory):
-        raise ModelError(f"{path} has no class or function named '{name}'")
-    return factory
+    return user.load(spec, ModelError, "model")
 
 
 def _call_factory(factory: Callable[..., nn.Module], input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

@@ -22,6 +22,8 @@ thus hold equal parameters and buffers after every step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,12 +94,24 @@ class AllReduce(GroupAlgorithm):
         self.buckets = make_buckets(list(reversed(params)), int(self.cfg.bucket_mb * 1024 * 1024))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
+        self._accumulating = False
         self.float_buffers = float_buffers(model)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         return model
 
+    @contextlib.contextmanager
+    def no_sync(self, ctx: WorkerContext, model: nn.Module) -> Iterator[None]:
+        """A micro-batch that is not the step's last: its gradients stay local."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if self._accumulating:
+            return
         bucket = self._bucket_of[id(p)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):

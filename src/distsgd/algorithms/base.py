@@ -12,6 +12,8 @@ launcher: :mod:`distsgd.launch`), and the loop's hooks, called in this order:
 - ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter).
 - ``before_training(ctx)``: everything is built; the training clock starts when this returns.
 - ``keep_going(ctx)``: checked before every step; False stops this worker.
+- ``no_sync(ctx, model)``: a context for the backward of a micro-batch that is not a step's
+  last (``--accumulate``): gradients accumulate locally, nothing is synchronised.
 - ``after_backward(ctx, model)``: gradients are ready; synchronise them here.
 - ``apply_step(ctx, optimizer)``: apply the update (plain, under a lock, or by a server).
 - ``after_step(ctx, model, local_samples)``: the update is applied; synchronise parameters here.
@@ -32,6 +34,7 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -78,13 +81,16 @@ class Algorithm:
         return model
 
     def make_optimizer(self, ctx: "WorkerContext", model: nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(self.cfg, model.parameters())
+        return build_optimizer(self.cfg, self.unwrap(model), ctx.job.optimizer, ctx.job.param_groups)
 
     def before_training(self, ctx: "WorkerContext") -> None:
         pass
 
     def keep_going(self, ctx: "WorkerContext") -> bool:
         return True
+
+    def no_sync(self, ctx: "WorkerContext", model: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def after_backward(self, ctx: "WorkerContext", model: nn.Module) -> None:
         pass

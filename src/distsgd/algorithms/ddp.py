@@ -12,6 +12,8 @@ that is returned, evaluated and saved (rank 0's).
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -36,6 +38,9 @@ class DDP(GroupAlgorithm):
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         return DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_mb)
+
+    def no_sync(self, ctx: WorkerContext, model: nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync()  # DDP's own: accumulate, reduce at the last micro-batch
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
         # DDP has already averaged the gradients during backward; count what it sent (and, on

@@ -109,7 +109,7 @@ class Hogwild(Algorithm):
         self.counts, self.slot, self.lock = handles.counts, handles.slot, handles.lock
         self.stop = handles.stop.numpy()  # one shared byte, read every step with no lock
         ds = ctx.dataset
-        self.dataset_shared = all(t.is_shared() for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test))
+        self.dataset_shared = ds.is_shared()
         self.model_shared = all(p.is_shared() for p in shared.parameters())
         shared.train()
         return shared

@@ -1,25 +1,36 @@
-"""Datasets: read once, validated, normalised, held in memory as tensors.
+"""Datasets: the tensor fast path, and any torch Dataset.
 
-``load_dataset("fashion-mnist")`` returns a :class:`Dataset` whose tensors the training loop
-indexes directly (no per-sample Python transforms). ``Dataset.share_memory_()`` moves the tensors
-into shared memory so that worker processes started with ``spawn`` read one copy instead of
-copying it each.
+Two kinds of training data, with one interface (``name``, ``input_shape``, ``num_classes``,
+``task``, ``n_train``, ``batches``, ``test_batches``, ``share_memory_``):
 
-Names: ``mnist``, ``fashion-mnist``, ``kmnist``, ``cifar10``, ``digits``, ``npz:PATH`` and
-``folder:PATH``. See :mod:`distsgd.data.sources` for where files are looked for.
+- :class:`Dataset`, the fast path: arrays read once, validated, normalised and held in memory as
+  tensors that the loop indexes directly (no per-sample Python). The built-in datasets, ``npz:``
+  files and arrays given to ``distsgd.train`` are this; ``--augment`` crops and flips whole
+  batches at once.
+- :class:`~distsgd.data.torchdata.TorchData`: any map-style ``torch.utils.data.Dataset`` pair,
+  read through a ``DataLoader`` (``--loader-workers``); ``folder:PATH`` streams images this way,
+  and so does ``--dataset path/file.py:function``.
+
+Targets: integer class labels (classification), or floats (regression: an npz whose ``y`` is
+float, trained with ``--loss mse``). ``share_memory_()`` moves tensors into shared memory so that
+worker processes read one copy. See :mod:`distsgd.data.sources` for where files are looked for.
 """
 
 from __future__ import annotations
 
 import logging
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from distsgd.data import formats, sources
+from distsgd.data.augment import crop_flip
+from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -30,42 +41,74 @@ HOLDOUT_FRACTION = 0.1  # test share carved from the training arrays when no tes
 
 @dataclass
 class Dataset:
-    """Normalised tensors of one dataset. ``x`` is float32 (N, C, H, W) or (N, D); ``y`` is int64."""
+    """Normalised tensors of one dataset. ``x`` is float32 (N, C, H, W) or (N, D); ``y`` is int64
+    class labels (N,) or, for regression, float32 targets (N, D)."""
 
     name: str
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
-    num_classes: int
+    num_classes: int  # classes, or outputs for regression
     where: str = ""
+    fill: torch.Tensor | None = None  # a black pixel, normalised, per channel (images): --augment pads with it
+    augment: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
+    @property
+    def task(self) -> str:
+        return "regression" if self.y_train.dtype.is_floating_point else "classification"
+
+    @property
+    def n_train(self) -> int:
+        return len(self.y_train)
+
+    @property
+    def n_test(self) -> int:
+        return len(self.y_test)
+
+    def options(self, augment: bool = False, loader_workers: int = 0) -> "Dataset":
+        """A view with ``--augment`` on or off (``--loader-workers`` does not apply: no per-sample work)."""
+        if augment and (self.x_train.dim() != 4 or self.fill is None):
+            raise DataError(f"--augment crops and flips images; {self.name} has inputs of shape {self.input_shape}")
+        return dataclasses.replace(self, augment=augment)
+
     def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The training batches of ``order`` (sample indices) from position ``start``: tensor indexing."""
         for first in range(start, len(order), batch_size):
             idx = order[first:first + batch_size]
-            yield self.x_train[idx], self.y_train[idx]
+            x = self.x_train[idx]
+            yield (crop_flip(x, self.fill) if self.augment else x), self.y_train[idx]
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for first in range(0, len(self.y_test), batch_size):
+            yield self.x_test[first:first + batch_size], self.y_test[first:first + batch_size]
 
     def share_memory_(self) -> "Dataset":
         for t in (self.x_train, self.y_train, self.x_test, self.y_test):
             t.share_memory_()
         return self
 
+    def is_shared(self) -> bool:
+        return all(t.is_shared() for t in (self.x_train, self.y_train, self.x_test, self.y_test))
+
     def __repr__(self) -> str:
         return (f"Dataset({self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
                 f"input={self.input_shape}, classes={self.num_classes})")
 
 
-def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None) -> Dataset:
-    """Load a built-in dataset by name, or user data given as ``npz:PATH`` or ``folder:PATH``."""
+def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None) -> Dataset | TorchData:
+    """A built-in dataset by name, user arrays (``npz:PATH``), streamed images (``folder:PATH``),
+    or the Datasets a user function returns (``path/file.py:function``)."""
     if spec.startswith("npz:"):
         return _load_npz(Path(spec[4:]))
     if spec.startswith("folder:"):
         return _load_folder(Path(spec[7:]))
+    if spec.rpartition(":")[0].endswith(".py"):
+        return _load_user(spec)
     if spec == "digits":
         return _load_digits()
     if spec in ("mnist", "fashion-mnist", "kmnist"):
@@ -80,7 +123,24 @@ def load_dataset(spec: str, data_dir: str | None = None, download: bool | None =
         x_train = np.concatenate([p[0] for p in parts[:5]])
         y_train = np.concatenate([p[1] for p in parts[:5]])
         return from_arrays(spec, x_train, y_train, parts[5][0], parts[5][1], num_classes=10, where=str(folder))
-    raise DataError(f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, npz:PATH, folder:PATH)")
+    raise DataError(f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, npz:PATH, folder:PATH, "
+                    f"or path/file.py:function)")
+
+
+def from_torch(result: Any, name: str, where: str = "") -> Dataset | TorchData:
+    """What a user's dataset function returned: a :class:`Dataset`, or (train, test) torch Datasets
+    (optionally a third item, or a ``num_classes`` key: the number of classes)."""
+    if isinstance(result, (Dataset, TorchData)):
+        return result
+    if isinstance(result, dict):
+        unknown = set(result) - {"train", "test", "num_classes"}
+        if unknown or not {"train", "test"} <= set(result):
+            raise DataError(f"{name} must return (train, test) Datasets or a dict with 'train', 'test' "
+                            f"(and 'num_classes'); got keys {sorted(result)}")
+        return TorchData(result["train"], result["test"], name, where, result.get("num_classes"))
+    if isinstance(result, (tuple, list)) and len(result) in (2, 3) and all(is_map_dataset(r) for r in result[:2]):
+        return TorchData(result[0], result[1], name, where, result[2] if len(result) == 3 else None)
+    raise DataError(f"{name} must return (train, test) torch Datasets, got {type(result).__name__}")
 
 
 def from_arrays(
@@ -94,11 +154,12 @@ def from_arrays(
 ) -> Dataset:
     """Build a :class:`Dataset` from arrays; normalise with the training set's mean and std.
 
-    Images are normalised per channel, flat feature vectors per feature. Without a test set,
-    a deterministic 10% of the training rows is held out for evaluation.
+    Images are normalised per channel, flat feature vectors per feature. Integer ``y`` are class
+    labels; float ``y`` are regression targets (kept as they are, shape (N, D)). Without a test
+    set, a deterministic 10% of the training rows is held out for evaluation.
     """
     x_train = _as_float(x_train, name, "x")
-    y_train = _as_labels(y_train, name, "y")
+    y_train = _as_targets(y_train, name, "y")
     if len(x_train) != len(y_train):
         raise DataError(f"{name}: {len(x_train)} training inputs but {len(y_train)} labels")
     if x_test is None or y_test is None:
@@ -112,7 +173,10 @@ def from_arrays(
         log.info("%s: no test set given; holding out %d of the training samples", name, n_test)
     else:
         x_test = _as_float(x_test, name, "x_test")
-        y_test = _as_labels(y_test, name, "y_test")
+        y_test = _as_targets(y_test, name, "y_test")
+        if y_test.dtype != y_train.dtype or y_test.shape[1:] != y_train.shape[1:]:
+            raise DataError(f"{name}: test targets are {y_test.dtype} {tuple(y_test.shape[1:])}, training targets "
+                            f"{y_train.dtype} {tuple(y_train.shape[1:])}")
         if len(x_test) != len(y_test):
             raise DataError(f"{name}: {len(x_test)} test inputs but {len(y_test)} labels")
         if x_test.shape[1:] != x_train.shape[1:]:
@@ -120,18 +184,22 @@ def from_arrays(
                             f"training inputs {tuple(x_train.shape[1:])}")
     if len(x_train) == 0:
         raise DataError(f"{name}: the training set is empty")
-    inferred = int(max(int(y_train.max()), int(y_test.max()) if len(y_test) else 0)) + 1
-    if num_classes is None:
-        num_classes = inferred
-    elif inferred > num_classes:
-        raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {inferred - 1}")
+    if y_train.dtype.is_floating_point:
+        num_classes = y_train.shape[1]  # outputs of a regression
+    else:
+        inferred = int(max(int(y_train.max()), int(y_test.max()) if len(y_test) else 0)) + 1
+        if num_classes is None:
+            num_classes = inferred
+        elif inferred > num_classes:
+            raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {inferred - 1}")
     dims = [0] + ([2, 3] if x_train.dim() == 4 else [])
     mean = x_train.mean(dim=dims, keepdim=True, dtype=torch.float64).float()
     std = x_train.double().std(dim=dims, keepdim=True).float().clamp_min(1e-6) if len(x_train) > 1 \
         else torch.ones_like(mean)
     x_train = (x_train - mean) / std
     x_test = (x_test - mean) / std
-    return Dataset(name, x_train.contiguous(), y_train, x_test.contiguous(), y_test, num_classes, where)
+    fill = (-mean / std) if x_train.dim() == 4 else None  # a black pixel, normalised
+    return Dataset(name, x_train.contiguous(), y_train, x_test.contiguous(), y_test, num_classes, where, fill)
 
 
 def _tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -156,9 +224,15 @@ def _as_float(x: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tensor
     return t
 
 
-def _as_labels(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tensor:
+def _as_targets(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tensor:
+    """Integer class labels (N,), or float regression targets as (N, D) float32."""
     t = _tensor(y)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+    if t.dtype.is_floating_point:
+        if t.dim() not in (1, 2) or not torch.isfinite(t).all():
+            raise DataError(f"{name}: '{key}' (float: regression targets) must be finite, of shape (N,) or (N, D), "
+                            f"found {tuple(t.shape)}")
+        return (t[:, None] if t.dim() == 1 else t).float()
+    if t.dim() != 1 or t.dtype == torch.bool:
         raise DataError(f"{name}: '{key}' must be a 1-D tensor of integer class labels, found {t.dtype} {tuple(t.shape)}")
     t = t.long()
     if len(t) and int(t.min()) < 0:
@@ -172,14 +246,32 @@ def _load_npz(path: Path) -> Dataset:
                        where=str(path))
 
 
-def _load_folder(path: Path) -> Dataset:
+def _load_folder(path: Path) -> TorchData:
+    from distsgd.data.images import ImageFolder
+
     if not (path / "train").is_dir():
         raise DataError(f"folder dataset {path} needs a 'train' sub-folder (and 'test'), one folder per class")
-    x_train, y_train, classes = formats.read_image_folder(path / "train")
-    x_test = y_test = None
+    train = ImageFolder(path / "train")
     if (path / "test").is_dir():
-        x_test, y_test, _ = formats.read_image_folder(path / "test", classes)
-    return from_arrays(f"folder:{path}", x_train, y_train, x_test, y_test, num_classes=len(classes), where=str(path))
+        test = ImageFolder(path / "test", train.classes, (train.mean, train.std))
+    else:
+        train, test = train.split(HOLDOUT_FRACTION)
+        log.info("folder:%s: no test/ folder; holding out %d of the training images", path, len(test))
+    return TorchData(train, test, f"folder:{path}", str(path), num_classes=len(train.classes))
+
+
+def _load_user(spec: str) -> Dataset | TorchData:
+    from distsgd import user
+
+    function = user.load(spec, DataError, "dataset")
+    try:
+        result = function()
+    except DataError:
+        raise
+    except Exception as exc:  # the user's code: one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise DataError(f"{spec} failed: {type(exc).__name__}: {first}") from None
+    return from_torch(result, spec, spec.rpartition(":")[0])
 
 
 def _load_digits() -> Dataset:

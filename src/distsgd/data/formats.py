@@ -136,57 +136,19 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
             raise DataError(f"{path}: '{x_key}' must be numeric, found dtype {x.dtype}")
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             raise DataError(f"{path}: '{x_key}' contains NaN or infinite values")
-        if y.ndim != 1 or y.dtype.kind not in "iu":
-            raise DataError(f"{path}: '{y_key}' must be a 1-D array of integer labels, found {y.dtype} {y.shape}")
+        if y.dtype.kind in "iu":
+            if y.ndim != 1:
+                raise DataError(f"{path}: '{y_key}' must be a 1-D array of integer labels, found {y.dtype} {y.shape}")
+            if len(y) and y.min() < 0:
+                raise DataError(f"{path}: '{y_key}' has negative labels")
+        elif y.dtype.kind == "f":  # regression targets
+            if y.ndim not in (1, 2) or not np.isfinite(y).all():
+                raise DataError(f"{path}: '{y_key}' (float: regression targets) must be finite, of shape (N,) or "
+                                f"(N, D), found {y.shape}")
+        else:
+            raise DataError(f"{path}: '{y_key}' must hold integer labels or float targets, found dtype {y.dtype}")
         if len(x) != len(y):
             raise DataError(f"{path}: '{x_key}' has {len(x)} rows but '{y_key}' has {len(y)}")
-        if len(y) and y.min() < 0:
-            raise DataError(f"{path}: '{y_key}' has negative labels")
     return arrays
 
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-
-
-def read_image_folder(split_dir: Path, classes: list[str] | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """``split_dir/<class>/<image>``: images (N, C, H, W) uint8, labels, and the class names."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise DataError("folder: datasets need Pillow to decode PNG and JPEG: pip install 'distsgd[images]'") from None
-    if not split_dir.is_dir():
-        raise DataError(f"image folder not found: {split_dir}")
-    found = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
-    if classes is None:
-        classes = found
-    elif set(found) - set(classes):
-        raise DataError(f"{split_dir} has classes not in train/: {', '.join(sorted(set(found) - set(classes)))}")
-    if not classes:
-        raise DataError(f"{split_dir} has no class sub-folders")
-    images: list[np.ndarray] = []
-    labels: list[int] = []
-    shape: tuple[int, ...] | None = None
-    for label, name in enumerate(classes):
-        folder = split_dir / name
-        if not folder.is_dir():
-            continue
-        for file in sorted(folder.iterdir()):
-            if file.suffix.lower() not in IMAGE_SUFFIXES:
-                continue
-            try:
-                with Image.open(file) as img:
-                    img = img.convert("L" if img.mode in ("1", "L", "I;16", "I") else "RGB")
-                    arr = np.asarray(img, dtype=np.uint8)
-            except (OSError, ValueError) as exc:
-                raise DataError(f"cannot read image {file}: {exc}") from None
-            arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-            if shape is None:
-                shape = arr.shape
-            elif arr.shape != shape:
-                raise DataError(f"{file} is {arr.shape[1]}x{arr.shape[2]}x{arr.shape[0]}, but earlier images are "
-                                f"{shape[1]}x{shape[2]}x{shape[0]}: all images must have one size and mode")
-            images.append(arr)
-            labels.append(label)
-    if not images:
-        raise DataError(f"no PNG or JPEG images under {split_dir}")
-    return np.stack(images), np.asarray(labels, dtype=np.int64), list(classes)

@@ -6,7 +6,9 @@ For a built-in dataset the files are looked for, in order, in:
 2. ``$DISTSGD_DATA`` (likewise),
 3. the user cache ``~/.cache/distsgd/<name>`` (``$XDG_CACHE_HOME`` is honoured),
 4. system folders ``/usr/share/datasets/<name>`` (Debian's ``dataset-fashion-mnist`` installs
-   there),
+   there; ``$DISTSGD_SYSTEM_DATASETS``, a ``:``-separated list, replaces these roots),
+5. the copy shipped inside distsgd (Fashion-MNIST only, so that the default job trains on a
+   machine with no network; its files' contents are checked against their published MD5s),
 
 and, if none has them, downloaded from the dataset's public mirrors into the cache, each file
 checked against its published MD5. ``DISTSGD_OFFLINE=1`` skips the download. When nothing works
@@ -52,6 +54,7 @@ class Source:
     archive_dir: str | None = None  # folder an archive unpacks into (CIFAR)
     system_names: tuple[str, ...] = field(default_factory=tuple)
     homepage: str = ""
+    content_md5: tuple[str, ...] = ()  # published MD5s of the uncompressed ``needed`` files (the bundled copy)
 
 
 def _idx_remotes(mirrors: tuple[str, ...], md5s: tuple[str, str, str, str]) -> tuple[Remote, ...]:
@@ -73,6 +76,8 @@ SOURCES: dict[str, Source] = {
                       "bef4ecab320f06d8554ea6380940ec79", "bb300cfdad3c16e7a12a480ee83cd310")),
         system_names=("fashion-mnist",),
         homepage="https://github.com/zalandoresearch/fashion-mnist (Debian: apt-get install dataset-fashion-mnist)",
+        content_md5=("f4a8712d7a061bf5bd6d2ca38dc4d50a", "9018921c3c673c538a1fc5bad174d6f9",
+                     "8181f5470baa50b63fa0f6fddb340f0a", "15d484375f8d13e6eb1aabb0c3f46965"),
     ),
     "kmnist": Source(
         "kmnist", _IDX_FILES,
@@ -96,6 +101,14 @@ def cache_root() -> Path:
 
 
 SYSTEM_ROOTS = (Path("/usr/share/datasets"), Path("/usr/local/share/datasets"))
+BUNDLED = Path(__file__).resolve().parent / "bundled"  # shipped with the package (Fashion-MNIST)
+
+
+def system_roots() -> list[Path]:
+    env = os.environ.get("DISTSGD_SYSTEM_DATASETS")
+    if env is not None:
+        return [Path(p) for p in env.split(":") if p]
+    return list(SYSTEM_ROOTS)
 
 
 def candidate_dirs(source: Source, data_dir: str | None) -> list[Path]:
@@ -107,8 +120,10 @@ def candidate_dirs(source: Source, data_dir: str | None) -> list[Path]:
     if env:
         roots += [Path(env), Path(env) / source.name]
     roots.append(cache_root() / source.name)
-    for system in SYSTEM_ROOTS:
+    for system in system_roots():
         roots += [system / n for n in (source.system_names or (source.name,))]
+    if source.content_md5:
+        roots.append(BUNDLED / source.name)
     if source.archive_dir:
         roots = [r for root in roots for r in (root, root / source.archive_dir)]
     seen: list[Path] = []
@@ -135,6 +150,8 @@ def locate(name: str, data_dir: str | None = None, download: bool | None = None)
     tried = candidate_dirs(source, data_dir)
     for folder in tried:
         if has_all(folder, source):
+            if folder == BUNDLED / source.name:
+                _check_bundled(folder, source)
             log.info("dataset %s: using files in %s", name, folder)
             return folder
     if download is None:
@@ -157,6 +174,22 @@ def locate(name: str, data_dir: str | None = None, download: bool | None = None)
         f"Get {wanted} from {source.homepage} and put them in {cache_root() / name} "
         f"(or pass --data-dir DIR, or set DISTSGD_DATA)"
     )
+
+
+def _check_bundled(folder: Path, source: Source) -> None:
+    """The shipped copy's contents against the published MD5s of the uncompressed files."""
+    import gzip
+
+    for name, expected in zip(source.needed, source.content_md5):
+        path = resolve_file(folder, name)
+        assert path is not None
+        digest = hashlib.md5()  # noqa: S324 - the published checksums are MD5s
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != expected:
+            raise DataError(f"the copy of {source.name} shipped with distsgd is damaged ({path}: md5 "
+                            f"{digest.hexdigest()}, published {expected}); reinstall distsgd")
 
 
 def md5sum(path: Path) -> str:

@@ -17,10 +17,8 @@ from typing import Any
 
 from distsgd.algorithms.base import GROUP, SERVER, SHARED, SINGLE
 from distsgd.config import RunConfig
-from distsgd.data import Dataset
 from distsgd.metrics import Sink
-from distsgd.models import ModelSpec
-from distsgd.train.context import WorkerContext, WorkerResult
+from distsgd.train.context import Job, WorkerContext, WorkerResult
 
 
 def _topology(algo_cls: Any) -> Any:
@@ -36,15 +34,13 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     return _topology(algo_cls).plan(cfg, algo_cls, torchrun)
 
 
-def run(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink,
-        torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
     if algo_cls.topology == SINGLE:
         from distsgd.train.loop import run_worker
 
-        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=0, world=1, sink=sink)
-        return [run_worker(ctx, algo_cls(cfg))]
-    return _topology(algo_cls).run(cfg, algo_cls, spec, dataset, sink, torchrun)
+        return [run_worker(WorkerContext(job, rank=0, world=1, sink=sink), algo_cls(job.cfg))]
+    return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
 
 
 __all__ = ["plan", "run"]

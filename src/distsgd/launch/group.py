@@ -17,13 +17,11 @@ from typing import Any
 import torch.distributed as dist
 
 from distsgd.config import RunConfig
-from distsgd.data import Dataset
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import (LOOPBACK, check_backend, check_init_method, free_port, init_group,
                                        init_torchrun_group, leave_group, loopback_only)
 from distsgd.metrics import NullSink, Sink
-from distsgd.models import ModelSpec
-from distsgd.train.context import WorkerContext, WorkerResult
+from distsgd.train.context import Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
 
@@ -36,25 +34,23 @@ def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
     return cfg
 
 
-def run(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset, sink: Sink,
-        torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: type, sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Every worker's result, rank 0 first (under torchrun, a rank > 0 gets only its own)."""
-    return _run_torchrun(cfg, algo_cls, spec, dataset, sink) if torchrun else _run_local(cfg, algo_cls, spec,
-                                                                                          dataset, sink)
+    return _run_torchrun(job, algo_cls, sink) if torchrun else _run_local(job, algo_cls, sink)
 
 
-def _entry(rank: int, world: int, cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
-           init_method: str, out: Any) -> None:
+def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, out: Any) -> None:
     """The body of a worker process."""
     q = procs.Outbox(out)
     procs.begin_worker(f"worker {rank}", rank, world)
+    cfg = job.cfg
     if cfg.init_method is None:
         loopback_only()
 
     def body() -> WorkerResult:
         init_group(cfg, rank, world, init_method)
-        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
-                            sink=procs.QueueSink(q) if rank == 0 else NullSink(), reports=rank == 0)
+        ctx = WorkerContext(job, rank=rank, world=world, sink=procs.QueueSink(q) if rank == 0 else NullSink(),
+                            reports=rank == 0)
         return run_worker(ctx, algo_cls(cfg))
 
     try:
@@ -63,29 +59,27 @@ def _entry(rank: int, world: int, cfg: RunConfig, algo_cls: type, spec: ModelSpe
         leave_group()
 
 
-def _run_local(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
-               sink: Sink) -> list[WorkerResult]:
+def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
+    cfg = job.cfg
     world = cfg.workers
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
-    dataset.share_memory_()  # every worker reads one copy
+    job.data.share_memory_()  # every worker reads one copy
     with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
-                       lambda r, out: (r, world, cfg, algo_cls, spec, dataset, init_method, out)) as (ps, inbox):
+                       lambda r, out: (r, world, job, algo_cls, init_method, out)) as (ps, inbox):
         sup = procs.Supervisor(ps, inbox, sink.emit)
         while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker
             sup.poll(0.2)
             if sup.failed():
                 raise sup.blame()
-    return [procs.unpack(sup.results[r], cfg, spec, dataset) for r in range(world)]
+    return [procs.unpack(sup.results[r], job) for r in range(world)]
 
 
-def _run_torchrun(cfg: RunConfig, algo_cls: type, spec: ModelSpec, dataset: Dataset,
-                  sink: Sink) -> list[WorkerResult]:
+def _run_torchrun(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_torchrun_group(cfg, rank, world)
+    init_torchrun_group(job.cfg, rank, world)
     try:
-        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank, world=world,
-                            sink=sink if rank == 0 else NullSink(), reports=rank == 0)
-        mine = run_worker(ctx, algo_cls(cfg))
+        ctx = WorkerContext(job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0)
+        mine = run_worker(ctx, algo_cls(job.cfg))
         gathered = gather_results([mine], rank, world)
     finally:
         leave_group()

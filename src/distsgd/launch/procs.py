@@ -26,10 +26,9 @@ import torch
 import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
-from distsgd.data import Dataset
 from distsgd.errors import WorkerError
-from distsgd.models import ModelSpec, build_model
-from distsgd.train.context import WorkerResult
+from distsgd.models import build_model
+from distsgd.train.context import Job, WorkerResult
 
 STOP_GRACE_S = 5.0
 
@@ -228,12 +227,12 @@ def pack(result: WorkerResult) -> dict[str, Any]:
     return {**fields, "model_state": state}
 
 
-def unpack(payload: dict[str, Any], cfg: RunConfig, spec: ModelSpec, dataset: Dataset) -> WorkerResult:
+def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
     payload = dict(payload)
     state = payload.pop("model_state")
     model = None
     if state is not None:
-        model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init)
+        model = build_model(job.model, job.data.input_shape, job.data.num_classes, job.cfg.init)
         model.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
     return WorkerResult(model=model, **payload)
 

@@ -15,13 +15,11 @@ from typing import Any
 import torch
 
 from distsgd.config import RunConfig
-from distsgd.data import Dataset
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import LOOPBACK, free_port, loopback_only
 from distsgd.metrics import NullSink, Sink
-from distsgd.models import ModelSpec
-from distsgd.train.context import WorkerContext, WorkerResult
+from distsgd.train.context import Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
 
@@ -35,29 +33,26 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     return cfg
 
 
-def run(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink,
-        torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
     if not torchrun:
-        return _run_local(cfg, algo_cls, spec, dataset, sink)
+        return _run_local(job, algo_cls, sink)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
-        chief = algo_cls.serve(cfg, spec, dataset, world, "env://", sink)
+        chief = algo_cls.serve(job, world, "env://", sink)
         chief.extra["failed_workers"] = []
         return [chief]
-    return [_work(cfg, algo_cls, spec, dataset, rank, world, "env://", NullSink())]
+    return [_work(job, algo_cls, rank, world, "env://", NullSink())]
 
 
-def _work(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, rank: int, world: int,
-          init_method: str, sink: Sink) -> WorkerResult:
+def _work(job: Job, algo_cls: Any, rank: int, world: int, init_method: str, sink: Sink) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N."""
-    with algo_cls.connect(cfg, rank, world, init_method):
-        ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=rank - 1, world=world - 1,
-                            sink=sink, reports=True, evaluates=False)
-        return run_worker(ctx, algo_cls(cfg))
+    with algo_cls.connect(job.cfg, rank, world, init_method):
+        ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False)
+        return run_worker(ctx, algo_cls(job.cfg))
 
 
-def _entry(rank: int, world: int, cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
-           init_method: str, out: Any, dead_flags: torch.Tensor) -> None:
+def _entry(rank: int, world: int, job: Job, algo_cls: Any, init_method: str, out: Any,
+           dead_flags: torch.Tensor) -> None:
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
     procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world)
@@ -68,24 +63,24 @@ def _entry(rank: int, world: int, cfg: RunConfig, algo_cls: Any, spec: ModelSpec
 
     def body() -> WorkerResult:
         if rank == 0:
-            return algo_cls.serve(cfg, spec, dataset, world, init_method, procs.QueueSink(q, 0), dead)
-        return _work(cfg, algo_cls, spec, dataset, rank, world, init_method, procs.QueueSink(q, rank))
+            return algo_cls.serve(job, world, init_method, procs.QueueSink(q, 0), dead)
+        return _work(job, algo_cls, rank, world, init_method, procs.QueueSink(q, rank))
 
     procs.report(q, rank, body)
 
 
-def _run_local(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
-               sink: Sink) -> list[WorkerResult]:
+def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     """One server process and ``cfg.workers`` worker processes on this machine."""
+    cfg = job.cfg
     workers, world = cfg.workers, cfg.workers + 1
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
-    dataset.share_memory_()
+    job.data.share_memory_()
     dead_flags = torch.zeros(world, dtype=torch.int8).share_memory_()  # the server drops these workers
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
     # TensorPipe logs every closed pipe at shutdown as a warning; keep C++ logs to errors.
     with procs.child_env(TORCH_CPP_LOG_LEVEL="ERROR"), \
-            procs.spawned(cfg, _entry, roles, lambda i, out: (i, world, cfg, algo_cls, spec, dataset, init_method,
-                                                              out, dead_flags)) as (ps, inbox):
+            procs.spawned(cfg, _entry, roles, lambda i, out: (i, world, job, algo_cls, init_method, out,
+                                                              dead_flags)) as (ps, inbox):
         sup = procs.Supervisor(ps, inbox, sink.emit)
         while 0 not in sup.results:
             sup.poll(0.05)
@@ -101,9 +96,9 @@ def _run_local(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
                 raise WorkerError(f"all {workers} workers failed; worker 0: {sup.reason(1)}")
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
     failed = sorted(sup.failed())
-    chief = procs.unpack(sup.results[0], cfg, spec, dataset)
+    chief = procs.unpack(sup.results[0], job)
     chief.extra["failed_workers"] = [r - 1 for r in failed]
     if failed:
         chief.extra["worker_errors"] = {str(r - 1): sup.reason(r) for r in failed}
-    others = [procs.unpack(sup.results[r], cfg, spec, dataset) for r in range(1, world) if r in sup.results]
+    others = [procs.unpack(sup.results[r], job) for r in range(1, world) if r in sup.results]
     return [chief] + others

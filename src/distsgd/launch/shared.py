@@ -18,15 +18,14 @@ from typing import Any
 import torch
 
 from distsgd.config import RunConfig
-from distsgd.data import Dataset
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import init_torchrun_group, leave_group
 from distsgd.metrics import NullSink, Sink
-from distsgd.models import ModelSpec, build_model
-from distsgd.train.context import SharedHandles, WorkerContext, WorkerResult
+from distsgd.models import build_model
+from distsgd.train.context import Job, SharedHandles, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.loop import run_worker
 
@@ -46,15 +45,14 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     return cfg.replace(workers=int(os.environ["WORLD_SIZE"]) * per_process)
 
 
-def run(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink,
-        torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
     if torchrun:
-        return _run_torchrun(cfg, algo_cls, spec, dataset, sink)
-    return Machine(cfg, algo_cls, spec, dataset, sink).run()
+        return _run_torchrun(job, algo_cls, sink)
+    return Machine(job, algo_cls, sink).run()
 
 
-def _entry(slot: int, world: int, cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
-           handles: SharedHandles, go: Any, out: Any, first_rank: int, data_world: int) -> None:
+def _entry(slot: int, world: int, job: Job, algo_cls: Any, handles: SharedHandles, go: Any, out: Any,
+           first_rank: int, data_world: int) -> None:
     """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
     this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
     q = procs.Outbox(out)
@@ -62,13 +60,13 @@ def _entry(slot: int, world: int, cfg: RunConfig, algo_cls: Any, spec: ModelSpec
 
     def start_together() -> None:
         q.put(("ready", slot, None))
-        if not go.wait(cfg.timeout_s):
-            raise TimeoutError(f"no start signal from the launcher within {cfg.timeout_s:.0f} s")
+        if not go.wait(job.cfg.timeout_s):
+            raise TimeoutError(f"no start signal from the launcher within {job.cfg.timeout_s:.0f} s")
 
     mine = dataclasses.replace(handles, slot=slot, start_together=start_together)
-    ctx = WorkerContext(cfg=cfg, dataset=dataset, model_spec=spec, rank=first_rank + slot, world=data_world,
-                        sink=procs.QueueSink(q, slot), reports=True, evaluates=False, shared=mine)
-    procs.report(q, slot, lambda: run_worker(ctx, algo_cls(cfg)))
+    ctx = WorkerContext(job, rank=first_rank + slot, world=data_world, sink=procs.QueueSink(q, slot), reports=True,
+                        evaluates=False, shared=mine)
+    procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg)))
 
 
 class Machine:
@@ -76,14 +74,14 @@ class Machine:
     torchrun) it is one cluster among several: its workers read shards ``first_rank ..`` of
     ``data_world``, and the link joins its model to the other machines'."""
 
-    def __init__(self, cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset, sink: Sink, *,
-                 first_rank: int = 0, data_world: int | None = None, link: Any = None,
-                 evaluates: bool = True) -> None:
-        self.cfg, self.algo_cls, self.spec, self.dataset, self.sink = cfg, algo_cls, spec, dataset, sink
+    def __init__(self, job: Job, algo_cls: Any, sink: Sink, *, first_rank: int = 0, data_world: int | None = None,
+                 link: Any = None, evaluates: bool = True) -> None:
+        cfg, dataset = job.cfg, job.data
+        self.job, self.cfg, self.algo_cls, self.dataset, self.sink = job, cfg, algo_cls, dataset, sink
         self.first_rank, self.data_world = first_rank, data_world or cfg.workers
         self.evaluates = evaluates
         dataset.share_memory_()
-        self.models = [build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
+        self.models = [build_model(job.model, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
                        for _ in range(algo_cls.models(cfg))]
         for m in self.models:
             m.share_memory()
@@ -95,8 +93,8 @@ class Machine:
                                      lock=mpc.Lock() if cfg.hogwild_lock else None,
                                      extras=algo_cls.shared_extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles.counts, self.handles.stop) if link is not None else None
-        per_epoch = samples_per_epoch(len(dataset.y_train), self.data_world, cfg.partition)
-        self.watcher = Watcher(cfg, spec, dataset, per_epoch, sink, self.current_state)
+        per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
+        self.watcher = Watcher(job, per_epoch, sink, self.current_state)
 
     def current_state(self) -> dict[str, torch.Tensor]:
         """A copy of the model the algorithm returns (hogwild++: the clusters' average)."""
@@ -115,8 +113,8 @@ class Machine:
     def run(self) -> list[WorkerResult]:
         cfg, world = self.cfg, self.cfg.workers
         with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
-                           lambda r, out: (r, world, cfg, self.algo_cls, self.spec, self.dataset, self.handles,
-                                           self.go, out, self.first_rank, self.data_world)) as (ps, inbox):
+                           lambda r, out: (r, world, self.job, self.algo_cls, self.handles, self.go, out,
+                                           self.first_rank, self.data_world)) as (ps, inbox):
             sup = procs.Supervisor(ps, inbox, self.relay)
             self._start_together(sup)
             self._watch(sup)
@@ -163,7 +161,7 @@ class Machine:
         counts, first, failed = self.handles.counts, self.first_rank, sorted(sup.failed())
         model = self.models[0]
         if len(self.models) > 1:
-            model = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
+            model = build_model(self.job.model, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
             model.load_state_dict(self.current_state())
         extra: dict[str, Any] = {}
         for r in sorted(sup.results, reverse=True):  # the lowest slot's values win
@@ -187,12 +185,12 @@ class Machine:
         return [chief] + others
 
 
-def _run_torchrun(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Dataset,
-                  sink: Sink) -> list[WorkerResult]:
+def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     """Across machines: this torchrun process is one cluster of ``local_workers`` Hogwild! workers;
     the algorithm's link (hogwild++'s token ring over the process group) joins the clusters. Rank 0
     evaluates (its own cluster's model during training, the average of all at the end) and gets
     every worker's figures."""
+    cfg = job.cfg
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     size = algo_cls.local_workers(cfg)
     local = cfg.replace(workers=size)
@@ -206,7 +204,7 @@ def _run_torchrun(cfg: RunConfig, algo_cls: Any, spec: ModelSpec, dataset: Datas
 
     init_torchrun_group(cfg, rank, n)
     try:
-        mine = Machine(local, algo_cls.node_algorithm(), spec, dataset, sink if rank == 0 else NullSink(),
+        mine = Machine(job.replace(cfg=local), algo_cls.node_algorithm(), sink if rank == 0 else NullSink(),
                        first_rank=rank * size, data_world=n * size, link=link, evaluates=rank == 0).run()
         gathered = gather_results(mine, rank, n)
     finally:

@@ -6,6 +6,7 @@ returns a :class:`WorkerResult`. Nothing here knows an algorithm or a launcher.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -13,7 +14,6 @@ import torch
 from torch import nn
 
 from distsgd.config import RunConfig
-from distsgd.data import Dataset
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import ModelSpec
 
@@ -32,12 +32,26 @@ class SharedHandles:
 
 
 @dataclass
+class Job:
+    """What to train: the settings, the model, the data, and the user code settings cannot hold
+    (each a module-level function, so that it can travel to worker processes)."""
+
+    cfg: RunConfig
+    model: ModelSpec
+    data: Any  # distsgd.data.Dataset (tensors) or TorchData (any torch Dataset)
+    loss: Callable | None = None  # loss(output, target) -> scalar; None: cfg.loss
+    optimizer: Callable | None = None  # optimizer(model) -> torch.optim.Optimizer; None: cfg.optimizer
+    param_groups: Callable | None = None  # param_groups(model) -> [{"params": [...], "lr": ...}, ...]
+
+    def replace(self, **changes: Any) -> "Job":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
 class WorkerContext:
     """What one worker knows about the run."""
 
-    cfg: RunConfig
-    dataset: Dataset
-    model_spec: ModelSpec
+    job: Job
     rank: int = 0
     world: int = 1
     sink: Sink = field(default_factory=NullSink)
@@ -49,6 +63,18 @@ class WorkerContext:
     def __post_init__(self) -> None:
         if self.evaluates is None:
             self.evaluates = self.reports
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.job.cfg
+
+    @property
+    def dataset(self) -> Any:
+        return self.job.data
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.job.model
 
 
 @dataclass

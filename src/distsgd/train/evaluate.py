@@ -9,30 +9,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from distsgd.metrics import TrainClock
+from distsgd.metrics import reached as target_reached
 from distsgd.train.context import Every
+from distsgd.train.objective import loss_function
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> tuple[float, float]:
-    """(accuracy in 0..1, mean cross-entropy loss) over all of ``x``; restores train/eval mode.
-
-    The loss is cross-entropy on the model's outputs. For a model that already ends in
-    log-softmax this equals the NLL loss, since log-softmax is idempotent.
-    """
+def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy) -> tuple[float | None, float]:
+    """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set; restores
+    train/eval mode. Each batch's mean loss is weighted by its size."""
     was_training = model.training
     model.eval()
-    correct = 0
-    loss_sum = 0.0
+    correct, loss_sum, n = 0, 0.0, 0
+    classify = data.task == "classification"
     try:
-        for start in range(0, len(x), batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            out = model(xb)
-            loss_sum += F.cross_entropy(out, yb, reduction="sum").item()
-            correct += int((out.argmax(dim=1) == yb).sum())
+        for x, y in data.test_batches(batch_size):
+            out = model(x)
+            loss_sum += float(loss_fn(out, y)) * len(y)
+            if classify:
+                correct += int((out.argmax(dim=1) == y).sum())
+            n += len(y)
     finally:
         model.train(was_training)
-    n = max(1, len(x))
-    return correct / n, loss_sum / n
+    n = max(1, n)
+    return (correct / n if classify else None), loss_sum / n
 
 
 class Watcher:
@@ -46,11 +46,12 @@ class Watcher:
     lock), so the clock stops meanwhile. Each evaluation is emitted to ``sink`` as an ``eval`` event.
     """
 
-    def __init__(self, cfg: Any, spec: Any, dataset: Any, per_epoch: int, sink: Any,
-                 state: Callable[[], dict[str, torch.Tensor]], pause_to_copy: bool = False) -> None:
-        self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = cfg, spec, dataset, per_epoch, sink
+    def __init__(self, job: Any, per_epoch: int, sink: Any, state: Callable[[], dict[str, torch.Tensor]],
+                 pause_to_copy: bool = False) -> None:
+        self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = job.cfg, job.model, job.data, per_epoch, sink
+        self.loss_fn = loss_function(job.cfg.loss, job.loss, job.data.task)
         self.state, self.pause_to_copy = state, pause_to_copy
-        self.at = Every(cfg.eval_every or per_epoch)
+        self.at = Every(self.cfg.eval_every or per_epoch)
         self.clock = TrainClock()
         self.earlier_s = 0.0  # training time before the checkpoint this run resumed from
         self.pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
@@ -69,8 +70,9 @@ class Watcher:
             self.clock.pause()
         copy, elapsed = self.state(), self.clock.elapsed()
         reached = False
-        if self.cfg.stop_at_target and self.cfg.target_accuracy is not None:
-            reached = self.evaluate(samples, elapsed, copy)["test_accuracy"] >= self.cfg.target_accuracy
+        if self.cfg.stop_at_target:
+            event = self.evaluate(samples, elapsed, copy)
+            reached = target_reached(event, self.cfg.target_accuracy, self.cfg.target_loss)
         else:
             self.pending.append((samples, elapsed, copy))
         self.clock.resume()
@@ -81,7 +83,7 @@ class Watcher:
 
         probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
         probe.load_state_dict(state)
-        acc, loss = evaluate(probe, self.dataset.x_test, self.dataset.y_test, self.cfg.eval_batch_size)
+        acc, loss = evaluate(probe, self.dataset, self.cfg.eval_batch_size, self.loss_fn)
         event = {"event": "eval", "samples": samples, "epoch": round(samples / self.per_epoch, 4),
                  "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
         self.evals.append(event)

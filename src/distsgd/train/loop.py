@@ -10,28 +10,33 @@ pieces (model, optimiser, algorithm, loop counters, random state) through one Ch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from distsgd.checkpoint import Checkpointer, RngState, scatter
 from distsgd.config import threads_per_worker
 from distsgd.data.partition import mix_seed, epoch_indices, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
+from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train.context import Every, WorkerContext, WorkerResult
 from distsgd.train.evaluate import evaluate
-from distsgd.train.optim import lr_at, set_lr
+from distsgd.train.objective import loss_function
+from distsgd.train.optim import schedule_lr
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
 
 log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def run_worker(ctx: WorkerContext, algo: "Algorithm") -> WorkerResult:
@@ -42,11 +47,12 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm") -> WorkerResult:
     w.clock.add(w.state.train_wall_s)
     stop = False
     while not stop and w.more_epochs():
-        for x, y in ctx.dataset.batches(w.epoch_order(), w.state.start, ctx.cfg.batch_size):
+        batches = ctx.dataset.batches(w.epoch_order(), w.state.start, ctx.cfg.batch_size)
+        for micro in _groups(batches, ctx.cfg.accumulate):
             if w.out_of_samples() or not algo.keep_going(ctx):
                 stop = True
                 break
-            w.step(x, y)
+            w.step(micro)
             if w.state.evals_at.due(w.gs) and w.evaluate():
                 stop = True
                 break
@@ -60,6 +66,18 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm") -> WorkerResult:
         if w.checkpoint_each_epoch:
             w.checkpoint()
     return w.finish()
+
+
+def _groups(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:
+    """The micro-batches of each step: ``k`` at a time (the epoch's last step may have fewer)."""
+    group: list[Batch] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 class LoopState:
@@ -96,9 +114,10 @@ class _Worker:
         cfg, ds = ctx.cfg, ctx.dataset
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
         torch.set_num_threads(threads_per_worker(cfg))
-        self.per_epoch = shard_size(len(ds.y_train), ctx.world, cfg.partition)
+        self.per_epoch = shard_size(ds.n_train, ctx.world, cfg.partition)
         if self.per_epoch == 0:
-            raise ConfigError(f"{len(ds.y_train)} training samples cannot be shared among {ctx.world} workers")
+            raise ConfigError(f"{ds.n_train} training samples cannot be shared among {ctx.world} workers")
+        self.loss_fn = loss_function(cfg.loss, ctx.job.loss, ds.task)
         self.global_per_epoch = self.per_epoch * ctx.world
         self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / self.global_per_epoch
         period = cfg.checkpoint_period
@@ -133,28 +152,33 @@ class _Worker:
 
     def epoch_order(self) -> torch.Tensor:
         ctx, cfg = self.ctx, self.cfg
-        return epoch_indices(len(ctx.dataset.y_train), self.state.epoch, ctx.rank, ctx.world, cfg.seed,
-                             cfg.partition)
+        return epoch_indices(ctx.dataset.n_train, self.state.epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(self, micro: list[Batch]) -> None:
+        """One update from ``micro`` (``--accumulate`` micro-batches): each one's loss is weighted
+        by its share of the step's samples, so the gradient is the mean over all of them, and the
+        algorithm synchronises only after the last one."""
         ctx, algo, st = self.ctx, self.algo, self.state
         started = time.perf_counter()
         if self.cfg.schedule != "constant":  # the run's progress (all workers'), not this worker's
-            set_lr(self.optimizer, lr_at(self.cfg, self.gs / self.global_per_epoch, self.total_epochs))
+            schedule_lr(self.optimizer, self.cfg, self.gs / self.global_per_epoch, self.total_epochs)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
+        n = sum(len(y) for _, y in micro)
+        for i, (x, y) in enumerate(micro):
+            with algo.no_sync(ctx, self.model) if i < len(micro) - 1 else contextlib.nullcontext():
+                loss = self.loss_fn(self.model(x), y)
+                (loss * (len(y) / n) if len(micro) > 1 else loss).backward()
+            self.loss_sum += loss.detach()
         algo.after_backward(ctx, self.model)
         algo.apply_step(ctx, self.optimizer)
-        st.local += len(y)
-        st.start += len(y)
+        st.local += n
+        st.start += n
         st.steps += 1
         algo.after_step(ctx, self.model, st.local)
         if self.slowdown:
             time.sleep(self.slowdown * (time.perf_counter() - started))
         self.gs = algo.global_samples(ctx, st.local)
-        self.loss_sum += loss.detach()
-        self.loss_steps += 1
+        self.loss_steps += len(micro)
         if ctx.reports and st.steps % self.cfg.log_every == 0:
             self._progress()
 
@@ -177,12 +201,12 @@ class _Worker:
         returned = self.algo.evaluation_model(self.ctx, self.model)  # on every worker: may be a collective
         reached = False
         if self.ctx.evaluates:
-            acc, loss = evaluate(returned, self.ctx.dataset.x_test, self.ctx.dataset.y_test, cfg.eval_batch_size)
+            acc, loss = evaluate(returned, self.ctx.dataset, cfg.eval_batch_size, self.loss_fn)
             event = {"event": "eval", "samples": self.gs, "epoch": round(st.local / self.per_epoch, 4),
                      "train_wall_s": self.clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
             st.evals.append(event)
             self.ctx.sink.emit(event)
-            reached = cfg.target_accuracy is not None and acc >= cfg.target_accuracy
+            reached = target_reached(event, cfg.target_accuracy, cfg.target_loss)
         self.clock.resume()
         return self.algo.agree(self.ctx, reached) if cfg.stop_at_target and decide else False
 

@@ -3,24 +3,38 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from typing import Any, Callable
 
 import torch
 
 from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
 
 
-def build_optimizer(cfg: RunConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """``sgd`` (momentum, nesterov, weight decay), ``adam`` or ``adamw`` at ``cfg.lr``."""
-    params = list(params)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+def build_optimizer(cfg: RunConfig, model: torch.nn.Module, custom: Callable | None = None,
+                    groups: Callable | None = None) -> torch.optim.Optimizer:
+    """``custom(model)`` if given; else ``--optimizer`` (``sgd`` with momentum, nesterov and weight
+    decay, ``adam``, ``adamw``) at ``cfg.lr`` over ``groups(model)`` (per-group options such as
+    their own lr) or all parameters. Each group remembers its lr as ``base_lr``: the schedule
+    scales every group's own."""
+    if custom is not None:
+        optimizer = custom(model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer= returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    else:
+        params: Any = groups(model) if groups is not None else list(model.parameters())
+        if cfg.optimizer == "sgd":
+            optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                                        weight_decay=cfg.weight_decay)
+        elif cfg.optimizer == "adam":
+            optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        elif cfg.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+    for group in optimizer.param_groups:
+        group.setdefault("base_lr", group["lr"])
+    return optimizer
 
 
 def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
@@ -39,6 +53,8 @@ def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
     raise ValueError(f"unknown schedule {cfg.schedule!r}")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def schedule_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, epoch_progress: float, total_epochs: float) -> None:
+    """Every group's lr at this point of the schedule: its own ``base_lr`` times lr_at / lr."""
+    factor = lr_at(cfg, epoch_progress, total_epochs) / cfg.lr
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = group.get("base_lr", group["lr"]) * factor

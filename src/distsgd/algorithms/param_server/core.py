@@ -22,7 +22,7 @@ from torch.futures import Future
 from distsgd.algorithms.averaging import flatten, float_buffers, int_buffers, params, unflatten_into
 from distsgd.algorithms.param_server.rules import RULES, Rule
 from distsgd.config import RunConfig
-from distsgd.train.optim import build_optimizer, lr_at, set_lr
+from distsgd.train.optim import build_optimizer, schedule_lr
 
 Answer = tuple[torch.Tensor, int, int, bool]  # weights, version, all workers' samples, stop
 
@@ -34,11 +34,11 @@ class ParameterServer:
 
     def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, rule: str | Rule,
                  samples_per_epoch: int, on_update: Callable[[int], None] | None = None,
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.cfg, self.model, self.workers = cfg, model, workers
         self.rule = RULES[rule](cfg) if isinstance(rule, str) else rule
         self.params = params(model)
-        self.optimizer = build_optimizer(cfg, self.params)
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
         self.samples_per_epoch = samples_per_epoch
         self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / samples_per_epoch
         self.on_update, self.on_start = on_update, on_start
@@ -124,7 +124,8 @@ class ParameterServer:
             n = p.numel()
             p.grad = grad[offset:offset + n].view_as(p)  # views: grad is this update's own tensor
             offset += n
-        set_lr(self.optimizer, lr_at(self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs))
+        if self.cfg.schedule != "constant":
+            schedule_lr(self.optimizer, self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs)
         self.optimizer.step()
         self.version += 1
         if self.on_update is not None:

@@ -15,8 +15,9 @@ from distsgd.checkpoint import gather, load_worker_state, scatter
 from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
 from distsgd.models import build_model
-from distsgd.train.context import WorkerResult
+from distsgd.train.context import Job, WorkerResult
 from distsgd.train.evaluate import Watcher
+from distsgd.train.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,16 @@ class ServerRole:
     worker 0's checkpoint file (sync-ps).
     """
 
-    def __init__(self, cfg: RunConfig, rule: Rule, spec: Any, dataset: Any, workers: int, sink: Any) -> None:
+    def __init__(self, job: Job, rule: Rule, workers: int, sink: Any) -> None:
         torch.set_num_threads(1)
+        cfg, data = job.cfg, job.data
         self.cfg = cfg
-        self.model = build_model(spec, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-        per_epoch = samples_per_epoch(len(dataset.y_train), workers, cfg.partition)
-        self.watcher = Watcher(cfg, spec, dataset, per_epoch, sink, self._state, pause_to_copy=True)
+        self.model = build_model(job.model, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
+        per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
+        self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
+        optimizer = build_optimizer(cfg, self.model, job.optimizer, job.param_groups)
         self.server = ParameterServer(cfg, self.model, workers, rule, per_epoch, self._on_update,
-                                      on_start=self.watcher.start)
+                                      on_start=self.watcher.start, optimizer=optimizer)
         self.pieces = {"server": self.server, "watcher": self.watcher}
         if cfg.resume:
             scatter(self.pieces, load_worker_state(Path(cfg.resume), 0)["algo"]["server"])

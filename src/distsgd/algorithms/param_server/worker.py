@@ -18,8 +18,7 @@ from distsgd.algorithms.param_server.rules import (Asynchronous, BoundedStalenes
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
-from distsgd.models import ModelSpec
-from distsgd.train.context import WorkerContext, WorkerResult
+from distsgd.train.context import Job, WorkerContext, WorkerResult
 
 
 class ServerAlgorithm(Algorithm):
@@ -43,13 +42,13 @@ class ServerAlgorithm(Algorithm):
         return transport.connect(cfg, rank, world, init_method)
 
     @classmethod
-    def serve(cls, cfg: RunConfig, spec: ModelSpec, dataset: Any, world: int, init_method: str, sink: Sink,
+    def serve(cls, job: Job, world: int, init_method: str, sink: Sink,
               dead: Callable[[], set[int]] = set) -> WorkerResult:
         """Be the server (rank 0) of ``world - 1`` workers until they are all done."""
-        role = ServerRole(cfg, cls.rule(cfg), spec, dataset, world - 1, sink)
+        role = ServerRole(job, cls.rule(job.cfg), world - 1, sink)
         transport.serve(role.server, role)  # before RPC starts: the first pull finds it
         try:
-            with transport.connect(cfg, 0, world, init_method):
+            with transport.connect(job.cfg, 0, world, init_method):
                 return role.run(dead)
         finally:
             transport.serve(None, None)

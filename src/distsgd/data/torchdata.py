@@ -1,0 +1,169 @@
+"""Any map-style ``torch.utils.data.Dataset`` as training data: the user's own recipe.
+
+A :class:`TorchData` holds a train and a test Dataset. Each worker reads its own shard of the
+training set (:mod:`distsgd.data.partition`: disjoint, reshuffled every epoch, the same for the
+same seed) through a ``DataLoader`` whose batch sampler walks that shard, with
+``--loader-workers N`` processes when per-sample work (opening files, augmenting) should run off
+the training thread. ``__getitem__`` may be random (augmentation): DataLoader seeds its worker
+processes from the worker's own random state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from distsgd.errors import ConfigError, DataError, DistsgdError
+
+log = logging.getLogger(__name__)
+
+
+class _Chunks:
+    """A batch sampler: consecutive pieces of ``order`` from position ``start``."""
+
+    def __init__(self, order: torch.Tensor, start: int, batch_size: int) -> None:
+        self.order, self.start, self.batch_size = order, start, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for first in range(self.start, len(self.order), self.batch_size):
+            yield self.order[first:first + self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        return max(0, -(-(len(self.order) - self.start) // self.batch_size))
+
+
+def is_map_dataset(obj: Any) -> bool:
+    """A ``torch.utils.data.Dataset`` (or anything with ``__getitem__`` and ``__len__`` that is not
+    an array of samples)."""
+    import numpy as np
+
+    if isinstance(obj, (torch.Tensor, np.ndarray, list, tuple, dict, str)):
+        return False
+    return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
+
+
+class TorchData:
+    """A train and a test map-style Dataset, each item ``(input, target)``."""
+
+    def __init__(self, train: Any, test: Any, name: str = "dataset", where: str = "",
+                 num_classes: int | None = None, loader_workers: int = 0) -> None:
+        for split, ds in (("train", train), ("test", test)):
+            if not is_map_dataset(ds):
+                raise DataError(f"{name}: the {split} set must be a map-style torch Dataset "
+                                f"(__getitem__ and __len__), got {type(ds).__name__}")
+            if len(ds) == 0:
+                raise DataError(f"{name}: the {split} set is empty")
+        self.train, self.test, self.name, self.where = train, test, name, where
+        self.loader_workers = loader_workers
+        x0, y0 = self._item(train, 0)
+        self.input_shape = tuple(x0.shape)
+        self.task = "regression" if y0.dtype.is_floating_point else "classification"
+        self.num_classes = num_classes or (max(1, y0.numel()) if self.task == "regression" else self._classes())
+
+    @staticmethod
+    def _item(ds: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        item = ds[i]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise DataError(f"a Dataset item must be (input, target); item {i} is {type(item).__name__}")
+        return torch.as_tensor(item[0]), torch.as_tensor(item[1])
+
+    def _classes(self) -> int:
+        """From the Dataset's ``num_classes``, ``classes`` or ``targets``; else from every label."""
+        ds = self.train
+        if isinstance(getattr(ds, "num_classes", None), int):
+            return ds.num_classes
+        if getattr(ds, "classes", None) is not None:
+            return len(ds.classes)
+        targets = getattr(ds, "targets", None)
+        if targets is None:
+            log.warning("%s: reading every training label to count the classes (give the Dataset a "
+                        "num_classes attribute to skip this)", self.name)
+            targets = [self._item(ds, i)[1] for i in range(len(ds))]
+        return int(torch.as_tensor(targets).max()) + 1
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train)
+
+    @property
+    def n_test(self) -> int:
+        return len(self.test)
+
+    def options(self, augment: bool = False, loader_workers: int = 0) -> "TorchData":
+        """``--augment`` (datasets that offer it: ``folder:``) and ``--loader-workers``."""
+        if augment:
+            if not hasattr(self.train, "augment"):
+                raise ConfigError(f"--augment is for built-in and folder: image datasets; augment inside your own "
+                                  f"Dataset's __getitem__ for {self.name}")
+            self.train.augment = True
+        self.loader_workers = loader_workers
+        return self
+
+    def _loader(self, ds: Any, **kwargs: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        loader = DataLoader(ds, num_workers=self.loader_workers, **kwargs)
+        try:
+            for x, y in loader:
+                yield x.float() if x.dtype == torch.float64 else x, y.float() if y.dtype == torch.float64 else y
+        except DistsgdError:
+            raise
+        except Exception as exc:
+            raise _loader_error(exc) from None
+
+    def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This worker's training batches: ``order`` (its shard of the epoch) from ``start``."""
+        return self._loader(self.train, batch_sampler=_Chunks(order, start, batch_size))
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self._loader(self.test, batch_size=batch_size)
+
+    def share_memory_(self) -> "TorchData":
+        """Move the tensors the Datasets hold into shared memory, so that worker processes read one
+        copy of them instead of one each."""
+        for ds in (self.train, self.test):
+            _share_tensors(ds, depth=3)
+        return self
+
+    def is_shared(self) -> bool:
+        tensors = [t for ds in (self.train, self.test) for t in _tensors(ds, depth=3)]
+        return all(t.is_shared() for t in tensors)
+
+    def __repr__(self) -> str:
+        return f"TorchData({self.name!r}, train={self.n_train}, test={self.n_test}, input={self.input_shape})"
+
+
+def _tensors(obj: Any, depth: int) -> list[torch.Tensor]:
+    """Tensors an object holds in its attributes (and those of the Datasets it wraps)."""
+    if depth == 0 or not hasattr(obj, "__dict__"):
+        return []
+    found = []
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, torch.Tensor)]
+            found += [t for v in value if is_map_dataset(v) for t in _tensors(v, depth - 1)]
+        elif is_map_dataset(value):
+            found += _tensors(value, depth - 1)
+    return found
+
+
+def _share_tensors(obj: Any, depth: int) -> None:
+    for t in _tensors(obj, depth):
+        t.share_memory_()
+
+
+def _loader_error(exc: Exception) -> Exception:
+    """A DataLoader worker's error in one line: DataLoader re-raises it as 'Caught X in DataLoader
+    worker process N' followed by the original traceback, whose last line says what went wrong."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        last = [line for line in text.strip().splitlines() if line.strip()][-1]
+        kind, _, message = last.partition(": ")
+        if kind.rsplit(".", 1)[-1] == "DataError":
+            return DataError(message)
+        return RuntimeError(last)
+    return exc
