@@ -34,3 +34,9 @@ class WorkerError(DistsgdError):
     """A worker process failed; the message names it and its error."""
 
     exit_code = 1
+
+
+class WorkerInputError(WorkerError):
+    """A worker stopped on a user's mistake it found (an unreadable image, a bad sample): exit 2."""
+
+    exit_code = 2

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from distsgd.errors import ConfigError, DataError, DistsgdError
+from distsgd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class TorchData:
         try:
             for x, y in loader:
                 yield x.float() if x.dtype == torch.float64 else x, y.float() if y.dtype == torch.float64 else y
-        except DistsgdError:
-            raise
         except Exception as exc:
+            if "Original Traceback" not in str(exc):
+                raise
             raise _loader_error(exc) from None
 
     def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
-from distsgd.errors import WorkerError
+from distsgd.errors import DistsgdError, WorkerError, WorkerInputError
 from distsgd.models import build_model
 from distsgd.train.context import Job, WorkerResult
 
@@ -238,12 +238,16 @@ def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
 
 
 def report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
-    """Run a worker's body; send its result, or its error in one line, to the launcher."""
+    """Run a worker's body; send its result, or its error in one line, to the launcher (a user's
+    mistake found in the worker, such as an unreadable image, as ``user-error``)."""
     try:
         q.put(("result", rank, pack(body())))
     except KeyboardInterrupt:
         q.put(("error", rank, "interrupted"))
         raise SystemExit(130) from None
+    except DistsgdError as exc:
+        q.put(("user-error", rank, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
+        raise SystemExit(1) from None
     except BaseException as exc:  # report anything, in one line, then exit non-zero
         q.put(("error", rank, _error_text(exc)))
         raise SystemExit(1) from None
@@ -288,6 +292,7 @@ class Supervisor:
         self.procs, self.inbox, self.on_event = procs, inbox, on_event
         self.results: dict[int, dict[str, Any]] = {}
         self.said: dict[int, str] = {}  # each worker's first error, in its own words
+        self.users: set[int] = set()  # workers whose error was the user's to fix (bad data, ...)
         self.ended: set[int] = set()  # processes gone without a result
 
     def poll(self, timeout: float) -> tuple[str, int, Any] | None:
@@ -303,7 +308,9 @@ class Supervisor:
             self.ended |= {r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0) and r not in self.results}
         if kind == "result":
             self.results[rank] = body
-        elif kind == "error":
+        elif kind in ("error", "user-error"):
+            if rank not in self.said and kind == "user-error":
+                self.users.add(rank)
             self.said.setdefault(rank, body)
         elif kind == "event":
             self.on_event(body)
@@ -336,7 +343,8 @@ class Supervisor:
         silent = sorted(r for r in self.ended - set(self.said) if self.procs[r].exitcode != 0)
         causes = [r for r, text in self.said.items() if not any(s in text for s in _PEER_SYMPTOMS)]
         rank = (silent or causes or list(self.said) or sorted(self.failed()))[0]
-        return WorkerError(f"{what} {rank} failed: {self.reason(rank)}")
+        error = WorkerInputError if rank in self.users else WorkerError
+        return error(f"{what} {rank} failed: {self.reason(rank)}")
 
 
 def describe_exit(code: int | None) -> str:
