@@ -41,8 +41,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
             parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
             continue
         conv: Any = int if ("int" in kind and "float" not in kind) else float if "float" in kind else str
-        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text,
-                            metavar=f.name.split("_")[-1].upper())
+        metavar = f.metadata.get("metavar") or f.name.split("_")[-1].upper()
+        optional = {} if f.metadata.get("const") is None else {"nargs": "?", "const": f.metadata["const"]}
+        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text, metavar=metavar, **optional)
 
 
 def build_parser() -> argparse.ArgumentParser:

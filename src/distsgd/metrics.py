@@ -16,6 +16,9 @@ Every event is one JSON object on one line of ``metrics.jsonl``:
 
 ``samples`` always counts training samples processed by all workers together; ``train_wall_s``
 is the training clock, which stops while the model is evaluated.
+
+Sinks take these events: :class:`JsonlWriter` (``metrics.jsonl``), :class:`TensorBoardWriter`
+(``--tensorboard``), the progress displays; :class:`Fanout` sends each event to several.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from distsgd.errors import ConfigError
 
 
 class Sink(Protocol):
@@ -60,6 +65,66 @@ class Fanout:
     def emit(self, event: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.emit(event)
+
+
+def require_tensorboard() -> None:
+    """Fail early, with the command that fixes it, when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'distsgd[tensorboard]'") from None
+
+
+class TensorBoardWriter:
+    """Writes the run's events as TensorBoard scalars (``torch.utils.tensorboard``), one run per
+    directory, so ``tensorboard --logdir runs/`` compares runs.
+
+    Every scalar's step is ``samples`` (all workers' training samples) and its wall time is the
+    run's start plus ``train_wall_s``, so TensorBoard's STEP axis reads samples and its WALL and
+    RELATIVE axes read training time (evaluation excluded).
+    """
+
+    TAGS: dict[str, dict[str, str]] = {
+        "progress": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
+                     "bytes_sent": "comm/bytes_sent"},
+        "eval": {"test_accuracy": "test/accuracy", "test_loss": "test/loss"},
+        "server": {"staleness_mean": "server/staleness_mean", "staleness_max": "server/staleness_max",
+                   "server_updates": "server/updates", "bytes_sent": "comm/bytes_sent"},
+    }
+    SUMMARY = ("final_test_accuracy", "final_test_loss", "samples_per_s", "time_to_target_s", "samples_to_target",
+               "bytes_sent_per_sample", "server_updates_per_s")
+
+    def __init__(self, logdir: Path, started: float, config_text: str = "") -> None:
+        require_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.logdir, self.started = logdir, started
+        self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
+        if config_text:
+            self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        tags = self.TAGS.get(event.get("event", ""))
+        if tags:
+            self._scalars(tags, event, int(event["samples"]), float(event.get("train_wall_s", 0.0)))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json's headline figures, under ``summary/``, at the run's last step."""
+        figures = {k: summary.get(k) for k in self.SUMMARY}
+        stale = summary.get("staleness")
+        if isinstance(stale, dict):
+            figures.update(staleness_mean=stale.get("mean"), staleness_p99=stale.get("p99"))
+        self._scalars({k: f"summary/{k}" for k in figures}, figures, int(summary["samples"]),
+                      float(summary["train_wall_s"]))
+
+    def _scalars(self, tags: dict[str, str], values: dict[str, Any], step: int, train_s: float) -> None:
+        for key, tag in tags.items():
+            value = values.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, value, step, walltime=self.started + train_s)
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class TrainClock:
