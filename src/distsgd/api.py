@@ -33,7 +33,8 @@ from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, DataError, ModelError
 from distsgd.launch.rendezvous import under_torchrun
-from distsgd.metrics import Fanout, JsonlWriter, first_reaching, make_progress
+from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reaching, make_progress,
+                             require_tensorboard)
 from distsgd.models import ModelSpec, build_model, check_fits, describe
 from distsgd.train.context import Job, WorkerResult
 from distsgd.train.objective import loss_function
@@ -154,6 +155,9 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
     torchrun = under_torchrun()
     cfg, algo_cls = settle(cfg, torchrun)
     chief = not torchrun or os.environ.get("RANK") == "0"
+    tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
+    if tb_dir is not None:
+        require_tensorboard()  # before any data is read or any process starts
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -171,13 +175,17 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
         planned = cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
+    tb = TensorBoardWriter(tb_dir, started, config_mod.to_toml(cfg)) if tb_dir is not None else None
+    sinks = [sink for sink in (writer, tb, progress) if sink is not None]
     try:
-        results = launch.run(job, algo_cls, Fanout(*filter(None, (writer, progress))), torchrun)
+        results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
+        summary = build_summary(cfg, dataset, spec, results, started, started_at)
+        if tb is not None:
+            tb.write_summary(summary)
     finally:
-        for sink in (writer, progress):
+        for sink in sinks:
             if hasattr(sink, "close"):
                 sink.close()
-    summary = build_summary(cfg, dataset, spec, results, started, started_at)
     if out is not None:
         atomic_write_json(summary, out / "summary.json")
         save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,

@@ -4,6 +4,8 @@
     distsgd eval --checkpoint runs/<run>/model.pt
     distsgd datasets
     distsgd algorithms
+    distsgd bench --algos single,allreduce --workers 2
+    distsgd compare runs/a runs/b
 
 A user mistake prints one ``error: ...`` line on stderr and exits 2.
 """
@@ -41,8 +43,9 @@ def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
             parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
             continue
         conv: Any = int if ("int" in kind and "float" not in kind) else float if "float" in kind else str
-        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text,
-                            metavar=f.name.split("_")[-1].upper())
+        metavar = f.metadata.get("metavar") or f.name.split("_")[-1].upper()
+        optional = {} if f.metadata.get("const") is None else {"nargs": "?", "const": f.metadata["const"]}
+        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text, metavar=metavar, **optional)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
     _add_run_flags(bench, skip=("algo", "workers"))
+    cmp = sub.add_parser("compare", help="the bench's table and plots for runs that already exist")
+    cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with its summary.json)")
+    cmp.add_argument("--out", help="where compare.md, compare.json and the plots go (created if need be; other "
+                                   "files there are left alone); default compare-<timestamp>")
+    cmp.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return parser
 
 
@@ -172,8 +180,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distsgd.bench import compare_runs
+    from distsgd.bench.report import table
+
+    out = Path(args.out) if args.out else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    report = compare_runs([Path(d) for d in args.run_dirs], out)
+    if not args.quiet:
+        header, rows = table(report)
+        widths = [max(len(cells[i]) for cells in [header, *rows]) for i in range(len(header))]
+        for cells in [header, ["-" * w for w in widths], *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+        print(f"wrote {out / 'compare.md'}, {out / 'compare.json'}" + "".join(f", {out / p}" for p in report["plots"]))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "datasets": cmd_datasets, "algorithms": cmd_algorithms,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:

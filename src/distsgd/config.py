@@ -30,9 +30,14 @@ PARTITIONS = ("sharded", "replicated")
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
-def setting(default: Any, help: str, flag: str | None = None) -> Any:
-    """A RunConfig field with its help text (the CLI's ``--help``) beside it."""
-    return field(default=default, metadata={"help": help, "flag": flag})
+def setting(default: Any, help: str, flag: str | None = None, const: Any = None, metavar: str | None = None) -> Any:
+    """A RunConfig field with its help text (the CLI's ``--help``) beside it.
+
+    ``const``: the flag's value is optional, and the flag alone means ``const`` (so does ``True``
+    in the Python API or a TOML file; ``False`` means unset). ``metavar`` names the value in
+    ``--help``.
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "const": const, "metavar": metavar})
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ class RunConfig:
     out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
     overwrite: bool = setting(False, "replace an existing run directory")
     quiet: bool = setting(False, "print nothing but errors")
+    tensorboard: str | None = setting(None, "write TensorBoard event files into DIR ({out} is the run directory); "
+                                            "the flag alone: <out>/tb", const="{out}/tb", metavar="DIR")
     # Process groups (the multi-process algorithms).
     backend: str = setting("gloo", "torch.distributed backend: gloo (CPU), nccl (GPU) or mpi; default gloo")
     init_method: str | None = setting(None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; "
@@ -154,6 +161,18 @@ class RunConfig:
         """``--sync-every`` parsed: H steps, or each epoch."""
         return parse_period(self.sync_every, "--sync-every", "steps")
 
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        """``--tensorboard`` resolved: ``{out}`` stands for the run directory; None: no TensorBoard."""
+        if self.tensorboard is None:
+            return None
+        if "{out}" in self.tensorboard:
+            if self.out is None:
+                raise ConfigError("--tensorboard without a directory writes into the run directory: "
+                                  "give --out (out= in Python) or --tensorboard DIR")
+            return Path(self.tensorboard.replace("{out}", self.out))
+        return Path(self.tensorboard)
+
     @functools.cached_property
     def straggler_spec(self) -> Straggler | None:
         return None if self.straggler is None else parse_straggler(self.straggler)
@@ -165,6 +184,9 @@ _FIELDS = {f.name: f for f in fields(RunConfig)}
 def _coerce(name: str, value: Any) -> Any:
     """Check a TOML or API value against the field's declared type."""
     annotation = str(_FIELDS[name].type)
+    const = _FIELDS[name].metadata.get("const")
+    if const is not None and isinstance(value, bool):  # an optional-value flag: True means its const
+        return const if value else None
     if value is None:
         if "None" in annotation:
             return None

@@ -2,11 +2,23 @@
 
 Every event is one JSON object on one line of ``metrics.jsonl``:
 
-- ``{"event": "progress", "samples", "epoch", "loss", "lr", "train_wall_s", "samples_per_s"}``
+- ``{"event": "progress", "samples", "epoch", "rank", "loss", "lr", "train_wall_s", "samples_per_s"}``
+  from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
+  the algorithm's own figures (``Algorithm.progress_figures``): ``bytes_sent`` for algorithms
+  that communicate through a process group or a token ring (all workers' bytes so far).
 - ``{"event": "eval", "samples", "epoch", "train_wall_s", "test_accuracy", "test_loss"}``
+- ``{"event": "server", "samples", "train_wall_s", "server_updates", "bytes_sent", "staleness_mean",
+  "staleness_max"}`` from a parameter server, as often as progress events: its updates so far,
+  the bytes the server and its workers have sent so far (what summary.json's ``bytes_sent`` adds
+  up at the end), and how stale the applied gradients were so far (versions; absent when the
+  server applies no gradients, as in async easgd).
+- ``{"event": "checkpoint", "seq", "samples", "epoch", "algo", "train_wall_s"}``
 
 ``samples`` always counts training samples processed by all workers together; ``train_wall_s``
 is the training clock, which stops while the model is evaluated.
+
+Sinks take these events: :class:`JsonlWriter` (``metrics.jsonl``), :class:`TensorBoardWriter`
+(``--tensorboard``), the progress displays; :class:`Fanout` sends each event to several.
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from distsgd.errors import ConfigError
 
 
 class Sink(Protocol):
@@ -53,6 +67,66 @@ class Fanout:
             sink.emit(event)
 
 
+def require_tensorboard() -> None:
+    """Fail early, with the command that fixes it, when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'distsgd[tensorboard]'") from None
+
+
+class TensorBoardWriter:
+    """Writes the run's events as TensorBoard scalars (``torch.utils.tensorboard``), one run per
+    directory, so ``tensorboard --logdir runs/`` compares runs.
+
+    Every scalar's step is ``samples`` (all workers' training samples) and its wall time is the
+    run's start plus ``train_wall_s``, so TensorBoard's STEP axis reads samples and its WALL and
+    RELATIVE axes read training time (evaluation excluded).
+    """
+
+    TAGS: dict[str, dict[str, str]] = {
+        "progress": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
+                     "bytes_sent": "comm/bytes_sent"},
+        "eval": {"test_accuracy": "test/accuracy", "test_loss": "test/loss"},
+        "server": {"staleness_mean": "server/staleness_mean", "staleness_max": "server/staleness_max",
+                   "server_updates": "server/updates", "bytes_sent": "comm/bytes_sent"},
+    }
+    SUMMARY = ("final_test_accuracy", "final_test_loss", "samples_per_s", "time_to_target_s", "samples_to_target",
+               "bytes_sent_per_sample", "server_updates_per_s")
+
+    def __init__(self, logdir: Path, started: float, config_text: str = "") -> None:
+        require_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.logdir, self.started = logdir, started
+        self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
+        if config_text:
+            self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        tags = self.TAGS.get(event.get("event", ""))
+        if tags:
+            self._scalars(tags, event, int(event["samples"]), float(event.get("train_wall_s", 0.0)))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json's headline figures, under ``summary/``, at the run's last step."""
+        figures = {k: summary.get(k) for k in self.SUMMARY}
+        stale = summary.get("staleness")
+        if isinstance(stale, dict):
+            figures.update(staleness_mean=stale.get("mean"), staleness_p99=stale.get("p99"))
+        self._scalars({k: f"summary/{k}" for k in figures}, figures, int(summary["samples"]),
+                      float(summary["train_wall_s"]))
+
+    def _scalars(self, tags: dict[str, str], values: dict[str, Any], step: int, train_s: float) -> None:
+        for key, tag in tags.items():
+            value = values.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, value, step, walltime=self.started + train_s)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class TrainClock:
     """Wall time spent training: ``pause()`` around evaluation so it does not count."""
 
@@ -82,17 +156,54 @@ class TrainClock:
         return now - self._start - self._paused_total
 
 
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.2MB' (powers of 1000)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}TB"  # pragma: no cover - the loop returns
+
+
+class _Figures:
+    """What the displays show besides loss and accuracy, as it was last reported: bytes sent (a
+    progress or server event) and a parameter server's staleness so far (a server event)."""
+
+    def __init__(self) -> None:
+        self.bytes_sent: float | None = None
+        self.staleness: float | None = None
+
+    def note(self, event: dict[str, Any]) -> None:
+        if event.get("event") not in ("progress", "server"):
+            return
+        if event.get("bytes_sent") is not None:
+            self.bytes_sent = event["bytes_sent"]
+        if event.get("staleness_mean") is not None:
+            self.staleness = event["staleness_mean"]
+
+    def items(self) -> dict[str, str]:
+        out = {}
+        if self.bytes_sent is not None:
+            out["sent"] = human_bytes(self.bytes_sent)
+        if self.staleness is not None:
+            out["staleness"] = f"{self.staleness:.2f}"
+        return out
+
+
 class LineProgress:
-    """Plain progress lines (for logs and pipes): one per evaluation and at most one per 10 s."""
+    """Plain progress lines (for logs and pipes): one per evaluation and at most one per 10 s,
+    with the bytes sent so far and, for a parameter server, the mean staleness so far."""
 
     def __init__(self, stream: TextIO | None = None, every_s: float = 10.0) -> None:
         self.stream = stream or sys.stderr
         self.every_s = every_s
         self._last = 0.0
         self._acc: float | None = None
+        self.figures = _Figures()
 
     def emit(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        self.figures.note(event)
         if kind == "eval":
             self._acc = event["test_accuracy"]
             acc = f"test_acc={event['test_accuracy']:.4f} " if event["test_accuracy"] is not None else ""
@@ -100,8 +211,9 @@ class LineProgress:
                         f"{acc}test_loss={event['test_loss']:.4f} train_s={event['train_wall_s']:.1f}")
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
+            extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
             self._write(f"train samples={event['samples']} epoch={event['epoch']:.2f} loss={event['loss']:.4f} "
-                        f"samples/s={event['samples_per_s']:.0f}")
+                        f"samples/s={event['samples_per_s']:.0f}{extra}")
 
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
@@ -112,25 +224,33 @@ class LineProgress:
 
 
 class BarProgress:
-    """A tqdm bar on a terminal: samples, loss, samples/s and the last test accuracy."""
+    """A tqdm bar on a terminal: samples, loss, samples/s, the last test accuracy, the bytes sent
+    so far and, for a parameter server, the mean staleness so far."""
 
     def __init__(self, total: int | None, desc: str) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="sample", unit_scale=True, desc=desc, dynamic_ncols=True, file=sys.stderr)
         self._acc: float | None = None
+        self._loss: float | None = None
+        self.figures = _Figures()
 
     def emit(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        self.figures.note(event)
         if kind == "eval":
             self._acc = event["test_accuracy"] if event["test_accuracy"] is not None else self._acc
-        if kind in ("progress", "eval"):
+        if kind == "progress":
+            self._loss = event["loss"]
+        if kind in ("progress", "eval", "server"):
             self.bar.update(max(0, event["samples"] - self.bar.n))
-            post = {"loss": f"{event['loss']:.4f}"} if "loss" in event else {}
-            if self._acc is not None:
-                post["test_acc"] = f"{self._acc:.4f}"
-            if post:
-                self.bar.set_postfix(post, refresh=False)
+            self.bar.set_postfix(self.postfix(), refresh=False)
+
+    def postfix(self) -> dict[str, str]:
+        post = {} if self._loss is None else {"loss": f"{self._loss:.4f}"}
+        if self._acc is not None:
+            post["test_acc"] = f"{self._acc:.4f}"
+        return {**post, **self.figures.items()}
 
     def close(self) -> None:
         self.bar.close()

@@ -27,6 +27,10 @@ launcher: :mod:`distsgd.launch`), and the loop's hooks, called in this order:
 - ``unwrap(model)``: this worker's own module, without the wrapper ``setup`` put round it.
 - ``state_dict()`` / ``load_state_dict(state)``: the algorithm's part of a checkpoint.
 - ``summary()``: extra keys for summary.json (``bytes_sent``, ``staleness``, ...).
+- ``progress_figures(ctx)``: extra keys for the reporting worker's ``progress`` events (and so
+  for metrics.jsonl, TensorBoard and the progress display), as of now: ``bytes_sent``, all
+  workers' bytes so far, for algorithms that communicate. It runs every ``--log-every`` steps,
+  so it must be cheap and must not communicate.
 
 Each algorithm's docstring states its update rule, its paper, and what happens to buffers
 (BatchNorm statistics) at each synchronisation.
@@ -136,6 +140,11 @@ class Algorithm:
     def summary(self) -> dict[str, Any]:
         return {}
 
+    def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
+        """Figures for this worker's next progress event (none: it does not communicate). A
+        parameter server's staleness and bytes come from the server's own ``server`` events."""
+        return {}
+
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -168,6 +177,10 @@ class GroupAlgorithm(Algorithm):
 
     topology: ClassVar[str] = GROUP
 
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.sent_alike = 0  # the part of bytes_sent that every worker sends alike (collectives)
+
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
         dist.barrier()
@@ -183,7 +196,21 @@ class GroupAlgorithm(Algorithm):
 
     def sent(self, nbytes: int, world: int) -> None:
         """Count an all-reduce of ``nbytes``: a ring all-reduce sends 2 (W-1)/W of it per worker."""
-        self.bytes_sent += int(2 * (world - 1) * nbytes / world)
+        share = int(2 * (world - 1) * nbytes / world)
+        self.bytes_sent += share
+        self.sent_alike += share
+
+    def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
+        """All workers' bytes so far, without asking them: every worker sends what ``sent`` counts
+        alike, and only this reporting worker (rank 0) sends anything else (DDP's broadcasts)."""
+        return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "sent_alike": self.sent_alike}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.sent_alike = state.get("sent_alike", 0)  # checkpoints written before it was counted
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """The model to return, then how far its replicas are apart (0.0: equal parameters and buffers)."""

@@ -173,6 +173,7 @@ class HogwildPP(Hogwild):
         self.ring: RingState = ring
         self.old = ring.old[self.cluster]
         self.hold_steps = self.cfg.update_delay * size  # tau0 updates per worker of the cluster
+        self.exchange_bytes = sum(p.numel() * p.element_size() for p in self.mine)  # what _exchange counts
         return model
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
@@ -206,6 +207,10 @@ class HogwildPP(Hogwild):
         self.old.copy_(new_i)
         self.bytes_sent += w_i.numel() * w_i.element_size()
         self.ring.passes += 1
+
+    def progress_figures(self, ctx: WorkerContext) -> dict[str, Any]:
+        """Every cluster's exchanges so far (counted in shared memory), each one model's weights."""
+        return {"bytes_sent": int(self.ring.passes[0]) * self.exchange_bytes}
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()

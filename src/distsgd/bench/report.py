@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import statistics
 from pathlib import Path
@@ -20,14 +21,25 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+SETTINGS = ("dataset", "model", "epochs", "max_samples", "batch_size", "lr", "momentum", "optimizer", "eval_every",
+            "target_accuracy", "threads_per_worker", "partition", "straggler", "seed")  # shown above a table
+
+
 def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig, repeats: int) -> dict[str, Any]:
-    """Group the runs by (algorithm, workers) and compute medians with min-max over repeats."""
+    """A bench's report: its runs grouped by (algorithm, workers), medians with min-max over repeats."""
+    settings = {k: v for k, v in base.to_dict().items() if k in SETTINGS}
+    return {"date": _dt.date.today().isoformat(), "machine": machine, "settings": settings, "repeats": repeats,
+            "rows": rows(runs), "runs": runs}
+
+
+def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (label, workers) of ``runs`` (entries {algo: label, workers, repeat, summary}):
+    the figures of the table, each a median with min-max over the group's repeats."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for entry in runs:
         groups.setdefault((entry["algo"], entry["workers"]), []).append(entry["summary"])
-    single = [s["samples_per_s"] for (a, w), ss in groups.items() if a.split("[")[0] == "single" and w == 1
-              for s in ss]
-    rows = []
+    single = [s["samples_per_s"] for (a, w), ss in groups.items() if w == 1 for s in ss if s["algo"] == "single"]
+    out = []
     for (algo, workers), summaries in groups.items():
         own_one = [s["samples_per_s"] for s in groups.get((algo, 1), [])]
         baseline = statistics.median(single) if single else (statistics.median(own_one) if own_one else None)
@@ -35,7 +47,7 @@ def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig,
         reached = [s for s in summaries if s["time_to_target_s"] is not None]
         stale = [s["staleness"] for s in summaries if isinstance(s.get("staleness"), dict)
                  and s["staleness"].get("mean") is not None]
-        rows.append({
+        out.append({
             "algo": algo, "workers": workers, "repeats": len(summaries),
             "threads_per_worker": summaries[0]["threads_per_worker"],
             "samples_per_s": throughput,
@@ -51,11 +63,17 @@ def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig,
             "staleness_max": _stats([st["max"] for st in stale]),
             "failed_workers": sorted({w for s in summaries for w in s.get("failed_workers", [])}),
         })
-    settings = {k: v for k, v in base.to_dict().items()
-                if k in ("dataset", "model", "epochs", "max_samples", "batch_size", "lr", "momentum", "optimizer",
-                         "eval_every", "target_accuracy", "threads_per_worker", "partition", "straggler", "seed")}
-    return {"date": _dt.date.today().isoformat(), "machine": machine, "settings": settings, "repeats": repeats,
-            "rows": rows, "runs": runs}
+    return out
+
+
+def write(report: dict[str, Any], out: Path, name: str) -> list[str]:
+    """What bench and compare both write into ``out``: ``<name>.json`` (the report), ``<name>.md``
+    (:func:`markdown`) and the plots (:func:`plots`); returns the plots' file names."""
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")  # kept even if plotting fails
+    (out / f"{name}.md").write_text(markdown(report))
+    report["plots"] = plots(report, out)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report["plots"]
 
 
 def _fmt(stat: dict[str, float] | None, fmt: str = "{:.0f}", spread: bool = True) -> str:
@@ -67,10 +85,46 @@ def _fmt(stat: dict[str, float] | None, fmt: str = "{:.0f}", spread: bool = True
     return text
 
 
-def markdown(bench: dict[str, Any]) -> str:
+def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The table's header and rows as text cells (the markdown table, and compare's terminal table)."""
+    target = report["settings"].get("target_accuracy")
+    header = ["run" if report.get("kind") == "compare" else "algorithm", "workers", "threads/worker", "samples/s",
+              "scaling eff.", f"time to {_pct(target)} (s)", f"samples to {_pct(target)}", "reached", "final acc",
+              "bytes/sample", "staleness mean / p99"]
+    cells = []
+    for r in report["rows"]:
+        stale = "-" if r["staleness_mean"] is None else \
+            f"{r['staleness_mean']['median']:.2f} / {r['staleness_p99']['median']:.0f}"
+        eff = "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency']:.2f}"
+        cells.append([r["algo"], str(r["workers"]), str(r["threads_per_worker"]), _fmt(r["samples_per_s"]), eff,
+                      _fmt(r["time_to_target_s"], "{:.1f}"), _fmt(r["samples_to_target"], "{:.0f}", False),
+                      r["reached_target"], _fmt(r["final_test_accuracy"], "{:.4f}"),
+                      _fmt(r["bytes_sent_per_sample"], "{:.0f}", False), stale])
+    return header, cells
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """``bench.md`` or ``compare.md``: what was compared, the table, and how to read it."""
+    lines = _compare_heading(report) if report.get("kind") == "compare" else _bench_heading(report)
+    header, cells = table(report)
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    for r in report["rows"]:
+        if r["failed_workers"]:
+            lines.append(f"\n{r['algo']} x{r['workers']}: failed workers {r['failed_workers']}")
+    lines.append("")
+    if report.get("kind") == "compare":
+        lines.append("Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker `single` run among "
+                     "those compared; - without one).")
+    else:
+        lines.append("Scaling efficiency: samples/s over (workers x the 1-worker `single` samples/s, or the "
+                     "algorithm's own 1-worker run when `single` is not in the bench).")
+    return "\n".join(lines) + "\n"
+
+
+def _bench_heading(bench: dict[str, Any]) -> list[str]:
     m, s = bench["machine"], bench["settings"]
-    target = s.get("target_accuracy")
-    lines = [
+    return [
         f"# distsgd bench, {bench['date']}",
         "",
         f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores; torch {m['torch_version']}, Python {m['python']}.",
@@ -78,34 +132,29 @@ def markdown(bench: dict[str, Any]) -> str:
         f"Medians over {bench['repeats']} repeat(s), with (min-max) where they differ. Configurations ran one "
         "after another.",
         "",
-        f"| algorithm | workers | threads/worker | samples/s | scaling eff. | time to {_pct(target)} (s) "
-        f"| samples to {_pct(target)} | reached | final acc | bytes/sample | staleness mean / p99 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in bench["rows"]:
-        stale = "-" if r["staleness_mean"] is None else \
-            f"{r['staleness_mean']['median']:.2f} / {r['staleness_p99']['median']:.0f}"
-        eff = "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency']:.2f}"
-        lines.append(
-            f"| {r['algo']} | {r['workers']} | {r['threads_per_worker']} | {_fmt(r['samples_per_s'])} | {eff} "
-            f"| {_fmt(r['time_to_target_s'], '{:.1f}')} | {_fmt(r['samples_to_target'], '{:.0f}', False)} "
-            f"| {r['reached_target']} | {_fmt(r['final_test_accuracy'], '{:.4f}')} "
-            f"| {_fmt(r['bytes_sent_per_sample'], '{:.0f}', False)} | {stale} |")
-    failed = [r for r in bench["rows"] if r["failed_workers"]]
-    for r in failed:
-        lines.append(f"\n{r['algo']} x{r['workers']}: failed workers {r['failed_workers']}")
-    lines.append("")
-    lines.append("Scaling efficiency: samples/s over (workers x the 1-worker `single` samples/s, or the "
-                 "algorithm's own 1-worker run when `single` is not in the bench).")
-    return "\n".join(lines) + "\n"
+
+
+def _compare_heading(report: dict[str, Any]) -> list[str]:
+    hosts = sorted({e["summary"].get("host", "?") for e in report["runs"]})
+    lines = [f"# distsgd compare, {report['date']}", "", "| run | directory | started | host |", "|---|---|---|---|"]
+    lines += [f"| {e['algo']} | {e['run_dir']} | {e['summary'].get('started_at', '-')} | "
+              f"{e['summary'].get('host', '-')} |" for e in report["runs"]]
+    shared = ", ".join(f"{k}={v}" for k, v in report["settings"].items() if v is not None)
+    lines += ["", f"Settings all runs share: {shared or 'none'}."]
+    if len(hosts) > 1:
+        lines.append(f"The runs ran on different machines ({', '.join(hosts)}): compare their speeds with care.")
+    lines += ["Each run is its own row: figures from its summary.json.", ""]
+    return lines
 
 
 def _pct(target: float | None) -> str:
     return "target" if target is None else f"{target:.0%}"
 
 
-def plots(bench: dict[str, Any], out: Path) -> list[str]:
-    """accuracy_vs_time.png, accuracy_vs_samples.png, throughput_vs_workers.png (needs matplotlib)."""
+def plots(report: dict[str, Any], out: Path) -> list[str]:
+    """accuracy_vs_time.png, accuracy_vs_samples.png, and throughput_vs_workers.png (a bench) or
+    throughput_vs_time.png (runs that carry their ``throughput`` curve: compare). Needs matplotlib."""
     try:
         import matplotlib
 
@@ -114,9 +163,7 @@ def plots(bench: dict[str, Any], out: Path) -> list[str]:
     except ImportError:
         log.warning("matplotlib is not installed: no plots (pip install 'distsgd[bench]')")
         return []
-    firsts = [e for e in bench["runs"] if e["repeat"] == 0]
-    colors = plt.get_cmap("tab20").colors
-    styles = ["-", "--", "-.", ":"]
+    firsts = [e for e in report["runs"] if e["repeat"] == 0]
     written = []
     for x_key, name, xlabel in (("train_wall_s", "accuracy_vs_time.png", "training time (s)"),
                                 ("samples", "accuracy_vs_samples.png", "training samples (all workers)")):
@@ -124,33 +171,54 @@ def plots(bench: dict[str, Any], out: Path) -> list[str]:
         for i, e in enumerate(firsts):
             evals = e["summary"]["evals"]
             ax.plot([v[x_key] for v in evals], [v["test_accuracy"] for v in evals], marker=".", markersize=3,
-                    color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20], linestyle=styles[i // 5 % 4],
-                    label=f"{e['algo']} x{e['workers']}")
-        target = bench["settings"].get("target_accuracy")
+                    label=f"{e['algo']} x{e['workers']}", **_style(plt, i))
+        target = report["settings"].get("target_accuracy")
         if target:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+        _save(plt, fig, ax, xlabel, "test accuracy", out / name)
         written.append(name)
+    if any(e.get("throughput") for e in firsts):
+        written.append(_throughput_vs_time(plt, firsts, out))
+    else:
+        written.append(_throughput_vs_workers(plt, report["rows"], out))
+    return written
+
+
+def _style(plt: Any, i: int) -> dict[str, Any]:
+    """Line i's colour and dash: 20 colours, then other dashes."""
+    colors = plt.get_cmap("tab20").colors
+    return {"color": colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
+            "linestyle": ["-", "--", "-.", ":"][i // 5 % 4]}
+
+
+def _save(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, path: Path, legend_cols: int = 2) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=legend_cols)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _throughput_vs_workers(plt: Any, rows: list[dict[str, Any]], out: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
     by_algo: dict[str, list[tuple[int, float]]] = {}
-    for r in bench["rows"]:
+    for r in rows:
         if r["samples_per_s"]:
             by_algo.setdefault(r["algo"], []).append((r["workers"], r["samples_per_s"]["median"]))
     for algo, points in by_algo.items():
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=algo)
-    ax.set_xlabel("workers")
-    ax.set_ylabel("samples/s (median)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "throughput_vs_workers.png", dpi=110)
-    plt.close(fig)
-    written.append("throughput_vs_workers.png")
-    return written
+    _save(plt, fig, ax, "workers", "samples/s (median)", out / "throughput_vs_workers.png", legend_cols=1)
+    return "throughput_vs_workers.png"
+
+
+def _throughput_vs_time(plt: Any, runs: list[dict[str, Any]], out: Path) -> str:
+    """Each run's samples/s as its progress events reported it, against training time."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, e in enumerate(runs):
+        points = e.get("throughput") or []
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=f"{e['algo']} x{e['workers']}", **_style(plt, i))
+    _save(plt, fig, ax, "training time (s)", "samples/s (all workers, since the start)", out / "throughput_vs_time.png")
+    return "throughput_vs_time.png"

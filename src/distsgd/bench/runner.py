@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import re
@@ -136,8 +135,5 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
             if on_run is not None:
                 on_run(entry)
     bench = report.derive(runs, machine_facts(), base, repeats)
-    (out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
-    (out / "bench.md").write_text(report.markdown(bench))
-    bench["plots"] = report.plots(bench, out)
-    (out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    report.write(bench, out, "bench")
     return bench

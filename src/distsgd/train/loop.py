@@ -189,7 +189,8 @@ class _Worker:
             log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, self.gs)
         self.ctx.sink.emit({"event": "progress", "samples": self.gs, "epoch": round(self.state.local / self.per_epoch, 4),
                             "rank": self.ctx.rank, "loss": mean_loss, "lr": self.optimizer.param_groups[0]["lr"],
-                            "train_wall_s": elapsed, "samples_per_s": self.gs / elapsed if elapsed > 0 else 0.0})
+                            "train_wall_s": elapsed, "samples_per_s": self.gs / elapsed if elapsed > 0 else 0.0,
+                            **self.algo.progress_figures(self.ctx)})
         self.loss_sum.zero_()
         self.loss_steps = 0
 

@@ -50,6 +50,7 @@ class ParameterServer:
         self.staleness: Counter[int] = Counter()
         self.stop = False
         self.bytes_sent = 0
+        self.bytes_received = 0  # what the workers sent: their pushes and exchanges
         self._waiting: list[Future] = []  # workers at a barrier
         self._started = False
         self._buffers: dict[int, torch.Tensor] = {}  # every worker's latest floating-point buffers
@@ -82,6 +83,7 @@ class ParameterServer:
         with self.lock:
             self.counts[rank] = local_samples
             self.clocks[rank] += 1
+            self.bytes_received += sum(t.numel() * t.element_size() for t in (grad, *(buffers or ())))
             if buffers is not None:
                 self._buffers[rank], self._ints = buffers
             self.rule.on_push(self, rank, grad, version_read, fut)
@@ -94,6 +96,7 @@ class ParameterServer:
         """Async EASGD's elastic exchange (:class:`.rules.Elastic`): returns (d, version, samples, stop)."""
         with self.lock:
             self.counts[rank] = local_samples
+            self.bytes_received += x.numel() * x.element_size() + ints.numel() * ints.element_size()
             diff = self.rule.exchange(self, rank, x, ints)
             self.version += 1
             self.bytes_sent += diff.numel() * diff.element_size()
@@ -173,13 +176,14 @@ class ParameterServer:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "version": self.version, "counts": list(self.counts),
                 "clocks": list(self.clocks), "staleness": {str(k): v for k, v in self.staleness.items()},
-                "bytes_sent": self.bytes_sent, "buffers": {str(r): b.clone() for r, b in self._buffers.items()},
-                "ints": self._ints}
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "buffers": {str(r): b.clone() for r, b in self._buffers.items()}, "ints": self._ints}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.bytes_sent = state["version"], state["bytes_sent"]
+        self.bytes_received = state.get("bytes_received", 0)  # checkpoints written before it was counted
         self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
         self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
         self._buffers = {int(r): b for r, b in state["buffers"].items()}
@@ -187,6 +191,16 @@ class ParameterServer:
 
     def staleness_summary(self) -> dict[str, Any]:
         return staleness_stats(self.staleness)
+
+    def figures(self) -> dict[str, Any]:
+        """The server's figures so far, for a ``server`` event (call with the lock held): updates,
+        every byte sent by the server and its workers, and the staleness of applied gradients."""
+        out: dict[str, Any] = {"server_updates": self.version, "bytes_sent": self.bytes_sent + self.bytes_received}
+        n = sum(self.staleness.values())
+        if n:
+            out["staleness_mean"] = sum(v * c for v, c in self.staleness.items()) / n
+            out["staleness_max"] = max(self.staleness)
+        return out
 
 
 def _complete(done: list[tuple[Future, Any]]) -> None:

@@ -15,7 +15,7 @@ from distsgd.checkpoint import gather, load_worker_state, scatter
 from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
 from distsgd.models import build_model
-from distsgd.train.context import Job, WorkerResult
+from distsgd.train.context import Every, Job, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.optim import build_optimizer
 
@@ -30,12 +30,19 @@ class ServerRole:
     consistent version, with the clock paused since the workers wait on the lock) and evaluates
     the copies after training. With ``cfg.resume`` it starts from the server state saved in
     worker 0's checkpoint file (sync-ps).
+
+    While it serves, the role emits a ``server`` event (updates, bytes sent, staleness so far:
+    :meth:`.core.ParameterServer.figures`) each time the run passes another ``log_every`` steps of
+    every worker, and once at the end. The server reports staleness, not the workers: it is the
+    one that knows every push's (a worker sees only its own, and under ssp a held worker's reply
+    carries versions applied while it waited), and it has the run's sink under torchrun too.
     """
 
     def __init__(self, job: Job, rule: Rule, workers: int, sink: Any) -> None:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
-        self.cfg = cfg
+        self.cfg, self.sink = cfg, sink
+        self.report_at = Every(cfg.log_every * cfg.batch_size * workers)  # as often as a worker's progress
         self.model = build_model(job.model, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
         per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
@@ -60,6 +67,17 @@ class ServerRole:
         if self.watcher.observe(total):
             self.server.stop = True
 
+    def _report(self, final: bool = False) -> None:
+        """Emit a ``server`` event if the run passed another reporting point (or at the end). The
+        lock is held only to read the figures; the event is sent outside it."""
+        total = self.server.total_samples()
+        if not self.report_at.due(total) and not final:
+            return
+        with self.server.lock:
+            figures = self.server.figures()
+            total = self.server.total_samples()
+        self.sink.emit({"event": "server", "samples": total, "train_wall_s": self.watcher.clock.elapsed(), **figures})
+
     def run(self, dead: Callable[[], set[int]] = set) -> WorkerResult:
         """Serve until every worker has finished or died; return the chief WorkerResult."""
         server = self.server
@@ -67,7 +85,9 @@ class ServerRole:
             for rank in dead() & server.active:
                 log.warning("worker %d died; the server carries on without it", rank - 1)
                 server.finished(rank)
+            self._report()
             time.sleep(0.01)
+        self._report(final=True)
         total = server.total_samples()
         server.sync_buffers()  # the model returned carries the workers' statistics
         train_wall_s, evals = self.watcher.finish(total)

@@ -1,0 +1,113 @@
+"""distsgd compare: the bench's table and plots for runs that already exist.
+
+Each run directory gives its ``summary.json`` (the table's figures, the accuracy curves), its
+``config.toml`` (the settings the runs share, shown above the table) and its ``metrics.jsonl``
+(the samples/s curve of ``throughput_vs_time.png``). Nothing is re-run. The report is written
+by :func:`.report.write`, as a bench's is: ``compare.json``, ``compare.md`` and the PNGs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from distsgd import config as config_mod
+from distsgd.bench import report
+from distsgd.errors import ConfigError, DistsgdError
+
+log = logging.getLogger(__name__)
+
+# What the table and the plots read from each summary.json.
+NEEDED = ("algo", "workers", "samples", "samples_per_s", "threads_per_worker", "final_test_accuracy",
+          "time_to_target_s", "samples_to_target", "evals")
+
+
+def compare_runs(run_dirs: list[Path], out: Path) -> dict[str, Any]:
+    """Read every run in ``run_dirs``, write the report into ``out`` (created if need be; only the
+    report's own files are replaced) and return it."""
+    if not run_dirs:
+        raise ConfigError("compare needs at least one run directory")
+    entries = [load_run(d) for d in run_dirs]
+    for entry, label in zip(entries, _labels(entries)):
+        entry["algo"] = label
+    result = {"kind": "compare", "date": _dt.date.today().isoformat(), "settings": _shared_settings(entries),
+              "repeats": 1, "rows": report.rows(entries), "runs": entries}
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    report.write(result, out, "compare")
+    return result
+
+
+def load_run(run_dir: Path) -> dict[str, Any]:
+    """A run as the report reads it: {run_dir, workers, repeat, summary, settings, throughput}."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory (compare takes run directories)")
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no summary.json: not a finished distsgd run")
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    missing = [k for k in NEEDED if not isinstance(summary, dict) or k not in summary]
+    if missing:
+        raise ConfigError(f"{path} is not a distsgd summary (no {', '.join(missing)})")
+    return {"algo": summary["algo"], "workers": summary["workers"], "repeat": 0, "run_dir": str(run_dir),
+            "summary": summary, "settings": _settings(run_dir, summary), "throughput": _throughput(run_dir)}
+
+
+def _settings(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings from its config.toml (the summary's few when it has none, or a bad one)."""
+    path = run_dir / "config.toml"
+    try:
+        values = config_mod.load_toml(path).to_dict() if path.is_file() else summary
+    except DistsgdError as exc:
+        log.warning("%s: %s; using its summary.json", path, exc)
+        values = summary
+    return {k: values.get(k) for k in report.SETTINGS}
+
+
+def _throughput(run_dir: Path) -> list[tuple[float, float]]:
+    """(training time, samples/s) of every progress event in metrics.jsonl, in time order; lines a
+    crashed run left half-written are skipped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        log.warning("%s has no metrics.jsonl: no throughput curve for it", run_dir)
+        return []
+    points = []
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and event.get("event") == "progress" \
+                    and isinstance(event.get("train_wall_s"), (int, float)) \
+                    and isinstance(event.get("samples_per_s"), (int, float)):
+                points.append((float(event["train_wall_s"]), float(event["samples_per_s"])))
+    return sorted(points)
+
+
+def _shared_settings(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The settings every run has alike (so the table's header can name them once)."""
+    first = entries[0]["settings"]
+    return {k: v for k, v in first.items() if all(e["settings"].get(k) == v for e in entries[1:])}
+
+
+def _labels(entries: list[dict[str, Any]]) -> list[str]:
+    """Each run's name in the table: its directory's name, with the algorithm when the name lacks
+    it; the path as given when two directories have the same name."""
+    names = [Path(e["run_dir"]).name or e["run_dir"] for e in entries]
+    if len(set(names)) < len(names):
+        names = [e["run_dir"] for e in entries]
+    labels = [n if e["summary"]["algo"] in n else f"{n} ({e['summary']['algo']})" for n, e in zip(names, entries)]
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):  # the same directory given twice
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            labels[i] = f"{label} #{seen[label]}"
+    return labels

@@ -1,0 +1,118 @@
+"""distsgd compare: two small real runs side by side, the files it writes, and its bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distsgd import cli
+from distsgd.bench.compare import _labels
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A single-process run and a two-worker all-reduce run of the same job."""
+    root = tmp_path_factory.mktemp("runs")
+    common = ["--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--log-every", "5",
+              "--target-accuracy", "0.3", "--quiet"]
+    for name, algo in (("base", ["--algo", "single"]), ("two", ["--algo", "allreduce", "--workers", "2"])):
+        res = run_cli("train", *algo, *common, "--out", str(root / name), timeout=180)
+        assert res.returncode == 0, res.stderr
+    return root / "base", root / "two"
+
+
+def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    base, two = two_runs
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")  # an existing --out keeps what it had
+    res = run_cli("compare", str(base), str(two), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    s_base, s_two = (json.loads((d / "summary.json").read_text()) for d in two_runs)
+    # the terminal table: a header, a rule, one row a run
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:2] == ["run", "workers"] and set(lines[1]) <= {"-", " "}
+    assert lines[2].split()[:4] == ["base", "(single)", "1", str(s_base["threads_per_worker"])]
+    assert lines[3].split()[:3] == ["two", "(allreduce)", "2"]
+    assert lines[-1].startswith(f"wrote {out / 'compare.md'}")
+    md = (out / "compare.md").read_text()
+    assert "time to 30% (s)" in md and "Settings all runs share: dataset=digits, model=mlp, epochs=2" in md
+    assert f"| base (single) | 1 | {s_base['threads_per_worker']} | {s_base['samples_per_s']:.0f} | 1.00 |" in md
+    row_two = next(line for line in md.splitlines() if line.startswith("| two (allreduce) | 2 |"))
+    assert f"| {s_two['final_test_accuracy']:.4f} | {s_two['bytes_sent_per_sample']:.0f} |" in row_two
+    report = json.loads((out / "compare.json").read_text())
+    assert [r["algo"] for r in report["rows"]] == ["base (single)", "two (allreduce)"]
+    assert report["rows"][1]["scaling_efficiency"] == pytest.approx(
+        s_two["samples_per_s"] / (2 * s_base["samples_per_s"]))
+    assert report["plots"] == ["accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput_vs_time.png"]
+    for png in report["plots"]:
+        assert (out / png).read_bytes()[:8] == PNG
+    assert (out / "notes.txt").read_text() == "mine"
+    # the throughput curve is the run's progress events
+    progress = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    progress = [e for e in progress if e["event"] == "progress"]
+    assert [p[1] for p in report["runs"][1]["throughput"]] == [e["samples_per_s"] for e in progress]
+
+
+def test_progress_events_carry_all_workers_bytes(two_runs: tuple[Path, Path]) -> None:
+    """All-reduce sends the same bytes every step from every worker: a progress event's bytes_sent
+    is the run's total so far, in proportion to the steps taken."""
+    _, two = two_runs
+    summary = json.loads((two / "summary.json").read_text())
+    events = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress and all("bytes_sent" in e for e in progress)
+    steps_total = 2 * -(-718 // 64)  # 2 epochs of ceil(718 / 64) steps per worker
+    per_step = summary["bytes_sent"] / steps_total
+    for e in progress:
+        steps = 5 * (progress.index(e) + 1)
+        assert e["bytes_sent"] == pytest.approx(per_step * steps)
+
+
+def test_bad_run_directories_are_one_error_line(two_runs: tuple[Path, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    base, _ = two_runs
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "summary.json").write_text('{"algo": "single"')
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "summary.json").write_text('{"algo": "single", "workers": 1}')
+    cases = {str(empty): "has no summary.json", str(tmp_path / "nowhere"): "is not a directory",
+             str(broken): "cannot read", str(partial): "is not a distsgd summary (no samples, samples_per_s"}
+    for bad, message in cases.items():
+        out = tmp_path / "out"
+        code = cli.main(["compare", str(base), bad, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
+        assert not (out / "compare.md").exists()
+
+
+def test_no_arguments_and_a_subprocess_have_no_traceback(tmp_path: Path) -> None:
+    res = run_cli("compare")
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: the following arguments are required: RUN_DIR (see `distsgd compare --help`)"]
+    res = run_cli("compare", str(tmp_path), "--out", str(tmp_path / "cmp"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr == f"error: {tmp_path} has no summary.json: not a finished distsgd run\n"
+
+
+def test_labels_name_each_run_once() -> None:
+    def entry(path: str, algo: str) -> dict:
+        return {"run_dir": path, "summary": {"algo": algo}}
+
+    assert _labels([entry("runs/20260101-asgd", "asgd"), entry("runs/b", "single")]) == \
+        ["20260101-asgd", "b (single)"]
+    assert _labels([entry("x/run", "asgd"), entry("y/run", "asgd")]) == ["x/run (asgd)", "y/run (asgd)"]
+    assert _labels([entry("a", "ssp"), entry("a", "ssp")]) == ["a (ssp)", "a (ssp) #2"]
