@@ -48,7 +48,7 @@ class Digits(torch.utils.data.Dataset):
 
 def make():
     d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0
+    x = (torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0 - 0.3) / 0.38  # about mean 0, std 1
     y = torch.tensor(d.target)
     return Digits(x[:1500], y[:1500], True), Digits(x[1500:], y[1500:], False)
 '''

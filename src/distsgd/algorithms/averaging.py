@@ -50,6 +50,18 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], add: bool = 
             offset += n
 
 
+def flat_view_(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Move ``tensors`` (parameters) into one new flat buffer and make each a view of its piece;
+    return the buffer. Writing the buffer then writes them all, with one copy."""
+    flat = flatten(tensors).clone()
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.data = flat[offset:offset + n].view_as(t)
+        offset += n
+    return flat
+
+
 def add_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Add consecutive pieces of ``flat`` to ``tensors`` in place."""
     unflatten_into(flat, tensors, add=True)

@@ -139,7 +139,6 @@ class AsyncEASGD(_Check, ServerAlgorithm):
             return
         x, ints = flatten(self.x), flatten(self.x_ints)
         diff, self.version, self.total, self.stop = self.client.exchange(x, ints, local_samples)
-        self.bytes_sent += x.numel() * x.element_size() + ints.numel() * ints.element_size()
         unflatten_into(x - self.alpha * diff, self.x)
 
     def summary(self) -> dict[str, Any]:

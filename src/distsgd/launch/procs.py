@@ -66,7 +66,7 @@ def mp_context() -> Any:
     ctx.set_forkserver_preload(["distsgd._preload"])
     # The server starts ignoring Ctrl-C (the launcher handles it and stops the workers; otherwise
     # a Ctrl-C while the server imports torch prints its traceback). Workers restore the handler.
-    with child_env(TORCH_CPP_LOG_LEVEL="ERROR"), _sigint_ignored():  # TensorPipe logs closed pipes
+    with child_env(TORCH_CPP_LOG_LEVEL="ERROR"), _sigint_ignored(), _main_only_if_readable():
         forkserver.ensure_running()
     global _WARM_SERVER
     server = getattr(forkserver._forkserver, "_forkserver_pid", None)
@@ -74,7 +74,8 @@ def mp_context() -> Any:
         # Wait until the server has imported everything: a worker asked for before then would be
         # forked later, and a Ctrl-C meanwhile would leave it to start after the launcher is gone.
         p = ctx.Process(target=_nothing, name="distsgd-warmup")
-        p.start()
+        with _main_only_if_readable():
+            p.start()
         p.join()
         _WARM_SERVER = server
     return ctx
@@ -258,18 +259,19 @@ def spawned(cfg: RunConfig, target: Any, roles: list[tuple[str, int]],
             args: Callable[[int, Any], tuple]) -> Iterator[tuple[list[Any], Inbox]]:
     """Start one process per role (``args(i, out)`` gives the i-th one's arguments, ``out`` the
     writing end of its pipe); yield them and the inbox of their pipes; reap them all on exit."""
-    mpc = mp_context()
     inbox = Inbox()
     procs: list[Any] = []
     try:
-        for i, (role, rank) in enumerate(roles):
-            read, write = mpc.Pipe(duplex=False)
-            inbox.add(read)
-            p = mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
-                            args=(dict(os.environ), target, args(i, write)))
-            p.start()
-            write.close()  # the worker holds it now
-            procs.append(p)
+        with _main_only_if_readable():
+            mpc = mp_context()
+            for i, (role, rank) in enumerate(roles):
+                read, write = mpc.Pipe(duplex=False)
+                inbox.add(read)
+                p = mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
+                                args=(dict(os.environ), target, args(i, write)))
+                p.start()
+                write.close()  # the worker holds it now
+                procs.append(p)
         record_workers(cfg, procs, roles)
         yield procs, inbox
     finally:
@@ -277,6 +279,23 @@ def spawned(cfg: RunConfig, target: Any, roles: list[tuple[str, int]],
         if cfg.out:
             (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
         inbox.close()
+
+
+@contextlib.contextmanager
+def _main_only_if_readable() -> Iterator[None]:
+    """A worker started by spawn or the fork server first runs the launcher's main script again,
+    from its ``__file__``; for a script read from stdin (``python -``) there is no file to run, and
+    the worker would die at once. Hide such a ``__file__`` while workers start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 # What a worker says when a peer, not itself, went wrong.
@@ -332,7 +351,7 @@ class Supervisor:
         while not done() and time.monotonic() < deadline:
             self.poll(0.05)
 
-    def blame(self, what: str = "worker") -> WorkerError:
+    def blame(self, name: Callable[[int], str] = lambda rank: f"worker {rank}") -> WorkerError:
         """Name the worker that caused a failure, not one that merely lost its connection to it.
 
         When one worker dies, its peers soon fail too, with "connection reset" errors that may
@@ -344,7 +363,7 @@ class Supervisor:
         causes = [r for r, text in self.said.items() if not any(s in text for s in _PEER_SYMPTOMS)]
         rank = (silent or causes or list(self.said) or sorted(self.failed()))[0]
         error = WorkerInputError if rank in self.users else WorkerError
-        return error(f"{what} {rank} failed: {self.reason(rank)}")
+        return error(f"{name(rank)} failed: {self.reason(rank)}")
 
 
 def describe_exit(code: int | None) -> str:

@@ -1,6 +1,7 @@
 """The parameter-server topology (asgd, sync-ps, ssp, dcasgd, async easgd): rank 0 serves, ranks
-1..N train. How they talk and what the server does are the algorithm's (its ``serve`` and
-``connect`` class methods); this module starts, joins and supervises the processes.
+1..N train, in one gloo process group (the server's messages are point-to-point). What the
+server does is the algorithm's (its ``serve`` class method); this module starts, joins and
+supervises the processes.
 
 Locally, a worker that dies is recorded in ``failed_workers`` and the server carries on without
 it (unless the run checkpoints: then it stops, pointing at ``--resume``); if the server dies, the
@@ -17,14 +18,20 @@ import torch
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
-from distsgd.launch.rendezvous import LOOPBACK, free_port, loopback_only
+from distsgd.launch.rendezvous import (LOOPBACK, check_init_method, free_port, init_group, init_torchrun_group,
+                                       leave_group, loopback_only)
 from distsgd.metrics import NullSink, Sink
 from distsgd.train.context import Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
 
 def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
-    """Under torchrun rank 0 serves, so the workers are the group's size less one."""
+    """Under torchrun rank 0 serves, so the workers are the group's size less one; the messages are
+    CPU tensors over gloo."""
+    if cfg.backend != "gloo":
+        raise ConfigError(f"{cfg.algo} sends CPU tensors between the server and its workers over gloo: "
+                          f"use --backend gloo")
+    check_init_method(cfg.init_method)
     if not torchrun:
         return cfg
     cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]) - 1)
@@ -37,18 +44,21 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
     if not torchrun:
         return _run_local(job, algo_cls, sink)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if rank == 0:
-        chief = algo_cls.serve(job, world, "env://", sink)
-        chief.extra["failed_workers"] = []
-        return [chief]
-    return [_work(job, algo_cls, rank, world, "env://", NullSink())]
+    init_torchrun_group(job.cfg, rank, world)
+    try:
+        if rank == 0:
+            chief = algo_cls.serve(job, world, sink)
+            chief.extra["failed_workers"] = []
+            return [chief]
+        return [_work(job, algo_cls, rank, world, NullSink())]
+    finally:
+        leave_group()
 
 
-def _work(job: Job, algo_cls: Any, rank: int, world: int, init_method: str, sink: Sink) -> WorkerResult:
+def _work(job: Job, algo_cls: Any, rank: int, world: int, sink: Sink) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N."""
-    with algo_cls.connect(job.cfg, rank, world, init_method):
-        ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False)
-        return run_worker(ctx, algo_cls(job.cfg))
+    ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False)
+    return run_worker(ctx, algo_cls(job.cfg))
 
 
 def _entry(rank: int, world: int, job: Job, algo_cls: Any, init_method: str, out: Any,
@@ -56,17 +66,22 @@ def _entry(rank: int, world: int, job: Job, algo_cls: Any, init_method: str, out
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
     procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world)
-    loopback_only()
+    if job.cfg.init_method is None:
+        loopback_only()
 
     def dead() -> set[int]:
         return {int(r) for r in torch.nonzero(dead_flags).flatten()}
 
     def body() -> WorkerResult:
+        init_group(job.cfg.replace(backend="gloo"), rank, world, init_method)
         if rank == 0:
-            return algo_cls.serve(job, world, init_method, procs.QueueSink(q, 0), dead)
-        return _work(job, algo_cls, rank, world, init_method, procs.QueueSink(q, rank))
+            return algo_cls.serve(job, world, procs.QueueSink(q, 0), dead)
+        return _work(job, algo_cls, rank, world, procs.QueueSink(q, rank))
 
-    procs.report(q, rank, body)
+    try:
+        procs.report(q, rank, body)
+    finally:
+        leave_group()
 
 
 def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
@@ -77,8 +92,8 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     job.data.share_memory_()
     dead_flags = torch.zeros(world, dtype=torch.int8).share_memory_()  # the server drops these workers
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
-    # TensorPipe logs every closed pipe at shutdown as a warning; keep C++ logs to errors.
-    with procs.child_env(TORCH_CPP_LOG_LEVEL="ERROR"), \
+    # gloo logs a dead worker's closed connection as an error at C++ level: the run reports it once.
+    with procs.child_env(TORCH_CPP_LOG_LEVEL="FATAL"), \
             procs.spawned(cfg, _entry, roles, lambda i, out: (i, world, job, algo_cls, init_method, out,
                                                               dead_flags)) as (ps, inbox):
         sup = procs.Supervisor(ps, inbox, sink.emit)
@@ -89,11 +104,13 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
                 raise WorkerError(f"the parameter server failed: {sup.reason(0)}")
             for rank in failed:
                 dead_flags[rank] = 1
-                if cfg.checkpoint_period is not None:  # a checkpointed run cannot go on without a worker's state
-                    raise WorkerError(f"worker {rank - 1} failed: {sup.reason(rank)}; continue from the last "
-                                      f"checkpoint with --resume {cfg.out}")
-            if len(failed) == workers:
-                raise WorkerError(f"all {workers} workers failed; worker 0: {sup.reason(1)}")
+            if failed and cfg.checkpoint_period is not None:  # it cannot go on without a worker's state
+                cause = sup.blame(lambda r: f"worker {r - 1}")  # the dead one, not one its death upset
+                raise type(cause)(f"{cause}; continue from the last checkpoint with --resume {cfg.out}")
+            if len(failed - {0}) == workers:  # the server's death can reach the workers before us: blame
+                cause = sup.blame(lambda r: "the parameter server" if r == 0 else f"worker {r - 1}")
+                raise cause if str(cause).startswith("the parameter server") else \
+                    type(cause)(f"all {workers} workers failed; {cause}")
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
     failed = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)

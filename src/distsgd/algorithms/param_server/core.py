@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.futures import Future
 
-from distsgd.algorithms.averaging import flatten, float_buffers, int_buffers, params, unflatten_into
+from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params, unflatten_into
 from distsgd.algorithms.param_server.rules import RULES, Rule
 from distsgd.config import RunConfig
 from distsgd.train.optim import build_optimizer, schedule_lr
@@ -38,6 +38,7 @@ class ParameterServer:
         self.cfg, self.model, self.workers = cfg, model, workers
         self.rule = RULES[rule](cfg) if isinstance(rule, str) else rule
         self.params = params(model)
+        self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
         self.samples_per_epoch = samples_per_epoch
         self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / samples_per_epoch
@@ -71,7 +72,7 @@ class ParameterServer:
 
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         with self.lock:
-            flat = flatten(self.params)
+            flat = self.flat.clone()
             self.bytes_sent += flat.numel() * flat.element_size()
             self.rule.on_pull(self, rank, flat)
             return flat, self.version
@@ -116,6 +117,12 @@ class ParameterServer:
             done = self._take_done()
         _complete(done)
 
+    def count(self, sent: int = 0, received: int = 0) -> None:
+        """Bytes the transport moved besides the payloads counted here (message headers)."""
+        with self.lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
     # -- for the rules and the role (call with the lock held) ------------------------------------
     def total_samples(self) -> int:
         return sum(self.counts)
@@ -135,7 +142,7 @@ class ParameterServer:
             self.on_update(self.total_samples())
 
     def answer(self) -> Answer:
-        flat = flatten(self.params)  # a new tensor: this version's weights
+        flat = self.flat.clone()  # this version's weights
         self.bytes_sent += flat.numel() * flat.element_size()
         return flat, self.version, self.total_samples(), self.stop
 
@@ -204,7 +211,7 @@ class ParameterServer:
 
 
 def _complete(done: list[tuple[Future, Any]]) -> None:
-    """Resolve futures (and so serialise RPC replies) outside the server's lock."""
+    """Resolve futures (and so let replies be sent) outside the server's lock."""
     for fut, value in done:
         fut.set_result(value)
 

@@ -138,7 +138,7 @@ class DelayCompensated(Asynchronous):
                 self.meansq = torch.zeros_like(grad)
             self.meansq.mul_(0.95).add_(0.05 * grad * grad)
             lam = lam / torch.sqrt(self.meansq + 1e-7)
-        return grad + lam * grad * grad * (flatten(ps.params) - self.read[rank])
+        return grad + lam * grad * grad * (ps.flat - self.read[rank])
 
     def answer(self, ps: "ParameterServer", rank: int, fut: Future) -> None:
         reply = ps.answer()

@@ -3,13 +3,12 @@ and dcasgd (their rules: :mod:`.rules`)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from distsgd.algorithms.averaging import flatten, float_buffers, int_buffers, params, unflatten_into
+from distsgd.algorithms.averaging import flat_view_, flatten, float_buffers, int_buffers, params
 from distsgd.algorithms.base import SERVER, Algorithm, register
 from distsgd.algorithms.param_server import transport
 from distsgd.algorithms.param_server.role import ServerRole
@@ -35,32 +34,30 @@ class ServerAlgorithm(Algorithm):
         if cfg.dc_lambda is not None and cfg.dc_lambda < 0:
             raise ConfigError(f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
 
-    # -- what the parameter-server launcher asks of the algorithm (class methods) ---------------
+    # -- what the parameter-server launcher asks of the algorithm (a class method) -----------------
     @classmethod
-    def connect(cls, cfg: RunConfig, rank: int, world: int, init_method: str) -> contextlib.AbstractContextManager:
-        """A worker process's connection to the server, for the duration of its run."""
-        return transport.connect(cfg, rank, world, init_method)
-
-    @classmethod
-    def serve(cls, job: Job, world: int, init_method: str, sink: Sink,
-              dead: Callable[[], set[int]] = set) -> WorkerResult:
-        """Be the server (rank 0) of ``world - 1`` workers until they are all done."""
+    def serve(cls, job: Job, world: int, sink: Sink, dead: Callable[[], set[int]] = set) -> WorkerResult:
+        """Be the server (rank 0 of the process group) of ``world - 1`` workers until they are all done."""
         role = ServerRole(job, cls.rule(job.cfg), world - 1, sink)
-        transport.serve(role.server, role)  # before RPC starts: the first pull finds it
+        model = role.model
+        sizes = (role.server.flat.numel(), sum(b.numel() for b in float_buffers(model)),
+                 sum(b.numel() for b in int_buffers(model)))
+        service = transport.Service(role.server, role, world, sizes)
+        service.start()
         try:
-            with transport.connect(job.cfg, 0, world, init_method):
-                return role.run(dead)
+            result = role.run(dead)
         finally:
-            transport.serve(None, None)
+            service.close()
+        return result
 
     # -- the worker ------------------------------------------------------------------------------
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        self.client = transport.Client(ctx.rank + 1)  # data rank r is RPC rank r + 1; the server is 0
+        self.params = params(model)
+        self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
+        self.client = transport.Client(ctx.rank + 1, self.weights)  # data rank r is rank r + 1; the server 0
         self.chief = ctx.rank == 0
         self.local = 0
-        flat, self.version = self.client.pull()
-        self.params = params(model)
-        unflatten_into(flat, self.params)
+        self.version = self.client.pull()
         self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.total = 0
         self.stop = False
@@ -76,9 +73,7 @@ class ServerAlgorithm(Algorithm):
         self.local = local_samples
         grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
         buffers = (flatten(self.floats), flatten(self.ints)) if self.floats or self.ints else None
-        flat, self.version, self.total, self.stop = self.client.push(grad, self.version, local_samples, buffers)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in (grad, *(buffers or ())))
-        unflatten_into(flat, self.params)
+        self.version, self.total, self.stop = self.client.push(grad, self.version, local_samples, buffers)
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)
@@ -90,11 +85,15 @@ class ServerAlgorithm(Algorithm):
         self.client.done(self.local)
         return model
 
+    def sent(self) -> int:
+        """Every byte this worker sent the server: headers, gradients, buffers (and, resumed, before)."""
+        return self.bytes_sent + self.client.bytes_sent
+
     def summary(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent}
+        return {"bytes_sent": self.sent()}
 
     def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "version": self.version, "total": self.total}
+        state = {**super().state_dict(), "bytes_sent": self.sent(), "version": self.version, "total": self.total}
         if self.chief:  # worker 0's file carries the server's state, as of this round
             state["server"] = self.client.checkpoint_state()
         return state
