@@ -50,8 +50,8 @@ class ParameterServer:
         self.active = set(range(1, workers + 1))  # neither finished nor failed
         self.staleness: Counter[int] = Counter()
         self.stop = False
-        self.bytes_sent = 0
-        self.bytes_received = 0  # what the workers sent: their pushes and exchanges
+        self.bytes_sent = 0  # what the server sends its workers, and receives from them, as the
+        self.bytes_received = 0  # transport counts it (every byte on the wire: count())
         self._waiting: list[Future] = []  # workers at a barrier
         self._started = False
         self._buffers: dict[int, torch.Tensor] = {}  # every worker's latest floating-point buffers
@@ -73,7 +73,6 @@ class ParameterServer:
     def pull(self, rank: int) -> tuple[torch.Tensor, int]:
         with self.lock:
             flat = self.flat.clone()
-            self.bytes_sent += flat.numel() * flat.element_size()
             self.rule.on_pull(self, rank, flat)
             return flat, self.version
 
@@ -84,7 +83,6 @@ class ParameterServer:
         with self.lock:
             self.counts[rank] = local_samples
             self.clocks[rank] += 1
-            self.bytes_received += sum(t.numel() * t.element_size() for t in (grad, *(buffers or ())))
             if buffers is not None:
                 self._buffers[rank], self._ints = buffers
             self.rule.on_push(self, rank, grad, version_read, fut)
@@ -97,10 +95,8 @@ class ParameterServer:
         """Async EASGD's elastic exchange (:class:`.rules.Elastic`): returns (d, version, samples, stop)."""
         with self.lock:
             self.counts[rank] = local_samples
-            self.bytes_received += x.numel() * x.element_size() + ints.numel() * ints.element_size()
             diff = self.rule.exchange(self, rank, x, ints)
             self.version += 1
-            self.bytes_sent += diff.numel() * diff.element_size()
             if self.on_update is not None:
                 self.on_update(self.total_samples())
             return diff, self.version, self.total_samples(), self.stop
@@ -118,7 +114,7 @@ class ParameterServer:
         _complete(done)
 
     def count(self, sent: int = 0, received: int = 0) -> None:
-        """Bytes the transport moved besides the payloads counted here (message headers)."""
+        """Bytes the transport moved: ``sent`` to workers, ``received`` from them."""
         with self.lock:
             self.bytes_sent += sent
             self.bytes_received += received
@@ -143,7 +139,6 @@ class ParameterServer:
 
     def answer(self) -> Answer:
         flat = self.flat.clone()  # this version's weights
-        self.bytes_sent += flat.numel() * flat.element_size()
         return flat, self.version, self.total_samples(), self.stop
 
     def reply(self, fut: Future, value: Any) -> None:

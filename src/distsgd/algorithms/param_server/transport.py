@@ -28,12 +28,43 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 PULL, PUSH, EXCHANGE, DONE, BARRIER, STATE = range(6)
-_REQUEST, _PAYLOAD, _ANSWER, _DATA = 11, 12, 13, 14  # message tags
+_REQUEST, _ANSWER, _STATE = 11, 13, 14  # message tags
+_HEAD = 4 * 8  # bytes of a header: four int64
 
 
-def _send(t: torch.Tensor, peer: int, tag: int) -> int:
-    dist.send(t, peer, tag=tag)
-    return t.numel() * t.element_size()
+class Frame:
+    """One message: an int64 header ``[a, b, c, d]`` and a payload, in one byte buffer, so that a
+    request or an answer is one send. Every request (and every answer) has the same size: the
+    largest any op needs (a push's gradient and buffers, an exchange's x); the few control
+    messages (pull, barrier, done) carry an unused payload."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8)
+        self.head = self.buffer[:_HEAD].view(torch.int64)
+
+    def floats(self, start: int, n: int) -> torch.Tensor:
+        """float32 view of the payload: ``n`` values from value ``start``."""
+        return self.buffer[_HEAD + 4 * start:_HEAD + 4 * (start + n)].view(torch.float32)
+
+    def ints(self, start_byte: int, n: int) -> torch.Tensor:
+        """int64 view of the payload: ``n`` values from payload byte ``start_byte``."""
+        return self.buffer[_HEAD + start_byte:_HEAD + start_byte + 8 * n].view(torch.int64)
+
+    def send(self, peer: int, tag: int, *head: int) -> int:
+        self.head.copy_(torch.tensor(head, dtype=torch.int64))
+        dist.send(self.buffer, peer, tag=tag)
+        return self.buffer.numel()
+
+    def recv(self, peer: int, tag: int) -> list[int]:
+        dist.recv(self.buffer, peer, tag=tag)
+        return self.head.tolist()
+
+
+def frame_sizes(n_params: int, n_floats: int, n_ints: int) -> tuple[int, int]:
+    """Payload bytes of (a request, an answer)."""
+    request = max(4 * n_params + 4 * n_floats + 8 * n_ints, 4 * (n_params + n_floats) + 8 * n_ints)
+    answer = 4 * (n_params + n_floats)  # weights (n_params), or an exchange's difference
+    return request, answer
 
 
 class Service:
@@ -55,49 +86,44 @@ class Service:
         for t in self.threads:
             t.join(wait_s)
 
-    def _answer(self, rank: int, version: int, total: int, stop: bool, data: torch.Tensor | None = None,
-                nbytes: int = 0) -> None:
-        self.server.count(sent=_send(torch.tensor([version, total, int(stop), nbytes]), rank, _ANSWER))
-        if data is not None:
-            dist.send(data, rank, tag=_DATA)  # counted by the core (weights, differences) or the caller (state)
-
     def _serve(self, rank: int) -> None:
-        head = torch.zeros(4, dtype=torch.int64)
         n_params, n_floats, n_ints = self.sizes
+        req_bytes, ans_bytes = frame_sizes(*self.sizes)
+        request, answer = Frame(req_bytes), Frame(ans_bytes)
         server = self.server
+
+        def reply(version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0) -> None:
+            if data is not None:
+                answer.floats(0, data.numel()).copy_(data)
+            server.count(sent=answer.send(rank, _ANSWER, version, total, int(stop), nbytes))
+
         try:
             while True:
-                dist.recv(head, rank, tag=_REQUEST)
-                server.count(received=head.numel() * head.element_size())
-                op, version, samples, flag = head.tolist()
+                op, version, samples, flag = request.recv(rank, _REQUEST)
+                server.count(received=request.buffer.numel())
                 if op == PULL:
                     flat, v = server.pull(rank)
-                    self._answer(rank, v, server.total_samples(), server.stop, flat)
+                    reply(v, server.total_samples(), server.stop, flat)
                 elif op == PUSH:
-                    grad = torch.empty(n_params)
-                    dist.recv(grad, rank, tag=_PAYLOAD)
-                    buffers = None
-                    if flag:
-                        floats, ints = torch.empty(n_floats), torch.empty(n_ints, dtype=torch.int64)
-                        dist.recv(floats, rank, tag=_PAYLOAD)
-                        dist.recv(ints, rank, tag=_PAYLOAD)
-                        buffers = (floats, ints)
+                    grad = request.floats(0, n_params).clone()
+                    buffers = (request.floats(n_params, n_floats).clone(),
+                               request.ints(4 * (n_params + n_floats), n_ints).clone()) if flag else None
                     flat, v, total, stop = server.push(rank, grad, version, samples, buffers).wait()
-                    self._answer(rank, v, total, stop, flat)
+                    reply(v, total, stop, flat)
                 elif op == EXCHANGE:
-                    x, ints = torch.empty(n_params + n_floats), torch.empty(n_ints, dtype=torch.int64)
-                    dist.recv(x, rank, tag=_PAYLOAD)
-                    dist.recv(ints, rank, tag=_PAYLOAD)
+                    x = request.floats(0, n_params + n_floats).clone()
+                    ints = request.ints(4 * (n_params + n_floats), n_ints).clone()
                     diff, v, total, stop = server.exchange(rank, x, ints, samples)
-                    self._answer(rank, v, total, stop, diff)
+                    reply(v, total, stop, diff)
                 elif op == BARRIER:
                     server.barrier().wait()
-                    self._answer(rank, server.version, server.total_samples(), server.stop)
+                    reply(server.version, server.total_samples(), server.stop)
                 elif op == STATE:
                     buffer = io.BytesIO()
                     torch.save(self.role.state_dict(), buffer)
                     data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-                    self._answer(rank, server.version, server.total_samples(), server.stop, data, data.numel())
+                    reply(server.version, server.total_samples(), server.stop, nbytes=data.numel())
+                    dist.send(data, rank, tag=_STATE)
                     server.count(sent=data.numel())
                 elif op == DONE:
                     server.finished(rank, samples)
@@ -113,51 +139,57 @@ class Client:
     """A worker's calls on the server. ``me`` is its rank in the group (its data rank + 1);
     ``weights`` the flat buffer its model's parameters are views of (answers land in it)."""
 
-    def __init__(self, me: int, weights: torch.Tensor) -> None:
-        self.me, self.weights = me, weights
-        self.head = torch.zeros(4, dtype=torch.int64)
+    def __init__(self, me: int, weights: torch.Tensor, sizes: tuple[int, int, int]) -> None:
+        self.me, self.weights, self.sizes = me, weights, sizes
+        req_bytes, ans_bytes = frame_sizes(*sizes)
+        self.request, self.answer = Frame(req_bytes), Frame(ans_bytes)
         self.bytes_sent = 0
 
-    def _request(self, op: int, version: int = 0, samples: int = 0, flag: int = 0, *payload: torch.Tensor) -> None:
-        self.bytes_sent += _send(torch.tensor([op, version, samples, flag]), 0, _REQUEST)
-        for t in payload:
-            self.bytes_sent += _send(t, 0, _PAYLOAD)
-
-    def _answer(self, into: torch.Tensor | None) -> tuple[int, int, bool, int]:
-        dist.recv(self.head, 0, tag=_ANSWER)
-        version, total, stop, nbytes = self.head.tolist()
-        if into is not None:
-            dist.recv(into, 0, tag=_DATA)
+    def _call(self, op: int, version: int = 0, samples: int = 0, flag: int = 0) -> tuple[int, int, bool, int]:
+        self.bytes_sent += self.request.send(0, _REQUEST, op, version, samples, flag)
+        if op == DONE:
+            return 0, 0, False, 0
+        version, total, stop, nbytes = self.answer.recv(0, _ANSWER)
         return version, total, bool(stop), nbytes
 
     def pull(self) -> int:
         """The server's weights into ``weights``; returns their version."""
-        self._request(PULL)
-        return self._answer(self.weights)[0]
+        version = self._call(PULL)[0]
+        self.weights.copy_(self.answer.floats(0, self.weights.numel()))
+        return version
 
-    def push(self, grad: torch.Tensor, version: int, samples: int,
-             buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, bool]:
-        """A gradient computed on ``version``; the new weights land in ``weights``."""
-        self._request(PUSH, version, samples, int(buffers is not None), grad, *(buffers or ()))
-        return self._answer(self.weights)[:3]
+    def push(self, grad: list[torch.Tensor], version: int, samples: int,
+             buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> tuple[int, int, bool]:
+        """A gradient (the parameters' gradients, in order) computed on ``version``; the new
+        weights land in ``weights``."""
+        n_params, n_floats, n_ints = self.sizes
+        torch.cat([g.reshape(-1) for g in grad], out=self.request.floats(0, n_params))
+        if buffers is not None:
+            if n_floats:
+                torch.cat([b.reshape(-1) for b in buffers[0]], out=self.request.floats(n_params, n_floats))
+            if n_ints:
+                torch.cat([b.reshape(-1) for b in buffers[1]], out=self.request.ints(4 * (n_params + n_floats), n_ints))
+        version, total, stop, _ = self._call(PUSH, version, samples, int(buffers is not None))
+        self.weights.copy_(self.answer.floats(0, n_params))
+        return version, total, stop
 
     def exchange(self, x: torch.Tensor, ints: torch.Tensor, samples: int) -> tuple[torch.Tensor, int, int, bool]:
         """Async EASGD: send x (parameters and floating-point buffers) and the integer buffers; get d."""
-        self._request(EXCHANGE, 0, samples, 0, x, ints)
-        diff = torch.empty_like(x)
-        version, total, stop, _ = self._answer(diff)
-        return diff, version, total, stop
+        n = x.numel()
+        self.request.floats(0, n).copy_(x)
+        if ints.numel():
+            self.request.ints(4 * n, ints.numel()).copy_(ints)
+        version, total, stop, _ = self._call(EXCHANGE, 0, samples)
+        return self.answer.floats(0, n).clone(), version, total, stop
 
     def barrier(self) -> None:
-        self._request(BARRIER)
-        self._answer(None)
+        self._call(BARRIER)
 
     def done(self, samples: int) -> None:
-        self._request(DONE, 0, samples)
+        self._call(DONE, 0, samples)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        self._request(STATE)
-        dist.recv(self.head, 0, tag=_ANSWER)
-        data = torch.empty(int(self.head[3]), dtype=torch.uint8)
-        dist.recv(data, 0, tag=_DATA)
+        nbytes = self._call(STATE)[3]
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        dist.recv(data, 0, tag=_STATE)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)

@@ -54,11 +54,12 @@ class ServerAlgorithm(Algorithm):
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.params = params(model)
         self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
-        self.client = transport.Client(ctx.rank + 1, self.weights)  # data rank r is rank r + 1; the server 0
+        self.floats, self.ints = float_buffers(model), int_buffers(model)
+        sizes = (self.weights.numel(), sum(b.numel() for b in self.floats), sum(b.numel() for b in self.ints))
+        self.client = transport.Client(ctx.rank + 1, self.weights, sizes)  # data rank r is rank r + 1; server 0
         self.chief = ctx.rank == 0
         self.local = 0
         self.version = self.client.pull()
-        self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.total = 0
         self.stop = False
         return model
@@ -71,9 +72,9 @@ class ServerAlgorithm(Algorithm):
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         self.local = local_samples
-        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-        buffers = (flatten(self.floats), flatten(self.ints)) if self.floats or self.ints else None
-        self.version, self.total, self.stop = self.client.push(grad, self.version, local_samples, buffers)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        buffers = (self.floats, self.ints) if self.floats or self.ints else None
+        self.version, self.total, self.stop = self.client.push(grads, self.version, local_samples, buffers)
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)
