@@ -8,7 +8,6 @@ the first optimiser is built.
 import torch  # noqa: F401
 import torch._dynamo  # noqa: F401
 import torch.distributed  # noqa: F401
-import torch.distributed.rpc  # noqa: F401
 
 import distsgd.algorithms.registry  # noqa: F401
 import distsgd.launch.group  # noqa: F401

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 SINGLE = "single"  # one process
 GROUP = "group"  # symmetric workers in a torch.distributed process group
 SHARED = "shared"  # workers on one machine sharing one model in shared memory
-SERVER = "server"  # a parameter server (rank 0) and workers, over torch.distributed.rpc
+SERVER = "server"  # a parameter server (rank 0) and workers, point-to-point over gloo
 
 
 class Algorithm:

@@ -106,7 +106,8 @@ class Hogwild(Algorithm):
         handles = ctx.shared
         assert handles is not None, "hogwild runs under the shared-memory launcher"
         shared = bind_to_shared(model, self.shared_state(ctx))
-        self.counts, self.slot, self.lock = handles.counts, handles.slot, handles.lock
+        # numpy views of the shared counters: a read or write is a memory access, not a tensor op
+        self.counts, self.slot, self.lock = handles.counts.numpy(), handles.slot, handles.lock
         self.stop = handles.stop.numpy()  # one shared byte, read every step with no lock
         ds = ctx.dataset
         self.dataset_shared = ds.is_shared()
@@ -130,7 +131,7 @@ class Hogwild(Algorithm):
         self.counts[self.slot] = local_samples  # only this worker writes its slot
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
-        return int(self.counts.sum())
+        return int(self.counts.sum())  # every worker's slot, as they are now
 
     def keep_going(self, ctx: WorkerContext) -> bool:
         return not self.stop[0]

@@ -164,7 +164,7 @@ class Outbox:
         import threading
 
         self.conn = conn
-        self.lock = threading.Lock()  # threads of this process (the server's RPC threads) take turns
+        self.lock = threading.Lock()  # threads of this process (the server's serving threads) take turns
 
     def put(self, message: Any) -> None:
         with self.lock:

@@ -85,6 +85,6 @@ def leave_group() -> None:
 
 
 def loopback_only() -> None:
-    """Keep gloo's and TensorPipe's listeners of a local run on the loopback interface."""
+    """Keep gloo's listeners of a local run on the loopback interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")

@@ -10,7 +10,7 @@ The package, by part:
 - :mod:`.core`: the server's mechanics (one lock, versions, sample counts, barriers, the workers'
   buffers, futures completed outside the lock), whatever the rule;
 - :mod:`.rules`: the update rules, one small class each, with their papers;
-- :mod:`.transport`: how workers reach the server (``torch.distributed.rpc``);
+- :mod:`.transport`: how workers reach the server (``torch.distributed`` point-to-point, gloo);
 - :mod:`.role`: the server process: the core, a watcher that evaluates its model, checkpoints;
 - :mod:`.worker`: the workers' side, and the registered algorithms.
 

@@ -3,9 +3,9 @@
 Concurrency: every change to the server's state (gradients, optimiser step, version, counters)
 happens under one lock, so updates are atomic with respect to each other; nothing is accumulated
 into shared state outside it. Workers keep computing while the server applies other gradients.
-Waiting (sync-ps, ssp, barriers) uses futures, so no RPC thread is held while a worker waits;
-futures are completed after the lock is released, so replies are serialised outside the
-critical section. The core knows no RPC: tests drive it directly, in a chosen order.
+Waiting (sync-ps, ssp, barriers) uses futures; they are completed after the lock is released,
+so replies are sent outside the critical section. The core knows no transport: tests drive it
+directly, in a chosen order.
 """
 
 from __future__ import annotations

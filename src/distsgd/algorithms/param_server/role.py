@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class ServerRole:
     """Hold the model, apply pushes until every worker is done or dead, then evaluate.
 
-    Built before RPC starts (so the first pull finds it), then :meth:`run`. A :class:`Watcher`
+    Built before the transport serves (so the first pull finds it), then :meth:`run`. A :class:`Watcher`
     copies the model every ``eval_every`` samples (inside the update lock, so each copy is one
     consistent version, with the clock paused since the workers wait on the lock) and evaluates
     the copies after training. With ``cfg.resume`` it starts from the server state saved in

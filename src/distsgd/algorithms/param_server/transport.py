@@ -1,18 +1,20 @@
 """How workers reach the server: ``torch.distributed`` point-to-point messages (gloo).
 
-The server (rank 0) runs one thread per worker, each serving its worker's requests in order:
-a request is an int64 header ``[op, version, samples, flag]`` and the tensors of that op; the
-answer is a header ``[version, all workers' samples, stop, nbytes]`` and, for most ops, a flat
-tensor. Everything on the wire is a tensor: nothing is unpickled (the one structured message, the
-server's state for a sync-ps checkpoint, travels as ``torch.save`` bytes loaded with
-``weights_only=True``). A push that must wait (a sync-ps round, an ssp bound) blocks only its own
-worker's thread. A worker whose connection breaks (it died) is dropped; the server carries on.
+The server (rank 0) runs one thread per worker, each serving its worker's requests in order. A
+request is one message, a :class:`Frame`: an int64 header ``[op, version, samples, flag]`` and
+the op's payload (a push's flat gradient and buffers); the answer is one message too (``[version,
+all workers' samples, stop, nbytes]`` and the new flat weights). Everything on the wire is a
+tensor: nothing is unpickled (the one structured message, the server's state for a sync-ps
+checkpoint, travels as ``torch.save`` bytes loaded with ``weights_only=True``). A push that must
+wait (a sync-ps round, an ssp bound) blocks only its own worker's thread. A worker whose
+connection breaks (it died) is dropped; the server carries on.
 
-Measured against ``torch.distributed.rpc`` on the 2-core VM (docs/BENCHMARKS.md): TensorPipe's
-shared-memory reactor thread busy-polls, about a fifth of a core in each of the three processes,
-and a call cost about 300-380 us of CPU on each side against 170 us here; asgd went from 0.56x to
-see BENCHMARKS of hogwild's throughput. TensorPipe has also been in maintenance mode since
-December 2025.
+Why not ``torch.distributed.rpc`` (what distsgd used before), measured on the 2-core VM on
+2026-11-22 (docs/BENCHMARKS.md): with TensorPipe's default transports its shared-memory reactor
+thread busy-polls about a fifth of a core in each of the three processes of a 2-worker run, and
+asgd reached 0.56x Hogwild!'s samples/s; with its uv transport, 11.2k samples/s against 13.1k
+here (limits.py A/B, 3 alternating repeats). With one message each way, asgd reaches 0.86x
+Hogwild!. And TensorPipe, RPC's only backend, has been in maintenance mode since December 2025.
 """
 
 from __future__ import annotations
