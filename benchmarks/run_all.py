@@ -1,7 +1,7 @@
 """Regenerate docs/BENCHMARKS.md for this machine.
 
     python benchmarks/run_all.py                # run every part (about an hour on 2 cores), then render
-    python benchmarks/run_all.py --part main    # one part: seeds | main | easgd_tau | easgd_lr | straggler | bare | sync | hogwild
+    python benchmarks/run_all.py --part main    # one part: seeds | main | easgd_tau | easgd_lr | hogwildpp_torchrun | straggler | limits | data_path
     python benchmarks/run_all.py --render       # only rebuild docs/BENCHMARKS.md from benchmarks/results/
 
 Every part stores what it measured under benchmarks/results/ (bench.json, bench.md and plots from
@@ -99,9 +99,8 @@ PARTS = {
     "hogwildpp_torchrun": hogwildpp_torchrun,
     "straggler": lambda: bench("straggler", STRAGGLER_ALGOS, ["--max-samples", STRAGGLER_BUDGET, "--eval-every",
                                                               "60000", "--straggler", "1:3"]),
-    "bare": lambda: script("single_vs_bare", []),
-    "sync": lambda: script("sync_throughput", []),
-    "hogwild": lambda: script("hogwild", ["--skip-time-to-target"]),
+    "limits": lambda: script("limits", ["--repeats", "5"]),
+    "data_path": lambda: script("data_path", []),
 }
 
 
@@ -193,9 +192,8 @@ def render() -> str:
                 f"final test accuracy **{s['final_test_accuracy']:.4f}** (target >= 0.84), test loss "
                 f"{s['final_test_loss']:.4f}, {s['samples_per_s']:.0f} samples/s, 84% reached after "
                 f"{s['time_to_target_s']:.1f} s and {s['samples_to_target']} samples. Accuracy by epoch: {accs}.", ""]
-    for name, title in (("single_vs_bare", "`single` against a bare PyTorch loop"),
-                        ("sync_throughput", "Synchronous data parallel throughput: allreduce, ddp, single"),
-                        ("hogwild", "Hogwild! throughput against single")):
+    for name, title in (("limits", "Throughput at the machine's limit: distsgd against bare PyTorch"),
+                        ("data_path", "The torch Dataset path against PyTorch's own DataLoader loop")):
         path = RESULTS / f"{name}.txt"
         if path.exists():
             out += [f"## {title}", "", f"`python benchmarks/{name}.py`, stored in `benchmarks/results/{name}.txt`:",
@@ -230,7 +228,7 @@ def highlights(b: dict[str, Any]) -> list[str]:
                      f"**{100 * (acc('asgd') - acc('allreduce')):+.2f} points**.")
     if sps("asgd") and sps("hogwild"):
         lines.append(f"- asgd / hogwild throughput: **{sps('asgd') / sps('hogwild'):.2f}** (the server is a third "
-                     f"process on 2 cores, and every step is a round trip over RPC).")
+                     f"process on 2 cores, and every step is a round trip to it).")
     if bps("local-sgd[sync_every=8]") and bps("allreduce"):
         lines.append(f"- Bytes per sample, local-sgd H=8 / allreduce: "
                      f"**{bps('local-sgd[sync_every=8]') / bps('allreduce'):.4f}** (1/8 = 0.125; the extra is the "
