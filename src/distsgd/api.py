@@ -24,7 +24,7 @@ from torch import nn
 
 from distsgd import config as config_mod
 from distsgd import launch
-from distsgd.algorithms import registry
+from distsgd.algorithms import compress, registry
 from distsgd.algorithms.base import SINGLE
 from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate
@@ -200,13 +200,15 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     algo_cls = registry.resolve(cfg.algo, cfg)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
+    compress.parse(cfg.compress)
+    if cfg.compress != "none" and not algo_cls.compresses:
+        raise ConfigError(f"--compress is for allreduce, ddp, local-sgd and diloco, not {cfg.algo}")
     if torchrun and cfg.out and not cfg.resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
             and read_manifest(Path(cfg.out)) is not None:
         log.warning("torchrun restarted the group: resuming from the checkpoint in %s", cfg.out)
         cfg = cfg.replace(resume=cfg.out)
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
-        raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo} yet (they are for single, "
-                          f"allreduce, ddp, local-sgd, sync easgd and sync-ps)")
+        raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")
     if cfg.resume:
         manifest = read_manifest(Path(cfg.resume))
         if manifest is None:

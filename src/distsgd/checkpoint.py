@@ -87,32 +87,46 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 # --- training checkpoints: one file per worker rank, and a manifest naming the newest whole set ---
+#
+# Lockstep algorithms write every worker's file at the same step, then rank 0 commits. Algorithms
+# whose workers never stand still together (Hogwild!, an asynchronous parameter server) commit
+# from their coordinator (the shared-memory launcher, the server), which writes the model it
+# holds into a file of its own once every live worker has written its part: such a checkpoint is
+# a consistent set of pieces, each taken within one checkpoint's worth of samples of the others.
 CHECKPOINT_DIR = "checkpoint"
 MANIFEST = "manifest.json"
+COORDINATOR = "coordinator"
 
 
-def worker_file(ckpt_dir: Path, seq: int, rank: int) -> Path:
+def worker_file(ckpt_dir: Path, seq: int, rank: int | str) -> Path:
     return ckpt_dir / f"ckpt-{seq:06d}-rank{rank}.pt"
 
 
-def save_worker_state(ckpt_dir: Path, seq: int, rank: int, state: dict[str, Any]) -> None:
-    """Write one worker's state of checkpoint ``seq`` (atomically; the manifest comes later)."""
+def save_worker_state(ckpt_dir: Path, seq: int, rank: int | str, state: dict[str, Any]) -> None:
+    """Write one worker's (or the coordinator's) state of checkpoint ``seq`` (atomically; the
+    manifest comes later)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     atomic_save(state, worker_file(ckpt_dir, seq, rank))
 
 
-def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any]) -> None:
-    """Point the manifest at checkpoint ``seq`` once every worker's file is written, then drop older ones.
+def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any],
+                      ranks: list[int] | None = None, coordinator: bool = False) -> None:
+    """Point the manifest at checkpoint ``seq`` once the files of ``ranks`` (default: all of
+    ``world``), and the coordinator's if ``coordinator``, are written; then drop older ones.
 
     Until the manifest is replaced, it names the previous whole checkpoint, so a crash while
     writing never leaves a run without one.
     """
-    missing = [r for r in range(world) if not worker_file(ckpt_dir, seq, r).is_file()]
+    ranks = list(range(world)) if ranks is None else sorted(ranks)
+    missing = [r for r in ranks if not worker_file(ckpt_dir, seq, r).is_file()]
+    if coordinator and not worker_file(ckpt_dir, seq, COORDINATOR).is_file():
+        missing.append(COORDINATOR)  # type: ignore[arg-type]
     if missing:
         raise CheckpointError(f"checkpoint {seq} is missing the files of workers {missing}")
-    atomic_write_json({"seq": seq, "world": world, **meta}, ckpt_dir / MANIFEST)
-    for old in ckpt_dir.glob("ckpt-*-rank*.pt"):
-        if not old.name.startswith(f"ckpt-{seq:06d}-"):
+    atomic_write_json({"seq": seq, "world": world, "ranks": ranks, "coordinator": coordinator, **meta},
+                      ckpt_dir / MANIFEST)
+    for old in ckpt_dir.glob("ckpt-*-rank*.pt"):  # older ones (not newer: an asynchronous worker
+        if int(old.name.split("-")[1]) < seq:     # may already have written its part of the next)
             old.unlink(missing_ok=True)
 
 
@@ -126,11 +140,17 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
-def load_worker_state(run_dir: Path, rank: int) -> dict[str, Any]:
-    """This worker's state from the newest whole checkpoint in ``run_dir`` (weights only)."""
+def load_worker_state(run_dir: Path, rank: int | str) -> dict[str, Any] | None:
+    """This worker's (or, with rank ``COORDINATOR``, the coordinator's) state from the newest whole
+    checkpoint in ``run_dir`` (weights only); None when that checkpoint has none for it (an
+    asynchronous run's worker that had died)."""
     manifest = read_manifest(run_dir)
     if manifest is None:
         raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
+    if rank == COORDINATOR and not manifest.get("coordinator"):
+        return None
+    if rank != COORDINATOR and rank not in manifest.get("ranks", range(manifest["world"])):
+        return None
     path = worker_file(Path(run_dir) / CHECKPOINT_DIR, manifest["seq"], rank)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -184,7 +204,8 @@ class Checkpointer:
         assert self.dir is not None, "checkpoints need a run directory"
         save_worker_state(self.dir, seq, self.rank, gather(pieces))
 
-    def commit(self, seq: int, meta: dict[str, Any]) -> None:
-        """Rank 0, once every worker has saved: the manifest now names checkpoint ``seq``."""
+    def commit(self, seq: int, meta: dict[str, Any], ranks: list[int] | None = None,
+               coordinator: bool = False) -> None:
+        """Once every worker has saved: the manifest now names checkpoint ``seq``."""
         assert self.dir is not None
-        commit_checkpoint(self.dir, seq, self.world, meta)
+        commit_checkpoint(self.dir, seq, self.world, meta, ranks, coordinator)

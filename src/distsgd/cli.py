@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated algorithms, each optionally with settings: local-sgd[sync_every=8]")
     bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
+    bench.add_argument("--network", metavar="RATE[,delay=MS]",
+                       help="run each configuration as 2 hosts (network namespaces, needs root) on a link shaped "
+                            "with tc, e.g. 10mbit,delay=20ms")
     _add_run_flags(bench, skip=("algo", "workers"))
     cmp = sub.add_parser("compare", help="the bench's table and plots for runs that already exist")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with its summary.json)")
@@ -174,7 +177,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"{s['samples_per_s']:.0f} samples/s, acc {s['final_test_accuracy']:.4f}, to target {reached}",
               flush=True)
 
-    bench = run_bench(base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress)
+    bench = run_bench(base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress,
+                      network=args.network)
     if not base.quiet:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))
     return 0

@@ -125,7 +125,15 @@ class RunConfig:
     dc_lambda: float | None = setting(None, "dcasgd: the compensation strength lambda (lambda0 with --dc-adaptive); "
                                             "default 0.04, adaptive 2")
     dc_adaptive: bool = setting(False, "dcasgd: adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)")
-    sync_every: str = setting("8", "local-sgd: average the models every H steps, or 'epoch'; default 8")
+    sync_every: str | None = setting(None, "local-sgd, diloco: synchronise every H steps, or 'epoch'; default 8 "
+                                           "(local-sgd), 500 (diloco)")
+    compress: str = setting("none", "allreduce, ddp, local-sgd, diloco: none, fp16 or powersgd[:RANK] (PowerSGD "
+                                    "with error feedback, rank 2 by default); default none")
+    inner_optimizer: str = setting("adamw", "diloco: the workers' inner optimiser (sgd, adam, adamw) at --lr; "
+                                            "default adamw")
+    outer_lr: float = setting(0.7, "diloco: the outer SGD's learning rate on the averaged pseudo-gradient; "
+                                   "default 0.7")
+    outer_momentum: float = setting(0.9, "diloco: the outer SGD's Nesterov momentum; default 0.9")
     warmup_steps: int = setting(0, "local-sgd: synchronous all-reduce steps before going local (post-local SGD); "
                                    "default 0")
     tau: int = setting(8, "easgd: steps between elastic exchanges; default 8")
@@ -139,6 +147,9 @@ class RunConfig:
                                                  "<out>/checkpoint")
     resume: str | None = setting(None, "continue the run saved in DIR (up to the --epochs or --max-samples given now), "
                                        "into DIR or --out")
+    restart_workers: int = setting(0, "local runs: start a dead worker again, up to this many times in all "
+                                      "(asynchronous algorithms: it rejoins; lockstep ones: the group restarts "
+                                      "from the last checkpoint); default 0")
     # Benchmarks.
     straggler: str | None = setting(None, "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in "
                                           "proportion to its step time)")
@@ -157,9 +168,9 @@ class RunConfig:
         return parse_period(self.checkpoint_every, "--checkpoint-every", "samples")
 
     @functools.cached_property
-    def sync_period(self) -> Period:
-        """``--sync-every`` parsed: H steps, or each epoch."""
-        return parse_period(self.sync_every, "--sync-every", "steps")
+    def sync_period(self) -> Period | None:
+        """``--sync-every`` parsed: H steps, or each epoch; None: the algorithm's default."""
+        return None if self.sync_every is None else parse_period(self.sync_every, "--sync-every", "steps")
 
     @property
     def tensorboard_dir(self) -> Path | None:
@@ -324,6 +335,7 @@ def validate(cfg: RunConfig) -> RunConfig:
          f"unknown loss '{cfg.loss}' (choose from {', '.join(LOSSES)}, or pass a function as loss= in Python)")
     need(cfg.accumulate >= 1, f"--accumulate must be at least 1 micro-batch, got {cfg.accumulate}")
     need(cfg.loader_workers >= 0, f"--loader-workers must be >= 0, got {cfg.loader_workers}")
+    need(cfg.restart_workers >= 0, f"--restart-workers must be >= 0, got {cfg.restart_workers}")
     need(
         cfg.threads_per_worker is None or cfg.threads_per_worker >= 1,
         f"--threads-per-worker must be at least 1, got {cfg.threads_per_worker}",

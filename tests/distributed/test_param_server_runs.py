@@ -48,10 +48,10 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     assert st["max"] >= st["p99"] >= st["p50"] >= 0
     n_params = _params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
     # A worker sends one message a step: a 4 x int64 header and the float32 gradient, for 4 epochs of
-    # ceil(718 / 64) steps; and three control requests of the same size (the first pull, the start
-    # barrier, done: every request has one size).
+    # ceil(718 / 64) steps; and four control requests of the same size (hello, the first pull, the
+    # start barrier, done: every request has one size).
     steps = 4 * -(-718 // 64)
-    assert s["bytes_sent_per_worker"] == [(steps + 3) * (32 + 4 * n_params)] * 2
+    assert s["bytes_sent_per_worker"] == [(steps + 4) * (32 + 4 * n_params)] * 2
     # The server answers each push (and the first pull) with the weights.
     assert s["bytes_sent"] > sum(s["bytes_sent_per_worker"]) and s["failed_workers"] == []
 

@@ -48,11 +48,16 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("algo, workers, every", [("single", 1, "300"), ("allreduce", 2, "epoch"),
-                                                  ("local-sgd", 2, "500"), ("ddp", 2, "epoch")])
-def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every) -> None:
+@pytest.mark.parametrize("algo, workers, every, extra", [
+    ("single", 1, "300", {}), ("allreduce", 2, "epoch", {}), ("local-sgd", 2, "500", {}), ("ddp", 2, "epoch", {}),
+    ("diloco", 2, "500", {"lr": 0.002}), ("allreduce", 2, "500", {"compress": "powersgd:2"}),
+    ("local-sgd", 2, "500", {"compress": "powersgd"}), ("ddp", 2, "epoch", {"compress": "fp16"}),
+])
+def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every,
+                                                            extra) -> None:
     common = dict(model=dropout_model, data="digits", algo=algo, workers=workers, lr=0.05, checkpoint_every=every,
                   quiet=True, sync_every="4")
+    common.update(extra)
     full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
     distsgd.train(max_samples=1436, out=str(tmp_path / "part"), **common)
     resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=2872)
@@ -110,7 +115,8 @@ def test_previous_checkpoint_stays_until_the_new_one_is_whole(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"algo": "hogwild", "workers": 2, "checkpoint_every": "epoch"}, "not supported for hogwild"),
+    ({"algo": "hogwild", "workers": 2, "checkpoint_every": "epoch", "restart_workers": -1},
+     "--restart-workers must be >= 0"),
     ({"checkpoint_every": "often"}, "--checkpoint-every must be"),
 ])
 def test_bad_checkpoint_settings(tmp_path, kwargs, message) -> None:

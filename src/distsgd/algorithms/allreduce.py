@@ -13,6 +13,9 @@ same order. After backward, the loop waits for the buckets, divides by W and cop
 back into ``.grad``. One collective per bucket, not one per tensor (Li et al., "PyTorch
 Distributed", VLDB 2020, describe the same scheme for DDP).
 
+``--compress fp16|powersgd[:R]`` (:mod:`distsgd.algorithms.compress`): the gradients are
+averaged after backward by the compressor, all at once, instead of bucket by bucket during it.
+
 Buffers (BatchNorm statistics): each replica's forward updates its own; after every step the
 floating-point buffers are averaged with one all-reduce (so the running statistics are those of
 the global batch, as SyncBatchNorm's would be for the running mean), and at the end rank 0's
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import allreduce_mean_, broadcast_, float_buffers, int_buffers
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import RunConfig
@@ -80,6 +84,7 @@ def check_bucket(cfg: RunConfig) -> None:
 @register
 class AllReduce(GroupAlgorithm):
     name = "allreduce"
+    compresses = True
     summary_line = "synchronous data parallel; bucketed all-reduce of gradients, overlapped with backward"
 
     @classmethod
@@ -96,8 +101,11 @@ class AllReduce(GroupAlgorithm):
         self._next = 0
         self._accumulating = False
         self.float_buffers = float_buffers(model)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.params = params
+        self.compressor = compress.make(self.cfg.compress) if self.cfg.compress != "none" else None
+        if self.compressor is None:  # compressed gradients are reduced after backward, all at once
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
         return model
 
     @contextlib.contextmanager
@@ -133,6 +141,17 @@ class AllReduce(GroupAlgorithm):
             self._next += 1
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
+        if self.compressor is not None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        else:
+            self._reduce_buckets()
+        if self.float_buffers:
+            self.sent(allreduce_mean_(self.float_buffers, self.world), self.world)
+
+    def _reduce_buckets(self) -> None:
         self._launch_in_order(force=True)
         for bucket in self.buckets:
             bucket.handle.wait()
@@ -146,8 +165,14 @@ class AllReduce(GroupAlgorithm):
             bucket.ready = 0
             bucket.handle = None
         self._next = 0
-        if self.float_buffers:
-            self.sent(allreduce_mean_(self.float_buffers, self.world), self.world)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **({"compressor": self.compressor.state_dict()} if self.compressor else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         broadcast_(int_buffers(model))

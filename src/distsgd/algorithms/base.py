@@ -22,7 +22,13 @@ launcher: :mod:`distsgd.launch`), and the loop's hooks, called in this order:
 - ``evaluation_model(ctx, model)``: the model the algorithm would return now. Called on every
   worker at every evaluation point (so it may be a collective); the evaluating worker measures it.
 - ``agree(ctx, flag)``: every worker reaches the same stop decision (rank 0's).
-- ``barrier(ctx)``: every worker got here (a checkpoint is whole only then).
+- ``barrier(ctx)``: every worker got here.
+- ``checkpoint_saved(ctx, seq, commit)``: this worker wrote its part of checkpoint ``seq``. In
+  lockstep, every worker waits for the others and rank 0 calls ``commit``; an algorithm with a
+  coordinator (the shared-memory launcher, the parameter server) tells it instead, and it
+  commits once every live worker has.
+- ``starting_samples(ctx)``: for a worker that replaces one that died, the samples its rank had
+  trained (it carries on from there in its shard).
 - ``finish(ctx, model) -> model``: the model to evaluate, return and save.
 - ``unwrap(model)``: this worker's own module, without the wrapper ``setup`` put round it.
 - ``state_dict()`` / ``load_state_dict(state)``: the algorithm's part of a checkpoint.
@@ -39,7 +45,7 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -67,6 +73,7 @@ class Algorithm:
     topology: ClassVar[str] = SINGLE
     summary_line: ClassVar[str] = ""
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
+    compresses: ClassVar[bool] = False  # whether --compress applies to what it sends
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -121,7 +128,17 @@ class Algorithm:
         return flag
 
     def barrier(self, ctx: "WorkerContext") -> None:
-        """Wait until every worker got here (a checkpoint is whole only then)."""
+        """Wait until every worker got here."""
+
+    def checkpoint_saved(self, ctx: "WorkerContext", seq: int, commit: Callable[[], None]) -> None:
+        """Lockstep: a checkpoint is whole once every worker wrote its part; then rank 0 commits."""
+        self.barrier(ctx)
+        if ctx.rank == 0:
+            commit()
+
+    def starting_samples(self, ctx: "WorkerContext") -> int:
+        """The samples a replacement worker's rank had trained (see ``WorkerContext.replacement``)."""
+        return 0
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return self.unwrap(model)

@@ -117,7 +117,6 @@ class EASGD(_Check, GroupAlgorithm):
 class AsyncEASGD(_Check, ServerAlgorithm):
     """The worker side of asynchronous EASGD: exchange elastic differences with the server."""
 
-    checkpoints = False
     name = "easgd"
     topology = SERVER
     rule = Elastic

@@ -14,6 +14,11 @@ tensors are shared too, so N workers hold one copy. Threads per worker default t
 the workers do not oversubscribe the machine (pytorch/examples' mnist_hogwild lets every process
 take every core). ``--hogwild-lock`` takes one lock around every update, for comparison.
 
+Checkpoints (``--checkpoint-every``): each worker saves its optimiser, position and random state
+at every checkpoint point, and the launcher, once every live worker has, saves the shared model
+and commits. Such a checkpoint is whole but not one instant (the workers never stop together):
+a resumed run continues from it, not bit for bit as an uninterrupted one would.
+
 The launching process evaluates the shared model every ``--eval-every`` samples without pausing
 the workers: it copies the weights at that moment (a Hogwild-consistent read) and evaluates the
 copies once training ends, so evaluation takes no CPU from the workers and time-to-accuracy is
@@ -24,7 +29,7 @@ and ``samples`` counts only the samples really processed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -50,7 +55,6 @@ def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> n
 class Hogwild(Algorithm):
     name = "hogwild"
     topology = SHARED
-    checkpoints = False  # not yet: see the README
     summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
 
     # -- what the shared-memory launcher asks of the algorithm (class methods) ------------------
@@ -119,6 +123,14 @@ class Hogwild(Algorithm):
         """Tell the launcher this worker is built, then start with the others on its signal."""
         assert ctx.shared is not None and ctx.shared.start_together is not None
         ctx.shared.start_together()
+
+    def checkpoint_saved(self, ctx: WorkerContext, seq: int, commit: Callable[[], None]) -> None:
+        """The launcher commits, with the shared model, once every live worker has saved its part."""
+        assert ctx.shared is not None and ctx.shared.checkpointed is not None
+        ctx.shared.checkpointed(seq, int(self.counts[self.slot]))
+
+    def starting_samples(self, ctx: WorkerContext) -> int:
+        return int(self.counts[self.slot])
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
         if self.lock is None:

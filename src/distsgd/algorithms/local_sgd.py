@@ -8,7 +8,9 @@ the seeds' per-epoch model averaging. ``--warmup-steps K`` first runs K steps of
 all-reduce SGD (gradients averaged every step) before going local: post-local SGD.
 
 Communication: one model's worth every H steps instead of one gradient's worth every step, so
-H = 8 sends 1/8 of what ``allreduce`` does per sample. **Optimiser state stays local**: each
+H = 8 sends 1/8 of what ``allreduce`` does per sample. With ``--compress fp16|powersgd[:R]`` the
+workers average the change of their parameters since the last averaging, x_r - x_last, through
+the compressor (PowerSGD with error feedback), and x <- x_last + mean change. **Optimiser state stays local**: each
 worker keeps its own momentum buffer, which is not averaged.
 
 Buffers (BatchNorm statistics): averaged with the parameters (floating-point buffers in the same
@@ -26,9 +28,10 @@ from typing import Any
 
 from torch import nn
 
-from distsgd.algorithms.averaging import allreduce_mean_, average_model_, float_buffers, params
+from distsgd.algorithms import compress
+from distsgd.algorithms.averaging import allreduce_mean_, average_model_, broadcast_, float_buffers, int_buffers, params
 from distsgd.algorithms.base import GroupAlgorithm, register
-from distsgd.config import RunConfig
+from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.train.context import WorkerContext
 
@@ -36,6 +39,7 @@ from distsgd.train.context import WorkerContext
 @register
 class LocalSGD(GroupAlgorithm):
     name = "local-sgd"
+    compresses = True
     summary_line = "local SGD: H local steps, then average the models (--sync-every H|epoch, --warmup-steps)"
 
     @classmethod
@@ -46,13 +50,15 @@ class LocalSGD(GroupAlgorithm):
 
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.world = ctx.world
-        self.every = self.cfg.sync_period.count  # None: at each epoch's end
+        self.every = (self.cfg.sync_period or Period(8)).count  # None: at each epoch's end
         self.params = params(model)
         self.steps = 0
         self.averagings = 0
         self.dirty = False
         if not ctx.resumed:  # start from one model (a resumed worker keeps its own)
             average_model_(model, self.world)
+        self.compressor = compress.make(self.cfg.compress) if self.cfg.compress != "none" else None
+        self.anchor = [p.detach().clone() for p in self.params] if self.compressor else []  # x_last
         return model
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
@@ -86,16 +92,31 @@ class LocalSGD(GroupAlgorithm):
         return model
 
     def _average(self, model: nn.Module) -> None:
-        self.sent(average_model_(model, self.world), self.world)
+        if self.compressor is None:
+            self.sent(average_model_(model, self.world), self.world)
+        else:  # the change since the last averaging, through the compressor
+            change = [p.detach() - a for p, a in zip(self.params, self.anchor)]
+            self.sent(self.compressor.allreduce_mean_(change, self.world), self.world)
+            for p, a, c in zip(self.params, self.anchor, change):
+                a.add_(c)
+                p.data.copy_(a)
+            self.sent(allreduce_mean_(float_buffers(model), self.world), self.world)
+            broadcast_(int_buffers(model))
         self.averagings += 1
         self.dirty = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "steps": self.steps, "averagings": self.averagings, "dirty": self.dirty}
+        state = {**super().state_dict(), "steps": self.steps, "averagings": self.averagings, "dirty": self.dirty}
+        if self.compressor is not None:
+            state.update(compressor=self.compressor.state_dict(), anchor=[a.clone() for a in self.anchor])
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.steps, self.averagings, self.dirty = state["steps"], state["averagings"], state["dirty"]
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+            self.anchor = [a.clone() for a in state["anchor"]]
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "averagings": self.averagings}

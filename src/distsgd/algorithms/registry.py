@@ -6,7 +6,7 @@ from __future__ import annotations
 # isort: off
 from distsgd.algorithms import single  # noqa: F401  (registers)
 from distsgd.algorithms import allreduce, ddp, hogwild, param_server  # noqa: F401
-from distsgd.algorithms import local_sgd, easgd, hogwildpp  # noqa: F401
+from distsgd.algorithms import local_sgd, easgd, hogwildpp, diloco  # noqa: F401
 # isort: on
 from distsgd.algorithms.base import Algorithm, get, names, resolve
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import re
@@ -97,9 +98,16 @@ def machine_facts() -> dict[str, Any]:
 
 
 def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeats: int, out: Path,
-              overwrite: bool = False, on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``."""
+              overwrite: bool = False, on_run: Callable[[dict[str, Any]], None] | None = None,
+              network: str | None = None) -> dict[str, Any]:
+    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With
+    ``network`` (``RATE[,delay=D]``), each run crosses a shaped link between two namespaces."""
     from distsgd.bench import report
+    from distsgd.bench.network import Network, layout, parse
+
+    if network is not None:
+        parse(network)
+        workers = [2]  # two hosts: see distsgd.bench.network
 
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {repeats}")
@@ -114,6 +122,8 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
             try:
                 config_mod.validate(cfg)
                 registry.resolve(cfg.algo, cfg).check(cfg)
+                if network is not None and layout(cfg) is None:
+                    raise ConfigError(f"{cfg.algo} runs on one machine only, not across --network")
             except ConfigError as exc:
                 log.warning("skipping %s with %d workers: %s", spec.label, w, exc)
                 continue
@@ -124,16 +134,19 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
     out = prepare_out_dir(out, overwrite)
     runs: list[dict[str, Any]] = []
-    for spec, w, cfg in plan:
-        for r in range(repeats):
-            run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
-            cfg_r = cfg.replace(seed=base.seed + r, out=str(run_dir), overwrite=True, quiet=True)
-            summary = run(cfg_r).summary
-            entry = {"algo": spec.label, "workers": w, "repeat": r, "run_dir": str(run_dir.relative_to(out)),
-                     "summary": summary}
-            runs.append(entry)
-            if on_run is not None:
-                on_run(entry)
+    with Network(network) if network is not None else contextlib.nullcontext() as net:
+        for spec, w, cfg in plan:
+            for r in range(repeats):
+                run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
+                cfg_r = cfg.replace(seed=base.seed + r, out=str(run_dir.resolve()), overwrite=True, quiet=True)
+                summary = net.run(cfg_r) if net is not None else run(cfg_r).summary
+                entry = {"algo": spec.label, "workers": w, "repeat": r, "run_dir": str(run_dir.relative_to(out)),
+                         "summary": summary}
+                runs.append(entry)
+                if on_run is not None:
+                    on_run(entry)
     bench = report.derive(runs, machine_facts(), base, repeats)
+    if network is not None:
+        bench["network"] = network
     report.write(bench, out, "bench")
     return bench

@@ -134,6 +134,8 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
         x, y = arrays[x_key], arrays[y_key]
         if x.dtype.kind not in "fiub":
             raise DataError(f"{path}: '{x_key}' must be numeric, found dtype {x.dtype}")
+        if x.ndim == 0:
+            raise DataError(f"{path}: '{x_key}' must hold one row per sample, found a single number")
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             raise DataError(f"{path}: '{x_key}' contains NaN or infinite values")
         if y.dtype.kind in "iu":

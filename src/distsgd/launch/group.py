@@ -35,8 +35,11 @@ def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
 
 
 def run(job: Job, algo_cls: type, sink: Sink, torchrun: bool) -> list[WorkerResult]:
-    """Every worker's result, rank 0 first (under torchrun, a rank > 0 gets only its own)."""
-    return _run_torchrun(job, algo_cls, sink) if torchrun else _run_local(job, algo_cls, sink)
+    """Every worker's result, rank 0 first (under torchrun, a rank > 0 gets only its own). A local
+    group that loses a worker restarts from its last checkpoint, ``--restart-workers`` times."""
+    if torchrun:
+        return _run_torchrun(job, algo_cls, sink)
+    return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
 
 
 def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, out: Any) -> None:
@@ -65,8 +68,8 @@ def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     job.data.share_memory_()  # every worker reads one copy
     with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
-                       lambda r, out: (r, world, job, algo_cls, init_method, out)) as (ps, inbox):
-        sup = procs.Supervisor(ps, inbox, sink.emit)
+                       lambda r, out, _: (r, world, job, algo_cls, init_method, out)) as team:
+        sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
         while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker
             sup.poll(0.2)
             if sup.failed():

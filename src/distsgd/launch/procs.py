@@ -30,6 +30,8 @@ from distsgd.errors import DistsgdError, WorkerError, WorkerInputError
 from distsgd.models import build_model
 from distsgd.train.context import Job, WorkerResult
 
+log = logging.getLogger(__name__)
+
 STOP_GRACE_S = 5.0
 
 
@@ -254,31 +256,88 @@ def report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
         raise SystemExit(1) from None
 
 
-@contextlib.contextmanager
-def spawned(cfg: RunConfig, target: Any, roles: list[tuple[str, int]],
-            args: Callable[[int, Any], tuple]) -> Iterator[tuple[list[Any], Inbox]]:
-    """Start one process per role (``args(i, out)`` gives the i-th one's arguments, ``out`` the
-    writing end of its pipe); yield them and the inbox of their pipes; reap them all on exit."""
-    inbox = Inbox()
-    procs: list[Any] = []
-    try:
+class Team:
+    """The processes of a run, one per role: ``procs[i]`` is role i's current process, and every
+    one has a pipe into ``inbox``. ``args(i, out, replacement)`` gives role i's arguments, ``out``
+    the writing end of its pipe."""
+
+    def __init__(self, cfg: RunConfig, target: Any, roles: list[tuple[str, int]], args: Callable[..., tuple]) -> None:
+        self.cfg, self.target, self.roles, self.args = cfg, target, roles, args
+        self.inbox = Inbox()
+        self.procs: list[Any] = []
+        self.mpc: Any = None
+
+    def start(self, i: int, replacement: bool = False) -> Any:
+        """Start role i's process (again, with ``replacement``, after the last one died)."""
+        role, rank = self.roles[i]
         with _main_only_if_readable():
-            mpc = mp_context()
-            for i, (role, rank) in enumerate(roles):
-                read, write = mpc.Pipe(duplex=False)
-                inbox.add(read)
-                p = mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
-                                args=(dict(os.environ), target, args(i, write)))
-                p.start()
-                write.close()  # the worker holds it now
-                procs.append(p)
-        record_workers(cfg, procs, roles)
-        yield procs, inbox
+            if self.mpc is None:
+                self.mpc = mp_context()
+            read, write = self.mpc.Pipe(duplex=False)
+            self.inbox.add(read)
+            p = self.mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
+                                 args=(dict(os.environ), self.target, self.args(i, write, replacement)))
+            p.start()
+            write.close()  # the worker holds it now
+        if i < len(self.procs):
+            self.procs[i] = p
+        else:
+            self.procs.append(p)
+        record_workers(self.cfg, self.procs, self.roles)
+        return p
+
+
+def with_restarts(job: Job, sink: Any, attempt: Callable[[Job], list[WorkerResult]]) -> list[WorkerResult]:
+    """Run ``attempt``; when a worker fails, up to ``--restart-workers`` times start the whole group
+    again, from the last checkpoint in ``--out`` if there is one (else from the start), the way
+    torchrun's ``--max-restarts`` does. Each restart is a ``restart`` event and is listed in the
+    chief's ``restarts``."""
+    from distsgd.checkpoint import read_manifest
+
+    restarts: list[dict[str, Any]] = []
+    while True:
+        try:
+            results = attempt(job)
+        except WorkerError as exc:
+            if len(restarts) >= job.cfg.restart_workers or isinstance(exc, WorkerInputError):
+                raise
+            out = job.cfg.out
+            resume = out if out and read_manifest(Path(out)) is not None else None
+            record = {"worker": str(exc).split(" failed")[0], "reason": str(exc), "at": time.time(),
+                      "from_checkpoint": resume is not None}
+            log.warning("%s; restarting the group from %s", exc, "the last checkpoint" if resume else "the start")
+            sink.emit({"event": "restart", **record})
+            restarts.append(record)
+            job = job.replace(cfg=job.cfg.replace(resume=resume)) if resume else job
+            continue
+        results[0].extra["restarts"] = restarts
+        return results
+
+
+def restart(team: Team, sup: "Supervisor", rank: int, name: str, sink: Any) -> dict[str, Any]:
+    """Start role ``rank`` again after its process died (``--restart-workers``); record it as a
+    ``restart`` event. Returns the record."""
+    record = {"worker": name, "reason": sup.reason(rank), "at": time.time()}
+    sup.forget(rank)
+    team.start(rank, replacement=True)
+    log.warning("%s failed (%s); started a replacement", name, record["reason"])
+    sink.emit({"event": "restart", **record})
+    return record
+
+
+@contextlib.contextmanager
+def spawned(cfg: RunConfig, target: Any, roles: list[tuple[str, int]], args: Callable[..., tuple]) -> Iterator[Team]:
+    """Start one process per role; yield the :class:`Team`; reap every process on the way out."""
+    team = Team(cfg, target, roles, args)
+    try:
+        for i in range(len(roles)):
+            team.start(i)
+        yield team
     finally:
-        stop_all(procs)
+        stop_all(team.procs)
         if cfg.out:
             (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
-        inbox.close()
+        team.inbox.close()
 
 
 @contextlib.contextmanager
@@ -337,6 +396,12 @@ class Supervisor:
 
     def failed(self) -> set[int]:
         return (set(self.said) | self.ended) - set(self.results)
+
+    def forget(self, rank: int) -> None:
+        """Rank ``rank`` has a new process (a replacement): its predecessor's failure is history."""
+        self.said.pop(rank, None)
+        self.users.discard(rank)
+        self.ended.discard(rank)
 
     def reason(self, rank: int) -> str:
         return self.said.get(rank) or describe_exit(self.procs[rank].exitcode)

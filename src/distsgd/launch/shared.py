@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from distsgd.checkpoint import CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, load_worker_state, save_worker_state
 from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, WorkerError
@@ -42,6 +44,9 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     if cfg.backend != "gloo":
         raise ConfigError(f"{cfg.algo} keeps its models in CPU shared memory and passes the token with gloo: "
                           f"use --backend gloo")
+    if cfg.checkpoint_period is not None or cfg.resume:
+        raise ConfigError(f"checkpoints of {cfg.algo} across machines are not supported yet: checkpoint it on one "
+                          f"machine (--workers N), or let torchrun restart it from scratch")
     return cfg.replace(workers=int(os.environ["WORLD_SIZE"]) * per_process)
 
 
@@ -52,7 +57,7 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
 
 
 def _entry(slot: int, world: int, job: Job, algo_cls: Any, handles: SharedHandles, go: Any, out: Any,
-           first_rank: int, data_world: int) -> None:
+           first_rank: int, data_world: int, replacement: bool = False) -> None:
     """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
     this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
     q = procs.Outbox(out)
@@ -63,9 +68,12 @@ def _entry(slot: int, world: int, job: Job, algo_cls: Any, handles: SharedHandle
         if not go.wait(job.cfg.timeout_s):
             raise TimeoutError(f"no start signal from the launcher within {job.cfg.timeout_s:.0f} s")
 
-    mine = dataclasses.replace(handles, slot=slot, start_together=start_together)
+    def checkpointed(seq: int, samples: int) -> None:
+        q.put(("checkpointed", slot, (seq, samples)))
+
+    mine = dataclasses.replace(handles, slot=slot, start_together=start_together, checkpointed=checkpointed)
     ctx = WorkerContext(job, rank=first_rank + slot, world=data_world, sink=procs.QueueSink(q, slot), reports=True,
-                        evaluates=False, shared=mine)
+                        evaluates=False, shared=mine, replacement=replacement)
     procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg)))
 
 
@@ -83,18 +91,29 @@ class Machine:
         dataset.share_memory_()
         self.models = [build_model(job.model, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
                        for _ in range(algo_cls.models(cfg))]
+        self.counts = torch.zeros(cfg.workers, dtype=torch.int64)
+        saved = load_worker_state(Path(cfg.resume), COORDINATOR) if cfg.resume else None
+        if saved is not None:  # the shared models and counters of the checkpoint
+            for m, state in zip(self.models, saved["models"]):
+                m.load_state_dict(state)
+            self.counts.copy_(saved["counts"])
         for m in self.models:
             m.share_memory()
         self.states = [m.state_dict() for m in self.models]
         mpc = procs.mp_context()
         self.go = mpc.Event()
-        self.handles = SharedHandles(states=self.states, counts=torch.zeros(cfg.workers, dtype=torch.int64).share_memory_(),
+        self.handles = SharedHandles(states=self.states, counts=self.counts.share_memory_(),
                                      stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
                                      lock=mpc.Lock() if cfg.hogwild_lock else None,
                                      extras=algo_cls.shared_extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles.counts, self.handles.stop) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self.current_state)
+        if saved is not None:
+            self.watcher.load_state_dict(saved["watcher"])
+        self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {slot: its samples when it saved}
+        self.restarts: list[dict[str, Any]] = []
+        self.gone: set[int] = set()  # failed slots the run carries on without
 
     def current_state(self) -> dict[str, torch.Tensor]:
         """A copy of the model the algorithm returns (hogwild++: the clusters' average)."""
@@ -113,11 +132,11 @@ class Machine:
     def run(self) -> list[WorkerResult]:
         cfg, world = self.cfg, self.cfg.workers
         with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
-                           lambda r, out: (r, world, self.job, self.algo_cls, self.handles, self.go, out,
-                                           self.first_rank, self.data_world)) as (ps, inbox):
-            sup = procs.Supervisor(ps, inbox, self.relay)
+                           lambda r, out, again: (r, world, self.job, self.algo_cls, self.handles, self.go, out,
+                                                  self.first_rank, self.data_world, again)) as team:
+            sup = procs.Supervisor(team.procs, team.inbox, self.relay)
             self._start_together(sup)
-            self._watch(sup)
+            self._watch(sup, team)
             failed = sup.failed()
             if len(failed) == world:
                 first = min(failed)
@@ -142,19 +161,52 @@ class Machine:
         if self.link is not None:
             self.link.start()
 
-    def _watch(self, sup: procs.Supervisor) -> None:
-        """Until every worker is done or dead: relay progress, copy the model at evaluation points."""
+    def _watch(self, sup: procs.Supervisor, team: procs.Team) -> None:
+        """Until every worker is done or dead: relay progress, copy the model at evaluation points,
+        commit checkpoints, and start replacements for dead workers (``--restart-workers``)."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # evaluations during training share the cores with the workers
         try:
             while len(sup.results) + len(sup.failed()) < self.cfg.workers:
-                sup.poll(0.01)
+                message = sup.poll(0.01)
+                if message is not None and message[0] == "checkpointed":
+                    seq, samples = message[2]
+                    self.saved.setdefault(seq, {})[message[1]] = samples
+                    self._commit_whole(sup)
+                for slot in sorted(sup.failed() - self.gone):
+                    if len(self.restarts) < self.cfg.restart_workers and not self.handles.stop[0]:
+                        self.restarts.append(procs.restart(team, sup, slot, f"worker {self.first_rank + slot}",
+                                                           self.sink))
+                    else:
+                        self.gone.add(slot)
+                        self._commit_whole(sup)
                 if self.evaluates and self.watcher.observe(self.samples()):
                     if self.link is not None:
                         self.link.request_stop()
                     self.handles.stop.fill_(1)
         finally:
             torch.set_num_threads(threads)
+
+    def _commit_whole(self, sup: procs.Supervisor) -> None:
+        """Commit the newest checkpoint every live worker has saved its part of, with the shared
+        models, counters and evaluations."""
+        live = set(range(self.cfg.workers)) - sup.failed()
+        whole = [seq for seq, slots in self.saved.items() if set(slots) >= live]
+        if not whole or not self.cfg.out:
+            return
+        seq, ckpt_dir = max(whole), Path(self.cfg.out) / CHECKPOINT_DIR
+        counts = self.handles.counts.clone()
+        for slot, samples in self.saved[seq].items():  # what each worker had when it saved its part
+            counts[slot] = samples
+        state = {"models": [{k: v.detach().clone() for k, v in st.items()} for st in self.states],
+                 "counts": counts, "watcher": self.watcher.state_dict()}
+        save_worker_state(ckpt_dir, seq, COORDINATOR, state)
+        samples = self.samples()
+        commit_checkpoint(ckpt_dir, seq, self.cfg.workers, {"samples": samples, "algo": self.cfg.algo},
+                          ranks=sorted(self.first_rank + s for s in self.saved[seq]), coordinator=True)
+        self.saved = {s: slots for s, slots in self.saved.items() if s > seq}
+        self.sink.emit({"event": "checkpoint", "seq": seq, "samples": samples,
+                        "train_wall_s": self.watcher.clock.elapsed()})
 
     def _results(self, sup: procs.Supervisor, total: int, train_wall_s: float,
                  evals: list[dict[str, Any]]) -> list[WorkerResult]:
@@ -172,6 +224,7 @@ class Machine:
         extra["dataset_shared"] = all(p["extra"].get("dataset_shared", False) for p in sup.results.values())
         extra["samples_per_worker"] = [int(c) for c in counts]
         extra["failed_workers"] = [first + r for r in failed]
+        extra["restarts"] = self.restarts
         if failed:
             extra["worker_errors"] = {str(first + r): sup.reason(r) for r in failed}
         final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}

@@ -29,6 +29,7 @@ class SharedHandles:
     lock: Any = None  # --hogwild-lock: one lock around every update
     extras: Any = None  # the algorithm's own shared state (its ``shared_extras``)
     start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go
+    checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
 
 
 @dataclass
@@ -58,6 +59,8 @@ class WorkerContext:
     reports: bool = True  # emits progress events (rank 0; every Hogwild! worker)
     evaluates: bool | None = None  # evaluates the model (default: same as reports)
     shared: SharedHandles | None = None  # set by the shared-memory launcher
+    server: str | None = None  # the parameter server's host:port (its workers')
+    replacement: bool = False  # replaces a worker that died (--restart-workers): carries on from its samples
     resumed: bool = False  # continuing from a checkpoint: do not re-synchronise the start
 
     def __post_init__(self) -> None:

@@ -126,6 +126,8 @@ class _Worker:
         self.checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
         saved = self.checkpointer.load()
         ctx.resumed = saved is not None
+        if cfg.resume and saved is None:  # an asynchronous run's worker that had died: it is replaced
+            ctx.replacement = True
         # Same seed in every worker: every replica starts from the same weights.
         model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
         model.train()
@@ -138,6 +140,10 @@ class _Worker:
                        "loop": self.state, "rng": RngState()}
         if saved is not None:
             scatter({k: v for k, v in self.pieces.items() if k != "model"}, saved)
+        if ctx.replacement:  # carry on from the samples this rank had trained, in its own shard
+            st = self.state
+            st.local = algo.starting_samples(ctx)
+            st.epoch, st.start = divmod(st.local, self.per_epoch)
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.clock = TrainClock()
@@ -212,17 +218,22 @@ class _Worker:
         return self.algo.agree(self.ctx, reached) if cfg.stop_at_target and decide else False
 
     def checkpoint(self) -> None:
-        """Every worker writes its pieces; once all have, rank 0 points the manifest at the new set."""
+        """Every worker writes its pieces; once all have, the manifest points at the new set.
+        A checkpoint's number is the one of the point it is taken at (the k-th multiple of
+        --checkpoint-every samples, or the epoch), so workers that are not in lockstep agree."""
         st = self.state
         self.clock.pause()
-        st.seq += 1
+        period = self.cfg.checkpoint_period
+        st.seq = st.epoch if period is None or period.each_epoch else self.gs // period.count
         st.train_wall_s = self.clock.elapsed()
         self.checkpointer.save(st.seq, self.pieces)
-        self.algo.barrier(self.ctx)
-        if self.ctx.rank == 0:
-            where = {"samples": self.gs, "epoch": st.epoch}
+        where = {"samples": self.gs, "epoch": st.epoch}
+
+        def commit() -> None:
             self.checkpointer.commit(st.seq, {**where, "algo": self.cfg.algo})
             self.ctx.sink.emit({"event": "checkpoint", "seq": st.seq, **where, "train_wall_s": st.train_wall_s})
+
+        self.algo.checkpoint_saved(self.ctx, st.seq, commit)
         self.clock.resume()
 
     def end_epoch(self) -> None:

@@ -101,6 +101,15 @@ class ParameterServer:
                 self.on_update(self.total_samples())
             return diff, self.version, self.total_samples(), self.stop
 
+    def rejoin(self, rank: int) -> None:
+        """A replacement for worker ``rank`` (which died) joins: it is waited for again, and its
+        clock starts at the slowest live worker's, so a staleness bound neither stops it nor
+        the others."""
+        with self.lock:
+            others = [self.clocks[r] for r in self.active]
+            self.clocks[rank] = min(others) if others else self.clocks[rank]
+            self.active.add(rank)
+
     def finished(self, rank: int, local_samples: int | None = None) -> None:
         """Worker ``rank`` is done (or dead): stop waiting for it."""
         with self.lock:

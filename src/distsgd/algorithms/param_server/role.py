@@ -11,7 +11,8 @@ import torch
 
 from distsgd.algorithms.param_server.core import ParameterServer
 from distsgd.algorithms.param_server.rules import Rule
-from distsgd.checkpoint import gather, load_worker_state, scatter
+from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, gather, load_worker_state,
+                                save_worker_state, scatter)
 from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
 from distsgd.models import build_model
@@ -28,8 +29,9 @@ class ServerRole:
     Built before the transport serves (so the first pull finds it), then :meth:`run`. A :class:`Watcher`
     copies the model every ``eval_every`` samples (inside the update lock, so each copy is one
     consistent version, with the clock paused since the workers wait on the lock) and evaluates
-    the copies after training. With ``cfg.resume`` it starts from the server state saved in
-    worker 0's checkpoint file (sync-ps).
+    the copies after training. It coordinates checkpoints: once every live worker has saved its
+    part of one, it saves its own state and commits (:meth:`checkpointed`); with ``cfg.resume``
+    it starts from that state.
 
     While it serves, the role emits a ``server`` event (updates, bytes sent, staleness so far:
     :meth:`.core.ParameterServer.figures`) each time the run passes another ``log_every`` steps of
@@ -38,7 +40,7 @@ class ServerRole:
     carries versions applied while it waited), and it has the run's sink under torchrun too.
     """
 
-    def __init__(self, job: Job, rule: Rule, workers: int, sink: Any) -> None:
+    def __init__(self, job: Job, rule: Rule, workers: int, sink: Any, exact: bool = False) -> None:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
         self.cfg, self.sink = cfg, sink
@@ -50,13 +52,66 @@ class ServerRole:
         self.server = ParameterServer(cfg, self.model, workers, rule, per_epoch, self._on_update,
                                       on_start=self.watcher.start, optimizer=optimizer)
         self.pieces = {"server": self.server, "watcher": self.watcher}
+        self.workers = workers
+        self.exact = exact  # a checkpoint needs every worker's part (sync-ps), not only the live ones
+        self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {worker rank: its samples then}
+        self.awaiting: dict[int, float] = {}  # dead worker ranks a replacement may take, and since when
+        self.deaths = 0
         if cfg.resume:
-            scatter(self.pieces, load_worker_state(Path(cfg.resume), 0)["algo"]["server"])
+            saved = load_worker_state(Path(cfg.resume), COORDINATOR)
+            if saved is not None:
+                scatter(self.pieces, saved)
 
-    def state_dict(self) -> dict[str, Any]:
-        """What worker 0's checkpoint file carries of the server, as of now (a round's end)."""
+    def checkpointed(self, rank: int, seq: int, samples: int) -> None:
+        """Worker ``rank`` saved its part of checkpoint ``seq``; once every live worker has, save the
+        server's state (the model, optimiser, counters, evaluations) and commit."""
         with self.server.lock:
-            return gather(self.pieces)
+            self.saved.setdefault(seq, {})[rank] = samples
+            event = self._commit_whole()
+        if event is not None:
+            self.sink.emit(event)
+
+    def _commit_whole(self) -> dict[str, Any] | None:
+        """Commit the newest checkpoint every live worker has saved (call with the lock held)."""
+        needed = set(range(1, self.workers + 1)) if self.exact else self.server.active
+        whole = [seq for seq, ranks in self.saved.items() if set(ranks) >= needed]
+        if not whole or not self.cfg.out:
+            return None
+        seq = max(whole)
+        ckpt_dir = Path(self.cfg.out) / CHECKPOINT_DIR
+        state = gather(self.pieces)
+        for rank, samples in self.saved[seq].items():  # what each worker had when it saved (a sync-ps
+            state["server"]["counts"][rank] = samples  # worker may already have pushed the next round)
+        save_worker_state(ckpt_dir, seq, COORDINATOR, state)
+        total = self.server.total_samples()
+        commit_checkpoint(ckpt_dir, seq, self.workers, {"samples": total, "algo": self.cfg.algo},
+                          ranks=sorted(r - 1 for r in self.saved[seq]), coordinator=True)
+        self.saved = {s: r for s, r in self.saved.items() if s > seq}
+        return {"event": "checkpoint", "seq": seq, "samples": total, "train_wall_s": self.watcher.clock.elapsed()}
+
+    def worker_gone(self, rank: int) -> None:
+        """Worker ``rank``'s connection broke (it died): carry on without it, or wait a while for the
+        replacement ``--restart-workers`` may start."""
+        self.server.finished(rank)
+        with self.server.lock:
+            if self.deaths < self.cfg.restart_workers:
+                self.awaiting[rank] = time.monotonic()
+            self.deaths += 1
+            event = self._commit_whole()
+        if event is not None:
+            self.sink.emit(event)
+
+    def worker_back(self, rank: int) -> None:
+        """A replacement for worker ``rank`` connected."""
+        self.server.rejoin(rank)
+        with self.server.lock:
+            self.awaiting.pop(rank, None)
+
+    def _waiting_for_replacements(self) -> bool:
+        with self.server.lock:
+            now = time.monotonic()
+            self.awaiting = {r: t for r, t in self.awaiting.items() if now - t < self.cfg.timeout_s}
+            return bool(self.awaiting)
 
     def _state(self) -> dict[str, torch.Tensor]:
         """A copy of the server's model with the workers' buffers (call with the lock held)."""
@@ -78,13 +133,11 @@ class ServerRole:
             total = self.server.total_samples()
         self.sink.emit({"event": "server", "samples": total, "train_wall_s": self.watcher.clock.elapsed(), **figures})
 
-    def run(self, dead: Callable[[], set[int]] = set) -> WorkerResult:
-        """Serve until every worker has finished or died; return the chief WorkerResult."""
+    def run(self) -> WorkerResult:
+        """Serve until every worker has finished or died (and no replacement is on its way);
+        return the chief WorkerResult."""
         server = self.server
-        while server.active:
-            for rank in dead() & server.active:
-                log.warning("worker %d died; the server carries on without it", rank - 1)
-                server.finished(rank)
+        while server.active or self._waiting_for_replacements():
             self._report()
             time.sleep(0.01)
         self._report(final=True)

@@ -1,37 +1,65 @@
-"""How workers reach the server: ``torch.distributed`` point-to-point messages (gloo).
+"""How workers reach the server: one TCP connection per worker, carrying fixed-size frames.
 
-The server (rank 0) runs one thread per worker, each serving its worker's requests in order. A
-request is one message, a :class:`Frame`: an int64 header ``[op, version, samples, flag]`` and
-the op's payload (a push's flat gradient and buffers); the answer is one message too (``[version,
-all workers' samples, stop, nbytes]`` and the new flat weights). Everything on the wire is a
-tensor: nothing is unpickled (the one structured message, the server's state for a sync-ps
-checkpoint, travels as ``torch.save`` bytes loaded with ``weights_only=True``). A push that must
-wait (a sync-ps round, an ssp bound) blocks only its own worker's thread. A worker whose
-connection breaks (it died) is dropped; the server carries on.
+The server (rank 0) listens on an address (``127.0.0.1`` and a free port for a local run; under
+torchrun, its own address, published through torchrun's store) and serves each worker's
+connection in a thread of its own, one request at a time. A request is one message, a
+:class:`Frame`: an int64 header ``[op, version, samples, flag]`` and the op's payload (a push's
+flat gradient and buffers); the answer is one message too (``[version, all workers' samples,
+stop, nbytes]`` and the new flat weights). Everything on the wire is raw tensor bytes: nothing
+is unpickled. A push that must wait (a sync-ps
+round, an ssp bound) blocks only its own worker's thread. A worker whose connection closes (it
+died) is dropped and the server carries on; a replacement may connect later under the same rank
+(``--restart-workers``), which a process group's fixed membership would not allow.
 
-Why not ``torch.distributed.rpc`` (what distsgd used before), measured on the 2-core VM on
-2026-11-22 (docs/BENCHMARKS.md): with TensorPipe's default transports its shared-memory reactor
-thread busy-polls about a fifth of a core in each of the three processes of a 2-worker run, and
-asgd reached 0.56x Hogwild!'s samples/s; with its uv transport, 11.2k samples/s against 13.1k
-here (limits.py A/B, 3 alternating repeats). With one message each way, asgd reaches 0.86x
-Hogwild!. And TensorPipe, RPC's only backend, has been in maintenance mode since December 2025.
+The transport was chosen by measurement on the 2-core VM on 2026-11-22 (docs/BENCHMARKS.md).
+``torch.distributed.rpc``, what distsgd used first: with TensorPipe's default transports its
+shared-memory reactor thread busy-polls about a fifth of a core in each of the three processes
+of a 2-worker run, and asgd reached 0.56x Hogwild!'s samples/s; with its uv transport 11.2k
+samples/s. gloo point-to-point messages, two each way: 11.1k; one each way: 13.1k (limits.py
+A/B, 3 alternating repeats). This socket transport: see BENCHMARKS. TensorPipe, RPC's only
+backend, has also been in maintenance mode since December 2025.
 """
 
 from __future__ import annotations
 
-import io
 import logging
+import socket
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-PULL, PUSH, EXCHANGE, DONE, BARRIER, STATE = range(6)
-_REQUEST, _ANSWER, _STATE = 11, 13, 14  # message tags
+HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED = range(7)
 _HEAD = 4 * 8  # bytes of a header: four int64
+
+
+class Channel:
+    """One TCP connection: whole frames and byte strings, sent and received in full."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+
+    def send(self, data: memoryview | bytes) -> int:
+        self.sock.sendall(data)
+        return len(data)
+
+    def recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:], len(view) - got)
+            if n == 0:
+                raise ConnectionError("the connection closed")
+            got += n
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 class Frame:
@@ -43,6 +71,7 @@ class Frame:
     def __init__(self, nbytes: int) -> None:
         self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8)
         self.head = self.buffer[:_HEAD].view(torch.int64)
+        self.view = memoryview(self.buffer.numpy())  # what the socket reads into and writes from
 
     def floats(self, start: int, n: int) -> torch.Tensor:
         """float32 view of the payload: ``n`` values from value ``start``."""
@@ -52,13 +81,12 @@ class Frame:
         """int64 view of the payload: ``n`` values from payload byte ``start_byte``."""
         return self.buffer[_HEAD + start_byte:_HEAD + start_byte + 8 * n].view(torch.int64)
 
-    def send(self, peer: int, tag: int, *head: int) -> int:
+    def send(self, channel: Channel, *head: int) -> int:
         self.head.copy_(torch.tensor(head, dtype=torch.int64))
-        dist.send(self.buffer, peer, tag=tag)
-        return self.buffer.numel()
+        return channel.send(self.view)
 
-    def recv(self, peer: int, tag: int) -> list[int]:
-        dist.recv(self.buffer, peer, tag=tag)
+    def recv(self, channel: Channel) -> list[int]:
+        channel.recv_into(self.view)
         return self.head.tolist()
 
 
@@ -70,40 +98,67 @@ def frame_sizes(n_params: int, n_floats: int, n_ints: int) -> tuple[int, int]:
 
 
 class Service:
-    """The server's end: a thread per worker rank 1..N, serving ``server`` (the core) and ``role``
-    (for checkpoint state). ``sizes``: (parameters, floating-point buffers, integer buffers)."""
+    """The server's end: it listens on ``address`` (``host:port``; port 0: any free one) and serves
+    each worker that connects, in a thread of its own, on ``server`` (the core) and ``role`` (for
+    checkpoint state). ``sizes``: (parameters, floating-point buffers, integer buffers).
+    ``rejoin(rank)``: a worker connects again under a rank that died (a replacement)."""
 
-    def __init__(self, server: Any, role: Any, world: int, sizes: tuple[int, int, int]) -> None:
+    def __init__(self, server: Any, role: Any, sizes: tuple[int, int, int], address: str) -> None:
         self.server, self.role, self.sizes = server, role, sizes
-        self.threads = [threading.Thread(target=self._serve, args=(r,), name=f"distsgd-ps-{r}", daemon=True)
-                        for r in range(1, world)]
+        host, _, port = address.rpartition(":")
+        self.listener = socket.create_server((host, int(port)), backlog=64)
+        self.address = f"{host}:{self.listener.getsockname()[1]}"
+        self.threads: list[threading.Thread] = []
+        self.channels: list[Channel] = []
+        self.current: dict[int, Channel] = {}  # each rank's newest connection (a replacement's, after a death)
         self.closing = False
+        self.acceptor = threading.Thread(target=self._accept, name="distsgd-ps-accept", daemon=True)
 
     def start(self) -> None:
-        for t in self.threads:
-            t.start()
+        self.acceptor.start()
 
     def close(self, wait_s: float = 5.0) -> None:
         self.closing = True
+        self.listener.close()
+        for c in self.channels:
+            c.close()
         for t in self.threads:
             t.join(wait_s)
 
-    def _serve(self, rank: int) -> None:
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            channel = Channel(sock)
+            self.channels.append(channel)
+            thread = threading.Thread(target=self._serve, args=(channel,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, channel: Channel) -> None:
         n_params, n_floats, n_ints = self.sizes
         req_bytes, ans_bytes = frame_sizes(*self.sizes)
         request, answer = Frame(req_bytes), Frame(ans_bytes)
-        server = self.server
+        server, rank = self.server, -1
 
         def reply(version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0) -> None:
             if data is not None:
                 answer.floats(0, data.numel()).copy_(data)
-            server.count(sent=answer.send(rank, _ANSWER, version, total, int(stop), nbytes))
+            server.count(sent=answer.send(channel, version, total, int(stop), nbytes))
 
         try:
             while True:
-                op, version, samples, flag = request.recv(rank, _REQUEST)
+                op, version, samples, flag = request.recv(channel)
                 server.count(received=request.buffer.numel())
-                if op == PULL:
+                if op == HELLO:  # [HELLO, rank, 0, rejoining]: answered with that rank's samples so far
+                    rank = version
+                    self.current[rank] = channel
+                    if flag:
+                        self.role.worker_back(rank)
+                    reply(server.version, server.total_samples(), server.stop, nbytes=server.counts[rank])
+                elif op == PULL:
                     flat, v = server.pull(rank)
                     reply(v, server.total_samples(), server.stop, flat)
                 elif op == PUSH:
@@ -120,38 +175,55 @@ class Service:
                 elif op == BARRIER:
                     server.barrier().wait()
                     reply(server.version, server.total_samples(), server.stop)
-                elif op == STATE:
-                    buffer = io.BytesIO()
-                    torch.save(self.role.state_dict(), buffer)
-                    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-                    reply(server.version, server.total_samples(), server.stop, nbytes=data.numel())
-                    dist.send(data, rank, tag=_STATE)
-                    server.count(sent=data.numel())
+                elif op == CHECKPOINTED:  # [CHECKPOINTED, seq, samples, 0]: this worker saved its part
+                    self.role.checkpointed(rank, version, samples)
+                    reply(server.version, server.total_samples(), server.stop)
                 elif op == DONE:
                     server.finished(rank, samples)
                     return
         except Exception as exc:  # its connection broke: it died, or the run is being torn down
-            if not self.closing:
+            if not self.closing and rank >= 0 and self.current.get(rank) is channel:  # not a replaced one
                 log.warning("worker %d is gone (%s); the server carries on without it", rank - 1,
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                server.finished(rank)
+                self.role.worker_gone(rank)
+        finally:
+            channel.close()
+
+
+def connect(address: str, timeout_s: float) -> Channel:
+    """A connection to the server at ``host:port``, retried until it listens (or ``timeout_s``)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Channel(socket.create_connection((host, int(port)), timeout=timeout_s))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no parameter server answered at {address} within {timeout_s:.0f} s") from None
+            time.sleep(0.05)
 
 
 class Client:
-    """A worker's calls on the server. ``me`` is its rank in the group (its data rank + 1);
-    ``weights`` the flat buffer its model's parameters are views of (answers land in it)."""
+    """A worker's calls on the server at ``address``. ``me`` is its rank (its data rank + 1);
+    ``weights`` the flat buffer its model's parameters are views of (answers land in it).
+    ``rejoining``: it replaces a worker of that rank that died; ``samples`` then says how many
+    samples that rank had trained."""
 
-    def __init__(self, me: int, weights: torch.Tensor, sizes: tuple[int, int, int]) -> None:
+    def __init__(self, me: int, weights: torch.Tensor, sizes: tuple[int, int, int], address: str,
+                 timeout_s: float, rejoining: bool = False) -> None:
         self.me, self.weights, self.sizes = me, weights, sizes
         req_bytes, ans_bytes = frame_sizes(*sizes)
         self.request, self.answer = Frame(req_bytes), Frame(ans_bytes)
         self.bytes_sent = 0
+        self.channel = connect(address, timeout_s)
+        self.channel.sock.settimeout(None)  # a push may wait for a round; the server's death closes it
+        self.samples = self._call(HELLO, me, 0, int(rejoining))[3]
 
     def _call(self, op: int, version: int = 0, samples: int = 0, flag: int = 0) -> tuple[int, int, bool, int]:
-        self.bytes_sent += self.request.send(0, _REQUEST, op, version, samples, flag)
+        self.bytes_sent += self.request.send(self.channel, op, version, samples, flag)
         if op == DONE:
             return 0, 0, False, 0
-        version, total, stop, nbytes = self.answer.recv(0, _ANSWER)
+        version, total, stop, nbytes = self.answer.recv(self.channel)
         return version, total, bool(stop), nbytes
 
     def pull(self) -> int:
@@ -189,9 +261,8 @@ class Client:
 
     def done(self, samples: int) -> None:
         self._call(DONE, 0, samples)
+        self.channel.close()
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        nbytes = self._call(STATE)[3]
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(data, 0, tag=_STATE)
-        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    def checkpointed(self, seq: int, samples: int) -> None:
+        """This worker saved its part of checkpoint ``seq``: the server commits once all live have."""
+        self._call(CHECKPOINTED, seq, samples)

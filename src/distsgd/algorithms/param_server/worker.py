@@ -25,7 +25,7 @@ class ServerAlgorithm(Algorithm):
 
     topology = SERVER
     rule: ClassVar[type[Rule]] = Asynchronous
-    checkpoints = False  # sync-ps only: the asynchronous rules have no round at which all agree
+    exact_checkpoints: ClassVar[bool] = False  # sync-ps: exact, so a dead worker stops a checkpointed run
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -36,16 +36,20 @@ class ServerAlgorithm(Algorithm):
 
     # -- what the parameter-server launcher asks of the algorithm (a class method) -----------------
     @classmethod
-    def serve(cls, job: Job, world: int, sink: Sink, dead: Callable[[], set[int]] = set) -> WorkerResult:
-        """Be the server (rank 0 of the process group) of ``world - 1`` workers until they are all done."""
-        role = ServerRole(job, cls.rule(job.cfg), world - 1, sink)
+    def serve(cls, job: Job, workers: int, address: str, sink: Sink,
+              publish: Callable[[str], None] | None = None) -> WorkerResult:
+        """Be the server of ``workers`` workers at ``address`` (``host:port``; port 0: any free one,
+        told to ``publish``) until they are all done."""
+        role = ServerRole(job, cls.rule(job.cfg), workers, sink, exact=cls.exact_checkpoints)
         model = role.model
         sizes = (role.server.flat.numel(), sum(b.numel() for b in float_buffers(model)),
                  sum(b.numel() for b in int_buffers(model)))
-        service = transport.Service(role.server, role, world, sizes)
+        service = transport.Service(role.server, role, sizes, address)
+        if publish is not None:
+            publish(service.address)
         service.start()
         try:
-            result = role.run(dead)
+            result = role.run()
         finally:
             service.close()
         return result
@@ -56,8 +60,9 @@ class ServerAlgorithm(Algorithm):
         self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
         self.floats, self.ints = float_buffers(model), int_buffers(model)
         sizes = (self.weights.numel(), sum(b.numel() for b in self.floats), sum(b.numel() for b in self.ints))
-        self.client = transport.Client(ctx.rank + 1, self.weights, sizes)  # data rank r is rank r + 1; server 0
-        self.chief = ctx.rank == 0
+        assert ctx.server is not None, "a parameter-server worker needs the server's address"
+        self.client = transport.Client(ctx.rank + 1, self.weights, sizes, ctx.server, self.cfg.timeout_s,
+                                       rejoining=ctx.replacement)  # data rank r is rank r + 1; the server 0
         self.local = 0
         self.version = self.client.pull()
         self.total = 0
@@ -94,10 +99,14 @@ class ServerAlgorithm(Algorithm):
         return {"bytes_sent": self.sent()}
 
     def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "bytes_sent": self.sent(), "version": self.version, "total": self.total}
-        if self.chief:  # worker 0's file carries the server's state, as of this round
-            state["server"] = self.client.checkpoint_state()
-        return state
+        return {**super().state_dict(), "bytes_sent": self.sent(), "version": self.version, "total": self.total}
+
+    def checkpoint_saved(self, ctx: WorkerContext, seq: int, commit: Callable[[], None]) -> None:
+        """The server commits, with its own state, once every live worker has saved its part."""
+        self.client.checkpointed(seq, self.local)
+
+    def starting_samples(self, ctx: WorkerContext) -> int:
+        return self.client.samples
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -116,13 +125,13 @@ class ASGD(ServerAlgorithm):
 
 @register
 class SyncPS(ServerAlgorithm):
-    """sync-ps is the one server algorithm with checkpoints (``--checkpoint-every``, ``--resume``):
-    every worker saves its own loop state at the same round, and worker 0's file carries the
-    server's state (weights, optimiser, counters, evaluations) fetched at that round."""
+    """sync-ps's checkpoints are exact: every worker saves its loop state at the same round, and
+    the server, once all have told it (before the next round can start), saves its own state
+    (weights, optimiser, counters, evaluations) as of that round."""
 
     name = "sync-ps"
     rule = SyncRound
-    checkpoints = True
+    exact_checkpoints = True
     summary_line = "parameter server that waits for all workers' gradients, then steps once (the seeds')"
 
 

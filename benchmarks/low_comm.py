@@ -1,0 +1,183 @@
+"""Who wins at which bandwidth: the low-communication benchmark (needs root for the namespaces).
+
+A 352k-parameter MLP (benchmarks/models/wide_mlp.py) on Fashion-MNIST, 2 workers, trained to a
+target test accuracy by each configuration on two hosts joined by a veth pair
+(``distsgd bench --network``): unshaped, then shaped to each RATE.
+
+Unshaped, every configuration runs until it reaches the target (or the sample cap). On a shaped
+link a run to the target could take an hour, so each runs for about ``--budget`` seconds (its
+sample cap set from its unshaped bytes per sample and the link's rate, never beyond its unshaped
+samples to target): if it reaches the target, its time is measured; if not, its time to target is
+projected as (unshaped samples to target) / (shaped samples/s), and marked so. For the
+synchronous algorithms the samples to target do not depend on the link (same seed, same steps),
+so the projection only assumes the shaped throughput holds; for asgd and hogwild++ it also
+assumes the staleness the link adds does not change the samples needed.
+
+    sudo python benchmarks/low_comm.py                       # about 30 min on 2 cores
+    python benchmarks/low_comm.py --render                   # the table and plot from results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "low_comm"
+MODEL = HERE / "models" / "wide_mlp.py"
+NETWORKS = ("unshaped", "100mbit", "10mbit")
+CONFIGS = (
+    "allreduce",
+    "ddp[compress=fp16]",
+    "ddp[compress=powersgd:2]",
+    "allreduce[compress=powersgd:2]",
+    "local-sgd[sync_every=8]",
+    "local-sgd[sync_every=64]",
+    "diloco[sync_every=64;lr=0.001]",
+    "diloco[sync_every=500;lr=0.001]",
+    "hogwild++",
+    "asgd",
+)
+COMMON = ["--dataset", "fashion-mnist", "--model", f"{MODEL}:WideMLP", "--workers", "2", "--batch-size", "64",
+          "--lr", "0.05", "--momentum", "0.9", "--target-accuracy", "0.85", "--stop-at-target",
+          "--eval-every", "6000", "--threads-per-worker", "1"]
+CAP = 600_000  # samples: 10 epochs
+
+
+def rate_bytes(network: str) -> float:
+    m = re.match(r"(\d+)([km]?)bit", network)
+    assert m is not None
+    return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6}[m[2]] / 8
+
+
+def run(config: str, network: str, max_samples: int) -> dict[str, Any]:
+    """One configuration on one link: its bench.json row."""
+    name = re.sub(r"[^a-z0-9]+", "_", f"{config}_{network}".lower()).strip("_")
+    out = OUT / "runs" / name
+    cmd = [sys.executable, "-m", "distsgd", "bench", "--algos", config, "--network", network,
+           "--max-samples", str(max_samples), "--out", str(out), *COMMON]
+    print(f"# {config} on {network}, at most {max_samples} samples", flush=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"error: {config} on {network} failed: {res.stderr.strip().splitlines()[-1:]}")
+    row = json.loads((out / "bench.json").read_text())["rows"][0]
+    return {"config": config, "network": network, "max_samples": max_samples,
+            "samples_per_s": row["samples_per_s"]["median"],
+            "time_to_target_s": (row["time_to_target_s"] or {}).get("median"),
+            "samples_to_target": (row["samples_to_target"] or {}).get("median"),
+            "final_test_accuracy": row["final_test_accuracy"]["median"],
+            "bytes_per_sample": row["bytes_sent_per_sample"]}
+
+
+def shaped_cap(base: dict[str, Any], network: str, budget: float) -> int:
+    """Samples for about ``budget`` seconds on the link, at most the unshaped samples to target."""
+    per_sample = base["bytes_per_sample"] or 1.0
+    # two directions of the link; the pessimistic half of that, as one direction often carries most
+    est = min(base["samples_per_s"], rate_bytes(network) / per_sample)
+    want = int(est * budget)
+    ceiling = base["samples_to_target"] or CAP
+    return max(1280, min(ceiling, want) // 128 * 128)
+
+
+def measure(budget: float) -> list[dict[str, Any]]:
+    rows = []
+    base = {}
+    for config in CONFIGS:
+        base[config] = run(config, "unshaped", CAP)
+        rows.append(base[config])
+    for network in NETWORKS[1:]:
+        for config in CONFIGS:
+            rows.append(run(config, network, shaped_cap(base[config], network, budget)))
+    return rows
+
+
+def time_to_target(row: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, bool]:
+    """(seconds, projected?)"""
+    if row["time_to_target_s"] is not None:
+        return row["time_to_target_s"], False
+    if base["samples_to_target"] is None:
+        return None, False
+    return base["samples_to_target"] / row["samples_per_s"], True
+
+
+def render(rows: list[dict[str, Any]], facts: str) -> str:
+    base = {r["config"]: r for r in rows if r["network"] == "unshaped"}
+    ref = base["allreduce"]
+    lines = [f"{facts}", "",
+             "| configuration | bytes/sample | x fewer than allreduce | samples to 85% | "
+             + " | ".join(f"{n}: samples/s | {n}: time to 85% (s)" for n in NETWORKS) + " |",
+             "|---|---|---|---|" + "---|---|" * len(NETWORKS)]
+    for config in CONFIGS:
+        b = base[config]
+        cells = [config, f"{b['bytes_per_sample']:.0f}" if b["bytes_per_sample"] else "-",
+                 f"{ref['bytes_per_sample'] / b['bytes_per_sample']:.1f}" if b["bytes_per_sample"] else "-",
+                 str(b["samples_to_target"]) if b["samples_to_target"] else f"not in {CAP}"]
+        for network in NETWORKS:
+            r = next(x for x in rows if x["config"] == config and x["network"] == network)
+            t, projected = time_to_target(r, b)
+            cells += [f"{r['samples_per_s']:.0f}", "-" if t is None else (f"~{t:.0f}*" if projected else f"{t:.1f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "`~N*`: projected, (unshaped samples to target) / (samples/s on that link); the run was cut "
+              "at its sample cap (about a minute) before the target."]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = {r["config"]: r for r in rows if r["network"] == "unshaped"}
+    xs = {"unshaped": 10_000.0, "100mbit": 100.0, "10mbit": 10.0}  # veth unshaped: drawn at 10 Gbit/s
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for config in CONFIGS:
+        pts = []
+        for network in NETWORKS:
+            r = next(x for x in rows if x["config"] == config and x["network"] == network)
+            t, _ = time_to_target(r, base[config])
+            if t is not None:
+                pts.append((xs[network], t))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=config)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate, Mbit/s (unshaped veth drawn at 10,000)")
+    ax.set_ylabel("time to 85% test accuracy, s (projected where cut)")
+    ax.set_title("Fashion-MNIST, 352k-parameter MLP, 2 hosts")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render", action="store_true", help="only rebuild the table and plot from results")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds per shaped run, about; default 60")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    data = OUT / "rows.json"
+    if not args.render:
+        rows = measure(args.budget)
+        from distsgd.bench.runner import machine_facts
+
+        m = machine_facts()
+        import datetime
+
+        facts = (f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores, torch {m['torch_version']}; "
+                 f"{datetime.date.today().isoformat()}; one run per cell")
+        data.write_text(json.dumps({"facts": facts, "rows": rows}, indent=1))
+    saved = json.loads(data.read_text())
+    (OUT / "table.md").write_text(render(saved["rows"], saved["facts"]) + "\n")
+    plot(saved["rows"], OUT / "time_to_target.png")
+    print((OUT / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Gradient compression for the averaging all-reduce: ``--compress none|fp16|powersgd[:RANK]``.
+
+A :class:`Compressor` averages a list of tensors across the process group in place and returns
+the bytes it handed to all-reduce (the caller turns them into bytes sent).
+
+- ``none``: one flat all-reduce of float32 values.
+- ``fp16``: the flat tensor cast to float16, divided by the world size, all-reduced and cast
+  back: half the bytes (torch's ``fp16_compress_hook`` does the same for DDP).
+- ``powersgd[:R]`` (Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient
+  Compression for Distributed Optimization", NeurIPS 2019; rank R, default 2): every tensor of
+  two or more dimensions, seen as a matrix M (n x m), is sent as two thin matrices. With error
+  feedback, M <- M + e; P = M Q; all-reduce P and orthogonalise it; Q = M^T P; all-reduce Q and
+  divide by W; the average is approximated by P Q^T, and e <- M - P Q^T is added next time, so
+  what is not sent this step is sent later. Q is kept from step to step (warm start); tensors of
+  one dimension, and matrices whose approximation would not save at least half, are all-reduced
+  as they are. This follows torch's ``powerSGD_hook`` step for step (the tensors in reverse order,
+  as a DDP bucket holds them; the same random start for Q; the first 2 steps uncompressed), so
+  that ``allreduce --compress powersgd`` and ``ddp --compress powersgd`` (torch's own hook) take the
+  same steps; a test checks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distsgd.algorithms.averaging import flatten, unflatten_into
+from distsgd.errors import ConfigError
+
+START_ITER = 2  # steps all-reduced as they are before compressing (torch's hook needs at least 2)
+MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it saves at least half
+
+
+def parse(text: str) -> tuple[str, int]:
+    """``none``, ``fp16``, ``powersgd`` or ``powersgd:R`` -> (kind, rank)."""
+    kind, _, rank_text = text.partition(":")
+    if kind not in ("none", "fp16", "powersgd") or (rank_text and kind != "powersgd"):
+        raise ConfigError(f"--compress must be none, fp16 or powersgd[:RANK], got '{text}'")
+    try:
+        rank = int(rank_text) if rank_text else 2
+    except ValueError:
+        rank = 0
+    if rank < 1:
+        raise ConfigError(f"--compress powersgd:RANK needs a rank of at least 1, got '{rank_text}'")
+    return kind, rank
+
+
+class Compressor:
+    """``none``: average with one flat float32 all-reduce."""
+
+    def allreduce_mean_(self, tensors: list[torch.Tensor], world: int) -> int:
+        """Average ``tensors`` across the group in place; return the bytes given to all-reduce."""
+        flat = flatten(tensors)
+        if world > 1:
+            dist.all_reduce(flat)
+        unflatten_into(flat / world, tensors)
+        return flat.numel() * flat.element_size()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class FP16(Compressor):
+    """``fp16``: divide by W, cast to float16, all-reduce, cast back."""
+
+    def allreduce_mean_(self, tensors: list[torch.Tensor], world: int) -> int:
+        flat = flatten(tensors).to(torch.float16).div_(world)  # as torch's fp16_compress_hook: cast, divide
+        if world > 1:
+            dist.all_reduce(flat)
+        unflatten_into(flat.to(tensors[0].dtype), tensors)
+        return flat.numel() * flat.element_size()
+
+
+class PowerSGD(Compressor):
+    """``powersgd[:R]``, with error feedback and warm start; see the module docstring."""
+
+    def __init__(self, rank: int = 2, seed: int = 0) -> None:
+        self.rank, self.seed = rank, seed
+        self.rng = np.random.RandomState(seed)
+        self.iter = 0
+        self.error: torch.Tensor | None = None
+        self.qs: list[torch.Tensor] | None = None
+
+    def allreduce_mean_(self, tensors: list[torch.Tensor], world: int) -> int:
+        tensors = list(reversed(tensors))  # a DDP bucket's order
+        if self.iter < START_ITER:  # as torch's default all-reduce hook: divide, then sum
+            self.iter += 1
+            flat = flatten(tensors) / world
+            if world > 1:
+                dist.all_reduce(flat)
+            unflatten_into(flat, tensors)
+            return flat.numel() * flat.element_size()
+        flat = flatten(tensors)
+        if self.error is not None:
+            flat += self.error
+        unflatten_into(flat, tensors)
+        before = flat.clone()
+        compress, plain = self._split(tensors)
+        sent = self._allreduce_plain(plain, world)
+        ps, qs = self._start(compress)
+        for m, p, q in zip(compress, ps, qs):  # batches of one, as torch's hook computes them
+            torch.bmm(m, q, out=p)
+        sent += _allreduce_all(ps, world, divide=False)
+        for p in ps:
+            _orthogonalize(p)
+        for m, p, q in zip(compress, ps, qs):
+            torch.bmm(m.transpose(1, 2), p, out=q)
+        sent += _allreduce_all(qs, world, divide=True)
+        for m, p, q in zip(compress, ps, qs):
+            torch.bmm(p, q.transpose(1, 2), out=m)
+        self.error = before - flatten(tensors)
+        self.iter += 1
+        return sent
+
+    def _split(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(matrices worth compressing, grouped by shape in order of first appearance; tensors sent as
+        they are), as torch's hook decides and orders them."""
+        by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+        plain = []
+        for t in tensors:
+            m = t.view(t.shape[0], -1) if t.dim() > 0 else t.view(1, 1)
+            n, k = m.shape
+            r = min(n, k, self.rank)
+            if (n + k) * r * MIN_COMPRESSION_RATE < n * k:
+                by_shape.setdefault(m.shape, []).append(m.unsqueeze(0))  # (1, n, k)
+            else:
+                plain.append(t)
+        return [m for group in by_shape.values() for m in group], plain
+
+    def _allreduce_plain(self, plain: list[torch.Tensor], world: int) -> int:
+        if not plain:
+            return 0
+        return Compressor().allreduce_mean_(plain, world)
+
+    def _start(self, compress: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Empty Ps, and the Qs: kept from the last step and orthogonalised, or (the first time) random."""
+        ranks = [min(m.shape[1], m.shape[2], self.rank) for m in compress]
+        ps = [torch.empty(1, m.shape[1], r, dtype=m.dtype) for m, r in zip(compress, ranks)]
+        if self.qs is not None:
+            for q in self.qs:
+                _orthogonalize(q)
+            return ps, self.qs
+        generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+        self.qs = [torch.randn(1, m.shape[2], r, generator=generator, dtype=m.dtype) for m, r in zip(compress, ranks)]
+        for q in self.qs:
+            _orthogonalize(q)
+        return ps, self.qs
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iter": self.iter, "error": self.error, "qs": self.qs, "rng": rng_state(self.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iter, self.error, self.qs = state["iter"], state["error"], state["qs"]
+        set_rng_state(self.rng, state["rng"])
+
+
+def rng_state(rng: np.random.RandomState) -> dict[str, Any]:
+    """A numpy RandomState's state as tensors and numbers (a checkpoint holds no numpy objects)."""
+    _, keys, pos, has_gauss, gauss = rng.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "gauss": float(gauss)}
+
+
+def set_rng_state(rng: np.random.RandomState, state: dict[str, Any]) -> None:
+    rng.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                   state["gauss"]))
+
+
+def powersgd_bytes(tensors: list[torch.Tensor], rank: int) -> int:
+    """What torch's ``powerSGD_hook`` all-reduces for a bucket of these gradients once it
+    compresses: the tensors it sends as they are, and P (n x r) and Q (m x r) of the others."""
+    total = 0
+    for t in tensors:
+        n, m = (t.shape[0], t.numel() // t.shape[0]) if t.dim() > 0 else (1, 1)
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * MIN_COMPRESSION_RATE < n * m else n * m
+    return total * tensors[0].element_size()
+
+
+def _allreduce_all(mats: list[torch.Tensor], world: int, divide: bool) -> int:
+    """Sum ``mats`` across the group in one flat all-reduce (and divide by W): torch's hook keeps
+    every P (every Q) of a bucket in one contiguous buffer and all-reduces it once."""
+    if not mats:
+        return 0
+    flat = flatten(mats)
+    if world > 1:
+        dist.all_reduce(flat)
+    if divide:
+        flat /= world
+    unflatten_into(flat, mats)
+    return flat.numel() * flat.element_size()
+
+
+def _orthogonalize(m: torch.Tensor) -> None:
+    """Orthonormalise the columns of ``m`` (a batch of one, (1, n, r)) in place, as torch's hook
+    does: Gram-Schmidt for rank <= 2, QR beyond."""
+    if m.shape[2] > 2:
+        torch.linalg.qr(m, out=(m, torch.empty(1, m.shape[2], m.shape[2], dtype=m.dtype)))
+        return
+    for i in range(m.shape[2]):
+        col = m[:, :, i:i + 1]
+        col /= torch.norm(col, dim=1, keepdim=True)
+        if i + 1 < m.shape[2]:
+            rest = m[:, :, i + 1:]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
+def make(text: str) -> Compressor:
+    kind, rank = parse(text)
+    return {"none": Compressor, "fp16": FP16}[kind]() if kind != "powersgd" else PowerSGD(rank)

@@ -1,0 +1,187 @@
+"""``distsgd bench --network RATE[,delay=D]``: each configuration as two hosts on a shaped link.
+
+Two network namespaces on this machine are joined by a veth pair, and each end's outgoing
+traffic is shaped with ``tc``: its rate by a token bucket (``tbf rate RATE``), and, with a
+delay, ``netem delay D`` each way (a round trip takes 2 D) in front of it. Kernels built without
+netem (as this project's 2-core VM's) shape the rate only, and a delay is refused with one line
+saying so. ``--network unshaped`` gives the same two hosts with no shaping, to compare against.
+Every run is ``torchrun --nnodes 2`` across them, as on two machines; the samples/s,
+time to target and bytes reported are those of the shaped run. Layouts, 2 workers each:
+
+- process group (allreduce, ddp, local-sgd, diloco, easgd): one worker on each host;
+- parameter server: the server alone on host a, both workers on host b (every push crosses the link);
+- hogwild++: one cluster of one Hogwild! worker on each host, the token crossing the link.
+
+Creating namespaces needs root (and iproute2 with ``tc``); elsewhere ``--network`` is refused
+with one line saying why. Algorithms that live on one machine (single, hogwild) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from distsgd import config as config_mod
+from distsgd.algorithms import registry
+from distsgd.algorithms.base import GROUP, SERVER, SHARED
+from distsgd.config import RunConfig
+from distsgd.errors import ConfigError, WorkerError
+
+HOSTS = ("10.77.0.1", "10.77.0.2")
+_SPEC = re.compile(r"^(?P<rate>\d+(\.\d+)?[kmg]?bit)(,delay=(?P<delay>\d+(\.\d+)?ms))?$")
+
+
+def parse(text: str) -> tuple[str | None, str | None]:
+    """``10mbit,delay=20ms`` -> ("10mbit", "20ms"); ``unshaped`` -> (None, None)."""
+    if text.strip().lower() == "unshaped":
+        return None, None
+    m = _SPEC.match(text.strip().lower())
+    if not m:
+        raise ConfigError(f"--network must be RATE[,delay=MS] such as 100mbit or 10mbit,delay=20ms, "
+                          f"or unshaped, got '{text}'")
+    return m["rate"], m["delay"]
+
+
+def layout(cfg: RunConfig) -> tuple[int, int] | None:
+    """(processes on host a, on host b) for a 2-worker run of ``cfg.algo``; None: one machine only."""
+    cls = registry.resolve(cfg.algo, cfg)
+    if cls.topology == GROUP:
+        return 1, 1
+    if cls.topology == SERVER:
+        return 1, 2
+    if cls.topology == SHARED and cls.local_workers(cfg.replace(cluster_size=1)) is not None:
+        return 1, 1
+    return None
+
+
+class Network:
+    """The two hosts and their link, for the duration of a ``with`` block."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.rate, self.delay = parse(spec)
+        tag = uuid.uuid4().hex[:6]
+        self.names = (f"dsgd-a-{tag}", f"dsgd-b-{tag}")
+        self.veth = (f"va{tag}", f"vb{tag}")
+        self.port = 29600 + int(tag, 16) % 300
+
+    def __enter__(self) -> "Network":
+        why = _cannot()
+        if why:
+            raise ConfigError(f"--network needs two network namespaces, which cannot be made here: {why}")
+        try:
+            self._make()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _make(self) -> None:
+        for name in self.names:
+            _ip("netns", "add", name)
+        _ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+        for name, veth, host in zip(self.names, self.veth, HOSTS):
+            _ip("link", "set", veth, "netns", name)
+            _ip("-n", name, "addr", "add", f"{host}/24", "dev", veth)
+            _ip("-n", name, "link", "set", veth, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+            if self.rate is None:  # unshaped: the veth pair as it is
+                continue
+            tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", veth]
+            bucket = ["tbf", "rate", self.rate, "burst", _burst(self.rate), "latency", "500ms"]
+            if self.delay:
+                _run([*tc, "root", "handle", "1:", "netem", "delay", self.delay],
+                     "this kernel has no netem qdisc, so a delay cannot be shaped here (the rate alone can)")
+                _run([*tc, "parent", "1:1", "handle", "10:", *bucket])
+            else:
+                _run([*tc, "root", *bucket])
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+    def run(self, cfg: RunConfig) -> dict[str, Any]:
+        """Train ``cfg`` across the two hosts; its summary.json (written on host a into cfg.out)."""
+        nprocs = layout(cfg)
+        if nprocs is None:
+            raise ConfigError(f"{cfg.algo} runs on one machine only")
+        if registry.resolve(cfg.algo, cfg).topology == SHARED:
+            cfg = cfg.replace(cluster_size=1)
+        self.port += 1
+        with tempfile.TemporaryDirectory() as tmp:
+            settings = Path(tmp) / "config.toml"
+            settings.write_text(config_mod.to_toml(cfg.replace(workers=1, overwrite=True, quiet=True)))
+            logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
+            procs = [self._start(node, n, settings, logs[node]) for node, n in enumerate(nprocs)]
+            codes = _wait_all(procs, cfg.timeout_s + 600)
+            results = [(code, log.read_text()) for code, log in zip(codes, logs)]
+        for node, (code, err) in enumerate(results):
+            if code != 0:
+                last = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+                raise WorkerError(f"{cfg.algo} on host {'ab'[node]} of --network {self.spec} failed "
+                                  f"(exit {code}): {last[0]}")
+        summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+        summary["network"] = self.spec
+        return summary
+
+    def _start(self, node: int, nprocs: int, settings: Path, log: Path) -> subprocess.Popen:
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": self.veth[node], "OMP_NUM_THREADS": "1"}
+        cmd = ["ip", "netns", "exec", self.names[node], sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--nproc-per-node", str(nprocs), "--node-rank", str(node),
+               "--master-addr", HOSTS[0], "--master-port", str(self.port), "-m", "distsgd", "train",
+               "--config", str(settings)]
+        with log.open("w") as err:
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+
+
+def _cannot() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 ('ip' and 'tc') is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    return None
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(cmd: list[str], unknown_qdisc: str | None = None) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        if unknown_qdisc and "qdisc kind is unknown" in res.stderr:
+            raise ConfigError(f"--network: {unknown_qdisc}")
+        raise ConfigError(f"--network: '{' '.join(cmd)}' failed: {res.stderr.strip()}")
+
+
+def _burst(rate: str) -> str:
+    """The token bucket's size: a hundredth of a second at the rate, at least 32 kbit."""
+    m = re.match(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate)
+    assert m is not None
+    bits = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]]
+    return f"{max(32, int(bits / 100 / 1000))}kbit"
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Exit codes of both hosts' torchrun; if one fails (or time runs out), the other is stopped
+    rather than left waiting for its peer."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:  # the host's torchrun and its workers: its own session
+                    os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.1)
+    return [p.returncode for p in procs]

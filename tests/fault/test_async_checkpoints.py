@@ -1,0 +1,167 @@
+"""Runs that are never lost: checkpoints of the asynchronous algorithms (the whole process tree
+SIGKILLed mid-run, then --resume), replacement workers (--restart-workers), a group restarted
+from its last checkpoint, and a dead server pointing at --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+ASYNC = [("hogwild", []), ("hogwild++", ["--update-delay", "4"]), ("asgd", []), ("ssp", ["--staleness", "2"]),
+         ("dcasgd", []), ("easgd", ["--easgd-mode", "async", "--tau", "4"])]
+BUDGET, EVERY = 57_440, 4_000  # 40 epochs of digits, 2 workers; a checkpoint every 4,000 samples
+COMMON = ["--workers", "2", "--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--lr", "0.02",
+          "--max-samples", str(BUDGET), "--eval-every", "14360", "--quiet"]
+
+
+def _manifest(run: Path) -> dict | None:
+    try:
+        return json.loads((run / "checkpoint" / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("algo, extra", ASYNC, ids=[a for a, _ in ASYNC])
+def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Path, algo: str,
+                                                                  extra: list[str]) -> None:
+    args = ["train", "--algo", algo, *COMMON, *extra]
+    whole = run_cli(*args, "--out", str(tmp_path / "whole"), timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "distsgd", *args, "--checkpoint-every", str(EVERY),
+                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # its own process group: the launcher, fork server, workers
+    try:
+        deadline = time.monotonic() + 120
+        while (_manifest(run) or {}).get("seq", 0) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        manifest = _manifest(run)
+        assert manifest is not None and proc.poll() is None, "the run ended before its third checkpoint"
+        progress = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        done = max(e["samples"] for e in progress if "samples" in e)
+        os.killpg(proc.pid, signal.SIGKILL)  # everything at once, as a machine crash would
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    kept = _manifest(run)
+    assert kept["samples"] >= done - EVERY - 2 * 16 * 50  # lost at most an interval (and the progress lag)
+    resumed = run_cli("train", "--resume", str(run), "--max-samples", str(BUDGET), "--quiet", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    a = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    b = json.loads((run / "summary.json").read_text())
+    assert b["samples"] >= BUDGET and a["samples"] >= BUDGET
+    assert abs(a["final_test_accuracy"] - b["final_test_accuracy"]) <= 0.01, (a["final_test_accuracy"],
+                                                                              b["final_test_accuracy"])
+
+
+KILL_ONCE = '''
+import os, signal
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """mlp-like; the process whose RANK is KILL_RANK SIGKILLs itself at its 20th training step, once
+    (a marker file stops its replacement from doing the same)."""
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            marker = os.environ["KILL_MARKER"]
+            if os.environ.get("RANK") == os.environ.get("KILL_RANK") and self.calls == 20 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+
+@pytest.fixture
+def kill_once(tmp_path: Path, monkeypatch) -> str:
+    path = tmp_path / "killonce.py"
+    path.write_text(KILL_ONCE)
+    monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
+    return f"{path}:Net"
+
+
+@pytest.mark.parametrize("algo, rank", [("hogwild", "1"), ("asgd", "2"), ("hogwild++", "1")])
+def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, rank: str, monkeypatch) -> None:
+    """(hogwild: worker slot 1 has RANK 1; asgd: worker 1 is process rank 2, the server being 0)."""
+    import distsgd
+
+    monkeypatch.setenv("KILL_RANK", rank)
+    s = distsgd.train(model=kill_once, data="digits", algo=algo, workers=2, epochs=4, batch_size=16, lr=0.05,
+                      restart_workers=1, out=str(tmp_path / "run"), quiet=True).summary
+    assert (tmp_path / "killed").exists()  # the worker was killed
+    assert len(s["restarts"]) == 1 and s["restarts"][0]["reason"] == "killed by SIGKILL"
+    assert s["failed_workers"] == []
+    shard = 1436 // 2  # its replacement carried on from the dead worker's samples to the end of its share
+    assert s["samples_per_worker"][1] >= 4 * shard - 16
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["worker"] for e in events if e["event"] == "restart"] == ["worker 1"]
+
+
+def test_a_lockstep_group_restarts_from_its_last_checkpoint(tmp_path: Path, kill_once: str, monkeypatch) -> None:
+    import distsgd
+
+    monkeypatch.setenv("KILL_RANK", "1")
+    common = dict(model=kill_once, data="digits", algo="allreduce", workers=2, epochs=2, batch_size=16, lr=0.05,
+                  quiet=True, seed=1)
+    s = distsgd.train(restart_workers=1, checkpoint_every="160", out=str(tmp_path / "run"), **common).summary
+    assert len(s["restarts"]) == 1 and s["restarts"][0]["from_checkpoint"]
+    clean = distsgd.train(out=str(tmp_path / "clean"), **{**common, "model": "mlp"}).summary
+    assert s["samples"] == clean["samples"]
+
+
+def test_a_dead_server_points_at_resume(tmp_path: Path, monkeypatch) -> None:
+    """The server (RANK 0) SIGKILLs itself at its 5th model copy; the run stops with one line naming
+    --resume, and the resumed run finishes."""
+    path = tmp_path / "killserver.py"
+    path.write_text('''
+import os, signal
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+        self.copies = 0
+
+    def state_dict(self, *args, **kwargs):
+        marker = os.environ["KILL_MARKER"]
+        if os.environ.get("RANK") == "0" and not os.path.exists(marker):
+            self.copies += 1
+            if self.copies == 5:
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+''')
+    monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
+    run = tmp_path / "run"
+    res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", f"{path}:Net",
+                  "--epochs", "30", "--checkpoint-every", "epoch", "--out", str(run), "--quiet", timeout=120)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == (f"error: the parameter server failed: killed by SIGKILL; "
+                                                  f"continue from the last checkpoint with --resume {run}")
+    resumed = run_cli("train", "--resume", str(run), "--quiet", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run / "summary.json").read_text())["samples"] >= 30 * 1436
