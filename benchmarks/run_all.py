@@ -198,6 +198,12 @@ def render() -> str:
         if path.exists():
             out += [f"## {title}", "", f"`python benchmarks/{name}.py`, stored in `benchmarks/results/{name}.txt`:",
                     "", "```", path.read_text().strip(), "```", ""]
+    for name in ("transport_ab", "refactor_ab"):  # A/B runs of one change, kept as they were measured
+        path = RESULTS / f"{name}.txt"
+        if path.exists():
+            title, command, *rest = path.read_text().strip().splitlines()
+            out += [f"## A/B: {title}", "", f"`{command}`, stored in `benchmarks/results/{name}.txt`:", "", "```",
+                    "\n".join(rest).strip(), "```", ""]
     return "\n".join(out) + "\n"
 
 

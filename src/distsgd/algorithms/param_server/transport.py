@@ -16,7 +16,9 @@ The transport was chosen by measurement on the 2-core VM on 2026-11-22 (docs/BEN
 shared-memory reactor thread busy-polls about a fifth of a core in each of the three processes
 of a 2-worker run, and asgd reached 0.56x Hogwild!'s samples/s; with its uv transport 11.2k
 samples/s. gloo point-to-point messages, two each way: 11.1k; one each way: 13.1k (limits.py
-A/B, 3 alternating repeats). This socket transport: see BENCHMARKS. TensorPipe, RPC's only
+A/B, 3 alternating repeats). These sockets against that gloo transport: 1.017x (5 alternating
+repeats, benchmarks/results/transport_ab.txt), as fast within noise, and a worker may join a
+running server, which a process group's fixed membership does not allow. TensorPipe, RPC's only
 backend, has also been in maintenance mode since December 2025.
 """
 
