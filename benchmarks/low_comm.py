@@ -10,8 +10,9 @@ sample cap set from its unshaped bytes per sample and the link's rate, never bey
 samples to target): if it reaches the target, its time is measured; if not, its time to target is
 projected as (unshaped samples to target) / (shaped samples/s), and marked so. For the
 synchronous algorithms the samples to target do not depend on the link (same seed, same steps),
-so the projection only assumes the shaped throughput holds; for asgd and hogwild++ it also
-assumes the staleness the link adds does not change the samples needed.
+so the projection only assumes the shaped throughput holds. asgd and hogwild++ need more or fewer
+samples on a slower link (more staleness, fewer token passes), so they run for the whole budget
+or to the target, and a projection for them also assumes the unshaped samples to target.
 
     sudo python benchmarks/low_comm.py                       # about 30 min on 2 cores
     python benchmarks/low_comm.py --render                   # the table and plot from results
@@ -36,6 +37,7 @@ CONFIGS = (
     "ddp[compress=fp16]",
     "ddp[compress=powersgd:2]",
     "allreduce[compress=powersgd:2]",
+    "allreduce[compress=powersgd:4]",
     "local-sgd[sync_every=8]",
     "local-sgd[sync_every=64]",
     "diloco[sync_every=64;lr=0.001]",
@@ -45,7 +47,7 @@ CONFIGS = (
 )
 COMMON = ["--dataset", "fashion-mnist", "--model", f"{MODEL}:WideMLP", "--workers", "2", "--batch-size", "64",
           "--lr", "0.05", "--momentum", "0.9", "--target-accuracy", "0.85", "--stop-at-target",
-          "--eval-every", "6000", "--threads-per-worker", "1"]
+          "--eval-every", "2000", "--threads-per-worker", "1"]
 CAP = 600_000  # samples: 10 epochs
 
 
@@ -55,44 +57,56 @@ def rate_bytes(network: str) -> float:
     return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6}[m[2]] / 8
 
 
-def run(config: str, network: str, max_samples: int) -> dict[str, Any]:
-    """One configuration on one link: its bench.json row."""
+def _median(stat: dict[str, float] | None) -> float | None:
+    return None if stat is None else stat["median"]
+
+
+def run(config: str, network: str, max_samples: int, again: bool) -> dict[str, Any]:
+    """One configuration on one link: its bench.json row (an earlier run's with the same sample
+    cap unless ``again``)."""
     name = re.sub(r"[^a-z0-9]+", "_", f"{config}_{network}".lower()).strip("_")
     out = OUT / "runs" / name
-    cmd = [sys.executable, "-m", "distsgd", "bench", "--algos", config, "--network", network,
-           "--max-samples", str(max_samples), "--out", str(out), *COMMON]
-    print(f"# {config} on {network}, at most {max_samples} samples", flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"error: {config} on {network} failed: {res.stderr.strip().splitlines()[-1:]}")
-    row = json.loads((out / "bench.json").read_text())["rows"][0]
+    done = out / "bench.json"
+    if again or not done.exists() or json.loads(done.read_text())["settings"]["max_samples"] != max_samples:
+        cmd = [sys.executable, "-m", "distsgd", "bench", "--algos", config, "--network", network,
+               "--max-samples", str(max_samples), "--out", str(out), "--overwrite", *COMMON]
+        print(f"# {config} on {network}, at most {max_samples} samples", flush=True)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"error: {config} on {network} failed: {res.stderr.strip().splitlines()[-1:]}")
+    row = json.loads(done.read_text())["rows"][0]
     return {"config": config, "network": network, "max_samples": max_samples,
-            "samples_per_s": row["samples_per_s"]["median"],
-            "time_to_target_s": (row["time_to_target_s"] or {}).get("median"),
-            "samples_to_target": (row["samples_to_target"] or {}).get("median"),
-            "final_test_accuracy": row["final_test_accuracy"]["median"],
-            "bytes_per_sample": row["bytes_sent_per_sample"]}
+            "samples_per_s": _median(row["samples_per_s"]),
+            "time_to_target_s": _median(row["time_to_target_s"]),
+            "samples_to_target": _median(row["samples_to_target"]),
+            "final_test_accuracy": _median(row["final_test_accuracy"]),
+            "bytes_per_sample": _median(row["bytes_sent_per_sample"])}
 
 
-def shaped_cap(base: dict[str, Any], network: str, budget: float) -> int:
-    """Samples for about ``budget`` seconds on the link, at most the unshaped samples to target."""
+ASYNCHRONOUS = ("asgd", "hogwild++")  # their samples to target depend on the link (staleness, token passes)
+
+
+def shaped_cap(config: str, base: dict[str, Any], network: str, budget: float) -> int:
+    """Samples for about ``budget`` seconds on the link; for a synchronous configuration at most
+    its unshaped samples to target (the same steps: reaching it there proves nothing new)."""
     per_sample = base["bytes_per_sample"] or 1.0
-    # two directions of the link; the pessimistic half of that, as one direction often carries most
-    est = min(base["samples_per_s"], rate_bytes(network) / per_sample)
-    want = int(est * budget)
-    ceiling = base["samples_to_target"] or CAP
-    return max(1280, min(ceiling, want) // 128 * 128)
+    est = min(base["samples_per_s"], rate_bytes(network) / per_sample)  # one direction's rate
+    want = int(est * budget) // 128 * 128
+    if config.split("[")[0] in ASYNCHRONOUS or not base["samples_to_target"]:
+        return max(1280, min(CAP, want))
+    ceiling = -(-int(base["samples_to_target"]) // 128) * 128
+    return max(1280, min(ceiling, want))
 
 
-def measure(budget: float) -> list[dict[str, Any]]:
+def measure(budget: float, again: bool) -> list[dict[str, Any]]:
     rows = []
     base = {}
     for config in CONFIGS:
-        base[config] = run(config, "unshaped", CAP)
+        base[config] = run(config, "unshaped", CAP, again)
         rows.append(base[config])
     for network in NETWORKS[1:]:
         for config in CONFIGS:
-            rows.append(run(config, network, shaped_cap(base[config], network, budget)))
+            rows.append(run(config, network, shaped_cap(config, base[config], network, budget), again))
     return rows
 
 
@@ -136,19 +150,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     base = {r["config"]: r for r in rows if r["network"] == "unshaped"}
     xs = {"unshaped": 10_000.0, "100mbit": 100.0, "10mbit": 10.0}  # veth unshaped: drawn at 10 Gbit/s
     fig, ax = plt.subplots(figsize=(8, 5))
-    for config in CONFIGS:
+    colours = plt.get_cmap("tab20").colors
+    for i, config in enumerate(CONFIGS):
         pts = []
         for network in NETWORKS:
             r = next(x for x in rows if x["config"] == config and x["network"] == network)
-            t, _ = time_to_target(r, base[config])
+            t, projected = time_to_target(r, base[config])
             if t is not None:
-                pts.append((xs[network], t))
+                pts.append((xs[network], t, projected))
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=config)
+            colour, marker = colours[(2 * i) % 20 + (2 * i) // 20], "osD^v"[i % 5]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=config)
+            hollow = [p for p in pts if p[2]]  # projected: open markers
+            ax.scatter([p[0] for p in hollow], [p[1] for p in hollow], s=60, marker=marker, color="white",
+                       edgecolors=colour, zorder=3)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link rate, Mbit/s (unshaped veth drawn at 10,000)")
-    ax.set_ylabel("time to 85% test accuracy, s (projected where cut)")
+    ax.set_ylabel("time to 85% test accuracy, s (open marker: projected)")
     ax.set_title("Fashion-MNIST, 352k-parameter MLP, 2 hosts")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
@@ -159,12 +178,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--render", action="store_true", help="only rebuild the table and plot from results")
+    ap.add_argument("--again", action="store_true", help="run every cell again, even those already in results")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per shaped run, about; default 60")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     data = OUT / "rows.json"
     if not args.render:
-        rows = measure(args.budget)
+        rows = measure(args.budget, args.again)
         from distsgd.bench.runner import machine_facts
 
         m = machine_facts()

@@ -1,7 +1,7 @@
 """Regenerate docs/BENCHMARKS.md for this machine.
 
     python benchmarks/run_all.py                # run every part (about an hour on 2 cores), then render
-    python benchmarks/run_all.py --part main    # one part: seeds | main | easgd_tau | easgd_lr | hogwildpp_torchrun | straggler | limits | data_path
+    python benchmarks/run_all.py --part main    # one part: seeds | main | easgd_tau | easgd_lr | hogwildpp_torchrun | straggler | limits | data_path | low_comm
     python benchmarks/run_all.py --render       # only rebuild docs/BENCHMARKS.md from benchmarks/results/
 
 Every part stores what it measured under benchmarks/results/ (bench.json, bench.md and plots from
@@ -101,7 +101,16 @@ PARTS = {
                                                               "60000", "--straggler", "1:3"]),
     "limits": lambda: script("limits", ["--repeats", "5"]),
     "data_path": lambda: script("data_path", []),
+    "low_comm": lambda: low_comm(),
 }
+
+
+def low_comm() -> None:
+    """Two network namespaces (root only): every cell measured again."""
+    if os.geteuid() != 0:
+        print("skipping low_comm: network namespaces need root", flush=True)
+        return
+    subprocess.run([sys.executable, str(HERE / "low_comm.py"), "--again"], check=True)
 
 
 def load(name: str) -> dict[str, Any] | None:
@@ -198,6 +207,20 @@ def render() -> str:
         if path.exists():
             out += [f"## {title}", "", f"`python benchmarks/{name}.py`, stored in `benchmarks/results/{name}.txt`:",
                     "", "```", path.read_text().strip(), "```", ""]
+    table = RESULTS / "low_comm" / "table.md"
+    if table.exists():
+        notes = RESULTS / "low_comm" / "NOTES.md"
+        out += ["## Slow networks: who wins at which bandwidth", "",
+                "`sudo python benchmarks/low_comm.py`: a 352k-parameter MLP (784-384-128-10, "
+                "`benchmarks/models/wide_mlp.py`) on Fashion-MNIST, 2 workers, SGD lr 0.05 momentum 0.9 (diloco: "
+                "AdamW lr 0.001 inside, outer Nesterov SGD lr 0.7 momentum 0.9), batch 64 per worker, evaluated "
+                "every 2,000 samples, target 85%. Each configuration runs on two hosts (network namespaces joined "
+                "by a veth pair, `torchrun --nnodes 2`), unshaped and with the link shaped by `tc tbf` to 100 and "
+                "10 Mbit/s each way. Stored in `benchmarks/results/low_comm/`.", "",
+                table.read_text().strip(), "",
+                "![time to 85% against link rate](../benchmarks/results/low_comm/time_to_target.png)", ""]
+        if notes.exists():
+            out += [notes.read_text().strip(), ""]
     for name in ("transport_ab", "refactor_ab"):  # A/B runs of one change, kept as they were measured
         path = RESULTS / f"{name}.txt"
         if path.exists():
