@@ -31,12 +31,10 @@ class CheckpointError(DistsgdError):
 
 
 class WorkerError(DistsgdError):
-    """A worker process failed; the message names it and its error."""
-
-    exit_code = 1
+    """A worker process failed (it raised, or died); the message names it and its error. Exit 2
+    like every other failure the CLI reports in one line."""
 
 
 class WorkerInputError(WorkerError):
-    """A worker stopped on a user's mistake it found (an unreadable image, a bad sample): exit 2."""
-
-    exit_code = 2
+    """A worker stopped on a user's mistake it found (an unreadable image, a bad sample): no
+    restart (``--restart-workers``) can mend it."""

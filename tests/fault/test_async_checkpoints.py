@@ -159,7 +159,7 @@ class Net(nn.Module):
     run = tmp_path / "run"
     res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", f"{path}:Net",
                   "--epochs", "30", "--checkpoint-every", "epoch", "--out", str(run), "--quiet", timeout=120)
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (f"error: the parameter server failed: killed by SIGKILL; "
                                                   f"continue from the last checkpoint with --resume {run}")
     resumed = run_cli("train", "--resume", str(run), "--quiet", timeout=120)
