@@ -103,6 +103,12 @@ def test_any_npz_is_one_error_line_or_trains(tmp_path_factory, data: dict) -> No
         _one_error_line(code, err, out)
         return
     assert ds.n_train >= 1 and ds.n_test >= 1
+    import distsgd  # arrays that load also train, or are refused with one line (in-process: fast)
+
+    try:
+        distsgd.train(model="logreg", data=f"npz:{path}", max_samples=4, quiet=True, out=str(tmp / "run"))
+    except DistsgdError as exc:
+        assert "\n" not in str(exc)
 
 
 @FUZZ
