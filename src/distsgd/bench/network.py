@@ -122,11 +122,14 @@ class Network:
             settings.write_text(config_mod.to_toml(cfg.replace(workers=1, overwrite=True, quiet=True)))
             logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
             procs = [self._start(node, n, settings, logs[node]) for node, n in enumerate(nprocs)]
-            codes = _wait_all(procs, cfg.timeout_s + 600)
+            codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
             results = [(code, log.read_text()) for code, log in zip(codes, logs)]
-        for node, (code, err) in enumerate(results):
+        # the host that failed by itself first; one we stopped because of it only says "exit -9"
+        for node in sorted(range(2), key=lambda n: n in stopped):
+            code, err = results[node]
             if code != 0:
-                last = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+                lines = [line for line in err.strip().splitlines() if line.strip()]
+                last = ([ln for ln in lines if "error" in ln.lower()] or lines)[-1:] or ["(no output)"]
                 raise WorkerError(f"{cfg.algo} on host {'ab'[node]} of --network {self.spec} failed "
                                   f"(exit {code}): {last[0]}")
         summary = json.loads((Path(cfg.out) / "summary.json").read_text())
@@ -172,16 +175,18 @@ def _burst(rate: str) -> str:
     return f"{max(32, int(bits / 100 / 1000))}kbit"
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    """Exit codes of both hosts' torchrun; if one fails (or time runs out), the other is stopped
-    rather than left waiting for its peer."""
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], set[int]]:
+    """Exit codes of both hosts' torchrun, and which hosts were stopped: if one fails (or time
+    runs out), the other is stopped rather than left waiting for its peer."""
     import time
 
     deadline = time.monotonic() + timeout
+    stopped: set[int] = set()
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-            for p in procs:
+            for i, p in enumerate(procs):
                 if p.poll() is None:  # the host's torchrun and its workers: its own session
                     os.killpg(p.pid, signal.SIGKILL)
+                    stopped.add(i)
         time.sleep(0.1)
-    return [p.returncode for p in procs]
+    return [p.returncode for p in procs], stopped
