@@ -128,10 +128,13 @@ class Network:
         for node in sorted(range(2), key=lambda n: n in stopped):
             code, err = results[node]
             if code != 0:
-                lines = [line for line in err.strip().splitlines() if line.strip()]
+                Path(cfg.out).mkdir(parents=True, exist_ok=True)
+                kept = Path(cfg.out) / f"host-{'ab'[node]}.log"
+                kept.write_text(err)
+                lines = [ln for ln in err.strip().splitlines() if ln.strip() and "error_file" not in ln]
                 last = ([ln for ln in lines if "error" in ln.lower()] or lines)[-1:] or ["(no output)"]
                 raise WorkerError(f"{cfg.algo} on host {'ab'[node]} of --network {self.spec} failed "
-                                  f"(exit {code}): {last[0]}")
+                                  f"(exit {code}): {last[0].strip()} (its log: {kept})")
         summary = json.loads((Path(cfg.out) / "summary.json").read_text())
         summary["network"] = self.spec
         return summary
