@@ -88,6 +88,14 @@ def broadcast_(tensors: list[torch.Tensor], src: int = 0) -> int:
     return flat.numel() * flat.element_size()
 
 
+def average_buffers_(model: nn.Module, world: int) -> int:
+    """Average floating-point buffers across the group; copy rank 0's integer ones. Returns the
+    bytes all-reduced."""
+    sent = allreduce_mean_(float_buffers(model), world)
+    broadcast_(int_buffers(model))
+    return sent
+
+
 def average_model_(model: nn.Module, world: int) -> int:
     """Average parameters and floating-point buffers across the group; copy rank 0's integer
     buffers. Returns the bytes all-reduced (the integer buffers' broadcast is a few bytes)."""

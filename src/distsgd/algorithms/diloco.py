@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.averaging import allreduce_mean_, broadcast_, float_buffers, int_buffers, params
+from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import OPTIMIZERS, Period, RunConfig
 from distsgd.errors import ConfigError
@@ -98,8 +98,7 @@ class DiLoCo(GroupAlgorithm):
         with torch.no_grad():
             for p, t in zip(self.params, self.theta):
                 p.copy_(t)
-        self.sent(allreduce_mean_(float_buffers(model), self.world), self.world)
-        broadcast_(int_buffers(model))
+        self.sent(average_buffers_(model, self.world), self.world)
         for mine, kept in zip(model.buffers(), self.global_model.buffers()):
             kept.copy_(mine)
         self.rounds += 1

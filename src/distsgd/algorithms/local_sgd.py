@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.averaging import allreduce_mean_, average_model_, broadcast_, float_buffers, int_buffers, params
+from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, average_model_, float_buffers, params
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
@@ -100,8 +100,7 @@ class LocalSGD(GroupAlgorithm):
             for p, a, c in zip(self.params, self.anchor, change):
                 a.add_(c)
                 p.data.copy_(a)
-            self.sent(allreduce_mean_(float_buffers(model), self.world), self.world)
-            broadcast_(int_buffers(model))
+            self.sent(average_buffers_(model, self.world), self.world)
         self.averagings += 1
         self.dirty = False
 
