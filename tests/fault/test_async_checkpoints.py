@@ -102,14 +102,16 @@ def kill_once(tmp_path: Path, monkeypatch) -> str:
     return f"{path}:Net"
 
 
-@pytest.mark.parametrize("algo, rank", [("hogwild", "1"), ("asgd", "2"), ("hogwild++", "1")])
+@pytest.mark.parametrize("algo, rank", [("hogwild", "1"), ("asgd", "2"), ("hogwild++", "1"), ("ssp", "2")])
 def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, rank: str, monkeypatch) -> None:
-    """(hogwild: worker slot 1 has RANK 1; asgd: worker 1 is process rank 2, the server being 0)."""
+    """(hogwild: worker slot 1 has RANK 1; asgd: worker 1 is process rank 2, the server being 0.)
+    Under ssp the replacement starts at the slowest live worker's clock, and does not wait at the
+    start barrier the others passed: it used to, while they waited for it at the staleness bound."""
     import distsgd
 
     monkeypatch.setenv("KILL_RANK", rank)
     s = distsgd.train(model=kill_once, data="digits", algo=algo, workers=2, epochs=4, batch_size=16, lr=0.05,
-                      restart_workers=1, out=str(tmp_path / "run"), quiet=True).summary
+                      restart_workers=1, out=str(tmp_path / "run"), quiet=True, staleness=2).summary
     assert (tmp_path / "killed").exists()  # the worker was killed
     assert len(s["restarts"]) == 1 and s["restarts"][0]["reason"] == "killed by SIGKILL"
     assert s["failed_workers"] == []
@@ -117,6 +119,58 @@ def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, 
     assert s["samples_per_worker"][1] >= 4 * shard - 16
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["worker"] for e in events if e["event"] == "restart"] == ["worker 1"]
+
+
+DIE_AT_START = '''
+import os, signal
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """The process whose RANK is KILL_RANK dies while it builds the model, before it reaches the
+    server: SIGKILLed (every time, or once: a marker file spares its replacement), or on a mistake
+    of the user's (a ValueError: a ModelError, which no restart can mend)."""
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        if os.environ.get("RANK") == os.environ["KILL_RANK"]:
+            how, marker = os.environ["DIE_HOW"], os.environ["KILL_MARKER"]
+            if how == "bad-input":
+                raise ValueError("this worker's input is bad")
+            if how == "always" or not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+@pytest.mark.parametrize("algo, rank, how", [("asgd", "2", "once"), ("asgd", "2", "always"), ("ssp", "2", "always"),
+                                             ("asgd", "2", "bad-input"), ("hogwild", "1", "bad-input")])
+def test_a_worker_that_dies_before_it_starts(tmp_path: Path, monkeypatch, algo: str, rank: str, how: str) -> None:
+    """Worker 1 dies before it connects. Replaced once (``once``): its replacement takes part from the
+    start. Dying again (``always``): the launcher gives up after one restart and tells the server,
+    which used to wait for it forever at the start barrier. On bad input: never restarted."""
+    import distsgd
+
+    path = tmp_path / "dieatstart.py"
+    path.write_text(DIE_AT_START)
+    for k, v in {"KILL_RANK": rank, "DIE_HOW": how, "KILL_MARKER": str(tmp_path / "killed")}.items():
+        monkeypatch.setenv(k, v)
+    s = distsgd.train(model=f"{path}:Net", data="digits", algo=algo, workers=2, epochs=2, batch_size=16,
+                      lr=0.05, restart_workers=1, staleness=2, out=str(tmp_path / "run"), quiet=True).summary
+    shard = 1436 // 2
+    if how == "once":
+        assert s["failed_workers"] == [] and len(s["restarts"]) == 1
+        assert s["samples_per_worker"][1] >= 2 * shard - 16
+    else:
+        assert s["failed_workers"] == [1] and len(s["restarts"]) == (1 if how == "always" else 0)
+        assert s["samples_per_worker"][0] >= 2 * shard - 16 and s["samples_per_worker"][1] == 0
+    if how == "bad-input":
+        assert "this worker's input is bad" in s["worker_errors"]["1"]
+    assert s["final_test_accuracy"] > 0.5
 
 
 def test_a_lockstep_group_restarts_from_its_last_checkpoint(tmp_path: Path, kill_once: str, monkeypatch) -> None:

@@ -147,3 +147,92 @@ def test_replies_are_completed_outside_the_lock() -> None:
     first.then(lambda f: seen.append(ps.lock.locked()))
     ps.push(2, grad(2), 0, 5)  # completes the round, and both futures
     assert first.done() and seen == [False]
+
+
+def test_the_start_barrier_waits_for_every_live_worker_then_lets_a_late_one_through() -> None:
+    """A replacement (--restart-workers) joins a server that started long ago: it must not wait for
+    workers that passed the start long ago (under ssp they would soon wait for it in turn)."""
+    ps = make_server("ssp", staleness=1)
+    first = ps.barrier()
+    assert not first.done()
+    second = ps.barrier()
+    assert first.done() and second.done()
+    ps.finished(2)  # worker 2 dies; its replacement joins and calls the start barrier
+    ps.rejoin(2)
+    assert ps.barrier().done()
+
+
+class _Role:
+    """What the transport tells the role, recorded."""
+
+    def __init__(self) -> None:
+        self.said: list[tuple] = []
+
+    def worker_hello(self, rank: int, rejoining: bool) -> None:
+        self.said.append(("hello", rank))
+
+    def worker_done(self, rank: int, samples: int) -> None:
+        self.said.append(("done", rank))
+
+    def worker_gone(self, rank: int) -> None:
+        self.said.append(("gone", rank))
+
+
+def _closed_by_server(sock) -> bool:
+    sock.settimeout(10)
+    return sock.recv(1) == b""  # an orderly close, no answer
+
+
+@pytest.mark.parametrize("head", [[0, 3, 0, 0], [0, 0, 0, 0], [0, -1, 0, 0], [1, 0, 0, 0], [99, 0, 0, 0]],
+                         ids=["hello-rank-3-of-2", "hello-rank-0", "hello-rank-minus-1", "pull-before-hello",
+                              "unknown-op"])
+def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> None:
+    """A HELLO must name a worker rank 1..N, and come first; an unknown request ends the connection.
+    (A wrong HELLO used to be taken as rank -1 or an index past the counters.)"""
+    import socket
+    from distsgd.algorithms.param_server import transport
+
+    ps, role = make_server("asgd"), _Role()
+    sizes = (sum(p.numel() for p in ps.model.parameters()), 0, 0)
+    service = transport.Service(ps, role, sizes, "127.0.0.1:0")
+    service.start()
+    try:
+        host, port = service.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            if head[0] == 99:  # a proper HELLO first
+                hello = transport.Frame(transport.frame_sizes(*sizes)[0])
+                hello.send(transport.Channel(sock), transport.HELLO, 1, 0, 0)
+                answer = transport.Frame(transport.frame_sizes(*sizes)[1])
+                answer.recv(transport.Channel(sock))
+            frame = transport.Frame(transport.frame_sizes(*sizes)[0])
+            frame.send(transport.Channel(sock), *head)
+            assert _closed_by_server(sock)
+        if head[0] == 99:
+            assert role.said == [("hello", 1), ("gone", 1)]  # a worker that said nonsense is gone
+        else:
+            assert role.said == [] and ps.counts == [0, 0, 0]
+    finally:
+        service.close()
+
+
+def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
+    import socket
+    import time
+    from distsgd.algorithms.param_server import transport
+
+    ps, role = make_server("asgd"), _Role()
+    sizes = (sum(p.numel() for p in ps.model.parameters()), 0, 0)
+    service = transport.Service(ps, role, sizes, "127.0.0.1:0", silence_s=0.5)
+    service.start()
+    try:
+        host, port = service.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            channel = transport.Channel(sock)
+            transport.Frame(transport.frame_sizes(*sizes)[0]).send(channel, transport.HELLO, 2, 0, 0)
+            transport.Frame(transport.frame_sizes(*sizes)[1]).recv(channel)
+            start = time.monotonic()
+            assert _closed_by_server(sock)  # then nothing more is said
+            assert time.monotonic() - start >= 0.4
+        assert role.said == [("hello", 2), ("gone", 2)]
+    finally:
+        service.close()

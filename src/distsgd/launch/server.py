@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
@@ -68,14 +70,15 @@ def _work(job: Job, algo_cls: Any, rank: int, world: int, address: str, sink: Si
     return run_worker(ctx, algo_cls(job.cfg))
 
 
-def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, out: Any, replacement: bool = False) -> None:
+def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, given_up: torch.Tensor, out: Any,
+           replacement: bool = False) -> None:
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
     procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world)
 
     def body() -> WorkerResult:
         if rank == 0:
-            return algo_cls.serve(job, world - 1, address, procs.QueueSink(q, 0))
+            return algo_cls.serve(job, world - 1, address, procs.QueueSink(q, 0), given_up=given_up)
         return _work(job, algo_cls, rank, world, address, procs.QueueSink(q, rank), replacement)
 
     procs.report(q, rank, body)
@@ -84,7 +87,12 @@ def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, out: An
 def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     """One server process and ``cfg.workers`` worker processes on this machine. A worker that
     dies is dropped by the server (its connection closes) and, with ``--restart-workers``,
-    started again; the run stops only when the server dies, or every worker has."""
+    started again; the run stops only when the server dies, or every worker has.
+
+    The launcher alone decides whether a dead worker is replaced (the restart budget, and never a
+    worker that failed on the user's input: it would fail again), and tells the server when it
+    will start none (``given_up``, shared memory), so the server neither waits for a replacement
+    that is not coming nor for a worker that died before it connected."""
     cfg = job.cfg
     workers, world = cfg.workers, cfg.workers + 1
     address = cfg.init_method[len("tcp://"):] if cfg.init_method else f"{LOOPBACK}:{free_port()}"
@@ -93,8 +101,9 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     resume = f"; continue from the last checkpoint with --resume {cfg.out}" if cfg.checkpoint_period else ""
     lockstep = algo_cls.exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
-    with procs.spawned(cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, address, out,
-                                                                  again)) as team:
+    given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
+    with procs.spawned(cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, address, given_up,
+                                                                  out, again)) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
         gone: set[int] = set()  # failed workers the run carries on without
         while 0 not in sup.results:
@@ -109,10 +118,11 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
                 if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
                     cause = sup.blame(lambda r: f"worker {r - 1}")  # the dead one, not one its death upset
                     raise type(cause)(f"{cause}{resume}")
-                if len(restarts) < cfg.restart_workers:
+                if len(restarts) < cfg.restart_workers and rank not in sup.users:
                     restarts.append(procs.restart(team, sup, rank, f"worker {rank - 1}", sink))
                 else:
                     gone.add(rank)
+                    given_up[rank] = 1
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
     failed = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)

@@ -60,12 +60,17 @@ class ParameterServer:
 
     # -- what the workers call (each takes the lock, then completes futures outside it) ----------
     def barrier(self) -> Future:
-        """Resolves once every live worker has called it. The first one marks the start of training
-        (every worker has built its model), so the workers start together."""
+        """The start of training: resolves once every live worker has called it (every worker has
+        built its model), so the workers start together. Once training has started it resolves at
+        once: a replacement worker (``--restart-workers``) joins a running server and must not
+        wait for workers that passed it long ago (under ssp they would in turn wait for it)."""
         fut: Future = Future()
         with self.lock:
-            self._waiting.append(fut)
-            self._release_barrier()
+            if self._started:
+                self._done.append((fut, None))
+            else:
+                self._waiting.append(fut)
+                self._release_barrier()
             done = self._take_done()
         _complete(done)
         return fut

@@ -40,7 +40,8 @@ class ServerRole:
     carries versions applied while it waited), and it has the run's sink under torchrun too.
     """
 
-    def __init__(self, job: Job, rule: Rule, workers: int, sink: Any, exact: bool = False) -> None:
+    def __init__(self, job: Job, rule: Rule, workers: int, sink: Any, exact: bool = False,
+                 given_up: torch.Tensor | None = None) -> None:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
         self.cfg, self.sink = cfg, sink
@@ -55,8 +56,14 @@ class ServerRole:
         self.workers = workers
         self.exact = exact  # a checkpoint needs every worker's part (sync-ps), not only the live ones
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {worker rank: its samples then}
-        self.awaiting: dict[int, float] = {}  # dead worker ranks a replacement may take, and since when
-        self.deaths = 0
+        # Who is still to be waited for. The local launcher decides whether a dead worker is
+        # replaced; it sets given_up[rank] once it will start none (a local run: see
+        # launch/server.py). Until then a rank that died is waited for, since a replacement may be
+        # on its way; a rank that died before it ever connected is dropped. Under torchrun
+        # (given_up None) a death is final: torchrun restarts the whole group, or stops it.
+        self.given_up = given_up
+        self.connected: set[int] = set()  # ranks whose current process has said HELLO and not left
+        self.lost: dict[int, float] = {}  # ranks whose connection broke, and when
         if cfg.resume:
             saved = load_worker_state(Path(cfg.resume), COORDINATOR)
             if saved is not None:
@@ -89,29 +96,49 @@ class ServerRole:
         self.saved = {s: r for s, r in self.saved.items() if s > seq}
         return {"event": "checkpoint", "seq": seq, "samples": total, "train_wall_s": self.watcher.clock.elapsed()}
 
+    def worker_hello(self, rank: int, rejoining: bool) -> None:
+        """Worker ``rank`` connected; with ``rejoining``, it replaces one that died."""
+        if rejoining:
+            self.server.rejoin(rank)
+        with self.server.lock:
+            self.connected.add(rank)
+            self.lost.pop(rank, None)
+
+    def worker_done(self, rank: int, samples: int) -> None:
+        """Worker ``rank`` finished its training."""
+        with self.server.lock:
+            self.connected.discard(rank)
+        self.server.finished(rank, samples)
+
     def worker_gone(self, rank: int) -> None:
-        """Worker ``rank``'s connection broke (it died): carry on without it, or wait a while for the
-        replacement ``--restart-workers`` may start."""
+        """Worker ``rank``'s connection broke (it died, or fell silent): carry on without it, or,
+        in a local run, until the launcher says no replacement is coming (or ``--timeout``
+        passes), wait for one."""
+        with self.server.lock:
+            self.connected.discard(rank)
+            self.lost[rank] = time.monotonic()
         self.server.finished(rank)
         with self.server.lock:
-            if self.deaths < self.cfg.restart_workers:
-                self.awaiting[rank] = time.monotonic()
-            self.deaths += 1
             event = self._commit_whole()
         if event is not None:
             self.sink.emit(event)
 
-    def worker_back(self, rank: int) -> None:
-        """A replacement for worker ``rank`` connected."""
-        self.server.rejoin(rank)
-        with self.server.lock:
-            self.awaiting.pop(rank, None)
-
-    def _waiting_for_replacements(self) -> bool:
-        with self.server.lock:
+    def _settle(self) -> bool:
+        """Drop the ranks the launcher gave up on that never connected (they died before saying
+        HELLO: no connection will break for them). True while a worker is still to come: live,
+        or dead with a replacement possibly on its way."""
+        server = self.server
+        if self.given_up is None:
+            return bool(server.active)
+        with server.lock:
+            dropped = [r for r in server.active if self.given_up[r] and r not in self.connected]
+        for rank in dropped:
+            log.warning("worker %d died before it reached the server; the server carries on without it", rank - 1)
+            self.worker_gone(rank)
+        with server.lock:
             now = time.monotonic()
-            self.awaiting = {r: t for r, t in self.awaiting.items() if now - t < self.cfg.timeout_s}
-            return bool(self.awaiting)
+            self.lost = {r: t for r, t in self.lost.items() if not self.given_up[r] and now - t < self.cfg.timeout_s}
+            return bool(server.active) or bool(self.lost)
 
     def _state(self) -> dict[str, torch.Tensor]:
         """A copy of the server's model with the workers' buffers (call with the lock held)."""
@@ -137,7 +164,7 @@ class ServerRole:
         """Serve until every worker has finished or died (and no replacement is on its way);
         return the chief WorkerResult."""
         server = self.server
-        while server.active or self._waiting_for_replacements():
+        while self._settle():
             self._report()
             time.sleep(0.01)
         self._report(final=True)
@@ -147,6 +174,7 @@ class ServerRole:
         extra = {"staleness": server.staleness_summary(), "server_updates": server.version,
                  "server_updates_per_s": server.version / train_wall_s if train_wall_s > 0 else 0.0,
                  "bytes_sent": server.bytes_sent, "server_bytes_sent": server.bytes_sent,
+                 "server_bytes_received": server.bytes_received,
                  "samples_per_worker": server.counts[1:]}
         final = evals[-1]
         return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -39,10 +40,25 @@ _HEAD = 4 * 8  # bytes of a header: four int64
 
 
 class Channel:
-    """One TCP connection: whole frames and byte strings, sent and received in full."""
+    """One TCP connection: whole frames and byte strings, sent and received in full.
 
-    def __init__(self, sock: socket.socket) -> None:
+    TCP keepalive probes an idle connection after 60 s, every 10 s, 6 times: a peer whose machine
+    vanished (no FIN, no RST) counts as gone after about 2 minutes instead of never. ``silence_s``
+    (the server's end: ``--timeout``): a peer that sends nothing for that long, or does not
+    take what is sent, counts as gone too (the kernel's SO_RCVTIMEO/SO_SNDTIMEO: no cost per call).
+    """
+
+    def __init__(self, sock: socket.socket, silence_s: float | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        if silence_s is not None:
+            whole = int(silence_s)
+            timeval = struct.pack("ll", whole, int((silence_s - whole) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self.sock = sock
 
     def send(self, data: memoryview | bytes) -> int:
@@ -105,8 +121,9 @@ class Service:
     checkpoint state). ``sizes``: (parameters, floating-point buffers, integer buffers).
     ``rejoin(rank)``: a worker connects again under a rank that died (a replacement)."""
 
-    def __init__(self, server: Any, role: Any, sizes: tuple[int, int, int], address: str) -> None:
-        self.server, self.role, self.sizes = server, role, sizes
+    def __init__(self, server: Any, role: Any, sizes: tuple[int, int, int], address: str,
+                 silence_s: float | None = None) -> None:
+        self.server, self.role, self.sizes, self.silence_s = server, role, sizes, silence_s
         host, _, port = address.rpartition(":")
         self.listener = socket.create_server((host, int(port)), backlog=64)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -133,7 +150,7 @@ class Service:
                 sock, _ = self.listener.accept()
             except OSError:  # closed
                 return
-            channel = Channel(sock)
+            channel = Channel(sock, self.silence_s)
             self.channels.append(channel)
             thread = threading.Thread(target=self._serve, args=(channel,), daemon=True)
             self.threads.append(thread)
@@ -155,11 +172,14 @@ class Service:
                 op, version, samples, flag = request.recv(channel)
                 server.count(received=request.buffer.numel())
                 if op == HELLO:  # [HELLO, rank, 0, rejoining]: answered with that rank's samples so far
+                    if rank >= 0 or not 1 <= version <= server.workers:
+                        raise ConnectionError(f"a HELLO for rank {version} (this server has ranks 1..{server.workers})")
                     rank = version
                     self.current[rank] = channel
-                    if flag:
-                        self.role.worker_back(rank)
+                    self.role.worker_hello(rank, bool(flag))
                     reply(server.version, server.total_samples(), server.stop, nbytes=server.counts[rank])
+                elif rank < 0:
+                    raise ConnectionError(f"request {op} before HELLO")
                 elif op == PULL:
                     flat, v = server.pull(rank)
                     reply(v, server.total_samples(), server.stop, flat)
@@ -181,13 +201,21 @@ class Service:
                     self.role.checkpointed(rank, version, samples)
                     reply(server.version, server.total_samples(), server.stop)
                 elif op == DONE:
-                    server.finished(rank, samples)
+                    self.role.worker_done(rank, samples)
                     return
-        except Exception as exc:  # its connection broke: it died, or the run is being torn down
-            if not self.closing and rank >= 0 and self.current.get(rank) is channel:  # not a replaced one
-                log.warning("worker %d is gone (%s); the server carries on without it", rank - 1,
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                else:
+                    raise ConnectionError(f"unknown request {op}")
+        except Exception as exc:  # its connection broke: it died, fell silent, or the run is being torn down
+            if self.closing:
+                return
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if isinstance(exc, (socket.timeout, BlockingIOError)):
+                why = f"silent for {self.silence_s:.0f} s (--timeout)"
+            if rank >= 0 and self.current.get(rank) is channel:  # not a replaced one
+                log.warning("worker %d is gone (%s); the server carries on without it", rank - 1, why)
                 self.role.worker_gone(rank)
+            elif rank < 0:
+                log.warning("dropped a connection that never said which worker it is (%s)", why)
         finally:
             channel.close()
 

@@ -37,14 +37,15 @@ class ServerAlgorithm(Algorithm):
     # -- what the parameter-server launcher asks of the algorithm (a class method) -----------------
     @classmethod
     def serve(cls, job: Job, workers: int, address: str, sink: Sink,
-              publish: Callable[[str], None] | None = None) -> WorkerResult:
+              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None) -> WorkerResult:
         """Be the server of ``workers`` workers at ``address`` (``host:port``; port 0: any free one,
-        told to ``publish``) until they are all done."""
-        role = ServerRole(job, cls.rule(job.cfg), workers, sink, exact=cls.exact_checkpoints)
+        told to ``publish``) until they are all done. ``given_up[rank]``: the local launcher will
+        start no replacement for that rank (:class:`.role.ServerRole`)."""
+        role = ServerRole(job, cls.rule(job.cfg), workers, sink, exact=cls.exact_checkpoints, given_up=given_up)
         model = role.model
         sizes = (role.server.flat.numel(), sum(b.numel() for b in float_buffers(model)),
                  sum(b.numel() for b in int_buffers(model)))
-        service = transport.Service(role.server, role, sizes, address)
+        service = transport.Service(role.server, role, sizes, address, silence_s=job.cfg.timeout_s)
         if publish is not None:
             publish(service.address)
         service.start()
@@ -70,7 +71,7 @@ class ServerAlgorithm(Algorithm):
         return model
 
     def before_training(self, ctx: WorkerContext) -> None:
-        self.client.barrier()  # every worker is built: start together
+        self.client.barrier()  # every worker is built: start together (a replacement: at once)
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
         pass  # the server steps; see after_step
@@ -111,9 +112,6 @@ class ServerAlgorithm(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.version, self.total = state["version"], state["total"]
-
-    def barrier(self, ctx: WorkerContext) -> None:
-        self.client.barrier()
 
 
 @register
