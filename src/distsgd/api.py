@@ -279,11 +279,13 @@ def build_summary(cfg: RunConfig, dataset: Dataset | TorchData, spec: ModelSpec,
     summary.update(chief.extra)
     if len(results) > 1 or cfg.workers > 1:
         summary["global_batch_size"] = cfg.batch_size * cfg.workers
-    if "bytes_sent" in chief.extra:  # every process's sends; the server's (if any) apart
-        server = chief.extra.get("server_bytes_sent", 0)
-        per_worker = [r.extra.get("bytes_sent", 0) for r in (results[1:] if "server_bytes_sent" in chief.extra
-                                                             else results)]
-        summary["bytes_sent"] = server + sum(per_worker)
+    if "bytes_sent" in chief.extra:  # every process's sends
+        per_worker: list[int] | None = [r.extra.get("bytes_sent", 0) for r in results]
+        summary["bytes_sent"] = sum(per_worker or [])
+        if "server_bytes_sent" in chief.extra:  # a server: what it sent and what it received, which
+            # counts every worker, a dead one's and, under torchrun, those of other processes too
+            per_worker = [r.extra.get("bytes_sent", 0) for r in results[1:]] or None
+            summary["bytes_sent"] = chief.extra["server_bytes_sent"] + chief.extra["server_bytes_received"]
         summary["bytes_sent_per_worker"] = per_worker
         summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
     return summary
