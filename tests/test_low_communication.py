@@ -83,6 +83,20 @@ def test_powersgd_error_feedback_sends_later_what_it_did_not_send(group_of_one) 
     assert float((g - best).norm() / g.norm()) > 0.5  # without feedback, each step would miss that much
 
 
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_powersgd_sends_zero_for_a_zero_gradient(group_of_one, rank: int) -> None:
+    """An all-zero gradient matrix (a layer that got no gradient) is sent as zero, not NaN. With P
+    = M Q = 0, Gram-Schmidt divided P's columns by their zero norms (Vogels et al. 2019, Alg. 1,
+    orthogonalise P) and the NaN reached every worker's weights."""
+    torch.manual_seed(2)
+    c = compress.PowerSGD(rank=rank)
+    for _ in range(compress.START_ITER + 3):
+        grads = [torch.zeros(20, 30), torch.randn(20, 30)]
+        c.allreduce_mean_(grads, 1)
+        assert torch.equal(grads[0], torch.zeros(20, 30))
+        assert bool(torch.isfinite(grads[1]).all())
+
+
 STEPS = 20
 
 
@@ -110,6 +124,21 @@ def test_our_compression_takes_the_steps_of_torchs_ddp_hook(kind: str) -> None:
         assert ours.summary["bytes_sent"] == plain / 2
     else:  # all but the first steps send P and Q instead of the matrices
         assert ours.summary["bytes_sent"] < plain * (compress.START_ITER + steps_compressed / 5) / STEPS
+
+
+def test_ddp_powersgd_with_several_buckets_trains_and_resumes(tmp_path: Path) -> None:
+    """torch 2.13's powerSGD_hook aborts on gloo with two or more DDP buckets (gloo::EnforceNotMet):
+    on gloo, ddp --compress powersgd uses one bucket whatever --bucket-mb says. A resumed run
+    starts with start_powerSGD_iter (2) uncompressed steps, as torch requires of a new DDP (its
+    buckets are rebuilt after the first step): so it sends more than the uninterrupted run."""
+    common = dict(model="mlp", data="digits", algo="ddp", workers=2, lr=0.05, checkpoint_every="300", quiet=True,
+                  compress="powersgd:1", bucket_mb=0.001, timeout_s=60)
+    full = distsgd.train(max_samples=1436, out=str(tmp_path / "full"), **common).summary
+    distsgd.train(max_samples=718, out=str(tmp_path / "part"), **common)
+    resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=1436).summary
+    assert resumed["samples"] == full["samples"] == 1436
+    assert resumed["final_test_accuracy"] > 0.2 and full["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+    assert resumed["bytes_sent"] > full["bytes_sent"]
 
 
 def test_diloco_learns_and_sends_a_fraction_of_allreduce() -> None:

@@ -117,7 +117,8 @@ class RunConfig:
     timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed; default 300",
                                flag="--timeout")
     # Algorithms' own settings: each is checked by its algorithm's ``check``.
-    bucket_mb: float = setting(25.0, "allreduce, ddp: gradient bucket size in MB; default 25")
+    bucket_mb: float = setting(25.0, "allreduce, ddp: gradient bucket size in MB; default 25 (not with "
+                                     "allreduce --compress, nor ddp --compress powersgd on gloo: one bucket)")
     hogwild_lock: bool = setting(False, "hogwild: lock around every update (to compare with lock-free)")
     staleness_lr: bool = setting(False, "asgd, ssp, dcasgd: divide each gradient by its staleness "
                                         "(staleness-aware ASGD)")

@@ -179,4 +179,6 @@ class AllReduce(GroupAlgorithm):
         return model
 
     def summary(self) -> dict[str, Any]:
+        if self.compressor is not None:  # compressed gradients are reduced all at once, unbucketed
+            return super().summary()
         return {**super().summary(), "buckets": len(self.buckets)}

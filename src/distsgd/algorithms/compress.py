@@ -199,13 +199,16 @@ def _allreduce_all(mats: list[torch.Tensor], world: int, divide: bool) -> int:
 
 def _orthogonalize(m: torch.Tensor) -> None:
     """Orthonormalise the columns of ``m`` (a batch of one, (1, n, r)) in place, as torch's hook
-    does: Gram-Schmidt for rank <= 2, QR beyond."""
+    does: Gram-Schmidt for rank <= 2, QR beyond. A zero column (an all-zero gradient matrix, a
+    layer that got no gradient) stays zero: torch's hook, with its default epsilon 0, divides
+    it by its zero norm and sends NaN to every worker."""
     if m.shape[2] > 2:
         torch.linalg.qr(m, out=(m, torch.empty(1, m.shape[2], m.shape[2], dtype=m.dtype)))
         return
     for i in range(m.shape[2]):
         col = m[:, :, i:i + 1]
-        col /= torch.norm(col, dim=1, keepdim=True)
+        norm = torch.norm(col, dim=1, keepdim=True)
+        col /= torch.where(norm > 0, norm, torch.ones_like(norm))
         if i + 1 < m.shape[2]:
             rest = m[:, :, i + 1:]
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col

@@ -7,6 +7,9 @@ averages the gradients with bucketed all-reduces during backward (``--bucket-mb`
 ``--compress fp16|powersgd[:R]`` registers torch's own communication hooks (``fp16_compress_hook``;
 ``powerSGD_hook`` with error feedback, warm start and rank R, compressing from the 3rd step:
 ``start_powerSGD_iter`` 2); ``bytes_sent`` counts what each hook all-reduces, bucket by bucket.
+On gloo (CPU), ``--compress powersgd`` puts every gradient in one bucket, whatever ``--bucket-mb``:
+with two or more, torch 2.13's hook aborts the process (``gloo::EnforceNotMet``, measured on this
+project's 2-core VM with 2 processes: any model over 25 MB at the default bucket size).
 
 Buffers (BatchNorm statistics): DDP's own rule, ``broadcast_buffers=True``: before every forward
 rank 0's buffers are broadcast to the others, so each step's statistics are rank 0's. After the
@@ -20,6 +23,7 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -46,9 +50,12 @@ class DDP(GroupAlgorithm):
         self.world = ctx.world
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        ddp = DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_mb)
-        self.hook_state: Any = None
         kind, rank = compress.parse(self.cfg.compress)
+        bucket_mb = self.cfg.bucket_mb
+        if kind == "powersgd" and dist.get_backend() == "gloo":
+            bucket_mb = max(bucket_mb, self._grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        self.hook_state: Any = None
         if kind == "fp16":
             ddp.register_comm_hook(None, self._counting(default_hooks.fp16_compress_hook,
                                                         lambda b: b.buffer().numel() * 2))
@@ -95,17 +102,11 @@ class DDP(GroupAlgorithm):
             self.bytes_sent += sent * (self.world - 1)
         return module
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.hook_state is not None:
-            state["powersgd_iter"] = self.hook_state.iter
-        return state
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """PowerSGD resumes compressing at once, but with fresh error feedback and warm-start memory:
-        torch's hook keeps them flat in DDP's bucket layout, which a new DDP only takes after its
-        first step, so the saved ones would land on the wrong gradients. (A resumed
-        ``ddp --compress powersgd`` run is not bit-exact; ``allreduce --compress powersgd`` is.)"""
+        """A resumed ``ddp --compress powersgd`` starts like a new run: ``start_powerSGD_iter`` (2)
+        uncompressed steps, then compression with fresh error feedback and warm-start memory.
+        torch's hook keeps those flat in DDP's bucket layout, which a new DDP rebuilds after its
+        first step (hence torch's start_powerSGD_iter > 1): compressing at once would add the
+        saved or first step's memory to the wrong gradients, or, with several buckets, fail on
+        their sizes. (So a resumed run is not bit-exact; ``allreduce --compress powersgd`` is.)"""
         super().load_state_dict(state)
-        if self.hook_state is not None:
-            self.hook_state.iter = state["powersgd_iter"]
