@@ -196,3 +196,44 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     for s in ran.values():
         assert s["network"] == "50mbit" and s["samples"] >= 3000 and s["bytes_sent"] > 0
         assert s["workers"] == 2 and s["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_network_bench_leaves_nothing_behind(tmp_path: Path, how: str) -> None:
+    """Ctrl-C or SIGTERM to ``bench --network`` mid-run: one line, exit 130, and neither a host's
+    torchrun, nor its workers (in sessions of their own), nor a namespace is left. (Before, SIGTERM
+    left all five processes and both namespaces.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from distsgd.bench.network import _cannot
+
+    why = _cannot()
+    if why:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    out = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "bench", "--network", "unshaped", "--algos", "asgd",
+                             "--dataset", "digits", "--model", "mlp", "--epochs", "2000", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("runs/*/metrics.jsonl")) and time.monotonic() < deadline:  # training
+            time.sleep(0.2)
+        hosts = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()) - before
+        pids = [int(p) for name in hosts if name.startswith("dsgd-")
+                for p in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
+        assert len(pids) == 5  # each host's torchrun; the server and 2 workers
+        proc.send_signal(getattr(signal, how))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and err.decode().strip().splitlines()[-1] == "error: interrupted"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not {n for n in after - before if n.startswith("dsgd-")}

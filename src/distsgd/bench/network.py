@@ -78,6 +78,9 @@ class Network:
         why = _cannot()
         if why:
             raise ConfigError(f"--network needs two network namespaces, which cannot be made here: {why}")
+        # SIGTERM, like Ctrl-C, unwinds through the clean-up below: the hosts run in sessions of
+        # their own and would outlive a bench that simply died.
+        self._term = signal.signal(signal.SIGTERM, _interrupt) if _main_thread() else None
         try:
             self._make()
         except BaseException:
@@ -106,8 +109,16 @@ class Network:
                 _run([*tc, "root", *bucket])
 
     def __exit__(self, *exc: Any) -> None:
-        for name in self.names:
+        for name in self.names:  # every process still in a host (a torchrun worker may have its own session)
+            listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30)
+            for pid in listed.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        if self._term is not None:
+            signal.signal(signal.SIGTERM, self._term)
 
     def run(self, cfg: RunConfig) -> dict[str, Any]:
         """Train ``cfg`` across the two hosts; its summary.json (written on host a into cfg.out)."""
@@ -121,8 +132,13 @@ class Network:
             settings = Path(tmp) / "config.toml"
             settings.write_text(config_mod.to_toml(cfg.replace(workers=1, overwrite=True, quiet=True)))
             logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
-            procs = [self._start(node, n, settings, logs[node]) for node, n in enumerate(nprocs)]
-            codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
+            procs: list[subprocess.Popen] = []
+            try:
+                procs += [self._start(node, n, settings, logs[node]) for node, n in enumerate(nprocs)]
+                codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
+            finally:  # Ctrl-C, or any failure here: no host left running
+                for p in procs:
+                    _stop(p)
             results = [(code, log.read_text()) for code, log in zip(codes, logs)]
         # the host that failed by itself first; one we stopped because of it only says "exit -9"
         for node in sorted(range(2), key=lambda n: n in stopped):
@@ -147,6 +163,16 @@ class Network:
                "--config", str(settings)]
         with log.open("w") as err:
             return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _cannot() -> str | None:
@@ -188,8 +214,24 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int],
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
             for i, p in enumerate(procs):
-                if p.poll() is None:  # the host's torchrun and its workers: its own session
-                    os.killpg(p.pid, signal.SIGKILL)
+                if p.poll() is None:
+                    _stop(p)
                     stopped.add(i)
         time.sleep(0.1)
     return [p.returncode for p in procs], stopped
+
+
+def _stop(p: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a host's torchrun: SIGTERM, which it passes on to its workers before it exits, then
+    SIGKILL to its session after ``grace_s``. (Workers that escaped it die with the namespace.)"""
+    if p.poll() is not None:
+        return
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(10)
