@@ -152,3 +152,20 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_mod
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     assert restarted["samples"] == clean["samples"] == 2872
     assert restarted["final_test_loss"] == clean["final_test_loss"]
+
+
+def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp_path, dropout_model) -> None:
+    """asgd under torchrun --max-restarts 1: worker 1 (process rank 2) SIGKILLed at its 30th step,
+    after several checkpoints; torchrun restarts the server and both workers, which resume from
+    the server's last checkpoint and finish the budget."""
+    out = tmp_path / "restarted"
+    res = run_cli("--standalone", "--nproc-per-node", "3", "--max-restarts", "1", "-m", "distsgd", "train",
+                  "--algo", "asgd", "--dataset", "digits", "--model", dropout_model, "--max-samples", "5744",
+                  "--lr", "0.05", "--checkpoint-every", "400", "--out", str(out), "--quiet",
+                  module="torch.distributed.run", timeout=240,
+                  env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "30"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "exitcode: -9" in res.stderr and "resuming from the checkpoint" in res.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["samples"] >= 5744 and s["final_test_accuracy"] > 0.8
+    assert all(n > 0 for n in s["samples_per_worker"])
