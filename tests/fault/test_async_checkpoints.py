@@ -121,6 +121,18 @@ def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, 
     assert [e["worker"] for e in events if e["event"] == "restart"] == ["worker 1"]
 
 
+def test_the_only_worker_is_replaced(tmp_path: Path, kill_once: str, monkeypatch) -> None:
+    """--workers 1 (process rank 1, the server being 0): its death used to end the run as "all 1
+    workers failed" before the launcher could start a replacement."""
+    import distsgd
+
+    monkeypatch.setenv("KILL_RANK", "1")
+    s = distsgd.train(model=kill_once, data="digits", algo="asgd", workers=1, epochs=2, batch_size=16, lr=0.05,
+                      restart_workers=1, out=str(tmp_path / "run"), quiet=True).summary
+    assert (tmp_path / "killed").exists() and len(s["restarts"]) == 1 and s["failed_workers"] == []
+    assert s["samples_per_worker"][0] >= 2 * 1436 - 16
+
+
 DIE_AT_START = '''
 import os, signal
 import torch.nn as nn

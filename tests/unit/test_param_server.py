@@ -228,11 +228,34 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             channel = transport.Channel(sock)
+            start = time.monotonic()  # before the server can start counting
             transport.Frame(transport.frame_sizes(*sizes)[0]).send(channel, transport.HELLO, 2, 0, 0)
             transport.Frame(transport.frame_sizes(*sizes)[1]).recv(channel)
-            start = time.monotonic()
             assert _closed_by_server(sock)  # then nothing more is said
-            assert time.monotonic() - start >= 0.4
+            assert time.monotonic() - start >= 0.45
         assert role.said == [("hello", 2), ("gone", 2)]
+    finally:
+        service.close()
+
+
+def test_a_busy_worker_is_not_silent() -> None:
+    """A worker that computes for longer than the timeout between two requests (a long step, a
+    checkpoint, --tau EASGD steps) keeps its connection: its client PINGs while it is quiet. (The
+    server used to drop it.)"""
+    import time
+    from distsgd.algorithms.param_server import transport
+
+    ps, role = make_server("asgd"), _Role()
+    sizes = (sum(p.numel() for p in ps.model.parameters()), 0, 0)
+    service = transport.Service(ps, role, sizes, "127.0.0.1:0", silence_s=0.4)
+    service.start()
+    try:
+        weights = torch.zeros(sizes[0])
+        client = transport.Client(1, weights, sizes, service.address, timeout_s=0.4)
+        time.sleep(1.5)  # busy, silent in its own thread
+        assert client.pull() == ps.version and torch.equal(weights, flatten(list(ps.model.parameters())))
+        assert role.said == [("hello", 1)]
+        assert client.bytes_sent > transport.frame_sizes(*sizes)[0] + 32 * 2  # a HELLO, a pull, PINGs
+        client.done(0)
     finally:
         service.close()

@@ -109,16 +109,22 @@ class Network:
                 _run([*tc, "root", *bucket])
 
     def __exit__(self, *exc: Any) -> None:
-        for name in self.names:  # every process still in a host (a torchrun worker may have its own session)
-            listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30)
-            for pid in listed.stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-        if self._term is not None:
-            signal.signal(signal.SIGTERM, self._term)
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short: held until it is done.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if _main_thread() else None
+        try:
+            for name in self.names:  # every process still in a host (a torchrun worker may have its own session)
+                listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30)
+                for pid in listed.stdout.split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        finally:
+            if self._term is not None:
+                signal.signal(signal.SIGTERM, self._term)
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def run(self, cfg: RunConfig) -> dict[str, Any]:
         """Train ``cfg`` across the two hosts; its summary.json (written on host a into cfg.out)."""

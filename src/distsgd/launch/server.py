@@ -109,20 +109,21 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
         while 0 not in sup.results:
             sup.poll(0.05)
             failed = sup.failed()
-            if 0 in failed or len(failed - {0}) == workers:  # the server's death may reach the workers first
+            if 0 not in failed:
+                for rank in sorted(failed - gone):
+                    if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
+                        cause = sup.blame(lambda r: f"worker {r - 1}")  # the dead one, not one its death upset
+                        raise type(cause)(f"{cause}{resume}")
+                    if len(restarts) < cfg.restart_workers and rank not in sup.users:
+                        restarts.append(procs.restart(team, sup, rank, f"worker {rank - 1}", sink))
+                    else:
+                        gone.add(rank)
+                        given_up[rank] = 1
+            if 0 in failed or len(gone) == workers:  # the server's death may reach the workers first
                 cause = sup.blame(lambda r: "the parameter server" if r == 0 else f"worker {r - 1}")
                 if not str(cause).startswith("the parameter server"):
                     cause = type(cause)(f"all {workers} workers failed; {cause}")
                 raise type(cause)(f"{cause}{resume}")
-            for rank in sorted(failed - gone):
-                if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
-                    cause = sup.blame(lambda r: f"worker {r - 1}")  # the dead one, not one its death upset
-                    raise type(cause)(f"{cause}{resume}")
-                if len(restarts) < cfg.restart_workers and rank not in sup.users:
-                    restarts.append(procs.restart(team, sup, rank, f"worker {rank - 1}", sink))
-                else:
-                    gone.add(rank)
-                    given_up[rank] = 1
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
     failed = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)

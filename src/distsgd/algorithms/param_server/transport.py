@@ -35,8 +35,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED = range(7)
-_HEAD = 4 * 8  # bytes of a header: four int64
+HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED, PING = range(8)
+_HEAD = 4 * 8  # bytes of a header: four int64 (a PING is a header alone, and gets no answer)
 
 
 class Channel:
@@ -46,6 +46,9 @@ class Channel:
     vanished (no FIN, no RST) counts as gone after about 2 minutes instead of never. ``silence_s``
     (the server's end: ``--timeout``): a peer that sends nothing for that long, or does not
     take what is sent, counts as gone too (the kernel's SO_RCVTIMEO/SO_SNDTIMEO: no cost per call).
+    A worker's :class:`Client` sends a PING when it has been quiet for a quarter of that, so only
+    a process that is frozen or whose machine vanished is silent that long, not one that computes
+    a long step, writes a checkpoint or waits ``--tau`` steps between EASGD exchanges.
     """
 
     def __init__(self, sock: socket.socket, silence_s: float | None = None) -> None:
@@ -107,6 +110,14 @@ class Frame:
         channel.recv_into(self.view)
         return self.head.tolist()
 
+    def recv_head(self, channel: Channel) -> list[int]:
+        """The header alone (the server: a PING has nothing more); then :meth:`recv_payload`."""
+        channel.recv_into(self.view[:_HEAD])
+        return self.head.tolist()
+
+    def recv_payload(self, channel: Channel) -> None:
+        channel.recv_into(self.view[_HEAD:])
+
 
 def frame_sizes(n_params: int, n_floats: int, n_ints: int) -> tuple[int, int]:
     """Payload bytes of (a request, an answer)."""
@@ -130,6 +141,7 @@ class Service:
         self.threads: list[threading.Thread] = []
         self.channels: list[Channel] = []
         self.current: dict[int, Channel] = {}  # each rank's newest connection (a replacement's, after a death)
+        self.membership = threading.Lock()  # a rank's HELLO and an old connection's death, one at a time
         self.closing = False
         self.acceptor = threading.Thread(target=self._accept, name="distsgd-ps-accept", daemon=True)
 
@@ -169,17 +181,22 @@ class Service:
 
         try:
             while True:
-                op, version, samples, flag = request.recv(channel)
-                server.count(received=request.buffer.numel())
+                op, version, samples, flag = request.recv_head(channel)
+                if op != PING:
+                    request.recv_payload(channel)
+                server.count(received=_HEAD if op == PING else request.buffer.numel())
                 if op == HELLO:  # [HELLO, rank, 0, rejoining]: answered with that rank's samples so far
                     if rank >= 0 or not 1 <= version <= server.workers:
                         raise ConnectionError(f"a HELLO for rank {version} (this server has ranks 1..{server.workers})")
                     rank = version
-                    self.current[rank] = channel
-                    self.role.worker_hello(rank, bool(flag))
+                    with self.membership:
+                        self.current[rank] = channel
+                        self.role.worker_hello(rank, bool(flag))
                     reply(server.version, server.total_samples(), server.stop, nbytes=server.counts[rank])
                 elif rank < 0:
                     raise ConnectionError(f"request {op} before HELLO")
+                elif op == PING:  # [PING, 0, 0, 0]: the worker is alive, busy between requests
+                    continue
                 elif op == PULL:
                     flat, v = server.pull(rank)
                     reply(v, server.total_samples(), server.stop, flat)
@@ -211,10 +228,12 @@ class Service:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if isinstance(exc, (socket.timeout, BlockingIOError)):
                 why = f"silent for {self.silence_s:.0f} s (--timeout)"
-            if rank >= 0 and self.current.get(rank) is channel:  # not a replaced one
-                log.warning("worker %d is gone (%s); the server carries on without it", rank - 1, why)
-                self.role.worker_gone(rank)
-            elif rank < 0:
+            if rank >= 0:
+                with self.membership:  # a replacement's HELLO cannot slip in between the test and the drop
+                    if self.current.get(rank) is channel:  # not a replaced one
+                        log.warning("worker %d is gone (%s); the server carries on without it", rank - 1, why)
+                        self.role.worker_gone(rank)
+            else:
                 log.warning("dropped a connection that never said which worker it is (%s)", why)
         finally:
             channel.close()
@@ -237,7 +256,11 @@ class Client:
     """A worker's calls on the server at ``address``. ``me`` is its rank (its data rank + 1);
     ``weights`` the flat buffer its model's parameters are views of (answers land in it).
     ``rejoining``: it replaces a worker of that rank that died; ``samples`` then says how many
-    samples that rank had trained."""
+    samples that rank had trained.
+
+    A thread sends a PING (a header, 32 bytes) whenever no request has gone out for
+    ``timeout_s / 4``: the server drops a worker silent for ``timeout_s``, and a busy one is not
+    silent. Requests and PINGs share the connection under one lock."""
 
     def __init__(self, me: int, weights: torch.Tensor, sizes: tuple[int, int, int], address: str,
                  timeout_s: float, rejoining: bool = False) -> None:
@@ -247,14 +270,32 @@ class Client:
         self.bytes_sent = 0
         self.channel = connect(address, timeout_s)
         self.channel.sock.settimeout(None)  # a push may wait for a round; the server's death closes it
+        self.lock, self.quiet_s, self.last = threading.Lock(), timeout_s / 4, time.monotonic()
+        self.closed = threading.Event()
         self.samples = self._call(HELLO, me, 0, int(rejoining))[3]
+        threading.Thread(target=self._beat, name="distsgd-ps-heartbeat", daemon=True).start()
 
     def _call(self, op: int, version: int = 0, samples: int = 0, flag: int = 0) -> tuple[int, int, bool, int]:
-        self.bytes_sent += self.request.send(self.channel, op, version, samples, flag)
-        if op == DONE:
-            return 0, 0, False, 0
-        version, total, stop, nbytes = self.answer.recv(self.channel)
+        with self.lock:
+            self.bytes_sent += self.request.send(self.channel, op, version, samples, flag)
+            self.last = time.monotonic()
+            if op == DONE:
+                self.closed.set()
+                return 0, 0, False, 0
+            version, total, stop, nbytes = self.answer.recv(self.channel)
         return version, total, bool(stop), nbytes
+
+    def _beat(self) -> None:
+        ping = torch.tensor([PING, 0, 0, 0], dtype=torch.int64).numpy().tobytes()
+        while not self.closed.wait(self.quiet_s / 2):
+            with self.lock:
+                if self.closed.is_set() or time.monotonic() - self.last < self.quiet_s:
+                    continue
+                try:
+                    self.bytes_sent += self.channel.send(ping)
+                except OSError:  # the server is gone: the next request says so
+                    return
+                self.last = time.monotonic()
 
     def pull(self) -> int:
         """The server's weights into ``weights``; returns their version."""
