@@ -314,15 +314,20 @@ def with_restarts(job: Job, sink: Any, attempt: Callable[[Job], list[WorkerResul
         return results
 
 
-def restart(team: Team, sup: "Supervisor", rank: int, name: str, sink: Any) -> dict[str, Any]:
-    """Start role ``rank`` again after its process died (``--restart-workers``); record it as a
-    ``restart`` event. Returns the record."""
+def replace(team: Team, sup: "Supervisor", rank: int, name: str, sink: Any, restarts: list[dict[str, Any]]) -> bool:
+    """Start role ``rank`` again after its process died, if ``--restart-workers`` has a restart
+    left (``restarts``: those made so far) and it did not fail on the user's input (its
+    replacement would fail again). The restart is a ``restart`` event and joins ``restarts``.
+    False: no replacement; the run goes on without it."""
+    if len(restarts) >= team.cfg.restart_workers or rank in sup.users:
+        return False
     record = {"worker": name, "reason": sup.reason(rank), "at": time.time()}
     sup.forget(rank)
     team.start(rank, replacement=True)
     log.warning("%s failed (%s); started a replacement", name, record["reason"])
     sink.emit({"event": "restart", **record})
-    return record
+    restarts.append(record)
+    return True
 
 
 @contextlib.contextmanager

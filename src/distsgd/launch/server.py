@@ -114,9 +114,7 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
                     if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
                         cause = sup.blame(lambda r: f"worker {r - 1}")  # the dead one, not one its death upset
                         raise type(cause)(f"{cause}{resume}")
-                    if len(restarts) < cfg.restart_workers and rank not in sup.users:
-                        restarts.append(procs.restart(team, sup, rank, f"worker {rank - 1}", sink))
-                    else:
+                    if not procs.replace(team, sup, rank, f"worker {rank - 1}", sink, restarts):
                         gone.add(rank)
                         given_up[rank] = 1
             if 0 in failed or len(gone) == workers:  # the server's death may reach the workers first

@@ -174,11 +174,8 @@ class Machine:
                     self.saved.setdefault(seq, {})[message[1]] = samples
                     self._commit_whole(sup)
                 for slot in sorted(sup.failed() - self.gone):
-                    if (len(self.restarts) < self.cfg.restart_workers and not self.handles.stop[0]
-                            and slot not in sup.users):  # bad input would fail its replacement too
-                        self.restarts.append(procs.restart(team, sup, slot, f"worker {self.first_rank + slot}",
-                                                           self.sink))
-                    else:
+                    if self.handles.stop[0] or not procs.replace(team, sup, slot, f"worker {self.first_rank + slot}",
+                                                                  self.sink, self.restarts):
                         self.gone.add(slot)
                         self._commit_whole(sup)
                 if self.evaluates and self.watcher.observe(self.samples()):
