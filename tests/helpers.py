@@ -44,3 +44,37 @@ def run_cli(*args: str, timeout: float = 120, module: str = "distsgd",
     """``python -m distsgd ARGS`` (or another module) in a subprocess, with a timeout."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120):
+    """``fn(rank, world, *args)`` in each of ``world`` forked processes joined in a gloo process
+    group (so its collectives are real); returns each rank's result (saved with torch.save)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    init, out = f"file://{tmp_path / 'group'}", str(tmp_path / "result")
+    procs = [ctx.Process(target=_group_member, args=(r, world, init, fn, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    import torch
+
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]

@@ -46,15 +46,22 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     st = s["staleness"]
     assert sum(st["histogram"].values()) == s["server_updates"]
     assert st["max"] >= st["p99"] >= st["p50"] >= 0
-    n_params = _params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
-    # A worker sends one message a step: a 4 x int64 header and the float32 gradient, for 4 epochs of
-    # ceil(718 / 64) steps; and four control requests of the same size (hello, the first pull, the
-    # start barrier, done: every request has one size).
+    from distsgd.algorithms.param_server.transport import Layout
+
+    model = distsgd.models.build_model("mlp", (1, 8, 8), 10)
+    layout = Layout.of(model)
+    n_params = _params(model).numel()
+    # A worker sends one message a step: a 4 x int64 header and the float32 gradient (its section
+    # padded to a multiple of 16 bytes), for 4 epochs of ceil(718 / 64) steps; and four control
+    # requests of the same size (hello, the first pull, the start barrier, done: every request
+    # has one size).
+    assert layout.request_bytes == layout.answer_bytes == -(-4 * n_params // 16) * 16  # no buffers here
     steps = 4 * -(-718 // 64)
-    assert s["bytes_sent_per_worker"] == [(steps + 4) * (32 + 4 * n_params)] * 2
-    # The server answers every request but done with a message of the same size (no buffers here),
-    # and counts every byte it receives: the total is both ends' sends.
-    assert s["bytes_sent"] == 2 * (steps + 4) * (32 + 4 * n_params) + 2 * (steps + 3) * (32 + 4 * n_params)
+    message = 32 + layout.request_bytes
+    assert s["bytes_sent_per_worker"] == [(steps + 4) * message] * 2
+    # The server answers every request but done with a message of the same size, and counts every
+    # byte it receives: the total is both ends' sends.
+    assert s["bytes_sent"] == 2 * (steps + 4) * message + 2 * (steps + 3) * message
     assert s["failed_workers"] == []
 
 

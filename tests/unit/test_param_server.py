@@ -75,21 +75,92 @@ def test_staleness_aware_rule_divides_the_gradient_not_momentum_or_weight_decay(
     torch.testing.assert_close(after.double(), w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_dcasgd_matches_a_float64_reference(adaptive: bool) -> None:
-    ps = make_server("dcasgd", dc_lambda=0.5, dc_adaptive=adaptive)
-    w_read, v = ps.pull(1)  # worker 1 reads w_read
+class MXNetDCASGD:
+    """MXNet's DCASGD optimizer as published (apache/incubator-mxnet,
+    python/mxnet/optimizer/dcasgd.py, ``DCASGD.update``), in float64, for one weight:
+
+        mom[:] *= momentum
+        mom[:] += -lr * (grad + wd * weight + lamda * grad * grad * (weight - previous_weight))
+        previous_weight[:] = weight
+        weight[:] += mom
+
+    ``previous_weight`` is MXNet's per-key state: the weight before the last update, whoever made
+    it. Zheng et al. (ICML 2017, Algorithm 2) keep a backup w_bak(m) per worker m instead, set
+    when m reads; the two agree when two workers strictly alternate, each reading the weights
+    its previous push returned (then w_bak(m) is the weight before the other's update)."""
+
+    def __init__(self, weight: torch.Tensor, lr: float, momentum: float, wd: float, lamda: float) -> None:
+        self.weight, self.previous = weight.double().clone(), weight.double().clone()
+        self.mom = torch.zeros_like(self.weight)
+        self.lr, self.momentum, self.wd, self.lamda = lr, momentum, wd, lamda
+
+    def update(self, grad: torch.Tensor) -> torch.Tensor:
+        g = grad.double()
+        self.mom = self.momentum * self.mom - self.lr * (g + self.wd * self.weight + self.lamda * g * g
+                                                         * (self.weight - self.previous))
+        self.previous = self.weight.clone()
+        self.weight = self.weight + self.mom
+        return self.weight
+
+
+@pytest.mark.parametrize("lamda", [0.04, 2.0])
+def test_dcasgd_matches_mxnets_rule_with_two_alternating_workers(lamda: float) -> None:
+    """Two workers push in turn, each on the weights its last push returned (staleness 1), with
+    momentum and weight decay. A plausible wrong rule fails: compensating with the other worker's
+    read (w - w_read of the wrong rank), the sign flipped (w_read - w), or g instead of g * g: each
+    is checked to land far from the reference, so agreement is not an accident."""
+    lr, mu, wd = 0.1, 0.5, 0.01
+    ps = make_server("dcasgd", lr=lr, momentum=mu, weight_decay=wd, dc_lambda=lamda)
+    start = flatten(list(ps.model.parameters()))
+    ref = MXNetDCASGD(start, lr, mu, wd, lamda)
+    reads = {1: ps.pull(1), 2: ps.pull(2)}  # both read version 0
+    got = None
+    for k in range(12):
+        rank = 1 + k % 2
+        g = grad(100 + k) * (1 + k / 4)  # growing gradients: the correction matters
+        weights, version, *_ = result(ps.push(rank, g, reads[rank][1], k + 1))
+        reads[rank] = (weights, version)
+        got = weights.double()
+        torch.testing.assert_close(got, ref.update(g), rtol=1e-5, atol=1e-6)
+    assert ps.staleness[1] == 11  # every push but the first was one version behind
+
+    def mutant(kind: str) -> torch.Tensor:
+        w, mom = start.double().clone(), torch.zeros_like(start, dtype=torch.float64)
+        read = {1: w.clone(), 2: w.clone()}
+        for k in range(12):
+            rank, other = 1 + k % 2, 2 - k % 2
+            g = (grad(100 + k) * (1 + k / 4)).double()
+            w_read = read[other] if kind == "other's read" else read[rank]
+            diff = w_read - w if kind == "sign" else w - w_read
+            gg = g if kind == "g" else g * g
+            mom = mu * mom - lr * (g + wd * w + lamda * gg * diff)
+            w = w + mom
+            read[rank] = w.clone()
+        return w
+
+    for kind in ("other's read", "sign", "g"):
+        assert float((mutant(kind) - got).abs().max()) > 1e-3, kind
+
+
+def test_dcasgd_adaptive_follows_the_paper() -> None:
+    """DC-ASGD-a (Zheng et al. 2017, section 4.2): lambda_t = lambda0 / sqrt(MeanSquare(t) + eps),
+    MeanSquare(t) = m MeanSquare(t-1) + (1 - m) g_t^2 with m = 0.95 and MeanSquare(0) = 0, for
+    every pushed gradient, element by element; here with the paper's lambda0 = 2 and a worker that
+    read before the other's update (staleness 1). A constant lambda0 instead of the adaptive one
+    would land elsewhere (checked)."""
+    ps = make_server("dcasgd", dc_adaptive=True)
+    w_read, v = ps.pull(1)
     ps.pull(2)
     result(ps.push(2, grad(2), 0, 1))  # worker 2 moves the weights on
     w = flatten(list(ps.model.parameters())).double()
-    g = grad(1).double()
-    lam = torch.full_like(g, 0.5)
-    if adaptive:  # DC-ASGD-a: MeanSquare starts at 0, m <- 0.95 m + 0.05 g^2 at every push
-        meansq = 0.95 * (0.05 * grad(2).double() ** 2) + 0.05 * g ** 2
-        lam = 0.5 / torch.sqrt(meansq + 1e-7)
+    g2, g = grad(2).double(), grad(1).double()
+    meansq = 0.95 * (0.05 * g2 ** 2) + 0.05 * g ** 2
+    lam = 2.0 / torch.sqrt(meansq + 1e-7)
     expected = w - 0.1 * (g + lam * g * g * (w - w_read.double()))
     after, *_ = result(ps.push(1, grad(1), v, 1))
     torch.testing.assert_close(after.double(), expected, rtol=1e-6, atol=1e-7)
+    constant = w - 0.1 * (g + 2.0 * g * g * (w - w_read.double()))
+    assert float((constant - after.double()).abs().max()) > 1e-3
 
 
 def test_sync_ps_waits_for_everyone_then_steps_with_the_mean() -> None:
@@ -193,18 +264,18 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
-    sizes = (sum(p.numel() for p in ps.model.parameters()), 0, 0)
-    service = transport.Service(ps, role, sizes, "127.0.0.1:0")
+    layout = transport.Layout.of(ps.model)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0")
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             if head[0] == 99:  # a proper HELLO first
-                hello = transport.Frame(transport.frame_sizes(*sizes)[0])
+                hello = transport.Frame(layout.request_bytes)
                 hello.send(transport.Channel(sock), transport.HELLO, 1, 0, 0)
-                answer = transport.Frame(transport.frame_sizes(*sizes)[1])
+                answer = transport.Frame(layout.answer_bytes)
                 answer.recv(transport.Channel(sock))
-            frame = transport.Frame(transport.frame_sizes(*sizes)[0])
+            frame = transport.Frame(layout.request_bytes)
             frame.send(transport.Channel(sock), *head)
             assert _closed_by_server(sock)
         if head[0] == 99:
@@ -221,16 +292,16 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
-    sizes = (sum(p.numel() for p in ps.model.parameters()), 0, 0)
-    service = transport.Service(ps, role, sizes, "127.0.0.1:0", silence_s=0.5)
+    layout = transport.Layout.of(ps.model)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.5)
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             channel = transport.Channel(sock)
             start = time.monotonic()  # before the server can start counting
-            transport.Frame(transport.frame_sizes(*sizes)[0]).send(channel, transport.HELLO, 2, 0, 0)
-            transport.Frame(transport.frame_sizes(*sizes)[1]).recv(channel)
+            transport.Frame(layout.request_bytes).send(channel, transport.HELLO, 2, 0, 0)
+            transport.Frame(layout.answer_bytes).recv(channel)
             assert _closed_by_server(sock)  # then nothing more is said
             assert time.monotonic() - start >= 0.45
         assert role.said == [("hello", 2), ("gone", 2)]
@@ -246,16 +317,16 @@ def test_a_busy_worker_is_not_silent() -> None:
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
-    sizes = (sum(p.numel() for p in ps.model.parameters()), 0, 0)
-    service = transport.Service(ps, role, sizes, "127.0.0.1:0", silence_s=0.4)
+    layout = transport.Layout.of(ps.model)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.4)
     service.start()
     try:
-        weights = torch.zeros(sizes[0])
-        client = transport.Client(1, weights, sizes, service.address, timeout_s=0.4)
+        weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
+        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4)
         time.sleep(1.5)  # busy, silent in its own thread
         assert client.pull() == ps.version and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
-        assert client.bytes_sent > transport.frame_sizes(*sizes)[0] + 32 * 2  # a HELLO, a pull, PINGs
+        assert client.bytes_sent > layout.request_bytes + 32 * 2  # a HELLO, a pull, PINGs
         client.done(0)
     finally:
         service.close()

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distsgd.errors import ConfigError
+
 
 def params(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters())
@@ -52,7 +54,12 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], add: bool = 
 
 def flat_view_(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Move ``tensors`` (parameters) into one new flat buffer and make each a view of its piece;
-    return the buffer. Writing the buffer then writes them all, with one copy."""
+    return the buffer. Writing the buffer then writes them all, with one copy. They must share a
+    dtype (one buffer has one)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ConfigError(f"this algorithm keeps the parameters as one flat tensor, and this model's have several "
+                          f"dtypes ({', '.join(sorted(str(d) for d in dtypes))}): give them one")
     flat = flatten(tensors).clone()
     offset = 0
     for t in tensors:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

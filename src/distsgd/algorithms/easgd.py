@@ -1,11 +1,17 @@
 """easgd: elastic averaging SGD (Zhang, Choromanska, LeCun, "Deep learning with Elastic Averaging
 SGD", NIPS 2015).
 
-Workers train their own models x_i, tied to a centre variable x~ by an elastic force. Every
-``--tau`` steps, with alpha = ``--alpha`` (default: beta / N with beta = N alpha = 0.9):
+Workers train their own models x_i, tied to a centre variable x~ by an elastic force. At every
+step t that ``--tau`` divides (t counting the steps taken, from 0), with alpha = ``--alpha``
+(default: beta / N with beta = N alpha = 0.9) and g_i the gradient just computed at x_i:
 
-    x_i <- x_i - alpha (x_i - x~)            on every worker
-    x~  <- x~  + alpha sum_i (x_i - x~)      the centre moves towards the workers
+    x_i <- x_i - alpha (x_i - x~) - lr g_i(x_i)      on every worker
+    x~  <- x~  + alpha sum_i (x_i - x~)               the centre moves towards the workers
+
+both from the same x_i, before the step: the paper's simultaneous update (its equations 5-6, and
+Algorithm 1 for the asynchronous form: x = x_i; x_i <- x_i - alpha (x - x~); x~ <- x~ +
+alpha (x - x~); x_i <- x_i - lr g(x)). At other steps x_i <- x_i - lr g_i(x_i) alone (with the
+chosen optimiser: lr g is its update).
 
 ``--easgd-mode sync`` (default): every worker keeps the same copy of x~ and the sum is one
 all-reduce of the elastic differences. ``--easgd-mode async``: x~ lives on the parameter server;
@@ -90,11 +96,16 @@ class EASGD(_Check, GroupAlgorithm):
         self.steps = 0
         return model
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.steps += 1
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+        """At a step that tau divides, the elastic exchange from x_i as it was when the gradient
+        was computed; then the optimiser's step."""
         if self.steps % self.cfg.tau == 0:
             self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
+        optimizer.step()
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
+        self.steps += 1
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
@@ -124,21 +135,25 @@ class AsyncEASGD(_Check, ServerAlgorithm):
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         model = super().setup(ctx, model)  # pulls the centre as the starting point
         self.alpha = elastic_alpha(self.cfg, ctx.world)
-        self.x, self.x_ints = averaged(model), int_buffers(model)
         self.steps = 0
         return model
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()  # local steps between exchanges
+        """At a step that tau divides, the exchange of x_i as it was when the gradient was computed
+        (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d); then the
+        optimiser's step, and local steps between exchanges."""
+        if self.steps % self.cfg.tau == 0:
+            (diff, diffs), self.version, self.total, self.stop = self.client.exchange(
+                self.weights, self.floats, self.ints, self.local)
+            with torch.no_grad():
+                self.weights.sub_(self.alpha * diff)  # x_i <- x_i - alpha d: the parameters are views of weights
+                for b, d in zip(self.floats, diffs):
+                    b.sub_((self.alpha * d).view_as(b))
+        optimizer.step()
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         self.steps += 1
         self.local = local_samples
-        if self.steps % self.cfg.tau:
-            return
-        x, ints = flatten(self.x), flatten(self.x_ints)
-        diff, self.version, self.total, self.stop = self.client.exchange(x, ints, local_samples)
-        unflatten_into(x - self.alpha * diff, self.x)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "alpha": self.alpha, "tau": self.cfg.tau, "easgd_mode": "async"}

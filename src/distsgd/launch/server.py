@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, WorkerError
+from distsgd.errors import ConfigError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, init_torchrun_group, leave_group
 from distsgd.metrics import NullSink, Sink

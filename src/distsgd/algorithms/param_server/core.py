@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.futures import Future
 
-from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params, unflatten_into
+from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.param_server.rules import RULES, Rule
 from distsgd.config import RunConfig
 from distsgd.train.optim import build_optimizer, schedule_lr
@@ -54,8 +54,8 @@ class ParameterServer:
         self.bytes_received = 0  # transport counts it (every byte on the wire: count())
         self._waiting: list[Future] = []  # workers at a barrier
         self._started = False
-        self._buffers: dict[int, torch.Tensor] = {}  # every worker's latest floating-point buffers
-        self._ints: torch.Tensor | None = None  # the latest integer buffers
+        self._buffers: dict[int, list[torch.Tensor]] = {}  # every worker's latest floating-point buffers
+        self._ints: list[torch.Tensor] | None = None  # the latest other (integer, bool) buffers
         self._done: list[tuple[Future, Any]] = []  # futures to complete once the lock is released
 
     # -- what the workers call (each takes the lock, then completes futures outside it) ----------
@@ -82,8 +82,9 @@ class ParameterServer:
             return flat, self.version
 
     def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int,
-             buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future:
-        """Worker ``rank``'s gradient and its (floating-point, integer) buffers, flat."""
+             buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> Future:
+        """Worker ``rank``'s flat gradient and its (floating-point, other) buffers, each flat, in
+        the model's order."""
         fut: Future = Future()
         with self.lock:
             self.counts[rank] = local_samples
@@ -96,11 +97,13 @@ class ParameterServer:
         _complete(done)
         return fut
 
-    def exchange(self, rank: int, x: torch.Tensor, ints: torch.Tensor, local_samples: int) -> Answer:
-        """Async EASGD's elastic exchange (:class:`.rules.Elastic`): returns (d, version, samples, stop)."""
+    def exchange(self, rank: int, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor],
+                 local_samples: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
+        """Async EASGD's elastic exchange (:class:`.rules.Elastic`) of the flat parameters ``x`` and
+        the floating-point buffers: returns ((d of both), version, samples, stop)."""
         with self.lock:
             self.counts[rank] = local_samples
-            diff = self.rule.exchange(self, rank, x, ints)
+            diff = self.rule.exchange(self, rank, x, floats, ints)
             self.version += 1
             if self.on_update is not None:
                 self.on_update(self.total_samples())
@@ -164,12 +167,16 @@ class ParameterServer:
         floating-point buffers (summed in rank order), the latest integer ones."""
         if self._buffers:
             ranks = sorted(self._buffers)
-            total = self._buffers[ranks[0]].clone()
-            for r in ranks[1:]:
-                total += self._buffers[r]
-            unflatten_into(total / len(ranks), float_buffers(self.model))
+            with torch.no_grad():
+                for i, b in enumerate(float_buffers(self.model)):
+                    total = self._buffers[ranks[0]][i].clone()
+                    for r in ranks[1:]:
+                        total += self._buffers[r][i]
+                    b.copy_((total / len(ranks)).view_as(b))
         if self._ints is not None:
-            unflatten_into(self._ints, int_buffers(self.model))
+            with torch.no_grad():
+                for b, v in zip(int_buffers(self.model), self._ints):
+                    b.copy_(v.view_as(b))
 
     def _take_done(self) -> list[tuple[Future, Any]]:
         done, self._done = self._done, []
@@ -193,7 +200,8 @@ class ParameterServer:
                 "optimizer": self.optimizer.state_dict(), "version": self.version, "counts": list(self.counts),
                 "clocks": list(self.clocks), "staleness": {str(k): v for k, v in self.staleness.items()},
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "buffers": {str(r): b.clone() for r, b in self._buffers.items()}, "ints": self._ints}
+                "buffers": {str(r): [b.clone() for b in bs] for r, bs in self._buffers.items()},
+                "ints": None if self._ints is None else [b.clone() for b in self._ints]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -202,8 +210,8 @@ class ParameterServer:
         self.bytes_received = state.get("bytes_received", 0)  # checkpoints written before it was counted
         self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
         self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
-        self._buffers = {int(r): b for r, b in state["buffers"].items()}
-        self._ints = state["ints"]
+        self._buffers = {int(r): _pieces(b, float_buffers(self.model)) for r, b in state["buffers"].items()}
+        self._ints = None if state["ints"] is None else _pieces(state["ints"], int_buffers(self.model))
 
     def staleness_summary(self) -> dict[str, Any]:
         return staleness_stats(self.staleness)
@@ -217,6 +225,18 @@ class ParameterServer:
             out["staleness_mean"] = sum(v * c for v, c in self.staleness.items()) / n
             out["staleness_max"] = max(self.staleness)
         return out
+
+
+def _pieces(saved: torch.Tensor | list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers as saved: a list of flat tensors, or (checkpoints written before 2026-11-23) one
+    flat tensor of them all, cut into pieces the sizes of ``like``."""
+    if isinstance(saved, list):
+        return saved
+    pieces, offset = [], 0
+    for b in like:
+        pieces.append(saved[offset:offset + b.numel()].to(b.dtype))
+        offset += b.numel()
+    return pieces
 
 
 def _complete(done: list[tuple[Future, Any]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -13,7 +13,6 @@ from distsgd.algorithms.param_server.core import ParameterServer
 from distsgd.algorithms.param_server.rules import Rule
 from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, gather, load_worker_state,
                                 save_worker_state, scatter)
-from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
 from distsgd.models import build_model
 from distsgd.train.context import Every, Job, WorkerResult

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.futures import Future
 
-from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
+from distsgd.algorithms.averaging import elastic_alpha, float_buffers, int_buffers
 from distsgd.config import RunConfig
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ class Rule:
     def release(self, ps: "ParameterServer") -> None:
         """After every push or departure: answer workers that may now go on."""
 
-    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor],
+                 ints: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__} makes no elastic exchanges")
 
 
@@ -179,12 +180,21 @@ class Elastic(Rule):
     """Async easgd's centre: x and the centre include floating-point buffers; the centre copies the
     exchanging worker's integer buffers."""
 
-    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
-        centre = averaged(ps.model)
-        diff = x - flatten(centre)
-        unflatten_into(flatten(centre) + elastic_alpha(self.cfg, ps.workers) * diff, centre)
-        unflatten_into(ints, int_buffers(ps.model))
-        return diff
+    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor],
+                 ints: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """d = x_i - x~ (the flat parameters, and each floating-point buffer); x~ <- x~ + alpha d."""
+        alpha = elastic_alpha(self.cfg, ps.workers)
+        diff = x - ps.flat
+        ps.flat.add_(alpha * diff)
+        diffs = []
+        with torch.no_grad():
+            for b, v in zip(float_buffers(ps.model), floats):
+                d = v - b.reshape(-1)
+                b.add_((alpha * d).view_as(b))
+                diffs.append(d)
+            for b, v in zip(int_buffers(ps.model), ints):
+                b.copy_(v.view_as(b))
+        return diff, diffs
 
 
 RULES: dict[str, type[Rule]] = {"asgd": Asynchronous, "sync-ps": SyncRound, "ssp": BoundedStaleness,

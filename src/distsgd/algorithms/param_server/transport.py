@@ -29,9 +29,12 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from distsgd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -83,24 +86,111 @@ class Channel:
             pass
 
 
+ALIGN = 16  # every section of a payload starts at a multiple of this: a view of any dtype is aligned
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Section:
+    """``numel`` values of ``dtype`` at byte ``offset`` of a payload: the tensors ``members``
+    (indices into the list the section was made for), flat, one after another."""
+
+    dtype: torch.dtype
+    offset: int
+    numel: int
+    members: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class Packing:
+    """Where a list of tensors lies in a payload from byte ``start``: one section per dtype (in the
+    order the dtypes first appear), each tensor's values in its dtype's section, in list order.
+    Every section starts at a multiple of :data:`ALIGN` bytes, whatever the sizes before it (an
+    odd number of float32 values before an int64 section used to make its view impossible)."""
+
+    def __init__(self, tensors: list[tuple[torch.dtype, int]], start: int) -> None:
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, (dtype, _) in enumerate(tensors):
+            groups.setdefault(dtype, []).append(i)
+        self.numels = [n for _, n in tensors]
+        self.sections: list[Section] = []
+        offset = _align(start)
+        for dtype, members in groups.items():
+            section = Section(dtype, offset, sum(self.numels[i] for i in members), tuple(members))
+            self.sections.append(section)
+            offset = _align(offset + section.nbytes)
+        self.end = offset
+
+    def pack(self, frame: "Frame", tensors: list[torch.Tensor]) -> None:
+        """Write ``tensors`` (of the sizes and dtypes this packing was made for) into ``frame``."""
+        for s in self.sections:
+            if s.numel:
+                torch.cat([tensors[i].detach().reshape(-1) for i in s.members], out=frame.section(s))
+
+    def unpack(self, frame: "Frame", clone: bool = False) -> list[torch.Tensor]:
+        """The tensors in ``frame``, flat, in list order: views of the frame, or (``clone``) of one
+        copy of each section."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self.numels)
+        for s in self.sections:
+            flat = frame.section(s).clone() if clone else frame.section(s)
+            offset = 0
+            for i in s.members:
+                out[i] = flat[offset:offset + self.numels[i]]
+                offset += self.numels[i]
+        return out
+
+    def whole(self, frame: "Frame") -> torch.Tensor:
+        """A view of the one section of a packing of one dtype (the parameters: flat weights)."""
+        assert len(self.sections) <= 1
+        return frame.section(self.sections[0]) if self.sections else torch.empty(0)
+
+
+class Layout:
+    """What a message of a model holds, and where: its parameters (one dtype: the flat weights, a
+    gradient or an exchange's x), its floating-point buffers and its other buffers (integer, bool),
+    each part in aligned sections. A request holds all three; an answer the first two (weights, or
+    an exchange's difference). The server and each worker build it from the same architecture."""
+
+    def __init__(self, params: list[tuple[torch.dtype, int]], floats: list[tuple[torch.dtype, int]],
+                 ints: list[tuple[torch.dtype, int]]) -> None:
+        if len({dtype for dtype, _ in params}) > 1:
+            raise ConfigError(f"the parameter server keeps the weights as one flat tensor; this model's parameters "
+                              f"have several dtypes ({', '.join(sorted({str(d) for d, _ in params}))}): give them one")
+        self.params = Packing(params, 0)
+        self.floats = Packing(floats, self.params.end)
+        self.ints = Packing(ints, self.floats.end)
+        self.request_bytes = self.ints.end
+        self.answer_bytes = self.floats.end
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "Layout":
+        buffers = list(model.buffers())
+        return cls([(p.dtype, p.numel()) for p in model.parameters()],
+                   [(b.dtype, b.numel()) for b in buffers if b.dtype.is_floating_point],
+                   [(b.dtype, b.numel()) for b in buffers if not b.dtype.is_floating_point])
+
+
 class Frame:
     """One message: an int64 header ``[a, b, c, d]`` and a payload, in one byte buffer, so that a
     request or an answer is one send. Every request (and every answer) has the same size: the
     largest any op needs (a push's gradient and buffers, an exchange's x); the few control
-    messages (pull, barrier, done) carry an unused payload."""
+    messages (pull, barrier, done) carry an unused payload. The payload's parts are the sections
+    of a :class:`Layout`."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8)
         self.head = self.buffer[:_HEAD].view(torch.int64)
         self.view = memoryview(self.buffer.numpy())  # what the socket reads into and writes from
 
-    def floats(self, start: int, n: int) -> torch.Tensor:
-        """float32 view of the payload: ``n`` values from value ``start``."""
-        return self.buffer[_HEAD + 4 * start:_HEAD + 4 * (start + n)].view(torch.float32)
-
-    def ints(self, start_byte: int, n: int) -> torch.Tensor:
-        """int64 view of the payload: ``n`` values from payload byte ``start_byte``."""
-        return self.buffer[_HEAD + start_byte:_HEAD + start_byte + 8 * n].view(torch.int64)
+    def section(self, s: Section) -> torch.Tensor:
+        """A view of section ``s`` of the payload, in its dtype."""
+        return self.buffer[_HEAD + s.offset:_HEAD + s.offset + s.nbytes].view(s.dtype)
 
     def send(self, channel: Channel, *head: int) -> int:
         self.head.copy_(torch.tensor(head, dtype=torch.int64))
@@ -119,22 +209,14 @@ class Frame:
         channel.recv_into(self.view[_HEAD:])
 
 
-def frame_sizes(n_params: int, n_floats: int, n_ints: int) -> tuple[int, int]:
-    """Payload bytes of (a request, an answer)."""
-    request = max(4 * n_params + 4 * n_floats + 8 * n_ints, 4 * (n_params + n_floats) + 8 * n_ints)
-    answer = 4 * (n_params + n_floats)  # weights (n_params), or an exchange's difference
-    return request, answer
-
-
 class Service:
     """The server's end: it listens on ``address`` (``host:port``; port 0: any free one) and serves
     each worker that connects, in a thread of its own, on ``server`` (the core) and ``role`` (for
-    checkpoint state). ``sizes``: (parameters, floating-point buffers, integer buffers).
-    ``rejoin(rank)``: a worker connects again under a rank that died (a replacement)."""
+    checkpoint state). ``layout``: where the model's parts lie in a message."""
 
-    def __init__(self, server: Any, role: Any, sizes: tuple[int, int, int], address: str,
+    def __init__(self, server: Any, role: Any, layout: Layout, address: str,
                  silence_s: float | None = None) -> None:
-        self.server, self.role, self.sizes, self.silence_s = server, role, sizes, silence_s
+        self.server, self.role, self.layout, self.silence_s = server, role, layout, silence_s
         host, _, port = address.rpartition(":")
         self.listener = socket.create_server((host, int(port)), backlog=64)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -169,14 +251,16 @@ class Service:
             thread.start()
 
     def _serve(self, channel: Channel) -> None:
-        n_params, n_floats, n_ints = self.sizes
-        req_bytes, ans_bytes = frame_sizes(*self.sizes)
-        request, answer = Frame(req_bytes), Frame(ans_bytes)
+        layout = self.layout
+        request, answer = Frame(layout.request_bytes), Frame(layout.answer_bytes)
         server, rank = self.server, -1
 
-        def reply(version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0) -> None:
+        def reply(version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0,
+                  floats: list[torch.Tensor] | None = None) -> None:
             if data is not None:
-                answer.floats(0, data.numel()).copy_(data)
+                layout.params.whole(answer).copy_(data)
+            if floats is not None:
+                layout.floats.pack(answer, floats)
             server.count(sent=answer.send(channel, version, total, int(stop), nbytes))
 
         try:
@@ -201,16 +285,16 @@ class Service:
                     flat, v = server.pull(rank)
                     reply(v, server.total_samples(), server.stop, flat)
                 elif op == PUSH:
-                    grad = request.floats(0, n_params).clone()
-                    buffers = (request.floats(n_params, n_floats).clone(),
-                               request.ints(4 * (n_params + n_floats), n_ints).clone()) if flag else None
+                    grad = layout.params.whole(request).clone()
+                    buffers = (layout.floats.unpack(request, clone=True),
+                               layout.ints.unpack(request, clone=True)) if flag else None
                     flat, v, total, stop = server.push(rank, grad, version, samples, buffers).wait()
                     reply(v, total, stop, flat)
                 elif op == EXCHANGE:
-                    x = request.floats(0, n_params + n_floats).clone()
-                    ints = request.ints(4 * (n_params + n_floats), n_ints).clone()
-                    diff, v, total, stop = server.exchange(rank, x, ints, samples)
-                    reply(v, total, stop, diff)
+                    x = layout.params.whole(request).clone()
+                    floats, ints = layout.floats.unpack(request, clone=True), layout.ints.unpack(request, clone=True)
+                    (diff, diff_floats), v, total, stop = server.exchange(rank, x, floats, ints, samples)
+                    reply(v, total, stop, diff, floats=diff_floats)
                 elif op == BARRIER:
                     server.barrier().wait()
                     reply(server.version, server.total_samples(), server.stop)
@@ -254,7 +338,8 @@ def connect(address: str, timeout_s: float) -> Channel:
 
 class Client:
     """A worker's calls on the server at ``address``. ``me`` is its rank (its data rank + 1);
-    ``weights`` the flat buffer its model's parameters are views of (answers land in it).
+    ``weights`` the flat buffer its model's parameters are views of (answers land in it); ``layout``
+    where the model's parts lie in a message.
     ``rejoining``: it replaces a worker of that rank that died; ``samples`` then says how many
     samples that rank had trained.
 
@@ -262,11 +347,10 @@ class Client:
     ``timeout_s / 4``: the server drops a worker silent for ``timeout_s``, and a busy one is not
     silent. Requests and PINGs share the connection under one lock."""
 
-    def __init__(self, me: int, weights: torch.Tensor, sizes: tuple[int, int, int], address: str,
+    def __init__(self, me: int, weights: torch.Tensor, layout: Layout, address: str,
                  timeout_s: float, rejoining: bool = False) -> None:
-        self.me, self.weights, self.sizes = me, weights, sizes
-        req_bytes, ans_bytes = frame_sizes(*sizes)
-        self.request, self.answer = Frame(req_bytes), Frame(ans_bytes)
+        self.me, self.weights, self.layout = me, weights, layout
+        self.request, self.answer = Frame(layout.request_bytes), Frame(layout.answer_bytes)
         self.bytes_sent = 0
         self.channel = connect(address, timeout_s)
         self.channel.sock.settimeout(None)  # a push may wait for a round; the server's death closes it
@@ -300,32 +384,33 @@ class Client:
     def pull(self) -> int:
         """The server's weights into ``weights``; returns their version."""
         version = self._call(PULL)[0]
-        self.weights.copy_(self.answer.floats(0, self.weights.numel()))
+        self.weights.copy_(self.layout.params.whole(self.answer))
         return version
 
     def push(self, grad: list[torch.Tensor], version: int, samples: int,
              buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> tuple[int, int, bool]:
-        """A gradient (the parameters' gradients, in order) computed on ``version``; the new
-        weights land in ``weights``."""
-        n_params, n_floats, n_ints = self.sizes
-        torch.cat([g.reshape(-1) for g in grad], out=self.request.floats(0, n_params))
+        """A gradient (the parameters' gradients, in order) computed on ``version``, and the
+        (floating-point, other) buffers; the new weights land in ``weights``."""
+        layout = self.layout
+        layout.params.pack(self.request, grad)
         if buffers is not None:
-            if n_floats:
-                torch.cat([b.reshape(-1) for b in buffers[0]], out=self.request.floats(n_params, n_floats))
-            if n_ints:
-                torch.cat([b.reshape(-1) for b in buffers[1]], out=self.request.ints(4 * (n_params + n_floats), n_ints))
+            layout.floats.pack(self.request, buffers[0])
+            layout.ints.pack(self.request, buffers[1])
         version, total, stop, _ = self._call(PUSH, version, samples, int(buffers is not None))
-        self.weights.copy_(self.answer.floats(0, n_params))
+        self.weights.copy_(layout.params.whole(self.answer))
         return version, total, stop
 
-    def exchange(self, x: torch.Tensor, ints: torch.Tensor, samples: int) -> tuple[torch.Tensor, int, int, bool]:
-        """Async EASGD: send x (parameters and floating-point buffers) and the integer buffers; get d."""
-        n = x.numel()
-        self.request.floats(0, n).copy_(x)
-        if ints.numel():
-            self.request.ints(4 * n, ints.numel()).copy_(ints)
+    def exchange(self, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor],
+                 samples: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
+        """Async EASGD: send x (the flat parameters and the floating-point buffers) and the other
+        buffers; get the difference d of both from the centre."""
+        layout = self.layout
+        layout.params.whole(self.request).copy_(x)
+        layout.floats.pack(self.request, floats)
+        layout.ints.pack(self.request, ints)
         version, total, stop, _ = self._call(EXCHANGE, 0, samples)
-        return self.answer.floats(0, n).clone(), version, total, stop
+        diff = (layout.params.whole(self.answer).clone(), layout.floats.unpack(self.answer, clone=True))
+        return diff, version, total, stop
 
     def barrier(self) -> None:
         self._call(BARRIER)

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from distsgd.algorithms.averaging import flat_view_, flatten, float_buffers, int_buffers, params
+from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.base import SERVER, Algorithm, register
 from distsgd.algorithms.param_server import transport
 from distsgd.algorithms.param_server.role import ServerRole
@@ -42,10 +42,8 @@ class ServerAlgorithm(Algorithm):
         told to ``publish``) until they are all done. ``given_up[rank]``: the local launcher will
         start no replacement for that rank (:class:`.role.ServerRole`)."""
         role = ServerRole(job, cls.rule(job.cfg), workers, sink, exact=cls.exact_checkpoints, given_up=given_up)
-        model = role.model
-        sizes = (role.server.flat.numel(), sum(b.numel() for b in float_buffers(model)),
-                 sum(b.numel() for b in int_buffers(model)))
-        service = transport.Service(role.server, role, sizes, address, silence_s=job.cfg.timeout_s)
+        service = transport.Service(role.server, role, transport.Layout.of(role.model), address,
+                                    silence_s=job.cfg.timeout_s)
         if publish is not None:
             publish(service.address)
         service.start()
@@ -57,12 +55,12 @@ class ServerAlgorithm(Algorithm):
 
     # -- the worker ------------------------------------------------------------------------------
     def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        layout = transport.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
         self.params = params(model)
         self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
         self.floats, self.ints = float_buffers(model), int_buffers(model)
-        sizes = (self.weights.numel(), sum(b.numel() for b in self.floats), sum(b.numel() for b in self.ints))
         assert ctx.server is not None, "a parameter-server worker needs the server's address"
-        self.client = transport.Client(ctx.rank + 1, self.weights, sizes, ctx.server, self.cfg.timeout_s,
+        self.client = transport.Client(ctx.rank + 1, self.weights, layout, ctx.server, self.cfg.timeout_s,
                                        rejoining=ctx.replacement)  # data rank r is rank r + 1; the server 0
         self.local = 0
         self.version = self.client.pull()
