@@ -27,7 +27,7 @@ from distsgd import launch
 from distsgd.algorithms import compress, registry
 from distsgd.algorithms.base import SINGLE
 from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
-from distsgd.config import RunConfig, threads_per_worker, validate
+from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
 from distsgd.data import Dataset, from_arrays, load_dataset
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
@@ -196,8 +196,8 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
 def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     """The settings a run will use, and its algorithm class: the general checks, the topology's
     plan, the algorithm's own checks, then what resuming needs."""
-    validate(cfg)
     algo_cls = registry.resolve(cfg.algo, cfg)
+    cfg = validate(with_defaults(cfg, algo_cls.default_settings(cfg)))
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
     compress.parse(cfg.compress)

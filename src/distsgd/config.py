@@ -86,11 +86,12 @@ class RunConfig:
                                    "(built-in and folder: image datasets)")
     loader_workers: int = setting(0, "DataLoader processes per worker reading a torch Dataset or folder: images; "
                                      "default 0 (read on the training thread)")
-    lr: float = setting(0.01, "learning rate; default 0.01")
+    lr: float | None = setting(None, "learning rate; default 0.01 (diloco with adamw inside: 4e-4, the paper's)")
     momentum: float = setting(0.5, "SGD momentum; default 0.5")
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
     optimizer: str = setting("sgd", "sgd, adam or adamw; default sgd")
-    weight_decay: float = setting(0.0, "L2 weight decay; default 0")
+    weight_decay: float | None = setting(None, "weight decay (L2 for sgd and adam, decoupled for adamw); default 0 "
+                                               "(diloco with adamw inside: 0.1, the paper's)")
     schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
     lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
     lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
@@ -301,6 +302,24 @@ def threads_per_worker(cfg: RunConfig) -> int:
     return max(1, cores() // local)
 
 
+# The generic defaults of the settings an algorithm may give defaults of its own (its paper's): a
+# setting left unset (None) takes the algorithm's, else this.
+GENERIC = {"lr": 0.01, "weight_decay": 0.0}
+
+
+def with_defaults(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
+    """``cfg`` with every unset setting of :data:`GENERIC` set: to ``own[name]`` (the algorithm's
+    default) if given, else the generic default. What the user set is never changed."""
+    changes = {k: (own or {}).get(k, v) for k, v in GENERIC.items() if getattr(cfg, k) is None}
+    return cfg.replace(**changes) if changes else cfg
+
+
+def value(cfg: RunConfig, name: str) -> Any:
+    """A setting of :data:`GENERIC`, its generic default if unset (a config built in code)."""
+    given = getattr(cfg, name)
+    return GENERIC[name] if given is None else given
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Reject impossible settings with one clear line each. The algorithm's own settings are its
     ``check``'s to judge; this knows no algorithm."""
@@ -312,6 +331,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}")
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
+    cfg = with_defaults(cfg)
     need(cfg.max_samples is None or cfg.max_samples >= 1, f"--max-samples must be at least 1, got {cfg.max_samples}")
     need(math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}")
     need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")

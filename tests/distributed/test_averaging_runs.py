@@ -68,15 +68,17 @@ def test_bad_settings() -> None:
 
 def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path) -> None:
     """Under torchrun each process is a cluster (here 2 of 2 local Hogwild! workers each) and the
-    token travels between the processes over gloo, as it would between nodes."""
+    token travels between the processes over gloo, as it would between nodes. The lr schedule
+    follows the whole run's progress, as it does on one machine (each cluster used to divide its
+    own samples by the run's samples per epoch: cosine ended at half the lr with 2 clusters)."""
     import json
 
     from helpers import run_cli
 
     res = run_cli("--standalone", "--nproc-per-node", "2", "-m", "distsgd", "train", "--algo", "hogwild++",
                   "--cluster-size", "2", "--update-delay", "4", "--dataset", "digits", "--model", "mlp", "--epochs",
-                  "3", "--lr", "0.05", "--out", str(tmp_path / "run"), "--quiet", module="torch.distributed.run",
-                  timeout=180, env={"OMP_NUM_THREADS": "1"})
+                  "3", "--lr", "0.05", "--schedule", "cosine", "--log-every", "1", "--out", str(tmp_path / "run"),
+                  "--quiet", module="torch.distributed.run", timeout=180, env={"OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["workers"] == 4 and s["clusters"] == 2 and s["failed_workers"] == []
@@ -90,3 +92,7 @@ def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path)
     assert s["bytes_sent"] == passes * 2 * 4 * n_params + (2 * passes - 1 + 1) * header
     # the average of the two clusters learnt (chance: 0.1); it varies from run to run (0.78 seen once)
     assert s["final_test_accuracy"] >= 0.6, s["final_test_accuracy"]
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [e["lr"] for e in events if e["event"] == "progress"]
+    # cosine: 0.05 * (1 + cos(pi * progress)) / 2, 0 at the end; at half the run (the old bug) 0.025.
+    assert lrs[-1] < 0.1 * 0.05, lrs[-5:]

@@ -8,6 +8,9 @@ launcher: :mod:`distsgd.launch`), and the loop's hooks, called in this order:
   starts; the algorithm's own options (``--tau``, ``--staleness``, ...) are judged here.
 - ``variant(cfg)`` (class method): the class that runs these settings (easgd's async mode is a
   parameter-server algorithm).
+- ``default_settings(cfg)`` (class method): its own defaults for common settings the user left
+  unset, where the generic default is wrong for it (DiLoCo's inner AdamW: its paper's lr and
+  weight decay).
 - ``setup(ctx, model) -> model``: before the first step; may wrap or replace the model.
 - ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter).
 - ``before_training(ctx)``: everything is built; the training clock starts when this returns.
@@ -87,6 +90,11 @@ class Algorithm:
     def variant(cls, cfg: RunConfig) -> type["Algorithm"]:
         """The class that runs ``cfg`` (an algorithm may have modes with other topologies)."""
         return cls
+
+    @classmethod
+    def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
+        """Defaults of its own for settings of ``config.GENERIC`` that the user left unset."""
+        return {}
 
     def setup(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return model
@@ -197,6 +205,8 @@ class GroupAlgorithm(Algorithm):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.sent_alike = 0  # the part of bytes_sent that every worker sends alike (collectives)
+        self.eval_share = 0  # what this worker sent for evaluations, not for the algorithm
+        self.world = 1  # the group's size, once ``setup`` knows it
 
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
@@ -217,17 +227,24 @@ class GroupAlgorithm(Algorithm):
         self.bytes_sent += share
         self.sent_alike += share
 
+    def sent_to_evaluate(self, nbytes: int, world: int) -> None:
+        """Count an all-reduce of ``nbytes`` that an evaluation needed (the average of the workers'
+        models in the middle of a period, say): sent, but not by the algorithm, so not in
+        ``bytes_sent``; summary.json has it as ``eval_bytes_sent`` (all workers')."""
+        self.eval_share += int(2 * (world - 1) * nbytes / world)
+
     def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
         """All workers' bytes so far, without asking them: every worker sends what ``sent`` counts
         alike, and only this reporting worker (rank 0) sends anything else (DDP's broadcasts)."""
         return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sent_alike": self.sent_alike}
+        return {**super().state_dict(), "sent_alike": self.sent_alike, "eval_share": self.eval_share}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.sent_alike = state.get("sent_alike", 0)  # checkpoints written before it was counted
+        self.eval_share = state.get("eval_share", 0)
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """The model to return, then how far its replicas are apart (0.0: equal parameters and buffers)."""
@@ -240,7 +257,8 @@ class GroupAlgorithm(Algorithm):
         return self.unwrap(model)
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"bytes_sent": self.bytes_sent}
+        out: dict[str, Any] = {"bytes_sent": self.bytes_sent,
+                               "eval_bytes_sent": self.eval_share * self.world}
         if hasattr(self, "replica_max_abs_diff"):
             out["replica_max_abs_diff"] = self.replica_max_abs_diff
         return out

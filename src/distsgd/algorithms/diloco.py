@@ -2,9 +2,10 @@
 "DiLoCo: Distributed Low-Communication Training of Language Models", 2023).
 
 Update rule: every worker starts a round from the global parameters theta, takes H inner steps
-(``--sync-every H``, 500 by default as in the paper) on its own shard with the inner optimiser (``--inner-optimizer``, AdamW by
-default, at ``--lr``; its state is kept from round to round), reaching theta_r. Then the outer
-step, with one all-reduce:
+(``--sync-every H``, 500 by default as in the paper) on its own shard with the inner optimiser
+(``--inner-optimizer``, AdamW by default, at ``--lr`` and ``--weight-decay``: by default the paper's
+4e-4 and 0.1 for AdamW, not the generic 0.01 and 0; its state is kept from round to round),
+reaching theta_r. Then the outer step, with one all-reduce:
 
     Delta  = (1/W) sum_r (theta - theta_r)          the averaged pseudo-gradient
     theta <- OuterSGD(theta, Delta)                 Nesterov momentum, --outer-lr 0.7, --outer-momentum 0.9
@@ -17,6 +18,10 @@ one model's worth every H steps: with H = 500, 1/500 of what ``allreduce`` sends
 Buffers (BatchNorm statistics): floating-point buffers are averaged at each outer step, integer
 ones copied from rank 0, as in local-sgd. The model evaluated and returned is the global one,
 theta (with the buffers of the last outer step); the last, partial round ends with an outer step.
+An evaluation in the middle of a round measures what would be returned if the run ended there:
+theta after an outer step on the round so far, made on copies of theta, the outer momentum and
+the compressor's state (its bytes are ``eval_bytes_sent``), so the model that reaches a target is
+the model saved.
 Checkpoints hold theta, the outer momentum and the inner optimiser's state: a resumed run ends
 with exactly the loss of an uninterrupted one.
 """
@@ -57,6 +62,12 @@ class DiLoCo(GroupAlgorithm):
         if not 0 <= cfg.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
 
+    @classmethod
+    def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
+        """The paper's inner AdamW (Douillard et al. 2023, its hyperparameter table): lr 4e-4,
+        weight decay 0.1. (SGD or Adam inside keep the generic defaults.)"""
+        return {"lr": 4e-4, "weight_decay": 0.1} if cfg.inner_optimizer == "adamw" else {}
+
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
         return build_optimizer(self.cfg.replace(optimizer=self.cfg.inner_optimizer), model, ctx.job.optimizer,
@@ -70,13 +81,16 @@ class DiLoCo(GroupAlgorithm):
             broadcast_(self.params + list(model.buffers()))
         self.global_model = copy.deepcopy(model)  # theta and the buffers of the last outer step
         self.theta = params(self.global_model)
-        self.outer = torch.optim.SGD(self.theta, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
-                                     nesterov=self.cfg.outer_momentum > 0)
+        self.outer = self._make_outer(self.theta)
         self.compressor = compress.make(self.cfg.compress)
         self.steps = 0
         self.rounds = 0
         self.dirty = False
         return model
+
+    def _make_outer(self, theta: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(theta, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
+                               nesterov=self.cfg.outer_momentum > 0)
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
         self.steps += 1
@@ -90,23 +104,44 @@ class DiLoCo(GroupAlgorithm):
 
     def outer_step(self, model: nn.Module) -> None:
         """Average the pseudo-gradients, step theta, and start the next round from it."""
-        delta = [t - p.detach() for t, p in zip(self.theta, self.params)]
-        self.sent(self.compressor.allreduce_mean_(delta, self.world), self.world)
-        for t, d in zip(self.theta, delta):
-            t.grad = d
-        self.outer.step()
+        self.sent(self._outer_step(model, self.global_model, self.outer, self.compressor), self.world)
         with torch.no_grad():
             for p, t in zip(self.params, self.theta):
                 p.copy_(t)
-        self.sent(average_buffers_(model, self.world), self.world)
-        for mine, kept in zip(model.buffers(), self.global_model.buffers()):
-            kept.copy_(mine)
+            for mine, kept in zip(model.buffers(), self.global_model.buffers()):
+                mine.copy_(kept)
         self.rounds += 1
         self.dirty = False
 
+    def _outer_step(self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer,
+                    compressor: compress.Compressor) -> int:
+        """One outer step of ``target`` (theta) with ``outer`` on the pseudo-gradients of this
+        worker's ``model``, averaged through ``compressor``; ``target``'s buffers become the average
+        of the workers' (integer ones rank 0's). Returns the bytes all-reduced. The worker's model
+        is left alone, so that an evaluation can make the step on copies."""
+        theta = params(target)
+        delta = [t.detach() - p.detach() for t, p in zip(theta, self.params)]
+        sent = compressor.allreduce_mean_(delta, self.world)
+        for t, d in zip(theta, delta):
+            t.grad = d
+        outer.step()
+        with torch.no_grad():
+            for mine, kept in zip(model.buffers(), target.buffers()):
+                kept.copy_(mine)
+        return sent + average_buffers_(target, self.world)
+
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        """theta: the global model, the same on every worker (no communication)."""
-        return self.global_model
+        """What :meth:`final_model` would return now: theta after the last outer step or, in the
+        middle of a round, after an outer step on the round so far, made on copies of theta, the
+        outer momentum and the compressor's state (every worker takes part: one all-reduce, whose
+        bytes count as ``eval_bytes_sent``, not as the algorithm's)."""
+        if not self.dirty:
+            return self.global_model
+        target = copy.deepcopy(self.global_model)
+        outer = self._make_outer(params(target))
+        outer.load_state_dict(copy.deepcopy(self.outer.state_dict()))
+        self.sent_to_evaluate(self._outer_step(model, target, outer, copy.deepcopy(self.compressor)), self.world)
+        return target
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         if self.dirty:  # the last, partial round

@@ -36,7 +36,7 @@ from torch import nn
 
 from distsgd.algorithms.base import SHARED, Algorithm, register
 from distsgd.config import RunConfig
-from distsgd.train.context import WorkerContext
+from distsgd.train.context import SharedHandles, WorkerContext
 
 
 def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> nn.Module:
@@ -90,8 +90,7 @@ class Hogwild(Algorithm):
         return cls
 
     @classmethod
-    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
-             stop: torch.Tensor) -> Any:
+    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, handles: SharedHandles) -> Any:
         """Under torchrun: what joins this process's model to the others' (hogwild++: its token ring)."""
         raise NotImplementedError
 
@@ -113,6 +112,7 @@ class Hogwild(Algorithm):
         # numpy views of the shared counters: a read or write is a memory access, not a tensor op
         self.counts, self.slot, self.lock = handles.counts.numpy(), handles.slot, handles.lock
         self.stop = handles.stop.numpy()  # one shared byte, read every step with no lock
+        self.machines = handles.machines
         ds = ctx.dataset
         self.dataset_shared = ds.is_shared()
         self.model_shared = all(p.is_shared() for p in shared.parameters())
@@ -143,7 +143,12 @@ class Hogwild(Algorithm):
         self.counts[self.slot] = local_samples  # only this worker writes its slot
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
-        return int(self.counts.sum())  # every worker's slot, as they are now
+        """Every worker's slot on this machine, as they are now. Under torchrun (hogwild++: one
+        cluster a machine, each with an equal share of the data) that times the machines: each
+        cluster's schedule and ``--max-samples`` follow its own progress through its share, which
+        is the run's when the clusters go at the same speed, known at once and exactly (the other
+        clusters' counts arrive only with the token, which may visit a few times a run)."""
+        return int(self.counts.sum()) * self.machines
 
     def keep_going(self, ctx: WorkerContext) -> bool:
         return not self.stop[0]

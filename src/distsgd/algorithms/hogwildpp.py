@@ -58,7 +58,7 @@ from distsgd.algorithms.base import register
 from distsgd.algorithms.hogwild import Hogwild, bind_to_shared
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.context import WorkerContext
+from distsgd.train.context import SharedHandles, WorkerContext
 
 
 def ring_constants(n: int) -> tuple[float, float]:
@@ -146,9 +146,8 @@ class HogwildPP(Hogwild):
         return Hogwild  # each process is one cluster: plain Hogwild! on its model, linked by the ring
 
     @classmethod
-    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
-             stop: torch.Tensor) -> "TokenRing":
-        return TokenRing(cfg, rank, n, model, counts, stop)
+    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, handles: SharedHandles) -> "TokenRing":
+        return TokenRing(cfg, rank, n, model, handles.counts, handles.stop)
 
     @classmethod
     def merge_nodes(cls, chiefs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,9 +16,11 @@ worker keeps its own momentum buffer, which is not averaged.
 Buffers (BatchNorm statistics): averaged with the parameters (floating-point buffers in the same
 all-reduce), integer ones copied from rank 0; during warm-up, averaged after every step.
 
-What is evaluated and returned is the average: at an evaluation point between two averagings the
-workers average their models into a scratch copy (the training models are left alone), and the
-last, partial period is averaged at the end. The model saved is the one evaluated.
+What is evaluated and returned is the average, made the algorithm's way (with ``--compress``: the
+anchor plus the compressed mean change): at an evaluation point between two averagings the
+workers make that average on copies (the models, the anchor and the compressor's error feedback
+are left alone; its bytes are ``eval_bytes_sent``), and the last, partial period is averaged at
+the end the same way, so the model saved is the one evaluated.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from torch import nn
 
 from distsgd.algorithms import compress
@@ -78,12 +81,15 @@ class LocalSGD(GroupAlgorithm):
             self._average(model)
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        """The average of the workers' models now, in a scratch copy (not counted as sent: it is
-        the measurement's, not the algorithm's)."""
+        """What :meth:`final_model` would return now: the models averaged the algorithm's way
+        (exactly, or through the compressor from the anchor), made on copies of the model, the
+        anchor and the compressor's state, so that training goes on untouched. Its bytes count as
+        ``eval_bytes_sent``, not as the algorithm's."""
         if not self.dirty:
             return model
         scratch = copy.deepcopy(model)
-        average_model_(scratch, self.world)
+        anchor = [a.clone() for a in self.anchor]
+        self.sent_to_evaluate(self._average_into(scratch, anchor, copy.deepcopy(self.compressor)), self.world)
         return scratch
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
@@ -92,17 +98,25 @@ class LocalSGD(GroupAlgorithm):
         return model
 
     def _average(self, model: nn.Module) -> None:
-        if self.compressor is None:
-            self.sent(average_model_(model, self.world), self.world)
-        else:  # the change since the last averaging, through the compressor
-            change = [p.detach() - a for p, a in zip(self.params, self.anchor)]
-            self.sent(self.compressor.allreduce_mean_(change, self.world), self.world)
-            for p, a, c in zip(self.params, self.anchor, change):
-                a.add_(c)
-                p.data.copy_(a)
-            self.sent(average_buffers_(model, self.world), self.world)
+        self.sent(self._average_into(model, self.anchor, self.compressor), self.world)
         self.averagings += 1
         self.dirty = False
+
+    def _average_into(self, model: nn.Module, anchor: list[torch.Tensor],
+                      compressor: compress.Compressor | None) -> int:
+        """Average ``model`` across the workers, in place: exactly, or (with a compressor) as the
+        ``anchor`` plus the compressed mean change since it, the anchor moving there too. Returns
+        the bytes all-reduced."""
+        if compressor is None:
+            return average_model_(model, self.world)
+        mine = params(model)
+        change = [p.detach() - a for p, a in zip(mine, anchor)]
+        sent = compressor.allreduce_mean_(change, self.world)
+        with torch.no_grad():
+            for p, a, c in zip(mine, anchor, change):
+                a.add_(c)
+                p.copy_(a)
+        return sent + average_buffers_(model, self.world)
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "steps": self.steps, "averagings": self.averagings, "dirty": self.dirty}

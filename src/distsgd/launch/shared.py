@@ -83,7 +83,7 @@ class Machine:
     ``data_world``, and the link joins its model to the other machines'."""
 
     def __init__(self, job: Job, algo_cls: Any, sink: Sink, *, first_rank: int = 0, data_world: int | None = None,
-                 link: Any = None, evaluates: bool = True) -> None:
+                 link: Any = None, evaluates: bool = True, machines: int = 1) -> None:
         cfg, dataset = job.cfg, job.data
         self.job, self.cfg, self.algo_cls, self.dataset, self.sink = job, cfg, algo_cls, dataset, sink
         self.first_rank, self.data_world = first_rank, data_world or cfg.workers
@@ -104,9 +104,9 @@ class Machine:
         self.go = mpc.Event()
         self.handles = SharedHandles(states=self.states, counts=self.counts.share_memory_(),
                                      stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
-                                     lock=mpc.Lock() if cfg.hogwild_lock else None,
+                                     lock=mpc.Lock() if cfg.hogwild_lock else None, machines=machines,
                                      extras=algo_cls.shared_extras(cfg, mpc, self.models))
-        self.link = link(self.models[0], self.handles.counts, self.handles.stop) if link is not None else None
+        self.link = link(self.models[0], self.handles) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self.current_state)
         if saved is not None:
@@ -244,19 +244,18 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     cfg = job.cfg
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     size = algo_cls.local_workers(cfg)
-    local = cfg.replace(workers=size)
-    if cfg.max_samples is not None:  # each cluster trains its share
-        local = local.replace(max_samples=-(-cfg.max_samples // n))
+    local = cfg.replace(workers=size)  # --max-samples stays the run's: workers count every cluster's samples
     if rank != 0:  # only rank 0 evaluates and writes the run directory
         local = local.replace(out=None, stop_at_target=False)
 
-    def link(model: torch.nn.Module, counts: torch.Tensor, stop: torch.Tensor) -> Any:
-        return algo_cls.link(cfg, rank, n, model, counts, stop)
+    def link(model: torch.nn.Module, handles: SharedHandles) -> Any:
+        return algo_cls.link(cfg, rank, n, model, handles)
 
     init_torchrun_group(cfg, rank, n)
     try:
         mine = Machine(job.replace(cfg=local), algo_cls.node_algorithm(), sink if rank == 0 else NullSink(),
-                       first_rank=rank * size, data_world=n * size, link=link, evaluates=rank == 0).run()
+                       first_rank=rank * size, data_world=n * size, link=link, evaluates=rank == 0,
+                       machines=n).run()
         gathered = gather_results(mine, rank, n)
     finally:
         leave_group()

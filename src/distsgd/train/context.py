@@ -26,6 +26,7 @@ class SharedHandles:
     counts: torch.Tensor  # samples done, one int64 slot per worker of this machine (shared)
     stop: torch.Tensor  # one shared byte: 1 tells every worker to stop (read with no lock)
     slot: int = 0  # this worker's slot in ``counts``
+    machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
     lock: Any = None  # --hogwild-lock: one lock around every update
     extras: Any = None  # the algorithm's own shared state (its ``shared_extras``)
     start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go

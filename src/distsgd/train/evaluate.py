@@ -56,6 +56,7 @@ class Watcher:
         self.earlier_s = 0.0  # training time before the checkpoint this run resumed from
         self.pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         self.evals: list[dict[str, Any]] = []
+        self.last: dict[str, torch.Tensor] | None = None  # the last copy filed or evaluated
 
     def start(self) -> None:
         """Training starts now (the clock counts from here, plus any resumed run's time)."""
@@ -69,6 +70,7 @@ class Watcher:
         if self.pause_to_copy:
             self.clock.pause()
         copy, elapsed = self.state(), self.clock.elapsed()
+        self.last = copy
         reached = False
         if self.cfg.stop_at_target:
             event = self.evaluate(samples, elapsed, copy)
@@ -91,14 +93,16 @@ class Watcher:
         return event
 
     def finish(self, samples: int) -> tuple[float, list[dict[str, Any]]]:
-        """Training is over: (training time, every evaluation), the final model's last (unless the
-        last copy was of it)."""
+        """Training is over: (training time, every evaluation), the last of the model returned
+        (unless the last copy holds exactly its values, and so was already of it)."""
         train_s = self.clock.elapsed()
         for n, t, st in self.pending:
             self.evaluate(n, t, st)
         self.pending = []
-        if not self.evals or self.evals[-1]["samples"] != samples:
-            self.evaluate(samples, train_s, self.state())
+        final = self.state()
+        if not equal_states(final, self.last):
+            self.evaluate(samples, train_s, final)
+            self.last = final
         return train_s, self.evals
 
     def state_dict(self) -> dict[str, Any]:
@@ -107,6 +111,17 @@ class Watcher:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.at.load_state_dict(state["evals_at"])
+        self.last = None
         self.evals = list(state["evals"])
         self.pending = [(s["samples"], s["train_s"], s["state"]) for s in state["snapshots"]]
         self.earlier_s = state["train_wall_s"]
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter and buffer of ``model``."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor] | None) -> bool:
+    """Whether two state dicts hold exactly the same values (``b`` None: nothing to compare)."""
+    return b is not None and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -27,7 +27,7 @@ from distsgd.metrics import TrainClock
 from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train.context import Every, WorkerContext, WorkerResult
-from distsgd.train.evaluate import evaluate
+from distsgd.train.evaluate import equal_states, evaluate, snapshot
 from distsgd.train.objective import loss_function
 from distsgd.train.optim import schedule_lr
 
@@ -89,12 +89,11 @@ class LoopState:
         self.local = 0  # this worker's samples
         self.steps = 0
         self.seq = 0  # checkpoints written
-        self.last_eval_at = -1  # all workers' samples at the last evaluation
         self.train_wall_s = 0.0
         self.evals: list[dict[str, Any]] = []
         self.evals_at, self.checkpoints_at = Every(eval_every), Every(checkpoint_every)
 
-    _COUNTERS = ("epoch", "start", "local", "steps", "seq", "last_eval_at", "train_wall_s", "evals")
+    _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
 
     def state_dict(self) -> dict[str, Any]:
         return {**{k: getattr(self, k) for k in self._COUNTERS}, "evals_at": self.evals_at.state_dict(),
@@ -147,6 +146,7 @@ class _Worker:
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.clock = TrainClock()
+        self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.loss_sum, self.loss_steps = torch.zeros(()), 0
         self.gs = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
@@ -200,22 +200,28 @@ class _Worker:
         self.loss_sum.zero_()
         self.loss_steps = 0
 
-    def evaluate(self, decide: bool = True) -> bool:
+    def evaluate(self) -> bool:
         """Measure the model the algorithm would return now (clock paused); True: every worker stops."""
-        cfg, st = self.cfg, self.state
+        cfg = self.cfg
         self.clock.pause()
-        st.last_eval_at = self.gs
         returned = self.algo.evaluation_model(self.ctx, self.model)  # on every worker: may be a collective
         reached = False
         if self.ctx.evaluates:
-            acc, loss = evaluate(returned, self.ctx.dataset, cfg.eval_batch_size, self.loss_fn)
-            event = {"event": "eval", "samples": self.gs, "epoch": round(st.local / self.per_epoch, 4),
-                     "train_wall_s": self.clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
-            st.evals.append(event)
-            self.ctx.sink.emit(event)
+            event = self.measure(returned)
             reached = target_reached(event, cfg.target_accuracy, cfg.target_loss)
         self.clock.resume()
-        return self.algo.agree(self.ctx, reached) if cfg.stop_at_target and decide else False
+        return self.algo.agree(self.ctx, reached) if cfg.stop_at_target else False
+
+    def measure(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
+        st = self.state
+        acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
+        event = {"event": "eval", "samples": self.gs, "epoch": round(st.local / self.per_epoch, 4),
+                 "train_wall_s": self.clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
+        st.evals.append(event)
+        self.ctx.sink.emit(event)
+        self.evaluated = snapshot(model)
+        return event
 
     def checkpoint(self) -> None:
         """Every worker writes its pieces; once all have, the manifest points at the new set.
@@ -243,12 +249,16 @@ class _Worker:
         self.gs = self.algo.global_samples(self.ctx, self.state.local)
 
     def finish(self) -> WorkerResult:
-        """The model the algorithm returns, evaluated (unless the last evaluation already was of it)."""
+        """The model the algorithm returns, evaluated, unless the last evaluation was of exactly
+        this model (the same values in every parameter and buffer): the final figures always
+        describe the model returned and saved, whatever the algorithm did at its end (a last
+        outer step, a last compressed average), and nothing changes that model afterwards."""
         train_wall_s = self.clock.elapsed()
         self.model = self.algo.finish(self.ctx, self.model)
         self.gs = self.algo.global_samples(self.ctx, self.state.local)
-        if self.gs != self.state.last_eval_at:
-            self.evaluate(decide=False)
+        if self.ctx.evaluates and not equal_states(self.model.state_dict(), self.evaluated):
+            self.clock.pause()
+            self.measure(self.model)
         evals = self.state.evals
         final = evals[-1] if evals else None
         return WorkerResult(
