@@ -15,6 +15,7 @@ samples on a slower link (more staleness, fewer token passes), so they run for t
 or to the target, and a projection for them also assumes the unshaped samples to target.
 
     sudo python benchmarks/low_comm.py                       # about 30 min on 2 cores
+    sudo python benchmarks/low_comm.py --only "asgd,diloco[sync_every=500]"   # those again, the rest kept
     python benchmarks/low_comm.py --render                   # the table and plot from results
 """
 
@@ -40,8 +41,10 @@ CONFIGS = (
     "allreduce[compress=powersgd:4]",
     "local-sgd[sync_every=8]",
     "local-sgd[sync_every=64]",
+    "local-sgd[sync_every=8;compress=powersgd:2]",
     "diloco[sync_every=64;lr=0.001]",
     "diloco[sync_every=500;lr=0.001]",
+    "diloco[sync_every=500]",
     "hogwild++",
     "asgd",
 )
@@ -98,14 +101,16 @@ def shaped_cap(config: str, base: dict[str, Any], network: str, budget: float) -
     return max(1280, min(ceiling, want))
 
 
-def measure(budget: float, again: bool) -> list[dict[str, Any]]:
-    rows = []
+def measure(budget: float, again: bool, only: list[str], kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every configuration (or those in ``only``; the others' rows are ``kept`` from the last run)."""
+    todo = [c for c in CONFIGS if not only or c in only]
+    rows = [r for r in kept if r["config"] not in todo]
     base = {}
-    for config in CONFIGS:
+    for config in todo:
         base[config] = run(config, "unshaped", CAP, again)
         rows.append(base[config])
     for network in NETWORKS[1:]:
-        for config in CONFIGS:
+        for config in todo:
             rows.append(run(config, network, shaped_cap(config, base[config], network, budget), again))
     return rows
 
@@ -180,18 +185,27 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rebuild the table and plot from results")
     ap.add_argument("--again", action="store_true", help="run every cell again, even those already in results")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per shaped run, about; default 60")
+    ap.add_argument("--only", help="comma-separated configurations to run (again); the others' rows are kept")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     data = OUT / "rows.json"
     if not args.render:
-        rows = measure(args.budget, args.again)
+        only = [c for c in re.split(r",(?![^\[]*\])", args.only or "") if c]
+        unknown = [c for c in only if c not in CONFIGS]
+        if unknown:
+            raise SystemExit(f"error: not a configuration of this benchmark: {', '.join(unknown)}")
+        kept = json.loads(data.read_text())["rows"] if only and data.exists() else []
+        rows = measure(args.budget, args.again or bool(only), only, kept)
         from distsgd.bench.runner import machine_facts
 
         m = machine_facts()
         import datetime
 
+        today = datetime.date.today().isoformat()
         facts = (f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores, torch {m['torch_version']}; "
-                 f"{datetime.date.today().isoformat()}; one run per cell")
+                 f"{today}; one run per cell")
+        if only and data.exists():
+            facts = json.loads(data.read_text())["facts"] + f"; re-run on {today}: {', '.join(only)}"
         data.write_text(json.dumps({"facts": facts, "rows": rows}, indent=1))
     saved = json.loads(data.read_text())
     (OUT / "table.md").write_text(render(saved["rows"], saved["facts"]) + "\n")
