@@ -12,11 +12,11 @@ from distsgd.errors import ConfigError
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
-    cfg = RunConfig(lr=0.05, epochs=3, dataset="digits", stop_at_target=True, target_accuracy=0.9, sync_every="epoch",
-                    checkpoint_every="640", out="runs/x")
+    cfg = RunConfig(lr=0.05, epochs=3, dataset="digits", stop_at_target=True, target_accuracy=0.9,
+                    checkpoint_every="640", out="runs/x", options={"sync_every": "epoch", "tau": 4})
     path = tmp_path / "c.toml"
     path.write_text(config.to_toml(cfg))
-    assert config.load_toml(path) == cfg
+    assert config.load_toml(path, option_names={"sync_every", "tau"}) == cfg
 
 
 def test_train_table_and_dashes(tmp_path: Path) -> None:
@@ -73,18 +73,55 @@ def test_threads_per_worker_default() -> None:
 
 
 def test_structured_strings_are_parsed_once_into_typed_values() -> None:
-    cfg = RunConfig(checkpoint_every="epoch", sync_every="16", straggler="1:2.5", workers=2)
+    cfg = RunConfig(checkpoint_every="epoch", straggler="1:2.5", workers=2)
     assert cfg.checkpoint_period == config.Period(None) and cfg.checkpoint_period.each_epoch
-    assert cfg.sync_period == config.Period(16)
     assert cfg.straggler_spec == config.Straggler(1, 2.5)
     assert RunConfig().checkpoint_period is None and RunConfig().straggler_spec is None
 
 
-def test_every_setting_has_its_help_beside_it() -> None:
+def test_every_setting_and_option_has_its_help_beside_it() -> None:
     import dataclasses
 
-    missing = [f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("help")]
+    from distsgd.algorithms import registry
+
+    missing = [f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("help") and f.name != "options"]
+    for name in registry.names():
+        missing += [f"{name}: {f.name}" for f in dataclasses.fields(registry.get(name).Options)
+                    if not f.metadata.get("help")]
     assert missing == []
+
+
+def test_sync_every_parsing() -> None:
+    from distsgd.algorithms.local_sgd import LocalSGDOptions
+
+    assert LocalSGDOptions.from_mapping({"sync_every": "epoch"}).sync_every.each_epoch
+    assert LocalSGDOptions.from_mapping({"sync_every": 8}).sync_every == config.Period(8)
+    for bad in ("0", "-2", "often"):
+        with pytest.raises(ConfigError, match="--sync-every"):
+            LocalSGDOptions.from_mapping({"sync_every": bad})
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"algo": "local-sgd", "workers": 2, "tau": 4}, "--tau is an option of easgd, not of local-sgd"),
+    ({"algo": "allreduce", "workers": 2, "synch_every": 4}, r"unknown setting 'synch_every'.*did you mean 'sync_every'"),
+    ({"algo": "easgd", "workers": 2, "tau": "often"}, "'tau' must be a whole number"),
+])
+def test_an_option_of_another_algorithm_or_none_is_one_error(settings: dict, message: str) -> None:
+    import distsgd
+
+    with pytest.raises(ConfigError, match=message):
+        distsgd.train(model="mlp", data="digits", quiet=True, **settings)
+
+
+def test_the_resolved_options_are_recorded(tmp_path: Path) -> None:
+    """config.toml holds every option of the run's algorithm, defaults included, so a resumed or
+    re-run run uses the same ones whatever a later version's defaults are."""
+    import distsgd
+
+    distsgd.train(model="logreg", data="digits", algo="local-sgd", workers=2, max_samples=256, sync_every=4,
+                  out=str(tmp_path / "run"), quiet=True)
+    text = (tmp_path / "run" / "config.toml").read_text()
+    assert "sync_every = 4" in text and "warmup_steps = 0" in text and 'compress = "none"' in text
 
 
 def test_an_unknown_algorithm_is_one_error() -> None:

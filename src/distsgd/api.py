@@ -24,11 +24,10 @@ from torch import nn
 
 from distsgd import config as config_mod
 from distsgd import launch
-from distsgd.algorithms import compress, registry
-from distsgd.algorithms.base import SINGLE
+from distsgd.algorithms import registry
 from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
 from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
-from distsgd.data import Dataset, from_arrays, load_dataset
+from distsgd.data import Dataset, TrainingData, from_arrays, load_dataset
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, DataError, ModelError
@@ -92,10 +91,12 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
         given["loss"] = loss
     elif loss is not None:
         given["loss"] = f"python:{describe(loss)}"
+    options = registry.option_names()
     if settings.get("resume"):
-        cfg = config_mod.for_resume(settings["resume"], {**given, **settings})
+        cfg = config_mod.for_resume(settings["resume"], {**given, **settings}, option_names=options,
+                                    options_of=registry.own_options)
     else:
-        cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="train()")
+        cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="train()", option_names=options)
     model = model if model is not None else cfg.model
     data = data if data is not None else cfg.dataset
     dataset = None
@@ -112,7 +113,7 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
                      "param_groups": param_groups})
 
 
-def _dataset_from(data: Any) -> Dataset | TorchData:
+def _dataset_from(data: Any) -> TrainingData:
     if isinstance(data, (Dataset, TorchData)):
         return data
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
@@ -148,7 +149,7 @@ def default_out(algo: str) -> Path:
     return Path("runs") / f"{stamp}-{algo}"
 
 
-def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | TorchData | None = None,
+def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingData | None = None,
         progress: Any = None, code: dict[str, Any] | None = None) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
     ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
@@ -194,15 +195,18 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: Dataset | 
 
 
 def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
-    """The settings a run will use, and its algorithm class: the general checks, the topology's
-    plan, the algorithm's own checks, then what resuming needs."""
+    """The settings a run will use, and its algorithm class: its options (none of another
+    algorithm's), the general checks with the algorithm's own defaults, the topology's plan, the
+    algorithm's own checks, then what resuming needs. The options come out complete (every one
+    with its value), so config.toml records them all."""
+    if cfg.algo is None:
+        cfg = cfg.replace(algo=registry.baseline())
     algo_cls = registry.resolve(cfg.algo, cfg)
+    opts = registry.options_of(cfg, algo_cls)
     cfg = validate(with_defaults(cfg, algo_cls.default_settings(cfg)))
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
-    compress.parse(cfg.compress)
-    if cfg.compress != "none" and not algo_cls.compresses:
-        raise ConfigError(f"--compress is for allreduce, ddp, local-sgd and diloco, not {cfg.algo}")
+    cfg = cfg.replace(options=opts.to_mapping())
     if torchrun and cfg.out and not cfg.resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
             and read_manifest(Path(cfg.out)) is not None:
         log.warning("torchrun restarted the group: resuming from the checkpoint in %s", cfg.out)
@@ -229,7 +233,7 @@ def _check_job(job: Job, algo_cls: type) -> None:
     probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name)
     loss_function(cfg.loss, job.loss, data.task)
-    if algo_cls.topology != SINGLE:
+    if algo_cls.topology.kind != "one":
         import pickle
 
         datasets = [type(data.train), type(data.test)] if isinstance(data, TorchData) else []
@@ -247,7 +251,7 @@ def _check_job(job: Job, algo_cls: type) -> None:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
 
 
-def build_summary(cfg: RunConfig, dataset: Dataset | TorchData, spec: ModelSpec, results: list[WorkerResult],
+def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult],
                   started: float, started_at: str) -> dict[str, Any]:
     """summary.json: the keys later tools and the benchmarks read (see the README)."""
     chief = results[0]
@@ -276,17 +280,14 @@ def build_summary(cfg: RunConfig, dataset: Dataset | TorchData, spec: ModelSpec,
         "started_at": started_at,
         "host": platform.node(),
     }
-    summary.update(chief.extra)
+    summary.update(chief.figures.summary())
+    if chief.attendance is not None:
+        summary.update(chief.attendance.summary())
     if len(results) > 1 or cfg.workers > 1:
         summary["global_batch_size"] = cfg.batch_size * cfg.workers
-    if "bytes_sent" in chief.extra:  # every process's sends
-        per_worker: list[int] | None = [r.extra.get("bytes_sent", 0) for r in results]
-        summary["bytes_sent"] = sum(per_worker or [])
-        if "server_bytes_sent" in chief.extra:  # a server: what it sent and what it received, which
-            # counts every worker, a dead one's and, under torchrun, those of other processes too
-            per_worker = [r.extra.get("bytes_sent", 0) for r in results[1:]] or None
-            summary["bytes_sent"] = chief.extra["server_bytes_sent"] + chief.extra["server_bytes_received"]
-        summary["bytes_sent_per_worker"] = per_worker
+    sent = chief.figures.run_bytes(results)  # every process's sends, as the algorithm counts them
+    if sent is not None:
+        summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent
         summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
     return summary
 

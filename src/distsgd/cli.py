@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from distsgd import __version__
+from distsgd import __version__, options
 from distsgd import config as config_mod
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError
@@ -31,21 +31,49 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _add_flag(parser: Any, f: dataclasses.Field, help_text: str) -> None:
+    """The flag of a setting (a RunConfig field or an algorithm's option): its type from the field."""
+    flag, how = options.flag_of(f), options.kind(f)
+    if how == "bool":
+        parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        return
+    conv: Any = {"int": int, "float": float}.get(how, str)
+    metavar = f.metadata.get("metavar") or f.name.split("_")[-1].upper()
+    optional = {} if f.metadata.get("const") is None else {"nargs": "?", "const": f.metadata["const"]}
+    parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text, metavar=metavar, **optional)
+
+
 def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per RunConfig field, with the help text the field carries."""
+    """One flag per RunConfig field, with the help text the field carries; then one per option of
+    any algorithm, its help naming the algorithms that take it (made from their Options)."""
+    from distsgd.data import dataset_help
+
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
-        if f.name in skip:
-            continue
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        kind, help_text = str(f.type), f.metadata.get("help")
-        if "bool" in kind:
-            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
-            continue
-        conv: Any = int if ("int" in kind and "float" not in kind) else float if "float" in kind else str
-        metavar = f.metadata.get("metavar") or f.name.split("_")[-1].upper()
-        optional = {} if f.metadata.get("const") is None else {"nargs": "?", "const": f.metadata["const"]}
-        parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text, metavar=metavar, **optional)
+        if f.name not in skip and f.name != "options":
+            _add_flag(parser, f, dataset_help() if f.name == "dataset" else f.metadata.get("help"))
+    group = parser.add_argument_group("the algorithms' own options (each applies to the algorithms it names)")
+    for name, (f, text) in algorithm_options().items():
+        _add_flag(group, f, text)
+
+
+def algorithm_options() -> dict[str, tuple[dataclasses.Field, str]]:
+    """Every algorithm option: its field (the first declaration) and a help text naming the
+    algorithms that take it, with each one's default where they differ."""
+    from distsgd.algorithms import registry
+
+    out: dict[str, tuple[dataclasses.Field, str]] = {}
+    for name, owners in registry.option_owners().items():
+        decls = [(o, {f.name: f for f in dataclasses.fields(registry.get(o).Options)}[name]) for o in owners]
+        first = decls[0][1]
+        texts = {f.metadata.get("help", "") for _, f in decls}
+        text = first.metadata.get("help", "") if len(texts) == 1 else " / ".join(sorted(texts))
+        defaults = {options.shown(f, f.default) for _, f in decls}
+        if len(defaults) > 1:  # say each one's
+            text = text.split("; default")[0] + "; default " + ", ".join(
+                f"{options.shown(f, f.default)} ({o})" for o, f in decls)
+        out[name] = (first, f"{', '.join(owners)}: {text}")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ds = sub.add_parser("datasets", help="list the built-in datasets and where their files are")
     ds.add_argument("--data-dir")
-    sub.add_parser("algorithms", help="list the algorithms")
+    algos = sub.add_parser("algorithms", help="list the algorithms and their options")
+    algos.add_argument("--markdown", action="store_true", help="as the README's table")
     bench = sub.add_parser("bench", help="run algorithms side by side and report them")
     bench.add_argument("--algos", required=True,
-                       help="comma-separated algorithms, each optionally with settings: local-sgd[sync_every=8]")
+                       help="comma-separated algorithms, each optionally with settings of its own: "
+                            "NAME[option=value;option=value]")
     bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
     bench.add_argument("--network", metavar="RATE[,delay=MS]",
@@ -81,20 +111,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-             if getattr(args, f.name, None) is not None}
+    from distsgd.algorithms import registry
+
+    names = registry.option_names()
+    given = {k: v for k, v in vars(args).items()
+             if v is not None and (k in names or k in {f.name for f in dataclasses.fields(RunConfig)})}
+    given.pop("options", None)
     if args.command == "bench":
         given.pop("workers", None)
     if given.get("resume"):  # the saved run's settings, with the flags given now on top
-        return config_mod.for_resume(given["resume"], given)
-    cfg = config_mod.load_toml(args.config) if args.config else RunConfig()
-    return config_mod.from_mapping(given, cfg, source="the command line")
+        return config_mod.for_resume(given["resume"], given, option_names=names, options_of=registry.own_options)
+    cfg = config_mod.load_toml(args.config, option_names=names) if args.config else RunConfig()
+    return config_mod.from_mapping(given, cfg, source="the command line", option_names=names)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from distsgd.api import default_out, run
 
+    from distsgd.algorithms import registry
+
     cfg = config_from_args(args)
+    if cfg.algo is None:
+        cfg = cfg.replace(algo=registry.baseline())
     if cfg.out is None:
         cfg = cfg.replace(out=str(default_out(cfg.algo)))
     result = run(cfg)
@@ -128,25 +166,40 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
-    from distsgd.data import available
+    from distsgd.data import FORMATS, available
 
     rows = available(args.data_dir)
-    width = max(len(r[0]) for r in rows)
+    width = max(len(r[0]) for r in rows + [(f.usage,) for f in FORMATS])
     for name, status, where in rows:
         print(f"{name:<{width}}  {status:<12}  {where}")
-    print(f"{'npz:PATH':<{width}}  {'user data':<12}  arrays x, y (optional x_test, y_test)")
-    print(f"{'folder:PATH':<{width}}  {'user data':<12}  PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., "
-          f"streamed")
-    print(f"{'FILE.py:FUNC':<{width}}  {'user data':<12}  a function returning (train, test) torch Datasets")
+    for fmt in FORMATS:
+        print(f"{fmt.usage:<{width}}  {'user data':<12}  {fmt.help}")
     return 0
+
+
+def algorithms_table() -> str:
+    """The README's table of algorithms, made from the registry."""
+    from distsgd.algorithms import registry
+
+    lines = ["| name | family | workers cooperate by | its options |", "|---|---|---|---|"]
+    for name in registry.names():
+        cls = registry.get(name)
+        flags = ", ".join(f"`{options.flag_of(f)}`" for f in dataclasses.fields(cls.Options)) or "-"
+        lines.append(f"| `{name}` | {cls.kind} | {cls.summary_line.replace('|', chr(92) + '|')} | {flags} |")
+    return "\n".join(lines)
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
     from distsgd.algorithms import registry
 
+    if args.markdown:
+        print(algorithms_table())
+        return 0
     for name in registry.names():
         cls = registry.get(name)
-        print(f"{name:<12} {cls.topology:<8} {cls.summary_line}")
+        print(f"{name:<17} {cls.kind:<18} {cls.topology.kind:<7} {cls.summary_line}")
+        for f in dataclasses.fields(cls.Options):
+            print(f"{'':<19}{options.flag_of(f)}: {f.metadata.get('help', '')}")
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.errors import ConfigError
+from distsgd.options import close_match, coerce, option, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,14 +31,7 @@ PARTITIONS = ("sharded", "replicated")
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
-def setting(default: Any, help: str, flag: str | None = None, const: Any = None, metavar: str | None = None) -> Any:
-    """A RunConfig field with its help text (the CLI's ``--help``) beside it.
-
-    ``const``: the flag's value is optional, and the flag alone means ``const`` (so does ``True``
-    in the Python API or a TOML file; ``False`` means unset). ``metavar`` names the value in
-    ``--help``.
-    """
-    return field(default=default, metadata={"help": help, "flag": flag, "const": const, "metavar": metavar})
+setting = option  # a RunConfig field with its help text beside it (see distsgd.options)
 
 
 @dataclass(frozen=True)
@@ -61,16 +55,16 @@ class Straggler:
 
 @dataclass
 class RunConfig:
-    """Everything that defines a run. Field names are the CLI flags with ``-`` as ``_``; each field
-    carries its help text. Strings with a structure (``checkpoint_every``, ``sync_every``,
-    ``straggler``) stay as the user wrote them, for the TOML file, and are parsed once into the
-    typed properties below."""
+    """Everything that defines a run: the common settings, which know no algorithm, and the
+    algorithm's own ``options``. Field names are the CLI flags with ``-`` as ``_``; each field
+    carries its help text. Strings with a structure (``checkpoint_every``, ``straggler``) stay as
+    the user wrote them, for the TOML file, and are parsed once into the typed properties below."""
 
-    algo: str = setting("single", "training algorithm (see `distsgd algorithms`); default single")
+    algo: str | None = setting(None, "training algorithm (see `distsgd algorithms`); default: the baseline, one "
+                                     "process")
     workers: int = setting(1, "number of worker processes; default 1")
-    dataset: str = setting("fashion-mnist", "mnist, fashion-mnist, kmnist, cifar10, digits, npz:PATH, folder:PATH, "
-                                            "or path/file.py:function returning (train, test) torch Datasets; "
-                                            "default fashion-mnist")
+    dataset: str = setting("fashion-mnist", "a built-in dataset, npz:PATH, folder:PATH or FILE.py:FUNC (see "
+                                            "`distsgd datasets`); default fashion-mnist")
     data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
     model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, resnet20, or path/file.py:ClassName (runs "
                                       "that file); default mnist_net")
@@ -86,12 +80,13 @@ class RunConfig:
                                    "(built-in and folder: image datasets)")
     loader_workers: int = setting(0, "DataLoader processes per worker reading a torch Dataset or folder: images; "
                                      "default 0 (read on the training thread)")
-    lr: float | None = setting(None, "learning rate; default 0.01 (diloco with adamw inside: 4e-4, the paper's)")
+    lr: float | None = setting(None, "learning rate; default 0.01, or the algorithm's own where its paper's differs "
+                                     "(see `distsgd algorithms`)")
     momentum: float = setting(0.5, "SGD momentum; default 0.5")
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
     optimizer: str = setting("sgd", "sgd, adam or adamw; default sgd")
-    weight_decay: float | None = setting(None, "weight decay (L2 for sgd and adam, decoupled for adamw); default 0 "
-                                               "(diloco with adamw inside: 0.1, the paper's)")
+    weight_decay: float | None = setting(None, "weight decay (L2 for sgd and adam, decoupled for adamw); default 0, "
+                                               "or the algorithm's own where its paper's differs")
     schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
     lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
     lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
@@ -117,36 +112,9 @@ class RunConfig:
                                             "default a free port on 127.0.0.1")
     timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed; default 300",
                                flag="--timeout")
-    # Algorithms' own settings: each is checked by its algorithm's ``check``.
-    bucket_mb: float = setting(25.0, "allreduce, ddp: gradient bucket size in MB; default 25 (not with "
-                                     "allreduce --compress, nor ddp --compress powersgd on gloo: one bucket)")
-    hogwild_lock: bool = setting(False, "hogwild: lock around every update (to compare with lock-free)")
-    staleness_lr: bool = setting(False, "asgd, ssp, dcasgd: divide each gradient by its staleness "
-                                        "(staleness-aware ASGD)")
-    staleness: int = setting(2, "ssp: how many pushes a worker may run ahead of the slowest; default 2")
-    dc_lambda: float | None = setting(None, "dcasgd: the compensation strength lambda (lambda0 with --dc-adaptive); "
-                                            "default 0.04, adaptive 2")
-    dc_adaptive: bool = setting(False, "dcasgd: adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)")
-    sync_every: str | None = setting(None, "local-sgd, diloco: synchronise every H steps, or 'epoch'; default 8 "
-                                           "(local-sgd), 500 (diloco)")
-    compress: str = setting("none", "allreduce, ddp, local-sgd, diloco: none, fp16 or powersgd[:RANK] (PowerSGD "
-                                    "with error feedback, rank 2 by default); default none")
-    inner_optimizer: str = setting("adamw", "diloco: the workers' inner optimiser (sgd, adam, adamw) at --lr; "
-                                            "default adamw")
-    outer_lr: float = setting(0.7, "diloco: the outer SGD's learning rate on the averaged pseudo-gradient; "
-                                   "default 0.7")
-    outer_momentum: float = setting(0.9, "diloco: the outer SGD's Nesterov momentum; default 0.9")
-    warmup_steps: int = setting(0, "local-sgd: synchronous all-reduce steps before going local (post-local SGD); "
-                                   "default 0")
-    tau: int = setting(8, "easgd: steps between elastic exchanges; default 8")
-    alpha: float | None = setting(None, "easgd: elastic strength; default 0.9 / workers")
-    easgd_mode: str = setting("sync", "easgd: sync (all-reduce) or async (centre on a parameter server); default sync")
-    cluster_size: int = setting(1, "hogwild++: worker processes per cluster; default 1")
-    update_delay: int = setting(16, "hogwild++: tau0, local updates per worker the holding cluster makes after its "
-                                    "exchange before passing the token on; default 16")
     # Checkpoints.
     checkpoint_every: str | None = setting(None, "save a checkpoint every N samples (all workers) or 'epoch' into "
-                                                 "<out>/checkpoint")
+                                                 "<out>/checkpoint", parse=str)
     resume: str | None = setting(None, "continue the run saved in DIR (up to the --epochs or --max-samples given now), "
                                        "into DIR or --out")
     restart_workers: int = setting(0, "local runs: start a dead worker again, up to this many times in all "
@@ -155,6 +123,9 @@ class RunConfig:
     # Benchmarks.
     straggler: str | None = setting(None, "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in "
                                           "proportion to its step time)")
+    # The algorithm's own options (its Options class in its module), as given; once the run is
+    # settled, all of them with their defaults. Not a flag: each option is one (see distsgd.cli).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,11 +139,6 @@ class RunConfig:
         if self.checkpoint_every is None:
             return None
         return parse_period(self.checkpoint_every, "--checkpoint-every", "samples")
-
-    @functools.cached_property
-    def sync_period(self) -> Period | None:
-        """``--sync-every`` parsed: H steps, or each epoch; None: the algorithm's default."""
-        return None if self.sync_every is None else parse_period(self.sync_every, "--sync-every", "steps")
 
     @property
     def tensorboard_dir(self) -> Path | None:
@@ -191,65 +157,33 @@ class RunConfig:
         return None if self.straggler is None else parse_straggler(self.straggler)
 
 
-_FIELDS = {f.name: f for f in fields(RunConfig)}
+_FIELDS = {f.name: f for f in fields(RunConfig) if f.name != "options"}
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Check a TOML or API value against the field's declared type."""
-    annotation = str(_FIELDS[name].type)
-    const = _FIELDS[name].metadata.get("const")
-    if const is not None and isinstance(value, bool):  # an optional-value flag: True means its const
-        return const if value else None
-    if value is None:
-        if "None" in annotation:
-            return None
-        raise ConfigError(f"setting '{name}' cannot be empty")
-    if "bool" in annotation:
-        if not isinstance(value, bool):
-            raise ConfigError(f"setting '{name}' must be true or false, got {value!r}")
-        return value
-    if "int" in annotation and "float" not in annotation:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"setting '{name}' must be a whole number, got {value!r}")
-        return value
-    if "float" in annotation:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"setting '{name}' must be a number, got {value!r}")
-        return float(value)
-    if name in ("sync_every", "checkpoint_every") and isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if "str" in annotation:
-        if not isinstance(value, (str, os.PathLike)):
-            raise ConfigError(f"setting '{name}' must be a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def from_mapping(values: dict[str, Any], base: RunConfig | None = None, source: str = "settings") -> RunConfig:
-    """Build a config from ``values`` (keys may use ``-`` or ``_``) over ``base``."""
+def from_mapping(values: dict[str, Any], base: RunConfig | None = None, source: str = "settings",
+                 option_names: Any = ()) -> RunConfig:
+    """Build a config from ``values`` (keys may use ``-`` or ``_``) over ``base``. Keys in
+    ``option_names`` (every algorithm's options: the caller knows them) go to ``options``, to be
+    judged by the run's algorithm; any other key that is no setting is an error."""
     cfg = base or RunConfig()
     changes: dict[str, Any] = {}
+    options = dict(cfg.options)
     for key, value in values.items():
         name = key.replace("-", "_")
-        if name not in _FIELDS:
-            close = _close_match(name)
+        if name in _FIELDS:
+            changes[name] = coerce(_FIELDS[name], value)
+        elif name in option_names:
+            options[name] = value
+        else:
+            close = close_match(name, [*_FIELDS, *option_names])
             hint = f" (did you mean '{close}'?)" if close else ""
             raise ConfigError(f"unknown setting '{key}' in {source}{hint}")
-        changes[name] = _coerce(name, value)
-    return dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cfg, **changes, options=options)
 
 
-def _close_match(name: str) -> str | None:
-    import difflib
-
-    found = difflib.get_close_matches(name, list(_FIELDS), n=1, cutoff=0.7)
-    return found[0] if found else None
-
-
-def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
-    """Read a TOML config. Keys are top-level, or under a ``[train]`` table."""
+def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any = ()) -> RunConfig:
+    """Read a TOML config. Keys are top-level, or under a ``[train]`` table; algorithm options are
+    keys like the others (``sync_every = 8``)."""
     path = Path(path)
     try:
         with path.open("rb") as fh:
@@ -260,15 +194,18 @@ def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     if set(data) == {"train"} and isinstance(data["train"], dict):
         data = data["train"]
-    return from_mapping(data, base, source=str(path))
+    return from_mapping(data, base, source=str(path), option_names=option_names)
 
 
 def to_toml(cfg: RunConfig) -> str:
     """The resolved configuration as TOML (settings that are unset are left out)."""
     lines = ["# distsgd run configuration (resolved). Re-run with: distsgd train --config config.toml"]
     for name, value in cfg.to_dict().items():
-        if value is not None:
-            lines.append(f"{name} = {_toml_value(value)}")
+        if name != "options" and value is not None:
+            lines.append(f"{name} = {_toml_value(shown(_FIELDS[name], value))}")
+    if cfg.options:
+        lines.append(f"# {cfg.algo}'s own options")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.options.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -385,7 +322,8 @@ def parse_period(text: str, flag: str, unit: str) -> Period:
     return Period(count)
 
 
-def for_resume(run_dir: str | Path, overrides: dict[str, Any]) -> RunConfig:
+def for_resume(run_dir: str | Path, overrides: dict[str, Any], option_names: Any = (),
+               options_of: Any = None) -> RunConfig:
     """The configuration of the run saved in ``run_dir``, with ``overrides`` (e.g. a new --epochs) on top.
 
     It writes back into ``run_dir`` unless ``overrides`` names another ``out``.
@@ -393,9 +331,13 @@ def for_resume(run_dir: str | Path, overrides: dict[str, Any]) -> RunConfig:
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--resume {run_dir}: not a distsgd run directory (no config.toml)")
-    base = load_toml(run_dir / "config.toml")
+    base = load_toml(run_dir / "config.toml", option_names=option_names)
     changes = {k: v for k, v in overrides.items() if k != "resume"}
-    cfg = from_mapping(changes, base, source="the resumed run's settings")
+    cfg = from_mapping(changes, base, source="the resumed run's settings", option_names=option_names)
+    if options_of is not None:  # the saved options the run's algorithm takes (older versions recorded every
+        mine = set(options_of(cfg))  # algorithm's); those given now are all kept, to be judged
+        given = {k.replace("-", "_") for k in changes}
+        cfg = cfg.replace(options={k: v for k, v in cfg.options.items() if k in mine or k in given})
     return cfg.replace(resume=str(run_dir), out=cfg.out if "out" in changes else str(run_dir))
 
 

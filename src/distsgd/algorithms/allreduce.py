@@ -36,10 +36,11 @@ from torch import nn
 
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import allreduce_mean_, broadcast_, float_buffers, int_buffers
-from distsgd.algorithms.base import GroupAlgorithm, register
+from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.context import WorkerContext
+from distsgd.options import option
+from distsgd.train.context import Start, Step, WorkerContext
 
 
 @dataclass
@@ -76,33 +77,42 @@ def _bucket(params: list[nn.Parameter]) -> Bucket:
     return Bucket(params=params, buffer=torch.zeros(total, dtype=params[0].dtype), offsets=offsets)
 
 
-def check_bucket(cfg: RunConfig) -> None:
-    if not cfg.bucket_mb > 0:
-        raise ConfigError(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+@dataclass(frozen=True)
+class BucketOptions(compress.CompressOptions):
+    """allreduce's and ddp's options."""
+
+    bucket_mb: float = option(25.0, "gradient bucket size in MB; default 25 (not with allreduce --compress, nor "
+                                    "ddp --compress powersgd on gloo: one bucket)", metavar="MB")
+
+    def check(self, cfg: RunConfig) -> None:
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+
+
+@dataclass
+class AllReduceFigures(GroupFigures):
+    buckets: int | None = None  # gradient buckets (none with --compress: reduced all at once)
 
 
 @register
 class AllReduce(GroupAlgorithm):
     name = "allreduce"
-    compresses = True
-    summary_line = "synchronous data parallel; bucketed all-reduce of gradients, overlapped with backward"
+    kind = "data parallel"
+    Options = BucketOptions
+    summary_line = "synchronous data parallel: gradients averaged by our bucketed all-reduce, overlapped with backward"
 
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        check_bucket(cfg)
-
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
         params = [p for p in model.parameters() if p.requires_grad]
         # Start from rank 0's weights and buffers, whatever the model's constructor did.
         broadcast_(params + list(model.buffers()))
-        self.buckets = make_buckets(list(reversed(params)), int(self.cfg.bucket_mb * 1024 * 1024))
+        self.buckets = make_buckets(list(reversed(params)), int(self.opts.bucket_mb * 1024 * 1024))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._accumulating = False
         self.float_buffers = float_buffers(model)
         self.params = params
-        self.compressor = compress.make(self.cfg.compress) if self.cfg.compress != "none" else None
+        self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
         if self.compressor is None:  # compressed gradients are reduced after backward, all at once
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -140,7 +150,7 @@ class AllReduce(GroupAlgorithm):
             self.sent(bucket.buffer.numel() * bucket.buffer.element_size(), self.world)
             self._next += 1
 
-    def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
+    def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if self.compressor is not None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
@@ -178,7 +188,6 @@ class AllReduce(GroupAlgorithm):
         broadcast_(int_buffers(model))
         return model
 
-    def summary(self) -> dict[str, Any]:
-        if self.compressor is not None:  # compressed gradients are reduced all at once, unbucketed
-            return super().summary()
-        return {**super().summary(), "buckets": len(self.buckets)}
+    def figures(self) -> AllReduceFigures:
+        return AllReduceFigures(**vars(super().figures()),
+                                buckets=len(self.buckets) if self.compressor is None else None)

@@ -111,9 +111,9 @@ def average_model_(model: nn.Module, world: int) -> int:
     return sent
 
 
-def elastic_alpha(cfg: Any, workers: int) -> float:
-    """EASGD's elastic strength: ``--alpha``, by default beta / N with beta = N alpha = 0.9."""
-    return cfg.alpha if cfg.alpha is not None else 0.9 / workers
+def elastic_alpha(opts: Any, workers: int) -> float:
+    """EASGD's elastic strength: ``--alpha`` (``opts.alpha``), by default beta / N with beta = N alpha = 0.9."""
+    return opts.alpha if opts.alpha is not None else 0.9 / workers
 
 
 def mean_state(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

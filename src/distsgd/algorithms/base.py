@@ -1,45 +1,53 @@
-"""The algorithm interface and the registry of algorithm names.
+"""The algorithm interface, the topologies algorithms declare, and the registry of names.
 
-One training loop (:mod:`distsgd.train.loop`) serves every algorithm. An algorithm is one class
-with a registered ``name``, a ``topology`` (how its processes are arranged, which decides the
-launcher: :mod:`distsgd.launch`), and the loop's hooks, called in this order:
+An algorithm is one module of this package (found by :mod:`.registry`, which imports them all):
+a subclass of :class:`Algorithm` registered with :func:`register`, declaring
 
-- ``check(cfg)`` (class method): reject settings the algorithm cannot honour, before any process
-  starts; the algorithm's own options (``--tau``, ``--staleness``, ...) are judged here.
-- ``variant(cfg)`` (class method): the class that runs these settings (easgd's async mode is a
-  parameter-server algorithm).
-- ``default_settings(cfg)`` (class method): its own defaults for common settings the user left
-  unset, where the generic default is wrong for it (DiLoCo's inner AdamW: its paper's lr and
-  weight decay).
-- ``setup(ctx, model) -> model``: before the first step; may wrap or replace the model.
-- ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter).
-- ``before_training(ctx)``: everything is built; the training clock starts when this returns.
-- ``keep_going(ctx)``: checked before every step; False stops this worker.
-- ``no_sync(ctx, model)``: a context for the backward of a micro-batch that is not a step's
-  last (``--accumulate``): gradients accumulate locally, nothing is synchronised.
-- ``after_backward(ctx, model)``: gradients are ready; synchronise them here.
-- ``apply_step(ctx, optimizer)``: apply the update (plain, under a lock, or by a server).
-- ``after_step(ctx, model, local_samples)``: the update is applied; synchronise parameters here.
-- ``global_samples(ctx, local_samples)``: all workers' samples, as this worker knows them.
-- ``on_epoch_end(ctx, model, epoch)``.
-- ``evaluation_model(ctx, model)``: the model the algorithm would return now. Called on every
-  worker at every evaluation point (so it may be a collective); the evaluating worker measures it.
-- ``agree(ctx, flag)``: every worker reaches the same stop decision (rank 0's).
-- ``barrier(ctx)``: every worker got here.
-- ``checkpoint_saved(ctx, seq, commit)``: this worker wrote its part of checkpoint ``seq``. In
-  lockstep, every worker waits for the others and rank 0 calls ``commit``; an algorithm with a
-  coordinator (the shared-memory launcher, the parameter server) tells it instead, and it
-  commits once every live worker has.
-- ``starting_samples(ctx)``: for a worker that replaces one that died, the samples its rank had
-  trained (it carries on from there in its shard).
-- ``finish(ctx, model) -> model``: the model to evaluate, return and save.
-- ``unwrap(model)``: this worker's own module, without the wrapper ``setup`` put round it.
-- ``state_dict()`` / ``load_state_dict(state)``: the algorithm's part of a checkpoint.
-- ``summary()``: extra keys for summary.json (``bytes_sent``, ``staleness``, ...).
-- ``progress_figures(ctx)``: extra keys for the reporting worker's ``progress`` events (and so
-  for metrics.jsonl, TensorBoard and the progress display), as of now: ``bytes_sent``, all
-  workers' bytes so far, for algorithms that communicate. It runs every ``--log-every`` steps,
-  so it must be cheap and must not communicate.
+- ``name``, ``kind`` (its family, for listings) and ``summary_line``;
+- ``Options``: its own options, a frozen dataclass of :func:`distsgd.options.option` fields with
+  help texts and a ``check``. The command line's flags, TOML keys, ``distsgd.train`` keywords and
+  bench's ``NAME[key=value]`` come from it; nothing else in the package names its options;
+- ``topology``: a small object saying how its processes are arranged, which picks the launcher
+  (:mod:`distsgd.launch`) and holds what that launcher asks of the algorithm: :class:`Single`,
+  :class:`Group`, :class:`SharedMemory` or :class:`Server`. A worker of a topology that hands
+  its workers something (the shared models, the server's address) receives it as its ``seat``;
+- the loop's hooks, called in this order:
+
+  - ``check(cfg)`` (class method): reject settings it cannot honour, before any process starts
+    (by default its options' ``check``);
+  - ``variant(cfg)`` (class method): the class that runs these settings (easgd's async mode is a
+    parameter-server algorithm);
+  - ``default_settings(cfg)`` (class method): its own defaults for common settings the user left
+    unset, where the generic default is wrong for it (DiLoCo's inner AdamW: its paper's lr);
+  - ``setup(ctx, model, start) -> model``: before the first step; ``start`` says whether the
+    worker is new, resumed from its part of a checkpoint or a replacement of a dead one;
+  - ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter);
+  - ``before_training(ctx)``: everything is built; the training clock starts when this returns;
+  - ``keep_going(ctx)``: checked before every step; False stops this worker;
+  - ``no_sync(ctx, model)``: a context for the backward of a micro-batch that is not a step's
+    last (``--accumulate``): gradients accumulate locally, nothing is synchronised;
+  - ``after_backward(ctx, model, step)``: gradients are ready; synchronise them here. ``step``
+    (:class:`~distsgd.train.context.Step`) is the step being taken, as the loop counts it (the
+    loop owns the count: algorithms time their synchronisations by it, see :mod:`.periodic`);
+  - ``apply_step(ctx, optimizer, step)``: apply the update (plain, under a lock, by a server);
+  - ``after_step(ctx, model, step)``: the update is applied; synchronise parameters here;
+  - ``global_samples(ctx, local_samples)``: all workers' samples, as this worker knows them;
+  - ``on_epoch_end(ctx, model, epoch)``;
+  - ``evaluation_model(ctx, model)``: the model the algorithm would return now. Called on every
+    worker at every evaluation point (so it may be a collective); the evaluating worker measures it;
+  - ``agree(ctx, flag)``: every worker reaches the same stop decision (rank 0's);
+  - ``barrier(ctx)``: every worker got here;
+  - ``checkpoint_saved(ctx, seq, commit)``: this worker wrote its part of checkpoint ``seq``. In
+    lockstep, every worker waits for the others and rank 0 calls ``commit``; an algorithm with a
+    coordinator (the shared-memory launcher, the parameter server) tells it instead;
+  - ``starting_samples(ctx)``: for a replacement worker, the samples its rank had trained;
+  - ``finish(ctx, model) -> model``: the model to return; the loop then evaluates exactly it;
+  - ``unwrap(model)``: this worker's own module, without the wrapper ``setup`` put round it;
+  - ``state_dict()`` / ``load_state_dict(state)``: the algorithm's part of a checkpoint;
+  - ``figures()``: its typed figures for summary.json (a :class:`~distsgd.train.context.Figures`);
+  - ``progress_figures(ctx)``: extra keys for the reporting worker's ``progress`` events, as of
+    now (``bytes_sent``, all workers' bytes so far). It runs every ``--log-every`` steps, so it
+    must be cheap and must not communicate.
 
 Each algorithm's docstring states its update rule, its paper, and what happens to buffers
 (BatchNorm statistics) at each synchronisation.
@@ -48,6 +56,7 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
@@ -57,34 +66,148 @@ from torch import nn
 from distsgd.algorithms.averaging import max_abs_diff
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
+from distsgd.options import Options, flag_of
+from distsgd.train.context import Figures, Start, Step
 from distsgd.train.optim import build_optimizer
 
 if TYPE_CHECKING:
-    from distsgd.train.context import WorkerContext
+    from distsgd.train.context import Job, WorkerContext, WorkerResult
 
-# How processes are arranged; each has its launcher module in distsgd.launch.
-SINGLE = "single"  # one process
-GROUP = "group"  # symmetric workers in a torch.distributed process group
-SHARED = "shared"  # workers on one machine sharing one model in shared memory
-SERVER = "server"  # a parameter server (rank 0) and workers, point-to-point over gloo
+# The families algorithms belong to, in the order `distsgd algorithms` and the README list them.
+KINDS = ("baseline", "data parallel", "shared memory", "parameter server", "model averaging", "low communication")
+
+
+# -- topologies: how processes are arranged, and what each launcher asks of an algorithm ---------
+
+class Topology:
+    """How an algorithm's processes are arranged; ``kind`` picks the launcher module."""
+
+    kind: ClassVar[str] = ""
+
+
+class Single(Topology):
+    """One process."""
+
+    kind = "one"
+
+
+class Group(Topology):
+    """Symmetric workers in one torch.distributed process group, stepping in lockstep."""
+
+    kind = "group"
+
+
+@dataclass
+class SharedSeat:
+    """What the shared-memory launcher hands each of its workers."""
+
+    states: list[dict[str, torch.Tensor]]  # every model in shared memory (one, or one a cluster)
+    counts: torch.Tensor  # samples done, one int64 slot per worker of this machine (shared)
+    stop: torch.Tensor  # one shared byte: 1 tells every worker to stop (read with no lock)
+    slot: int = 0  # this worker's slot in ``counts``
+    lock: Any = None  # --hogwild-lock: one lock around every update
+    extras: Any = None  # the topology's own shared state (its ``extras``)
+    start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go
+    checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
+    machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
+
+
+class SharedMemory(Topology):
+    """Workers on one machine train models held in shared memory; the launching process watches,
+    evaluates and checkpoints them. The defaults are Hogwild!'s: one model, nothing else shared."""
+
+    kind = "shared"
+
+    def models(self, cfg: RunConfig) -> int:
+        """How many models the launcher keeps in shared memory."""
+        return 1
+
+    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> Any:
+        """More shared state the workers need (handed over in their seat, opaque to the launcher)."""
+        return None
+
+    def lock(self, cfg: RunConfig, mpc: Any) -> Any:
+        """A lock the workers take round every update (``SharedSeat.lock``); None: lock-free."""
+        return None
+
+    def combine(self, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The one model to evaluate and save, from the shared models."""
+        return states[0]
+
+    def figures(self, workers: list[Figures], extras: Any) -> Figures:
+        """The run's figures, from its workers' (lowest slot first) and the shared state at the end."""
+        return workers[0] if workers else Figures()
+
+    def local_workers(self, cfg: RunConfig) -> int | None:
+        """Under torchrun, how many workers each process starts on its own model (one cluster per
+        process); None: the algorithm runs on one machine only."""
+        return None
+
+    def per_machine(self, cfg: RunConfig, workers: int) -> RunConfig | None:
+        """``cfg`` changed so that each torchrun process starts ``workers`` workers; None: the
+        algorithm runs on one machine only."""
+        return None
+
+    def node_algorithm(self, algo_cls: type["Algorithm"]) -> type["Algorithm"]:
+        """Under torchrun: the algorithm each process's local workers run on its one model."""
+        return algo_cls
+
+    def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> Any:
+        """Under torchrun: what joins this process's model to the others' (start, global_samples,
+        request_stop, finish, figures)."""
+        raise NotImplementedError
+
+    def merge_nodes(self, chiefs: list[Figures]) -> Figures:
+        """Under torchrun: the run's figures from every process's own (rank 0's first)."""
+        return chiefs[0]
+
+
+@dataclass
+class ServerSeat:
+    """What the parameter-server launcher hands each worker: where the server listens."""
+
+    address: str
+
+
+class Server(Topology):
+    """A server process (rank 0) holds the model; workers (ranks 1..N) reach it over TCP."""
+
+    kind = "server"
+    exact_checkpoints: bool = False  # every worker saves at the same round (sync-ps): lockstep restarts
+
+    def serve(self, job: "Job", algo_cls: type["Algorithm"], workers: int, address: str, sink: Any,
+              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None) -> "WorkerResult":
+        """Be the server of ``workers`` workers of ``algo_cls`` at ``address`` until they are all done."""
+        raise NotImplementedError
+
+
+# -- the interface --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NoOptions(Options):
+    """An algorithm without options of its own."""
 
 
 class Algorithm:
     """Base class: a single process with no synchronisation at all."""
 
     name: ClassVar[str] = ""
-    topology: ClassVar[str] = SINGLE
+    kind: ClassVar[str] = "baseline"  # one of KINDS
     summary_line: ClassVar[str] = ""
+    topology: ClassVar[Topology] = Single()
+    Options: ClassVar[type[Options]] = NoOptions
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
-    compresses: ClassVar[bool] = False  # whether --compress applies to what it sends
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
         self.cfg = cfg
+        self.opts: Any = self.Options.from_mapping(cfg.options)
+        self.seat = seat
         self.bytes_sent = 0
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
         """Reject settings this algorithm cannot honour (raise ConfigError)."""
+        cls.Options.from_mapping(cfg.options).check(cfg)
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type["Algorithm"]:
@@ -96,7 +219,7 @@ class Algorithm:
         """Defaults of its own for settings of ``config.GENERIC`` that the user left unset."""
         return {}
 
-    def setup(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+    def setup(self, ctx: "WorkerContext", model: nn.Module, start: Start) -> nn.Module:
         return model
 
     def make_optimizer(self, ctx: "WorkerContext", model: nn.Module) -> torch.optim.Optimizer:
@@ -111,13 +234,13 @@ class Algorithm:
     def no_sync(self, ctx: "WorkerContext", model: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def after_backward(self, ctx: "WorkerContext", model: nn.Module) -> None:
+    def after_backward(self, ctx: "WorkerContext", model: nn.Module, step: Step) -> None:
         pass
 
-    def apply_step(self, ctx: "WorkerContext", optimizer: torch.optim.Optimizer) -> None:
+    def apply_step(self, ctx: "WorkerContext", optimizer: torch.optim.Optimizer, step: Step) -> None:
         optimizer.step()
 
-    def after_step(self, ctx: "WorkerContext", model: nn.Module, local_samples: int) -> None:
+    def after_step(self, ctx: "WorkerContext", model: nn.Module, step: Step) -> None:
         pass
 
     def global_samples(self, ctx: "WorkerContext", local_samples: int) -> int:
@@ -145,7 +268,7 @@ class Algorithm:
             commit()
 
     def starting_samples(self, ctx: "WorkerContext") -> int:
-        """The samples a replacement worker's rank had trained (see ``WorkerContext.replacement``)."""
+        """The samples a replacement worker's rank had trained."""
         return 0
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
@@ -162,8 +285,9 @@ class Algorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bytes_sent = state["bytes_sent"]
 
-    def summary(self) -> dict[str, Any]:
-        return {}
+    def figures(self) -> Figures:
+        """This worker's figures for summary.json (none: it does not communicate)."""
+        return Figures()
 
     def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
         """Figures for this worker's next progress event (none: it does not communicate). A
@@ -171,13 +295,20 @@ class Algorithm:
         return {}
 
 
+# -- the registry ---------------------------------------------------------------------------------
+
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Register an algorithm under its ``name``; its options get it as their owner (messages)."""
     if not cls.name or cls.name in _REGISTRY:
         raise ValueError(f"bad or duplicate algorithm name {cls.name!r}")
+    if cls.kind not in KINDS:
+        raise ValueError(f"{cls.name}: kind {cls.kind!r} is not one of {KINDS}")
     _REGISTRY[cls.name] = cls
+    if cls.Options is not NoOptions and not cls.Options.__dict__.get("owner"):
+        cls.Options.owner = cls.name
     return cls
 
 
@@ -185,7 +316,7 @@ def get(name: str) -> type[Algorithm]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"unknown algorithm '{name}' (choose from {', '.join(_REGISTRY)})") from None
+        raise ConfigError(f"unknown algorithm '{name}' (choose from {', '.join(names())})") from None
 
 
 def resolve(name: str, cfg: RunConfig) -> type[Algorithm]:
@@ -193,19 +324,55 @@ def resolve(name: str, cfg: RunConfig) -> type[Algorithm]:
     return get(name).variant(cfg)
 
 
+def baseline() -> str:
+    """The algorithm every other is measured against (the first of kind "baseline")."""
+    return names()[0]
+
+
 def names() -> list[str]:
-    return list(_REGISTRY)
+    """Every algorithm's name, family by family (KINDS), in the order they were registered."""
+    order = list(_REGISTRY)
+    return sorted(order, key=lambda n: (KINDS.index(_REGISTRY[n].kind), order.index(n)))
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Every option name of every algorithm (its variants' included) -> the algorithms that take it."""
+    owners: dict[str, list[str]] = {}
+    for name in names():
+        for field_name in _REGISTRY[name].Options.names():
+            owners.setdefault(field_name, []).append(name)
+    return owners
+
+
+def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Any:
+    """``algo_cls``'s options from ``cfg.options``, with a clear line for an option of another
+    algorithm (``--tau is easgd's option, not local-sgd's``)."""
+    mine = set(algo_cls.Options.names())
+    owners = option_owners()
+    for key in cfg.options:
+        if key not in mine:
+            whose = owners.get(key, [])
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {cfg.algo}")
+    return algo_cls.Options.from_mapping(cfg.options)
+
+
+__all__ = ["Algorithm", "Topology", "Single", "Group", "SharedMemory", "SharedSeat", "Server", "ServerSeat",
+           "NoOptions", "KINDS", "register", "get", "resolve", "names", "baseline", "option_owners", "options_of", "flag_of",
+           "GroupAlgorithm", "Start", "Step"]
 
 
 class GroupAlgorithm(Algorithm):
     """Symmetric workers in a torch.distributed process group, stepping in lockstep."""
 
-    topology: ClassVar[str] = GROUP
+    topology: ClassVar[Topology] = Group()
+    kind: ClassVar[str] = "data parallel"
 
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
+        super().__init__(cfg, seat)
         self.sent_alike = 0  # the part of bytes_sent that every worker sends alike (collectives)
         self.eval_share = 0  # what this worker sent for evaluations, not for the algorithm
+        self.largest = 0  # the largest single collective's share, for the peak a link must carry
         self.world = 1  # the group's size, once ``setup`` knows it
 
     def before_training(self, ctx: "WorkerContext") -> None:
@@ -226,6 +393,7 @@ class GroupAlgorithm(Algorithm):
         share = int(2 * (world - 1) * nbytes / world)
         self.bytes_sent += share
         self.sent_alike += share
+        self.largest = max(self.largest, share)
 
     def sent_to_evaluate(self, nbytes: int, world: int) -> None:
         """Count an all-reduce of ``nbytes`` that an evaluation needed (the average of the workers'
@@ -239,12 +407,14 @@ class GroupAlgorithm(Algorithm):
         return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sent_alike": self.sent_alike, "eval_share": self.eval_share}
+        return {**super().state_dict(), "sent_alike": self.sent_alike, "eval_share": self.eval_share,
+                "largest": self.largest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.sent_alike = state.get("sent_alike", 0)  # checkpoints written before it was counted
         self.eval_share = state.get("eval_share", 0)
+        self.largest = state.get("largest", 0)
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """The model to return, then how far its replicas are apart (0.0: equal parameters and buffers)."""
@@ -256,9 +426,17 @@ class GroupAlgorithm(Algorithm):
         """The model every replica returns (after any last synchronisation)."""
         return self.unwrap(model)
 
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"bytes_sent": self.bytes_sent,
-                               "eval_bytes_sent": self.eval_share * self.world}
-        if hasattr(self, "replica_max_abs_diff"):
-            out["replica_max_abs_diff"] = self.replica_max_abs_diff
-        return out
+    def figures(self) -> "GroupFigures":
+        return GroupFigures(bytes_sent=self.bytes_sent, eval_bytes_sent=self.eval_share * self.world,
+                            largest_transfer_bytes=self.largest,
+                            replica_max_abs_diff=getattr(self, "replica_max_abs_diff", None))
+
+
+@dataclass
+class GroupFigures(Figures):
+    """A process group's: what the evaluations all-reduced (all workers'), and how far the
+    returned model's replicas are apart (0.0: equal parameters and buffers)."""
+
+    eval_bytes_sent: int | None = None
+    largest_transfer_bytes: int | None = None  # the largest single collective, one worker's share
+    replica_max_abs_diff: float | None = None

@@ -21,6 +21,7 @@ the bytes it handed to all-reduce (the caller turns them into bytes sent).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from distsgd.algorithms.averaging import flatten, unflatten_into
 from distsgd.errors import ConfigError
+from distsgd.options import Options, option
 
 START_ITER = 2  # steps all-reduced as they are before compressing (torch's hook needs at least 2)
 MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it saves at least half
@@ -46,6 +48,19 @@ def parse(text: str) -> tuple[str, int]:
     if rank < 1:
         raise ConfigError(f"--compress powersgd:RANK needs a rank of at least 1, got '{rank_text}'")
     return kind, rank
+
+
+def _checked(text: Any) -> str:
+    parse(str(text))
+    return str(text)
+
+
+@dataclass(frozen=True)
+class CompressOptions(Options):
+    """The option of every algorithm whose all-reduce can be compressed."""
+
+    compress: str = option("none", "none, fp16 or powersgd[:RANK] (PowerSGD with error feedback, rank 2 by "
+                                   "default) for what is all-reduced; default none", parse=_checked, metavar="KIND")
 
 
 class Compressor:

@@ -28,37 +28,33 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.allreduce import check_bucket
+from distsgd.algorithms.allreduce import BucketOptions
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
-from distsgd.config import RunConfig
-from distsgd.train.context import WorkerContext
+from distsgd.train.context import Start, Step, WorkerContext
 
 
 @register
 class DDP(GroupAlgorithm):
     name = "ddp"
-    compresses = True
-    summary_line = "synchronous data parallel through torch DistributedDataParallel (the reference)"
+    kind = "data parallel"
+    Options = BucketOptions
+    summary_line = "the same through PyTorch's DistributedDataParallel, the reference"
 
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        check_bucket(cfg)
-
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        kind, rank = compress.parse(self.cfg.compress)
-        bucket_mb = self.cfg.bucket_mb
-        if kind == "powersgd" and dist.get_backend() == "gloo":
+        how, rank = compress.parse(self.opts.compress)
+        bucket_mb = self.opts.bucket_mb
+        if how == "powersgd" and dist.get_backend() == "gloo":
             bucket_mb = max(bucket_mb, self._grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
         ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         self.hook_state: Any = None
-        if kind == "fp16":
+        if how == "fp16":
             ddp.register_comm_hook(None, self._counting(default_hooks.fp16_compress_hook,
                                                         lambda b: b.buffer().numel() * 2))
-        elif kind == "powersgd":
+        elif how == "powersgd":
             self.hook_state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=compress.START_ITER,
                 min_compression_rate=compress.MIN_COMPRESSION_RATE, use_error_feedback=True, warm_start=True)
@@ -67,7 +63,7 @@ class DDP(GroupAlgorithm):
                 powerSGD_hook.powerSGD_hook,
                 lambda b: b.buffer().numel() * 4 if state.iter < state.start_powerSGD_iter
                 else compress.powersgd_bytes(b.gradients(), rank)))
-        self.hooked = kind != "none"
+        self.hooked = how != "none"
         return ddp
 
     def _counting(self, hook: Callable, nbytes: Callable[[Any], int]) -> Callable:
@@ -82,7 +78,7 @@ class DDP(GroupAlgorithm):
     def no_sync(self, ctx: WorkerContext, model: nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync()  # DDP's own: accumulate, reduce at the last micro-batch
 
-    def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
+    def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         # DDP has already averaged the gradients during backward; count what it sent (a hook counts
         # its own), and, on rank 0, the buffers it broadcast before the forward.
         if not self.hooked:

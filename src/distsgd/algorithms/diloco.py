@@ -29,6 +29,7 @@ with exactly the loss of an uninterrupted one.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,70 +37,92 @@ from torch import nn
 
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
-from distsgd.algorithms.base import GroupAlgorithm, register
+from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
+from distsgd.algorithms.periodic import Periodic, period_option
 from distsgd.config import OPTIMIZERS, Period, RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.context import WorkerContext
+from distsgd.options import Options, option
+from distsgd.train.context import Start, Step, WorkerContext
 from distsgd.train.optim import build_optimizer
 
 
-DEFAULT_H = Period(500)  # the paper's inner steps per round
+@dataclass(frozen=True)
+class OuterOptions(Options):
+    """The inner and outer optimisers of DiLoCo and the algorithms built on it."""
+
+    inner_optimizer: str = option("adamw", "the workers' inner optimiser (sgd, adam, adamw) at --lr and "
+                                           "--weight-decay; default adamw", metavar="NAME")
+    outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient; default 0.7")
+    outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum; default 0.9", metavar="MU")
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.inner_optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown --inner-optimizer '{self.inner_optimizer}' (choose from {', '.join(OPTIMIZERS)})")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"--outer-lr must be positive, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions(OuterOptions, compress.CompressOptions):
+    sync_every: Period = period_option(500, "inner steps H between outer steps (the paper's 500), or 'epoch'")
+
+    def check(self, cfg: RunConfig) -> None:
+        OuterOptions.check(self, cfg)
+
+
+@dataclass
+class DiLoCoFigures(GroupFigures):
+    outer_steps: int | None = None
+
+
+def paper_inner_defaults(inner_optimizer: str) -> dict[str, Any]:
+    """The paper's inner AdamW (Douillard et al. 2023, its hyperparameter table): lr 4e-4, weight
+    decay 0.1. (SGD or Adam inside keep the generic defaults.)"""
+    return {"lr": 4e-4, "weight_decay": 0.1} if inner_optimizer == "adamw" else {}
 
 
 @register
 class DiLoCo(GroupAlgorithm):
     name = "diloco"
-    compresses = True
+    kind = "low communication"
+    Options = DiLoCoOptions
     summary_line = "DiLoCo: H inner AdamW steps, then outer Nesterov SGD on the averaged pseudo-gradient"
 
     @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        cfg.sync_period  # parses --sync-every
-        if cfg.inner_optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown --inner-optimizer '{cfg.inner_optimizer}' (choose from {', '.join(OPTIMIZERS)})")
-        if not cfg.outer_lr > 0:
-            raise ConfigError(f"--outer-lr must be positive, got {cfg.outer_lr}")
-        if not 0 <= cfg.outer_momentum < 1:
-            raise ConfigError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
-
-    @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        """The paper's inner AdamW (Douillard et al. 2023, its hyperparameter table): lr 4e-4,
-        weight decay 0.1. (SGD or Adam inside keep the generic defaults.)"""
-        return {"lr": 4e-4, "weight_decay": 0.1} if cfg.inner_optimizer == "adamw" else {}
+        return paper_inner_defaults(cls.Options.from_mapping(cfg.options).inner_optimizer)
 
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
-        return build_optimizer(self.cfg.replace(optimizer=self.cfg.inner_optimizer), model, ctx.job.optimizer,
+        return build_optimizer(self.cfg.replace(optimizer=self.opts.inner_optimizer), model, ctx.job.optimizer,
                                ctx.job.param_groups)
 
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
-        self.every = (self.cfg.sync_period or DEFAULT_H).count  # None: at each epoch's end
+        self.period = Periodic.of(self.opts.sync_every)
         self.params = params(model)
-        if not ctx.resumed:  # one starting point (a resumed worker restores theta below)
+        if start is Start.FRESH:  # one starting point (a resumed worker restores theta below)
             broadcast_(self.params + list(model.buffers()))
         self.global_model = copy.deepcopy(model)  # theta and the buffers of the last outer step
         self.theta = params(self.global_model)
         self.outer = self._make_outer(self.theta)
-        self.compressor = compress.make(self.cfg.compress)
-        self.steps = 0
+        self.compressor = compress.make(self.opts.compress)
         self.rounds = 0
-        self.dirty = False
         return model
 
     def _make_outer(self, theta: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(theta, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
-                               nesterov=self.cfg.outer_momentum > 0)
+        return torch.optim.SGD(theta, lr=self.opts.outer_lr, momentum=self.opts.outer_momentum,
+                               nesterov=self.opts.outer_momentum > 0)
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.steps += 1
-        self.dirty = True
-        if self.every is not None and self.steps % self.every == 0:
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        self.period.stepped()
+        if self.period.due(step.number):
             self.outer_step(model)
 
     def on_epoch_end(self, ctx: WorkerContext, model: nn.Module, epoch: int) -> None:
-        if self.every is None:
+        if self.period.each_epoch:
             self.outer_step(model)
 
     def outer_step(self, model: nn.Module) -> None:
@@ -111,7 +134,7 @@ class DiLoCo(GroupAlgorithm):
             for mine, kept in zip(model.buffers(), self.global_model.buffers()):
                 mine.copy_(kept)
         self.rounds += 1
-        self.dirty = False
+        self.period.synced()
 
     def _outer_step(self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer,
                     compressor: compress.Compressor) -> int:
@@ -135,7 +158,7 @@ class DiLoCo(GroupAlgorithm):
         middle of a round, after an outer step on the round so far, made on copies of theta, the
         outer momentum and the compressor's state (every worker takes part: one all-reduce, whose
         bytes count as ``eval_bytes_sent``, not as the algorithm's)."""
-        if not self.dirty:
+        if not self.period.pending:
             return self.global_model
         target = copy.deepcopy(self.global_model)
         outer = self._make_outer(params(target))
@@ -144,21 +167,22 @@ class DiLoCo(GroupAlgorithm):
         return target
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        if self.dirty:  # the last, partial round
+        if self.period.pending:  # the last, partial round
             self.outer_step(model)
         return self.global_model
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "steps": self.steps, "rounds": self.rounds, "dirty": self.dirty,
+        return {**super().state_dict(), "rounds": self.rounds, "period": self.period.state_dict(),
                 "global": {k: v.clone() for k, v in self.global_model.state_dict().items()},
                 "outer": self.outer.state_dict(), "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.steps, self.rounds, self.dirty = state["steps"], state["rounds"], state["dirty"]
+        self.rounds = state["rounds"]
+        self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
         self.global_model.load_state_dict(state["global"])
         self.outer.load_state_dict(state["outer"])
         self.compressor.load_state_dict(state["compressor"])
 
-    def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "outer_steps": self.rounds}
+    def figures(self) -> DiLoCoFigures:
+        return DiLoCoFigures(**vars(super().figures()), outer_steps=self.rounds)

@@ -35,19 +35,22 @@ with 2 workers, lr 0.015 reaches 85% where the seeds' 0.01 stops at 83.7% (docs/
 from __future__ import annotations
 
 import copy
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
-from distsgd.algorithms.base import SERVER, GroupAlgorithm, register
+from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, Topology, register
 from distsgd.algorithms.param_server.rules import Elastic
-from distsgd.algorithms.param_server.worker import ServerAlgorithm
+from distsgd.algorithms.param_server.worker import ServerAlgorithm, ServerTopology
+from distsgd.algorithms.periodic import Periodic
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.context import WorkerContext
+from distsgd.options import Options, option
+from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 
 def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int) -> int:
@@ -61,88 +64,106 @@ def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: 
     return total.numel() * total.element_size()
 
 
-class _Check:
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        if cfg.tau < 1:
-            raise ConfigError(f"--tau must be at least 1 step, got {cfg.tau}")
-        if cfg.easgd_mode not in ("sync", "async"):
-            raise ConfigError(f"--easgd-mode must be sync or async, got '{cfg.easgd_mode}'")
-        alpha = elastic_alpha(cfg, cfg.workers)
+@dataclass(frozen=True)
+class EASGDOptions(Options):
+    tau: int = option(8, "steps between elastic exchanges; default 8")
+    alpha: float | None = option(None, "elastic strength; default 0.9 / workers (beta = N alpha = 0.9)")
+    easgd_mode: str = option("sync", "sync (all-reduce) or async (centre on a parameter server); default sync",
+                             metavar="MODE")
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.tau < 1:
+            raise ConfigError(f"--tau must be at least 1 step, got {self.tau}")
+        if self.easgd_mode not in ("sync", "async"):
+            raise ConfigError(f"--easgd-mode must be sync or async, got '{self.easgd_mode}'")
+        alpha = elastic_alpha(self, cfg.workers)
         if not 0 < alpha * cfg.workers < 2:  # the paper's stability condition on beta = N alpha
             raise ConfigError(f"--alpha {alpha} gives beta = N alpha = {alpha * cfg.workers:.3g}; it must lie in (0, 2)")
 
 
+@dataclass
+class EASGDFigures(GroupFigures):
+    alpha: float | None = None
+    tau: int | None = None
+    easgd_mode: str | None = None
+
+
+@dataclass
+class AsyncEASGDFigures(Figures):
+    alpha: float | None = None
+    tau: int | None = None
+    easgd_mode: str | None = None
+
+
 @register
-class EASGD(_Check, GroupAlgorithm):
+class EASGD(GroupAlgorithm):
     name = "easgd"
-    summary_line = "elastic averaging SGD: workers pulled towards a centre every --tau steps (--easgd-mode)"
+    kind = "model averaging"
+    Options = EASGDOptions
+    summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type:
         """``--easgd-mode async`` runs on the parameter server."""
-        return AsyncEASGD if cfg.easgd_mode == "async" else cls
+        return AsyncEASGD if EASGDOptions.pick(cfg.options).easgd_mode == "async" else cls
 
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
-        self.alpha = elastic_alpha(self.cfg, ctx.world)
-        if not ctx.resumed:
+        self.alpha = elastic_alpha(self.opts, ctx.world)
+        self.period = Periodic(self.opts.tau, first=0)  # counting the steps taken before this one: 0, tau, ...
+        if start is Start.FRESH:
             for p in model.parameters():  # one starting point for workers and centre
                 dist.broadcast(p.data, src=0)
         self.center_model = copy.deepcopy(model)
         self.center = averaged(self.center_model)
         self.x = averaged(model)
         self.x_ints, self.center_ints = int_buffers(model), int_buffers(self.center_model)
-        self.steps = 0
         return model
 
-    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the elastic exchange from x_i as it was when the gradient
         was computed; then the optimiser's step."""
-        if self.steps % self.cfg.tau == 0:
+        if self.period.due(step.number - 1):
             self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
         optimizer.step()
-
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.steps += 1
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "steps": self.steps, "center": flatten(self.center)}
+        return {**super().state_dict(), "center": flatten(self.center)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.steps = state["steps"]
         unflatten_into(state["center"], self.center)
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
 
-    def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "alpha": self.alpha, "tau": self.cfg.tau, "easgd_mode": "sync"}
+    def figures(self) -> EASGDFigures:
+        return EASGDFigures(**vars(super().figures()), alpha=self.alpha, tau=self.opts.tau, easgd_mode="sync")
 
 
-class AsyncEASGD(_Check, ServerAlgorithm):
+class AsyncEASGD(ServerAlgorithm):
     """The worker side of asynchronous EASGD: exchange elastic differences with the server."""
 
     name = "easgd"
-    topology = SERVER
-    rule = Elastic
+    kind = "model averaging"
+    topology: ClassVar[Topology] = ServerTopology(Elastic)
+    Options = EASGDOptions
 
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        model = super().setup(ctx, model)  # pulls the centre as the starting point
-        self.alpha = elastic_alpha(self.cfg, ctx.world)
-        self.steps = 0
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        model = super().setup(ctx, model, start)  # pulls the centre as the starting point
+        self.alpha = elastic_alpha(self.opts, ctx.world)
+        self.period = Periodic(self.opts.tau, first=0)
         return model
 
-    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the exchange of x_i as it was when the gradient was computed
         (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d); then the
         optimiser's step, and local steps between exchanges."""
-        if self.steps % self.cfg.tau == 0:
+        if self.period.due(step.number - 1):
             (diff, diffs), self.version, self.total, self.stop = self.client.exchange(
                 self.weights, self.floats, self.ints, self.local)
             with torch.no_grad():
@@ -151,9 +172,8 @@ class AsyncEASGD(_Check, ServerAlgorithm):
                     b.sub_((self.alpha * d).view_as(b))
         optimizer.step()
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.steps += 1
-        self.local = local_samples
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        self.local = step.samples
 
-    def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "alpha": self.alpha, "tau": self.cfg.tau, "easgd_mode": "async"}
+    def figures(self) -> AsyncEASGDFigures:
+        return AsyncEASGDFigures(**vars(super().figures()), alpha=self.alpha, tau=self.opts.tau, easgd_mode="async")

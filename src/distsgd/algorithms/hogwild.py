@@ -29,14 +29,16 @@ and ``samples`` counts only the samples really processed.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from distsgd.algorithms.base import SHARED, Algorithm, register
+from distsgd.algorithms.base import Algorithm, SharedMemory, SharedSeat, Topology, register
 from distsgd.config import RunConfig
-from distsgd.train.context import SharedHandles, WorkerContext
+from distsgd.options import Options, option
+from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 
 def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> nn.Module:
@@ -51,96 +53,78 @@ def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> n
     return model
 
 
+@dataclass(frozen=True)
+class HogwildOptions(Options):
+    hogwild_lock: bool = option(False, "one lock around every update (to compare with lock-free)")
+
+
+@dataclass
+class HogwildFigures(Figures):
+    dataset_shared: bool | None = None  # every worker read one copy of the data, in shared memory
+    model_shared: bool | None = None
+    hogwild_lock: bool | None = None
+
+
+class HogwildMemory(SharedMemory):
+    """Hogwild!'s: one model in shared memory, and with --hogwild-lock one lock round every update."""
+
+    def lock(self, cfg: RunConfig, mpc: Any) -> Any:
+        return mpc.Lock() if HogwildOptions.pick(cfg.options).hogwild_lock else None
+
+    def figures(self, workers: list[Figures], extras: Any) -> Figures:
+        """The lowest slot's figures; the data counts as shared only if every worker found it so."""
+        first = workers[0] if workers else HogwildFigures(bytes_sent=0)
+        shared = all(getattr(f, "dataset_shared", False) for f in workers)
+        return type(first)(**{**vars(first), "dataset_shared": shared})
+
+
 @register
 class Hogwild(Algorithm):
     name = "hogwild"
-    topology = SHARED
-    summary_line = "Hogwild!: lock-free updates to one model in shared memory (one machine)"
+    kind = "shared memory"
+    topology: ClassVar[Topology] = HogwildMemory()
+    Options = HogwildOptions
+    summary_line = "Hogwild!: lock-free updates to one model in shared memory (--hogwild-lock to compare)"
 
-    # -- what the shared-memory launcher asks of the algorithm (class methods) ------------------
-    @classmethod
-    def models(cls, cfg: RunConfig) -> int:
-        """How many models the launcher keeps in shared memory."""
-        return 1
-
-    @classmethod
-    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> Any:
-        """More shared state the workers need (hogwild++: the token ring's), handed over opaque."""
-        return None
-
-    @classmethod
-    def combine(cls, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The one model to evaluate and save, from the shared models."""
-        return states[0]
-
-    @classmethod
-    def shared_summary(cls, extras: Any) -> dict[str, Any]:
-        """summary.json keys read from the shared state once every worker is done."""
-        return {}
-
-    @classmethod
-    def local_workers(cls, cfg: RunConfig) -> int | None:
-        """Under torchrun, how many Hogwild! workers each process starts on its own model (one
-        cluster per process); None: this algorithm runs on one machine only."""
-        return None
-
-    @classmethod
-    def node_algorithm(cls) -> type["Hogwild"]:
-        """Under torchrun: the algorithm each process's local workers run on its one model."""
-        return cls
-
-    @classmethod
-    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, handles: SharedHandles) -> Any:
-        """Under torchrun: what joins this process's model to the others' (hogwild++: its token ring)."""
-        raise NotImplementedError
-
-    @classmethod
-    def merge_nodes(cls, chiefs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Under torchrun: summary keys of the whole run from every process's own."""
-        return {}
-
-    # -- the worker ------------------------------------------------------------------------------
     def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
         """The shared model this worker trains."""
-        assert ctx.shared is not None
-        return ctx.shared.states[0]
+        return self.seat.states[0]
 
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        handles = ctx.shared
-        assert handles is not None, "hogwild runs under the shared-memory launcher"
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        seat: SharedSeat = self.seat
+        assert seat is not None, "hogwild runs under the shared-memory launcher"
         shared = bind_to_shared(model, self.shared_state(ctx))
         # numpy views of the shared counters: a read or write is a memory access, not a tensor op
-        self.counts, self.slot, self.lock = handles.counts.numpy(), handles.slot, handles.lock
-        self.stop = handles.stop.numpy()  # one shared byte, read every step with no lock
-        self.machines = handles.machines
-        ds = ctx.dataset
-        self.dataset_shared = ds.is_shared()
+        self.counts, self.slot, self.lock = seat.counts.numpy(), seat.slot, seat.lock
+        self.stop = seat.stop.numpy()  # one shared byte, read every step with no lock
+        self.machines = seat.machines
+        self.dataset_shared = ctx.dataset.is_shared()
         self.model_shared = all(p.is_shared() for p in shared.parameters())
         shared.train()
         return shared
 
     def before_training(self, ctx: WorkerContext) -> None:
         """Tell the launcher this worker is built, then start with the others on its signal."""
-        assert ctx.shared is not None and ctx.shared.start_together is not None
-        ctx.shared.start_together()
+        assert self.seat.start_together is not None
+        self.seat.start_together()
 
     def checkpoint_saved(self, ctx: WorkerContext, seq: int, commit: Callable[[], None]) -> None:
         """The launcher commits, with the shared model, once every live worker has saved its part."""
-        assert ctx.shared is not None and ctx.shared.checkpointed is not None
-        ctx.shared.checkpointed(seq, int(self.counts[self.slot]))
+        assert self.seat.checkpointed is not None
+        self.seat.checkpointed(seq, int(self.counts[self.slot]))
 
     def starting_samples(self, ctx: WorkerContext) -> int:
         return int(self.counts[self.slot])
 
-    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         if self.lock is None:
             optimizer.step()
         else:
             with self.lock:
                 optimizer.step()
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.counts[self.slot] = local_samples  # only this worker writes its slot
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        self.counts[self.slot] = step.samples  # only this worker writes its slot
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         """Every worker's slot on this machine, as they are now. Under torchrun (hogwild++: one
@@ -153,6 +137,6 @@ class Hogwild(Algorithm):
     def keep_going(self, ctx: WorkerContext) -> bool:
         return not self.stop[0]
 
-    def summary(self) -> dict[str, Any]:
-        return {"bytes_sent": 0, "dataset_shared": self.dataset_shared, "model_shared": self.model_shared,
-                "hogwild_lock": self.lock is not None}
+    def figures(self) -> Figures:
+        return HogwildFigures(bytes_sent=0, dataset_shared=self.dataset_shared, model_shared=self.model_shared,
+                              hogwild_lock=self.lock is not None)

@@ -44,21 +44,23 @@ worker, as in Hogwild!.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import add_into, average_model_, flatten, mean_state, params
-from distsgd.algorithms.base import register
-from distsgd.algorithms.hogwild import Hogwild, bind_to_shared
+from distsgd.algorithms.base import Algorithm, SharedSeat, Topology, register
+from distsgd.algorithms.hogwild import Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, bind_to_shared
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.context import SharedHandles, WorkerContext
+from distsgd.options import option
+from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 
 def ring_constants(n: int) -> tuple[float, float]:
@@ -92,7 +94,7 @@ def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tenso
 
 @dataclass
 class RingState:
-    """The token ring's state in shared memory, one machine (hogwild++'s ``shared_extras``)."""
+    """The token ring's state in shared memory, one machine (the :class:`Ring` topology's extras)."""
 
     old: list[torch.Tensor]  # each cluster's w_i_old, flat
     token: torch.Tensor  # the cluster holding the token
@@ -102,81 +104,98 @@ class RingState:
     lock: Any  # one exchange at a time
 
 
-@register
-class HogwildPP(Hogwild):
-    name = "hogwild++"
-    summary_line = "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay)"
+@dataclass(frozen=True)
+class RingOptions(HogwildOptions):
+    cluster_size: int = option(1, "worker processes per cluster; default 1", metavar="C")
+    update_delay: int = option(16, "tau0: local updates per worker the holding cluster makes after its exchange "
+                                   "before passing the token on; default 16", metavar="TAU0")
 
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        if cfg.cluster_size < 1:
-            raise ConfigError(f"--cluster-size must be at least 1, got {cfg.cluster_size}")
-        if cfg.update_delay < 1:
-            raise ConfigError(f"--update-delay must be at least 1, got {cfg.update_delay}")
-        if cfg.workers % cfg.cluster_size:
-            raise ConfigError(f"--workers {cfg.workers} is not a multiple of --cluster-size {cfg.cluster_size}")
+    def check(self, cfg: RunConfig) -> None:
+        if self.cluster_size < 1:
+            raise ConfigError(f"--cluster-size must be at least 1, got {self.cluster_size}")
+        if self.update_delay < 1:
+            raise ConfigError(f"--update-delay must be at least 1, got {self.update_delay}")
+        if cfg.workers % self.cluster_size:
+            raise ConfigError(f"--workers {cfg.workers} is not a multiple of --cluster-size {self.cluster_size}")
 
-    @classmethod
-    def models(cls, cfg: RunConfig) -> int:
-        return cfg.workers // cfg.cluster_size
 
-    @classmethod
-    def shared_extras(cls, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> RingState:
+@dataclass
+class RingFigures(HogwildFigures):
+    token_passes: int | None = None
+    clusters: int | None = None
+    ring_beta: float | None = None
+    ring_lambda: float | None = None
+
+
+class Ring(HogwildMemory):
+    """hogwild++'s shared memory: one model a cluster, the token ring's state; under torchrun one
+    cluster a process, linked by a :class:`TokenRing`."""
+
+    def models(self, cfg: RunConfig) -> int:
+        return cfg.workers // RingOptions.from_mapping(cfg.options).cluster_size
+
+    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> RingState:
         def shared_int() -> torch.Tensor:
             return torch.zeros(1, dtype=torch.int64).share_memory_()
 
         return RingState(old=[flatten(params(m)).share_memory_() for m in models], token=shared_int(),
                          synced=shared_int(), synced_at=shared_int(), passes=shared_int(), lock=mpc.Lock())
 
-    @classmethod
-    def combine(cls, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def combine(self, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The model returned: the clusters' average (integer buffers from cluster 0)."""
         return mean_state(states)
 
-    @classmethod
-    def shared_summary(cls, extras: RingState) -> dict[str, Any]:
-        return {"token_passes": int(extras.passes[0])}  # the final count, not a worker's last view
+    def figures(self, workers: list[Figures], extras: RingState) -> Figures:
+        merged = vars(super().figures(workers, extras))  # a RingFigures' fields, or a HogwildFigures' (none left)
+        return RingFigures(**{**merged, "token_passes": int(extras.passes[0])})  # the final count
 
-    @classmethod
-    def local_workers(cls, cfg: RunConfig) -> int:
-        return cfg.cluster_size
+    def local_workers(self, cfg: RunConfig) -> int:
+        return RingOptions.from_mapping(cfg.options).cluster_size
 
-    @classmethod
-    def node_algorithm(cls) -> type[Hogwild]:
+    def per_machine(self, cfg: RunConfig, workers: int) -> RunConfig:
+        return cfg.replace(options={**cfg.options, "cluster_size": workers})
+
+    def node_algorithm(self, algo_cls: type[Algorithm]) -> type[Algorithm]:
         return Hogwild  # each process is one cluster: plain Hogwild! on its model, linked by the ring
 
-    @classmethod
-    def link(cls, cfg: RunConfig, rank: int, n: int, model: nn.Module, handles: SharedHandles) -> "TokenRing":
-        return TokenRing(cfg, rank, n, model, handles.counts, handles.stop)
+    def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> "TokenRing":
+        return TokenRing(cfg, rank, n, model, seat.counts, seat.stop)
 
-    @classmethod
-    def merge_nodes(cls, chiefs: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"token_passes": sum(e["token_passes"] for e in chiefs)}
+    def merge_nodes(self, chiefs: list[Figures]) -> Figures:
+        return dataclasses.replace(chiefs[0], token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in chiefs))
+
+
+@register
+class HogwildPP(Hogwild):
+    name = "hogwild++"
+    kind = "shared memory"
+    topology: ClassVar[Topology] = Ring()
+    Options = RingOptions
+    summary_line = "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay = tau0)"
 
     def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
-        assert ctx.shared is not None
-        return ctx.shared.states[ctx.rank // self.cfg.cluster_size]
+        return self.seat.states[ctx.rank // self.opts.cluster_size]
 
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        assert ctx.shared is not None
-        states, ring = ctx.shared.states, ctx.shared.extras
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        seat: SharedSeat = self.seat
+        states, ring = seat.states, seat.extras
         self.n = len(states)
-        size = self.cfg.cluster_size
+        size = self.opts.cluster_size
         self.cluster = ctx.rank // size
         self.members = slice(self.cluster * size, (self.cluster + 1) * size)
-        model = super().setup(ctx, model)
+        model = super().setup(ctx, model, start)
         self.mine = params(model)
         nxt = bind_to_shared(copy.deepcopy(model), states[(self.cluster + 1) % self.n]) if self.n > 1 else None
         self.next_params = params(nxt) if nxt is not None else []
         self.beta, self.lam = ring_constants(self.n)
         self.ring: RingState = ring
         self.old = ring.old[self.cluster]
-        self.hold_steps = self.cfg.update_delay * size  # tau0 updates per worker of the cluster
+        self.hold_steps = self.opts.update_delay * size  # tau0 updates per worker of the cluster
         self.exchange_bytes = sum(p.numel() * p.element_size() for p in self.mine)  # what _exchange counts
         return model
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        super().after_step(ctx, model, local_samples)
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        super().after_step(ctx, model, step)
         ring = self.ring
         if self.n == 1 or int(ring.token) != self.cluster:
             return
@@ -211,11 +230,10 @@ class HogwildPP(Hogwild):
         """Every cluster's exchanges so far (counted in shared memory), each one model's weights."""
         return {"bytes_sent": int(self.ring.passes[0]) * self.exchange_bytes}
 
-    def summary(self) -> dict[str, Any]:
-        out = super().summary()
-        out.update(bytes_sent=self.bytes_sent, token_passes=int(self.ring.passes[0]), clusters=self.n,
-                   ring_beta=self.beta, ring_lambda=self.lam)
-        return out
+    def figures(self) -> RingFigures:
+        return RingFigures(**{**vars(super().figures()), "bytes_sent": self.bytes_sent},
+                           token_passes=int(self.ring.passes[0]), clusters=self.n, ring_beta=self.beta,
+                           ring_lambda=self.lam)
 
 
 SYNC, TOKEN, STOP = 0, 1, 2  # kinds of ring message
@@ -238,6 +256,7 @@ class TokenRing:
     def __init__(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
                  stop_flag: torch.Tensor) -> None:
         self.cfg, self.rank, self.n = cfg, rank, n
+        self.opts = RingOptions.from_mapping(cfg.options)
         self.model, self.params, self.counts, self.stop_flag = model, params(model), counts, stop_flag
         self.next, self.prev = (rank + 1) % n, (rank - 1) % n
         self.beta, self.lam = ring_constants(n)
@@ -301,7 +320,7 @@ class TokenRing:
                 old = self._exchange(old)
                 synced_at = self.steps()
                 while not self.local_done.is_set() and \
-                        self.steps() - synced_at < self.cfg.update_delay * self.cfg.cluster_size:
+                        self.steps() - synced_at < self.opts.update_delay * self.opts.cluster_size:
                     time.sleep(0.0005)
                 self.done[self.rank] = int(self.local_done.is_set())
                 if bool(self.done.all()):
@@ -356,7 +375,7 @@ class TokenRing:
             dist.all_reduce(total)
         return int(total)
 
-    def summary(self) -> dict[str, Any]:
-        """This cluster's part: the passes it made and the bytes it sent."""
-        return {"clusters": self.n, "ring_beta": self.beta, "ring_lambda": self.lam, "token_passes": self.passes,
-                "bytes_sent": self.bytes_sent}
+    def figures(self, workers: Figures) -> RingFigures:
+        """This cluster's figures: its workers' (``workers``), the passes it made and the bytes it sent."""
+        return RingFigures(**{**vars(workers), "bytes_sent": self.bytes_sent}, clusters=self.n, ring_beta=self.beta,
+                           ring_lambda=self.lam, token_passes=self.passes)

@@ -26,6 +26,7 @@ the end the same way, so the model saved is the one evaluated.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,59 +34,70 @@ from torch import nn
 
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, average_model_, float_buffers, params
-from distsgd.algorithms.base import GroupAlgorithm, register
+from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
+from distsgd.algorithms.periodic import Periodic, period_option
 from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
-from distsgd.train.context import WorkerContext
+from distsgd.options import option
+from distsgd.train.context import Start, Step, WorkerContext
+
+
+@dataclass(frozen=True)
+class LocalSGDOptions(compress.CompressOptions):
+    sync_every: Period = period_option(8, "average the models every H steps, or at each 'epoch' end")
+    warmup_steps: int = option(0, "synchronous all-reduce steps before going local (post-local SGD); default 0",
+                               metavar="K")
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class LocalSGDFigures(GroupFigures):
+    averagings: int | None = None
 
 
 @register
 class LocalSGD(GroupAlgorithm):
     name = "local-sgd"
-    compresses = True
-    summary_line = "local SGD: H local steps, then average the models (--sync-every H|epoch, --warmup-steps)"
+    kind = "model averaging"
+    Options = LocalSGDOptions
+    summary_line = "H local steps, then average the models (--sync-every H|epoch, --warmup-steps for post-local SGD)"
 
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        cfg.sync_period  # parses --sync-every (a ConfigError if it cannot)
-        if cfg.warmup_steps < 0:
-            raise ConfigError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
-
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
-        self.every = (self.cfg.sync_period or Period(8)).count  # None: at each epoch's end
+        warmup = self.opts.warmup_steps
+        every = self.opts.sync_every.count
+        self.period = Periodic(every, None if every is None else warmup + every)  # after step K + H, K + 2H...
         self.params = params(model)
-        self.steps = 0
         self.averagings = 0
-        self.dirty = False
-        if not ctx.resumed:  # start from one model (a resumed worker keeps its own)
+        if start is Start.FRESH:  # start from one model (a resumed worker keeps its own)
             average_model_(model, self.world)
-        self.compressor = compress.make(self.cfg.compress) if self.cfg.compress != "none" else None
+        self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
         self.anchor = [p.detach().clone() for p in self.params] if self.compressor else []  # x_last
         return model
 
-    def after_backward(self, ctx: WorkerContext, model: nn.Module) -> None:
-        if self.steps < self.cfg.warmup_steps:  # post-local SGD: synchronous first
+    def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        if step.number <= self.opts.warmup_steps:  # post-local SGD: synchronous first
             grads = [p.grad for p in self.params if p.grad is not None]
             self.sent(allreduce_mean_(grads + float_buffers(model), self.world), self.world)
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.steps += 1
-        self.dirty = self.steps > self.cfg.warmup_steps
-        if self.steps > self.cfg.warmup_steps and self.every is not None \
-                and (self.steps - self.cfg.warmup_steps) % self.every == 0:
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        if step.number > self.opts.warmup_steps:
+            self.period.stepped()
+        if self.period.due(step.number):
             self._average(model)
 
     def on_epoch_end(self, ctx: WorkerContext, model: nn.Module, epoch: int) -> None:
-        if self.every is None:
+        if self.period.each_epoch:
             self._average(model)
-
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """What :meth:`final_model` would return now: the models averaged the algorithm's way
         (exactly, or through the compressor from the anchor), made on copies of the model, the
         anchor and the compressor's state, so that training goes on untouched. Its bytes count as
         ``eval_bytes_sent``, not as the algorithm's."""
-        if not self.dirty:
+        if not self.period.pending:
             return model
         scratch = copy.deepcopy(model)
         anchor = [a.clone() for a in self.anchor]
@@ -93,14 +105,14 @@ class LocalSGD(GroupAlgorithm):
         return scratch
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        if self.dirty:  # the last, partial period: return the average, not rank 0's own model
+        if self.period.pending:  # the last, partial period: return the average, not rank 0's own model
             self._average(model)
         return model
 
     def _average(self, model: nn.Module) -> None:
         self.sent(self._average_into(model, self.anchor, self.compressor), self.world)
         self.averagings += 1
-        self.dirty = False
+        self.period.synced()
 
     def _average_into(self, model: nn.Module, anchor: list[torch.Tensor],
                       compressor: compress.Compressor | None) -> int:
@@ -119,17 +131,18 @@ class LocalSGD(GroupAlgorithm):
         return sent + average_buffers_(model, self.world)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "steps": self.steps, "averagings": self.averagings, "dirty": self.dirty}
+        state = {**super().state_dict(), "averagings": self.averagings, "period": self.period.state_dict()}
         if self.compressor is not None:
             state.update(compressor=self.compressor.state_dict(), anchor=[a.clone() for a in self.anchor])
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.steps, self.averagings, self.dirty = state["steps"], state["averagings"], state["dirty"]
+        self.averagings = state["averagings"]
+        self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
             self.anchor = [a.clone() for a in state["anchor"]]
 
-    def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "averagings": self.averagings}
+    def figures(self) -> LocalSGDFigures:
+        return LocalSGDFigures(**vars(super().figures()), averagings=self.averagings)

@@ -5,18 +5,19 @@ Update rule: w <- w - lr * grad L(w; batch) (with the chosen optimiser's momentu
 
 from __future__ import annotations
 
-from distsgd.algorithms.base import SINGLE, Algorithm, register
+from distsgd.algorithms.base import Algorithm, register
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 
 
 @register
-class Single(Algorithm):
+class SingleProcess(Algorithm):
     name = "single"
-    topology = SINGLE
-    summary_line = "one process; the baseline"
+    kind = "baseline"
+    summary_line = "one process; the baseline every other algorithm is measured against"
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
+        super().check(cfg)
         if cfg.workers != 1:
             raise ConfigError(f"--algo single runs one worker, got --workers {cfg.workers}")

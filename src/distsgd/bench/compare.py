@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import config as config_mod
+from distsgd.algorithms import registry
 from distsgd.bench import report
 from distsgd.errors import ConfigError, DistsgdError
 
@@ -64,7 +65,8 @@ def _settings(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """The run's settings from its config.toml (the summary's few when it has none, or a bad one)."""
     path = run_dir / "config.toml"
     try:
-        values = config_mod.load_toml(path).to_dict() if path.is_file() else summary
+        values = config_mod.load_toml(path, option_names=registry.option_names()).to_dict() if path.is_file() \
+            else summary
     except DistsgdError as exc:
         log.warning("%s: %s; using its summary.json", path, exc)
         values = summary

@@ -32,7 +32,6 @@ from typing import Any
 
 from distsgd import config as config_mod
 from distsgd.algorithms import registry
-from distsgd.algorithms.base import GROUP, SERVER, SHARED
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
 
@@ -53,12 +52,12 @@ def parse(text: str) -> tuple[str | None, str | None]:
 
 def layout(cfg: RunConfig) -> tuple[int, int] | None:
     """(processes on host a, on host b) for a 2-worker run of ``cfg.algo``; None: one machine only."""
-    cls = registry.resolve(cfg.algo, cfg)
-    if cls.topology == GROUP:
+    topology = registry.resolve(cfg.algo, cfg).topology
+    if topology.kind == "group":
         return 1, 1
-    if cls.topology == SERVER:
+    if topology.kind == "server":
         return 1, 2
-    if cls.topology == SHARED and cls.local_workers(cfg.replace(cluster_size=1)) is not None:
+    if topology.kind == "shared" and topology.per_machine(cfg, 1) is not None:
         return 1, 1
     return None
 
@@ -131,8 +130,9 @@ class Network:
         nprocs = layout(cfg)
         if nprocs is None:
             raise ConfigError(f"{cfg.algo} runs on one machine only")
-        if registry.resolve(cfg.algo, cfg).topology == SHARED:
-            cfg = cfg.replace(cluster_size=1)
+        topology = registry.resolve(cfg.algo, cfg).topology
+        if topology.kind == "shared":  # one worker on each host
+            cfg = topology.per_machine(cfg, 1)
         self.port += 1
         with tempfile.TemporaryDirectory() as tmp:
             settings = Path(tmp) / "config.toml"

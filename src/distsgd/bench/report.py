@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from distsgd.algorithms.registry import baseline as baseline_name
 from distsgd.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for entry in runs:
         groups.setdefault((entry["algo"], entry["workers"]), []).append(entry["summary"])
-    single = [s["samples_per_s"] for (a, w), ss in groups.items() if w == 1 for s in ss if s["algo"] == "single"]
+    single = [s["samples_per_s"] for (a, w), ss in groups.items() if w == 1 for s in ss if s["algo"] == baseline_name()]
     out = []
     for (algo, workers), summaries in groups.items():
         own_one = [s["samples_per_s"] for s in groups.get((algo, 1), [])]
@@ -114,11 +115,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"\n{r['algo']} x{r['workers']}: failed workers {r['failed_workers']}")
     lines.append("")
     if report.get("kind") == "compare":
-        lines.append("Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker `single` run among "
+        lines.append(f"Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker {baseline_name()} run among "
                      "those compared; - without one).")
     else:
-        lines.append("Scaling efficiency: samples/s over (workers x the 1-worker `single` samples/s, or the "
-                     "algorithm's own 1-worker run when `single` is not in the bench).")
+        lines.append(f"Scaling efficiency: samples/s over (workers x the 1-worker {baseline_name()} samples/s, or the "
+                     f"algorithm's own 1-worker run when {baseline_name()} is not in the bench).")
     return "\n".join(lines) + "\n"
 
 

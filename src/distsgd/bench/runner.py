@@ -84,6 +84,16 @@ def _split_top(text: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
+def _check_shared_options(base: RunConfig, algos: list[AlgoSpec]) -> None:
+    """An option given to the whole bench must be one of at least one of its algorithms."""
+    taken = {name for spec in algos for name in registry.get(spec.name).Options.names()}
+    for key in base.options:
+        if key not in taken:
+            owners = registry.option_owners().get(key, [])
+            raise ConfigError(f"--{key.replace('_', '-')} is an option of {', '.join(owners) or 'no algorithm'}, "
+                              f"and the bench runs none of them")
+
+
 def machine_facts() -> dict[str, Any]:
     cpu = ""
     try:
@@ -113,15 +123,21 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
         raise ConfigError(f"--repeats must be at least 1, got {repeats}")
     if not workers or min(workers) < 1:
         raise ConfigError(f"--workers must list positive counts, got {workers}")
+    _check_shared_options(base, algos)
     plan = []
     seen = set()
     for spec in algos:
+        # options given to the whole bench apply to the algorithms that take them
+        mine = {k: v for k, v in base.options.items() if k in registry.get(spec.name).Options.names()}
         for w in workers:
             # an algorithm's own options may fix its worker count: single[workers=1]
-            cfg = config_mod.from_mapping(dict(spec.options), base.replace(algo=spec.name, workers=w), spec.label)
+            cfg = config_mod.from_mapping(dict(spec.options), base.replace(algo=spec.name, workers=w, options=mine),
+                                          spec.label, option_names=registry.option_names())
             try:
                 config_mod.validate(cfg)
-                registry.resolve(cfg.algo, cfg).check(cfg)
+                algo_cls = registry.resolve(cfg.algo, cfg)
+                registry.options_of(cfg, algo_cls)
+                algo_cls.check(cfg)
                 if network is not None and layout(cfg) is None:
                     raise ConfigError(f"{cfg.algo} runs on one machine only, not across --network")
             except ConfigError as exc:

@@ -1,7 +1,6 @@
 """Datasets: the tensor fast path, and any torch Dataset.
 
-Two kinds of training data, with one interface (``name``, ``input_shape``, ``num_classes``,
-``task``, ``n_train``, ``batches``, ``test_batches``, ``share_memory_``):
+Two kinds of training data, with one declared interface, :class:`TrainingData`:
 
 - :class:`Dataset`, the fast path: arrays read once, validated, normalised and held in memory as
   tensors that the loop indexes directly (no per-sample Python). The built-in datasets, ``npz:``
@@ -22,8 +21,8 @@ import logging
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -37,6 +36,43 @@ log = logging.getLogger(__name__)
 
 BUILTIN = ("mnist", "fashion-mnist", "kmnist", "cifar10", "digits")
 HOLDOUT_FRACTION = 0.1  # test share carved from the training arrays when no test set is given
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class TrainingData(Protocol):
+    """What the loop, the launchers and evaluation ask of training data. :class:`Dataset` (tensors
+    in memory, indexed by the loop) and :class:`~distsgd.data.torchdata.TorchData` (any map-style
+    torch Dataset pair, read through a DataLoader) are the two kinds; a new format returns one."""
+
+    name: str
+    num_classes: int  # classes, or outputs for regression
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def task(self) -> str: ...  # "classification" or "regression"
+
+    @property
+    def n_train(self) -> int: ...
+
+    @property
+    def n_test(self) -> int: ...
+
+    def options(self, augment: bool = False, loader_workers: int = 0) -> "TrainingData":
+        """A view with ``--augment`` and ``--loader-workers`` applied (or refused in one line)."""
+
+    def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[Batch]:
+        """The training batches of ``order`` (sample indices), from position ``start``."""
+
+    def test_batches(self, batch_size: int) -> Iterator[Batch]: ...
+
+    def share_memory_(self) -> "TrainingData":
+        """Move what can be shared into shared memory, so worker processes read one copy."""
+
+    def is_shared(self) -> bool: ...
 
 
 @dataclass
@@ -100,15 +136,44 @@ class Dataset:
                 f"input={self.input_shape}, classes={self.num_classes})")
 
 
-def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None) -> Dataset | TorchData:
-    """A built-in dataset by name, user arrays (``npz:PATH``), streamed images (``folder:PATH``),
-    or the Datasets a user function returns (``path/file.py:function``)."""
-    if spec.startswith("npz:"):
-        return _load_npz(Path(spec[4:]))
-    if spec.startswith("folder:"):
-        return _load_folder(Path(spec[7:]))
-    if spec.rpartition(":")[0].endswith(".py"):
-        return _load_user(spec)
+@dataclass(frozen=True)
+class Format:
+    """A kind of dataset spec that is not a built-in name: what it looks like (``usage``), how to
+    recognise it, its help, and how to load it (``load(spec, data_dir)``)."""
+
+    usage: str
+    help: str
+    matches: Callable[[str], bool]
+    load: Callable[[str, str | None], TrainingData]
+
+
+def _prefixed(prefix: str) -> Callable[[str], bool]:
+    return lambda spec: spec.startswith(prefix)
+
+
+# Every format a --dataset may name besides the built-ins, in the order they are tried: help texts,
+# `distsgd datasets` and the error for an unknown dataset are made from this table.
+FORMATS = (
+    Format("npz:PATH", "arrays x, y (optional x_test, y_test) in a NumPy .npz file", _prefixed("npz:"),
+           lambda spec, _: _load_npz(Path(spec[4:]))),
+    Format("folder:PATH", "PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., streamed",
+           _prefixed("folder:"), lambda spec, _: _load_folder(Path(spec[7:]))),
+    Format("FILE.py:FUNC", "a function returning (train, test) torch Datasets (runs that file)",
+           lambda spec: spec.rpartition(":")[0].endswith(".py"), lambda spec, _: _load_user(spec)),
+)
+
+
+def dataset_help() -> str:
+    """``--dataset``'s help: the built-ins and every format."""
+    return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist"
+
+
+def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None) -> TrainingData:
+    """A built-in dataset by name, or any of :data:`FORMATS` (``npz:PATH``, ``folder:PATH``,
+    ``path/file.py:function``)."""
+    for fmt in FORMATS:
+        if fmt.matches(spec):
+            return fmt.load(spec, data_dir)
     if spec == "digits":
         return _load_digits()
     if spec in ("mnist", "fashion-mnist", "kmnist"):
@@ -123,11 +188,11 @@ def load_dataset(spec: str, data_dir: str | None = None, download: bool | None =
         x_train = np.concatenate([p[0] for p in parts[:5]])
         y_train = np.concatenate([p[1] for p in parts[:5]])
         return from_arrays(spec, x_train, y_train, parts[5][0], parts[5][1], num_classes=10, where=str(folder))
-    raise DataError(f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, npz:PATH, folder:PATH, "
-                    f"or path/file.py:function)")
+    raise DataError(f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, "
+                    f"{', '.join(f.usage for f in FORMATS)})")
 
 
-def from_torch(result: Any, name: str, where: str = "") -> Dataset | TorchData:
+def from_torch(result: Any, name: str, where: str = "") -> TrainingData:
     """What a user's dataset function returned: a :class:`Dataset`, or (train, test) torch Datasets
     (optionally a third item, or a ``num_classes`` key: the number of classes)."""
     if isinstance(result, (Dataset, TorchData)):
@@ -260,7 +325,7 @@ def _load_folder(path: Path) -> TorchData:
     return TorchData(train, test, f"folder:{path}", str(path), num_classes=len(train.classes))
 
 
-def _load_user(spec: str) -> Dataset | TorchData:
+def _load_user(spec: str) -> TrainingData:
     from distsgd import user
 
     function = user.load(spec, DataError, "dataset")
@@ -305,4 +370,5 @@ def available(data_dir: str | None = None) -> list[tuple[str, str, str]]:
     return rows
 
 
-__all__ = ["Dataset", "load_dataset", "from_arrays", "available", "BUILTIN"]
+__all__ = ["Dataset", "TrainingData", "Format", "FORMATS", "load_dataset", "from_arrays", "available", "BUILTIN",
+           "dataset_help"]

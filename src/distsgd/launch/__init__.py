@@ -1,21 +1,22 @@
 """Starting, joining and supervising the processes of a run: one module per topology.
 
 - :mod:`.procs`: process plumbing (fork server, pipes, supervision, blame); knows no algorithm;
-- :mod:`.group`: a ``torch.distributed`` process group (allreduce, ddp, local-sgd, sync easgd);
-- :mod:`.shared`: models in shared memory on one machine (hogwild, hogwild++);
-- :mod:`.server`: a parameter server and its workers (asgd, sync-ps, ssp, dcasgd, async easgd).
+- :mod:`.group`: a ``torch.distributed`` process group (the ``Group`` topology);
+- :mod:`.shared`: models in shared memory on one machine (``SharedMemory``);
+- :mod:`.server`: a parameter server and its workers (``Server``).
 
-Each topology has a ``plan`` (its rules about settings: how many workers torchrun's group means,
-which backend) and a ``run``. Locally (``--workers N``) the launcher starts the processes; under
-torchrun this process is one of them and there is no launcher. What is an algorithm's own (the
-server's rule, hogwild++'s ring) is reached through the algorithm class handed in, never imported.
+Each topology module has a ``plan`` (its rules about settings: how many workers torchrun's group
+means, which backend) and a ``run``. Locally (``--workers N``) the launcher starts the processes;
+under torchrun this process is one of them and there is no launcher. The algorithm declares its
+topology (``algo_cls.topology``, an object from :mod:`distsgd.algorithms.base`); what the launcher
+asks of it (the server's rule, the shared models, hogwild++'s ring) is reached through that
+object, never by importing an algorithm.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from distsgd.algorithms.base import GROUP, SERVER, SHARED, SINGLE
 from distsgd.config import RunConfig
 from distsgd.metrics import Sink
 from distsgd.train.context import Job, WorkerContext, WorkerResult
@@ -24,19 +25,19 @@ from distsgd.train.context import Job, WorkerContext, WorkerResult
 def _topology(algo_cls: Any) -> Any:
     from distsgd.launch import group, server, shared
 
-    return {GROUP: group, SHARED: shared, SERVER: server}[algo_cls.topology]
+    return {"group": group, "shared": shared, "server": server}[algo_cls.topology.kind]
 
 
 def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     """The settings this algorithm's topology runs with (raises ConfigError for impossible ones)."""
-    if algo_cls.topology == SINGLE:
+    if algo_cls.topology.kind == "one":
         return cfg
     return _topology(algo_cls).plan(cfg, algo_cls, torchrun)
 
 
 def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
-    if algo_cls.topology == SINGLE:
+    if algo_cls.topology.kind == "one":
         from distsgd.train.loop import run_worker
 
         return [run_worker(WorkerContext(job, rank=0, world=1, sink=sink), algo_cls(job.cfg))]

@@ -1,5 +1,5 @@
-"""The process-group topology (allreduce, ddp, local-sgd, sync easgd): symmetric workers in one
-``torch.distributed`` group, stepping in lockstep.
+"""The process-group topology: symmetric workers in one ``torch.distributed`` group, stepping in
+lockstep.
 
 - **Local** (``--workers N``): N processes on this machine form a group over a free port on
   127.0.0.1 (or ``--init-method``), train, and send their results back, each on its own pipe;

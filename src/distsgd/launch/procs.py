@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError, WorkerError, WorkerInputError
 from distsgd.models import build_model
-from distsgd.train.context import Job, WorkerResult
+from distsgd.train.context import Attendance, Job, WorkerResult
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,8 @@ def with_restarts(job: Job, sink: Any, attempt: Callable[[Job], list[WorkerResul
             restarts.append(record)
             job = job.replace(cfg=job.cfg.replace(resume=resume)) if resume else job
             continue
-        results[0].extra["restarts"] = restarts
+        results[0].attendance = results[0].attendance or Attendance()
+        results[0].attendance.restarts = restarts
         return results
 
 

@@ -1,6 +1,6 @@
-"""The parameter-server topology (asgd, sync-ps, ssp, dcasgd, async easgd): rank 0 serves, ranks
-1..N train; each worker talks to the server over a TCP connection of its own. What the server
-does is the algorithm's (its ``serve`` class method); this module starts, joins and supervises
+"""The parameter-server topology: rank 0 serves, ranks 1..N train; each worker talks to the server
+over a TCP connection of its own. What the server does is the algorithm's (its topology's
+``serve``); this module starts, joins and supervises
 the processes, and tells the workers where the server listens: a free port on 127.0.0.1
 locally (or ``--init-method tcp://HOST:PORT``), or the address it publishes in torchrun's store.
 
@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from distsgd.algorithms.base import ServerSeat
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, init_torchrun_group, leave_group
 from distsgd.metrics import NullSink, Sink
-from distsgd.train.context import Job, WorkerContext, WorkerResult
+from distsgd.train.context import Attendance, Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
 
@@ -40,8 +41,9 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
 
 
 def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
+    topology = algo_cls.topology
     if not torchrun:
-        if algo_cls.exact_checkpoints and job.cfg.checkpoint_period is not None:  # lockstep: restart the group
+        if topology.exact_checkpoints and job.cfg.checkpoint_period is not None:  # lockstep: restart the group
             return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
         return _run_local(job, algo_cls, sink)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -53,8 +55,9 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
     try:
         if rank == 0:
             address = f"{os.environ['MASTER_ADDR']}:0"
-            chief = algo_cls.serve(job, world - 1, address, sink, publish=lambda a: store.set(key, a))
-            chief.extra["failed_workers"] = []
+            chief = topology.serve(job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a))
+            chief.attendance = Attendance(samples_per_worker=chief.attendance.samples_per_worker
+                                          if chief.attendance else None, failed_workers=[])
             return [chief]
         store.wait([key])
         return [_work(job, algo_cls, rank, world, store.get(key).decode(), NullSink())]
@@ -65,9 +68,8 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
 def _work(job: Job, algo_cls: Any, rank: int, world: int, address: str, sink: Sink,
           replacement: bool = False) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N."""
-    ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False,
-                        server=address, replacement=replacement)
-    return run_worker(ctx, algo_cls(job.cfg))
+    ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False)
+    return run_worker(ctx, algo_cls(job.cfg, ServerSeat(address)), replacement=replacement)
 
 
 def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, given_up: torch.Tensor, out: Any,
@@ -78,7 +80,7 @@ def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, given_u
 
     def body() -> WorkerResult:
         if rank == 0:
-            return algo_cls.serve(job, world - 1, address, procs.QueueSink(q, 0), given_up=given_up)
+            return algo_cls.topology.serve(job, algo_cls, world - 1, address, procs.QueueSink(q, 0), given_up=given_up)
         return _work(job, algo_cls, rank, world, address, procs.QueueSink(q, rank), replacement)
 
     procs.report(q, rank, body)
@@ -99,7 +101,7 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     job.data.share_memory_()
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
     resume = f"; continue from the last checkpoint with --resume {cfg.out}" if cfg.checkpoint_period else ""
-    lockstep = algo_cls.exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
+    lockstep = algo_cls.topology.exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
     given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
     with procs.spawned(cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, address, given_up,
@@ -125,9 +127,8 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
     failed = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)
-    chief.extra["failed_workers"] = [r - 1 for r in failed]
-    chief.extra["restarts"] = restarts
-    if failed:
-        chief.extra["worker_errors"] = {str(r - 1): sup.reason(r) for r in failed}
+    chief.attendance = Attendance(samples_per_worker=chief.attendance.samples_per_worker if chief.attendance else None,
+                                  failed_workers=[r - 1 for r in failed], restarts=restarts,
+                                  worker_errors={str(r - 1): sup.reason(r) for r in failed} if failed else None)
     others = [procs.unpack(sup.results[r], job) for r in range(1, world) if r in sup.results]
     return [chief] + others

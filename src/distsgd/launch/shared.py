@@ -1,11 +1,11 @@
-"""The shared-memory topology (hogwild, hogwild++): workers on one machine train models held in
-shared memory, and this process watches and evaluates them.
+"""The shared-memory topology: workers on one machine train models held in shared memory, and this
+process watches and evaluates them.
 
 The workers never pause: this process copies the shared weights every ``eval_every`` samples and
 evaluates the copies after training (at once with ``stop_at_target``). A worker that dies is
-recorded in ``failed_workers``; the others carry on. Under torchrun (hogwild++ only) each process
-is one machine's cluster of local workers, and what links the clusters (hogwild++'s token ring)
-comes from the algorithm's own ``link``.
+recorded in ``failed_workers``; the others carry on. Under torchrun (a topology with
+``local_workers``) each process is one machine's cluster of local workers, and what links the
+clusters (a token ring, say) comes from the topology's ``link``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import init_torchrun_group, leave_group
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import build_model
-from distsgd.train.context import Job, SharedHandles, WorkerContext, WorkerResult
+from distsgd.algorithms.base import SharedSeat
+from distsgd.train.context import Attendance, Figures, Job, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.loop import run_worker
 
@@ -37,10 +38,10 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     cluster of ``local_workers`` per process), with gloo."""
     if not torchrun:
         return cfg
-    per_process = algo_cls.local_workers(cfg)
+    per_process = algo_cls.topology.local_workers(cfg)
     if per_process is None:
         raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
-                          f"torchrun, with --workers N (across machines, use hogwild++)")
+                          f"torchrun, with --workers N")
     if cfg.backend != "gloo":
         raise ConfigError(f"{cfg.algo} keeps its models in CPU shared memory and passes the token with gloo: "
                           f"use --backend gloo")
@@ -56,7 +57,7 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
     return Machine(job, algo_cls, sink).run()
 
 
-def _entry(slot: int, world: int, job: Job, algo_cls: Any, handles: SharedHandles, go: Any, out: Any,
+def _entry(slot: int, world: int, job: Job, algo_cls: Any, seat: SharedSeat, go: Any, out: Any,
            first_rank: int, data_world: int, replacement: bool = False) -> None:
     """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
     this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
@@ -71,10 +72,10 @@ def _entry(slot: int, world: int, job: Job, algo_cls: Any, handles: SharedHandle
     def checkpointed(seq: int, samples: int) -> None:
         q.put(("checkpointed", slot, (seq, samples)))
 
-    mine = dataclasses.replace(handles, slot=slot, start_together=start_together, checkpointed=checkpointed)
+    mine = dataclasses.replace(seat, slot=slot, start_together=start_together, checkpointed=checkpointed)
     ctx = WorkerContext(job, rank=first_rank + slot, world=data_world, sink=procs.QueueSink(q, slot), reports=True,
-                        evaluates=False, shared=mine, replacement=replacement)
-    procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg)))
+                        evaluates=False)
+    procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg, mine), replacement=replacement))
 
 
 class Machine:
@@ -86,11 +87,12 @@ class Machine:
                  link: Any = None, evaluates: bool = True, machines: int = 1) -> None:
         cfg, dataset = job.cfg, job.data
         self.job, self.cfg, self.algo_cls, self.dataset, self.sink = job, cfg, algo_cls, dataset, sink
+        self.topology = topology = algo_cls.topology
         self.first_rank, self.data_world = first_rank, data_world or cfg.workers
         self.evaluates = evaluates
         dataset.share_memory_()
         self.models = [build_model(job.model, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-                       for _ in range(algo_cls.models(cfg))]
+                       for _ in range(topology.models(cfg))]
         self.counts = torch.zeros(cfg.workers, dtype=torch.int64)
         saved = load_worker_state(Path(cfg.resume), COORDINATOR) if cfg.resume else None
         if saved is not None:  # the shared models and counters of the checkpoint
@@ -102,10 +104,10 @@ class Machine:
         self.states = [m.state_dict() for m in self.models]
         mpc = procs.mp_context()
         self.go = mpc.Event()
-        self.handles = SharedHandles(states=self.states, counts=self.counts.share_memory_(),
-                                     stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
-                                     lock=mpc.Lock() if cfg.hogwild_lock else None, machines=machines,
-                                     extras=algo_cls.shared_extras(cfg, mpc, self.models))
+        self.handles = SharedSeat(states=self.states, counts=self.counts.share_memory_(),
+                                  stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
+                                  lock=topology.lock(cfg, mpc), machines=machines,
+                                  extras=topology.extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self.current_state)
@@ -117,7 +119,7 @@ class Machine:
 
     def current_state(self) -> dict[str, torch.Tensor]:
         """A copy of the model the algorithm returns (hogwild++: the clusters' average)."""
-        return {k: v.detach().clone() for k, v in self.algo_cls.combine(self.states).items()}
+        return {k: v.detach().clone() for k, v in self.topology.combine(self.states).items()}
 
     def samples(self) -> int:
         return self.link.global_samples() if self.link is not None else int(self.handles.counts.sum())
@@ -213,47 +215,44 @@ class Machine:
         if len(self.models) > 1:
             model = build_model(self.job.model, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
             model.load_state_dict(self.current_state())
-        extra: dict[str, Any] = {}
-        for r in sorted(sup.results, reverse=True):  # the lowest slot's values win
-            extra.update(sup.results[r]["extra"])
-        extra.update(self.algo_cls.shared_summary(self.handles.extras))
+        figures = self.topology.figures([sup.results[r]["figures"] for r in sorted(sup.results)],
+                                        self.handles.extras)
         if self.link is not None:
-            extra.update(self.link.summary())
-        extra["dataset_shared"] = all(p["extra"].get("dataset_shared", False) for p in sup.results.values())
-        extra["samples_per_worker"] = [int(c) for c in counts]
-        extra["failed_workers"] = [first + r for r in failed]
-        extra["restarts"] = self.restarts
-        if failed:
-            extra["worker_errors"] = {str(first + r): sup.reason(r) for r in failed}
+            figures = self.link.figures(figures)
+        attendance = Attendance(samples_per_worker=[int(c) for c in counts], failed_workers=[first + r for r in failed],
+                                restarts=self.restarts,
+                                worker_errors={str(first + r): sup.reason(r) for r in failed} if failed else None)
         final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
         chief = WorkerResult(rank=first, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
                              evals=evals, final_test_accuracy=final["test_accuracy"],
-                             final_test_loss=final["test_loss"], model=model, extra=extra)
+                             final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance)
         others = [WorkerResult(rank=first + r, samples=int(counts[r]), global_samples=total,
                                train_wall_s=train_wall_s, evals=[], final_test_accuracy=None, final_test_loss=None,
-                               model=None, extra=sup.results.get(r, {}).get("extra", {}))
+                               model=None, figures=sup.results.get(r, {}).get("figures", Figures()))
                   for r in range(1, self.cfg.workers)]
         return [chief] + others
 
 
 def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
-    """Across machines: this torchrun process is one cluster of ``local_workers`` Hogwild! workers;
-    the algorithm's link (hogwild++'s token ring over the process group) joins the clusters. Rank 0
-    evaluates (its own cluster's model during training, the average of all at the end) and gets
-    every worker's figures."""
-    cfg = job.cfg
+    """Across machines: this torchrun process is one cluster of ``local_workers`` workers; the
+    topology's link (a token ring over the process group) joins the clusters. Rank 0 evaluates
+    (its own cluster's model during training, the average of all at the end) and gets every
+    worker's figures."""
+    cfg, topology = job.cfg, algo_cls.topology
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    size = algo_cls.local_workers(cfg)
-    local = cfg.replace(workers=size)  # --max-samples stays the run's: workers count every cluster's samples
+    size = topology.local_workers(cfg)
+    node = topology.node_algorithm(algo_cls)
+    # --max-samples stays the run's: workers count every cluster's samples
+    local = cfg.replace(workers=size, options={k: v for k, v in cfg.options.items() if k in node.Options.names()})
     if rank != 0:  # only rank 0 evaluates and writes the run directory
         local = local.replace(out=None, stop_at_target=False)
 
-    def link(model: torch.nn.Module, handles: SharedHandles) -> Any:
-        return algo_cls.link(cfg, rank, n, model, handles)
+    def link(model: torch.nn.Module, seat: SharedSeat) -> Any:
+        return topology.link(cfg, rank, n, model, seat)
 
     init_torchrun_group(cfg, rank, n)
     try:
-        mine = Machine(job.replace(cfg=local), algo_cls.node_algorithm(), sink if rank == 0 else NullSink(),
+        mine = Machine(job.replace(cfg=local), node, sink if rank == 0 else NullSink(),
                        first_rank=rank * size, data_world=n * size, link=link, evaluates=rank == 0,
                        machines=n).run()
         gathered = gather_results(mine, rank, n)
@@ -262,13 +261,13 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     if rank != 0:
         return mine
     results = mine + [r for node in gathered[1:] for r in node]
-    chiefs = [node[0].extra for node in gathered]
-    extra = results[0].extra
-    extra["samples_per_worker"] = [c for e in chiefs for c in e["samples_per_worker"]]
-    extra["failed_workers"] = sorted(r for e in chiefs for r in e["failed_workers"])
-    errors = {k: v for e in chiefs for k, v in e.get("worker_errors", {}).items()}
-    if errors:
-        extra["worker_errors"] = errors
-    extra["dataset_shared"] = all(e["dataset_shared"] for e in chiefs)
-    extra.update(algo_cls.merge_nodes(chiefs))
+    chiefs = [node[0] for node in gathered]
+    results[0].figures = topology.merge_nodes([c.figures for c in chiefs])
+    results[0].figures.dataset_shared = all(getattr(c.figures, "dataset_shared", False) for c in chiefs)
+    attendances = [c.attendance or Attendance() for c in chiefs]
+    errors = {k: v for a in attendances for k, v in (a.worker_errors or {}).items()}
+    results[0].attendance = Attendance(
+        samples_per_worker=[c for a in attendances for c in (a.samples_per_worker or [])],
+        failed_workers=sorted(r for a in attendances for r in (a.failed_workers or [])),
+        restarts=[r for a in attendances for r in (a.restarts or [])], worker_errors=errors or None)
     return results

@@ -7,30 +7,16 @@ returns a :class:`WorkerResult`. Nothing here knows an algorithm or a launcher.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from distsgd.config import RunConfig
+from distsgd.data import TrainingData
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import ModelSpec
-
-
-@dataclass
-class SharedHandles:
-    """What the shared-memory launcher hands each worker of a Hogwild!-family algorithm."""
-
-    states: list[dict[str, torch.Tensor]]  # every model in shared memory (Hogwild!: one; hogwild++: one a cluster)
-    counts: torch.Tensor  # samples done, one int64 slot per worker of this machine (shared)
-    stop: torch.Tensor  # one shared byte: 1 tells every worker to stop (read with no lock)
-    slot: int = 0  # this worker's slot in ``counts``
-    machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
-    lock: Any = None  # --hogwild-lock: one lock around every update
-    extras: Any = None  # the algorithm's own shared state (its ``shared_extras``)
-    start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go
-    checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
 
 
 @dataclass
@@ -40,7 +26,7 @@ class Job:
 
     cfg: RunConfig
     model: ModelSpec
-    data: Any  # distsgd.data.Dataset (tensors) or TorchData (any torch Dataset)
+    data: TrainingData  # distsgd.data.Dataset (tensors) or TorchData (any torch Dataset)
     loss: Callable | None = None  # loss(output, target) -> scalar; None: cfg.loss
     optimizer: Callable | None = None  # optimizer(model) -> torch.optim.Optimizer; None: cfg.optimizer
     param_groups: Callable | None = None  # param_groups(model) -> [{"params": [...], "lr": ...}, ...]
@@ -51,7 +37,10 @@ class Job:
 
 @dataclass
 class WorkerContext:
-    """What one worker knows about the run."""
+    """What one worker knows about the run: its data rank among ``world`` data ranks, where its
+    events go, and whether it reports progress and evaluates. Nothing about its topology: what
+    the topology's launcher hands a worker (shared models, a server's address) is the algorithm's
+    seat (``Algorithm(cfg, seat)``)."""
 
     job: Job
     rank: int = 0
@@ -59,10 +48,6 @@ class WorkerContext:
     sink: Sink = field(default_factory=NullSink)
     reports: bool = True  # emits progress events (rank 0; every Hogwild! worker)
     evaluates: bool | None = None  # evaluates the model (default: same as reports)
-    shared: SharedHandles | None = None  # set by the shared-memory launcher
-    server: str | None = None  # the parameter server's host:port (its workers')
-    replacement: bool = False  # replaces a worker that died (--restart-workers): carries on from its samples
-    resumed: bool = False  # continuing from a checkpoint: do not re-synchronise the start
 
     def __post_init__(self) -> None:
         if self.evaluates is None:
@@ -73,12 +58,64 @@ class WorkerContext:
         return self.job.cfg
 
     @property
-    def dataset(self) -> Any:
+    def dataset(self) -> TrainingData:
         return self.job.data
 
     @property
     def model_spec(self) -> ModelSpec:
         return self.job.model
+
+
+class Start(enum.Enum):
+    """How a worker begins (``Algorithm.setup``'s ``start``)."""
+
+    FRESH = "fresh"  # a new run: the algorithm makes every worker start from one model
+    RESUMED = "resumed"  # from this worker's part of a checkpoint: it keeps what it saved
+    REPLACEMENT = "replacement"  # in place of a worker that died: it rejoins the running model
+
+
+@dataclass(frozen=True)
+class Step:
+    """The step a worker is taking, as its loop counts it, handed to the algorithm's hooks:
+    ``number`` counts its steps, this one included (the first is 1); ``samples`` its samples once
+    this step's batch is counted."""
+
+    number: int
+    samples: int
+
+
+@dataclass
+class Figures:
+    """What a worker (or a coordinator: the shared-memory launcher, a parameter server) measured
+    beyond the loop's counts, for summary.json: every field that is not None becomes a key. An
+    algorithm returns its own subclass from ``Algorithm.figures``."""
+
+    bytes_sent: int | None = None  # what this process sent; None: the algorithm does not communicate
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def run_bytes(self, results: list["WorkerResult"]) -> tuple[int, list[int] | None] | None:
+        """(every byte the run sent, each worker's) from all the results, rank 0's first; None
+        when the algorithm does not communicate. A ring all-reduce's share is counted by each
+        worker, so the run's bytes are the sum."""
+        if self.bytes_sent is None:
+            return None
+        each = [r.figures.bytes_sent or 0 for r in results]
+        return sum(each), each
+
+
+@dataclass
+class Attendance:
+    """Who took part, as a launcher saw it (None: not recorded by this launcher)."""
+
+    samples_per_worker: list[int] | None = None
+    failed_workers: list[int] | None = None
+    worker_errors: dict[str, str] | None = None  # worker -> its error, when any failed
+    restarts: list[dict[str, Any]] | None = None  # one {worker, reason, at} per restart
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclass
@@ -91,7 +128,8 @@ class WorkerResult:
     final_test_accuracy: float | None
     final_test_loss: float | None
     model: nn.Module | None
-    extra: dict[str, Any] = field(default_factory=dict)
+    figures: Figures = field(default_factory=Figures)
+    attendance: Attendance | None = None
 
 
 class Every:

@@ -26,7 +26,7 @@ from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
 from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
-from distsgd.train.context import Every, WorkerContext, WorkerResult
+from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, evaluate, snapshot
 from distsgd.train.objective import loss_function
 from distsgd.train.optim import schedule_lr
@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def run_worker(ctx: WorkerContext, algo: "Algorithm") -> WorkerResult:
-    """Train this worker's share of the run and return what it measured."""
-    w = _Worker(ctx, algo)  # model, optimiser, counters; restored from --resume
+def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
+    """Train this worker's share of the run and return what it measured. ``replacement``: it
+    takes the place of a worker that died (its launcher started it again)."""
+    w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
     algo.before_training(ctx)
     w.clock.restart()
     w.clock.add(w.state.train_wall_s)
@@ -109,7 +110,7 @@ class LoopState:
 class _Worker:
     """One worker's run: its model, optimiser and counters, and the loop's steps."""
 
-    def __init__(self, ctx: WorkerContext, algo: "Algorithm") -> None:
+    def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         cfg, ds = ctx.cfg, ctx.dataset
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
         torch.set_num_threads(threads_per_worker(cfg))
@@ -124,22 +125,24 @@ class _Worker:
         self.state = LoopState(cfg.eval_every, period.count if period is not None else None)
         self.checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
         saved = self.checkpointer.load()
-        ctx.resumed = saved is not None
-        if cfg.resume and saved is None:  # an asynchronous run's worker that had died: it is replaced
-            ctx.replacement = True
+        # a worker its launcher started again rejoins the running model (what it saved, if it did, is
+        # loaded below but the running model is newer); so does, in a resumed asynchronous run, a rank
+        # that had no part in the checkpoint (its worker had died); the others resume from their part
+        start = Start.REPLACEMENT if replacement or (cfg.resume and saved is None) else \
+            Start.RESUMED if saved is not None else Start.FRESH
         # Same seed in every worker: every replica starts from the same weights.
         model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
         model.train()
         if saved is not None:
             model.load_state_dict(saved["model"])
-        self.model = algo.setup(ctx, model)
+        self.model = algo.setup(ctx, model, start)
         self.optimizer = algo.make_optimizer(ctx, self.model)
         torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
         self.pieces = {"model": algo.unwrap(self.model), "optimizer": self.optimizer, "algo": algo,
                        "loop": self.state, "rng": RngState()}
         if saved is not None:
             scatter({k: v for k, v in self.pieces.items() if k != "model"}, saved)
-        if ctx.replacement:  # carry on from the samples this rank had trained, in its own shard
+        if start is Start.REPLACEMENT:  # carry on from the samples this rank had trained, in its own shard
             st = self.state
             st.local = algo.starting_samples(ctx)
             st.epoch, st.start = divmod(st.local, self.per_epoch)
@@ -175,12 +178,13 @@ class _Worker:
                 loss = self.loss_fn(self.model(x), y)
                 (loss * (len(y) / n) if len(micro) > 1 else loss).backward()
             self.loss_sum += loss.detach()
-        algo.after_backward(ctx, self.model)
-        algo.apply_step(ctx, self.optimizer)
+        step = Step(number=st.steps + 1, samples=st.local + n)
+        algo.after_backward(ctx, self.model, step)
+        algo.apply_step(ctx, self.optimizer, step)
         st.local += n
         st.start += n
         st.steps += 1
-        algo.after_step(ctx, self.model, st.local)
+        algo.after_step(ctx, self.model, step)
         if self.slowdown:
             time.sleep(self.slowdown * (time.perf_counter() - started))
         self.gs = algo.global_samples(ctx, st.local)
@@ -265,7 +269,7 @@ class _Worker:
             rank=self.ctx.rank, samples=self.state.local, global_samples=self.gs, train_wall_s=train_wall_s,
             evals=evals, final_test_accuracy=final["test_accuracy"] if final else None,
             final_test_loss=final["test_loss"] if final else None,
-            model=self.model if self.ctx.evaluates else None, extra=self.algo.summary())
+            model=self.model if self.ctx.evaluates else None, figures=self.algo.figures())
 
 
 __all__ = ["run_worker", "LoopState"]

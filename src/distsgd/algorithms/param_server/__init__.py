@@ -10,9 +10,10 @@ The package, by part:
 - :mod:`.core`: the server's mechanics (one lock, versions, sample counts, barriers, the workers'
   buffers, futures completed outside the lock), whatever the rule;
 - :mod:`.rules`: the update rules, one small class each, with their papers;
-- :mod:`.transport`: how workers reach the server (``torch.distributed`` point-to-point, gloo);
+- :mod:`.transport`: how workers reach the server (TCP sockets, a wire format of aligned sections);
 - :mod:`.role`: the server process: the core, a watcher that evaluates its model, checkpoints;
-- :mod:`.worker`: the workers' side, and the registered algorithms.
+- :mod:`.worker`: the topology (what the launcher asks: serve), the workers' side, and the
+  registered algorithms.
 
 Buffers (BatchNorm statistics): the server's model would otherwise keep its initial running
 statistics, since only gradients reach it. Each push also carries the worker's buffers; the
@@ -22,8 +23,8 @@ model is taken (evaluated, checkpointed, returned), so the model evaluated is th
 """
 
 from distsgd.algorithms.param_server.core import ParameterServer, staleness_stats
-from distsgd.algorithms.param_server.rules import RULES, dc_lambda
-from distsgd.algorithms.param_server.worker import ASGD, DCASGD, SSP, ServerAlgorithm, SyncPS
+from distsgd.algorithms.param_server.rules import dc_lambda
+from distsgd.algorithms.param_server.worker import ASGD, DCASGD, SSP, ServerAlgorithm, ServerTopology, SyncPS
 
-__all__ = ["ParameterServer", "staleness_stats", "RULES", "dc_lambda", "ServerAlgorithm", "ASGD", "SyncPS", "SSP",
-           "DCASGD"]
+__all__ = ["ParameterServer", "staleness_stats", "dc_lambda", "ServerAlgorithm", "ServerTopology", "ASGD", "SyncPS",
+           "SSP", "DCASGD"]

@@ -13,16 +13,18 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 from torch.futures import Future
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
-from distsgd.algorithms.param_server.rules import RULES, Rule
 from distsgd.config import RunConfig
 from distsgd.train.optim import build_optimizer, schedule_lr
+
+if TYPE_CHECKING:
+    from distsgd.algorithms.param_server.rules import Rule
 
 Answer = tuple[torch.Tensor, int, int, bool]  # weights, version, all workers' samples, stop
 
@@ -32,11 +34,11 @@ class ParameterServer:
     version_read, local_samples, buffers)`` returns a Future of an :data:`Answer`; ``exchange``
     is async EASGD's elastic exchange. Worker ranks are 1..N."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, rule: str | Rule,
+    def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, rule: "Rule",
                  samples_per_epoch: int, on_update: Callable[[int], None] | None = None,
                  on_start: Callable[[], None] | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.cfg, self.model, self.workers = cfg, model, workers
-        self.rule = RULES[rule](cfg) if isinstance(rule, str) else rule
+        self.rule = rule
         self.params = params(model)
         self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,28 @@ from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, 
                                 save_worker_state, scatter)
 from distsgd.data.partition import samples_per_epoch
 from distsgd.models import build_model
-from distsgd.train.context import Every, Job, WorkerResult
+from distsgd.train.context import Attendance, Every, Figures, Job, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.optim import build_optimizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerFigures(Figures):
+    """A parameter server's: how stale the applied gradients were, its updates, and the bytes it
+    sent and received (every byte either end sent, also under torchrun, where the workers' own
+    counts are in other processes: the run's ``bytes_sent`` is their sum)."""
+
+    staleness: dict[str, Any] | None = None  # {mean, p50, p99, max, histogram}
+    server_updates: int | None = None
+    server_updates_per_s: float | None = None
+    server_bytes_sent: int | None = None
+    server_bytes_received: int | None = None
+
+    def run_bytes(self, results: list[WorkerResult]) -> tuple[int, list[int] | None]:
+        each = [r.figures.bytes_sent or 0 for r in results[1:]] or None  # the workers' (none under torchrun)
+        return (self.server_bytes_sent or 0) + (self.server_bytes_received or 0), each
 
 
 class ServerRole:
@@ -170,12 +188,11 @@ class ServerRole:
         total = server.total_samples()
         server.sync_buffers()  # the model returned carries the workers' statistics
         train_wall_s, evals = self.watcher.finish(total)
-        extra = {"staleness": server.staleness_summary(), "server_updates": server.version,
-                 "server_updates_per_s": server.version / train_wall_s if train_wall_s > 0 else 0.0,
-                 "bytes_sent": server.bytes_sent, "server_bytes_sent": server.bytes_sent,
-                 "server_bytes_received": server.bytes_received,
-                 "samples_per_worker": server.counts[1:]}
+        figures = ServerFigures(bytes_sent=server.bytes_sent, staleness=server.staleness_summary(),
+                                server_updates=server.version,
+                                server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
+                                server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received)
         final = evals[-1]
         return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
                             final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
-                            model=self.model, extra=extra)
+                            model=self.model, figures=figures, attendance=Attendance(samples_per_worker=server.counts[1:]))

@@ -26,7 +26,7 @@ server's lock (:class:`~.core.ParameterServer` takes it) and answers workers thr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.futures import Future
@@ -38,18 +38,19 @@ if TYPE_CHECKING:
     from distsgd.algorithms.param_server.core import ParameterServer
 
 
-def dc_lambda(cfg: RunConfig) -> float:
+def dc_lambda(opts: Any) -> float:
     """lambda (DC-ASGD-c) or lambda0 (DC-ASGD-a): ``--dc-lambda``, else the paper's 0.04 or 2."""
-    if cfg.dc_lambda is not None:
-        return cfg.dc_lambda
-    return 2.0 if cfg.dc_adaptive else 0.04
+    if opts.dc_lambda is not None:
+        return opts.dc_lambda
+    return 2.0 if opts.dc_adaptive else 0.04
 
 
 class Rule:
-    """What the server does with what workers send (the base: nothing)."""
+    """What the server does with what workers send (the base: nothing). ``opts``: the
+    algorithm's options (each rule reads its own)."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+        self.cfg, self.opts = cfg, opts
 
     def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
         """Worker ``rank`` read ``weights``."""
@@ -75,7 +76,7 @@ class Asynchronous(Rule):
         tau = ps.version - version_read
         ps.staleness[tau] += 1
         grad = self.correct(ps, rank, grad)
-        if self.cfg.staleness_lr and tau > 1:
+        if self.opts.staleness_lr and tau > 1:
             grad = grad / tau
         ps.apply(grad)
         if not self.hold(ps, rank, fut):
@@ -96,14 +97,14 @@ class Asynchronous(Rule):
 class BoundedStaleness(Asynchronous):
     """ssp: no worker more than ``--staleness`` pushes ahead of the slowest live one."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+        super().__init__(cfg, opts)
         self.held: list[tuple[int, Future]] = []
 
     def _ahead(self, ps: "ParameterServer", rank: int) -> bool:
         others = [ps.clocks[r] for r in ps.active if r != rank]
         slowest = min(others) if others else ps.clocks[rank]
-        return ps.clocks[rank] - slowest > self.cfg.staleness
+        return ps.clocks[rank] - slowest > self.opts.staleness
 
     def hold(self, ps: "ParameterServer", rank: int, fut: Future) -> bool:
         if not self._ahead(ps, rank):
@@ -124,8 +125,8 @@ class BoundedStaleness(Asynchronous):
 class DelayCompensated(Asynchronous):
     """dcasgd: the stale gradient corrected towards the current weights."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+        super().__init__(cfg, opts)
         self.read: dict[int, torch.Tensor] = {}  # the weights each worker read
         self.meansq: torch.Tensor | None = None  # DC-ASGD-a's MeanSquare
 
@@ -133,8 +134,8 @@ class DelayCompensated(Asynchronous):
         self.read[rank] = weights
 
     def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor) -> torch.Tensor:
-        lam: torch.Tensor | float = dc_lambda(self.cfg)
-        if self.cfg.dc_adaptive:  # MeanSquare starts at 0
+        lam: torch.Tensor | float = dc_lambda(self.opts)
+        if self.opts.dc_adaptive:  # MeanSquare starts at 0
             if self.meansq is None:
                 self.meansq = torch.zeros_like(grad)
             self.meansq.mul_(0.95).add_(0.05 * grad * grad)
@@ -150,8 +151,8 @@ class DelayCompensated(Asynchronous):
 class SyncRound(Rule):
     """sync-ps: one step with the mean of every live worker's gradient."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+        super().__init__(cfg, opts)
         self.gathered: dict[int, tuple[torch.Tensor, Future]] = {}
 
     def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
@@ -183,7 +184,7 @@ class Elastic(Rule):
     def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor],
                  ints: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """d = x_i - x~ (the flat parameters, and each floating-point buffer); x~ <- x~ + alpha d."""
-        alpha = elastic_alpha(self.cfg, ps.workers)
+        alpha = elastic_alpha(self.opts, ps.workers)
         diff = x - ps.flat
         ps.flat.add_(alpha * diff)
         diffs = []
@@ -197,8 +198,5 @@ class Elastic(Rule):
         return diff, diffs
 
 
-RULES: dict[str, type[Rule]] = {"asgd": Asynchronous, "sync-ps": SyncRound, "ssp": BoundedStaleness,
-                                "dcasgd": DelayCompensated, "easgd": Elastic}
-
-__all__ = ["RULES", "Rule", "Asynchronous", "SyncRound", "BoundedStaleness", "DelayCompensated", "Elastic",
+__all__ = ["Rule", "Asynchronous", "SyncRound", "BoundedStaleness", "DelayCompensated", "Elastic",
            "dc_lambda"]

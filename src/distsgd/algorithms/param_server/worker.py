@@ -1,15 +1,16 @@
-"""The workers' side of the parameter server, and the registered algorithms asgd, sync-ps, ssp
-and dcasgd (their rules: :mod:`.rules`)."""
+"""The parameter-server topology, the workers' side of it, and the registered algorithms asgd,
+sync-ps, ssp and dcasgd (their rules: :mod:`.rules`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
-from distsgd.algorithms.base import SERVER, Algorithm, register
+from distsgd.algorithms.base import Algorithm, NoOptions, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport
 from distsgd.algorithms.param_server.role import ServerRole
 from distsgd.algorithms.param_server.rules import (Asynchronous, BoundedStaleness, DelayCompensated, Rule,
@@ -17,31 +18,24 @@ from distsgd.algorithms.param_server.rules import (Asynchronous, BoundedStalenes
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
-from distsgd.train.context import Job, WorkerContext, WorkerResult
+from distsgd.options import Options, option
+from distsgd.train.context import Figures, Job, Start, Step, WorkerContext, WorkerResult
 
 
-class ServerAlgorithm(Algorithm):
-    """The worker side of every parameter-server rule: push the gradient, take the new weights."""
+class ServerTopology(Server):
+    """What the parameter-server launcher asks of an algorithm: be the server. ``rule`` is the
+    update rule's class, built from the run's settings and the algorithm's options."""
 
-    topology = SERVER
-    rule: ClassVar[type[Rule]] = Asynchronous
-    exact_checkpoints: ClassVar[bool] = False  # sync-ps: exact, so a dead worker stops a checkpointed run
+    def __init__(self, rule: type[Rule], exact_checkpoints: bool = False) -> None:
+        self.rule, self.exact_checkpoints = rule, exact_checkpoints
 
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        if cfg.staleness < 0:
-            raise ConfigError(f"--staleness must be >= 0, got {cfg.staleness}")
-        if cfg.dc_lambda is not None and cfg.dc_lambda < 0:
-            raise ConfigError(f"--dc-lambda must be >= 0, got {cfg.dc_lambda}")
-
-    # -- what the parameter-server launcher asks of the algorithm (a class method) -----------------
-    @classmethod
-    def serve(cls, job: Job, workers: int, address: str, sink: Sink,
+    def serve(self, job: Job, algo_cls: type[Algorithm], workers: int, address: str, sink: Sink,
               publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None) -> WorkerResult:
         """Be the server of ``workers`` workers at ``address`` (``host:port``; port 0: any free one,
         told to ``publish``) until they are all done. ``given_up[rank]``: the local launcher will
         start no replacement for that rank (:class:`.role.ServerRole`)."""
-        role = ServerRole(job, cls.rule(job.cfg), workers, sink, exact=cls.exact_checkpoints, given_up=given_up)
+        rule = self.rule(job.cfg, algo_cls.Options.from_mapping(job.cfg.options))
+        role = ServerRole(job, rule, workers, sink, exact=self.exact_checkpoints, given_up=given_up)
         service = transport.Service(role.server, role, transport.Layout.of(role.model), address,
                                     silence_s=job.cfg.timeout_s)
         if publish is not None:
@@ -53,15 +47,50 @@ class ServerAlgorithm(Algorithm):
             service.close()
         return result
 
-    # -- the worker ------------------------------------------------------------------------------
-    def setup(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+
+@dataclass(frozen=True)
+class StalenessOptions(Options):
+    staleness_lr: bool = option(False, "divide each gradient by its staleness (staleness-aware ASGD)")
+
+
+@dataclass(frozen=True)
+class SSPOptions(StalenessOptions):
+    staleness: int = option(2, "how many pushes a worker may run ahead of the slowest; default 2", metavar="S")
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {self.staleness}")
+
+
+@dataclass(frozen=True)
+class DCASGDOptions(StalenessOptions):
+    dc_lambda: float | None = option(None, "the compensation strength lambda (lambda0 with --dc-adaptive); "
+                                           "default 0.04, adaptive 2", metavar="LAMBDA")
+    dc_adaptive: bool = option(False, "adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)")
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.dc_lambda is not None and self.dc_lambda < 0:
+            raise ConfigError(f"--dc-lambda must be >= 0, got {self.dc_lambda}")
+        if cfg.optimizer != "sgd":
+            raise ConfigError("dcasgd compensates SGD gradients: use --optimizer sgd")
+
+
+class ServerAlgorithm(Algorithm):
+    """The worker side of every parameter-server rule: push the gradient, take the new weights.
+    Its seat is the server's address; a replacement worker rejoins under its rank."""
+
+    kind = "parameter server"
+    topology: ClassVar[Topology] = ServerTopology(Asynchronous)
+    Options: ClassVar[type[Options]] = StalenessOptions
+
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        seat: ServerSeat = self.seat
         layout = transport.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
         self.params = params(model)
         self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
         self.floats, self.ints = float_buffers(model), int_buffers(model)
-        assert ctx.server is not None, "a parameter-server worker needs the server's address"
-        self.client = transport.Client(ctx.rank + 1, self.weights, layout, ctx.server, self.cfg.timeout_s,
-                                       rejoining=ctx.replacement)  # data rank r is rank r + 1; the server 0
+        self.client = transport.Client(ctx.rank + 1, self.weights, layout, seat.address, self.cfg.timeout_s,
+                                       rejoining=start is Start.REPLACEMENT)  # data rank r is rank r + 1
         self.local = 0
         self.version = self.client.pull()
         self.total = 0
@@ -71,14 +100,14 @@ class ServerAlgorithm(Algorithm):
     def before_training(self, ctx: WorkerContext) -> None:
         self.client.barrier()  # every worker is built: start together (a replacement: at once)
 
-    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer) -> None:
+    def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         pass  # the server steps; see after_step
 
-    def after_step(self, ctx: WorkerContext, model: nn.Module, local_samples: int) -> None:
-        self.local = local_samples
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        self.local = step.samples
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
-        self.version, self.total, self.stop = self.client.push(grads, self.version, local_samples, buffers)
+        self.version, self.total, self.stop = self.client.push(grads, self.version, step.samples, buffers)
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)
@@ -94,8 +123,8 @@ class ServerAlgorithm(Algorithm):
         """Every byte this worker sent the server: headers, gradients, buffers (and, resumed, before)."""
         return self.bytes_sent + self.client.bytes_sent
 
-    def summary(self) -> dict[str, Any]:
-        return {"bytes_sent": self.sent()}
+    def figures(self) -> Figures:
+        return Figures(bytes_sent=self.sent())
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "bytes_sent": self.sent(), "version": self.version, "total": self.total}
@@ -115,8 +144,8 @@ class ServerAlgorithm(Algorithm):
 @register
 class ASGD(ServerAlgorithm):
     name = "asgd"
-    rule = Asynchronous
-    summary_line = "asynchronous SGD on a parameter server; --staleness-lr divides each gradient by its staleness"
+    summary_line = ("parameter server (one TCP connection per worker), gradients applied as they arrive "
+                    "(--staleness-lr divides each by its staleness)")
 
 
 @register
@@ -126,29 +155,26 @@ class SyncPS(ServerAlgorithm):
     (weights, optimiser, counters, evaluations) as of that round."""
 
     name = "sync-ps"
-    rule = SyncRound
-    exact_checkpoints = True
-    summary_line = "parameter server that waits for all workers' gradients, then steps once (the seeds')"
+    topology = ServerTopology(SyncRound, exact_checkpoints=True)
+    Options = NoOptions
+    summary_line = "the same server waiting for all N gradients, then one step (the seeds' scheme)"
 
 
 @register
 class SSP(ServerAlgorithm):
     name = "ssp"
-    rule = BoundedStaleness
-    summary_line = "stale synchronous parallel: no worker runs more than --staleness pushes ahead"
+    topology = ServerTopology(BoundedStaleness)
+    Options = SSPOptions
+    summary_line = "stale synchronous parallel: no worker more than --staleness S pushes ahead of the slowest"
 
 
 @register
 class DCASGD(ServerAlgorithm):
     name = "dcasgd"
-    rule = DelayCompensated
-    summary_line = "delay-compensated ASGD: g + lambda g*g*(w - w_read); --dc-adaptive"
-
-    @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        super().check(cfg)
-        if cfg.optimizer != "sgd":
-            raise ConfigError("dcasgd compensates SGD gradients: use --optimizer sgd")
+    topology = ServerTopology(DelayCompensated)
+    Options = DCASGDOptions
+    summary_line = ("delay-compensated ASGD: g + lambda g*g*(w - w_read) (--dc-lambda, --dc-adaptive for "
+                    "DC-ASGD-a)")
 
 
-__all__ = ["ServerAlgorithm", "ASGD", "SyncPS", "SSP", "DCASGD"]
+__all__ = ["ServerTopology", "ServerAlgorithm", "ASGD", "SyncPS", "SSP", "DCASGD", "StalenessOptions"]

@@ -13,11 +13,19 @@ from distsgd.algorithms.param_server import ParameterServer, staleness_stats
 from distsgd.config import RunConfig
 
 
-def make_server(mode: str, workers: int = 2, **cfg) -> ParameterServer:
+def make_server(mode: str, workers: int = 2, **settings) -> ParameterServer:
+    """The core of algorithm ``mode``'s server, with its rule; ``settings``: common ones and its options."""
+    from distsgd.algorithms import registry
+
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    settings = {"lr": 0.1, "momentum": 0.0, **cfg}
-    return ParameterServer(RunConfig(**settings), model, workers, mode, samples_per_epoch=1000)
+    algo_cls = registry.get(mode)
+    names = algo_cls.Options.names()
+    options = {k: v for k, v in settings.items() if k in names}
+    cfg = RunConfig(**{"lr": 0.1, "momentum": 0.0, **{k: v for k, v in settings.items() if k not in names}},
+                    options=options)
+    rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping(options))
+    return ParameterServer(cfg, model, workers, rule, samples_per_epoch=1000)
 
 
 def grad(seed: int, n: int = 8) -> torch.Tensor:
@@ -205,9 +213,11 @@ def test_staleness_stats_empty_and_quantiles() -> None:
 def test_dcasgd_lambda_defaults_are_the_papers() -> None:
     from distsgd.algorithms.param_server import dc_lambda
 
-    assert dc_lambda(RunConfig()) == 0.04  # DC-ASGD-c
-    assert dc_lambda(RunConfig(dc_adaptive=True)) == 2.0  # DC-ASGD-a's lambda0
-    assert dc_lambda(RunConfig(dc_adaptive=True, dc_lambda=0.5)) == 0.5
+    from distsgd.algorithms.param_server.worker import DCASGDOptions
+
+    assert dc_lambda(DCASGDOptions()) == 0.04  # DC-ASGD-c
+    assert dc_lambda(DCASGDOptions(dc_adaptive=True)) == 2.0  # DC-ASGD-a's lambda0
+    assert dc_lambda(DCASGDOptions(dc_adaptive=True, dc_lambda=0.5)) == 0.5
 
 
 def test_replies_are_completed_outside_the_lock() -> None:

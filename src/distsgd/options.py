@@ -1,0 +1,140 @@
+"""Settings declared once, as typed dataclass fields carrying their help: the run's common settings
+(:class:`distsgd.config.RunConfig`) and each algorithm's own options (a subclass of
+:class:`Options` that the algorithm declares).
+
+From these declarations come the command line's flags and ``--help``, the TOML keys, the keywords
+of ``distsgd.train`` and bench's ``NAME[key=value]``: a value from any of them is checked against
+the field's type here (:func:`coerce`), then by the options' own :meth:`Options.check`.
+
+A field's metadata (set by :func:`option`): ``help``; ``flag`` (when not ``--`` plus its name);
+``const`` (the flag's value is optional, and the flag alone means ``const``); ``metavar``;
+``parse`` (a string or number as given -> the field's value, raising ``ConfigError``) and
+``show`` (the value -> what a TOML file holds), for fields whose type is not a plain one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, TypeVar
+
+from distsgd.errors import ConfigError
+
+T = TypeVar("T", bound="Options")
+
+
+def option(default: Any, help: str, *, flag: str | None = None, const: Any = None, metavar: str | None = None,
+           parse: Callable[[Any], Any] | None = None, show: Callable[[Any], Any] | None = None) -> Any:
+    """A setting: its default and help text (``--help``), and how to read it (see the module)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "const": const, "metavar": metavar,
+                                            "parse": parse, "show": show})
+
+
+def kind(f: dataclasses.Field) -> str:
+    """A field's plain type for reading values: 'bool', 'int', 'float', 'str' or 'other'."""
+    annotation = str(f.type)
+    if f.metadata.get("parse") is not None:
+        return "str"  # read from what was given, by its parse
+    for name in ("bool", "float", "int", "str"):
+        if name in annotation.replace("None", ""):
+            return "float" if name == "int" and "float" in annotation else name
+    return "other"
+
+
+def optional(f: dataclasses.Field) -> bool:
+    return "None" in str(f.type)
+
+
+def coerce(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` (from a TOML file, ``distsgd.train``, a flag or a bench spec) as field ``f`` takes
+    it; a ``ConfigError`` naming the setting when it cannot."""
+    name, const, parse = f.name, f.metadata.get("const"), f.metadata.get("parse")
+    if const is not None and isinstance(value, bool):  # an optional-value flag: True means its const
+        return const if value else None
+    if value is None:
+        if optional(f):
+            return None
+        raise ConfigError(f"setting '{name}' cannot be empty")
+    if parse is not None:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float, os.PathLike)):
+            raise ConfigError(f"setting '{name}' must be a string or a number, got {value!r}")
+        return parse(str(value) if not isinstance(value, (int, float)) else value)
+    k = kind(f)
+    if k == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"setting '{name}' must be true or false, got {value!r}")
+        return value
+    if k == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"setting '{name}' must be a whole number, got {value!r}")
+        return value
+    if k == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"setting '{name}' must be a number, got {value!r}")
+        return float(value)
+    if k == "str":
+        if not isinstance(value, (str, os.PathLike)):
+            raise ConfigError(f"setting '{name}' must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def shown(f: dataclasses.Field, value: Any) -> Any:
+    """What a TOML file holds for ``value`` of field ``f``."""
+    show = f.metadata.get("show")
+    return show(value) if show is not None and value is not None else value
+
+
+def close_match(name: str, candidates: list[str]) -> str | None:
+    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.7)
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Options:
+    """An algorithm's own options: subclass it as a frozen dataclass of :func:`option` fields and
+    give it a :meth:`check`. The values travel in ``RunConfig.options`` as a plain mapping (what
+    the user gave, then, once the run is settled, every option with its default filled in)."""
+
+    owner: ClassVar[str] = ""  # the algorithm's name, for messages
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_mapping(cls: type[T], values: dict[str, Any]) -> T:
+        """The options from ``values`` (keys with ``-`` or ``_``; missing ones take their defaults)."""
+        by_name = {f.name: f for f in fields(cls)}
+        changes = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in by_name:
+                raise ConfigError(f"{cls.owner or cls.__name__} has no option '{key}'")
+            changes[name] = coerce(by_name[name], value)
+        return cls(**changes)
+
+    @classmethod
+    def pick(cls: type[T], values: dict[str, Any]) -> T:
+        """The options from those of ``values`` this class declares (the rest ignored): for a part
+        of an algorithm that reads a base class's options from a subclass's mapping."""
+        names = set(cls.names())
+        return cls.from_mapping({k: v for k, v in values.items() if k.replace("-", "_") in names})
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Every option, as a TOML file or ``RunConfig.options`` holds it."""
+        return {f.name: shown(f, getattr(self, f.name)) for f in fields(self)}
+
+    def check(self, cfg: Any) -> None:
+        """Reject option values this algorithm cannot honour with these common settings ``cfg``."""
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+__all__ = ["option", "Options", "coerce", "shown", "kind", "optional", "close_match", "flag_of"]

@@ -1,0 +1,117 @@
+"""Gradient compression (--compress): PowerSGD with error feedback, our compressors against torch's own
+DDP hooks, and where the option applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distsgd
+from distsgd.algorithms import compress
+from distsgd.data import load_dataset
+
+pytest.importorskip("sklearn")
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path):
+    """A real process group of one process (gloo): every collective is the identity."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_powersgd_error_feedback_sends_later_what_it_did_not_send(group_of_one) -> None:
+    """Vogels et al. 2019: with error feedback e, what a step leaves out is added to the next, so
+    what K steps transmit sums to K G - e_K, and e stays bounded (it grows until the left-out
+    directions dominate, and then they are sent): the relative shortfall shrinks as 1/K. A rank-1
+    step alone misses most of a full-rank G."""
+    torch.manual_seed(1)
+    g = torch.randn(20, 30)
+    c = compress.PowerSGD(rank=1)
+    sent = torch.zeros_like(g)
+    errors = []
+    for step in range(compress.START_ITER + 400):
+        grad = [g.clone()]
+        c.allreduce_mean_(grad, 1)
+        if step >= compress.START_ITER:  # the first steps are not compressed
+            sent += grad[0]
+            k = step - compress.START_ITER + 1
+            torch.testing.assert_close(sent, k * g - c.error.view_as(g), rtol=1e-4, atol=1e-3)
+            errors.append(float(c.error.norm() / g.norm()))
+    assert max(errors[200:]) < 1.2 * max(errors[100:200])  # bounded, not growing with K
+    assert float((400 * g - sent).norm() / (400 * g).norm()) < 0.05
+    svd = torch.linalg.svd(g)
+    best = svd.S[0] * torch.outer(svd.U[:, 0], svd.Vh[0])
+    assert float((g - best).norm() / g.norm()) > 0.5  # without feedback, each step would miss that much
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_powersgd_sends_zero_for_a_zero_gradient(group_of_one, rank: int) -> None:
+    """An all-zero gradient matrix (a layer that got no gradient) is sent as zero, not NaN. With P
+    = M Q = 0, Gram-Schmidt divided P's columns by their zero norms (Vogels et al. 2019, Alg. 1,
+    orthogonalise P) and the NaN reached every worker's weights."""
+    torch.manual_seed(2)
+    c = compress.PowerSGD(rank=rank)
+    for _ in range(compress.START_ITER + 3):
+        grads = [torch.zeros(20, 30), torch.randn(20, 30)]
+        c.allreduce_mean_(grads, 1)
+        assert torch.equal(grads[0], torch.zeros(20, 30))
+        assert bool(torch.isfinite(grads[1]).all())
+
+
+STEPS = 20
+
+
+@pytest.mark.parametrize("kind", ["powersgd:2", "powersgd:1", "fp16"])
+def test_our_compression_takes_the_steps_of_torchs_ddp_hook(kind: str) -> None:
+    """``allreduce --compress`` (ours) and ``ddp --compress`` (torch's fp16_compress_hook and
+    powerSGD_hook, error feedback, warm start) on the same data end with the same weights."""
+    digits = load_dataset("digits")
+    # (20 steps: the two agree to rounding, 1e-7; PowerSGD's power iteration and momentum amplify
+    # rounding differences, to 5e-5 after 40 steps.)
+    common = dict(model="mlp", data=digits, workers=2, batch_size=16, max_samples=STEPS * 32, lr=0.1, momentum=0.9,
+                  seed=3, compress=kind, quiet=True)
+    ours = distsgd.train(algo="allreduce", **common)
+    torchs = distsgd.train(algo="ddp", **common)
+    a = torch.cat([p.detach().reshape(-1) for p in ours.model.parameters()])
+    b = torch.cat([p.detach().reshape(-1) for p in torchs.model.parameters()])
+    start = torch.cat([p.detach().reshape(-1) for p in distsgd.models.build_model("mlp", (1, 8, 8), 10, seed=3)
+                       .parameters()])
+    assert float((a - start).norm()) > 0.1  # it trained
+    assert float((a - b).norm() / a.norm()) < 1e-5
+    assert ours.summary["bytes_sent"] == torchs.summary["bytes_sent"]
+    plain = distsgd.train(algo="allreduce", **{**common, "compress": "none"}).summary["bytes_sent"]
+    steps_compressed = STEPS - compress.START_ITER
+    if kind == "fp16":
+        assert ours.summary["bytes_sent"] == plain / 2
+    else:  # all but the first steps send P and Q instead of the matrices
+        assert ours.summary["bytes_sent"] < plain * (compress.START_ITER + steps_compressed / 5) / STEPS
+
+
+def test_ddp_powersgd_with_several_buckets_trains_and_resumes(tmp_path: Path) -> None:
+    """torch 2.13's powerSGD_hook aborts on gloo with two or more DDP buckets (gloo::EnforceNotMet):
+    on gloo, ddp --compress powersgd uses one bucket whatever --bucket-mb says. A resumed run
+    starts with start_powerSGD_iter (2) uncompressed steps, as torch requires of a new DDP (its
+    buckets are rebuilt after the first step): so it sends more than the uninterrupted run."""
+    common = dict(model="mlp", data="digits", algo="ddp", workers=2, lr=0.05, checkpoint_every="300", quiet=True,
+                  compress="powersgd:1", bucket_mb=0.001, timeout_s=60)
+    full = distsgd.train(max_samples=1436, out=str(tmp_path / "full"), **common).summary
+    distsgd.train(max_samples=718, out=str(tmp_path / "part"), **common)
+    resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=1436).summary
+    assert resumed["samples"] == full["samples"] == 1436
+    assert resumed["final_test_accuracy"] > 0.2 and full["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+    assert resumed["bytes_sent"] > full["bytes_sent"]
+
+
+def test_compression_is_refused_where_it_does_not_apply() -> None:
+    with pytest.raises(distsgd.ConfigError,
+                       match="--compress is an option of allreduce, ddp, local-sgd, diloco, not of hogwild"):
+        distsgd.train(model="mlp", data="digits", algo="hogwild", workers=2, compress="fp16", quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="--compress must be none, fp16 or powersgd"):
+        distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, compress="zip", quiet=True)
+
+

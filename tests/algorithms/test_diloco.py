@@ -1,0 +1,104 @@
+"""diloco's update rule against its paper (Douillard et al. 2023, Algorithm 1), in float64, with
+two workers; and its runs."""
+
+from __future__ import annotations
+
+import torch
+
+import distsgd
+from distsgd.data import load_dataset
+from distsgd.train.context import Start
+
+from helpers import in_group
+from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
+
+# -- DiLoCo (Douillard et al. 2023) -------------------------------------------------------------
+
+H, ROUNDS, TAIL = 3, 3, 2  # 3 full rounds of 3 inner steps, then a partial round of 2
+INNER_LR, DECAY, OUTER_LR, OUTER_MU = 0.05, 0.1, 0.7, 0.9
+
+
+def _diloco_worker(rank: int, world: int) -> dict:
+    from distsgd.algorithms.diloco import DiLoCo
+
+    cfg = config("diloco", world, {"sync_every": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU},
+                 lr=INNER_LR, weight_decay=DECAY)
+    model, set_grad = model_and_grad(rank)
+    algo = DiLoCo(cfg)
+    ctx = context(rank, world)
+    model = algo.setup(ctx, model, Start.FRESH)
+    opt = algo.make_optimizer(ctx, model)
+    thetas = []
+    for step in range(1, H * ROUNDS + TAIL + 1):
+        take_step(algo, ctx, model, opt, set_grad, step)
+        if step % H == 0:
+            thetas.append(flat(algo.global_model))
+    final = algo.finish(ctx, model)
+    return {"thetas": thetas, "final": flat(final), "local": flat(model)}
+
+
+def adamw(state: dict, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """AdamW (Loshchilov and Hutter, ICLR 2019, Algorithm 2; Kingma and Ba's bias correction),
+    beta 0.9 / 0.999, eps 1e-8: w <- w - lr (decay w + m^ / (sqrt(v^) + eps))."""
+    state["t"] += 1
+    state["m"] = 0.9 * state["m"] + 0.1 * g
+    state["v"] = 0.999 * state["v"] + 0.001 * g * g
+    m_hat, v_hat = state["m"] / (1 - 0.9 ** state["t"]), state["v"] / (1 - 0.999 ** state["t"])
+    return w - INNER_LR * (DECAY * w + m_hat / (v_hat.sqrt() + 1e-8))
+
+
+def diloco_reference(world: int, wrong: str = "") -> tuple[list[torch.Tensor], torch.Tensor]:
+    """DiLoCo's Algorithm 1: each outer step t, every worker i starts from theta^(t-1), takes H
+    inner AdamW steps (its AdamW state carried from round to round), reaching theta_i^(t); then
+    Delta^(t) = (1/k) sum_i (theta^(t-1) - theta_i^(t)) and theta^(t) = OuterOpt(theta^(t-1),
+    Delta^(t)), Nesterov momentum (Sutskever et al. 2013, in PyTorch's form: b <- mu b + Delta,
+    theta <- theta - lr (Delta + mu b)). The last, partial round ends with an outer step too.
+    ``wrong``: "sum" (no 1/k), "sign" (theta_i - theta), "average" (theta <- mean of theta_i,
+    local SGD's rule), "reset" (a fresh AdamW every round)."""
+    theta = start_weights()
+    quads = [quadratic(r) for r in range(world)]
+    states = [{"t": 0, "m": torch.zeros_like(theta), "v": torch.zeros_like(theta)} for _ in range(world)]
+    buf, thetas = None, []
+    for steps in [H] * ROUNDS + [TAIL]:
+        local = []
+        for i, (a, b) in enumerate(quads):
+            if wrong == "reset":
+                states[i] = {"t": 0, "m": torch.zeros_like(theta), "v": torch.zeros_like(theta)}
+            w = theta.clone()
+            for _ in range(steps):
+                w = adamw(states[i], w, a * (w - b))
+            local.append(w)
+        if wrong == "average":
+            theta = sum(local) / world
+        else:
+            delta = sum((lo - theta) if wrong == "sign" else (theta - lo) for lo in local) / (1 if wrong == "sum" else world)
+            buf = delta if buf is None else OUTER_MU * buf + delta
+            theta = theta - OUTER_LR * (delta + OUTER_MU * buf)
+        thetas.append(theta)
+    return thetas, theta
+
+
+def test_diloco_with_two_workers_follows_the_paper(tmp_path) -> None:
+    got = in_group(_diloco_worker, 2, tmp_path)
+    thetas, final = diloco_reference(2)
+    for r in range(2):
+        for a, b in zip(got[r]["thetas"], thetas):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[r]["final"], final, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[r]["local"], final, rtol=1e-5, atol=1e-6)  # the next round starts there
+    for wrong in ("sum", "sign", "average", "reset"):
+        assert far(got[0]["final"], diloco_reference(2, wrong)[1]), wrong
+
+
+
+
+def test_diloco_learns_and_sends_a_fraction_of_allreduce() -> None:
+    digits = load_dataset("digits")
+    common = dict(model="mlp", data=digits, workers=2, epochs=6, batch_size=16, quiet=True)
+    ar = distsgd.train(algo="allreduce", lr=0.05, **common).summary
+    di = distsgd.train(algo="diloco", lr=0.003, sync_every="16", **common).summary
+    assert di["final_test_accuracy"] > 0.85, di["final_test_accuracy"]
+    steps = 6 * -(-718 // 16)
+    assert di["outer_steps"] == -(-steps // 16)  # every 16 steps, and the last partial round
+    assert di["bytes_sent_per_sample"] <= ar["bytes_sent_per_sample"] / 16 * (1 + 16 / steps)
+    assert di["replica_max_abs_diff"] == 0.0

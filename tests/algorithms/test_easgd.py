@@ -1,0 +1,143 @@
+"""easgd's update rule against the paper (Zhang, Choromanska, LeCun, "Deep learning with Elastic
+Averaging SGD", NIPS 2015), in float64, with two workers; and its runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import distsgd
+from distsgd.config import RunConfig
+from distsgd.train.context import Start
+
+from helpers import in_group
+from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
+
+# -- EASGD (Zhang, Choromanska, LeCun, NIPS 2015) ---------------------------------------------
+
+def _easgd_worker(rank: int, world: int, steps: int, tau: int) -> dict:
+    from distsgd.algorithms.easgd import EASGD
+
+    cfg = config("easgd", world, {"tau": tau, "alpha": 0.3}, lr=0.1, momentum=0.0)
+    model, set_grad = model_and_grad(rank)
+    algo = EASGD(cfg)
+    ctx = context(rank, world)
+    model = algo.setup(ctx, model, Start.FRESH)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for number in range(1, steps + 1):
+        take_step(algo, ctx, model, opt, set_grad, number)
+    return {"x": flat(model), "centre": flat(algo.center_model)}
+
+
+def easgd_reference(world: int, steps: int, tau: int, lr: float, alpha: float, wrong: str = "") -> tuple:
+    """Synchronous EASGD, the paper's equations (5)-(6) with a communication period tau: at every
+    step t that tau divides, from the same x_i^t,
+        x_i^{t+1} = x_i^t - lr g_i(x_i^t) - alpha (x_i^t - x~^t)
+        x~^{t+1}  = x~^t + alpha sum_i (x_i^t - x~^t)
+    and x_i^{t+1} = x_i^t - lr g_i(x_i^t) at the others. ``wrong``: "mean" moves the centre by
+    the mean elastic difference; "after" takes the elastic difference after the gradient step."""
+    w0 = start_weights()
+    xs, centre = [w0.clone() for _ in range(world)], w0.clone()
+    quads = [quadratic(r) for r in range(world)]
+    for t in range(steps):
+        grads = [a * (x - b) for x, (a, b) in zip(xs, quads)]
+        if wrong == "after":
+            xs = [x - lr * g for x, g in zip(xs, grads)]
+            grads = [torch.zeros_like(g) for g in grads]
+        if t % tau == 0:
+            diffs = [x - centre for x in xs]
+            total = sum(diffs) / (world if wrong == "mean" else 1)
+            xs = [x - alpha * d for x, d in zip(xs, diffs)]
+            centre = centre + alpha * total
+        xs = [x - lr * g for x, g in zip(xs, grads)]
+    return xs, centre
+
+
+def test_sync_easgd_with_two_workers_follows_the_paper(tmp_path) -> None:
+    steps, tau = 9, 2
+    got = in_group(_easgd_worker, 2, tmp_path, steps, tau)
+    xs, centre = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3)
+    for r in range(2):
+        torch.testing.assert_close(got[r]["x"], xs[r], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[r]["centre"], centre, rtol=1e-5, atol=1e-6)  # every copy of x~ alike
+    for wrong in ("mean", "after"):
+        _, c = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3, wrong=wrong)
+        assert far(got[0]["centre"], c), wrong
+
+
+def test_easgd_alpha_default_gives_beta_point_nine() -> None:
+    from distsgd.algorithms.averaging import elastic_alpha
+    from distsgd.algorithms.easgd import EASGDOptions
+
+    assert elastic_alpha(EASGDOptions(), 4) * 4 == pytest.approx(0.9)
+    assert elastic_alpha(EASGDOptions(alpha=0.1), 4) == 0.1
+
+
+def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
+    """Algorithm 1 of the paper (asynchronous EASGD), the master's side of two workers exchanging
+    in an arbitrary order: worker i sends x = x^i; the master does x~ <- x~ + alpha (x - x~) and
+    the worker x^i <- x^i - alpha (x - x~), both with the x~ the master held when x arrived. A
+    BatchNorm's running mean is part of x (a float buffer), its counter is copied. Wrong rules
+    checked: the worker moving by the difference from the centre *after* the master moved it,
+    and a centre that moves by alpha / N."""
+    from distsgd.algorithms.easgd import EASGDOptions
+    from distsgd.algorithms.param_server import ParameterServer
+    from distsgd.algorithms.param_server.rules import Elastic
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    cfg = RunConfig(lr=0.1)
+    ps = ParameterServer(cfg, model, 2, Elastic(cfg, EASGDOptions(alpha=0.25)), samples_per_epoch=100)
+    centre = flat(model)
+    centre_bn = model[1].running_mean.detach().double().clone()
+    g = torch.Generator().manual_seed(3)
+    xs = {1: centre + torch.randn(centre.shape, generator=g, dtype=torch.float64),
+          2: centre - torch.randn(centre.shape, generator=g, dtype=torch.float64)}
+    bn = {1: torch.randn(2, generator=g, dtype=torch.float64), 2: torch.randn(2, generator=g, dtype=torch.float64)}
+    wrong_mean = centre.clone()
+    for k, rank in enumerate([1, 2, 2, 1, 2]):
+        ints = [torch.tensor([7 + k])]
+        (d, (d_bn,)), version, _, _ = ps.exchange(rank, xs[rank].float(), [bn[rank].float()], ints, 10 * k)
+        x, x_bn = xs[rank], bn[rank]
+        torch.testing.assert_close(d.double(), x - centre, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(d_bn.double(), x_bn - centre_bn, rtol=1e-5, atol=1e-6)
+        wrong_mean = wrong_mean + 0.25 / 2 * (x - wrong_mean)
+        moved = centre + 0.25 * (x - centre)
+        wrong_after_worker = x - 0.25 * (x - moved)
+        xs[rank] = x - 0.25 * (x - centre)  # the worker's move
+        bn[rank] = x_bn - 0.25 * (x_bn - centre_bn)
+        centre, centre_bn = moved, centre_bn + 0.25 * (x_bn - centre_bn)
+        torch.testing.assert_close(flat(model), centre, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model[1].running_mean.double(), centre_bn, rtol=1e-5, atol=1e-6)
+        assert int(model[1].num_batches_tracked) == 7 + k and version == k + 1
+        assert far(xs[rank], wrong_after_worker)
+    assert far(centre, wrong_mean)
+
+
+
+
+@pytest.fixture(scope="module")
+def digits():
+    from distsgd.data import load_dataset
+
+    pytest.importorskip("sklearn")
+    return load_dataset("digits")
+
+
+def _params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_learns_digits(digits, mode: str) -> None:
+    s = distsgd.train(model="mlp", data=digits, algo="easgd", workers=2, epochs=5, lr=0.05, quiet=True,
+                      easgd_mode=mode, tau=4).summary
+    assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]  # asynchronous runs vary; chance is 0.1
+    assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
+
+
+def test_bad_settings() -> None:
+    with pytest.raises(distsgd.ConfigError, match="beta = N alpha"):
+        distsgd.train(model="mlp", data="digits", algo="easgd", workers=2, alpha=1.5, quiet=True)

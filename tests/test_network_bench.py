@@ -1,0 +1,109 @@
+"""The bench across a shaped network: two hosts in network namespaces, a shaped link."""
+
+from __future__ import annotations
+
+import contextlib
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+import distsgd
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+
+def test_network_needs_namespaces(monkeypatch) -> None:
+    from distsgd.bench.network import Network, parse
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(distsgd.ConfigError, match="cannot be made here: creating network namespaces needs root"):
+        with Network("10mbit,delay=20ms"):
+            pass
+    with pytest.raises(distsgd.ConfigError, match="--network must be RATE"):
+        Network("fast")
+    assert parse("10mbit,delay=20ms") == ("10mbit", "20ms") and parse("unshaped") == (None, None)
+
+
+def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
+    from distsgd.bench.network import _cannot
+
+    why = _cannot()
+    if why:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    args = ("bench", "--algos", "allreduce,asgd,hogwild++,diloco[sync_every=4;lr=0.003],single", "--network",
+            "50mbit", "--dataset", "digits", "--model", "logreg", "--max-samples", "3000",
+            "--out", str(tmp_path / "b"), "--quiet", "--overwrite")
+    res = run_cli(*args, timeout=600)
+    if res.returncode != 0 and "on host" in res.stderr:
+        # Until __main__ left torchrun workers with os._exit, about one bench in ten failed here: a
+        # finished worker aborted in C++ destructors at exit (0 in 30 since). Should it come back,
+        # say so, and ask a second attempt to pass.
+        warnings.warn(f"bench --network failed once, trying again: {res.stderr.strip().splitlines()[-1]}")
+        res = run_cli(*args, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert bench["network"] == "50mbit"
+    ran = {e["algo"]: e["summary"] for e in bench["runs"]}
+    assert set(ran) == {"allreduce", "asgd", "hogwild++", "diloco[sync_every=4,lr=0.003]"}  # single: one machine
+    for s in ran.values():
+        assert s["network"] == "50mbit" and s["samples"] >= 3000 and s["bytes_sent"] > 0
+        assert s["workers"] == 2 and s["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+
+
+def test_an_interrupted_network_bench_leaves_nothing_behind(tmp_path: Path) -> None:
+    """SIGTERM to ``bench --network`` mid-run: one line, exit 130, and neither a host's torchrun, nor
+    its workers (in sessions of their own), nor a namespace is left. (Before, SIGTERM left all five
+    processes and both namespaces; Ctrl-C, the namespaces. SIGTERM is turned into Ctrl-C's
+    KeyboardInterrupt, so one signal tests both ways out: a Ctrl-C test took 10 s more, and passed.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from distsgd.bench.network import _cannot
+
+    why = _cannot()
+    if why:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    out = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "bench", "--network", "unshaped", "--algos", "asgd",
+                             "--dataset", "digits", "--model", "mlp", "--epochs", "2000", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("runs/*/metrics.jsonl")) and time.monotonic() < deadline:  # training
+            time.sleep(0.2)
+        hosts = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()) - before
+        pids = [int(p) for name in hosts if name.startswith("dsgd-")
+                for p in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
+        assert len(pids) == 5  # each host's torchrun; the server and 2 workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+        left = {n for n in after - before if n.startswith("dsgd-")}
+        for name in left:  # a failed test leaves nothing behind either
+            for p in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(p), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    assert proc.returncode == 130 and err.decode().strip().splitlines()[-1] == "error: interrupted"
+    assert not [pid for pid in pids if _running(pid)]
+    assert not left
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie's parent may be a PID 1 that does not reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
