@@ -44,7 +44,7 @@ CONFIGS = (
     "local-sgd[sync_every=8;compress=powersgd:2]",
     "diloco[sync_every=64;lr=0.001]",
     "diloco[sync_every=500;lr=0.001]",
-    "diloco[sync_every=500]",
+    "diloco[sync_every=500;lr=0.0004;weight_decay=0.1]",
     "hogwild++",
     "asgd",
 )

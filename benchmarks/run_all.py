@@ -213,7 +213,8 @@ def render() -> str:
         out += ["## Slow networks: who wins at which bandwidth", "",
                 "`sudo python benchmarks/low_comm.py`: a 352k-parameter MLP (784-384-128-10, "
                 "`benchmarks/models/wide_mlp.py`) on Fashion-MNIST, 2 workers, SGD lr 0.05 momentum 0.9 (diloco: "
-                "AdamW lr 0.001 inside, outer Nesterov SGD lr 0.7 momentum 0.9), batch 64 per worker, evaluated "
+                "AdamW inside at the lr its row names, weight decay 0.1 since 2026-11-23 (0 before), outer Nesterov "
+                "SGD lr 0.7 momentum 0.9), batch 64 per worker, evaluated "
                 "every 2,000 samples, target 85%. Each configuration runs on two hosts (network namespaces joined "
                 "by a veth pair, `torchrun --nnodes 2`), unshaped and with the link shaped by `tc tbf` to 100 and "
                 "10 Mbit/s each way. Stored in `benchmarks/results/low_comm/`.", "",
@@ -227,6 +228,9 @@ def render() -> str:
             title, command, *rest = path.read_text().strip().splitlines()
             out += [f"## A/B: {title}", "", f"`{command}`, stored in `benchmarks/results/{name}.txt`:", "", "```",
                     "\n".join(rest).strip(), "```", ""]
+    more = RESULTS / "MORE.md"  # sections written by hand, each dated, for runs outside these parts
+    if more.exists():
+        out += [more.read_text().strip(), ""]
     return "\n".join(out) + "\n"
 
 
