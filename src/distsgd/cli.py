@@ -66,13 +66,16 @@ def algorithm_options() -> dict[str, tuple[dataclasses.Field, str]]:
     for name, owners in registry.option_owners().items():
         decls = [(o, {f.name: f for f in dataclasses.fields(registry.get(o).Options)}[name]) for o in owners]
         first = decls[0][1]
-        texts = {f.metadata.get("help", "") for _, f in decls}
-        text = first.metadata.get("help", "") if len(texts) == 1 else " / ".join(sorted(texts))
-        defaults = {options.shown(f, f.default) for _, f in decls}
-        if len(defaults) > 1:  # say each one's
-            text = text.split("; default")[0] + "; default " + ", ".join(
-                f"{options.shown(f, f.default)} ({o})" for o, f in decls)
-        out[name] = (first, f"{', '.join(owners)}: {text}")
+        texts = [f.metadata.get("help", "").split("; default")[0] for _, f in decls]
+        defaults = [options.shown(f, f.default) for _, f in decls]
+        if len(set(texts)) == 1:
+            text = f"{', '.join(owners)}: {first.metadata.get('help', '')}"
+        else:  # each algorithm's own words
+            text = "; ".join(f"{o}: {t}" for o, t in zip(owners, texts))
+        if len(set(defaults)) > 1 or len(set(texts)) > 1:
+            text = text.split("; default")[0] if len(set(texts)) == 1 else text
+            text += "; default " + ", ".join(f"{d} ({o})" for o, d in zip(owners, defaults))
+        out[name] = (first, text)
     return out
 
 
