@@ -1,0 +1,308 @@
+"""streaming-diloco: Streaming DiLoCo (Douillard, Donchev, Rush, Kale, Kuncoro, Ranzato, Szlam, ...,
+"Streaming DiLoCo with overlapping communication: Towards a Distributed Free Lunch", 2025).
+
+DiLoCo (``diloco``) with three changes that cut its peak bandwidth and hide its latency:
+
+1. **Fragments.** The parameters are split into P fragments (``--fragments``), each synchronised
+   on its own schedule, H inner steps apart as in DiLoCo, but staggered by H/P: fragment p sends at
+   steps t = o_p - tau + k H, with o_p = (p + 1) H / P. So one fragment travels at a time, and the
+   peak bandwidth is 1/P of DiLoCo's for the same bytes per sample.
+2. **Overlap.** At a send, fragment p's pseudo-gradient is taken, Delta_p = theta_p - x_p (its
+   global values since its last outer step minus this worker's values now), and its all-reduce
+   starts without waiting; the workers take tau = ``--overlap`` more inner steps while it travels.
+   Then the average arrives, the outer optimiser steps theta_p <- OuterSGD_p(theta_p, mean Delta_p)
+   (Nesterov momentum, ``--outer-lr``, ``--outer-momentum``, one momentum per fragment), and the
+   worker merges: x_p <- alpha x_p + (1 - alpha) theta_p, alpha = ``--merge`` (0 takes the global
+   values and drops what the tau overlapped steps did to the fragment; the paper uses 0.5).
+3. **Quantised outer gradients.** ``--outer-dtype fp16|bf16`` sends Delta in that dtype; the
+   workers' values are gathered and averaged in float32, as the paper accumulates in FP32.
+
+With P = 1, tau = 0 and alpha = 0 it is DiLoCo, step for step (its test checks it). The inner
+optimiser and its defaults are DiLoCo's (AdamW at the paper's lr 4e-4, weight decay 0.1).
+
+Fragments are contiguous 1/P slices of the flat parameter vector (a tensor may be cut between two),
+not the paper's groups of transformer blocks: those models have many equal blocks, while the small
+models here often keep most weights in one layer, and only slices divide the peak by P. torchft's
+implementation (``torchft/local_sgd.py``, ``_StreamingDiLoCoFragment``) orders the work as here:
+the pseudo-gradient when the all-reduce starts, the outer step on the stored global copy, then the
+merge; its first sync of fragment p also comes after (p + 1) H / P steps.
+
+Buffers (BatchNorm statistics): averaged (floating-point) and copied from rank 0 (integer) when
+fragment 0's average lands, and kept with the global model, as in DiLoCo.
+
+What is returned: the global model, every fragment's theta. At the end the fragment in flight
+lands, then each fragment with inner steps since its last send takes a last outer step, one
+fragment at a time (the peak stays 1/P). An evaluation in the middle of training makes that same
+ending on copies, so what is measured is what would be returned. Checkpoints hold theta, the outer
+momenta and a fragment in flight (its average, waited for): a resumed run ends with exactly the
+loss of an uninterrupted one.
+
+Communication: ``bytes_sent`` counts every all-reduce (a ring's 2 (W-1)/W share) and, for fp16 or
+bf16, every all-gather ((W-1) x the fragment's bytes); ``largest_transfer_bytes`` is the largest
+single collective one worker took part in.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distsgd.algorithms.averaging import average_buffers_, broadcast_, flat_view_, params
+from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
+from distsgd.algorithms.diloco import OuterOptions, paper_inner_defaults
+from distsgd.algorithms.periodic import Periodic, period_option
+from distsgd.config import Period, RunConfig
+from distsgd.errors import ConfigError
+from distsgd.options import option
+from distsgd.train.context import Start, Step, WorkerContext
+from distsgd.train.optim import build_optimizer
+
+DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StreamingOptions(OuterOptions):
+    sync_every: Period = period_option(100, "inner steps H between two outer steps of a fragment (the paper's 100)")
+    fragments: int = option(2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart; "
+                               "default 2", metavar="P")
+    overlap: int = option(1, "tau: inner steps taken while a fragment's all-reduce travels, before its average is "
+                             "used (under H/P; 0: none); default 1", metavar="TAU")
+    merge: float = option(0.5, "alpha: a fragment's local share when its new global values arrive, "
+                               "x <- alpha x + (1 - alpha) theta; default 0.5", metavar="ALPHA")
+    outer_dtype: str = option("float32", "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in "
+                                         "float32); default float32", metavar="DTYPE")
+
+    def check(self, cfg: RunConfig) -> None:
+        super().check(cfg)
+        h = self.sync_every.count
+        if h is None:
+            raise ConfigError("streaming-diloco synchronises fragments every H steps: give --sync-every a number")
+        if not 1 <= self.fragments <= h:
+            raise ConfigError(f"--fragments must be between 1 and --sync-every ({h}), got {self.fragments}")
+        if not 0 <= self.overlap < h // self.fragments:
+            raise ConfigError(f"--overlap must be at least 0 and under H/P = {h // self.fragments} steps (one fragment "
+                              f"in flight at a time), got {self.overlap}")
+        if not 0 <= self.merge <= 1:
+            raise ConfigError(f"--merge must be in [0, 1], got {self.merge}")
+        if self.outer_dtype not in DTYPES:
+            raise ConfigError(f"--outer-dtype must be one of {', '.join(DTYPES)}, got '{self.outer_dtype}'")
+
+
+@dataclass
+class StreamingFigures(GroupFigures):
+    outer_steps: int | None = None  # fragment syncs, all fragments together
+    fragments: int | None = None
+
+
+@dataclass
+class Flight:
+    """A fragment's outer gradient on its way: sent at a step, used at ``lands``."""
+
+    fragment: int
+    lands: int
+    handle: Any = None
+    payload: Any = None  # what was all-reduced (float32) or the gathered list (fp16, bf16)
+    mean: torch.Tensor | None = None  # the average, once waited for
+
+    def average(self, world: int) -> torch.Tensor:
+        if self.mean is None:
+            self.handle.wait()
+            if isinstance(self.payload, list):
+                self.mean = torch.stack([g.float() for g in self.payload]).sum(dim=0) / world
+            else:
+                self.mean = self.payload / world
+            self.handle, self.payload = None, None
+        return self.mean
+
+
+@dataclass
+class Globals:
+    """The global side of the model: each fragment's theta, its outer optimiser, and the module
+    they make together (with the averaged buffers). Copied whole for an evaluation's ending."""
+
+    thetas: list[torch.Tensor]
+    outers: list[torch.optim.Optimizer]
+    model: nn.Module
+    flat: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # the model's parameters, one buffer
+
+
+@register
+class StreamingDiLoCo(GroupAlgorithm):
+    name = "streaming-diloco"
+    kind = "low communication"
+    Options = StreamingOptions
+    summary_line = ("Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "
+                    "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)")
+
+    @classmethod
+    def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
+        return paper_inner_defaults(cls.Options.from_mapping(cfg.options).inner_optimizer)
+
+    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
+        """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
+        return build_optimizer(self.cfg.replace(optimizer=self.opts.inner_optimizer), model, ctx.job.optimizer,
+                               ctx.job.param_groups)
+
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        self.world = ctx.world
+        if start is Start.FRESH:  # one starting point (a resumed worker restores theta below)
+            broadcast_(params(model) + list(model.buffers()))
+        self.flat = flat_view_(params(model))  # x: the parameters are views of it, so a fragment is a slice
+        h, p = self.opts.sync_every.count, self.opts.fragments
+        n = self.flat.numel()
+        self.bounds = [(n * i // p, n * (i + 1) // p) for i in range(p)]
+        self.periods = [Periodic(h, (i + 1) * h // p - self.opts.overlap) for i in range(p)]
+        self.dtype = DTYPES[self.opts.outer_dtype]
+        self.globals = self._make_globals(model)
+        self.flight: Flight | None = None
+        self.rounds = 0
+        return model
+
+    def _make_globals(self, model: nn.Module) -> Globals:
+        target = copy.deepcopy(model)
+        flat = flat_view_(params(target))
+        thetas = [self.flat[a:b].detach().clone() for a, b in self.bounds]
+        outers = [torch.optim.SGD([t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum,
+                                  nesterov=self.opts.outer_momentum > 0) for t in thetas]
+        return Globals(thetas, outers, target, flat)
+
+    # -- the schedule ----------------------------------------------------------------------------
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        for period in self.periods:
+            period.stepped()
+        if self.flight is not None and step.number >= self.flight.lands:
+            self._land(self.flight, self.globals, self.flat, model, self.sent)
+            self.flight = None
+        for p, period in enumerate(self.periods):
+            if period.due(step.number):
+                self.flight = self._send(p, step.number + self.opts.overlap)
+                period.synced()
+                if self.opts.overlap == 0:
+                    self._land(self.flight, self.globals, self.flat, model, self.sent)
+                    self.flight = None
+
+    def _send(self, p: int, lands: int) -> Flight:
+        """Start fragment p's outer gradient on its way (no wait)."""
+        a, b = self.bounds[p]
+        delta = self.globals.thetas[p] - self.flat[a:b].detach()
+        flight = Flight(p, lands)
+        self._start(flight, delta, count=self.sent)
+        return flight
+
+    def _start(self, flight: Flight, delta: torch.Tensor, count: Any) -> None:
+        """All-reduce ``delta`` (float32), or all-gather it in fp16 / bf16, asynchronously."""
+        if self.dtype == torch.float32:
+            flight.payload = delta.clone()
+            flight.handle = dist.all_reduce(flight.payload, async_op=True)
+            count(delta.numel() * 4, self.world)
+        else:
+            sent = delta.to(self.dtype)
+            flight.payload = [torch.empty_like(sent) for _ in range(self.world)]
+            flight.handle = dist.all_gather(flight.payload, sent, async_op=True)
+            # an all-gather: each worker's piece reaches the W - 1 others; sent() counts a ring's
+            # 2 (W - 1) / W share, so it is given (W / 2) x the piece to count (W - 1) x it
+            count(sent.numel() * sent.element_size() * self.world // 2, self.world)
+
+    def _land(self, flight: Flight, g: Globals, local: torch.Tensor, model: nn.Module, count: Any,
+              buffers: bool = True) -> None:
+        """Fragment ``flight.fragment``'s average arrived: the outer step of its theta, then the
+        merge of the worker's values (``local``); fragment 0 also averages the buffers."""
+        p = flight.fragment
+        a, b = self.bounds[p]
+        g.thetas[p].grad = flight.average(self.world)
+        g.outers[p].step()
+        g.thetas[p].grad = None
+        alpha = self.opts.merge
+        with torch.no_grad():
+            local[a:b].mul_(alpha).add_(g.thetas[p], alpha=1 - alpha)
+        if p == 0 and buffers:
+            self._average_buffers(model, g, count)
+        if count == self.sent:  # the algorithm's own, not an evaluation's copies
+            self.rounds += 1
+
+    def _average_buffers(self, model: nn.Module, g: Globals, count: Any) -> None:
+        """The workers' buffers averaged (integer ones rank 0's), into the global model and back."""
+        with torch.no_grad():
+            for mine, kept in zip(model.buffers(), g.model.buffers()):
+                kept.copy_(mine)
+        count(average_buffers_(g.model, self.world), self.world)
+        with torch.no_grad():
+            for mine, kept in zip(model.buffers(), g.model.buffers()):
+                mine.copy_(kept)
+
+    # -- the end, and what an evaluation measures --------------------------------------------------
+    def _ending(self, g: Globals, local: torch.Tensor, model: nn.Module, flight: Flight | None,
+                pending: list[bool], count: Any) -> nn.Module:
+        """Land the fragment in flight, then a last outer step for each fragment with inner steps
+        since its last send, one fragment at a time; return the global model."""
+        if flight is not None:
+            self._land(flight, g, local, model, count)
+        for p, owed in enumerate(pending):
+            if owed:
+                a, b = self.bounds[p]
+                last = Flight(p, 0)
+                self._start(last, g.thetas[p] - local[a:b].detach(), count)
+                self._land(last, g, local, model, count, buffers=False)
+        if any(pending):
+            self._average_buffers(model, g, count)
+        with torch.no_grad():
+            for (a, b), theta in zip(self.bounds, g.thetas):
+                g.flat[a:b].copy_(theta)
+        return g.model
+
+    def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        """What :meth:`final_model` would return now, made on copies of theta, the outer momenta,
+        the worker's values and buffers (every worker takes part; its bytes are eval_bytes_sent)."""
+        pending = [p.pending for p in self.periods]
+        if self.flight is None and not any(pending):
+            return self._ending(self.globals, self.flat, model, None, pending, self.sent_to_evaluate)
+        g = copy.deepcopy(self.globals)  # thetas, outer states (the optimisers hold the copied thetas)
+        scratch = copy.deepcopy(model)
+        local = flat_view_(params(scratch))
+        flight = None
+        if self.flight is not None:
+            self.flight.average(self.world)  # waits once; the real landing uses the same average
+            flight = Flight(self.flight.fragment, self.flight.lands, mean=self.flight.mean)
+        return self._ending(g, local, scratch, flight, pending, self.sent_to_evaluate)
+
+    def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        pending = [p.pending for p in self.periods]
+        final = self._ending(self.globals, self.flat, model, self.flight, pending, self.sent)
+        self.flight = None
+        for p in self.periods:
+            p.synced()
+        return final
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        flight = None
+        if self.flight is not None:  # wait for it: its average is what the resumed run will use
+            flight = {"fragment": self.flight.fragment, "lands": self.flight.lands,
+                      "mean": self.flight.average(self.world).clone()}
+        return {**super().state_dict(), "rounds": self.rounds, "flight": flight,
+                "periods": [p.state_dict() for p in self.periods],
+                "thetas": [t.clone() for t in self.globals.thetas],
+                "outers": [o.state_dict() for o in self.globals.outers],
+                "global": {k: v.clone() for k, v in self.globals.model.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.rounds = state["rounds"]
+        f = state["flight"]
+        self.flight = None if f is None else Flight(f["fragment"], f["lands"], mean=f["mean"])
+        for period, saved in zip(self.periods, state["periods"]):
+            period.load_state_dict(saved)
+        self.globals.model.load_state_dict(state["global"])
+        with torch.no_grad():
+            for theta, saved in zip(self.globals.thetas, state["thetas"]):
+                theta.copy_(saved)
+        for outer, saved in zip(self.globals.outers, state["outers"]):
+            outer.load_state_dict(saved)
+
+    def figures(self) -> StreamingFigures:
+        return StreamingFigures(**vars(super().figures()), outer_steps=self.rounds, fragments=self.opts.fragments)
