@@ -106,7 +106,10 @@ def test_stop_at_target(digits) -> None:
     s = distsgd.train(model="mlp", data=digits, algo="hogwild", workers=2, epochs=50, lr=0.05, eval_every=500,
                       target_accuracy=0.8, stop_at_target=True, quiet=True).summary
     assert s["samples_to_target"] is not None and s["samples"] < 50 * 1436
-    assert s["final_test_accuracy"] >= 0.75  # workers stop within a step of the signal
+    # the workers stop within a step or two of the signal; what is returned and saved is the copy
+    # that reached the target (the model after those steps could be below it: 0.747 seen once)
+    assert s["final_test_accuracy"] >= 0.8
+    assert s["evals"][-1]["samples"] == s["samples_to_target"]
 
 
 def test_hogwild_refuses_torchrun(monkeypatch) -> None:

@@ -124,12 +124,14 @@ def test_reported_accuracy_is_the_saved_models(tmp_path: Path, model_file: str, 
 
 
 @pytest.mark.parametrize("algo, extra", [("diloco", {"sync_every": "50", "lr": 0.003}),
-                                         ("local-sgd", {"sync_every": "50", "compress": "powersgd"})],
-                         ids=["diloco", "local-sgd-powersgd"])
+                                         ("local-sgd", {"sync_every": "50", "compress": "powersgd"}),
+                                         ("hogwild", {}), ("asgd", {})],
+                         ids=["diloco", "local-sgd-powersgd", "hogwild", "asgd"])
 def test_the_model_that_reaches_the_target_is_the_one_saved(tmp_path: Path, model_file: str, five_classes: str,
                                                             algo: str, extra: dict) -> None:
     """Evaluated every 96 samples, in the middle of a 50-step period, and stopped at the target:
-    what reached it is what was saved (DiLoCo used to save theta after one more outer step)."""
+    what reached it is what was saved (DiLoCo used to save theta after one more outer step;
+    Hogwild! and the parameter server, the model after the steps taken before the stop arrived)."""
     run = tmp_path / "run"
     s = distsgd.train(model=model_file, data=five_classes, algo=algo, workers=2, epochs=3, batch_size=16,
                       eval_every=96, target_accuracy=0.6, stop_at_target=True, out=str(run), quiet=True,

@@ -144,8 +144,9 @@ class Machine:
                 first = min(failed)
                 raise WorkerError(f"all {world} workers failed; worker {self.first_rank + first}: {sup.reason(first)}")
             total = self.link.finish() if self.link is not None else int(self.handles.counts.sum())
-            train_wall_s, evals = self.watcher.finish(total) if self.evaluates else (self.watcher.clock.elapsed(), [])
-        return self._results(sup, total, train_wall_s, evals)
+            train_wall_s, evals, final = self.watcher.finish(total) if self.evaluates else \
+                (self.watcher.clock.elapsed(), [], self.current_state())
+        return self._results(sup, total, train_wall_s, evals, final)
 
     def _start_together(self, sup: procs.Supervisor) -> None:
         """Wait until every worker has built its model and optimiser (or failed), then say go."""
@@ -208,13 +209,11 @@ class Machine:
         self.sink.emit({"event": "checkpoint", "seq": seq, "samples": samples,
                         "train_wall_s": self.watcher.clock.elapsed()})
 
-    def _results(self, sup: procs.Supervisor, total: int, train_wall_s: float,
-                 evals: list[dict[str, Any]]) -> list[WorkerResult]:
+    def _results(self, sup: procs.Supervisor, total: int, train_wall_s: float, evals: list[dict[str, Any]],
+                 final: dict[str, torch.Tensor]) -> list[WorkerResult]:
         counts, first, failed = self.handles.counts, self.first_rank, sorted(sup.failed())
-        model = self.models[0]
-        if len(self.models) > 1:
-            model = build_model(self.job.model, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
-            model.load_state_dict(self.current_state())
+        model = build_model(self.job.model, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
+        model.load_state_dict(final)  # what was evaluated last: the models now, or the copy that reached the target
         figures = self.topology.figures([sup.results[r]["figures"] for r in sorted(sup.results)],
                                         self.handles.extras)
         if self.link is not None:

@@ -57,6 +57,7 @@ class Watcher:
         self.pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         self.evals: list[dict[str, Any]] = []
         self.last: dict[str, torch.Tensor] | None = None  # the last copy filed or evaluated
+        self.reached: dict[str, torch.Tensor] | None = None  # the copy that reached the target (stop_at_target)
 
     def start(self) -> None:
         """Training starts now (the clock counts from here, plus any resumed run's time)."""
@@ -75,6 +76,8 @@ class Watcher:
         if self.cfg.stop_at_target:
             event = self.evaluate(samples, elapsed, copy)
             reached = target_reached(event, self.cfg.target_accuracy, self.cfg.target_loss)
+            if reached and self.reached is None:
+                self.reached = copy
         else:
             self.pending.append((samples, elapsed, copy))
         self.clock.resume()
@@ -92,18 +95,20 @@ class Watcher:
         self.sink.emit(event)
         return event
 
-    def finish(self, samples: int) -> tuple[float, list[dict[str, Any]]]:
-        """Training is over: (training time, every evaluation), the last of the model returned
+    def finish(self, samples: int) -> tuple[float, list[dict[str, Any]], dict[str, torch.Tensor]]:
+        """Training is over: (training time, every evaluation, the model to return). The model to
+        return is the copy that reached the target (``stop_at_target``: the trainers took a step or
+        two more before they saw the stop), else the model now; the last evaluation is of it
         (unless the last copy holds exactly its values, and so was already of it)."""
         train_s = self.clock.elapsed()
         for n, t, st in self.pending:
             self.evaluate(n, t, st)
         self.pending = []
-        final = self.state()
+        final = self.reached if self.reached is not None else self.state()
         if not equal_states(final, self.last):
             self.evaluate(samples, train_s, final)
             self.last = final
-        return train_s, self.evals
+        return train_s, self.evals, final
 
     def state_dict(self) -> dict[str, Any]:
         return {"evals_at": self.at.state_dict(), "evals": list(self.evals), "train_wall_s": self.clock.elapsed(),
