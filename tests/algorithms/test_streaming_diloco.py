@@ -41,8 +41,9 @@ def _worker(rank: int, world: int, algo: str, options: dict, steps: int) -> dict
     for number in range(1, steps + 1):
         take_step(algo_obj, ctx, model, opt, set_grad, number)
         seen.append(flat(model))
+    evaluated = flat(algo_obj.evaluation_model(ctx, model))  # what an evaluation now measures
     final = algo_obj.finish(ctx, model)
-    return {"locals": seen, "final": flat(final), "figures": vars(algo_obj.figures())}
+    return {"locals": seen, "final": flat(final), "evaluated": evaluated, "figures": vars(algo_obj.figures())}
 
 
 def reference(world: int, steps: int, h: int, p: int, tau: int, alpha: float, wrong: str = "") -> dict:
@@ -121,6 +122,8 @@ def test_two_workers_follow_the_paper(tmp_path, p: int, tau: int, alpha: float) 
         for t in (4, 11, steps - 1):
             torch.testing.assert_close(got[r]["locals"][t], ref["locals"][t][r], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[r]["final"], ref["final"], rtol=1e-5, atol=1e-6)
+        # an evaluation measures what would be returned there (made on copies): the same values
+        torch.testing.assert_close(got[r]["evaluated"], got[r]["final"], rtol=0, atol=0)
     for wrong in ("late", "swap", "shared"):
         if (wrong == "late" and tau == 0) or (wrong == "swap" and alpha == 0.5) or (wrong == "shared" and p == 1):
             continue  # the same rule then

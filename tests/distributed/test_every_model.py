@@ -125,8 +125,10 @@ def test_reported_accuracy_is_the_saved_models(tmp_path: Path, model_file: str, 
 
 @pytest.mark.parametrize("algo, extra", [("diloco", {"sync_every": "50", "lr": 0.003}),
                                          ("local-sgd", {"sync_every": "50", "compress": "powersgd"}),
-                                         ("hogwild", {}), ("asgd", {})],
-                         ids=["diloco", "local-sgd-powersgd", "hogwild", "asgd"])
+                                         ("hogwild", {}), ("asgd", {}),
+                                         ("streaming-diloco", {"sync_every": "20", "fragments": 2, "overlap": 2,
+                                                               "lr": 0.003})],
+                         ids=["diloco", "local-sgd-powersgd", "hogwild", "asgd", "streaming-diloco"])
 def test_the_model_that_reaches_the_target_is_the_one_saved(tmp_path: Path, model_file: str, five_classes: str,
                                                             algo: str, extra: dict) -> None:
     """Evaluated every 96 samples, in the middle of a 50-step period, and stopped at the target:

@@ -163,12 +163,18 @@ class StreamingDiLoCo(GroupAlgorithm):
         self.rounds = 0
         return model
 
-    def _make_globals(self, model: nn.Module) -> Globals:
+    def _make_globals(self, model: nn.Module, like: Globals | None = None) -> Globals:
+        """theta (this worker's values, or a copy of ``like``'s), an outer optimiser per fragment,
+        and the global module whose parameters are views of one flat buffer."""
         target = copy.deepcopy(model)
-        flat = flat_view_(params(target))
-        thetas = [self.flat[a:b].detach().clone() for a, b in self.bounds]
+        flat = flat_view_(params(target))  # (a deep copy's parameters are clones, not views: bind anew)
+        thetas = [t.clone() for t in like.thetas] if like is not None else \
+            [self.flat[a:b].detach().clone() for a, b in self.bounds]
         outers = [torch.optim.SGD([t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum,
                                   nesterov=self.opts.outer_momentum > 0) for t in thetas]
+        if like is not None:
+            for outer, kept in zip(outers, like.outers):
+                outer.load_state_dict(copy.deepcopy(kept.state_dict()))
         return Globals(thetas, outers, target, flat)
 
     # -- the schedule ----------------------------------------------------------------------------
@@ -261,7 +267,7 @@ class StreamingDiLoCo(GroupAlgorithm):
         pending = [p.pending for p in self.periods]
         if self.flight is None and not any(pending):
             return self._ending(self.globals, self.flat, model, None, pending, self.sent_to_evaluate)
-        g = copy.deepcopy(self.globals)  # thetas, outer states (the optimisers hold the copied thetas)
+        g = self._make_globals(self.globals.model, like=self.globals)
         scratch = copy.deepcopy(model)
         local = flat_view_(params(scratch))
         flight = None
