@@ -65,7 +65,11 @@ class Watcher:
         self.clock.add(self.earlier_s)
 
     def observe(self, samples: int) -> bool:
-        """Note that ``samples`` have been trained; True when the target accuracy is reached."""
+        """Note that ``samples`` have been trained; True when the target accuracy is reached. Once
+        it is, nothing more is evaluated: the trainers are stopping, and the copy that reached the
+        target is the model returned, so its evaluation stays the last."""
+        if self.reached is not None:
+            return True
         if not self.at.due(samples):
             return False
         if self.pause_to_copy:
