@@ -45,6 +45,8 @@ CONFIGS = (
     "diloco[sync_every=64;lr=0.001]",
     "diloco[sync_every=500;lr=0.001]",
     "diloco[sync_every=500;lr=0.0004;weight_decay=0.1]",
+    "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1]",
+    "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1;merge=0]",
     "hogwild++",
     "asgd",
 )
@@ -77,8 +79,11 @@ def run(config: str, network: str, max_samples: int, again: bool) -> dict[str, A
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(f"error: {config} on {network} failed: {res.stderr.strip().splitlines()[-1:]}")
-    row = json.loads(done.read_text())["rows"][0]
+    bench = json.loads(done.read_text())
+    row = bench["rows"][0]
+    largest = [r["summary"].get("largest_transfer_bytes") for r in bench["runs"]]
     return {"config": config, "network": network, "max_samples": max_samples,
+            "largest_transfer_bytes": max(largest) if largest and None not in largest else None,
             "samples_per_s": _median(row["samples_per_s"]),
             "time_to_target_s": _median(row["time_to_target_s"]),
             "samples_to_target": _median(row["samples_to_target"]),
@@ -128,13 +133,14 @@ def render(rows: list[dict[str, Any]], facts: str) -> str:
     base = {r["config"]: r for r in rows if r["network"] == "unshaped"}
     ref = base["allreduce"]
     lines = [f"{facts}", "",
-             "| configuration | bytes/sample | x fewer than allreduce | samples to 85% | "
+             "| configuration | bytes/sample | x fewer than allreduce | largest transfer (bytes) | samples to 85% | "
              + " | ".join(f"{n}: samples/s | {n}: time to 85% (s)" for n in NETWORKS) + " |",
-             "|---|---|---|---|" + "---|---|" * len(NETWORKS)]
+             "|---|---|---|---|---|" + "---|---|" * len(NETWORKS)]
     for config in CONFIGS:
         b = base[config]
         cells = [config, f"{b['bytes_per_sample']:.0f}" if b["bytes_per_sample"] else "-",
                  f"{ref['bytes_per_sample'] / b['bytes_per_sample']:.1f}" if b["bytes_per_sample"] else "-",
+                 f"{b['largest_transfer_bytes']:.0f}" if b.get("largest_transfer_bytes") else "-",
                  str(b["samples_to_target"]) if b["samples_to_target"] else f"not in {CAP}"]
         for network in NETWORKS:
             r = next(x for x in rows if x["config"] == config and x["network"] == network)

@@ -63,8 +63,13 @@ def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120):
     group (so its collectives are real); returns each rank's result (saved with torch.save)."""
     import multiprocessing as mp
 
+    import tempfile
+
     ctx = mp.get_context("fork")
-    init, out = f"file://{tmp_path / 'group'}", str(tmp_path / "result")
+    # a folder of its own per call: a second group in one test must not meet the first one's
+    # rendezvous file (its stale addresses: "connection refused", then a hang)
+    here = Path(tempfile.mkdtemp(prefix="group-", dir=tmp_path))
+    init, out = f"file://{here / 'group'}", str(here / "result")
     procs = [ctx.Process(target=_group_member, args=(r, world, init, fn, args, out)) for r in range(world)]
     for p in procs:
         p.start()

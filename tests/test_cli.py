@@ -53,6 +53,16 @@ def test_listing_commands() -> None:
     assert distsgd("--version").stdout.startswith("distsgd ")
 
 
+def test_every_help_page_prints(capsys: pytest.CaptureFixture) -> None:
+    """Every sub-command's --help (argparse %-formats help strings: a stray % was a traceback)."""
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert text.startswith("usage: "), name
+    assert "--device" in commands["train"].format_help()
+
+
 def _corrupt_idx(tmp_path: Path) -> str:
     folder = make_idx_dataset(tmp_path / "corrupt", gz=False)
     path = folder / "train-images-idx3-ubyte"

@@ -31,7 +31,7 @@ def test_idx_bad_magic_names_file(tmp_path: Path) -> None:
 def test_idx_truncated(tmp_path: Path) -> None:
     path = write_idx(tmp_path / "t", np.zeros((4, 5, 5)))
     path.write_bytes(path.read_bytes()[:-7])
-    with pytest.raises(DataError, match=r"t is truncated: 93 bytes of data for shape \(4, 5, 5\), expected 100"):
+    with pytest.raises(DataError, match=r"t is truncated: its header claims shape \(4, 5, 5\), 100 bytes, but the file holds 93"):
         formats.read_idx(path)
 
 

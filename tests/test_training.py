@@ -124,7 +124,8 @@ def test_schedules() -> None:
 def test_run_directory_and_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = distsgd.train(model="mlp", data="digits", epochs=2, out=str(out), target_accuracy=0.5, **QUIET)
-    assert sorted(p.name for p in out.iterdir()) == ["config.toml", "metrics.jsonl", "model.pt", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".distsgd", "config.toml", "metrics.jsonl", "model.pt",
+                                                          "summary.json"]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("algo", "workers", "dataset", "model", "epochs", "batch_size", "samples", "wall_s", "train_wall_s",
                 "samples_per_s", "final_test_accuracy", "final_test_loss", "target_accuracy", "time_to_target_s",

@@ -10,6 +10,10 @@ if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PO
     # gloo/c10d thread still joinable at interpreter exit aborted a finished worker ("terminate
     # called without an active exception", SIGABRT, no Python frame), and torchrun then failed
     # the whole run. Everything the run writes is closed by now.
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # Python's own clean-ups that os._exit would skip: the semaphores of the
+    util._run_finalizers()  # run's locks and events (else reported leaked), temporary folders
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

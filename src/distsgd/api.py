@@ -12,7 +12,6 @@ import datetime as _dt
 import logging
 import os
 import platform
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,18 +22,21 @@ import torch
 from torch import nn
 
 from distsgd import config as config_mod
+from distsgd import rundir
 from distsgd import launch
 from distsgd.algorithms import registry
-from distsgd.checkpoint import atomic_write_json, read_manifest, save_model
+from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
 from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
 from distsgd.data import Dataset, TrainingData, from_arrays, load_dataset
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import ConfigError, DataError, ModelError
+from distsgd.errors import ConfigError, DataError, ModelError, OutputError
+from distsgd.launch import procs
 from distsgd.launch.rendezvous import under_torchrun
 from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reaching, make_progress,
                              require_tensorboard)
 from distsgd.models import ModelSpec, build_model, check_fits, describe
+from distsgd.train import device
 from distsgd.train.context import Job, WorkerResult
 from distsgd.train.objective import loss_function
 
@@ -84,6 +86,7 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
     ``resume="runs/x"`` continues the run saved there (with e.g. a new ``epochs=``); defaults are
     then the saved run's settings.
     """
+    procs.refuse_if_importing_main()  # a worker importing a script that trains at module level
     given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
     if isinstance(optimizer, str):  # the --optimizer setting, not a factory
         given["optimizer"], optimizer = optimizer, None
@@ -130,18 +133,10 @@ def _dataset_from(data: Any) -> TrainingData:
                     "(x, y, x_test, y_test) or a dict of arrays")
 
 
-def prepare_out_dir(out: Path, overwrite: bool) -> Path:
-    """Create the run directory; never overwrite an existing run without ``overwrite``."""
-    if out.exists():
-        if not out.is_dir():
-            raise ConfigError(f"--out {out} exists and is not a directory")
-        if any(out.iterdir()):
-            if not overwrite:
-                raise ConfigError(f"run directory {out} already exists; choose another --out or pass --overwrite")
-            for child in out.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def prepare_out_dir(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
+    """Create the run directory (see :func:`distsgd.rundir.prepare`: ``--overwrite`` replaces only a
+    distsgd run directory, never ``keep``, the run being resumed)."""
+    return rundir.prepare(out, overwrite, keep, kind)
 
 
 def default_out(algo: str) -> Path:
@@ -170,8 +165,12 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
     out = None
     if cfg.out and chief:
         resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
-        out = Path(cfg.out) if resuming_in_place else prepare_out_dir(Path(cfg.out), cfg.overwrite)
-        (out / "config.toml").write_text(config_mod.to_toml(cfg))
+        try:
+            out = Path(cfg.out) if resuming_in_place else \
+                prepare_out_dir(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
+            atomic_write_bytes(out / "config.toml", config_mod.to_toml(cfg).encode())  # a resumed run's too
+        except OSError as exc:
+            raise OutputError.of(exc) from None
     if progress is None:
         planned = cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
@@ -187,10 +186,13 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
         for sink in sinks:
             if hasattr(sink, "close"):
                 sink.close()
-    if out is not None:
-        atomic_write_json(summary, out / "summary.json")
-        save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,
-                   input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
+    if out is not None:  # the model first: a run whose summary.json exists has its model.pt
+        try:
+            save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,
+                       input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
+            atomic_write_json(summary, out / "summary.json")
+        except OSError as exc:
+            raise OutputError.of(exc) from None
     return TrainResult(summary, results[0].model, out)
 
 
@@ -204,6 +206,7 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     algo_cls = registry.resolve(cfg.algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     cfg = validate(with_defaults(cfg, algo_cls.default_settings(cfg)))
+    device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
     cfg = cfg.replace(options=opts.to_mapping())
@@ -214,7 +217,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")
     if cfg.resume:
-        manifest = read_manifest(Path(cfg.resume))
+        # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
+        # before a damaged newest one); under torchrun every rank reads the manifest as it is.
+        manifest = read_manifest(Path(cfg.resume)) if torchrun else usable_checkpoint(Path(cfg.resume))
         if manifest is None:
             raise ConfigError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
         if manifest["world"] != cfg.workers:
@@ -276,6 +281,8 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "samples_to_target": hit["samples"] if hit else None,
         "evals": [{k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss")} for e in chief.evals],
         "threads_per_worker": threads_per_worker(cfg),
+        **_where(results, cfg),
+        "compile": cfg.compile,
         "torch_version": torch.__version__,
         "started_at": started_at,
         "host": platform.node(),
@@ -290,6 +297,16 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent
         summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
     return summary
+
+
+def _where(results: list[WorkerResult], cfg: RunConfig) -> dict[str, Any]:
+    """Where the run computed (a GPU worker's device when there is one: a parameter server's chief
+    is on the CPU), its precision and its backend."""
+    wheres = [r.where for r in results if r.where]
+    found = next((w for w in wheres if w["device"] != "cpu"), wheres[0] if wheres else
+                 {"device": "cpu", "precision": cfg.precision})
+    # a process group's backend; None where there is none (one worker, a local server or one machine's Hogwild!)
+    return {**found, "backend": cfg.backend if cfg.workers > 1 and cfg.backend != "auto" else None}
 
 
 def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: str | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,10 +20,13 @@ import torch
 
 from distsgd.errors import CheckpointError
 
+log = logging.getLogger(__name__)
+
 MODEL_FORMAT = "distsgd-model-1"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -32,6 +36,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, say: the error names the file (a write's own error does not)
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -58,7 +67,7 @@ def atomic_write_json(obj: Any, path: Path) -> None:
 
 def save_model(path: Path, model: torch.nn.Module, *, model_spec: str, dataset: str,
                input_shape: tuple[int, ...], num_classes: int, config: dict[str, Any]) -> None:
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}  # loads without a GPU
     atomic_save({
         "format": MODEL_FORMAT,
         "state_dict": state,
@@ -83,6 +92,17 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None
     if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path} is not a distsgd model checkpoint")
+    kinds = {"state_dict": dict, "model": str, "dataset": str, "input_shape": (list, tuple), "num_classes": int,
+             "config": dict}
+    wrong = [k for k, kind in kinds.items() if not isinstance(data.get(k), kind)]
+    state = data.get("state_dict")
+    if not wrong and not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        wrong.append("state_dict")
+    if not wrong and not all(isinstance(d, int) and d > 0 for d in data["input_shape"]):
+        wrong.append("input_shape")
+    if wrong:
+        raise CheckpointError(f"{path} is damaged: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+                              f"not what distsgd writes")
     return data
 
 
@@ -95,6 +115,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 # a consistent set of pieces, each taken within one checkpoint's worth of samples of the others.
 CHECKPOINT_DIR = "checkpoint"
 MANIFEST = "manifest.json"
+PREVIOUS = "manifest.prev.json"  # the generation before: what a resume falls back to if the newest is damaged
 COORDINATOR = "coordinator"
 
 
@@ -115,7 +136,9 @@ def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any]
     ``world``), and the coordinator's if ``coordinator``, are written; then drop older ones.
 
     Until the manifest is replaced, it names the previous whole checkpoint, so a crash while
-    writing never leaves a run without one.
+    writing never leaves a run without one. Two generations are kept: the new one and the one
+    before it (``manifest.prev.json``), which a resume falls back to when the new one is damaged.
+    Temporary files of writers that were killed are removed.
     """
     ranks = list(range(world)) if ranks is None else sorted(ranks)
     missing = [r for r in ranks if not worker_file(ckpt_dir, seq, r).is_file()]
@@ -123,11 +146,75 @@ def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any]
         missing.append(COORDINATOR)  # type: ignore[arg-type]
     if missing:
         raise CheckpointError(f"checkpoint {seq} is missing the files of workers {missing}")
-    atomic_write_json({"seq": seq, "world": world, "ranks": ranks, "coordinator": coordinator, **meta},
-                      ckpt_dir / MANIFEST)
-    for old in ckpt_dir.glob("ckpt-*-rank*.pt"):  # older ones (not newer: an asynchronous worker
-        if int(old.name.split("-")[1]) < seq:     # may already have written its part of the next)
+    keep = seq
+    current = ckpt_dir / MANIFEST
+    if current.is_file():
+        try:
+            before = json.loads(current.read_text())
+        except (OSError, ValueError):
+            before = None
+        if before is not None and before.get("seq", seq) != seq:
+            atomic_write_json(before, ckpt_dir / PREVIOUS)
+            keep = min(seq, int(before["seq"]))
+    atomic_write_json({"seq": seq, "world": world, "ranks": ranks, "coordinator": coordinator, **meta}, current)
+    for old in ckpt_dir.glob("ckpt-*-rank*.pt"):  # older than the two kept (not newer: an asynchronous
+        if int(old.name.split("-")[1]) < keep:     # worker may already have written its part of the next)
             old.unlink(missing_ok=True)
+    remove_stale_temporaries(ckpt_dir, up_to=seq)
+
+
+def remove_stale_temporaries(ckpt_dir: Path, up_to: int | None = None) -> None:
+    """Temporary files of checkpoint writers that were killed before their rename (those of
+    checkpoints up to ``up_to``, which are whole or abandoned; all of them with None)."""
+    for tmp in ckpt_dir.glob(".*.tmp"):
+        part = tmp.name.split("-")
+        seq = int(part[1]) if len(part) > 2 and part[0] == ".ckpt" and part[1].isdigit() else None
+        if up_to is None or seq is None or seq <= up_to:
+            tmp.unlink(missing_ok=True)
+
+
+def usable_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The manifest of the newest whole checkpoint in ``run_dir`` whose files all load; the one
+    before it, with a warning, when the newest is damaged (a disk error, a torn copy). Run once,
+    by the launching process, before the workers read their parts."""
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    remove_stale_temporaries(ckpt_dir)
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
+    damage = _damage(ckpt_dir, manifest)
+    if damage is None:
+        return manifest
+    previous = ckpt_dir / PREVIOUS
+    try:
+        older = json.loads(previous.read_text()) if previous.is_file() else None
+    except (OSError, ValueError):
+        older = None
+    if older is None or manifest_problem(older) or _damage(ckpt_dir, older) is not None:
+        raise CheckpointError(f"the checkpoint in {run_dir} is damaged ({damage}) and there is no whole one before it")
+    log.warning("checkpoint %s in %s is damaged (%s); resuming from the one before it (%s, at %s samples)",
+                manifest["seq"], run_dir, damage, older["seq"], older.get("samples", "?"))
+    atomic_write_json(manifest, ckpt_dir / f"manifest.damaged-{manifest['seq']}.json")  # kept, for the record
+    atomic_write_json(older, ckpt_dir / MANIFEST)  # one rename: at every moment the manifest names a checkpoint
+    return older
+
+
+def _damage(ckpt_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the checkpoint ``manifest`` names (None: every file loads)."""
+    names: list[int | str] = list(manifest.get("ranks", range(manifest["world"])))
+    if manifest.get("coordinator"):
+        names.append(COORDINATOR)
+    for name in names:
+        path = worker_file(ckpt_dir, manifest["seq"], name)
+        try:
+            torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return f"{path.name} is missing"
+        except (OSError, MemoryError) as exc:  # the disk or this machine, not the file: no fallback
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+        except Exception as exc:  # torch's many errors for a torn or overwritten file
+            return f"{path.name}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+    return None
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any] | None:
@@ -135,9 +222,35 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{path} is not a distsgd checkpoint manifest: {problem}")
+    return manifest
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes ``manifest`` unusable (None: its fields have the types and ranges a resume reads)."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if not whole(manifest.get("seq")) or manifest["seq"] < 0:
+        return f"seq {manifest.get('seq')!r}"
+    if not whole(manifest.get("world")) or not 1 <= manifest["world"] <= 1 << 20:
+        return f"world {manifest.get('world')!r}"
+    ranks = manifest.get("ranks", list(range(manifest["world"])))
+    if not isinstance(ranks, list) or not all(whole(r) and 0 <= r < manifest["world"] for r in ranks):
+        return f"ranks {ranks!r}"
+    if not isinstance(manifest.get("coordinator", False), bool):
+        return f"coordinator {manifest.get('coordinator')!r}"
+    for key in ("samples", "epoch", "step"):
+        if key in manifest and (not whole(manifest[key]) or manifest[key] < 0):
+            return f"{key} {manifest[key]!r}"
+    return None
 
 
 def load_worker_state(run_dir: Path, rank: int | str) -> dict[str, Any] | None:
@@ -167,13 +280,19 @@ class Stateful(Protocol):
 
 
 class RngState:
-    """torch's global random state (dropout) as a stateful piece."""
+    """torch's global random state (dropout) as a stateful piece: the CPU's, and this process's
+    GPUs' when it uses CUDA (a checkpoint written on a GPU resumes there exactly)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state()}
+        state = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def gather(pieces: dict[str, Stateful]) -> dict[str, Any]:

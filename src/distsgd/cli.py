@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 from distsgd import __version__, options
 from distsgd import config as config_mod
 from distsgd.config import RunConfig
-from distsgd.errors import DistsgdError
+from distsgd.errors import DistsgdError, Terminated, on_sigterm
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
@@ -257,6 +257,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """For a stopped run that checkpoints: where its last whole checkpoint is, and how to go on."""
+    from pathlib import Path
+
+    from distsgd.checkpoint import read_manifest
+
+    out = getattr(args, "out", None) or getattr(args, "resume", None)
+    try:
+        manifest = read_manifest(Path(out)) if out and args.command == "train" else None
+    except DistsgdError:
+        return ""
+    if manifest is None:
+        return ""
+    return (f"; its last whole checkpoint ({manifest.get('samples', '?')} samples) goes on with "
+            f"distsgd train --resume {out}")
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "datasets": cmd_datasets, "algorithms": cmd_algorithms,
             "bench": cmd_bench, "compare": cmd_compare}
 
@@ -268,14 +285,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    on_sigterm()
     try:
         return COMMANDS[args.command](args)
     except DistsgdError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return exc.exit_code
+    except Terminated:
+        sys.stderr.write(f"error: terminated by SIGTERM{_resume_hint(args)}\n")
+        return 143
     except KeyboardInterrupt:
-        sys.stderr.write("error: interrupted\n")
+        sys.stderr.write(f"error: interrupted{_resume_hint(args)}\n")
         return 130
+    except OSError as exc:  # a path the user
+        where = f" {exc.filename}" if exc.filename else ""
+        sys.stderr.write(f"error: cannot write or read{where}: {exc.strerror or exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

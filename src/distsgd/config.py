@@ -28,7 +28,7 @@ LOSSES = ("auto", "cross-entropy", "nll", "mse")
 SCHEDULES = ("constant", "step", "cosine")
 INITS = ("default", "xavier")
 PARTITIONS = ("sharded", "replicated")
-BACKENDS = ("gloo", "nccl", "mpi")
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
 setting = option  # a RunConfig field with its help text beside it (see distsgd.options)
@@ -104,10 +104,16 @@ class RunConfig:
     out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
     overwrite: bool = setting(False, "replace an existing run directory")
     quiet: bool = setting(False, "print nothing but errors")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N: where workers train (worker i of a machine: "
+                                  "cuda:(i mod GPUs)); default auto: CUDA where there is one")
+    precision: str = setting("fp32", "fp32, bf16 or fp16: the forward pass under autocast (bf16 on CPU and GPU; fp16 "
+                                     "on GPU, with loss scaling); default fp32")
+    compile: bool = setting(False, "torch.compile each worker's model (the first steps compile it)")
     tensorboard: str | None = setting(None, "write TensorBoard event files into DIR ({out} is the run directory); "
                                             "the flag alone: <out>/tb", const="{out}/tb", metavar="DIR")
     # Process groups (the multi-process algorithms).
-    backend: str = setting("gloo", "torch.distributed backend: gloo (CPU), nccl (GPU) or mpi; default gloo")
+    backend: str = setting("auto", "torch.distributed backend: gloo, nccl or mpi; default auto: nccl when every "
+                                   "worker of a machine has a GPU of its own, else gloo")
     init_method: str | None = setting(None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; "
                                             "default a free port on 127.0.0.1")
     timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed; default 300",
@@ -190,8 +196,14 @@ def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): is it a TOML file?") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid TOML: {str(exc).splitlines()[0]}") from None
     if set(data) == {"train"} and isinstance(data["train"], dict):
         data = data["train"]
     return from_mapping(data, base, source=str(path), option_names=option_names)

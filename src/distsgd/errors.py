@@ -30,9 +30,43 @@ class CheckpointError(DistsgdError):
     """A checkpoint that cannot be read."""
 
 
+class OutputError(DistsgdError):
+    """A file distsgd must write cannot be: a full disk, an unwritable or impossible path."""
+
+    @classmethod
+    def of(cls, exc: OSError, what: str = "write") -> "OutputError":
+        path = exc.filename or "the run directory"
+        return cls(f"cannot {what} {path}: {exc.strerror or type(exc).__name__}")
+
+
 class WorkerError(DistsgdError):
     """A worker process failed (it raised, or died); the message names it and its error. Exit 2
     like every other failure the CLI reports in one line."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, ``kill``, a container runtime) arrived: stop as Ctrl-C stops a run."""
+
+    signal_name = "SIGTERM"
+
+
+def on_sigterm() -> None:
+    """From now on, SIGTERM raises :class:`Terminated` in this process's main thread (as SIGINT
+    raises KeyboardInterrupt), so every clean-up on the way out runs; later SIGTERMs are ignored
+    while it does. No-op off the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        # once: a second SIGTERM (a process group's and then the launcher's, say) must not break the
+        # clean-up the first one started; the launcher still ends a worker that will not stop
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 class WorkerInputError(WorkerError):

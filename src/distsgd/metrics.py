@@ -128,9 +128,11 @@ class TensorBoardWriter:
 
 
 class TrainClock:
-    """Wall time spent training: ``pause()`` around evaluation so it does not count."""
+    """Wall time spent training: ``pause()`` around evaluation so it does not count. ``sync``: what
+    to call before a reading (a GPU's synchronize: work queued on it counts when it is done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Any = None) -> None:
+        self.sync = sync
         self.restart()
 
     def restart(self) -> None:
@@ -144,6 +146,8 @@ class TrainClock:
 
     def pause(self) -> None:
         if self._paused_at is None:
+            if self.sync is not None:
+                self.sync()
             self._paused_at = time.perf_counter()
 
     def resume(self) -> None:
@@ -152,6 +156,8 @@ class TrainClock:
             self._paused_at = None
 
     def elapsed(self) -> float:
+        if self._paused_at is None and self.sync is not None:
+            self.sync()
         now = self._paused_at if self._paused_at is not None else time.perf_counter()
         return now - self._start - self._paused_total
 

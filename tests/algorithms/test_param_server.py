@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -258,10 +259,19 @@ class _Role:
     def worker_gone(self, rank: int) -> None:
         self.said.append(("gone", rank))
 
+    def leave(self, rank: int) -> None:  # the transport's half of worker_gone
+        self.said.append(("gone", rank))
+
+    def commit_after(self, taken: None) -> None:
+        pass
+
 
 def _closed_by_server(sock) -> bool:
     sock.settimeout(10)
     return sock.recv(1) == b""  # an orderly close, no answer
+
+
+SECRET = bytes(range(32))
 
 
 @pytest.mark.parametrize("head", [[0, 3, 0, 0], [0, 0, 0, 0], [0, -1, 0, 0], [1, 0, 0, 0], [99, 0, 0, 0]],
@@ -271,27 +281,27 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
     """A HELLO must name a worker rank 1..N, and come first; an unknown request ends the connection.
     (A wrong HELLO used to be taken as rank -1 or an index past the counters.)"""
     import socket
+    import struct
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
     layout = transport.Layout.of(ps.model)
-    service = transport.Service(ps, role, layout, "127.0.0.1:0")
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             if head[0] == 99:  # a proper HELLO first
-                hello = transport.Frame(layout.request_bytes)
-                hello.send(transport.Channel(sock), transport.HELLO, 1, 0, 0)
-                answer = transport.Frame(layout.answer_bytes)
-                answer.recv(transport.Channel(sock))
-            frame = transport.Frame(layout.request_bytes)
-            frame.send(transport.Channel(sock), *head)
+                sock.sendall(transport.hello_message(1, SECRET))
+                transport.Frame(layout.answer_bytes).recv(transport.Channel(sock))
+                transport.Frame(layout.request_bytes).send(transport.Channel(sock), *head)
+            else:
+                sock.sendall(struct.pack("4q", *head) + SECRET)
             assert _closed_by_server(sock)
         if head[0] == 99:
             assert role.said == [("hello", 1), ("gone", 1)]  # a worker that said nonsense is gone
         else:
-            assert role.said == [] and ps.counts == [0, 0, 0]
+            assert role.said == [] and ps.counts == [0, 0, 0] and service.refused == 1
     finally:
         service.close()
 
@@ -303,14 +313,14 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
 
     ps, role = make_server("asgd"), _Role()
     layout = transport.Layout.of(ps.model)
-    service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.5)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.5, secret=SECRET)
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             channel = transport.Channel(sock)
             start = time.monotonic()  # before the server can start counting
-            transport.Frame(layout.request_bytes).send(channel, transport.HELLO, 2, 0, 0)
+            channel.send(transport.hello_message(2, SECRET))
             transport.Frame(layout.answer_bytes).recv(channel)
             assert _closed_by_server(sock)  # then nothing more is said
             assert time.monotonic() - start >= 0.45
@@ -328,15 +338,206 @@ def test_a_busy_worker_is_not_silent() -> None:
 
     ps, role = make_server("asgd"), _Role()
     layout = transport.Layout.of(ps.model)
-    service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.4)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.4, secret=SECRET)
     service.start()
     try:
         weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4)
+        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4, secret=SECRET)
         time.sleep(1.5)  # busy, silent in its own thread
         assert client.pull() == ps.version and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
-        assert client.bytes_sent > layout.request_bytes + 32 * 2  # a HELLO, a pull, PINGs
+        hello, pull = len(transport.hello_message(1, SECRET)), 32 + layout.request_bytes
+        assert client.bytes_sent >= hello + pull + 32  # a HELLO, a pull, and at least one 32-byte PING
+        client.done(0)
+    finally:
+        service.close()
+
+
+# --- A server admits only its own run's workers (issue 27). On 767cbe8 a HELLO carried no secret,
+# a second HELLO for a live rank took its place, sample counts and versions were trusted, NaN was
+# applied, connections were not capped and an accept() error ended the acceptor for good.
+
+def _serving(**kwargs):
+    from distsgd.algorithms.param_server import transport
+
+    ps, role = make_server("asgd", batch_size=8), _Role()
+    layout = transport.Layout.of(ps.model)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET, **kwargs)
+    return ps, role, layout, service
+
+
+def _client(ps, layout, service, rank: int = 1, secret: bytes = SECRET):
+    from distsgd.algorithms.param_server import transport
+
+    weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
+    return transport.Client(rank, weights, layout, service.address, timeout_s=5, secret=secret), weights
+
+
+def _connect(service):
+    import socket
+
+    host, port = service.address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)))
+
+
+def test_a_hello_without_the_run_secret_is_refused() -> None:
+    from distsgd.algorithms.param_server import transport
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        with _connect(service) as sock:
+            sock.sendall(transport.hello_message(1, b"not the secret"))
+            assert _closed_by_server(sock)
+        assert role.said == [] and service.refused == 1
+        client, _ = _client(ps, layout, service)  # the real worker still gets in
+        assert client.pull() == 0
+        client.done(0)
+    finally:
+        service.close()
+
+
+def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None:
+    from distsgd.algorithms.param_server import transport
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        client, weights = _client(ps, layout, service)
+        with _connect(service) as sock:
+            sock.sendall(transport.hello_message(1, SECRET))
+            assert _closed_by_server(sock)
+        assert client.pull() == 0 and torch.equal(weights, flatten(list(ps.model.parameters())))
+        assert role.said == [("hello", 1)]
+        client.done(0)
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("lie", ["2**62 samples", "fewer samples", "a future version"])
+def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> None:
+    """At most batch_size x accumulate more samples a message; never fewer; a version the server made."""
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        client, _ = _client(ps, layout, service)
+        grads = [torch.ones_like(p) for p in ps.model.parameters()]
+        client.push(grads, 0, 8, None)  # honest: one batch of 8
+        before = flatten(list(ps.model.parameters())).clone()
+        version, samples = {"2**62 samples": (1, 2**62), "fewer samples": (1, 4), "a future version": (99, 16)}[lie]
+        with pytest.raises(ConnectionError):
+            client.push(grads, version, samples, None)
+        deadline = time.monotonic() + 5
+        while ("gone", 1) not in role.said and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert role.said == [("hello", 1), ("gone", 1)]
+        assert ps.version == 1 and ps.counts[1] == 8 and torch.equal(flatten(list(ps.model.parameters())), before)
+        client.close()
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_a_nan_gradient_is_not_applied_unless_the_user_accepts_it(accept: bool) -> None:
+    from distsgd.algorithms.param_server.core import ParameterServer
+    from distsgd.algorithms.param_server import transport
+
+    base = make_server("asgd", batch_size=8)
+    ps = ParameterServer(base.cfg, base.model, 2, base.rule, 1000, accept_nonfinite=accept)
+    role, layout = _Role(), transport.Layout.of(ps.model)
+    service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
+    service.start()
+    try:
+        client, weights = _client(ps, layout, service)
+        grads = [torch.full_like(p, float("nan")) for p in ps.model.parameters()]
+        client.push(grads, 0, 8, None)
+        assert bool(torch.isfinite(weights).all()) is not accept
+        assert ps.nonfinite == (0 if accept else 1)
+        client.push([torch.ones_like(p) for p in ps.model.parameters()], 1, 16, None)  # it goes on
+        client.done(16)
+    finally:
+        service.close()
+
+
+def test_a_flood_of_silent_connections_does_not_keep_a_worker_out() -> None:
+    """Past ``max_pending`` connections waiting to say HELLO, a new one closes the oldest: the
+    strangers cannot hold every place, and a real worker (HELLO at once) gets in while they try."""
+    ps, role, layout, service = _serving(max_pending=3)
+    service.start()
+    try:
+        held = [_connect(service) for _ in range(3)]  # silent: no HELLO
+        held.append(_connect(service))  # the fourth: the oldest goes
+        assert _closed_by_server(held[0])
+        client, _ = _client(ps, layout, service)  # evicts another stranger, says HELLO, is in
+        assert client.pull() == 0 and role.said == [("hello", 1)]
+        assert _closed_by_server(held[1])
+        deadline = time.monotonic() + 5
+        while service.refused < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.refused == 2
+        client.done(0)
+        for s in held:
+            s.close()
+    finally:
+        service.close()
+
+
+def test_a_connection_that_trickles_its_hello_is_dropped_at_the_deadline(monkeypatch) -> None:
+    """Each byte arrives well within any read timeout; the HELLO as a whole must arrive in time."""
+    from distsgd.algorithms.param_server import transport
+
+    monkeypatch.setattr(transport, "HELLO_DEADLINE_S", 0.5)
+    ps, role, layout, service = _serving(silence_s=5.0)
+    service.start()
+    try:
+        with _connect(service) as trickler:
+            start = time.monotonic()
+            closed = False
+            while time.monotonic() - start < 5 and not closed:
+                try:
+                    trickler.send(b"\0")
+                except OSError:
+                    closed = True
+                time.sleep(0.1)
+                trickler.setblocking(False)
+                try:
+                    closed = closed or trickler.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed = True
+                trickler.setblocking(True)
+            assert closed and time.monotonic() - start < 2
+        assert service.refused == 1 and role.said == []
+    finally:
+        service.close()
+
+
+class _FlakyListener:
+    """A listening socket whose first accept()s fail as when the process is out of file descriptors."""
+
+    def __init__(self, sock, failures: int) -> None:
+        self.sock, self.failures = sock, failures
+
+    def accept(self):
+        import errno
+
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.sock.accept()
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_the_acceptor_survives_accept_errors() -> None:
+    ps, role, layout, service = _serving()
+    service.listener = _FlakyListener(service.listener, failures=3)
+    service.start()
+    try:
+        client, _ = _client(ps, layout, service)
+        assert client.pull() == 0
         client.done(0)
     finally:
         service.close()

@@ -52,16 +52,17 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     layout = Layout.of(model)
     n_params = _params(model).numel()
     # A worker sends one message a step: a 4 x int64 header and the float32 gradient (its section
-    # padded to a multiple of 16 bytes), for 4 epochs of ceil(718 / 64) steps; and four control
-    # requests of the same size (hello, the first pull, the start barrier, done: every request
-    # has one size).
+    # padded to a multiple of 16 bytes), for 4 epochs of ceil(718 / 64) steps; three control
+    # requests of the same size (the first pull, the start barrier, done: every request has one
+    # size); and the HELLO, a header and the run's 32-byte secret.
     assert layout.request_bytes == layout.answer_bytes == -(-4 * n_params // 16) * 16  # no buffers here
     steps = 4 * -(-718 // 64)
     message = 32 + layout.request_bytes
-    assert s["bytes_sent_per_worker"] == [(steps + 4) * message] * 2
+    hello = 32 + 32
+    assert s["bytes_sent_per_worker"] == [(steps + 3) * message + hello] * 2
     # The server answers every request but done with a message of the same size, and counts every
     # byte it receives: the total is both ends' sends.
-    assert s["bytes_sent"] == 2 * (steps + 4) * message + 2 * (steps + 3) * message
+    assert s["bytes_sent"] == 2 * ((steps + 3) * message + hello) + 2 * (steps + 3) * message
     assert s["failed_workers"] == []
 
 

@@ -1,14 +1,19 @@
-"""Fuzzed bad input (Hypothesis): TOML settings, npz arrays and IDX files. Whatever is generated,
-the command ends with exit status 2 and one ``error:`` line, or trains; never a traceback, and a
-failed run leaves no run directory behind."""
+"""Fuzzed bad input (Hypothesis): TOML settings, npz arrays, IDX files, CIFAR batches, image
+folders, model files, checkpoint manifests and the parameter server's wire. Whatever is
+generated, the command ends with exit status 2 and one ``error:`` line, or works; never a
+traceback, and a failed run leaves no run directory behind; the server keeps serving."""
 
 from __future__ import annotations
 
 import io
+import json
+import shutil
+import socket
 import struct
+import time
 import tomllib
 import uuid
-from contextlib import redirect_stderr
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +146,190 @@ def test_a_header_promising_more_than_the_file_has(tmp_path: Path) -> None:
     path.write_bytes(struct.pack(">HBB", 0, 0x08, 1) + struct.pack(">I", 10 ** 9) + b"\x00" * 4)
     with pytest.raises(DataError, match="truncated"):
         read_idx(path)
+
+
+# --- issue 27: every other reader, and the parameter server's frame decoder --------------------
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=6),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=4), max_leaves=12)
+pickled = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) |
+                       st.binary(max_size=8) | arrays,
+                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                           st.sampled_from([b"data", b"labels", b"batch_label", "data"]), inner, max_size=3),
+                       max_leaves=8)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=400), pickled,
+                 st.fixed_dictionaries({b"data": arrays | pickled, b"labels": arrays | pickled})))
+def test_any_cifar_batch_is_a_data_error_or_reads(tmp_path_factory, obj) -> None:
+    """Arbitrary bytes, or any pickle of data and labels (of any type and shape)."""
+    import pickle
+
+    from distsgd.data import formats
+
+    path = tmp_path_factory.mktemp("cifar") / "data_batch_1"
+    path.write_bytes(obj if isinstance(obj, bytes) else pickle.dumps(obj, protocol=2))
+    try:
+        x, y = formats.read_cifar_batch(path)
+    except DistsgdError as exc:
+        assert type(exc).__name__ == "DataError" and "\n" not in str(exc)
+        return
+    assert x.shape[1:] == (3, 32, 32) and len(x) == len(y)
+
+
+def _png(shape: tuple[int, ...], seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10 ** 6), st.binary(min_size=1, max_size=8)), max_size=4),
+       st.integers(0, 3), st.one_of(st.none(), st.integers(0, 200)))
+def test_any_damaged_image_folder_is_a_data_error_or_reads(tmp_path_factory, edits, which, cut) -> None:
+    """Four PNGs in two classes; one is overwritten at random places, or cut short, or has
+    another size. Reading the whole set either works or raises one DataError."""
+    pytest.importorskip("PIL")
+    from distsgd.data import load_dataset
+
+    tmp = tmp_path_factory.mktemp("folder")
+    files = []
+    for i in range(4):
+        folder = tmp / "train" / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        files.append(folder / f"{i}.png")
+        files[-1].write_bytes(_png((8, 8) if i != 3 or cut != 0 else (9, 8), i))
+    data = bytearray(files[which].read_bytes())
+    for _, at, patch in edits:
+        at %= len(data)
+        data[at:at + len(patch)] = patch
+    files[which].write_bytes(bytes(data[:cut]) if cut else bytes(data))
+    try:
+        ds = load_dataset(f"folder:{tmp}")
+        for split in (ds.train, ds.test):
+            for i in range(len(split)):
+                split[i]
+    except DistsgdError as exc:
+        assert type(exc).__name__ == "DataError" and "\n" not in str(exc)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A finished single run on digits with a checkpoint (its model.pt and its manifest are fuzzed)."""
+    pytest.importorskip("sklearn")
+    import distsgd
+
+    out = tmp_path_factory.mktemp("small") / "run"
+    distsgd.train(model="logreg", data="digits", max_samples=64, checkpoint_every="32", quiet=True, out=str(out))
+    return out
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, 10 ** 6), st.binary(min_size=1, max_size=4)), min_size=1, max_size=3),
+       st.one_of(st.none(), st.integers(0, 10 ** 6)))
+def test_any_damaged_model_file_is_one_error_line_or_evaluates(tmp_path_factory, small_run, edits, cut) -> None:
+    """``distsgd eval`` on a model.pt overwritten at random places or cut short."""
+    tmp = tmp_path_factory.mktemp("model")
+    data = bytearray((small_run / "model.pt").read_bytes())
+    for at, patch in edits:
+        at %= len(data)
+        data[at:at + len(patch)] = patch
+    path = tmp / "model.pt"
+    path.write_bytes(bytes(data[:cut % len(data)]) if cut is not None else bytes(data))
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        code = cli.main(["eval", "--checkpoint", str(path)])
+    if code != 0:
+        lines = err.getvalue().strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err.getvalue()
+
+
+@FUZZ
+@given(st.one_of(json_values, st.fixed_dictionaries({}, optional={
+    k: json_values | st.integers(-3, 3) for k in ("seq", "world", "ranks", "coordinator", "samples", "epoch")})))
+def test_any_manifest_is_one_error_line_or_resumes(tmp_path_factory, small_run, manifest) -> None:
+    """``distsgd train --resume`` of a run whose checkpoint manifest says anything at all."""
+    tmp = tmp_path_factory.mktemp("manifest")
+    run = tmp / "run"
+    shutil.copytree(small_run, run)
+    (run / "checkpoint" / "manifest.json").write_text(json.dumps(manifest))
+    code, err, out = _cli(tmp, "train", "--resume", str(run), "--max-samples", "96")
+    if code != 0:
+        _one_error_line(code, err, out)
+
+
+class _Role:
+    def worker_hello(self, rank: int, rejoining: bool) -> None: ...
+    def worker_done(self, rank: int, samples: int) -> None: ...
+    def worker_gone(self, rank: int) -> None: ...
+    def leave(self, rank: int) -> None: ...
+    def commit_after(self, taken: None) -> None: ...
+    def checkpointed(self, rank: int, seq: int, samples: int) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A live parameter server (asgd's core, one worker) and its run's secret."""
+    import torch
+
+    from distsgd.algorithms import registry
+    from distsgd.algorithms.param_server import ParameterServer, transport
+
+    cfg = RunConfig(lr=0.1, batch_size=8)
+    algo = registry.get("asgd")
+    rule = algo.topology.rule(cfg, algo.Options.from_mapping({}))
+    ps = ParameterServer(cfg, torch.nn.Linear(3, 2), 1, rule, samples_per_epoch=1000)
+    secret = bytes(range(32))
+    service = transport.Service(ps, _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", silence_s=0.5,
+                                secret=secret)
+    service.start()
+    yield ps, service, secret
+    service.close()
+
+
+ops = st.one_of(st.integers(0, 7), st.integers(-2**63, 2**63 - 1))
+frames = st.lists(st.tuples(ops, st.integers(-2**63, 2**63 - 1), st.integers(-2**63, 2**63 - 1) | st.integers(0, 64),
+                            st.integers(-2**63, 2**63 - 1), st.binary(max_size=96)), max_size=4)
+
+
+@FUZZ
+@given(st.booleans(), st.binary(max_size=80), frames)
+def test_any_bytes_on_the_server_port_leave_it_serving(served, hello_first: bool, opening: bytes, requests) -> None:
+    """Arbitrary bytes, or a proper HELLO followed by arbitrary requests (any op, version, sample
+    count, flag and payload): the server drops what is wrong, its model stays finite, its sample
+    count grows only as a worker can train, and the real worker still gets in."""
+    import torch
+
+    from distsgd.algorithms.averaging import flatten
+    from distsgd.algorithms.param_server import transport
+
+    ps, service, secret = served
+    before = ps.counts[1]
+    host, port = service.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(0.2)
+        try:
+            sock.sendall(transport.hello_message(1, secret) if hello_first else opening)
+            for op, a, b, c, payload in requests:
+                sock.sendall(struct.pack("4q", op, a, b, c) + payload)
+        except OSError:
+            pass  # dropped already
+        try:
+            while sock.recv(65536):
+                pass
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5
+    while service.open and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.open == 0 and service.acceptor.is_alive()
+    assert bool(torch.isfinite(flatten(list(ps.model.parameters()))).all())
+    assert before <= ps.counts[1] <= before + 8 * len(requests)  # at most a batch a message
+    weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
+    client = transport.Client(1, weights, transport.Layout.of(ps.model), service.address, timeout_s=5, secret=secret)
+    assert client.pull() == ps.version
+    client.done(ps.counts[1])

@@ -128,7 +128,7 @@ def test_bad_resume(tmp_path) -> None:
     with pytest.raises(distsgd.ConfigError, match="not a distsgd run directory"):
         distsgd.train(resume=str(tmp_path / "nothing"))
     distsgd.train(model="mlp", data="digits", epochs=1, out=str(tmp_path / "plain"), quiet=True)
-    with pytest.raises(distsgd.ConfigError, match="no checkpoint in"):
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
         distsgd.train(resume=str(tmp_path / "plain"), epochs=2)
     distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, epochs=1, checkpoint_every="epoch",
                   out=str(tmp_path / "two"), quiet=True)

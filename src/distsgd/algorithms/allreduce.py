@@ -74,7 +74,8 @@ def _bucket(params: list[nn.Parameter]) -> Bucket:
     for p in params:
         offsets.append(total)
         total += p.numel()
-    return Bucket(params=params, buffer=torch.zeros(total, dtype=params[0].dtype), offsets=offsets)
+    return Bucket(params=params, buffer=torch.zeros(total, dtype=params[0].dtype, device=params[0].device),
+                  offsets=offsets)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class BucketOptions(compress.CompressOptions):
                                     "ddp --compress powersgd on gloo: one bucket)", metavar="MB")
 
     def check(self, cfg: RunConfig) -> None:
+        super().check(cfg)
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
 

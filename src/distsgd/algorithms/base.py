@@ -110,6 +110,7 @@ class SharedSeat:
     start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go
     checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
     machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
+    device: str = "cpu"  # where the shared models live (a GPU: shared through CUDA IPC); the workers train there
 
 
 class SharedMemory(Topology):
@@ -164,9 +165,11 @@ class SharedMemory(Topology):
 
 @dataclass
 class ServerSeat:
-    """What the parameter-server launcher hands each worker: where the server listens."""
+    """What the parameter-server launcher hands each worker: where the server listens, and the
+    run's secret, which the server asks of every connection."""
 
     address: str
+    secret: bytes = b""
 
 
 class Server(Topology):
@@ -176,7 +179,8 @@ class Server(Topology):
     exact_checkpoints: bool = False  # every worker saves at the same round (sync-ps): lockstep restarts
 
     def serve(self, job: "Job", algo_cls: type["Algorithm"], workers: int, address: str, sink: Any,
-              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None) -> "WorkerResult":
+              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None,
+              secret: bytes = b"") -> "WorkerResult":
         """Be the server of ``workers`` workers of ``algo_cls`` at ``address`` until they are all done."""
         raise NotImplementedError
 
@@ -384,7 +388,7 @@ class GroupAlgorithm(Algorithm):
 
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         """Rank 0 decides (it evaluates); everyone follows."""
-        t = torch.tensor([1 if flag else 0])
+        t = torch.tensor([1 if flag else 0], device=ctx.device)
         dist.broadcast(t, src=0)
         return bool(t.item())
 

@@ -62,6 +62,13 @@ class CompressOptions(Options):
     compress: str = option("none", "none, fp16 or powersgd[:RANK] (PowerSGD with error feedback, rank 2 by "
                                    "default) for what is all-reduced; default none", parse=_checked, metavar="KIND")
 
+    def check(self, cfg: Any) -> None:
+        if parse(self.compress)[0] == "powersgd" and getattr(cfg, "precision", "fp32") == "fp16":
+            # fp16's loss scaling overflows on purpose now and then: an inf gradient would enter
+            # PowerSGD's error feedback and its warm-started Q, and never leave
+            raise ConfigError("--compress powersgd does not go with --precision fp16 (an overflowed step would "
+                              "poison its error feedback); use --precision bf16")
+
 
 class Compressor:
     """``none``: average with one flat float32 all-reduce."""
@@ -156,13 +163,14 @@ class PowerSGD(Compressor):
     def _start(self, compress: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Empty Ps, and the Qs: kept from the last step and orthogonalised, or (the first time) random."""
         ranks = [min(m.shape[1], m.shape[2], self.rank) for m in compress]
-        ps = [torch.empty(1, m.shape[1], r, dtype=m.dtype) for m, r in zip(compress, ranks)]
+        ps = [torch.empty(1, m.shape[1], r, dtype=m.dtype, device=m.device) for m, r in zip(compress, ranks)]
         if self.qs is not None:
             for q in self.qs:
                 _orthogonalize(q)
             return ps, self.qs
         generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
-        self.qs = [torch.randn(1, m.shape[2], r, generator=generator, dtype=m.dtype) for m, r in zip(compress, ranks)]
+        self.qs = [torch.randn(1, m.shape[2], r, generator=generator, dtype=m.dtype).to(m.device)  # the same draws
+                   for m, r in zip(compress, ranks)]  # on any device: made on the CPU
         for q in self.qs:
             _orthogonalize(q)
         return ps, self.qs
@@ -218,7 +226,7 @@ def _orthogonalize(m: torch.Tensor) -> None:
     layer that got no gradient) stays zero: torch's hook, with its default epsilon 0, divides
     it by its zero norm and sends NaN to every worker."""
     if m.shape[2] > 2:
-        torch.linalg.qr(m, out=(m, torch.empty(1, m.shape[2], m.shape[2], dtype=m.dtype)))
+        torch.linalg.qr(m, out=(m, torch.empty(1, m.shape[2], m.shape[2], dtype=m.dtype, device=m.device)))
         return
     for i in range(m.shape[2]):
         col = m[:, :, i:i + 1]

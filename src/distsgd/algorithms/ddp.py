@@ -49,7 +49,8 @@ class DDP(GroupAlgorithm):
         bucket_mb = self.opts.bucket_mb
         if how == "powersgd" and dist.get_backend() == "gloo":
             bucket_mb = max(bucket_mb, self._grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb,
+                                      device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
         self.hook_state: Any = None
         if how == "fp16":
             ddp.register_comm_hook(None, self._counting(default_hooks.fp16_compress_hook,

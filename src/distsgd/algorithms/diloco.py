@@ -70,6 +70,7 @@ class DiLoCoOptions(OuterOptions, compress.CompressOptions):
 
     def check(self, cfg: RunConfig) -> None:
         OuterOptions.check(self, cfg)
+        compress.CompressOptions.check(self, cfg)
 
 
 @dataclass

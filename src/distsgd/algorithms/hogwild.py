@@ -29,6 +29,11 @@ and ``samples`` counts only the samples really processed.
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+import tempfile
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -39,6 +44,8 @@ from distsgd.algorithms.base import Algorithm, SharedMemory, SharedSeat, Topolog
 from distsgd.config import RunConfig
 from distsgd.options import Options, option
 from distsgd.train.context import Figures, Start, Step, WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> nn.Module:
@@ -51,6 +58,68 @@ def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> n
                 key = f"{module_name}.{buffer_name}" if module_name else buffer_name
                 module._buffers[buffer_name] = shared_state[key]
     return model
+
+
+class OwnedLock:
+    """A lock between the processes of one machine that a dead holder cannot keep: an exclusive
+    ``flock(2)`` on a small file, which the kernel releases when the holding process dies. (A
+    multiprocessing lock held by a worker killed inside it stays held, and every other worker
+    blocks for ever.) The holder's pid is kept in shared memory while it holds the lock, so the
+    next process to take it knows that its holder died inside it: it warns and counts it
+    (``recovered``), and the run carries on. ``acquire(block=False)`` does not wait. The file is
+    removed when the creating process is done with the lock."""
+
+    def __init__(self) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="distsgd-lock-")
+        os.close(fd)
+        self.owner = torch.zeros(1, dtype=torch.int64).share_memory_()  # the holder's pid; 0: free
+        self.recovered = torch.zeros(1, dtype=torch.int64).share_memory_()  # locks whose holder died in them
+        self._fd: int | None = None
+        self._pid: int | None = None
+        self._cleanup = weakref.finalize(self, _remove, self.path)  # in the creating process only
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "owner": self.owner, "recovered": self.recovered}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _fd=None, _pid=None)
+
+    def _file(self) -> int:
+        """This process's own open file (a lock is held per open file, so each process opens it)."""
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDWR), os.getpid()
+        assert self._fd is not None
+        return self._fd
+
+    def acquire(self, block: bool = True) -> bool:
+        try:
+            fcntl.flock(self._file(), fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        dead = int(self.owner[0])
+        if dead:  # a holder releases after clearing its pid: this one died inside the lock
+            self.recovered += 1
+            log.warning("process %d died holding a lock; the others carry on without it", dead)
+        self.owner.fill_(os.getpid())
+        return True
+
+    def release(self) -> None:
+        self.owner.fill_(0)
+        fcntl.flock(self._file(), fcntl.LOCK_UN)
+
+    def __enter__(self) -> "OwnedLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -69,7 +138,7 @@ class HogwildMemory(SharedMemory):
     """Hogwild!'s: one model in shared memory, and with --hogwild-lock one lock round every update."""
 
     def lock(self, cfg: RunConfig, mpc: Any) -> Any:
-        return mpc.Lock() if HogwildOptions.pick(cfg.options).hogwild_lock else None
+        return OwnedLock() if HogwildOptions.pick(cfg.options).hogwild_lock else None
 
     def figures(self, workers: list[Figures], extras: Any) -> Figures:
         """The lowest slot's figures; the data counts as shared only if every worker found it so."""

@@ -56,7 +56,8 @@ from torch import nn
 
 from distsgd.algorithms.averaging import add_into, average_model_, flatten, mean_state, params
 from distsgd.algorithms.base import Algorithm, SharedSeat, Topology, register
-from distsgd.algorithms.hogwild import Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, bind_to_shared
+from distsgd.algorithms.hogwild import (Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, OwnedLock,
+                                        bind_to_shared)
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
@@ -101,7 +102,7 @@ class RingState:
     synced: torch.Tensor  # whether the holder has made its exchange yet
     synced_at: torch.Tensor  # the holding cluster's steps at that exchange
     passes: torch.Tensor  # exchanges made
-    lock: Any  # one exchange at a time
+    lock: Any  # one exchange at a time (an OwnedLock: a holder that dies in it does not stop the ring)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class Ring(HogwildMemory):
             return torch.zeros(1, dtype=torch.int64).share_memory_()
 
         return RingState(old=[flatten(params(m)).share_memory_() for m in models], token=shared_int(),
-                         synced=shared_int(), synced_at=shared_int(), passes=shared_int(), lock=mpc.Lock())
+                         synced=shared_int(), synced_at=shared_int(), passes=shared_int(), lock=OwnedLock())
 
     def combine(self, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The model returned: the clusters' average (integer buffers from cluster 0)."""
@@ -312,7 +313,7 @@ class TokenRing:
             self.error = exc
 
     def _run(self) -> None:
-        old = flatten(self.params)
+        old = self._flat()
         header = torch.zeros(3 + 2 * self.n, dtype=torch.int64)
         holding = self.rank == 0
         while True:
@@ -341,21 +342,25 @@ class TokenRing:
                 continue
             delta = torch.empty_like(old)  # SYNC: answer with the model before adding beta * delta
             dist.recv(delta, self.prev, tag=2)
-            w = flatten(self.params)
+            w = self._flat()
             dist.send(w, self.prev, tag=3)
             self.bytes_sent += w.numel() * w.element_size()
-            add_into(self.beta * delta, self.params)
+            add_into((self.beta * delta).to(self.params[0].device), self.params)
+
+    def _flat(self) -> torch.Tensor:
+        """This cluster's model, flat, on the CPU (gloo's point-to-point messages take host memory)."""
+        return flatten(self.params).cpu()
 
     def _exchange(self, old: torch.Tensor) -> torch.Tensor:
         """The holder's exchange with the next cluster; returns the new w_i_old."""
-        w = flatten(self.params)
+        w = self._flat()
         delta = w - old
         self._send_header(SYNC, -1)
         dist.send(delta, self.next, tag=2)
         w_next = torch.empty_like(w)
         dist.recv(w_next, self.next, tag=3)
         step = holder_increment(w, w_next, delta, self.beta, self.lam)
-        add_into(step, self.params)
+        add_into(step.to(self.params[0].device), self.params)
         self.bytes_sent += delta.numel() * delta.element_size()
         self.passes += 1
         return w + step

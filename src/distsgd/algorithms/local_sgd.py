@@ -49,6 +49,7 @@ class LocalSGDOptions(compress.CompressOptions):
                                metavar="K")
 
     def check(self, cfg: RunConfig) -> None:
+        super().check(cfg)
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
 

@@ -148,7 +148,7 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
                 plan.append((spec, cfg.workers, cfg))
     if not plan:
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
-    out = prepare_out_dir(out, overwrite)
+    out = prepare_out_dir(out, overwrite, kind="bench")
     runs: list[dict[str, Any]] = []
     with Network(network) if network is not None else contextlib.nullcontext() as net:
         for spec, w, cfg in plan:

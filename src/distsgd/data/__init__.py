@@ -69,6 +69,10 @@ class TrainingData(Protocol):
 
     def test_batches(self, batch_size: int) -> Iterator[Batch]: ...
 
+    def to(self, device: torch.device) -> "TrainingData":
+        """The same data for a worker on ``device``: tensors moved there once (the fast path), or
+        batches moved there as they come (a DataLoader, pinned memory on a GPU)."""
+
     def share_memory_(self) -> "TrainingData":
         """Move what can be shared into shared memory, so worker processes read one copy."""
 
@@ -112,8 +116,17 @@ class Dataset:
             raise DataError(f"--augment crops and flips images; {self.name} has inputs of shape {self.input_shape}")
         return dataclasses.replace(self, augment=augment)
 
+    def to(self, device: torch.device) -> "Dataset":
+        """The tensors on ``device``, moved once (this Dataset itself when they are there)."""
+        if self.x_train.device == torch.device(device):
+            return self
+        moved = {k: getattr(self, k).to(device) for k in ("x_train", "y_train", "x_test", "y_test")}
+        fill = self.fill.to(device) if self.fill is not None else None
+        return dataclasses.replace(self, **moved, fill=fill)
+
     def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The training batches of ``order`` (sample indices) from position ``start``: tensor indexing."""
+        order = order.to(self.x_train.device)
         for first in range(start, len(order), batch_size):
             idx = order[first:first + batch_size]
             x = self.x_train[idx]
@@ -125,7 +138,8 @@ class Dataset:
 
     def share_memory_(self) -> "Dataset":
         for t in (self.x_train, self.y_train, self.x_test, self.y_test):
-            t.share_memory_()
+            if t.device.type == "cpu":  # a GPU's tensors travel to workers by CUDA IPC
+                t.share_memory_()
         return self
 
     def is_shared(self) -> bool:

@@ -22,13 +22,16 @@ def crop_flip(x: torch.Tensor, fill: torch.Tensor, generator: torch.Generator | 
     (B, C, H, W); ``fill`` (1, C, 1, 1) is the padding value of each channel."""
     b, c, h, w = x.shape
     p = padding(h)
-    padded = fill.to(x.dtype).expand(b, c, h + 2 * p, w + 2 * p).clone()
+    dev = x.device  # on a GPU, the whole augmentation runs there (the draws too, unless a generator is given)
+    padded = fill.to(dev, x.dtype).expand(b, c, h + 2 * p, w + 2 * p).clone()
     padded[:, :, p:p + h, p:p + w] = x
-    dy = torch.randint(0, 2 * p + 1, (b,), generator=generator)
-    dx = torch.randint(0, 2 * p + 1, (b,), generator=generator)
-    rows = (dy[:, None] + torch.arange(h))[:, None, :, None]  # (B, 1, H, 1)
-    cols = (dx[:, None] + torch.arange(w))[:, None, None, :]  # (B, 1, 1, W)
-    out = padded[torch.arange(b)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
-    flip = torch.rand(b, generator=generator) < 0.5
+    where = {} if generator is not None else {"device": dev}
+    dy = torch.randint(0, 2 * p + 1, (b,), generator=generator, **where).to(dev)
+    dx = torch.randint(0, 2 * p + 1, (b,), generator=generator, **where).to(dev)
+    rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]  # (B, 1, H, 1)
+    cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]  # (B, 1, 1, W)
+    out = padded[torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
+                 rows, cols]
+    flip = (torch.rand(b, generator=generator, **where) < 0.5).to(dev)
     out[flip] = out[flip].flip(-1)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -24,38 +25,58 @@ _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dty
               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as fh:
-                return fh.read()
-        return path.read_bytes()
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"cannot read {path}: {exc} (the file is corrupt or truncated; delete it and fetch it again)") from None
+MAX_BYTES = 1 << 36  # 64 GiB: an array whose header claims more is refused, not allocated
+NPZ_KEYS = ("x", "y", "x_test", "y_test")  # the arrays of an npz dataset (nothing else in the file is read)
+DEFLATE_MAX_RATIO = 1032  # deflate's largest expansion (RFC 1951: a 258-byte match in about 2 bits)
+
+
+def _open(path: Path):  # noqa: ANN202 - a binary file object
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
+
+
+def _corrupt(path: Path, exc: BaseException) -> DataError:
+    return DataError(f"cannot read {path}: {exc} (the file is corrupt or truncated; delete it and fetch it again)")
 
 
 def read_idx(path: str | Path, expect_dims: int | None = None) -> np.ndarray:
-    """Read an IDX file (the MNIST family's format), plain or gzipped."""
+    """Read an IDX file (the MNIST family's format), plain or gzipped. The header is read first and
+    checked; then exactly the bytes it announces (a gzip bomb, or a header that claims more than
+    the file holds, is refused without reading it all into memory)."""
     path = Path(path)
-    raw = _read_bytes(path)
-    if len(raw) < 4:
-        raise DataError(f"{path} is not an IDX file: only {len(raw)} bytes")
-    zero, type_code, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or type_code not in _IDX_TYPES or ndim == 0:
-        raise DataError(f"{path} is not an IDX file: bad magic number 0x{raw[:4].hex()}")
-    if expect_dims is not None and ndim != expect_dims:
-        raise DataError(f"{path}: expected an IDX file of {expect_dims} dimensions, found {ndim}")
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"{path} is truncated: its header is incomplete")
-    shape = struct.unpack(f">{ndim}I", raw[4:header])
-    dtype = np.dtype(_IDX_TYPES[type_code])
-    expected = int(np.prod(shape)) * dtype.itemsize
-    body = len(raw) - header
-    if body != expected:
-        kind = "truncated" if body < expected else "longer than its header says"
-        raise DataError(f"{path} is {kind}: {body} bytes of data for shape {tuple(shape)}, expected {expected}")
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+    try:
+        with _open(path) as fh:
+            magic = fh.read(4)
+            if len(magic) < 4:
+                raise DataError(f"{path} is not an IDX file: only {len(magic)} bytes")
+            zero, type_code, ndim = struct.unpack(">HBB", magic)
+            if zero != 0 or type_code not in _IDX_TYPES or ndim == 0:
+                raise DataError(f"{path} is not an IDX file: bad magic number 0x{magic.hex()}")
+            if expect_dims is not None and ndim != expect_dims:
+                raise DataError(f"{path}: expected an IDX file of {expect_dims} dimensions, found {ndim}")
+            dims = fh.read(4 * ndim)
+            if len(dims) < 4 * ndim:
+                raise DataError(f"{path} is truncated: its header is incomplete")
+            shape = struct.unpack(f">{ndim}I", dims)
+            dtype = np.dtype(_IDX_TYPES[type_code])
+            expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+            if expected > MAX_BYTES:
+                raise DataError(f"{path}: its header claims shape {tuple(shape)}, {expected} bytes; refusing to read "
+                                f"more than {MAX_BYTES} bytes")
+            size = path.stat().st_size
+            most = size * DEFLATE_MAX_RATIO if path.suffix == ".gz" else size - 4 - 4 * ndim
+            if expected > most:  # a gzip bomb, or a header claiming more than the file can hold: not read
+                raise DataError(f"{path} is truncated: its header claims shape {tuple(shape)}, {expected} bytes, but "
+                                f"the file {'can hold at most' if path.suffix == '.gz' else 'holds'} {max(most, 0)}")
+            body = fh.read(expected + 1)  # one byte more: a file longer than its header says
+    except DataError:
+        raise
+    except (OSError, EOFError, zlib.error, MemoryError) as exc:
+        raise _corrupt(path, exc) from None
+    if len(body) != expected:
+        kind = "truncated" if len(body) < expected else "longer than its header says"
+        raise DataError(f"{path} is {kind}: {'at least ' if len(body) > expected else ''}{len(body)} bytes of data "
+                        f"for shape {tuple(shape)}, expected {expected}")
+    return np.frombuffer(body, dtype=dtype).reshape(shape)
 
 
 def read_idx_pair(images: Path, labels: Path, num_classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
@@ -99,12 +120,19 @@ def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with path.open("rb") as fh:
             batch = _CifarUnpickler(io.BytesIO(fh.read()), encoding="bytes").load()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, IndexError) as exc:
-        raise DataError(f"cannot read CIFAR batch {path}: {exc}") from None
+    except Exception as exc:  # a restricted unpickler on a damaged file raises many kinds
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"cannot read CIFAR batch {path}: {first}") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise DataError(f"{path} is not a CIFAR-10 batch: no 'data' and 'labels'")
-    data = np.asarray(batch[b"data"])
-    labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    try:
+        data = np.asarray(batch[b"data"])
+        labels = np.asarray(batch[b"labels"])
+    except (ValueError, TypeError, MemoryError) as exc:
+        raise DataError(f"{path}: its data or labels are not arrays ({exc})") from None
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise DataError(f"{path}: CIFAR labels must be a list of integers, found {labels.dtype} {labels.shape}")
+    labels = labels.astype(np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise DataError(f"{path}: CIFAR data must be uint8 of shape (N, 3072), found {data.dtype} {data.shape}")
     if len(data) != len(labels):
@@ -113,19 +141,48 @@ def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, 3, 32, 32), labels
 
 
+def _check_npz_headers(path: Path) -> set[str]:
+    """The dataset's arrays (of :data:`NPZ_KEYS`) that ``path`` holds as .npy members; each one's
+    header read before its data: a shape that claims more bytes than the member holds (or than
+    MAX_BYTES) is refused before numpy would allocate it."""
+    found: set[str] = set()
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if info.filename not in {f"{k}.npy" for k in NPZ_KEYS}:  # only these are read
+                    continue
+                found.add(info.filename[:-4])
+                with zf.open(info) as fh:
+                    version = np.lib.format.read_magic(fh)
+                    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                        np.lib.format.read_array_header_2_0
+                    shape, _, dtype = read(fh)
+                    claimed = math.prod(shape) * dtype.itemsize
+                    if claimed > MAX_BYTES or claimed > info.file_size:
+                        raise DataError(f"{path}: array '{info.filename[:-4]}' claims shape {shape} ({claimed} "
+                                        f"bytes) but holds {info.file_size} bytes")
+    except DataError:
+        raise
+    except (OSError, ValueError, zlib.error, EOFError, zipfile.BadZipFile, MemoryError, KeyError) as exc:
+        raise DataError(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    return found
+
+
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     """User arrays: ``x``, ``y`` and optionally ``x_test``, ``y_test`` (no pickled objects)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"npz file not found: {path}")
+    wanted = _check_npz_headers(path)
     try:
         with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, zlib.error, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"cannot read {path}: {exc}") from None
+            names = list(npz.files)
+            arrays = {k: npz[k] for k in wanted}  # other members are never read
+    except (OSError, ValueError, zlib.error, EOFError, zipfile.BadZipFile, MemoryError, KeyError) as exc:
+        raise DataError(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     for key in ("x", "y"):
         if key not in arrays:
-            raise DataError(f"{path} has no array '{key}' (it has: {', '.join(sorted(arrays)) or 'none'})")
+            raise DataError(f"{path} has no array '{key}' (it has: {', '.join(sorted(names)) or 'none'})")
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise DataError(f"{path}: give both 'x_test' and 'y_test', or neither")
     for x_key, y_key in (("x", "y"), ("x_test", "y_test")):

@@ -61,8 +61,10 @@ def read_image(file: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         with Image.open(file) as img:  # type: ignore[attr-defined]
             gray = img.mode in ("1", "L", "I;16", "I") if shape is None else shape[0] == 1
             arr = np.array(img.convert("L" if gray else "RGB"), dtype=np.uint8)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read image {file}: {exc}") from None
+    except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError (a bad PNG chunk),
+        # DecompressionBombError (a header claiming billions of pixels), ... for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"cannot read image {file}: {first}") from None
     arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
     if shape is not None and arr.shape != shape:
         raise DataError(f"{file} is {arr.shape[1]}x{arr.shape[2]}, but the first image is {shape[1]}x{shape[2]}: "

@@ -10,6 +10,7 @@ processes from the worker's own random state.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +60,7 @@ class TorchData:
                 raise DataError(f"{name}: the {split} set is empty")
         self.train, self.test, self.name, self.where = train, test, name, where
         self.loader_workers = loader_workers
+        self.device = torch.device("cpu")  # where batches go (``to``)
         x0, y0 = self._item(train, 0)
         self.input_shape = tuple(x0.shape)
         self.task = "regression" if y0.dtype.is_floating_point else "classification"
@@ -103,11 +105,23 @@ class TorchData:
         self.loader_workers = loader_workers
         return self
 
+    def to(self, device: torch.device) -> "TorchData":
+        """Batches for a worker on ``device``: read by the DataLoader into pinned memory (a GPU) and
+        moved there as they come."""
+        if torch.device(device) == self.device:
+            return self
+        moved = copy.copy(self)
+        moved.device = torch.device(device)
+        return moved
+
     def _loader(self, ds: Any, **kwargs: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        loader = DataLoader(ds, num_workers=self.loader_workers, **kwargs)
+        gpu = self.device.type == "cuda"
+        loader = DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs)
         try:
             for x, y in loader:
-                yield x.float() if x.dtype == torch.float64 else x, y.float() if y.dtype == torch.float64 else y
+                x = x.float() if x.dtype == torch.float64 else x
+                y = y.float() if y.dtype == torch.float64 else y
+                yield (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) if gpu else (x, y)
         except Exception as exc:
             if "Original Traceback" not in str(exc):
                 raise

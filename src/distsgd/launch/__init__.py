@@ -38,9 +38,11 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
 def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
     if algo_cls.topology.kind == "one":
+        from distsgd.train import device
         from distsgd.train.loop import run_worker
 
-        return [run_worker(WorkerContext(job, rank=0, world=1, sink=sink), algo_cls(job.cfg))]
+        where = device.use(job.cfg.device, 0)  # in this process: a single worker trains here
+        return [run_worker(WorkerContext(job, rank=0, world=1, sink=sink, device=where), algo_cls(job.cfg))]
     return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
 
 

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from distsgd.config import RunConfig
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import (LOOPBACK, check_backend, check_init_method, free_port, init_group,
-                                       init_torchrun_group, leave_group, loopback_only)
+                                       init_torchrun_group, leave_group, loopback_only, resolve_backend)
 from distsgd.metrics import NullSink, Sink
+from distsgd.train import device
 from distsgd.train.context import Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
@@ -29,6 +30,8 @@ def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
     """Under torchrun the group's size is the number of workers; the backend and rendezvous must work here."""
     if torchrun:
         cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers)) if torchrun else cfg.workers
+    cfg = resolve_backend(cfg, local)
     check_backend(cfg)
     check_init_method(cfg.init_method)
     return cfg
@@ -51,9 +54,10 @@ def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, ou
         loopback_only()
 
     def body() -> WorkerResult:
+        where = device.use(cfg.device, rank)
         init_group(cfg, rank, world, init_method)
         ctx = WorkerContext(job, rank=rank, world=world, sink=procs.QueueSink(q) if rank == 0 else NullSink(),
-                            reports=rank == 0)
+                            reports=rank == 0, device=where)
         return run_worker(ctx, algo_cls(cfg))
 
     try:
@@ -79,9 +83,11 @@ def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
 
 def _run_torchrun(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = device.use(job.cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     init_torchrun_group(job.cfg, rank, world)
     try:
-        ctx = WorkerContext(job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0)
+        ctx = WorkerContext(job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0,
+                            device=where)
         mine = run_worker(ctx, algo_cls(job.cfg))
         gathered = gather_results([mine], rank, world)
     finally:

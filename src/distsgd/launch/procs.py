@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
-from distsgd.errors import DistsgdError, WorkerError, WorkerInputError
+from distsgd.errors import ConfigError, DistsgdError, WorkerError, WorkerInputError, on_sigterm
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Job, WorkerResult
 
@@ -49,6 +49,21 @@ def child_env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# A worker started by the fork server (or spawn) imports the launcher's main script again, as
+# ``__mp_main__``. A script that trains at module level, without ``if __name__ == "__main__":``,
+# would then train again inside each worker; such a worker exits at once with this status.
+MAIN_GUARD_STATUS = 86
+MAIN_GUARD = ('this script calls distsgd at module level, and each worker process imports the script again: '
+              'put the call under  if __name__ == "__main__":')
+
+
+def refuse_if_importing_main() -> None:
+    """In a worker process that is importing the launcher's script (it is not done starting),
+    exit at once with :data:`MAIN_GUARD_STATUS`, silently: the launcher says why, in one line."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        os._exit(MAIN_GUARD_STATUS)
 
 
 def mp_context() -> Any:
@@ -79,6 +94,8 @@ def mp_context() -> Any:
         with _main_only_if_readable():
             p.start()
         p.join()
+        if p.exitcode == MAIN_GUARD_STATUS:
+            raise ConfigError(MAIN_GUARD)
         _WARM_SERVER = server
     return ctx
 
@@ -111,6 +128,7 @@ def _bootstrap(env: dict[str, str], target: Any, args: tuple) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    on_sigterm()  # SIGTERM (a scheduler's, a whole process group's) stops a worker as Ctrl-C does
     os.environ.clear()
     os.environ.update(env)
     _exit_with_launcher()
@@ -197,6 +215,21 @@ class Inbox:
                 conn.close()
         raise queue.Empty
 
+    def finish(self, conn: Any, timeout: float) -> list[Any]:
+        """Every message still in ``conn``'s pipe (its writer is dead), up to its end or ``timeout``;
+        the pipe is then dropped."""
+        messages: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while conn in self.conns and conn.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                messages.append(conn.recv())
+            except Exception:  # its end: every message is read
+                break
+        if conn in self.conns:
+            self.conns.remove(conn)
+        conn.close()
+        return messages
+
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
@@ -224,7 +257,8 @@ def pack(result: WorkerResult) -> dict[str, Any]:
     state = None
     if result.model is not None:
         buffer = io.BytesIO()
-        torch.save(result.model.state_dict(), buffer)
+        torch.save({k: v.detach().cpu() for k, v in result.model.state_dict().items()}, buffer)  # the launcher
+        # never touches CUDA
         state = buffer.getvalue()
     fields = {k: v for k, v in vars(result).items() if k != "model"}
     return {**fields, "model_state": state}
@@ -236,7 +270,7 @@ def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
     model = None
     if state is not None:
         model = build_model(job.model, job.data.input_shape, job.data.num_classes, job.cfg.init)
-        model.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
+        model.load_state_dict(torch.load(io.BytesIO(state), map_location="cpu", weights_only=True))
     return WorkerResult(model=model, **payload)
 
 
@@ -265,11 +299,13 @@ class Team:
         self.cfg, self.target, self.roles, self.args = cfg, target, roles, args
         self.inbox = Inbox()
         self.procs: list[Any] = []
+        self.pipes: list[Any] = []  # pipes[i]: the reading end of procs[i]'s pipe
         self.mpc: Any = None
 
     def start(self, i: int, replacement: bool = False) -> Any:
         """Start role i's process (again, with ``replacement``, after the last one died)."""
         role, rank = self.roles[i]
+        refuse_if_importing_main()
         with _main_only_if_readable():
             if self.mpc is None:
                 self.mpc = mp_context()
@@ -280,9 +316,10 @@ class Team:
             p.start()
             write.close()  # the worker holds it now
         if i < len(self.procs):
-            self.procs[i] = p
+            self.procs[i], self.pipes[i] = p, read
         else:
             self.procs.append(p)
+            self.pipes.append(read)
         record_workers(self.cfg, self.procs, self.roles)
         return p
 
@@ -320,6 +357,8 @@ def replace(team: Team, sup: "Supervisor", rank: int, name: str, sink: Any, rest
     left (``restarts``: those made so far) and it did not fail on the user's input (its
     replacement would fail again). The restart is a ``restart`` event and joins ``restarts``.
     False: no replacement; the run goes on without it."""
+    for message in team.inbox.finish(team.pipes[rank], 2.0):  # what the dead one still had to say is
+        sup.file(*message)  # its own (its replacement must not be blamed for it): read before deciding
     if len(restarts) >= team.cfg.restart_workers or rank in sup.users:
         return False
     record = {"worker": name, "reason": sup.reason(rank), "at": time.time()}
@@ -390,6 +429,15 @@ class Supervisor:
             return None
         finally:
             self.ended |= {r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0) and r not in self.results}
+            for r, p in enumerate(self.procs):
+                if p.exitcode == MAIN_GUARD_STATUS:  # the user's script to mend; no restart will do
+                    self.said.setdefault(r, MAIN_GUARD)
+                    self.users.add(r)
+        self.file(kind, rank, body)
+        return kind, rank, body
+
+    def file(self, kind: str, rank: int, body: Any) -> None:
+        """Take note of one message from worker ``rank``."""
         if kind == "result":
             self.results[rank] = body
         elif kind in ("error", "user-error"):
@@ -398,7 +446,6 @@ class Supervisor:
             self.said.setdefault(rank, body)
         elif kind == "event":
             self.on_event(body)
-        return kind, rank, body
 
     def failed(self) -> set[int]:
         return (set(self.said) | self.ended) - set(self.results)

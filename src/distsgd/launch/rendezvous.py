@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
+from distsgd.train import device
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,17 @@ def free_port(host: str = LOOPBACK) -> int:
 def under_torchrun() -> bool:
     """True when torchrun (or any launcher using its variables) started this process."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def resolve_backend(cfg: RunConfig, local_workers: int) -> RunConfig:
+    """``--backend auto``: nccl when the workers train on GPUs and every one of this machine's
+    ``local_workers`` has a GPU of its own (and torch has NCCL), else gloo (which takes CUDA tensors
+    too, for the collectives the algorithms use)."""
+    if cfg.backend != "auto":
+        return cfg
+    gpus = 1 if cfg.device.startswith("cuda:") else device.cuda_count()  # cuda:N: every worker on that one
+    own_gpus = device.kind(cfg.device) == "cuda" and local_workers <= gpus
+    return cfg.replace(backend="nccl" if own_gpus and dist.is_nccl_available() else "gloo")
 
 
 def check_backend(cfg: RunConfig) -> None:

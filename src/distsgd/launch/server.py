@@ -12,6 +12,7 @@ run fails at once with one line.
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from distsgd.errors import ConfigError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, init_torchrun_group, leave_group
 from distsgd.metrics import NullSink, Sink
+from distsgd.train import device
 from distsgd.train.context import Attendance, Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
@@ -55,24 +57,31 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
     try:
         if rank == 0:
             address = f"{os.environ['MASTER_ADDR']}:0"
-            chief = topology.serve(job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a))
+            secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
+            store.set(f"{key}/secret", secret)
+            chief = topology.serve(job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a),
+                                   secret=secret)
             chief.attendance = Attendance(samples_per_worker=chief.attendance.samples_per_worker
                                           if chief.attendance else None, failed_workers=[])
             return [chief]
         store.wait([key])
-        return [_work(job, algo_cls, rank, world, store.get(key).decode(), NullSink())]
+        seat = ServerSeat(store.get(key).decode(), store.get(f"{key}/secret"))
+        return [_work(job, algo_cls, rank, world, seat, NullSink())]
     finally:
         leave_group()
 
 
-def _work(job: Job, algo_cls: Any, rank: int, world: int, address: str, sink: Sink,
+def _work(job: Job, algo_cls: Any, rank: int, world: int, seat: ServerSeat, sink: Sink,
           replacement: bool = False) -> WorkerResult:
-    """Be worker ``rank`` (1..N): its data rank is rank - 1 of N."""
-    ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False)
-    return run_worker(ctx, algo_cls(job.cfg, ServerSeat(address)), replacement=replacement)
+    """Be worker ``rank`` (1..N): its data rank is rank - 1 of N; its device, by its index on its
+    machine (the server computes on the CPU: what it sends and receives are host bytes)."""
+    local = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else rank - 1
+    ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False,
+                        device=device.use(job.cfg.device, local))
+    return run_worker(ctx, algo_cls(job.cfg, seat), replacement=replacement)
 
 
-def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, given_up: torch.Tensor, out: Any,
+def _entry(rank: int, world: int, job: Job, algo_cls: Any, seat: ServerSeat, given_up: torch.Tensor, out: Any,
            replacement: bool = False) -> None:
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
@@ -80,8 +89,9 @@ def _entry(rank: int, world: int, job: Job, algo_cls: Any, address: str, given_u
 
     def body() -> WorkerResult:
         if rank == 0:
-            return algo_cls.topology.serve(job, algo_cls, world - 1, address, procs.QueueSink(q, 0), given_up=given_up)
-        return _work(job, algo_cls, rank, world, address, procs.QueueSink(q, rank), replacement)
+            return algo_cls.topology.serve(job, algo_cls, world - 1, seat.address, procs.QueueSink(q, 0),
+                                           given_up=given_up, secret=seat.secret)
+        return _work(job, algo_cls, rank, world, seat, procs.QueueSink(q, rank), replacement)
 
     procs.report(q, rank, body)
 
@@ -98,13 +108,14 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     cfg = job.cfg
     workers, world = cfg.workers, cfg.workers + 1
     address = cfg.init_method[len("tcp://"):] if cfg.init_method else f"{LOOPBACK}:{free_port()}"
+    seat = ServerSeat(address, secrets.token_bytes(32))  # the run's secret: the server admits no one else
     job.data.share_memory_()
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
     resume = f"; continue from the last checkpoint with --resume {cfg.out}" if cfg.checkpoint_period else ""
     lockstep = algo_cls.topology.exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
     given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
-    with procs.spawned(cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, address, given_up,
+    with procs.spawned(cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, seat, given_up,
                                                                   out, again)) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
         gone: set[int] = set()  # failed workers the run carries on without

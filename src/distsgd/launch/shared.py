@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from distsgd.algorithms.base import SharedSeat
 from distsgd.checkpoint import CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, load_worker_state, save_worker_state
 from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
@@ -27,7 +28,7 @@ from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import init_torchrun_group, leave_group
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import build_model
-from distsgd.algorithms.base import SharedSeat
+from distsgd.train import device
 from distsgd.train.context import Attendance, Figures, Job, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.loop import run_worker
@@ -42,9 +43,9 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     if per_process is None:
         raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
                           f"torchrun, with --workers N")
-    if cfg.backend != "gloo":
-        raise ConfigError(f"{cfg.algo} keeps its models in CPU shared memory and passes the token with gloo: "
-                          f"use --backend gloo")
+    if cfg.backend not in ("auto", "gloo"):
+        raise ConfigError(f"{cfg.algo} passes its token between machines with gloo: use --backend gloo (or auto)")
+    cfg = cfg.replace(backend="gloo")
     if cfg.checkpoint_period is not None or cfg.resume:
         raise ConfigError(f"checkpoints of {cfg.algo} across machines are not supported yet: checkpoint it on one "
                           f"machine (--workers N), or let torchrun restart it from scratch")
@@ -74,7 +75,7 @@ def _entry(slot: int, world: int, job: Job, algo_cls: Any, seat: SharedSeat, go:
 
     mine = dataclasses.replace(seat, slot=slot, start_together=start_together, checkpointed=checkpointed)
     ctx = WorkerContext(job, rank=first_rank + slot, world=data_world, sink=procs.QueueSink(q, slot), reports=True,
-                        evaluates=False)
+                        evaluates=False, device=device.use(seat.device))
     procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg, mine), replacement=replacement))
 
 
@@ -90,9 +91,14 @@ class Machine:
         self.topology = topology = algo_cls.topology
         self.first_rank, self.data_world = first_rank, data_world or cfg.workers
         self.evaluates = evaluates
-        dataset.share_memory_()
+        # On a GPU this process owns the shared models and the data in GPU memory (its workers map them
+        # through CUDA IPC, and it keeps them alive); the fork server, started fresh, has no CUDA.
+        self.device = device.resolve(cfg.device, 0)
+        dataset = dataset.to(self.device).share_memory_()
+        self.job = job = job.replace(data=dataset)
+        self.dataset = dataset
         self.models = [build_model(job.model, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-                       for _ in range(topology.models(cfg))]
+                       .to(self.device) for _ in range(topology.models(cfg))]
         self.counts = torch.zeros(cfg.workers, dtype=torch.int64)
         saved = load_worker_state(Path(cfg.resume), COORDINATOR) if cfg.resume else None
         if saved is not None:  # the shared models and counters of the checkpoint
@@ -106,7 +112,7 @@ class Machine:
         self.go = mpc.Event()
         self.handles = SharedSeat(states=self.states, counts=self.counts.share_memory_(),
                                   stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
-                                  lock=topology.lock(cfg, mpc), machines=machines,
+                                  lock=topology.lock(cfg, mpc), machines=machines, device=str(self.device),
                                   extras=topology.extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from distsgd.config import RunConfig
@@ -48,6 +49,7 @@ class WorkerContext:
     sink: Sink = field(default_factory=NullSink)
     reports: bool = True  # emits progress events (rank 0; every Hogwild! worker)
     evaluates: bool | None = None  # evaluates the model (default: same as reports)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where it trains (--device)
 
     def __post_init__(self) -> None:
         if self.evaluates is None:
@@ -130,6 +132,7 @@ class WorkerResult:
     model: nn.Module | None
     figures: Figures = field(default_factory=Figures)
     attendance: Attendance | None = None
+    where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
 
 
 class Every:
@@ -143,8 +146,7 @@ class Every:
     def due(self, count: int) -> bool:
         if self.next is None or count < self.next:
             return False
-        while self.next <= count:
-            self.next += self.period
+        self.next = (count // self.period + 1) * self.period  # the next multiple, however far count jumped
         return True
 
     def state_dict(self) -> dict[str, Any]:

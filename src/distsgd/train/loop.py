@@ -26,6 +26,7 @@ from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
 from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
+from distsgd.train import device
 from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, evaluate, snapshot
 from distsgd.train.objective import loss_function
@@ -111,6 +112,7 @@ class _Worker:
     """One worker's run: its model, optimiser and counters, and the loop's steps."""
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
+        ctx.job = ctx.job.replace(data=ctx.job.data.to(ctx.device))  # the data on this worker's device, once
         cfg, ds = ctx.cfg, ctx.dataset
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
         torch.set_num_threads(threads_per_worker(cfg))
@@ -130,16 +132,7 @@ class _Worker:
         # that had no part in the checkpoint (its worker had died); the others resume from their part
         start = Start.REPLACEMENT if replacement or (cfg.resume and saved is None) else \
             Start.RESUMED if saved is not None else Start.FRESH
-        # Same seed in every worker: every replica starts from the same weights.
-        model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
-        model.train()
-        if saved is not None:
-            model.load_state_dict(saved["model"])
-        self.model = algo.setup(ctx, model, start)
-        self.optimizer = algo.make_optimizer(ctx, self.model)
-        torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
-        self.pieces = {"model": algo.unwrap(self.model), "optimizer": self.optimizer, "algo": algo,
-                       "loop": self.state, "rng": RngState()}
+        self._build(saved, start)
         if saved is not None:
             scatter({k: v for k, v in self.pieces.items() if k != "model"}, saved)
         if start is Start.REPLACEMENT:  # carry on from the samples this rank had trained, in its own shard
@@ -148,10 +141,31 @@ class _Worker:
             st.epoch, st.start = divmod(st.local, self.per_epoch)
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
-        self.clock = TrainClock()
+        self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # it waits for the GPU before a reading
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
-        self.loss_sum, self.loss_steps = torch.zeros(()), 0
+        self.loss_sum, self.loss_steps = torch.zeros((), device=ctx.device), 0
         self.gs = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
+
+    def _build(self, saved: dict[str, Any] | None, start: Start) -> None:
+        """The model on this worker's device (the same weights in every replica: one seed), the
+        algorithm's setup, the optimiser, --compile and --precision's pieces, what a checkpoint holds."""
+        ctx, algo, cfg, ds = self.ctx, self.algo, self.cfg, self.ctx.dataset
+        model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed).to(ctx.device)
+        model.train()
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+        self.model = algo.setup(ctx, model, start)
+        if cfg.compile:
+            algo.unwrap(self.model).compile()  # in place: the module, its state and its wrappers stay
+        self.optimizer = algo.make_optimizer(ctx, self.model)
+        self.autocast = device.autocast(ctx.device, cfg.precision)
+        self.scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
+        self.stepper = device.ScaledOptimizer(self.optimizer, self.scaler) if self.scaler else self.optimizer
+        torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
+        self.pieces = {"model": algo.unwrap(self.model), "optimizer": self.optimizer, "algo": algo,
+                       "loop": self.state, "rng": RngState()}
+        if self.scaler is not None:
+            self.pieces["scaler"] = self.scaler
 
     def more_epochs(self) -> bool:
         return self.cfg.max_samples is not None or self.state.epoch < self.cfg.epochs
@@ -175,12 +189,16 @@ class _Worker:
         n = sum(len(y) for _, y in micro)
         for i, (x, y) in enumerate(micro):
             with algo.no_sync(ctx, self.model) if i < len(micro) - 1 else contextlib.nullcontext():
-                loss = self.loss_fn(self.model(x), y)
-                (loss * (len(y) / n) if len(micro) > 1 else loss).backward()
-            self.loss_sum += loss.detach()
+                with self.autocast:
+                    loss = self.loss_fn(self.model(x), y)
+                weighted = loss * (len(y) / n) if len(micro) > 1 else loss
+                (self.scaler.scale(weighted) if self.scaler else weighted).backward()
+            self.loss_sum += loss.detach().float()
         step = Step(number=st.steps + 1, samples=st.local + n)
         algo.after_backward(ctx, self.model, step)
-        algo.apply_step(ctx, self.optimizer, step)
+        if self.scaler is not None:  # once the gradients are synchronised: every worker finds the same overflow
+            self.scaler.unscale_(self.optimizer)
+        algo.apply_step(ctx, self.stepper, step)
         st.local += n
         st.start += n
         st.steps += 1
@@ -219,7 +237,7 @@ class _Worker:
     def measure(self, model: torch.nn.Module) -> dict[str, Any]:
         """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
         st = self.state
-        acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
+        acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn, self.cfg.precision)
         event = {"event": "eval", "samples": self.gs, "epoch": round(st.local / self.per_epoch, 4),
                  "train_wall_s": self.clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
         st.evals.append(event)
@@ -269,7 +287,8 @@ class _Worker:
             rank=self.ctx.rank, samples=self.state.local, global_samples=self.gs, train_wall_s=train_wall_s,
             evals=evals, final_test_accuracy=final["test_accuracy"] if final else None,
             final_test_loss=final["test_loss"] if final else None,
-            model=self.model if self.ctx.evaluates else None, figures=self.algo.figures())
+            model=self.model if self.ctx.evaluates else None, figures=self.algo.figures(),
+            where=device.describe(self.ctx.device, self.cfg.precision))
 
 
 __all__ = ["run_worker", "LoopState"]

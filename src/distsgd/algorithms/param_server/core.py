@@ -10,6 +10,7 @@ directly, in a chosen order.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import Counter
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 Answer = tuple[torch.Tensor, int, int, bool]  # weights, version, all workers' samples, stop
 
+log = logging.getLogger(__name__)
+
 
 class ParameterServer:
     """The server's state. ``pull(rank)`` returns (weights, version); ``push(rank, grad,
@@ -36,8 +39,13 @@ class ParameterServer:
 
     def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, rule: "Rule",
                  samples_per_epoch: int, on_update: Callable[[int], None] | None = None,
-                 on_start: Callable[[], None] | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+                 on_start: Callable[[], None] | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 accept_nonfinite: bool = False) -> None:
         self.cfg, self.model, self.workers = cfg, model, workers
+        self.accept_nonfinite = accept_nonfinite
+        self.nonfinite = 0  # gradients (or exchanges) with NaN or inf, not applied
+        # the most samples a worker can have trained between two of its messages
+        self.max_step = cfg.batch_size * cfg.accumulate * getattr(rule, "steps_per_message", 1)
         self.rule = rule
         self.params = params(model)
         self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation
@@ -83,11 +91,34 @@ class ParameterServer:
             self.rule.on_pull(self, rank, flat)
             return flat, self.version
 
+    def check_samples(self, rank: int, samples: int, done: bool = False) -> None:
+        """A worker's sample count must grow by at most what it can have trained since its last
+        message (a forged count of 2**62 would otherwise end the run or stall the server)."""
+        with self.lock:
+            before = self.counts[rank]
+        if not before <= samples <= before + self.max_step:
+            raise ConnectionError(f"worker {rank - 1} claimed {samples} samples after {before}: at most "
+                                  f"{self.max_step} more a message")
+
+    def _finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether ``tensors`` may be applied: finite, or the user accepts NaN and inf."""
+        if self.accept_nonfinite or all(bool(torch.isfinite(t).all()) for t in tensors):
+            return True
+        self.nonfinite += 1
+        if self.nonfinite == 1:
+            log.warning("a worker sent NaN or inf; the server does not apply such gradients (see nonfinite_pushes "
+                        "in summary.json; lower --lr?)")
+        return False
+
     def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int,
              buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> Future:
         """Worker ``rank``'s flat gradient and its (floating-point, other) buffers, each flat, in
-        the model's order."""
+        the model's order. A gradient with NaN or inf is taken as zero (the rule's rounds stay in
+        step), unless ``accept_nonfinite``."""
         fut: Future = Future()
+        if not self._finite(grad, *(buffers[0] if buffers else [])):
+            grad = torch.zeros_like(grad)
+            buffers = None
         with self.lock:
             self.counts[rank] = local_samples
             self.clocks[rank] += 1
@@ -103,6 +134,11 @@ class ParameterServer:
                  local_samples: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
         """Async EASGD's elastic exchange (:class:`.rules.Elastic`) of the flat parameters ``x`` and
         the floating-point buffers: returns ((d of both), version, samples, stop)."""
+        if not self._finite(x, *floats):  # not moved, nor moving the centre
+            with self.lock:
+                self.counts[rank] = local_samples
+                return ((torch.zeros_like(x), [torch.zeros_like(f) for f in floats]), self.version,
+                        self.total_samples(), self.stop)
         with self.lock:
             self.counts[rank] = local_samples
             diff = self.rule.exchange(self, rank, x, floats, ints)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from distsgd.algorithms.param_server.rules import Rule
 from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, gather, load_worker_state,
                                 save_worker_state, scatter)
 from distsgd.data.partition import samples_per_epoch
+from distsgd.errors import OutputError
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Every, Figures, Job, WorkerResult
 from distsgd.train.evaluate import Watcher
@@ -30,6 +33,8 @@ class ServerFigures(Figures):
     counts are in other processes: the run's ``bytes_sent`` is their sum)."""
 
     staleness: dict[str, Any] | None = None  # {mean, p50, p99, max, histogram}
+    nonfinite_pushes: int | None = None  # gradients or exchanges with NaN or inf, not applied
+    refused_connections: int | None = None  # connections without a valid HELLO and the run's secret
     server_updates: int | None = None
     server_updates_per_s: float | None = None
     server_bytes_sent: int | None = None
@@ -58,7 +63,7 @@ class ServerRole:
     """
 
     def __init__(self, job: Job, rule: Rule, workers: int, sink: Any, exact: bool = False,
-                 given_up: torch.Tensor | None = None) -> None:
+                 given_up: torch.Tensor | None = None, accept_nonfinite: bool = False) -> None:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
         self.cfg, self.sink = cfg, sink
@@ -68,11 +73,15 @@ class ServerRole:
         self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
         optimizer = build_optimizer(cfg, self.model, job.optimizer, job.param_groups)
         self.server = ParameterServer(cfg, self.model, workers, rule, per_epoch, self._on_update,
-                                      on_start=self.watcher.start, optimizer=optimizer)
+                                      on_start=self.watcher.start, optimizer=optimizer,
+                                      accept_nonfinite=accept_nonfinite)
         self.pieces = {"server": self.server, "watcher": self.watcher}
         self.workers = workers
         self.exact = exact  # a checkpoint needs every worker's part (sync-ps), not only the live ones
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {worker rank: its samples then}
+        self.writing = threading.Lock()  # one checkpoint written at a time, outside the server's lock
+        self.committed = -1  # the newest checkpoint committed (an older one taken meanwhile is not written)
+        self.failure: Exception | None = None  # a checkpoint that could not be written: the run stops
         # Who is still to be waited for. The local launcher decides whether a dead worker is
         # replaced; it sets given_up[rank] once it will start none (a local run: see
         # launch/server.py). Until then a rank that died is waited for, since a replacement may be
@@ -91,27 +100,46 @@ class ServerRole:
         server's state (the model, optimiser, counters, evaluations) and commit."""
         with self.server.lock:
             self.saved.setdefault(seq, {})[rank] = samples
-            event = self._commit_whole()
-        if event is not None:
-            self.sink.emit(event)
+            taken = self._take_whole()
+        self._commit(taken)
 
-    def _commit_whole(self) -> dict[str, Any] | None:
-        """Commit the newest checkpoint every live worker has saved (call with the lock held)."""
+    def _take_whole(self) -> tuple[int, dict[str, Any], int, list[int]] | None:
+        """The newest checkpoint every live worker has saved, with a copy of the server's state as
+        of now (call with the lock held; the writing happens after it is released)."""
         needed = set(range(1, self.workers + 1)) if self.exact else self.server.active
         whole = [seq for seq, ranks in self.saved.items() if set(ranks) >= needed]
-        if not whole or not self.cfg.out:
+        if not whole or not self.cfg.out or self.failure is not None:
             return None
         seq = max(whole)
-        ckpt_dir = Path(self.cfg.out) / CHECKPOINT_DIR
-        state = gather(self.pieces)
+        state = copy.deepcopy(gather(self.pieces))  # the optimiser's buffers move on once the lock is released
         for rank, samples in self.saved[seq].items():  # what each worker had when it saved (a sync-ps
             state["server"]["counts"][rank] = samples  # worker may already have pushed the next round)
-        save_worker_state(ckpt_dir, seq, COORDINATOR, state)
-        total = self.server.total_samples()
-        commit_checkpoint(ckpt_dir, seq, self.workers, {"samples": total, "algo": self.cfg.algo},
-                          ranks=sorted(r - 1 for r in self.saved[seq]), coordinator=True)
+        ranks = sorted(r - 1 for r in self.saved[seq])
         self.saved = {s: r for s, r in self.saved.items() if s > seq}
-        return {"event": "checkpoint", "seq": seq, "samples": total, "train_wall_s": self.watcher.clock.elapsed()}
+        return seq, state, self.server.total_samples(), ranks
+
+    def _commit(self, taken: tuple[int, dict[str, Any], int, list[int]] | None) -> None:
+        """Write and commit a checkpoint taken by :meth:`_take_whole`, outside the server's lock. A
+        write that fails (a full disk) stops the run with that error, not as a dead worker."""
+        if taken is None:
+            return
+        seq, state, total, ranks = taken
+        ckpt_dir = Path(self.cfg.out) / CHECKPOINT_DIR
+        with self.writing:
+            if seq <= self.committed:  # a newer one was written meanwhile, by another connection's thread
+                return
+            try:
+                save_worker_state(ckpt_dir, seq, COORDINATOR, state)
+                commit_checkpoint(ckpt_dir, seq, self.workers, {"samples": total, "algo": self.cfg.algo},
+                                  ranks=ranks, coordinator=True)
+            except OSError as exc:
+                self.failure = OutputError.of(exc)
+                self.server.stop = True  # the workers stop at their next push
+                log.error("%s; stopping the run", self.failure)
+                return
+            self.committed = seq
+        self.sink.emit({"event": "checkpoint", "seq": seq, "samples": total,
+                        "train_wall_s": self.watcher.clock.elapsed()})
 
     def worker_hello(self, rank: int, rejoining: bool) -> None:
         """Worker ``rank`` connected; with ``rejoining``, it replaces one that died."""
@@ -131,14 +159,21 @@ class ServerRole:
         """Worker ``rank``'s connection broke (it died, or fell silent): carry on without it, or,
         in a local run, until the launcher says no replacement is coming (or ``--timeout``
         passes), wait for one."""
+        self.commit_after(self.leave(rank))
+
+    def leave(self, rank: int) -> Any:
+        """The bookkeeping of :meth:`worker_gone`, quick (the transport calls it while it holds its
+        membership lock); returns the checkpoint this completes, for :meth:`commit_after`."""
         with self.server.lock:
             self.connected.discard(rank)
             self.lost[rank] = time.monotonic()
         self.server.finished(rank)
         with self.server.lock:
-            event = self._commit_whole()
-        if event is not None:
-            self.sink.emit(event)
+            return self._take_whole()
+
+    def commit_after(self, taken: Any) -> None:
+        """Write a checkpoint that :meth:`leave` completed (slow: never under a lock)."""
+        self._commit(taken)
 
     def _settle(self) -> bool:
         """Drop the ranks the launcher gave up on that never connected (they died before saying
@@ -184,6 +219,8 @@ class ServerRole:
         while self._settle():
             self._report()
             time.sleep(0.01)
+        if self.failure is not None:
+            raise self.failure
         self._report(final=True)
         total = server.total_samples()
         server.sync_buffers()  # the model returned carries the workers' statistics
@@ -192,7 +229,8 @@ class ServerRole:
         figures = ServerFigures(bytes_sent=server.bytes_sent, staleness=server.staleness_summary(),
                                 server_updates=server.version,
                                 server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
-                                server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received)
+                                server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received,
+                                nonfinite_pushes=server.nonfinite)
         final = evals[-1]
         return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
                             final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],

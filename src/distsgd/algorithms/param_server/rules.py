@@ -179,7 +179,11 @@ class SyncRound(Rule):
 
 class Elastic(Rule):
     """Async easgd's centre: x and the centre include floating-point buffers; the centre copies the
-    exchanging worker's integer buffers."""
+    exchanging worker's integer buffers. A worker exchanges every ``tau`` steps."""
+
+    @property
+    def steps_per_message(self) -> int:
+        return self.opts.tau
 
     def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor],
                  ints: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:

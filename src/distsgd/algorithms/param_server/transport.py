@@ -24,6 +24,7 @@ backend, has also been in maintenance mode since December 2025.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import struct
@@ -66,20 +67,41 @@ class Channel:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self.sock = sock
+        self.silence_s = silence_s
+        self.closed = False
+        self.evicted = False  # closed by the server to make room (too many connections without a HELLO)
 
     def send(self, data: memoryview | bytes) -> int:
         self.sock.sendall(data)
         return len(data)
 
-    def recv_into(self, view: memoryview) -> None:
+    def recv_into(self, view: memoryview, deadline: float | None = None) -> None:
+        """Fill ``view``; with ``deadline`` (time.monotonic), all of it by then (a peer that
+        trickles a byte at a time does not hold a thread and its buffers for ever)."""
         got = 0
         while got < len(view):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("a message did not arrive in time")
+                self.sock.settimeout(left if self.silence_s is None else min(left, self.silence_s))
             n = self.sock.recv_into(view[got:], len(view) - got)
             if n == 0:
                 raise ConnectionError("the connection closed")
             got += n
+        if deadline is not None:
+            self.sock.settimeout(None)
+            if self.silence_s is not None:  # back to the kernel's per-call limit
+                whole = int(self.silence_s)
+                timeval = struct.pack("ll", whole, int((self.silence_s - whole) * 1e6))
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
     def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it (close alone does not)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
@@ -128,10 +150,21 @@ class Packing:
         self.end = offset
 
     def pack(self, frame: "Frame", tensors: list[torch.Tensor]) -> None:
-        """Write ``tensors`` (of the sizes and dtypes this packing was made for) into ``frame``."""
+        """Write ``tensors`` (of the sizes and dtypes this packing was made for) into ``frame``:
+        one concatenation on the CPU, or from a GPU one copy per tensor into the (pinned) frame."""
         for s in self.sections:
-            if s.numel:
-                torch.cat([tensors[i].detach().reshape(-1) for i in s.members], out=frame.section(s))
+            if not s.numel:
+                continue
+            out = frame.section(s)
+            if all(tensors[i].device.type == "cpu" for i in s.members):
+                torch.cat([tensors[i].detach().reshape(-1) for i in s.members], out=out)
+                continue
+            offset = 0
+            for i in s.members:
+                n = self.numels[i]
+                out[offset:offset + n].copy_(tensors[i].detach().reshape(-1), non_blocking=True)
+                offset += n
+            torch.cuda.synchronize()  # the bytes are in the frame before the socket reads them
 
     def unpack(self, frame: "Frame", clone: bool = False) -> list[torch.Tensor]:
         """The tensors in ``frame``, flat, in list order: views of the frame, or (``clone``) of one
@@ -183,8 +216,9 @@ class Frame:
     messages (pull, barrier, done) carry an unused payload. The payload's parts are the sections
     of a :class:`Layout`."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, pinned: bool = False) -> None:
+        # pinned (a GPU worker's): a gradient comes off the GPU, and weights go onto it, in one copy each
+        self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.head = self.buffer[:_HEAD].view(torch.int64)
         self.view = memoryview(self.buffer.numpy())  # what the socket reads into and writes from
 
@@ -205,18 +239,44 @@ class Frame:
         channel.recv_into(self.view[:_HEAD])
         return self.head.tolist()
 
-    def recv_payload(self, channel: Channel) -> None:
-        channel.recv_into(self.view[_HEAD:])
+    def recv_payload(self, channel: Channel, deadline: float | None = None) -> None:
+        channel.recv_into(self.view[_HEAD:], deadline)
+
+
+SECRET_BYTES = 32  # the run's secret, which a HELLO carries after its header
+HELLO_DEADLINE_S = 10.0  # a connection says HELLO, with the secret, within this or is dropped
+REFUSALS_SHOWN = 3  # refused connections warned of one by one; the rest are counted (a flood is not a log)
+
+
+def hello_message(rank: int, secret: bytes, rejoining: bool = False) -> bytes:
+    """What a worker sends first: the header [HELLO, rank, 0, rejoining] and the run's secret."""
+    return struct.pack("4q", HELLO, rank, 0, int(rejoining)) + secret.ljust(SECRET_BYTES, b"\0")[:SECRET_BYTES]
+
+
+class Refused(ConnectionError):
+    """A connection the server will not serve: a stranger, a wrong secret, nonsense."""
 
 
 class Service:
     """The server's end: it listens on ``address`` (``host:port``; port 0: any free one) and serves
     each worker that connects, in a thread of its own, on ``server`` (the core) and ``role`` (for
-    checkpoint state). ``layout``: where the model's parts lie in a message."""
+    checkpoint state). ``layout``: where the model's parts lie in a message.
 
-    def __init__(self, server: Any, role: Any, layout: Layout, address: str,
-                 silence_s: float | None = None) -> None:
+    It admits only its own run's workers: a connection must send, within :data:`HELLO_DEADLINE_S`,
+    a HELLO with a worker rank and the run's ``secret`` (compared in constant time), before the
+    server allocates anything for it; a HELLO for a rank that is connected is refused unless it
+    says it replaces a dead worker. At most ``max_pending`` connections may be waiting to say
+    HELLO at once: a new one past that closes the oldest waiting one, so a flood of strangers
+    cannot keep a real worker (which says HELLO as soon as it connects) out for long. Then every
+    request is checked: a known op, sample counts that only grow, by at most
+    what the worker can have trained since its last message, a version the server has made, and
+    (in the core) finite gradients; a frame must arrive within ``--timeout``; an ``accept()`` error
+    (too many open files) is logged and the server keeps listening."""
+
+    def __init__(self, server: Any, role: Any, layout: Layout, address: str, silence_s: float | None = None,
+                 secret: bytes = b"", max_pending: int | None = None) -> None:
         self.server, self.role, self.layout, self.silence_s = server, role, layout, silence_s
+        self.secret = secret.ljust(SECRET_BYTES, b"\0")[:SECRET_BYTES]
         host, _, port = address.rpartition(":")
         self.listener = socket.create_server((host, int(port)), backlog=64)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -224,6 +284,10 @@ class Service:
         self.channels: list[Channel] = []
         self.current: dict[int, Channel] = {}  # each rank's newest connection (a replacement's, after a death)
         self.membership = threading.Lock()  # a rank's HELLO and an old connection's death, one at a time
+        self.max_pending = max_pending or 2 * server.workers + 4
+        self.pending: list[Channel] = []  # connected, HELLO not yet said (oldest first)
+        self.open = 0
+        self.refused = 0  # connections refused or dropped before they said who they were
         self.closing = False
         self.acceptor = threading.Thread(target=self._accept, name="distsgd-ps-accept", daemon=True)
 
@@ -232,95 +296,163 @@ class Service:
 
     def close(self, wait_s: float = 5.0) -> None:
         self.closing = True
+        try:  # wakes the acceptor blocked in accept() (close alone does not, and its number would be
+            self.listener.shutdown(socket.SHUT_RDWR)  # reused by the next socket the process opens)
+        except OSError:
+            pass
         self.listener.close()
-        for c in self.channels:
+        if self.acceptor.is_alive():
+            self.acceptor.join(wait_s)
+        for c in list(self.channels):
             c.close()
-        for t in self.threads:
+        for t in list(self.threads):
             t.join(wait_s)
 
     def _accept(self) -> None:
         while not self.closing:
             try:
                 sock, _ = self.listener.accept()
-            except OSError:  # closed
-                return
-            channel = Channel(sock, self.silence_s)
-            self.channels.append(channel)
+            except OSError as exc:
+                if self.closing:
+                    return
+                log.warning("the parameter server could not accept a connection (%s); it keeps listening", exc)
+                time.sleep(0.1)
+                continue
+            try:
+                channel = Channel(sock, self.silence_s)
+            except OSError:  # reset before it could be set up
+                sock.close()
+                continue
+            with self.membership:
+                evicted = self.pending.pop(0) if len(self.pending) >= self.max_pending else None
+                self.pending.append(channel)
+                self.channels.append(channel)
+                self.open += 1
+            if evicted is not None:
+                evicted.evicted = True
+                evicted.close()  # its thread finds it closed, and counts it refused
             thread = threading.Thread(target=self._serve, args=(channel,), daemon=True)
-            self.threads.append(thread)
+            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
             thread.start()
 
+    def _handshake(self, channel: Channel) -> int:
+        """The rank of a connection that said a valid HELLO with the run's secret, in time."""
+        head = bytearray(_HEAD + SECRET_BYTES)
+        channel.recv_into(memoryview(head), deadline=time.monotonic() + HELLO_DEADLINE_S)
+        op, rank, _, rejoining = struct.unpack("4q", head[:_HEAD])
+        if op != HELLO:
+            raise Refused(f"request {op} before HELLO")
+        if not hmac.compare_digest(bytes(head[_HEAD:]), self.secret):
+            raise Refused("a HELLO without the run's secret")
+        if not 1 <= rank <= self.server.workers:
+            raise Refused(f"a HELLO for rank {rank} (this server has ranks 1..{self.server.workers})")
+        with self.membership:
+            if channel.closed or channel not in self.pending:  # evicted meanwhile, or the service is closing
+                raise Refused("closed before its HELLO was read")
+            live = self.current.get(rank)
+            if live is not None and not live.closed and not rejoining:
+                raise Refused(f"a second HELLO for worker {rank - 1}, which is connected")
+            self.pending.remove(channel)
+            self.current[rank] = channel
+            self.role.worker_hello(rank, bool(rejoining))
+        return rank
+
     def _serve(self, channel: Channel) -> None:
-        layout = self.layout
-        request, answer = Frame(layout.request_bytes), Frame(layout.answer_bytes)
-        server, rank = self.server, -1
-
-        def reply(version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0,
-                  floats: list[torch.Tensor] | None = None) -> None:
-            if data is not None:
-                layout.params.whole(answer).copy_(data)
-            if floats is not None:
-                layout.floats.pack(answer, floats)
-            server.count(sent=answer.send(channel, version, total, int(stop), nbytes))
-
+        rank = -1
         try:
-            while True:
-                op, version, samples, flag = request.recv_head(channel)
-                if op != PING:
-                    request.recv_payload(channel)
-                server.count(received=_HEAD if op == PING else request.buffer.numel())
-                if op == HELLO:  # [HELLO, rank, 0, rejoining]: answered with that rank's samples so far
-                    if rank >= 0 or not 1 <= version <= server.workers:
-                        raise ConnectionError(f"a HELLO for rank {version} (this server has ranks 1..{server.workers})")
-                    rank = version
-                    with self.membership:
-                        self.current[rank] = channel
-                        self.role.worker_hello(rank, bool(flag))
-                    reply(server.version, server.total_samples(), server.stop, nbytes=server.counts[rank])
-                elif rank < 0:
-                    raise ConnectionError(f"request {op} before HELLO")
-                elif op == PING:  # [PING, 0, 0, 0]: the worker is alive, busy between requests
-                    continue
-                elif op == PULL:
-                    flat, v = server.pull(rank)
-                    reply(v, server.total_samples(), server.stop, flat)
-                elif op == PUSH:
-                    grad = layout.params.whole(request).clone()
-                    buffers = (layout.floats.unpack(request, clone=True),
-                               layout.ints.unpack(request, clone=True)) if flag else None
-                    flat, v, total, stop = server.push(rank, grad, version, samples, buffers).wait()
-                    reply(v, total, stop, flat)
-                elif op == EXCHANGE:
-                    x = layout.params.whole(request).clone()
-                    floats, ints = layout.floats.unpack(request, clone=True), layout.ints.unpack(request, clone=True)
-                    (diff, diff_floats), v, total, stop = server.exchange(rank, x, floats, ints, samples)
-                    reply(v, total, stop, diff, floats=diff_floats)
-                elif op == BARRIER:
-                    server.barrier().wait()
-                    reply(server.version, server.total_samples(), server.stop)
-                elif op == CHECKPOINTED:  # [CHECKPOINTED, seq, samples, 0]: this worker saved its part
-                    self.role.checkpointed(rank, version, samples)
-                    reply(server.version, server.total_samples(), server.stop)
-                elif op == DONE:
-                    self.role.worker_done(rank, samples)
-                    return
-                else:
-                    raise ConnectionError(f"unknown request {op}")
-        except Exception as exc:  # its connection broke: it died, fell silent, or the run is being torn down
+            rank = self._handshake(channel)
+            _Connection(self, channel, rank).run()
+        except Exception as exc:  # its connection broke: it died, fell silent, lied, or the run is ending
             if self.closing:
                 return
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if isinstance(exc, (socket.timeout, BlockingIOError)):
-                why = f"silent for {self.silence_s:.0f} s (--timeout)"
+            if isinstance(exc, (socket.timeout, BlockingIOError, TimeoutError)):
+                why = f"silent for {self.silence_s:.0f} s (--timeout)" if rank >= 0 else "no HELLO in time"
             if rank >= 0:
+                taken, gone = None, False
                 with self.membership:  # a replacement's HELLO cannot slip in between the test and the drop
                     if self.current.get(rank) is channel:  # not a replaced one
                         log.warning("worker %d is gone (%s); the server carries on without it", rank - 1, why)
-                        self.role.worker_gone(rank)
+                        taken, gone = self.role.leave(rank), True
+                if gone:
+                    self.role.commit_after(taken)  # a checkpoint this completed: written outside the lock
             else:
-                log.warning("dropped a connection that never said which worker it is (%s)", why)
+                if channel.evicted:
+                    why = f"closed to make room: more than {self.max_pending} connections waited for their HELLO"
+                with self.membership:
+                    self.refused += 1
+                    n = self.refused
+                if n <= REFUSALS_SHOWN:
+                    log.warning("refused a connection that did not say which of this run's workers it is (%s)%s",
+                                why, "; further refusals are only counted (refused_connections in the summary)"
+                                if n == REFUSALS_SHOWN else "")
         finally:
             channel.close()
+            with self.membership:
+                self.open -= 1
+                if channel in self.pending:
+                    self.pending.remove(channel)
+                self.channels = [c for c in self.channels if not c.closed]
+
+
+class _Connection:
+    """One admitted worker's requests, each checked, each answered with one message."""
+
+    def __init__(self, service: Service, channel: Channel, rank: int) -> None:
+        self.service, self.channel, self.rank = service, channel, rank
+        self.server, self.role, self.layout = service.server, service.role, service.layout
+        self.request, self.answer = Frame(self.layout.request_bytes), Frame(self.layout.answer_bytes)
+        self.reply(self.server.version, self.server.total_samples(), self.server.stop,
+                   nbytes=self.server.counts[rank])  # HELLO: answered with that rank's samples so far
+        self.server.count(received=_HEAD + SECRET_BYTES)
+
+    def reply(self, version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0,
+              floats: list[torch.Tensor] | None = None) -> None:
+        if data is not None:
+            self.layout.params.whole(self.answer).copy_(data)
+        if floats is not None:
+            self.layout.floats.pack(self.answer, floats)
+        self.server.count(sent=self.answer.send(self.channel, version, total, int(stop), nbytes))
+
+    def run(self) -> None:
+        server, layout, request, rank = self.server, self.layout, self.request, self.rank
+        silence = self.service.silence_s
+        while True:
+            op, version, samples, flag = request.recv_head(self.channel)
+            if op not in (PING, PULL, PUSH, EXCHANGE, BARRIER, CHECKPOINTED, DONE):
+                raise Refused(f"unknown request {op}")
+            if op != PING:
+                request.recv_payload(self.channel, None if silence is None else time.monotonic() + silence)
+            server.count(received=_HEAD if op == PING else request.buffer.numel())
+            if op in (PUSH, EXCHANGE, DONE, CHECKPOINTED):
+                server.check_samples(rank, samples, done=op in (DONE, CHECKPOINTED))
+            if op == PING:  # [PING, 0, 0, 0]: the worker is alive, busy between requests
+                continue
+            if op == PULL:
+                flat, v = server.pull(rank)
+                self.reply(v, server.total_samples(), server.stop, flat)
+            elif op == PUSH:
+                if not 0 <= version <= server.version:
+                    raise Refused(f"a gradient computed on version {version}, which the server has not made")
+                grad = layout.params.whole(request).clone()
+                buffers = (layout.floats.unpack(request, clone=True),
+                           layout.ints.unpack(request, clone=True)) if flag else None
+                flat, v, total, stop = server.push(rank, grad, version, samples, buffers).wait()
+                self.reply(v, total, stop, flat)
+            elif op == EXCHANGE:
+                x = layout.params.whole(request).clone()
+                floats, ints = layout.floats.unpack(request, clone=True), layout.ints.unpack(request, clone=True)
+                (diff, diff_floats), v, total, stop = server.exchange(rank, x, floats, ints, samples)
+                self.reply(v, total, stop, diff, floats=diff_floats)
+            elif op == BARRIER:
+                server.barrier().wait()
+                self.reply(server.version, server.total_samples(), server.stop)
+            elif op == CHECKPOINTED:  # [CHECKPOINTED, seq, samples, 0]: this worker saved its part
+                self.role.checkpointed(rank, version, samples)
+                self.reply(server.version, server.total_samples(), server.stop)
+            else:  # DONE
+                self.role.worker_done(rank, samples)
+                return
 
 
 def connect(address: str, timeout_s: float) -> Channel:
@@ -348,16 +480,27 @@ class Client:
     silent. Requests and PINGs share the connection under one lock."""
 
     def __init__(self, me: int, weights: torch.Tensor, layout: Layout, address: str,
-                 timeout_s: float, rejoining: bool = False) -> None:
+                 timeout_s: float, rejoining: bool = False, secret: bytes = b"") -> None:
         self.me, self.weights, self.layout = me, weights, layout
-        self.request, self.answer = Frame(layout.request_bytes), Frame(layout.answer_bytes)
+        pinned = weights.device.type == "cuda"
+        self.request, self.answer = Frame(layout.request_bytes, pinned), Frame(layout.answer_bytes, pinned)
         self.bytes_sent = 0
         self.channel = connect(address, timeout_s)
         self.channel.sock.settimeout(None)  # a push may wait for a round; the server's death closes it
         self.lock, self.quiet_s, self.last = threading.Lock(), timeout_s / 4, time.monotonic()
         self.closed = threading.Event()
-        self.samples = self._call(HELLO, me, 0, int(rejoining))[3]
-        threading.Thread(target=self._beat, name="distsgd-ps-heartbeat", daemon=True).start()
+        with self.lock:  # the HELLO: its header and the run's secret; the answer, a whole message
+            self.bytes_sent += self.channel.send(hello_message(me, secret, rejoining))
+            self.samples = self.answer.recv(self.channel)[3]
+        self.beat = threading.Thread(target=self._beat, name="distsgd-ps-heartbeat", daemon=True)
+        self.beat.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat and close the connection (after :meth:`done`, or to give up)."""
+        self.closed.set()
+        self.channel.close()
+        if self.beat is not threading.current_thread():
+            self.beat.join(5.0)
 
     def _call(self, op: int, version: int = 0, samples: int = 0, flag: int = 0) -> tuple[int, int, bool, int]:
         with self.lock:
@@ -403,13 +546,15 @@ class Client:
     def exchange(self, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor],
                  samples: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
         """Async EASGD: send x (the flat parameters and the floating-point buffers) and the other
-        buffers; get the difference d of both from the centre."""
+        buffers; get the difference d of both from the centre (on x's device)."""
         layout = self.layout
         layout.params.whole(self.request).copy_(x)
         layout.floats.pack(self.request, floats)
         layout.ints.pack(self.request, ints)
         version, total, stop, _ = self._call(EXCHANGE, 0, samples)
-        diff = (layout.params.whole(self.answer).clone(), layout.floats.unpack(self.answer, clone=True))
+        where = x.device
+        diff = (layout.params.whole(self.answer).to(where, copy=True),
+                [d.to(where) for d in layout.floats.unpack(self.answer, clone=True)])
         return diff, version, total, stop
 
     def barrier(self) -> None:
@@ -417,7 +562,7 @@ class Client:
 
     def done(self, samples: int) -> None:
         self._call(DONE, 0, samples)
-        self.channel.close()
+        self.close()
 
     def checkpointed(self, seq: int, samples: int) -> None:
         """This worker saved its part of checkpoint ``seq``: the server commits once all live have."""

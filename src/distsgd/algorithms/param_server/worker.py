@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
-from distsgd.algorithms.base import Algorithm, NoOptions, Server, ServerSeat, Topology, register
+from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport
 from distsgd.algorithms.param_server.role import ServerRole
 from distsgd.algorithms.param_server.rules import (Asynchronous, BoundedStaleness, DelayCompensated, Rule,
@@ -30,14 +30,18 @@ class ServerTopology(Server):
         self.rule, self.exact_checkpoints = rule, exact_checkpoints
 
     def serve(self, job: Job, algo_cls: type[Algorithm], workers: int, address: str, sink: Sink,
-              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None) -> WorkerResult:
+              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None,
+              secret: bytes = b"") -> WorkerResult:
         """Be the server of ``workers`` workers at ``address`` (``host:port``; port 0: any free one,
-        told to ``publish``) until they are all done. ``given_up[rank]``: the local launcher will
-        start no replacement for that rank (:class:`.role.ServerRole`)."""
-        rule = self.rule(job.cfg, algo_cls.Options.from_mapping(job.cfg.options))
-        role = ServerRole(job, rule, workers, sink, exact=self.exact_checkpoints, given_up=given_up)
+        told to ``publish``) until they are all done, admitting only those that know ``secret``.
+        ``given_up[rank]``: the local launcher will start no replacement for that rank
+        (:class:`.role.ServerRole`)."""
+        opts = algo_cls.Options.from_mapping(job.cfg.options)
+        rule = self.rule(job.cfg, opts)
+        role = ServerRole(job, rule, workers, sink, exact=self.exact_checkpoints, given_up=given_up,
+                          accept_nonfinite=getattr(opts, "accept_nonfinite", False))
         service = transport.Service(role.server, role, transport.Layout.of(role.model), address,
-                                    silence_s=job.cfg.timeout_s)
+                                    silence_s=job.cfg.timeout_s, secret=secret)
         if publish is not None:
             publish(service.address)
         service.start()
@@ -45,11 +49,18 @@ class ServerTopology(Server):
             result = role.run()
         finally:
             service.close()
+        result.figures.refused_connections = service.refused
         return result
 
 
 @dataclass(frozen=True)
-class StalenessOptions(Options):
+class ServerOptions(Options):
+    accept_nonfinite: bool = option(False, "apply gradients with NaN or inf too (by default the server takes them "
+                                           "as zero and counts them: nonfinite_pushes)")
+
+
+@dataclass(frozen=True)
+class StalenessOptions(ServerOptions):
     staleness_lr: bool = option(False, "divide each gradient by its staleness (staleness-aware ASGD)")
 
 
@@ -77,11 +88,19 @@ class DCASGDOptions(StalenessOptions):
 
 class ServerAlgorithm(Algorithm):
     """The worker side of every parameter-server rule: push the gradient, take the new weights.
-    Its seat is the server's address; a replacement worker rejoins under its rank."""
+    Its seat is the server's address; a replacement worker rejoins under its rank. Workers may
+    compute on GPUs; the server steps on the CPU (what it sends and receives are host bytes)."""
 
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
     Options: ClassVar[type[Options]] = StalenessOptions
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        super().check(cfg)
+        if cfg.precision == "fp16":
+            raise ConfigError(f"{cfg.algo} sends gradients to a server that steps with them, and fp16's loss scaling "
+                              f"would leave them scaled and unchecked for overflow there: use --precision bf16")
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         seat: ServerSeat = self.seat
@@ -90,7 +109,8 @@ class ServerAlgorithm(Algorithm):
         self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
         self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.client = transport.Client(ctx.rank + 1, self.weights, layout, seat.address, self.cfg.timeout_s,
-                                       rejoining=start is Start.REPLACEMENT)  # data rank r is rank r + 1
+                                       rejoining=start is Start.REPLACEMENT,  # data rank r is rank r + 1
+                                       secret=seat.secret)
         self.local = 0
         self.version = self.client.pull()
         self.total = 0
@@ -156,7 +176,7 @@ class SyncPS(ServerAlgorithm):
 
     name = "sync-ps"
     topology = ServerTopology(SyncRound, exact_checkpoints=True)
-    Options = NoOptions
+    Options = ServerOptions
     summary_line = "the same server waiting for all N gradients, then one step (the seeds' scheme)"
 
 

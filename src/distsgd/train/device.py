@@ -1,0 +1,117 @@
+"""Where and how precisely a worker computes: ``--device``, ``--precision``, ``--compile``.
+
+Devices are a parameter, never an assumption. The launching process never creates a CUDA context:
+it only asks whether CUDA is there and how many devices it has (:func:`cuda_count`, which does not
+create one), and the fork server that starts workers imports torch without touching CUDA. Each
+worker picks its device from its index on its machine (:func:`resolve`: worker i uses
+``cuda:(i % visible GPUs)``) and creates everything there.
+
+Precision: ``bf16`` runs the forward pass and the loss under ``torch.autocast`` with bfloat16 (CPU
+and GPU; no loss scaling needed, its range is float32's); ``fp16`` under autocast with float16 and a
+``GradScaler`` (GPU only: its loss scaling skips a step whose gradients overflowed). Parameters,
+gradients, optimiser state and everything the algorithms send stay float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from distsgd.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cuda_count() -> int:
+    """GPUs this process may use, asked without creating a CUDA context (0 without CUDA)."""
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver counts as no GPU
+        return 0
+
+
+def kind(spec: str) -> str:
+    """'cuda' or 'cpu': what ``--device spec`` means on this machine (``auto``: cuda if there is one)."""
+    if spec == "auto":
+        return "cuda" if cuda_count() else "cpu"
+    return "cuda" if spec.startswith("cuda") else "cpu"
+
+
+def check(device: str, precision: str) -> None:
+    """One line for a device or precision this machine cannot give, before any process starts."""
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got '{device}'")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
+    count = cuda_count()
+    if device.startswith("cuda") and count == 0:
+        raise ConfigError(f"--device {device} needs a CUDA GPU, and this machine has none that torch can use "
+                          f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
+    if device.startswith("cuda:") and int(device[5:]) >= count:
+        raise ConfigError(f"--device {device}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}")
+    if precision == "fp16" and kind(device) == "cpu":
+        raise ConfigError("--precision fp16 needs a GPU (float16 autocast with loss scaling); on the CPU use "
+                          "--precision bf16")
+
+
+def resolve(spec: str, local_index: int = 0) -> torch.device:
+    """The device of the worker with index ``local_index`` on its machine."""
+    if kind(spec) == "cpu":
+        return torch.device("cpu")
+    if spec.startswith("cuda:"):
+        return torch.device(spec)
+    return torch.device("cuda", local_index % max(1, cuda_count()))
+
+
+def use(spec: str, local_index: int = 0) -> torch.device:
+    """The device of this worker process (see :func:`resolve`), made its current CUDA device (what
+    NCCL and ``torch.cuda`` calls then use)."""
+    where = resolve(spec, local_index)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    return where
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The forward pass's context: nothing for fp32, autocast for bf16 and fp16."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def synchronizer(device: torch.device) -> Callable[[], None] | None:
+    """What a clock calls before it is read, so it counts the work queued on the device."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return None
+
+
+class ScaledOptimizer:
+    """An optimiser whose ``step`` goes through a ``GradScaler`` (``--precision fp16``): it skips a
+    step whose gradients overflowed and adapts the scale. The loop unscales the gradients once the
+    algorithm has synchronised them (so every worker decides alike) and before the step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        self.optimizer, self.scaler = optimizer, scaler
+
+    def step(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, zero_grad, state_dict, ...
+        return getattr(self.optimizer, name)
+
+
+def describe(device: torch.device, precision: str) -> dict[str, Any]:
+    """What summary.json records of where a run computed."""
+    out: dict[str, Any] = {"device": str(device), "precision": precision}
+    if device.type == "cuda":
+        out.update(gpu=torch.cuda.get_device_name(device), cuda_version=torch.version.cuda)
+    return out
+
+
+__all__ = ["PRECISIONS", "cuda_count", "kind", "check", "resolve", "use", "autocast", "synchronizer", "ScaledOptimizer",
+           "describe"]

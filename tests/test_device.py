@@ -1,0 +1,165 @@
+"""Devices, precision and compilation (--device, --precision, --compile).
+
+On CPU (CI): cpu, bf16 and torch.compile train, record where they ran, and a CUDA request on a
+machine without CUDA is one error line. The tests marked ``gpu`` run on a machine with a GPU
+(``python -m pytest -m gpu``) and are skipped elsewhere: every algorithm on CUDA workers,
+reported = saved, Hogwild! through CUDA IPC, NCCL when each worker has a GPU, fp16 with loss
+scaling, workers that start though the caller used CUDA, model.pt loading without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distsgd
+from distsgd.errors import ConfigError
+
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+
+def test_cpu_and_bf16_train_and_say_where(tmp_path: Path) -> None:
+    base = dict(model="mlp", data="digits", epochs=3, lr=0.05, quiet=True)
+    fp32 = distsgd.train(device="cpu", **base).summary
+    bf16 = distsgd.train(device="cpu", precision="bf16", out=str(tmp_path / "bf16"), **base).summary
+    for s in (fp32, bf16):
+        assert s["device"] == "cpu" and s["final_test_accuracy"] > 0.8, s
+    assert fp32["precision"] == "fp32" and bf16["precision"] == "bf16"
+    assert bf16["final_test_accuracy"] != fp32["final_test_accuracy"] or bf16["final_test_loss"] != fp32["final_test_loss"]
+    # the saved model is float32 and scores what was reported (evaluated in bf16 too)
+    state = torch.load(tmp_path / "bf16" / "model.pt", weights_only=True)["state_dict"]
+    assert all(v.dtype in (torch.float32, torch.int64) for v in state.values())
+
+
+@pytest.mark.parametrize("algo, workers", [("allreduce", 2), ("hogwild", 2), ("asgd", 2), ("diloco", 2)])
+def test_bf16_under_every_topology(algo: str, workers: int) -> None:
+    s = distsgd.train(model="mlp", data="digits", algo=algo, workers=workers, epochs=2, lr=0.05 if algo != "diloco"
+                      else 0.003, precision="bf16", quiet=True).summary
+    assert s["precision"] == "bf16" and s["final_test_accuracy"] > 0.5, s
+
+
+def test_compile_trains_on_cpu() -> None:
+    """torch.compile of the model (inductor: a C compiler builds its kernels on the first steps)."""
+    s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True,
+                      quiet=True).summary
+    assert s["compile"] is True and s["final_test_accuracy"] > 0.5, s
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda"], "--device cuda needs a CUDA GPU, and this machine has none"),
+    (["--device", "cuda:1"], "--device cuda:1 needs a CUDA GPU"),
+    (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+    (["--precision", "fp16"], "--precision fp16 needs a GPU"),
+    (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16"),
+])
+def test_impossible_devices_are_one_error_line(tmp_path: Path, args: list[str], message: str) -> None:
+    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--out", str(tmp_path / "r"), *args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), res.stderr
+
+
+def test_auto_is_the_cpu_without_cuda() -> None:
+    from distsgd.train import device
+
+    if torch.cuda.is_available():
+        assert device.resolve("auto", 3).type == "cuda"
+    else:
+        assert device.resolve("auto", 3) == torch.device("cpu") and device.kind("auto") == "cpu"
+    with pytest.raises(ConfigError):
+        device.check("auto", "fp4")
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+EVERY = ["single", "allreduce", "ddp", "hogwild", "hogwild++", "asgd", "sync-ps", "ssp", "dcasgd", "local-sgd",
+         "easgd", "diloco", "streaming-diloco"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", EVERY)
+def test_every_algorithm_trains_on_cuda_workers(tmp_path: Path, algo: str) -> None:
+    from distsgd.api import evaluate_checkpoint
+
+    workers = 1 if algo == "single" else 2
+    extra = {"sync_every": "5"} if algo in ("local-sgd", "diloco", "streaming-diloco") else {}
+    if algo == "streaming-diloco":
+        extra.update(fragments=2, overlap=1)
+    run = tmp_path / "run"
+    s = distsgd.train(model="resnet20", data="digits", algo=algo, workers=workers, epochs=2, batch_size=32,
+                      lr=0.003 if "diloco" in algo else 0.05, device="cuda", out=str(run), quiet=True, **extra).summary
+    assert s["device"].startswith("cuda") and s["gpu"], s
+    assert s["final_test_accuracy"] > 0.3, s
+    saved = evaluate_checkpoint(run / "model.pt")  # loads on the CPU
+    assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=2e-3)  # CPU vs GPU kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_a_gpu(precision: str) -> None:
+    s = distsgd.train(model="resnet20", data="digits", algo="allreduce", workers=2, epochs=2, batch_size=64,
+                      lr=0.05, device="cuda", precision=precision, quiet=True).summary
+    assert s["precision"] == precision and s["final_test_accuracy"] > 0.5, s
+
+
+@pytest.mark.gpu
+def test_fp16_is_refused_for_a_parameter_server() -> None:
+    with pytest.raises(ConfigError, match="use --precision bf16"):
+        distsgd.train(model="mlp", data="digits", algo="asgd", workers=2, device="cuda", precision="fp16", quiet=True)
+
+
+@pytest.mark.gpu
+def test_nccl_when_every_worker_has_its_gpu() -> None:
+    gpus = torch.cuda.device_count()
+    s = distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, epochs=1, device="cuda",
+                      quiet=True).summary
+    assert s["backend"] == ("nccl" if gpus >= 2 else "gloo"), (gpus, s["backend"])
+
+
+@pytest.mark.gpu
+def test_hogwild_shares_one_model_in_gpu_memory() -> None:
+    s = distsgd.train(model="mlp", data="digits", algo="hogwild", workers=2, epochs=3, lr=0.05, device="cuda",
+                      quiet=True).summary
+    assert s["model_shared"] is True  # CUDA tensors travel by CUDA IPC: is_shared() is True for them
+    assert s["final_test_accuracy"] > 0.8 and sum(s["samples_per_worker"]) == s["samples"]
+
+
+@pytest.mark.gpu
+def test_workers_start_even_when_the_caller_used_cuda(tmp_path: Path) -> None:
+    """A process that forks after CUDA is initialised cannot use CUDA in the child. Workers come
+    from the fork server, which never touched CUDA, so a caller's own CUDA use does not matter."""
+    script = tmp_path / "caller.py"
+    script.write_text("""
+import torch, distsgd
+if __name__ == "__main__":
+    torch.zeros(1, device="cuda")  # the caller's process has a CUDA context
+    for algo in ("allreduce", "asgd", "hogwild"):
+        s = distsgd.train(model="mlp", data="digits", algo=algo, workers=2, epochs=1, device="cuda", quiet=True).summary
+        assert s["device"].startswith("cuda"), s
+        print(algo, s["final_test_accuracy"])
+""")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(res.stdout.splitlines()) == 3
+
+
+@pytest.mark.gpu
+def test_a_gpu_checkpoint_resumes_and_model_pt_loads_on_the_cpu(tmp_path: Path) -> None:
+    common = dict(model="mlp", data="digits", algo="allreduce", workers=2, lr=0.05, device="cuda", quiet=True,
+                  checkpoint_every="epoch")
+    full = distsgd.train(epochs=2, out=str(tmp_path / "full"), **common)
+    distsgd.train(epochs=1, out=str(tmp_path / "part"), **common)
+    resumed = distsgd.train(resume=str(tmp_path / "part"), epochs=2)
+    assert resumed.summary["final_test_loss"] == pytest.approx(full.summary["final_test_loss"], rel=1e-5)
+    state = torch.load(tmp_path / "full" / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
+    assert all(v.device.type == "cpu" for v in state.values())
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["cuda_version"] == torch.version.cuda
