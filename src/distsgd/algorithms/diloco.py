@@ -84,12 +84,9 @@ def paper_inner_defaults(inner_optimizer: str) -> dict[str, Any]:
     return {"lr": 4e-4, "weight_decay": 0.1} if inner_optimizer == "adamw" else {}
 
 
-@register
-class DiLoCo(GroupAlgorithm):
-    name = "diloco"
-    kind = "low communication"
-    Options = DiLoCoOptions
-    summary_line = "DiLoCo: H inner AdamW steps, then outer Nesterov SGD on the averaged pseudo-gradient"
+class InnerOuter(GroupAlgorithm):
+    """What DiLoCo and its streaming variant share: the inner optimiser (--inner-optimizer, at the
+    paper's defaults for AdamW)."""
 
     @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
@@ -99,6 +96,14 @@ class DiLoCo(GroupAlgorithm):
         """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
         return build_optimizer(self.cfg.replace(optimizer=self.opts.inner_optimizer), model, ctx.job.optimizer,
                                ctx.job.param_groups)
+
+
+@register
+class DiLoCo(InnerOuter):
+    name = "diloco"
+    kind = "low communication"
+    Options = DiLoCoOptions
+    summary_line = "DiLoCo: H inner AdamW steps, then outer Nesterov SGD on the averaged pseudo-gradient"
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world

@@ -53,14 +53,13 @@ import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, flat_view_, params
-from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.diloco import OuterOptions, paper_inner_defaults
+from distsgd.algorithms.base import GroupFigures, register
+from distsgd.algorithms.diloco import InnerOuter, OuterOptions
 from distsgd.algorithms.periodic import Periodic, period_option
 from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.train.context import Start, Step, WorkerContext
-from distsgd.train.optim import build_optimizer
 
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -132,21 +131,12 @@ class Globals:
 
 
 @register
-class StreamingDiLoCo(GroupAlgorithm):
+class StreamingDiLoCo(InnerOuter):
     name = "streaming-diloco"
     kind = "low communication"
     Options = StreamingOptions
     summary_line = ("Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "
                     "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)")
-
-    @classmethod
-    def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        return paper_inner_defaults(cls.Options.from_mapping(cfg.options).inner_optimizer)
-
-    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
-        """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
-        return build_optimizer(self.cfg.replace(optimizer=self.opts.inner_optimizer), model, ctx.job.optimizer,
-                               ctx.job.param_groups)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
