@@ -119,3 +119,12 @@ def _alive(pid: int) -> bool:
         return False
     helper = any(h in cmdline for h in _LIFETIME_HELPERS) and b"multiprocessing.forkserver" not in parent
     return fields[0] != "Z" and not helper
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """scikit-learn's digits (1,437 training images of 8 x 8), loaded once per test module."""
+    pytest.importorskip("sklearn")
+    from distsgd.data import load_dataset
+
+    return load_dataset("digits")

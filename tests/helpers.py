@@ -83,3 +83,10 @@ def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120):
     import torch
 
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def flat_params(model):
+    """A model's parameters as one flat tensor (detached), to compare two models."""
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

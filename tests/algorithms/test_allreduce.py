@@ -7,7 +7,8 @@ import torch
 
 import distsgd
 from distsgd.algorithms.allreduce import make_buckets
-from distsgd.data import load_dataset
+
+from helpers import flat_params
 
 pytest.importorskip("sklearn")
 
@@ -16,20 +17,11 @@ STEPS = 20
 
 
 @pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-@pytest.fixture(scope="module")
 def single_reference(digits):
     result = distsgd.train(model="mlp", data=digits, algo="single", batch_size=2 * B, max_samples=STEPS * 2 * B,
                            lr=0.1, momentum=0.9, seed=7, quiet=True)
     assert result.summary["samples"] == STEPS * 2 * B
-    return _params(result.model)
+    return flat_params(result.model)
 
 
 @pytest.mark.parametrize("algo, bucket_mb", [("allreduce", 25.0), ("allreduce", 0.02), ("ddp", 25.0)])
@@ -38,8 +30,8 @@ def test_two_workers_equal_single_with_the_global_batch(digits, single_reference
                            lr=0.1, momentum=0.9, seed=7, bucket_mb=bucket_mb, quiet=True)
     s = result.summary
     assert s["samples"] == STEPS * 2 * B and s["global_batch_size"] == 2 * B and s["workers"] == 2
-    ours = _params(result.model)
-    assert not torch.equal(ours, _params(distsgd.models.build_model("mlp", (1, 8, 8), 10, seed=7)))  # it trained
+    ours = flat_params(result.model)
+    assert not torch.equal(ours, flat_params(distsgd.models.build_model("mlp", (1, 8, 8), 10, seed=7)))  # it trained
     rel = float((ours - single_reference).norm() / single_reference.norm())
     assert rel < 1e-5, rel
     assert (ours - single_reference).abs().max() < 1e-4

@@ -117,19 +117,6 @@ def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
 
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from distsgd.data import load_dataset
-
-    pytest.importorskip("sklearn")
-    return load_dataset("digits")
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_learns_digits(digits, mode: str) -> None:
     s = distsgd.train(model="mlp", data=digits, algo="easgd", workers=2, epochs=5, lr=0.05, quiet=True,

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import distsgd
-from distsgd.data import load_dataset
 
 pytest.importorskip("sklearn")
 
@@ -46,11 +45,6 @@ class Ticker(nn.Module):
                 os.kill(os.getpid(), signal.SIGKILL)
         return self.fc(x.flatten(1)) + Tick.apply(self.ticks)
 '''
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from distsgd.train.context import Start
 
 from quadratics import config
 
+from helpers import flat_params
+
 # -- HogWild++ (Zhang, Hsieh, Akella, ICDM 2016) -------------------------------------------------
 
 def authors_model_update(vals: list[float], old_vals: list[float], next_vals: list[float], beta: float,
@@ -136,19 +138,6 @@ def test_the_exchange_across_machines_is_the_authors_rule(n: int) -> None:
 
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from distsgd.data import load_dataset
-
-    pytest.importorskip("sklearn")
-    return load_dataset("digits")
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-
 def test_learns_digits(digits) -> None:
     s = distsgd.train(model="mlp", data=digits, algo="hogwild++", workers=2, epochs=5, lr=0.05, quiet=True,
                       cluster_size=1, update_delay=4).summary
@@ -184,7 +173,7 @@ def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path)
     # Each exchange: the holder sends a SYNC header of 3 + 2n int64 and delta, the next cluster answers
     # with its weights; then the holder sends a TOKEN header, except after the last exchange, when a
     # STOP header goes round the ring of n = 2 (sent once, not forwarded back to its origin).
-    n_params = _params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
+    n_params = flat_params(distsgd.models.build_model("mlp", (1, 8, 8), 10)).numel()
     passes, header = s["token_passes"], 8 * (3 + 2 * 2)
     assert s["bytes_sent"] == passes * 2 * 4 * n_params + (2 * passes - 1 + 1) * header
     # the average of the two clusters learnt (chance: 0.1); it varies from run to run (0.78 seen once)

@@ -9,7 +9,7 @@ import torch
 import distsgd
 from distsgd.train.context import Start
 
-from helpers import in_group
+from helpers import flat_params, in_group
 from quadratics import config, context, far, flat, model_and_grad, take_step
 
 # -- local SGD against torch's PeriodicModelAverager -------------------------------------------
@@ -81,24 +81,12 @@ def _local_sgd_wrong_phase(rank: int, world: int, steps: int, every: int, warmup
 
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from distsgd.data import load_dataset
-
-    pytest.importorskip("sklearn")
-    return load_dataset("digits")
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def test_local_sgd_every_step_equals_allreduce_without_momentum(digits) -> None:
     common = dict(model="mlp", data=digits, workers=2, batch_size=16, max_samples=640, lr=0.1, momentum=0.0,
                   seed=2, quiet=True)
     ar = distsgd.train(algo="allreduce", **common)
     local = distsgd.train(algo="local-sgd", sync_every="1", **common)
-    a, b = _params(ar.model), _params(local.model)
+    a, b = flat_params(ar.model), flat_params(local.model)
     assert float((a - b).norm() / a.norm()) < 1e-5
 
 

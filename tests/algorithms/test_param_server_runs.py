@@ -7,25 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import distsgd
-from distsgd.data import load_dataset
 
-from helpers import run_cli
+from helpers import flat_params, run_cli
 
 pytest.importorskip("sklearn")
 
 B, STEPS = 16, 20
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def test_sync_ps_equals_single_with_the_global_batch(digits) -> None:
@@ -33,7 +22,7 @@ def test_sync_ps_equals_single_with_the_global_batch(digits) -> None:
     single = distsgd.train(algo="single", batch_size=2 * B, **common)
     ps = distsgd.train(algo="sync-ps", workers=2, batch_size=B, **common)
     assert ps.summary["samples"] == STEPS * 2 * B and ps.summary["server_updates"] == STEPS
-    a, b = _params(single.model), _params(ps.model)
+    a, b = flat_params(single.model), flat_params(ps.model)
     assert float((a - b).norm() / a.norm()) < 1e-5
     assert ps.summary["staleness"]["max"] == 0
 
@@ -50,7 +39,7 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
 
     model = distsgd.models.build_model("mlp", (1, 8, 8), 10)
     layout = Layout.of(model)
-    n_params = _params(model).numel()
+    n_params = flat_params(model).numel()
     # A worker sends one message a step: a 4 x int64 header and the float32 gradient (its section
     # padded to a multiple of 16 bytes), for 4 epochs of ceil(718 / 64) steps; three control
     # requests of the same size (the first pull, the start barrier, done: every request has one

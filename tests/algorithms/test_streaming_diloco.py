@@ -142,14 +142,6 @@ def test_one_fragment_without_overlap_or_merge_is_diloco(tmp_path) -> None:
     assert stream[0]["figures"]["bytes_sent"] == diloco[0]["figures"]["bytes_sent"]
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from distsgd.data import load_dataset
-
-    pytest.importorskip("sklearn")
-    return load_dataset("digits")
-
-
 def test_the_peak_transfer_is_a_fragment_and_fp16_halves_the_bytes(digits) -> None:
     common = dict(model="mlp", data=digits, workers=2, epochs=2, batch_size=16, lr=0.003, sync_every="12",
                   quiet=True)

@@ -7,10 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import distsgd
-from distsgd.data import load_dataset
 
 from helpers import run_cli
 
@@ -18,15 +16,6 @@ pytest.importorskip("sklearn")
 
 B = 16
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def test_stop_at_target_is_agreed_by_all_workers(digits) -> None:
