@@ -9,30 +9,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from distsgd.metrics import TrainClock
-from distsgd.train import device
 from distsgd.metrics import reached as target_reached
 from distsgd.train.context import Every
 from distsgd.train.objective import loss_function
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy,
-             precision: str = "fp32") -> tuple[float | None, float]:
+def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy) -> tuple[float | None, float]:
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
-    model's device, the forward pass in ``precision``; restores train/eval mode. Each batch's mean
-    loss is weighted by its size."""
+    model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
+    Always in float32, whatever ``--precision`` trained with: the number describes the saved
+    model, which ``distsgd eval`` scores in float32 too."""
     was_training = model.training
     model.eval()
     correct, loss_sum, n = 0, 0.0, 0
     classify = data.task == "classification"
     where = next(iter(model.parameters()), torch.empty(0)).device
-    data = data.to(where)
     try:
-        for x, y in data.test_batches(batch_size):
-            with device.autocast(where, precision):
-                out = model(x)
-                batch_loss = loss_fn(out, y)
-            loss_sum += float(batch_loss) * len(y)
+        for x, y in data.test_batches(batch_size):  # only the test set goes to the model's device
+            x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
+            out = model(x)
+            loss_sum += float(loss_fn(out, y)) * len(y)
             if classify:
                 correct += int((out.argmax(dim=1) == y).sum())
             n += len(y)
@@ -99,7 +96,7 @@ class Watcher:
 
         probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
         probe.to(next(iter(state.values())).device).load_state_dict(state)  # where the watched model is
-        acc, loss = evaluate(probe, self.dataset, self.cfg.eval_batch_size, self.loss_fn, self.cfg.precision)
+        acc, loss = evaluate(probe, self.dataset, self.cfg.eval_batch_size, self.loss_fn)
         event = {"event": "eval", "samples": samples, "epoch": round(samples / self.per_epoch, 4),
                  "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
         self.evals.append(event)

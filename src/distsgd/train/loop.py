@@ -237,7 +237,7 @@ class _Worker:
     def measure(self, model: torch.nn.Module) -> dict[str, Any]:
         """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
         st = self.state
-        acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn, self.cfg.precision)
+        acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
         event = {"event": "eval", "samples": self.gs, "epoch": round(st.local / self.per_epoch, 4),
                  "train_wall_s": self.clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
         st.evals.append(event)
