@@ -27,15 +27,15 @@ from distsgd import launch
 from distsgd.algorithms import registry
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
 from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
-from distsgd.data import Dataset, TrainingData, from_arrays, load_dataset
+from distsgd.data import Dataset, TrainingData, from_arrays, load_dataset, text
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, DataError, ModelError, OutputError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import under_torchrun
-from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reaching, make_progress,
+from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reaching, lm_figures, make_progress,
                              require_tensorboard)
-from distsgd.models import ModelSpec, build_model, check_fits, describe
+from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.train import device
 from distsgd.train.context import Job, WorkerResult
 from distsgd.train.objective import loss_function
@@ -103,10 +103,10 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
     model = model if model is not None else cfg.model
     data = data if data is not None else cfg.dataset
     dataset = None
-    if isinstance(data, str):
+    if data is None or isinstance(data, str):  # None: the model's default dataset, once the settings are settled
         cfg = cfg.replace(dataset=data)
     else:
-        dataset = _dataset_from(data)
+        dataset = _dataset_from(data, cfg.context)
         cfg = cfg.replace(dataset=dataset.name)
     if isinstance(model, nn.Module):
         model = _CopyOf(model)
@@ -116,9 +116,11 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
                      "param_groups": param_groups})
 
 
-def _dataset_from(data: Any) -> TrainingData:
+def _dataset_from(data: Any, context: int) -> TrainingData:
     if isinstance(data, (Dataset, TorchData)):
         return data
+    if text.is_hf_dataset(data):  # a Hugging Face datasets.Dataset (or DatasetDict) of token ids or text
+        return text.from_hf(data, context)
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
         return TorchData(data[0], data[1], name="dataset")
     if isinstance(data, dict):
@@ -129,8 +131,8 @@ def _dataset_from(data: Any) -> TrainingData:
         return from_arrays("arrays", *(data.get(k) for k in keys))
     if isinstance(data, (tuple, list)) and len(data) in (2, 4):
         return from_arrays("arrays", *data)
-    raise DataError("data must be a dataset name, (train, test) torch Datasets, a distsgd Dataset, (x, y), "
-                    "(x, y, x_test, y_test) or a dict of arrays")
+    raise DataError("data must be a dataset name, (train, test) torch Datasets, a distsgd Dataset, a Hugging Face "
+                    "datasets.Dataset, (x, y), (x, y, x_test, y_test) or a dict of arrays")
 
 
 def prepare_out_dir(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
@@ -158,7 +160,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if dataset is None:
-        dataset = load_dataset(cfg.dataset, cfg.data_dir)
+        dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
     _check_job(job, algo_cls)
@@ -205,7 +207,8 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
         cfg = cfg.replace(algo=registry.baseline())
     algo_cls = registry.resolve(cfg.algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
-    cfg = validate(with_defaults(cfg, algo_cls.default_settings(cfg)))
+    # unset settings: the algorithm's own defaults (its paper's), else the model's (gpt's), else the generic ones
+    cfg = validate(with_defaults(cfg, {**recommended_settings(cfg.model), **algo_cls.default_settings(cfg)}))
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
@@ -236,7 +239,7 @@ def _check_job(job: Job, algo_cls: type) -> None:
     user's code can travel to worker processes."""
     cfg, spec, data = job.cfg, job.model, job.data
     probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
-    check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name)
+    check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name, data.task)
     loss_function(cfg.loss, job.loss, data.task)
     if algo_cls.topology.kind != "one":
         import pickle
@@ -296,7 +299,26 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
     if sent is not None:
         summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent
         summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
+    if dataset.task == "lm":
+        summary.update(_lm_summary(dataset, summary))
     return summary
+
+
+def _lm_summary(dataset: TrainingData, summary: dict[str, Any]) -> dict[str, Any]:
+    """A language model's figures: tokens (a sample is a sequence of ``context`` tokens), the test
+    loss as perplexity and bits per token, and the corpus's unigram entropy: the loss of knowing
+    only how often each token occurs, which a model that learnt anything beats."""
+    tokens = dataset.input_shape[0]
+    loss = summary["final_test_loss"]
+    figures = lm_figures(loss) if loss is not None else {"test_perplexity": None, "test_bits_per_token": None}
+    out = {"task": "lm", "context": tokens, "vocab": dataset.num_classes, "tokens": summary["samples"] * tokens,
+           "tokens_per_s": summary["samples_per_s"] * tokens,
+           "final_test_perplexity": figures["test_perplexity"], "final_test_bits_per_token": figures["test_bits_per_token"]}
+    if isinstance(dataset, Dataset):
+        out["unigram_entropy"] = text.unigram_entropy(dataset.y_train, dataset.num_classes)
+    for e in summary["evals"]:
+        e["test_perplexity"] = lm_figures(e["test_loss"])["test_perplexity"] if e["test_loss"] is not None else None
+    return out
 
 
 def _where(results: list[WorkerResult], cfg: RunConfig) -> dict[str, Any]:
@@ -316,7 +338,7 @@ def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: 
     from distsgd.train.evaluate import evaluate
 
     ckpt = load_checkpoint(Path(path))
-    ds = load_dataset(dataset or ckpt["dataset"], data_dir)
+    ds = load_dataset(dataset or ckpt["dataset"], data_dir, context=ckpt["config"].get("context"))
     if list(ds.input_shape) != list(ckpt["input_shape"]) or ds.num_classes != ckpt["num_classes"]:
         raise DataError(f"the checkpoint was trained on input {ckpt['input_shape']} with {ckpt['num_classes']} "
                         f"classes; {ds.name} has {list(ds.input_shape)} and {ds.num_classes}")
@@ -329,7 +351,7 @@ def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: 
     loss_fn = loss_function(ckpt["config"].get("loss", "auto"), None, ds.task)
     acc, loss = evaluate(model, ds, batch_size, loss_fn)
     return {"checkpoint": str(path), "model": ckpt["model"], "dataset": ds.name, "test_samples": ds.n_test,
-            "test_accuracy": acc, "test_loss": loss}
+            "test_accuracy": acc, "test_loss": loss, **(lm_figures(loss) if ds.task == "lm" else {})}
 
 
 __all__ = ["train", "run", "TrainResult", "evaluate_checkpoint"]

@@ -149,9 +149,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             target = (f"; reached {goal} after {reached:.1f} s, {s['samples_to_target']} samples"
                       if reached is not None else f"; did not reach {goal}")
         acc = s["final_test_accuracy"]
-        print(f"{s['algo']} x{s['workers']}: " + (f"test accuracy {acc:.4f}, " if acc is not None else "")
-              + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
-              f"({s['samples_per_s']:.0f} samples/s){target}")
+        if s.get("task") == "lm":  # per token: loss, perplexity, bits, next-token accuracy; the unigram baseline
+            print(f"{s['algo']} x{s['workers']}: test loss {s['final_test_loss']:.4f} nats/token (perplexity "
+                  f"{s['final_test_perplexity']:.3f}, {s['final_test_bits_per_token']:.3f} bits/token; the corpus's "
+                  f"unigram entropy {s.get('unigram_entropy', float('nan')):.4f}), next-token accuracy {acc:.4f}, "
+                  f"{s['tokens']} tokens in {s['train_wall_s']:.1f} s ({s['tokens_per_s']:.0f} tokens/s){target}")
+        else:
+            print(f"{s['algo']} x{s['workers']}: " + (f"test accuracy {acc:.4f}, " if acc is not None else "")
+                  + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
+                  f"({s['samples_per_s']:.0f} samples/s){target}")
         print(f"run saved in {result.out}")
     return 0
 
@@ -164,7 +170,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(res))
     else:
         acc = f"accuracy {res['test_accuracy']:.4f}, " if res["test_accuracy"] is not None else ""
-        print(f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): {acc}loss {res['test_loss']:.4f}")
+        ppl = f" (perplexity {res['test_perplexity']:.3f})" if "test_perplexity" in res else ""
+        print(f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): {acc}loss "
+              f"{res['test_loss']:.4f}{ppl}")
     return 0
 
 
@@ -230,7 +238,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         s = entry["summary"]
         reached = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}s"
         print(f"[{done}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}: "
-              f"{s['samples_per_s']:.0f} samples/s, acc {s['final_test_accuracy']:.4f}, to target {reached}",
+              f"{s['samples_per_s']:.0f} samples/s, " + (f"test loss {s['final_test_loss']:.4f}" if s.get("task") == "lm"
+                                                         else f"acc {s['final_test_accuracy']:.4f}") +
+              f", to target {reached}",
               flush=True)
 
     bench = run_bench(base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress,

@@ -63,11 +63,15 @@ class RunConfig:
     algo: str | None = setting(None, "training algorithm (see `distsgd algorithms`); default: the baseline, one "
                                      "process")
     workers: int = setting(1, "number of worker processes; default 1")
-    dataset: str = setting("fashion-mnist", "a built-in dataset, npz:PATH, folder:PATH or FILE.py:FUNC (see "
-                                            "`distsgd datasets`); default fashion-mnist")
+    dataset: str | None = setting(None, "a built-in dataset, npz:PATH, folder:PATH, text:PATH, hf:PATH or FILE.py:FUNC "
+                                        "(see `distsgd datasets`); default fashion-mnist, or python-stdlib (Python's "
+                                        "own sources as text) for --model gpt")
     data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
-    model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, resnet20, or path/file.py:ClassName (runs "
-                                      "that file); default mnist_net")
+    model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, resnet20, gpt (a transformer language model; "
+                                      "sized as gpt[layers=4,heads=4,width=128,dropout=0]), or path/file.py:ClassName "
+                                      "(runs that file); default mnist_net")
+    context: int = setting(128, "tokens per training sequence of a token dataset (text:, hf:, python-stdlib); "
+                                "default 128")
     epochs: int = setting(1, "passes over the training data; default 1")
     max_samples: int | None = setting(None, "stop after this many training samples (all workers together); "
                                             "overrides --epochs")
@@ -84,12 +88,17 @@ class RunConfig:
                                      "(see `distsgd algorithms`)")
     momentum: float = setting(0.5, "SGD momentum; default 0.5")
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
-    optimizer: str = setting("sgd", "sgd, adam or adamw; default sgd")
+    optimizer: str | None = setting(None, "sgd, adam or adamw (adamw: no decay on biases and norms' weights); "
+                                          "default sgd, or the model's or algorithm's own (gpt: adamw)")
     weight_decay: float | None = setting(None, "weight decay (L2 for sgd and adam, decoupled for adamw); default 0, "
                                                "or the algorithm's own where its paper's differs")
     schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
     lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
     lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
+    lr_warmup_steps: int | None = setting(None, "steps of linear learning-rate warm-up from 0, before the schedule; "
+                                                "default 0 (gpt: 20)")
+    clip_grad_norm: float | None = setting(None, "clip each step's gradient to this global L2 norm (after the "
+                                                 "algorithm's gradient sync); default none (gpt: 1.0)")
     init: str = setting("default", "default (PyTorch's) or xavier initialisation")
     seed: int = setting(0, "seed for weights and data order; default 0")
     partition: str = setting("sharded", "sharded (disjoint shards) or replicated (every worker sees all data); "
@@ -253,14 +262,23 @@ def threads_per_worker(cfg: RunConfig) -> int:
 
 # The generic defaults of the settings an algorithm may give defaults of its own (its paper's): a
 # setting left unset (None) takes the algorithm's, else this.
-GENERIC = {"lr": 0.01, "weight_decay": 0.0}
+GENERIC: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.0, "optimizer": "sgd", "lr_warmup_steps": 0,
+                           "clip_grad_norm": 0.0}
 
 
 def with_defaults(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
     """``cfg`` with every unset setting of :data:`GENERIC` set: to ``own[name]`` (the algorithm's
     default) if given, else the generic default. What the user set is never changed."""
     changes = {k: (own or {}).get(k, v) for k, v in GENERIC.items() if getattr(cfg, k) is None}
+    if cfg.dataset is None:
+        changes["dataset"] = default_dataset(cfg.model)
     return cfg.replace(**changes) if changes else cfg
+
+
+def default_dataset(model: str) -> str:
+    """The dataset a run of ``model`` trains on when none is named: Python's own sources for a
+    language model, Fashion-MNIST for the rest."""
+    return "python-stdlib" if model.partition("[")[0] == "gpt" else "fashion-mnist"
 
 
 def value(cfg: RunConfig, name: str) -> Any:
@@ -286,6 +304,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")
     need(not cfg.nesterov or cfg.momentum > 0, "--nesterov needs a --momentum above 0")
     need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    need(cfg.context >= 1, f"--context must be at least 1 token, got {cfg.context}")
+    need(cfg.lr_warmup_steps >= 0, f"--lr-warmup-steps must be >= 0, got {cfg.lr_warmup_steps}")
+    need(math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
+         f"--clip-grad-norm must be a positive number (0: off), got {cfg.clip_grad_norm}")
     need(cfg.optimizer in OPTIMIZERS, f"unknown optimizer '{cfg.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
     need(cfg.schedule in SCHEDULES, f"unknown schedule '{cfg.schedule}' (choose from {', '.join(SCHEDULES)})")
     need(cfg.lr_step_epochs >= 1, f"--lr-step-epochs must be at least 1, got {cfg.lr_step_epochs}")

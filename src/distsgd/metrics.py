@@ -6,7 +6,9 @@ Every event is one JSON object on one line of ``metrics.jsonl``:
   from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
   the algorithm's own figures (``Algorithm.progress_figures``): ``bytes_sent`` for algorithms
   that communicate through a process group or a token ring (all workers' bytes so far).
-- ``{"event": "eval", "samples", "epoch", "train_wall_s", "test_accuracy", "test_loss"}``
+- ``{"event": "eval", "samples", "epoch", "train_wall_s", "test_accuracy", "test_loss"}``; a
+  language model's also ``test_perplexity`` (exp of the loss per token) and ``test_bits_per_token``
+  (the loss / ln 2); its ``test_accuracy`` is next-token accuracy over every token.
 - ``{"event": "server", "samples", "train_wall_s", "server_updates", "bytes_sent", "staleness_mean",
   "staleness_max"}`` from a parameter server, as often as progress events: its updates so far,
   the bytes the server and its workers have sent so far (what summary.json's ``bytes_sent`` adds
@@ -24,6 +26,7 @@ Sinks take these events: :class:`JsonlWriter` (``metrics.jsonl``), :class:`Tenso
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -87,11 +90,12 @@ class TensorBoardWriter:
     TAGS: dict[str, dict[str, str]] = {
         "progress": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
                      "bytes_sent": "comm/bytes_sent"},
-        "eval": {"test_accuracy": "test/accuracy", "test_loss": "test/loss"},
+        "eval": {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "test_perplexity": "test/perplexity",
+                 "test_bits_per_token": "test/bits_per_token"},
         "server": {"staleness_mean": "server/staleness_mean", "staleness_max": "server/staleness_max",
                    "server_updates": "server/updates", "bytes_sent": "comm/bytes_sent"},
     }
-    SUMMARY = ("final_test_accuracy", "final_test_loss", "samples_per_s", "time_to_target_s", "samples_to_target",
+    SUMMARY = ("final_test_accuracy", "final_test_loss", "final_test_perplexity", "samples_per_s", "tokens_per_s", "time_to_target_s", "samples_to_target",
                "bytes_sent_per_sample", "server_updates_per_s")
 
     def __init__(self, logdir: Path, started: float, config_text: str = "") -> None:
@@ -213,8 +217,9 @@ class LineProgress:
         if kind == "eval":
             self._acc = event["test_accuracy"]
             acc = f"test_acc={event['test_accuracy']:.4f} " if event["test_accuracy"] is not None else ""
+            ppl = f" ppl={event['test_perplexity']:.3f}" if "test_perplexity" in event else ""
             self._write(f"eval  samples={event['samples']} epoch={event['epoch']:.2f} "
-                        f"{acc}test_loss={event['test_loss']:.4f} train_s={event['train_wall_s']:.1f}")
+                        f"{acc}test_loss={event['test_loss']:.4f}{ppl} train_s={event['train_wall_s']:.1f}")
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
@@ -239,6 +244,7 @@ class BarProgress:
         self.bar = tqdm(total=total, unit="sample", unit_scale=True, desc=desc, dynamic_ncols=True, file=sys.stderr)
         self._acc: float | None = None
         self._loss: float | None = None
+        self._ppl: float | None = None
         self.figures = _Figures()
 
     def emit(self, event: dict[str, Any]) -> None:
@@ -246,6 +252,7 @@ class BarProgress:
         self.figures.note(event)
         if kind == "eval":
             self._acc = event["test_accuracy"] if event["test_accuracy"] is not None else self._acc
+            self._ppl = event.get("test_perplexity", self._ppl)
         if kind == "progress":
             self._loss = event["loss"]
         if kind in ("progress", "eval", "server"):
@@ -256,6 +263,8 @@ class BarProgress:
         post = {} if self._loss is None else {"loss": f"{self._loss:.4f}"}
         if self._acc is not None:
             post["test_acc"] = f"{self._acc:.4f}"
+        if self._ppl is not None:
+            post["test_ppl"] = f"{self._ppl:.3f}"
         return {**post, **self.figures.items()}
 
     def close(self) -> None:
@@ -269,6 +278,11 @@ def make_progress(quiet: bool, total: int | None, desc: str) -> Any:
     if sys.stderr.isatty():
         return BarProgress(total, desc)
     return LineProgress()
+
+
+def lm_figures(loss: float) -> dict[str, float]:
+    """A language model's test loss (nats per token) as perplexity and bits per token."""
+    return {"test_perplexity": math.exp(min(loss, 700.0)), "test_bits_per_token": loss / math.log(2)}
 
 
 def reached(event: dict[str, Any], target_accuracy: float | None, target_loss: float | None = None) -> bool:

@@ -2,7 +2,12 @@
 
 Built-ins are built by ``factory(input_shape, num_classes)``. ``mnist_net`` and ``cifar_net`` are
 the seeds' networks; ``mlp`` and ``logreg`` have no dropout, which makes them the models of choice
-for exact-equivalence checks between algorithms.
+for exact-equivalence checks between algorithms. ``gpt`` is a decoder-only transformer language
+model; its size is part of its name: ``gpt[layers=4,heads=4,width=128,dropout=0]`` (any subset).
+
+A model's output is a tensor, or an object with ``.logits`` (a Hugging Face model's output, or a
+dict with a ``logits`` key): :func:`logits_of` takes the scores out of either. A language model
+takes token ids ``(B, T)`` and gives scores ``(B, T, vocabulary)``.
 
 A user model is a class (or function) in a Python file, named ``path/to/file.py:Name``. It is
 called with ``num_classes=`` and ``input_shape=`` when its signature takes them, else with no
@@ -11,6 +16,7 @@ arguments. Loading it runs that file's code, like any import.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -142,6 +148,123 @@ class ResNet20(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which position t attends to positions 0..t only."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class _Block(nn.Module):
+    """x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x)): the MLP 4x wide with GELU."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model as GPT-2 describes it (Radford, Wu, Child, Luan,
+    Amodei, Sutskever, "Language Models are Unsupervised Multitask Learners", 2019, section 2.3, on
+    the decoder of Vaswani et al., "Attention Is All You Need", 2017): token and learned position
+    embeddings; ``layers`` blocks of masked multi-head self-attention and a 4x-wide GELU MLP, each
+    with its LayerNorm at its input (pre-norm) and a residual connection; a final LayerNorm; output
+    scores from the token embedding's transpose (tied weights, as GPT-2). Weights N(0, 0.02), the
+    residual projections' scaled by 1/sqrt(2 x layers) (GPT-2's "1/sqrt(N), N the number of residual
+    layers"), biases 0. Input: token ids (B, T) with T <= ``context``; output: scores (B, T, vocab)."""
+
+    def __init__(self, vocab: int, context: int, layers: int = 4, heads: int = 4, width: int = 128,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if width % heads:
+            raise ModelError(f"gpt: width {width} must be a multiple of heads {heads}")
+        self.context = context
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_Block(width, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("attn.proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"a sequence of {t} tokens is longer than the model's context of {self.context}")
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+GPT_SIZES = {"layers": int, "heads": int, "width": int, "dropout": float}
+
+
+def gpt(input_shape: tuple[int, ...], num_classes: int, **size: float) -> nn.Module:
+    """``gpt[...]``: the context is the data's sequence length, the vocabulary its classes."""
+    if len(input_shape) != 1:
+        raise ModelError(f"gpt takes token sequences (T,), not inputs of shape {tuple(input_shape)}: use a token "
+                         f"dataset (python-stdlib, text:PATH, hf:PATH)")
+    return GPT(num_classes, input_shape[0], **size)  # type: ignore[arg-type]
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, float]]:
+    """``name[key=value,...]`` -> (name, {key: value}); a built-in's size options are checked."""
+    name, bracket, rest = spec.partition("[")
+    if not bracket:
+        return spec, {}
+    if not rest.endswith("]") or name not in SIZED:
+        raise ModelError(f"model '{spec}': only {', '.join(SIZED)} take [key=value,...] size options")
+    kinds, size = SIZED[name], {}
+    for item in filter(None, (i.strip() for i in rest[:-1].replace(";", ",").split(","))):
+        key, eq, text = item.partition("=")
+        if not eq or key not in kinds:
+            raise ModelError(f"model '{spec}': unknown size option '{item}' (choose from {', '.join(kinds)})")
+        try:
+            size[key] = kinds[key](text)
+        except ValueError:
+            raise ModelError(f"model '{spec}': {key} must be a {kinds[key].__name__}, got '{text}'") from None
+        if size[key] < 0 or (kinds[key] is int and size[key] < 1) or (key == "dropout" and size[key] >= 1):
+            raise ModelError(f"model '{spec}': {key}={text} is out of range")
+    return name, size
+
+
+def logits_of(out: object) -> torch.Tensor:
+    """A model's scores: its output itself (a tensor), or the ``logits`` of an output object or
+    dict (a Hugging Face model's)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, dict):
+        logits = out.get("logits")
+    if not isinstance(logits, torch.Tensor):
+        raise ModelError(f"the model returned {type(out).__name__}: expected a tensor of scores, or an object "
+                         f"with .logits")
+    return logits
+
+
 def resnet20(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if len(input_shape) != 3:
         raise ModelError(f"resnet20 takes images (C, H, W), not inputs of shape {tuple(input_shape)}")
@@ -154,7 +277,20 @@ BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": mlp,
     "logreg": logreg,
     "resnet20": resnet20,
+    "gpt": gpt,
 }
+SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
+
+# Settings a model's users should start from, where they differ from the generic ones: what training
+# a transformer language model from scratch takes (AdamW with weight decay, a warm-up, clipping).
+RECOMMENDED: dict[str, dict[str, object]] = {
+    "gpt": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_grad_norm": 1.0, "lr_warmup_steps": 20},
+}
+
+
+def recommended_settings(spec: object) -> dict[str, object]:
+    """The built-in model's own defaults for settings the user left unset (none for other models)."""
+    return dict(RECOMMENDED.get(parse_spec(spec)[0], {})) if isinstance(spec, str) else {}
 
 
 def describe(spec: ModelSpec) -> str:
@@ -165,13 +301,15 @@ def describe(spec: ModelSpec) -> str:
 
 
 def _load_user(spec: str) -> Callable[..., nn.Module]:
-    if not spec.rpartition(":")[0].endswith(".py"):
+    if spec.partition("[")[0] in SIZED or not spec.rpartition(":")[0].endswith(".py"):
         raise ModelError(f"unknown model '{spec}' (choose from {', '.join(BUILTIN)}, or give path/file.py:ClassName)")
     return user.load(spec, ModelError, "model")
 
 
 def _call_factory(factory: Callable[..., nn.Module], input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if factory in BUILTIN.values():
+        return factory(input_shape, num_classes)
+    if isinstance(factory, functools.partial) and factory.func in BUILTIN.values():
         return factory(input_shape, num_classes)
     try:
         params = inspect.signature(factory).parameters
@@ -192,7 +330,10 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int,
                 seed: int | None = None) -> nn.Module:
     """Build the model; with ``seed`` its initial weights are the same in every process."""
     if isinstance(spec, str):
-        factory = BUILTIN.get(spec) or _load_user(spec)
+        name, size = parse_spec(spec) if spec.partition("[")[0] in SIZED else (spec, {})
+        factory = BUILTIN.get(name) or _load_user(spec)
+        if size:
+            factory = functools.partial(factory, **size)
     elif callable(spec):
         factory = spec
     else:
@@ -219,20 +360,31 @@ def xavier_init(model: nn.Module) -> None:
                 nn.init.zeros_(module.bias)
 
 
-def check_fits(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, name: str, dataset: str) -> None:
-    """Run a forward pass on zeros: a model that cannot take the data fails here, before training."""
+def check_fits(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, name: str, dataset: str,
+               task: str = "classification") -> None:
+    """Run a forward pass on zeros: a model that cannot take the data fails here, before training.
+    A language model takes token ids (2, T) and must give scores (2, T, V) with V at least the
+    data's vocabulary."""
     shape_text = "x".join(str(s) for s in input_shape)
+    lm = task == "lm"
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(torch.zeros(2, *input_shape))
+            where = next(iter(model.parameters()), torch.empty(0)).device
+            x = torch.zeros(2, *input_shape, dtype=torch.long if lm else torch.float32, device=where)
+            out = logits_of(model(x))
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model {name} cannot take {dataset}'s input of shape {shape_text}: {first}") from None
     finally:
         model.train(was_training)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ModelError(f"model {name} gives output {got} for a batch of 2, but {dataset} needs (2, {num_classes}): "
-                         f"one score per class")
+    if lm:
+        if out.dim() != 3 or tuple(out.shape[:2]) != (2, input_shape[0]) or out.shape[2] < num_classes:
+            raise ModelError(f"model {name} gives scores {tuple(out.shape)} for 2 sequences of {input_shape[0]} tokens, "
+                             f"but {dataset} needs (2, {input_shape[0]}, {num_classes}): one score per token of its "
+                             f"vocabulary at every position")
+        return
+    if tuple(out.shape) != (2, num_classes):
+        raise ModelError(f"model {name} gives output {tuple(out.shape)} for a batch of 2, but {dataset} needs "
+                         f"(2, {num_classes}): one score per class")

@@ -10,8 +10,10 @@ Two kinds of training data, with one declared interface, :class:`TrainingData`:
   read through a ``DataLoader`` (``--loader-workers``); ``folder:PATH`` streams images this way,
   and so does ``--dataset path/file.py:function``.
 
-Targets: integer class labels (classification), or floats (regression: an npz whose ``y`` is
-float, trained with ``--loss mse``). ``share_memory_()`` moves tensors into shared memory so that
+Targets: integer class labels (classification), floats (regression: an npz whose ``y`` is
+float, trained with ``--loss mse``), or token ids ``(N, T)`` beside input tokens ``(N, T)``: a
+language model's next tokens (:mod:`distsgd.data.text`: ``text:PATH``, ``python-stdlib``,
+``hf:PATH``). ``share_memory_()`` moves tensors into shared memory so that
 worker processes read one copy. See :mod:`distsgd.data.sources` for where files are looked for.
 """
 
@@ -34,7 +36,8 @@ from distsgd.errors import DataError
 
 log = logging.getLogger(__name__)
 
-BUILTIN = ("mnist", "fashion-mnist", "kmnist", "cifar10", "digits")
+BUILTIN = ("mnist", "fashion-mnist", "kmnist", "cifar10", "digits", "python-stdlib")
+TASKS = ("classification", "regression", "lm")
 HOLDOUT_FRACTION = 0.1  # test share carved from the training arrays when no test set is given
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -53,7 +56,7 @@ class TrainingData(Protocol):
     def input_shape(self) -> tuple[int, ...]: ...
 
     @property
-    def task(self) -> str: ...  # "classification" or "regression"
+    def task(self) -> str: ...  # "classification", "regression" or "lm" (next-token prediction)
 
     @property
     def n_train(self) -> int: ...
@@ -82,7 +85,8 @@ class TrainingData(Protocol):
 @dataclass
 class Dataset:
     """Normalised tensors of one dataset. ``x`` is float32 (N, C, H, W) or (N, D); ``y`` is int64
-    class labels (N,) or, for regression, float32 targets (N, D)."""
+    class labels (N,) or, for regression, float32 targets (N, D). A language model's: ``x`` int64
+    token ids (N, T), ``y`` the next tokens (N, T); ``num_classes`` is the vocabulary."""
 
     name: str
     x_train: torch.Tensor
@@ -100,7 +104,9 @@ class Dataset:
 
     @property
     def task(self) -> str:
-        return "regression" if self.y_train.dtype.is_floating_point else "classification"
+        if self.y_train.dtype.is_floating_point:
+            return "regression"
+        return "lm" if self.y_train.dim() == 2 else "classification"
 
     @property
     def n_train(self) -> int:
@@ -158,7 +164,7 @@ class Format:
     usage: str
     help: str
     matches: Callable[[str], bool]
-    load: Callable[[str, str | None], TrainingData]
+    load: Callable[[str, str | None, int], TrainingData]  # (spec, data_dir, context)
 
 
 def _prefixed(prefix: str) -> Callable[[str], bool]:
@@ -169,11 +175,16 @@ def _prefixed(prefix: str) -> Callable[[str], bool]:
 # `distsgd datasets` and the error for an unknown dataset are made from this table.
 FORMATS = (
     Format("npz:PATH", "arrays x, y (optional x_test, y_test) in a NumPy .npz file", _prefixed("npz:"),
-           lambda spec, _: _load_npz(Path(spec[4:]))),
+           lambda spec, _, __: _load_npz(Path(spec[4:]))),
     Format("folder:PATH", "PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., streamed",
-           _prefixed("folder:"), lambda spec, _: _load_folder(Path(spec[7:]))),
+           _prefixed("folder:"), lambda spec, _, __: _load_folder(Path(spec[7:]))),
+    Format("text:PATH", "a text file or a folder of them, byte-level tokens, cut into --context sequences "
+           "(language models)", _prefixed("text:"), lambda spec, _, context: _text().load_text(spec[5:], context)),
+    Format("hf:PATH", "a Hugging Face dataset (save_to_disk folder, or parquet/arrow/jsonl files) with input_ids or "
+           "text (language models; pip install 'distsgd[hf]')", _prefixed("hf:"),
+           lambda spec, _, context: _text().load_hf(spec[3:], context)),
     Format("FILE.py:FUNC", "a function returning (train, test) torch Datasets (runs that file)",
-           lambda spec: spec.rpartition(":")[0].endswith(".py"), lambda spec, _: _load_user(spec)),
+           lambda spec: spec.rpartition(":")[0].endswith(".py"), lambda spec, _, __: _load_user(spec)),
 )
 
 
@@ -182,12 +193,23 @@ def dataset_help() -> str:
     return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist"
 
 
-def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None) -> TrainingData:
+def _text() -> Any:
+    from distsgd.data import text
+
+    return text
+
+
+def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None,
+                 context: int | None = None) -> TrainingData:
     """A built-in dataset by name, or any of :data:`FORMATS` (``npz:PATH``, ``folder:PATH``,
-    ``path/file.py:function``)."""
+    ``text:PATH``, ``hf:PATH``, ``path/file.py:function``). ``context``: the sequence length of
+    token data (``--context``)."""
+    context = context or _text().DEFAULT_CONTEXT
     for fmt in FORMATS:
         if fmt.matches(spec):
-            return fmt.load(spec, data_dir)
+            return fmt.load(spec, data_dir, context)
+    if spec == "python-stdlib":
+        return _text().load_stdlib(context)
     if spec == "digits":
         return _load_digits()
     if spec in ("mnist", "fashion-mnist", "kmnist"):
@@ -371,6 +393,9 @@ def available(data_dir: str | None = None) -> list[tuple[str, str, str]]:
     """(name, status, where) for every built-in dataset; never downloads."""
     rows = []
     for name in BUILTIN:
+        if name == "python-stdlib":
+            rows.append((name, "available", f"{_text().stdlib_folder()} (a language model's text, byte tokens)"))
+            continue
         if name == "digits":
             try:
                 import sklearn  # noqa: F401

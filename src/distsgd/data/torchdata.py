@@ -63,7 +63,12 @@ class TorchData:
         self.device = torch.device("cpu")  # where batches go (``to``)
         x0, y0 = self._item(train, 0)
         self.input_shape = tuple(x0.shape)
-        self.task = "regression" if y0.dtype.is_floating_point else "classification"
+        # a language model's sample: token ids (T,) and their next tokens (T,)
+        lm = not y0.dtype.is_floating_point and y0.dim() == 1 and x0.dim() == 1 and not x0.dtype.is_floating_point
+        self.task = "regression" if y0.dtype.is_floating_point else "lm" if lm else "classification"
+        if self.task == "lm" and num_classes is None and not isinstance(getattr(train, "num_classes", None), int):
+            raise DataError(f"{name}: token sequences need the vocabulary size: give num_classes (the Dataset's "
+                            f"attribute, or a third item / 'num_classes' key)")
         self.num_classes = num_classes or (max(1, y0.numel()) if self.task == "regression" else self._classes())
 
     @staticmethod

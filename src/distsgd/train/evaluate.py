@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distsgd.metrics import TrainClock
+from distsgd.metrics import TrainClock, lm_figures
 from distsgd.metrics import reached as target_reached
+from distsgd.models import logits_of
 from distsgd.train.context import Every
 from distsgd.train.objective import loss_function
 
@@ -19,20 +20,21 @@ def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
     model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
     Always in float32, whatever ``--precision`` trained with: the number describes the saved
-    model, which ``distsgd eval`` scores in float32 too."""
+    model, which ``distsgd eval`` scores in float32 too. A language model's: the mean loss per
+    token, and next-token accuracy over every token."""
     was_training = model.training
     model.eval()
     correct, loss_sum, n = 0, 0.0, 0
-    classify = data.task == "classification"
+    classify = data.task in ("classification", "lm")
     where = next(iter(model.parameters()), torch.empty(0)).device
     try:
         for x, y in data.test_batches(batch_size):  # only the test set goes to the model's device
             x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
             out = model(x)
-            loss_sum += float(loss_fn(out, y)) * len(y)
+            loss_sum += float(loss_fn(out, y)) * y.numel()
             if classify:
-                correct += int((out.argmax(dim=1) == y).sum())
-            n += len(y)
+                correct += int((logits_of(out).argmax(dim=-1 if y.dim() == 2 else 1) == y).sum())
+            n += y.numel()
     finally:
         model.train(was_training)
     n = max(1, n)
@@ -97,8 +99,7 @@ class Watcher:
         probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
         probe.to(next(iter(state.values())).device).load_state_dict(state)  # where the watched model is
         acc, loss = evaluate(probe, self.dataset, self.cfg.eval_batch_size, self.loss_fn)
-        event = {"event": "eval", "samples": samples, "epoch": round(samples / self.per_epoch, 4),
-                 "train_wall_s": train_s, "test_accuracy": acc, "test_loss": loss}
+        event = eval_event(self.dataset, samples, round(samples / self.per_epoch, 4), train_s, acc, loss)
         self.evals.append(event)
         self.sink.emit(event)
         return event
@@ -128,6 +129,16 @@ class Watcher:
         self.evals = list(state["evals"])
         self.pending = [(s["samples"], s["train_s"], s["state"]) for s in state["snapshots"]]
         self.earlier_s = state["train_wall_s"]
+
+
+def eval_event(data: Any, samples: int, epoch: float, train_s: float, accuracy: float | None,
+               loss: float) -> dict[str, Any]:
+    """The ``eval`` event of one evaluation (a language model's with its perplexity and bits per token)."""
+    event = {"event": "eval", "samples": samples, "epoch": epoch, "train_wall_s": train_s, "test_accuracy": accuracy,
+             "test_loss": loss}
+    if data.task == "lm":
+        event.update(lm_figures(loss))
+    return event
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

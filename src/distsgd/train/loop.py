@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distsgd.checkpoint import Checkpointer, RngState, scatter
-from distsgd.config import threads_per_worker
+from distsgd.config import threads_per_worker, value
 from distsgd.data.partition import mix_seed, epoch_indices, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
@@ -28,9 +28,9 @@ from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train import device
 from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
-from distsgd.train.evaluate import equal_states, evaluate, snapshot
+from distsgd.train.evaluate import equal_states, eval_event, evaluate, snapshot
 from distsgd.train.objective import loss_function
-from distsgd.train.optim import schedule_lr
+from distsgd.train.optim import schedule_lr, scheduled
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
@@ -144,6 +144,7 @@ class _Worker:
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # it waits for the GPU before a reading
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.loss_sum, self.loss_steps = torch.zeros((), device=ctx.device), 0
+        self.scheduled, self.clip = scheduled(cfg), value(cfg, "clip_grad_norm")
         self.gs = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
     def _build(self, saved: dict[str, Any] | None, start: Start) -> None:
@@ -183,8 +184,8 @@ class _Worker:
         algorithm synchronises only after the last one."""
         ctx, algo, st = self.ctx, self.algo, self.state
         started = time.perf_counter()
-        if self.cfg.schedule != "constant":  # the run's progress (all workers'), not this worker's
-            schedule_lr(self.optimizer, self.cfg, self.gs / self.global_per_epoch, self.total_epochs)
+        if self.scheduled:  # the run's progress (all workers'), not this worker's; the warm-up by its own steps
+            schedule_lr(self.optimizer, self.cfg, self.gs / self.global_per_epoch, self.total_epochs, st.steps + 1)
         self.optimizer.zero_grad(set_to_none=True)
         n = sum(len(y) for _, y in micro)
         for i, (x, y) in enumerate(micro):
@@ -198,6 +199,8 @@ class _Worker:
         algo.after_backward(ctx, self.model, step)
         if self.scaler is not None:  # once the gradients are synchronised: every worker finds the same overflow
             self.scaler.unscale_(self.optimizer)
+        if self.clip:  # the synchronised gradient (every replica clips alike), before the update
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         algo.apply_step(ctx, self.stepper, step)
         st.local += n
         st.start += n
@@ -238,8 +241,8 @@ class _Worker:
         """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
         st = self.state
         acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
-        event = {"event": "eval", "samples": self.gs, "epoch": round(st.local / self.per_epoch, 4),
-                 "train_wall_s": self.clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
+        event = eval_event(self.ctx.dataset, self.gs, round(st.local / self.per_epoch, 4), self.clock.elapsed(), acc,
+                           loss)
         st.evals.append(event)
         self.ctx.sink.emit(event)
         self.evaluated = snapshot(model)

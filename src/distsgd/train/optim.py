@@ -15,27 +15,47 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, custom: Callable | N
                     groups: Callable | None = None) -> torch.optim.Optimizer:
     """``custom(model)`` if given; else ``--optimizer`` (``sgd`` with momentum, nesterov and weight
     decay, ``adam``, ``adamw``) at ``cfg.lr`` over ``groups(model)`` (per-group options such as
-    their own lr) or all parameters. Each group remembers its lr as ``base_lr``: the schedule
-    scales every group's own."""
+    their own lr) or all parameters. ``adamw`` decays only the weights of layers and embeddings
+    (parameters of 2 or more dimensions), not biases nor the scales of LayerNorm and BatchNorm
+    (:func:`decay_groups`). Each group remembers its lr as ``base_lr``: the schedule scales every
+    group's own."""
     if custom is not None:
         optimizer = custom(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer= returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     else:
-        params: Any = groups(model) if groups is not None else list(model.parameters())
+        kind = value(cfg, "optimizer")
         lr, decay = value(cfg, "lr"), value(cfg, "weight_decay")
-        if cfg.optimizer == "sgd":
+        params: Any = groups(model) if groups is not None else \
+            decay_groups(model, decay) if kind == "adamw" and decay > 0 else list(model.parameters())
+        if kind == "sgd":
             optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                         weight_decay=decay)
-        elif cfg.optimizer == "adam":
+        elif kind == "adam":
             optimizer = torch.optim.Adam(params, lr=lr, weight_decay=decay)
-        elif cfg.optimizer == "adamw":
+        elif kind == "adamw":
             optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay)
         else:
-            raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+            raise ValueError(f"unknown optimizer {kind!r}")
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     return optimizer
+
+
+def decay_groups(model: torch.nn.Module, decay: float) -> list[dict[str, Any]]:
+    """Two parameter groups: the weights of layers and embeddings (2 or more dimensions) with
+    weight decay, biases and normalisation scales (1 dimension) without it (as GPT-2's and BERT's
+    training code do: decaying a LayerNorm's scale towards 0 only fights the normalisation)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def warmup_factor(cfg: RunConfig, step: int) -> float:
+    """``--lr-warmup-steps W``: the lr of step ``step`` (from 1) is scaled by step / W up to W."""
+    warm = value(cfg, "lr_warmup_steps")
+    return min(1.0, max(step, 1) / warm) if warm else 1.0
 
 
 def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
@@ -55,8 +75,17 @@ def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
     raise ValueError(f"unknown schedule {cfg.schedule!r}")
 
 
-def schedule_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, epoch_progress: float, total_epochs: float) -> None:
-    """Every group's lr at this point of the schedule: its own ``base_lr`` times lr_at / lr."""
+def scheduled(cfg: RunConfig) -> bool:
+    """Whether the lr changes during the run (a schedule or a warm-up)."""
+    return cfg.schedule != "constant" or bool(value(cfg, "lr_warmup_steps"))
+
+
+def schedule_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, epoch_progress: float, total_epochs: float,
+                step: int | None = None) -> None:
+    """Every group's lr at this point of the schedule: its own ``base_lr`` times lr_at / lr, times
+    the warm-up's factor at update ``step`` (from 1; None: no warm-up)."""
     factor = lr_at(cfg, epoch_progress, total_epochs) / value(cfg, "lr")
+    if step is not None:
+        factor *= warmup_factor(cfg, step)
     for group in optimizer.param_groups:
         group["lr"] = group.get("base_lr", group["lr"]) * factor

@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.config import RunConfig
-from distsgd.train.optim import build_optimizer, schedule_lr
+from distsgd.train.optim import build_optimizer, schedule_lr, scheduled
 
 if TYPE_CHECKING:
     from distsgd.algorithms.param_server.rules import Rule
@@ -185,8 +185,9 @@ class ParameterServer:
             n = p.numel()
             p.grad = grad[offset:offset + n].view_as(p)  # views: grad is this update's own tensor
             offset += n
-        if self.cfg.schedule != "constant":
-            schedule_lr(self.optimizer, self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs)
+        if scheduled(self.cfg):  # the warm-up counts the server's own updates
+            schedule_lr(self.optimizer, self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs,
+                        self.version + 1)
         self.optimizer.step()
         self.version += 1
         if self.on_update is not None:

@@ -196,5 +196,9 @@ class DCASGD(ServerAlgorithm):
     summary_line = ("delay-compensated ASGD: g + lambda g*g*(w - w_read) (--dc-lambda, --dc-adaptive for "
                     "DC-ASGD-a)")
 
+    @classmethod
+    def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
+        return {"optimizer": "sgd"}  # its compensation is of SGD's gradients, whatever the model's own default
+
 
 __all__ = ["ServerTopology", "ServerAlgorithm", "ASGD", "SyncPS", "SSP", "DCASGD", "StalenessOptions"]
