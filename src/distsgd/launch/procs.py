@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, DistsgdError, WorkerError, WorkerInputError, on_sigterm
+from distsgd.errors import ConfigError, DistsgdError, Terminated, WorkerError, WorkerInputError, on_sigterm
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Job, WorkerResult
 
@@ -132,7 +132,13 @@ def _bootstrap(env: dict[str, str], target: Any, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(env)
     _exit_with_launcher()
-    target(*args)
+    try:
+        target(*args)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM after its body had reported (the launcher stops a
+        # worker still leaving its process group once every result is in): nothing more to say
+        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on a stop just ends it
 
 
 def _exit_with_launcher() -> None:
