@@ -187,7 +187,8 @@ def _stream(split: Any, name: str) -> tuple[torch.Tensor, int | None]:
 def from_hf(obj: Any, context: int, name: str = "hf-dataset", where: str = "", vocab: int | None = None) -> Any:
     """A language-model Dataset from a ``datasets.Dataset`` (the test set carved from its end) or a
     ``DatasetDict`` with ``train`` and ``test`` (or ``validation``) splits."""
-    if hasattr(obj, "keys") and not hasattr(obj, "column_names"):  # a DatasetDict
+    if isinstance(getattr(obj, "column_names", None), dict) or (hasattr(obj, "keys") and
+                                                                 not hasattr(obj, "column_names")):  # splits
         splits = dict(obj)
         if "train" not in splits:
             raise DataError(f"{name}: a dataset with splits needs a 'train' split; it has {', '.join(splits)}")
@@ -208,6 +209,10 @@ def load_hf(path: str | Path, context: int) -> Any:
     """``hf:PATH``: a dataset saved with ``save_to_disk``, or a folder (or file) of parquet, arrow or
     jsonl files."""
     datasets = _require_datasets()
+    try:
+        datasets.disable_progress_bars()  # distsgd reports its own progress
+    except AttributeError:
+        pass
     path = Path(path)
     name = f"hf:{path}"
     if not path.exists():

@@ -1,0 +1,56 @@
+"""Every algorithm trains a language model: the built-in GPT on byte tokens, 2 workers, a short run.
+
+What a user who brings a transformer needs to trust: every way of cooperating takes token
+sequences of shape (B, T), trains on the per-token objective (its test loss falls well below the
+untrained model's ln 256 and the corpus's unigram entropy is what it is compared with), and what
+it reports is what ``distsgd eval`` measures of the model.pt it saved (loss and perplexity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import distsgd
+from distsgd.algorithms import registry
+from distsgd.api import evaluate_checkpoint
+from distsgd.data import text
+
+MODEL = "gpt[layers=1,heads=2,width=32]"
+# Settings that make each algorithm do its work in a run of 24 steps a worker.
+SETTINGS = {
+    "ssp": {"staleness": 1},
+    "local-sgd": {"sync_every": "5"},
+    "easgd": {"tau": 4},
+    "hogwild++": {"update_delay": 4},
+    "diloco": {"sync_every": "6", "lr": 0.003, "outer_lr": 0.7},
+    "streaming-diloco": {"sync_every": "6", "fragments": 2, "lr": 0.003, "outer_lr": 0.7},
+    "dcasgd": {"lr": 0.5},  # SGD: its compensation is of SGD's gradients
+}
+CASES = [(name, 1 if name == registry.baseline() else 2, SETTINGS.get(name, {})) for name in registry.names()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_bytes(text.stdlib_text(1 << 16))
+    return f"text:{path}"
+
+
+@pytest.mark.parametrize("algo, workers, extra", CASES, ids=[c[0] for c in CASES])
+def test_every_algorithm_trains_a_gpt(tmp_path: Path, corpus: str, algo: str, workers: int, extra: dict) -> None:
+    run = tmp_path / "run"
+    settings = {"lr": 0.003, "lr_warmup_steps": 4, **extra}
+    s = distsgd.train(model=MODEL, data=corpus, algo=algo, workers=workers, context=32, batch_size=16,
+                      max_samples=768, eval_every=384, out=str(run), quiet=True, **settings).summary
+    assert s["task"] == "lm" and s["tokens"] == s["samples"] * 32
+    assert s["final_test_loss"] < math.log(256) - 1.0, s["final_test_loss"]
+    saved = evaluate_checkpoint(run / "model.pt")
+    assert s["final_test_loss"] == pytest.approx(saved["test_loss"], abs=1e-6)
+    assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1e-6)
+    assert s["final_test_perplexity"] == pytest.approx(saved["test_perplexity"], rel=1e-6)
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk["final_test_perplexity"] == s["final_test_perplexity"]

@@ -1,0 +1,85 @@
+"""Hugging Face models and datasets: a tiny ``transformers`` GPT-2 built from a config (random
+weights, nothing downloaded) and a tokenised ``datasets.Dataset``, trained by 2 workers under
+allreduce, Hogwild! and the asynchronous parameter server; ``hf:PATH`` folders of every kind."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distsgd
+from distsgd.data import load_dataset, text
+from distsgd.errors import DataError
+from distsgd.train.evaluate import evaluate
+from distsgd.train.objective import loss_function
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+
+def tiny_gpt2(num_classes: int, input_shape: tuple[int, ...]) -> torch.nn.Module:
+    """GPT-2's architecture at a toy size, from a config: its forward returns an output object
+    whose .logits are the scores."""
+    cfg = transformers.GPT2Config(vocab_size=num_classes, n_positions=input_shape[0], n_embd=32, n_layer=1,
+                                  n_head=2, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture(scope="module")
+def tokenised() -> object:
+    """Lines of Python source as rows of byte token ids (variable lengths), as a tokeniser's
+    ``map`` leaves them."""
+    lines = text.stdlib_text(1 << 16).decode("utf-8", "replace").splitlines(keepends=True)
+    rows = [list(line.encode()) for line in lines if line.strip()]
+    return datasets.Dataset.from_dict({"input_ids": rows})
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
+def test_a_transformers_gpt2_trains_on_a_tokenised_dataset(tmp_path: Path, tokenised: object, algo: str) -> None:
+    res = distsgd.train(model=tiny_gpt2, data=tokenised, algo=algo, workers=2, context=32, batch_size=16,
+                        max_samples=768, eval_every=384, optimizer="adamw", lr=0.003, lr_warmup_steps=4,
+                        clip_grad_norm=1.0, out=str(tmp_path / "run"), quiet=True)
+    s = res.summary
+    assert s["task"] == "lm" and s["vocab"] == max(max(r) for r in tokenised["input_ids"]) + 1  # the largest id + 1
+    assert s["final_test_loss"] < math.log(256) - 1.0, s["final_test_loss"]
+    # the model returned (and saved) is the one the figures describe
+    data = distsgd.api._dataset_from(tokenised, 32)
+    acc, loss = evaluate(res.model, data, 1000, loss_function("auto", None, "lm"))
+    assert loss == pytest.approx(s["final_test_loss"], abs=1e-5) and acc == pytest.approx(s["final_test_accuracy"])
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)["state_dict"]
+    assert torch.equal(saved["transformer.wte.weight"], res.model.state_dict()["transformer.wte.weight"])
+
+
+def test_hf_folders_of_every_kind(tmp_path: Path, tokenised: object) -> None:
+    saved = tmp_path / "saved"
+    tokenised.save_to_disk(str(saved))
+    a = load_dataset(f"hf:{saved}", context=32)
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    tokenised.to_parquet(str(parquet / "part-0.parquet"))
+    b = load_dataset(f"hf:{parquet}", context=32)
+    assert a.task == b.task == "lm" and torch.equal(a.x_train, b.x_train) and a.num_classes <= 256
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "def f(x):\\n    return x"}\n' * 200)
+    c = load_dataset(f"hf:{jsonl}", context=16)
+    assert c.num_classes == 256 and bytes(c.x_train[0].tolist()).startswith(b"def f(x):")
+    splits = datasets.DatasetDict(train=tokenised.select(range(400)), test=tokenised.select(range(400, 500)))
+    d = distsgd.api._dataset_from(splits, 16)
+    assert d.n_test > 0 and d.n_train > d.n_test
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="parquet, arrow or jsonl"):
+        load_dataset(f"hf:{empty}", context=16)
+    wrong = datasets.Dataset.from_dict({"label": [1, 2]})
+    with pytest.raises(DataError, match="input_ids"):
+        distsgd.api._dataset_from(wrong, 16)
+
+
+def test_without_the_datasets_package_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now fails
+    with pytest.raises(DataError, match=r"pip install 'distsgd\[hf\]'"):
+        load_dataset(f"hf:{tmp_path}", context=16)
