@@ -1,8 +1,10 @@
 """Who wins at which bandwidth: the low-communication benchmark (needs root for the namespaces).
 
-A 352k-parameter MLP (benchmarks/models/wide_mlp.py) on Fashion-MNIST, 2 workers, trained to a
-target test accuracy by each configuration on two hosts joined by a veth pair
-(``distsgd bench --network``): unshaped, then shaped to each RATE.
+Two suites. ``mlp``: a 352k-parameter MLP (benchmarks/models/wide_mlp.py) on Fashion-MNIST, to a
+target test accuracy. ``gpt``: the built-in GPT (2 layers, width 128, context 64, 0.44M
+parameters) on Python's standard library as byte tokens, to a target test loss per token. Each:
+2 workers, each configuration on two hosts joined by a veth pair (``distsgd bench --network``):
+unshaped, then shaped to each RATE.
 
 Unshaped, every configuration runs until it reaches the target (or the sample cap). On a shaped
 link a run to the target could take an hour, so each runs for about ``--budget`` seconds (its
@@ -16,6 +18,7 @@ or to the target, and a projection for them also assumes the unshaped samples to
 
     sudo python benchmarks/low_comm.py                       # about 30 min on 2 cores
     sudo python benchmarks/low_comm.py --only "asgd,diloco[sync_every=500]"   # those again, the rest kept
+    sudo python benchmarks/low_comm.py --suite gpt           # the language model, about 25 min
     python benchmarks/low_comm.py --render                   # the table and plot from results
 """
 
@@ -30,30 +33,55 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "results" / "low_comm"
 MODEL = HERE / "models" / "wide_mlp.py"
-NETWORKS = ("unshaped", "100mbit", "10mbit")
-CONFIGS = (
-    "allreduce",
-    "ddp[compress=fp16]",
-    "ddp[compress=powersgd:2]",
-    "allreduce[compress=powersgd:2]",
-    "allreduce[compress=powersgd:4]",
-    "local-sgd[sync_every=8]",
-    "local-sgd[sync_every=64]",
-    "local-sgd[sync_every=8;compress=powersgd:2]",
-    "diloco[sync_every=64;lr=0.001]",
-    "diloco[sync_every=500;lr=0.001]",
-    "diloco[sync_every=500;lr=0.0004;weight_decay=0.1]",
-    "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1]",
-    "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1;merge=0]",
-    "hogwild++",
-    "asgd",
-)
-COMMON = ["--dataset", "fashion-mnist", "--model", f"{MODEL}:WideMLP", "--workers", "2", "--batch-size", "64",
-          "--lr", "0.05", "--momentum", "0.9", "--target-accuracy", "0.85", "--stop-at-target",
-          "--eval-every", "2000", "--threads-per-worker", "1"]
-CAP = 600_000  # samples: 10 epochs
+
+
+class Suite:
+    """A model, its data, its target and the configurations compared on it."""
+
+    def __init__(self, name: str, out: str, networks: tuple[str, ...], configs: tuple[str, ...], common: list[str],
+                 cap: int, target: str, title: str) -> None:
+        self.name, self.out, self.networks, self.configs, self.common = name, HERE / "results" / out, networks, \
+            configs, common
+        self.cap, self.target, self.title = cap, target, title
+
+
+SUITES = {
+    "mlp": Suite("mlp", "low_comm", ("unshaped", "100mbit", "10mbit"), (
+        "allreduce",
+        "ddp[compress=fp16]",
+        "ddp[compress=powersgd:2]",
+        "allreduce[compress=powersgd:2]",
+        "allreduce[compress=powersgd:4]",
+        "local-sgd[sync_every=8]",
+        "local-sgd[sync_every=64]",
+        "local-sgd[sync_every=8;compress=powersgd:2]",
+        "diloco[sync_every=64;lr=0.001]",
+        "diloco[sync_every=500;lr=0.001]",
+        "diloco[sync_every=500;lr=0.0004;weight_decay=0.1]",
+        "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1]",
+        "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1;merge=0]",
+        "hogwild++",
+        "asgd",
+    ), ["--dataset", "fashion-mnist", "--model", f"{MODEL}:WideMLP", "--workers", "2", "--batch-size", "64",
+        "--lr", "0.05", "--momentum", "0.9", "--target-accuracy", "0.85", "--stop-at-target",
+        "--eval-every", "2000", "--threads-per-worker", "1"], 600_000, "85%",
+        "Fashion-MNIST, 352k-parameter MLP, 2 hosts"),
+    # The language model: AdamW (gpt's own defaults: lr 1e-3, decay 0.1 on weights, warm-up 20, clip
+    # 1.0) for every configuration, DiLoCo's inner AdamW at the same lr; the target a test loss.
+    "gpt": Suite("gpt", "low_comm_gpt", ("unshaped", "10mbit"), (
+        "allreduce",
+        "allreduce[compress=powersgd:4]",
+        "local-sgd[sync_every=8]",
+        "diloco[sync_every=50;lr=0.001]",
+        "streaming-diloco[sync_every=50;lr=0.001;fragments=2;overlap=1]",
+        "asgd",
+    ), ["--dataset", "python-stdlib", "--model", "gpt[layers=2,heads=4,width=128]", "--context", "64",
+        "--workers", "2", "--batch-size", "16", "--target-loss", "2.2", "--stop-at-target", "--eval-every", "3200",
+        "--eval-batch-size", "500", "--threads-per-worker", "1"], 64_000, "loss 2.2",
+        "Python sources as bytes, GPT 2x128 (0.44M parameters), 2 hosts"),
+}
+SUITE = SUITES["mlp"]
 
 
 def rate_bytes(network: str) -> float:
@@ -70,11 +98,11 @@ def run(config: str, network: str, max_samples: int, again: bool) -> dict[str, A
     """One configuration on one link: its bench.json row (an earlier run's with the same sample
     cap unless ``again``)."""
     name = re.sub(r"[^a-z0-9]+", "_", f"{config}_{network}".lower()).strip("_")
-    out = OUT / "runs" / name
+    out = SUITE.out / "runs" / name
     done = out / "bench.json"
     if again or not done.exists() or json.loads(done.read_text())["settings"]["max_samples"] != max_samples:
         cmd = [sys.executable, "-m", "distsgd", "bench", "--algos", config, "--network", network,
-               "--max-samples", str(max_samples), "--out", str(out), "--overwrite", *COMMON]
+               "--max-samples", str(max_samples), "--out", str(out), "--overwrite", *SUITE.common]
         print(f"# {config} on {network}, at most {max_samples} samples", flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -101,20 +129,20 @@ def shaped_cap(config: str, base: dict[str, Any], network: str, budget: float) -
     est = min(base["samples_per_s"], rate_bytes(network) / per_sample)  # one direction's rate
     want = int(est * budget) // 128 * 128
     if config.split("[")[0] in ASYNCHRONOUS or not base["samples_to_target"]:
-        return max(1280, min(CAP, want))
+        return max(1280, min(SUITE.cap, want))
     ceiling = -(-int(base["samples_to_target"]) // 128) * 128
     return max(1280, min(ceiling, want))
 
 
 def measure(budget: float, again: bool, only: list[str], kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every configuration (or those in ``only``; the others' rows are ``kept`` from the last run)."""
-    todo = [c for c in CONFIGS if not only or c in only]
+    todo = [c for c in SUITE.configs if not only or c in only]
     rows = [r for r in kept if r["config"] not in todo]
     base = {}
     for config in todo:
-        base[config] = run(config, "unshaped", CAP, again)
+        base[config] = run(config, "unshaped", SUITE.cap, again)
         rows.append(base[config])
-    for network in NETWORKS[1:]:
+    for network in SUITE.networks[1:]:
         for config in todo:
             rows.append(run(config, network, shaped_cap(config, base[config], network, budget), again))
     return rows
@@ -133,16 +161,17 @@ def render(rows: list[dict[str, Any]], facts: str) -> str:
     base = {r["config"]: r for r in rows if r["network"] == "unshaped"}
     ref = base["allreduce"]
     lines = [f"{facts}", "",
-             "| configuration | bytes/sample | x fewer than allreduce | largest transfer (bytes) | samples to 85% | "
-             + " | ".join(f"{n}: samples/s | {n}: time to 85% (s)" for n in NETWORKS) + " |",
-             "|---|---|---|---|---|" + "---|---|" * len(NETWORKS)]
-    for config in CONFIGS:
+             f"| configuration | bytes/sample | x fewer than allreduce | largest transfer (bytes) | samples to "
+             f"{SUITE.target} | " + " | ".join(f"{n}: samples/s | {n}: time to {SUITE.target} (s)"
+                                               for n in SUITE.networks) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(SUITE.networks)]
+    for config in SUITE.configs:
         b = base[config]
         cells = [config, f"{b['bytes_per_sample']:.0f}" if b["bytes_per_sample"] else "-",
                  f"{ref['bytes_per_sample'] / b['bytes_per_sample']:.1f}" if b["bytes_per_sample"] else "-",
                  f"{b['largest_transfer_bytes']:.0f}" if b.get("largest_transfer_bytes") else "-",
-                 str(b["samples_to_target"]) if b["samples_to_target"] else f"not in {CAP}"]
-        for network in NETWORKS:
+                 str(b["samples_to_target"]) if b["samples_to_target"] else f"not in {SUITE.cap}"]
+        for network in SUITE.networks:
             r = next(x for x in rows if x["config"] == config and x["network"] == network)
             t, projected = time_to_target(r, b)
             cells += [f"{r['samples_per_s']:.0f}", "-" if t is None else (f"~{t:.0f}*" if projected else f"{t:.1f}")]
@@ -162,9 +191,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     xs = {"unshaped": 10_000.0, "100mbit": 100.0, "10mbit": 10.0}  # veth unshaped: drawn at 10 Gbit/s
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = plt.get_cmap("tab20").colors
-    for i, config in enumerate(CONFIGS):
+    for i, config in enumerate(SUITE.configs):
         pts = []
-        for network in NETWORKS:
+        for network in SUITE.networks:
             r = next(x for x in rows if x["config"] == config and x["network"] == network)
             t, projected = time_to_target(r, base[config])
             if t is not None:
@@ -178,8 +207,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link rate, Mbit/s (unshaped veth drawn at 10,000)")
-    ax.set_ylabel("time to 85% test accuracy, s (open marker: projected)")
-    ax.set_title("Fashion-MNIST, 352k-parameter MLP, 2 hosts")
+    ax.set_ylabel(f"time to {SUITE.target} (test), s (open marker: projected)")
+    ax.set_title(SUITE.title)
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -192,12 +221,15 @@ def main() -> None:
     ap.add_argument("--again", action="store_true", help="run every cell again, even those already in results")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per shaped run, about; default 60")
     ap.add_argument("--only", help="comma-separated configurations to run (again); the others' rows are kept")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="mlp", help="the model and data; default mlp")
     args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    data = OUT / "rows.json"
+    global SUITE
+    SUITE = SUITES[args.suite]
+    SUITE.out.mkdir(parents=True, exist_ok=True)
+    data = SUITE.out / "rows.json"
     if not args.render:
         only = [c for c in re.split(r",(?![^\[]*\])", args.only or "") if c]
-        unknown = [c for c in only if c not in CONFIGS]
+        unknown = [c for c in only if c not in SUITE.configs]
         if unknown:
             raise SystemExit(f"error: not a configuration of this benchmark: {', '.join(unknown)}")
         kept = json.loads(data.read_text())["rows"] if only and data.exists() else []
@@ -214,9 +246,9 @@ def main() -> None:
             facts = json.loads(data.read_text())["facts"] + f"; re-run on {today}: {', '.join(only)}"
         data.write_text(json.dumps({"facts": facts, "rows": rows}, indent=1))
     saved = json.loads(data.read_text())
-    (OUT / "table.md").write_text(render(saved["rows"], saved["facts"]) + "\n")
-    plot(saved["rows"], OUT / "time_to_target.png")
-    print((OUT / "table.md").read_text())
+    (SUITE.out / "table.md").write_text(render(saved["rows"], saved["facts"]) + "\n")
+    plot(saved["rows"], SUITE.out / "time_to_target.png")
+    print((SUITE.out / "table.md").read_text())
 
 
 if __name__ == "__main__":
