@@ -77,8 +77,8 @@ SUITES = {
         "streaming-diloco[sync_every=50;lr=0.001;fragments=2;overlap=1]",
         "asgd",
     ), ["--dataset", "python-stdlib", "--model", "gpt[layers=2,heads=4,width=128]", "--context", "64",
-        "--workers", "2", "--batch-size", "16", "--target-loss", "2.2", "--stop-at-target", "--eval-every", "3200",
-        "--eval-batch-size", "500", "--threads-per-worker", "1"], 64_000, "loss 2.2",
+        "--workers", "2", "--batch-size", "16", "--target-loss", "2.0", "--stop-at-target", "--eval-every", "3200",
+        "--eval-batch-size", "500", "--threads-per-worker", "1"], 64_000, "loss 2.0",
         "Python sources as bytes, GPT 2x128 (0.44M parameters), 2 hosts"),
 }
 SUITE = SUITES["mlp"]

@@ -117,6 +117,23 @@ def test_mixed_precision_on_a_gpu(precision: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "diloco"])
+def test_a_language_model_on_a_gpu_in_bf16(tmp_path: Path, algo: str) -> None:
+    """The GPT on byte tokens, CUDA workers under bf16 autocast: the per-token loss in float32."""
+    import math
+
+    from distsgd.data import text
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(text.stdlib_text(1 << 16))
+    s = distsgd.train(model="gpt[layers=2,heads=2,width=64]", data=f"text:{corpus}", algo=algo, workers=2,
+                      context=64, batch_size=16, max_samples=1024, lr=0.003, lr_warmup_steps=4, device="cuda",
+                      precision="bf16", quiet=True, **({"sync_every": "8"} if algo == "diloco" else {})).summary
+    assert s["device"].startswith("cuda") and s["task"] == "lm", s
+    assert s["final_test_loss"] < math.log(256) - 1.0, s
+
+
+@pytest.mark.gpu
 def test_fp16_is_refused_for_a_parameter_server() -> None:
     with pytest.raises(ConfigError, match="use --precision bf16"):
         distsgd.train(model="mlp", data="digits", algo="asgd", workers=2, device="cuda", precision="fp16", quiet=True)

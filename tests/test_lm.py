@@ -170,15 +170,15 @@ def test_warmup_then_schedule() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 * 0.5)
 
 
-def test_adamw_decays_weights_not_biases_or_norms() -> None:
+def test_weight_decay_on_weights_not_biases_or_norms() -> None:
     model = build_model(TINY, (8,), 20)
-    opt = build_optimizer(RunConfig(optimizer="adamw", lr=1e-3, weight_decay=0.1), model)
+    opt = build_optimizer(RunConfig(optimizer="adamw", lr=1e-3, weight_decay=0.1, weight_decay_on="weights"), model)
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     for name, p in model.named_parameters():
         assert (id(p) in decayed) == (p.dim() >= 2), name
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
-    sgd = build_optimizer(RunConfig(optimizer="sgd", lr=0.1, weight_decay=0.1), model)
-    assert len(sgd.param_groups) == 1
+    every = build_optimizer(RunConfig(optimizer="adamw", lr=0.1, weight_decay=0.1), model)  # torch's default: all
+    assert len(every.param_groups) == 1 and every.param_groups[0]["weight_decay"] == 0.1
 
 
 def test_clipping_clips_the_synchronised_gradient(tmp_path: Path) -> None:
@@ -224,9 +224,32 @@ def test_gpt_trains_on_pythons_own_sources_and_eval_agrees(tmp_path: Path) -> No
     assert 2.0 < s["unigram_entropy"] < math.log(256)
     assert s["final_test_loss"] < math.log(256) - 1.0  # it learnt something in 16 steps
     cfg = (run / "config.toml").read_text()
-    assert 'optimizer = "adamw"' in cfg and "clip_grad_norm = 1.0" in cfg  # the model's own defaults
+    assert 'optimizer = "adamw"' in cfg and "clip_grad_norm = 1.0" in cfg and 'weight_decay_on = "weights"' in cfg
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("test_perplexity" in e for e in metrics if e["event"] == "eval")
     saved = evaluate_checkpoint(run / "model.pt")
     assert saved["test_loss"] == pytest.approx(s["final_test_loss"], abs=1e-6)
     assert saved["test_perplexity"] == pytest.approx(s["final_test_perplexity"], rel=1e-6)
+
+
+def test_bench_and_compare_show_a_language_models_loss_and_perplexity(tmp_path: Path) -> None:
+    """compare's table names the target loss and shows loss and perplexity; its plots are of the
+    test loss per token."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(text.stdlib_text(1 << 15))
+    runs = []
+    for algo in ("single", "allreduce"):
+        run = tmp_path / algo
+        distsgd.train(model=TINY, data=f"text:{corpus}", algo=algo, workers=1 if algo == "single" else 2,
+                      context=32, batch_size=16, max_samples=256, eval_every=128, target_loss=5.0, lr=0.003,
+                      out=str(run), quiet=True)
+        runs.append(str(run))
+    out = tmp_path / "cmp"
+    res = run_cli("compare", *runs, "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    table = (out / "compare.md").read_text()
+    assert "time to loss 5 (s)" in table and "final perplexity" in table
+    report = json.loads((out / "compare.json").read_text())
+    assert report["rows"][0]["final_test_perplexity"]["median"] == pytest.approx(
+        math.exp(report["rows"][0]["final_test_loss"]["median"]))
+    assert {"loss_vs_time.png", "loss_vs_samples.png"} <= set(report["plots"])

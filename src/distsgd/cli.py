@@ -152,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if s.get("task") == "lm":  # per token: loss, perplexity, bits, next-token accuracy; the unigram baseline
             print(f"{s['algo']} x{s['workers']}: test loss {s['final_test_loss']:.4f} nats/token (perplexity "
                   f"{s['final_test_perplexity']:.3f}, {s['final_test_bits_per_token']:.3f} bits/token; the corpus's "
-                  f"unigram entropy {s.get('unigram_entropy', float('nan')):.4f}), next-token accuracy {acc:.4f}, "
+                  f"unigram entropy {s.get('unigram_entropy', float('nan')):.4f} nats/token), next-token accuracy {acc:.4f}, "
                   f"{s['tokens']} tokens in {s['train_wall_s']:.1f} s ({s['tokens_per_s']:.0f} tokens/s){target}")
         else:
             print(f"{s['algo']} x{s['workers']}: " + (f"test accuracy {acc:.4f}, " if acc is not None else "")

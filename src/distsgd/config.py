@@ -88,10 +88,13 @@ class RunConfig:
                                      "(see `distsgd algorithms`)")
     momentum: float = setting(0.5, "SGD momentum; default 0.5")
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
-    optimizer: str | None = setting(None, "sgd, adam or adamw (adamw: no decay on biases and norms' weights); "
-                                          "default sgd, or the model's or algorithm's own (gpt: adamw)")
+    optimizer: str | None = setting(None, "sgd, adam or adamw; default sgd, or the model's or algorithm's own "
+                                          "(gpt: adamw)")
     weight_decay: float | None = setting(None, "weight decay (L2 for sgd and adam, decoupled for adamw); default 0, "
                                                "or the algorithm's own where its paper's differs")
+    weight_decay_on: str | None = setting(None, "all (every parameter, as torch's optimisers) or weights (not biases "
+                                                "nor LayerNorm/BatchNorm scales: 1-D parameters); default all "
+                                                "(gpt: weights)")
     schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
     lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
     lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
@@ -263,7 +266,7 @@ def threads_per_worker(cfg: RunConfig) -> int:
 # The generic defaults of the settings an algorithm may give defaults of its own (its paper's): a
 # setting left unset (None) takes the algorithm's, else this.
 GENERIC: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.0, "optimizer": "sgd", "lr_warmup_steps": 0,
-                           "clip_grad_norm": 0.0}
+                           "clip_grad_norm": 0.0, "weight_decay_on": "all"}
 
 
 def with_defaults(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
@@ -308,6 +311,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.lr_warmup_steps >= 0, f"--lr-warmup-steps must be >= 0, got {cfg.lr_warmup_steps}")
     need(math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
          f"--clip-grad-norm must be a positive number (0: off), got {cfg.clip_grad_norm}")
+    need(cfg.weight_decay_on in ("all", "weights"),
+         f"--weight-decay-on must be all or weights, got '{cfg.weight_decay_on}'")
     need(cfg.optimizer in OPTIMIZERS, f"unknown optimizer '{cfg.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
     need(cfg.schedule in SCHEDULES, f"unknown schedule '{cfg.schedule}' (choose from {', '.join(SCHEDULES)})")
     need(cfg.lr_step_epochs >= 1, f"--lr-step-epochs must be at least 1, got {cfg.lr_step_epochs}")

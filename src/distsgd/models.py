@@ -284,7 +284,8 @@ SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
 # Settings a model's users should start from, where they differ from the generic ones: what training
 # a transformer language model from scratch takes (AdamW with weight decay, a warm-up, clipping).
 RECOMMENDED: dict[str, dict[str, object]] = {
-    "gpt": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_grad_norm": 1.0, "lr_warmup_steps": 20},
+    "gpt": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "weight_decay_on": "weights", "clip_grad_norm": 1.0,
+            "lr_warmup_steps": 20},
 }
 
 

@@ -23,7 +23,8 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 
 SETTINGS = ("dataset", "model", "epochs", "max_samples", "batch_size", "lr", "momentum", "optimizer", "eval_every",
-            "target_accuracy", "threads_per_worker", "partition", "straggler", "seed")  # shown above a table
+            "target_accuracy", "target_loss", "context", "threads_per_worker", "partition", "straggler",
+            "seed")  # shown above a table
 
 
 def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig, repeats: int) -> dict[str, Any]:
@@ -57,6 +58,9 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "samples_to_target": _stats([s["samples_to_target"] for s in reached]),
             "reached_target": f"{len(reached)}/{len(summaries)}",
             "final_test_accuracy": _stats([s["final_test_accuracy"] for s in summaries]),
+            "final_test_loss": _stats([s.get("final_test_loss") for s in summaries]),
+            "final_test_perplexity": _stats([s.get("final_test_perplexity") for s in summaries]),
+            "lm": any(s.get("task") == "lm" for s in summaries),
             "samples": _stats([s["samples"] for s in summaries]),
             "bytes_sent_per_sample": _stats([s.get("bytes_sent_per_sample") for s in summaries]),
             "staleness_mean": _stats([st["mean"] for st in stale]),
@@ -88,10 +92,11 @@ def _fmt(stat: dict[str, float] | None, fmt: str = "{:.0f}", spread: bool = True
 
 def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The table's header and rows as text cells (the markdown table, and compare's terminal table)."""
-    target = report["settings"].get("target_accuracy")
+    goal = _goal(report["settings"])
+    lm = any(r.get("lm") for r in report["rows"])  # language models: the loss per token and its perplexity too
     header = ["run" if report.get("kind") == "compare" else "algorithm", "workers", "threads/worker", "samples/s",
-              "scaling eff.", f"time to {_pct(target)} (s)", f"samples to {_pct(target)}", "reached", "final acc",
-              "bytes/sample", "staleness mean / p99"]
+              "scaling eff.", f"time to {goal} (s)", f"samples to {goal}", "reached", "final acc",
+              *(["final loss", "final perplexity"] if lm else []), "bytes/sample", "staleness mean / p99"]
     cells = []
     for r in report["rows"]:
         stale = "-" if r["staleness_mean"] is None else \
@@ -100,6 +105,8 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         cells.append([r["algo"], str(r["workers"]), str(r["threads_per_worker"]), _fmt(r["samples_per_s"]), eff,
                       _fmt(r["time_to_target_s"], "{:.1f}"), _fmt(r["samples_to_target"], "{:.0f}", False),
                       r["reached_target"], _fmt(r["final_test_accuracy"], "{:.4f}"),
+                      *([_fmt(r.get("final_test_loss"), "{:.4f}"), _fmt(r.get("final_test_perplexity"), "{:.3f}")]
+                        if lm else []),
                       _fmt(r["bytes_sent_per_sample"], "{:.0f}", False), stale])
     return header, cells
 
@@ -153,8 +160,16 @@ def _pct(target: float | None) -> str:
     return "target" if target is None else f"{target:.0%}"
 
 
+def _goal(settings: dict[str, Any]) -> str:
+    """The target's name in headers: an accuracy, else a test loss."""
+    if settings.get("target_accuracy") is None and settings.get("target_loss") is not None:
+        return f"loss {settings['target_loss']:g}"
+    return _pct(settings.get("target_accuracy"))
+
+
 def plots(report: dict[str, Any], out: Path) -> list[str]:
-    """accuracy_vs_time.png, accuracy_vs_samples.png, and throughput_vs_workers.png (a bench) or
+    """accuracy_vs_time.png, accuracy_vs_samples.png (a language model's: loss_vs_*.png, of its test loss
+    per token), and throughput_vs_workers.png (a bench) or
     throughput_vs_time.png (runs that carry their ``throughput`` curve: compare). Needs matplotlib."""
     try:
         import matplotlib
@@ -166,17 +181,21 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
         return []
     firsts = [e for e in report["runs"] if e["repeat"] == 0]
     written = []
-    for x_key, name, xlabel in (("train_wall_s", "accuracy_vs_time.png", "training time (s)"),
-                                ("samples", "accuracy_vs_samples.png", "training samples (all workers)")):
+    # a language model's curves are of its test loss per token (lower is better), the others' of accuracy
+    lm = any(e["summary"].get("task") == "lm" for e in firsts)
+    what, key, ylabel, target = ("loss", "test_loss", "test loss (nats per token)",
+                                 report["settings"].get("target_loss")) if lm else \
+        ("accuracy", "test_accuracy", "test accuracy", report["settings"].get("target_accuracy"))
+    for x_key, name, xlabel in (("train_wall_s", f"{what}_vs_time.png", "training time (s)"),
+                                ("samples", f"{what}_vs_samples.png", "training samples (all workers)")):
         fig, ax = plt.subplots(figsize=(8, 5))
         for i, e in enumerate(firsts):
             evals = e["summary"]["evals"]
-            ax.plot([v[x_key] for v in evals], [v["test_accuracy"] for v in evals], marker=".", markersize=3,
+            ax.plot([v[x_key] for v in evals], [v[key] for v in evals], marker=".", markersize=3,
                     label=f"{e['algo']} x{e['workers']}", **_style(plt, i))
-        target = report["settings"].get("target_accuracy")
         if target:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-        _save(plt, fig, ax, xlabel, "test accuracy", out / name)
+        _save(plt, fig, ax, xlabel, ylabel, out / name)
         written.append(name)
     if any(e.get("throughput") for e in firsts):
         written.append(_throughput_vs_time(plt, firsts, out))

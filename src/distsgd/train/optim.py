@@ -15,10 +15,10 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, custom: Callable | N
                     groups: Callable | None = None) -> torch.optim.Optimizer:
     """``custom(model)`` if given; else ``--optimizer`` (``sgd`` with momentum, nesterov and weight
     decay, ``adam``, ``adamw``) at ``cfg.lr`` over ``groups(model)`` (per-group options such as
-    their own lr) or all parameters. ``adamw`` decays only the weights of layers and embeddings
-    (parameters of 2 or more dimensions), not biases nor the scales of LayerNorm and BatchNorm
-    (:func:`decay_groups`). Each group remembers its lr as ``base_lr``: the schedule scales every
-    group's own."""
+    their own lr) or all parameters. With ``--weight-decay-on weights`` only the weights of layers
+    and embeddings (parameters of 2 or more dimensions) decay, not biases nor the scales of
+    LayerNorm and BatchNorm (:func:`decay_groups`). Each group remembers its lr as ``base_lr``:
+    the schedule scales every group's own."""
     if custom is not None:
         optimizer = custom(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -27,7 +27,8 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, custom: Callable | N
         kind = value(cfg, "optimizer")
         lr, decay = value(cfg, "lr"), value(cfg, "weight_decay")
         params: Any = groups(model) if groups is not None else \
-            decay_groups(model, decay) if kind == "adamw" and decay > 0 else list(model.parameters())
+            decay_groups(model, decay) if value(cfg, "weight_decay_on") == "weights" and decay > 0 else \
+            list(model.parameters())
         if kind == "sgd":
             optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                         weight_decay=decay)
