@@ -27,7 +27,7 @@ from distsgd import launch
 from distsgd.algorithms import registry
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
 from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
-from distsgd.data import Dataset, TrainingData, from_arrays, load_dataset, text
+from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, DataError, ModelError, OutputError
@@ -120,7 +120,7 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
     if isinstance(data, (Dataset, TorchData)):
         return data
     if text.is_hf_dataset(data):  # a Hugging Face datasets.Dataset (or DatasetDict) of token ids or text
-        return text.from_hf(data, context)
+        return from_hf(data, context)
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
         return TorchData(data[0], data[1], name="dataset")
     if isinstance(data, dict):
@@ -282,11 +282,13 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "target_loss": cfg.target_loss,
         "time_to_target_s": hit["train_wall_s"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
-        "evals": [{k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss")} for e in chief.evals],
+        "evals": [{k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss", "test_perplexity")
+                   if k in e} for e in chief.evals],  # a language model's evaluations carry their perplexity
         "threads_per_worker": threads_per_worker(cfg),
         **_where(results, cfg),
         "compile": cfg.compile,
         "torch_version": torch.__version__,
+        "python_version": platform.python_version(),  # python-stdlib's text is this Python's own
         "started_at": started_at,
         "host": platform.node(),
     }
@@ -316,8 +318,6 @@ def _lm_summary(dataset: TrainingData, summary: dict[str, Any]) -> dict[str, Any
            "final_test_perplexity": figures["test_perplexity"], "final_test_bits_per_token": figures["test_bits_per_token"]}
     if isinstance(dataset, Dataset):
         out["unigram_entropy"] = text.unigram_entropy(dataset.y_train, dataset.num_classes)
-    for e in summary["evals"]:
-        e["test_perplexity"] = lm_figures(e["test_loss"])["test_perplexity"] if e["test_loss"] is not None else None
     return out
 
 

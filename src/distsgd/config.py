@@ -263,25 +263,17 @@ def threads_per_worker(cfg: RunConfig) -> int:
     return max(1, cores() // local)
 
 
-# The generic defaults of the settings an algorithm may give defaults of its own (its paper's): a
-# setting left unset (None) takes the algorithm's, else this.
+# The generic defaults of the settings an algorithm (its paper's) or a built-in model (gpt's) may give
+# defaults of their own: a setting left unset (None) takes the algorithm's, else the model's, else this.
 GENERIC: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.0, "optimizer": "sgd", "lr_warmup_steps": 0,
-                           "clip_grad_norm": 0.0, "weight_decay_on": "all"}
+                           "clip_grad_norm": 0.0, "weight_decay_on": "all", "dataset": "fashion-mnist"}
 
 
 def with_defaults(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
     """``cfg`` with every unset setting of :data:`GENERIC` set: to ``own[name]`` (the algorithm's
     default) if given, else the generic default. What the user set is never changed."""
     changes = {k: (own or {}).get(k, v) for k, v in GENERIC.items() if getattr(cfg, k) is None}
-    if cfg.dataset is None:
-        changes["dataset"] = default_dataset(cfg.model)
     return cfg.replace(**changes) if changes else cfg
-
-
-def default_dataset(model: str) -> str:
-    """The dataset a run of ``model`` trains on when none is named: Python's own sources for a
-    language model, Fashion-MNIST for the rest."""
-    return "python-stdlib" if model.partition("[")[0] == "gpt" else "fashion-mnist"
 
 
 def value(cfg: RunConfig, name: str) -> Any:

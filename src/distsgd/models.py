@@ -16,7 +16,6 @@ arguments. Loading it runs that file's code, like any import.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -282,9 +281,9 @@ BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
 SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
 
 # Settings a model's users should start from, where they differ from the generic ones: what training
-# a transformer language model from scratch takes (AdamW with weight decay, a warm-up, clipping).
+# a transformer language model from scratch takes (its text, AdamW with weight decay, a warm-up, clipping).
 RECOMMENDED: dict[str, dict[str, object]] = {
-    "gpt": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "weight_decay_on": "weights", "clip_grad_norm": 1.0,
+    "gpt": {"dataset": "python-stdlib", "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "weight_decay_on": "weights", "clip_grad_norm": 1.0,
             "lr_warmup_steps": 20},
 }
 
@@ -302,15 +301,13 @@ def describe(spec: ModelSpec) -> str:
 
 
 def _load_user(spec: str) -> Callable[..., nn.Module]:
-    if spec.partition("[")[0] in SIZED or not spec.rpartition(":")[0].endswith(".py"):
+    if not spec.rpartition(":")[0].endswith(".py"):
         raise ModelError(f"unknown model '{spec}' (choose from {', '.join(BUILTIN)}, or give path/file.py:ClassName)")
     return user.load(spec, ModelError, "model")
 
 
 def _call_factory(factory: Callable[..., nn.Module], input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if factory in BUILTIN.values():
-        return factory(input_shape, num_classes)
-    if isinstance(factory, functools.partial) and factory.func in BUILTIN.values():
         return factory(input_shape, num_classes)
     try:
         params = inspect.signature(factory).parameters
@@ -330,11 +327,10 @@ def _call_factory(factory: Callable[..., nn.Module], input_shape: tuple[int, ...
 def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, init: str = "default",
                 seed: int | None = None) -> nn.Module:
     """Build the model; with ``seed`` its initial weights are the same in every process."""
+    size: dict[str, float] = {}  # a built-in's size options (gpt[layers=2,...])
     if isinstance(spec, str):
         name, size = parse_spec(spec) if spec.partition("[")[0] in SIZED else (spec, {})
         factory = BUILTIN.get(name) or _load_user(spec)
-        if size:
-            factory = functools.partial(factory, **size)
     elif callable(spec):
         factory = spec
     else:
@@ -342,7 +338,8 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int,
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        model = _call_factory(factory, input_shape, num_classes)
+        model = factory(input_shape, num_classes, **size) if factory in BUILTIN.values() else \
+            _call_factory(factory, input_shape, num_classes)
     except ModelError:
         raise
     except Exception as exc:

@@ -19,8 +19,9 @@ worker processes read one copy. See :mod:`distsgd.data.sources` for where files 
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from distsgd.data import formats, sources
+from distsgd.data import formats, sources, text
 from distsgd.data.augment import crop_flip
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import DataError
@@ -179,10 +180,10 @@ FORMATS = (
     Format("folder:PATH", "PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., streamed",
            _prefixed("folder:"), lambda spec, _, __: _load_folder(Path(spec[7:]))),
     Format("text:PATH", "a text file or a folder of them, byte-level tokens, cut into --context sequences "
-           "(language models)", _prefixed("text:"), lambda spec, _, context: _text().load_text(spec[5:], context)),
+           "(language models)", _prefixed("text:"), lambda spec, _, context: _load_text(Path(spec[5:]), context)),
     Format("hf:PATH", "a Hugging Face dataset (save_to_disk folder, or parquet/arrow/jsonl files) with input_ids or "
            "text (language models; pip install 'distsgd[hf]')", _prefixed("hf:"),
-           lambda spec, _, context: _text().load_hf(spec[3:], context)),
+           lambda spec, _, context: from_hf(text.read_hf(spec[3:]), context, spec, spec[3:])),
     Format("FILE.py:FUNC", "a function returning (train, test) torch Datasets (runs that file)",
            lambda spec: spec.rpartition(":")[0].endswith(".py"), lambda spec, _, __: _load_user(spec)),
 )
@@ -193,23 +194,18 @@ def dataset_help() -> str:
     return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist"
 
 
-def _text() -> Any:
-    from distsgd.data import text
-
-    return text
-
-
 def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None,
                  context: int | None = None) -> TrainingData:
     """A built-in dataset by name, or any of :data:`FORMATS` (``npz:PATH``, ``folder:PATH``,
     ``text:PATH``, ``hf:PATH``, ``path/file.py:function``). ``context``: the sequence length of
     token data (``--context``)."""
-    context = context or _text().DEFAULT_CONTEXT
+    context = context or text.DEFAULT_CONTEXT
     for fmt in FORMATS:
         if fmt.matches(spec):
             return fmt.load(spec, data_dir, context)
     if spec == "python-stdlib":
-        return _text().load_stdlib(context)
+        return token_dataset("python-stdlib", text.byte_tokens(text.stdlib_text()), context, text.BYTE_VOCAB,
+                             f"{text.stdlib_folder()} (Python {sys.version.split()[0]}, PSF License)")
     if spec == "digits":
         return _load_digits()
     if spec in ("mnist", "fashion-mnist", "kmnist"):
@@ -341,6 +337,24 @@ def _as_targets(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tens
     return t
 
 
+def token_dataset(name: str, tokens: torch.Tensor, context: int, vocab: int, where: str = "",
+                  test_tokens: torch.Tensor | None = None) -> Dataset:
+    """A language model's Dataset: sequences of ``context`` tokens and their next tokens, from a
+    stream (:func:`distsgd.data.text.token_arrays`: its end is the test set unless ``test_tokens``)."""
+    return Dataset(name, *text.token_arrays(name, tokens, context, vocab, test_tokens), vocab, where)
+
+
+def from_hf(obj: Any, context: int, name: str = "hf-dataset", where: str = "") -> Dataset:
+    """A language model's Dataset from a Hugging Face ``datasets.Dataset`` or ``DatasetDict``
+    (:func:`distsgd.data.text.hf_tokens`)."""
+    train, test, vocab = text.hf_tokens(obj, name)
+    return token_dataset(name, train, context, vocab, where, test)
+
+
+def _load_text(path: Path, context: int) -> Dataset:
+    return token_dataset(f"text:{path}", text.byte_tokens(text.read_text(path)), context, text.BYTE_VOCAB, str(path))
+
+
 def _load_npz(path: Path) -> Dataset:
     arrays = formats.read_npz(path)
     return from_arrays(f"npz:{path}", arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
@@ -394,7 +408,7 @@ def available(data_dir: str | None = None) -> list[tuple[str, str, str]]:
     rows = []
     for name in BUILTIN:
         if name == "python-stdlib":
-            rows.append((name, "available", f"{_text().stdlib_folder()} (a language model's text, byte tokens)"))
+            rows.append((name, "available", f"{text.stdlib_folder()} (a language model's text, byte tokens)"))
             continue
         if name == "digits":
             try:
@@ -409,5 +423,5 @@ def available(data_dir: str | None = None) -> list[tuple[str, str, str]]:
     return rows
 
 
-__all__ = ["Dataset", "TrainingData", "Format", "FORMATS", "load_dataset", "from_arrays", "available", "BUILTIN",
-           "dataset_help"]
+__all__ = ["Dataset", "TrainingData", "Format", "FORMATS", "load_dataset", "from_arrays", "token_dataset", "from_hf",
+           "available", "BUILTIN", "dataset_help"]

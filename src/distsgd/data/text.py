@@ -1,6 +1,7 @@
-"""Token data for language models: text files, Python's own sources, Hugging Face datasets.
+"""Token streams for language models: text files, Python's own sources, Hugging Face datasets.
 
-A language-model dataset is a :class:`~distsgd.data.Dataset` (the tensor fast path: every
+This module reads and cuts token streams; :func:`distsgd.data.token_dataset` makes them a
+language-model dataset: a :class:`~distsgd.data.Dataset` (the tensor fast path: every
 algorithm, Hogwild!'s shared memory and the parameter server included, trains it unchanged) whose
 inputs and targets are token ids of shape ``(N, T)``: sample i is a sequence of ``T = --context``
 tokens, and its target the same sequence shifted by one (the next token at every position). The
@@ -29,7 +30,6 @@ each token by its frequency alone.
 
 from __future__ import annotations
 
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -110,12 +110,10 @@ def sequences(tokens: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.T
     return x.contiguous(), y.contiguous()
 
 
-def token_dataset(name: str, tokens: torch.Tensor, context: int, vocab: int, where: str = "",
-                  test_tokens: torch.Tensor | None = None) -> Any:
-    """A language-model :class:`~distsgd.data.Dataset` from a token stream (its last
-    :data:`TEST_FRACTION` the test set, unless ``test_tokens`` are given)."""
-    from distsgd.data import Dataset
-
+def token_arrays(name: str, tokens: torch.Tensor, context: int, vocab: int,
+                 test_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``(x, y, x_test, y_test)``, each ``(N, context)``, from a token stream (its last
+    :data:`TEST_FRACTION` the test set, unless ``test_tokens`` are given); ids checked against ``vocab``."""
     if context < 1:
         raise DataError(f"--context must be at least 1 token, got {context}")
     tokens = tokens.long()
@@ -127,19 +125,7 @@ def token_dataset(name: str, tokens: torch.Tensor, context: int, vocab: int, whe
             raise DataError(f"{name}: {len(tokens)} tokens are too few for a training and a test sequence of "
                             f"--context {context}")
         tokens, test_tokens = tokens[:cut], tokens[cut:]
-    x, y = sequences(tokens, context)
-    x_test, y_test = sequences(test_tokens.long(), context)
-    return Dataset(name, x, y, x_test, y_test, vocab, where)
-
-
-def load_text(path: str | Path, context: int) -> Any:
-    path = Path(path)
-    return token_dataset(f"text:{path}", byte_tokens(read_text(path)), context, BYTE_VOCAB, str(path))
-
-
-def load_stdlib(context: int) -> Any:
-    return token_dataset("python-stdlib", byte_tokens(stdlib_text()), context, BYTE_VOCAB,
-                         f"{stdlib_folder()} (Python {sys.version.split()[0]}, PSF License)")
+    return (*sequences(tokens, context), *sequences(test_tokens.long(), context))
 
 
 def unigram_entropy(tokens: torch.Tensor, vocab: int) -> float:
@@ -184,30 +170,36 @@ def _stream(split: Any, name: str) -> tuple[torch.Tensor, int | None]:
                     f"{', '.join(columns) or 'none'}")
 
 
-def from_hf(obj: Any, context: int, name: str = "hf-dataset", where: str = "", vocab: int | None = None) -> Any:
-    """A language-model Dataset from a ``datasets.Dataset`` (the test set carved from its end) or a
-    ``DatasetDict`` with ``train`` and ``test`` (or ``validation``) splits."""
-    if isinstance(getattr(obj, "column_names", None), dict) or (hasattr(obj, "keys") and
-                                                                 not hasattr(obj, "column_names")):  # splits
-        splits = dict(obj)
+def _splits(obj: Any) -> dict[str, Any] | None:
+    """A ``DatasetDict``'s (or a plain dict's) splits; None for one ``Dataset``."""
+    if isinstance(obj, dict) or any(c.__name__ == "DatasetDict" for c in type(obj).__mro__):
+        return dict(obj)
+    return None
+
+
+def hf_tokens(obj: Any, name: str = "hf-dataset") -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(training tokens, test tokens or None, vocabulary) of a ``datasets.Dataset`` (its test set is
+    then carved from its end) or a ``DatasetDict`` with ``train`` and ``test`` (or ``validation``)
+    splits. The vocabulary: 256 for text as bytes, else the largest id + 1."""
+    splits = _splits(obj)
+    if splits is None:
+        train_tokens, vocab = _stream(obj, name)
+        test_tokens = None
+    else:
         if "train" not in splits:
             raise DataError(f"{name}: a dataset with splits needs a 'train' split; it has {', '.join(splits)}")
         test = splits.get("test", splits.get("validation"))
-        train_tokens, v1 = _stream(splits["train"], name)
-        test_tokens, v2 = _stream(test, name) if test is not None else (None, None)
-        inferred = v1 or v2
-    else:
-        train_tokens, inferred = _stream(obj, name)
-        test_tokens = None
+        train_tokens, vocab = _stream(splits["train"], name)
+        test_tokens = _stream(test, name)[0] if test is not None else None
     if vocab is None:
-        vocab = inferred or 1 + max(int(train_tokens.max()) if len(train_tokens) else 0,
-                                    int(test_tokens.max()) if test_tokens is not None and len(test_tokens) else 0)
-    return token_dataset(name, train_tokens, context, vocab, where, test_tokens)
+        vocab = 1 + max(int(t.max()) for t in (train_tokens, test_tokens) if t is not None and len(t)) \
+            if len(train_tokens) else 1
+    return train_tokens, test_tokens, vocab
 
 
-def load_hf(path: str | Path, context: int) -> Any:
-    """``hf:PATH``: a dataset saved with ``save_to_disk``, or a folder (or file) of parquet, arrow or
-    jsonl files."""
+def read_hf(path: str | Path) -> Any:
+    """``hf:PATH``'s dataset: one saved with ``save_to_disk``, or a folder (or file) of parquet, arrow
+    or jsonl files."""
     datasets = _require_datasets()
     try:
         datasets.disable_progress_bars()  # distsgd reports its own progress
@@ -235,9 +227,8 @@ def load_hf(path: str | Path, context: int) -> Any:
     except Exception as exc:  # the datasets library's own errors: one line
         first = (str(exc).strip().splitlines() or [""])[0]
         raise DataError(f"{name}: cannot read it: {type(exc).__name__}: {first}") from None
-    return from_hf(obj, context, name, str(path))
+    return obj
 
 
-__all__ = ["byte_tokens", "read_text", "stdlib_text", "sequences", "token_dataset", "load_text", "load_stdlib",
-           "unigram_entropy", "is_hf_dataset", "from_hf", "load_hf", "TEST_FRACTION", "BYTE_VOCAB",
-           "DEFAULT_CONTEXT"]
+__all__ = ["byte_tokens", "read_text", "stdlib_folder", "stdlib_text", "sequences", "token_arrays", "unigram_entropy",
+           "is_hf_dataset", "hf_tokens", "read_hf", "TEST_FRACTION", "BYTE_VOCAB", "DEFAULT_CONTEXT"]

@@ -30,7 +30,7 @@ from distsgd.train import device
 from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, evaluate, snapshot
 from distsgd.train.objective import loss_function
-from distsgd.train.optim import schedule_lr, scheduled
+from distsgd.train.optim import schedule_lr
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
@@ -144,7 +144,7 @@ class _Worker:
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # it waits for the GPU before a reading
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.loss_sum, self.loss_steps = torch.zeros((), device=ctx.device), 0
-        self.scheduled, self.clip = scheduled(cfg), value(cfg, "clip_grad_norm")
+        self.warmup, self.clip = value(cfg, "lr_warmup_steps"), value(cfg, "clip_grad_norm")
         self.gs = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
     def _build(self, saved: dict[str, Any] | None, start: Start) -> None:
@@ -184,7 +184,8 @@ class _Worker:
         algorithm synchronises only after the last one."""
         ctx, algo, st = self.ctx, self.algo, self.state
         started = time.perf_counter()
-        if self.scheduled:  # the run's progress (all workers'), not this worker's; the warm-up by its own steps
+        if self.cfg.schedule != "constant" or st.steps < self.warmup:
+            # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
             schedule_lr(self.optimizer, self.cfg, self.gs / self.global_per_epoch, self.total_epochs, st.steps + 1)
         self.optimizer.zero_grad(set_to_none=True)
         n = sum(len(y) for _, y in micro)

@@ -50,6 +50,7 @@ class ParameterServer:
         self.params = params(model)
         self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
+        self.scheduled = scheduled(cfg)
         self.samples_per_epoch = samples_per_epoch
         self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / samples_per_epoch
         self.on_update, self.on_start = on_update, on_start
@@ -185,7 +186,7 @@ class ParameterServer:
             n = p.numel()
             p.grad = grad[offset:offset + n].view_as(p)  # views: grad is this update's own tensor
             offset += n
-        if scheduled(self.cfg):  # the warm-up counts the server's own updates
+        if self.scheduled:  # the warm-up counts the server's own updates
             schedule_lr(self.optimizer, self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs,
                         self.version + 1)
         self.optimizer.step()
