@@ -200,15 +200,15 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
 
 def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     """The settings a run will use, and its algorithm class: its options (none of another
-    algorithm's), the general checks with the algorithm's own defaults, the topology's plan, the
+    algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
     if cfg.algo is None:
         cfg = cfg.replace(algo=registry.baseline())
     algo_cls = registry.resolve(cfg.algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
-    # unset settings: the algorithm's own defaults (its paper's), else the model's (gpt's), else the generic ones
-    cfg = validate(with_defaults(cfg, {**recommended_settings(cfg.model), **algo_cls.default_settings(cfg)}))
+    # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the generic ones
+    cfg = validate(with_defaults(cfg, {**algo_cls.default_settings(cfg), **recommended_settings(cfg.model)}))
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)

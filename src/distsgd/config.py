@@ -264,7 +264,8 @@ def threads_per_worker(cfg: RunConfig) -> int:
 
 
 # The generic defaults of the settings an algorithm (its paper's) or a built-in model (gpt's) may give
-# defaults of their own: a setting left unset (None) takes the algorithm's, else the model's, else this.
+# defaults of their own: a setting left unset (None) takes the model's (tuned for that model), else the
+# algorithm's (its paper's, for the models its paper trained), else this.
 GENERIC: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.0, "optimizer": "sgd", "lr_warmup_steps": 0,
                            "clip_grad_norm": 0.0, "weight_decay_on": "all", "dataset": "fashion-mnist"}
 

@@ -3,6 +3,7 @@ two workers; and its runs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import distsgd
@@ -18,11 +19,11 @@ H, ROUNDS, TAIL = 3, 3, 2  # 3 full rounds of 3 inner steps, then a partial roun
 INNER_LR, DECAY, OUTER_LR, OUTER_MU = 0.05, 0.1, 0.7, 0.9
 
 
-def _diloco_worker(rank: int, world: int) -> dict:
+def _diloco_worker(rank: int, world: int, rule: str) -> dict:
     from distsgd.algorithms.diloco import DiLoCo
 
-    cfg = config("diloco", world, {"sync_every": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU},
-                 lr=INNER_LR, weight_decay=DECAY)
+    cfg = config("diloco", world, {"sync_every": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU,
+                                   "partial_round": rule}, lr=INNER_LR, weight_decay=DECAY)
     model, set_grad = model_and_grad(rank)
     algo = DiLoCo(cfg)
     ctx = context(rank, world)
@@ -33,8 +34,10 @@ def _diloco_worker(rank: int, world: int) -> dict:
         take_step(algo, ctx, model, opt, set_grad, step)
         if step % H == 0:
             thetas.append(flat(algo.global_model))
+    evaluated = flat(algo.evaluation_model(ctx, model))  # inside the partial round, on copies
     final = algo.finish(ctx, model)
-    return {"thetas": thetas, "final": flat(final), "local": flat(model)}
+    return {"thetas": thetas, "final": flat(final), "evaluated": evaluated, "bytes": algo.bytes_sent,
+            "rounds": algo.rounds}
 
 
 def adamw(state: dict, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -47,19 +50,22 @@ def adamw(state: dict, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return w - INNER_LR * (DECAY * w + m_hat / (v_hat.sqrt() + 1e-8))
 
 
-def diloco_reference(world: int, wrong: str = "") -> tuple[list[torch.Tensor], torch.Tensor]:
+def diloco_reference(world: int, wrong: str = "", rule: str = "average") -> tuple[list[torch.Tensor], torch.Tensor]:
     """DiLoCo's Algorithm 1: each outer step t, every worker i starts from theta^(t-1), takes H
     inner AdamW steps (its AdamW state carried from round to round), reaching theta_i^(t); then
     Delta^(t) = (1/k) sum_i (theta^(t-1) - theta_i^(t)) and theta^(t) = OuterOpt(theta^(t-1),
     Delta^(t)), Nesterov momentum (Sutskever et al. 2013, in PyTorch's form: b <- mu b + Delta,
-    theta <- theta - lr (Delta + mu b)). The last, partial round ends with an outer step too.
+    theta <- theta - lr (Delta + mu b)). The paper has no partial round; the last one here (TAIL < H
+    steps) ends as ``rule`` says: "average" (theta <- the mean of the theta_i), "step" (an outer
+    step on it as on a full round) or "theta" (theta of the last full round, its steps dropped).
     ``wrong``: "sum" (no 1/k), "sign" (theta_i - theta), "average" (theta <- mean of theta_i,
     local SGD's rule), "reset" (a fresh AdamW every round)."""
     theta = start_weights()
     quads = [quadratic(r) for r in range(world)]
     states = [{"t": 0, "m": torch.zeros_like(theta), "v": torch.zeros_like(theta)} for _ in range(world)]
     buf, thetas = None, []
-    for steps in [H] * ROUNDS + [TAIL]:
+    for rnd, steps in enumerate([H] * ROUNDS + [TAIL]):
+        partial = rnd == ROUNDS
         local = []
         for i, (a, b) in enumerate(quads):
             if wrong == "reset":
@@ -68,7 +74,9 @@ def diloco_reference(world: int, wrong: str = "") -> tuple[list[torch.Tensor], t
             for _ in range(steps):
                 w = adamw(states[i], w, a * (w - b))
             local.append(w)
-        if wrong == "average":
+        if partial and rule == "theta":
+            continue
+        if wrong == "average" or (partial and rule == "average"):
             theta = sum(local) / world
         else:
             delta = sum((lo - theta) if wrong == "sign" else (theta - lo) for lo in local) / (1 if wrong == "sum" else world)
@@ -78,16 +86,21 @@ def diloco_reference(world: int, wrong: str = "") -> tuple[list[torch.Tensor], t
     return thetas, theta
 
 
-def test_diloco_with_two_workers_follows_the_paper(tmp_path) -> None:
-    got = in_group(_diloco_worker, 2, tmp_path)
-    thetas, final = diloco_reference(2)
+@pytest.mark.parametrize("rule", ["average", "step", "theta"])
+def test_diloco_with_two_workers_follows_the_paper(tmp_path, rule: str) -> None:
+    got = in_group(_diloco_worker, 2, tmp_path, rule)
+    thetas, final = diloco_reference(2, rule=rule)
     for r in range(2):
-        for a, b in zip(got[r]["thetas"], thetas):
+        for a, b in zip(got[r]["thetas"], thetas[:ROUNDS]):  # full rounds: the paper's outer steps
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[r]["final"], final, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got[r]["local"], final, rtol=1e-5, atol=1e-6)  # the next round starts there
+        # an evaluation inside the partial round measures what would be returned there
+        torch.testing.assert_close(got[r]["evaluated"], got[r]["final"], rtol=0, atol=0)
+        assert got[r]["rounds"] == ROUNDS + (rule == "step")  # only full rounds are outer steps
     for wrong in ("sum", "sign", "average", "reset"):
-        assert far(got[0]["final"], diloco_reference(2, wrong)[1]), wrong
+        assert far(got[0]["final"], diloco_reference(2, wrong, rule)[1]), wrong
+    for other in {"average", "step", "theta"} - {rule}:
+        assert far(got[0]["final"], diloco_reference(2, rule=other)[1]), other
 
 
 
@@ -99,6 +112,6 @@ def test_diloco_learns_and_sends_a_fraction_of_allreduce() -> None:
     di = distsgd.train(algo="diloco", lr=0.003, sync_every="16", **common).summary
     assert di["final_test_accuracy"] > 0.85, di["final_test_accuracy"]
     steps = 6 * -(-718 // 16)
-    assert di["outer_steps"] == -(-steps // 16)  # every 16 steps, and the last partial round
+    assert di["outer_steps"] == steps // 16  # every 16 steps; the last, partial round is averaged
     assert di["bytes_sent_per_sample"] <= ar["bytes_sent_per_sample"] / 16 * (1 + 16 / steps)
     assert di["replica_max_abs_diff"] == 0.0

@@ -7,7 +7,8 @@ The rule, as the module states it: fragment p of P (a contiguous 1/P slice of th
 sends at steps t = (p + 1) H / P - tau + k H its pseudo-gradient Delta_p = theta_p - x_p, averaged
 over the workers; tau steps later theta_p <- Nesterov-SGD_p(theta_p, mean Delta_p) and the worker
 merges x_p <- alpha x_p + (1 - alpha) theta_p. At the end the fragment in flight lands and every
-fragment with steps since its send takes a last outer step; the global model is returned.
+fragment with steps since its send ends as --partial-round says (average: the workers' values
+averaged; step: a last outer step; theta: its global values kept); the global model is returned.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ def _worker(rank: int, world: int, algo: str, options: dict, steps: int) -> dict
     return {"locals": seen, "final": flat(final), "evaluated": evaluated, "figures": vars(algo_obj.figures())}
 
 
-def reference(world: int, steps: int, h: int, p: int, tau: int, alpha: float, wrong: str = "") -> dict:
+def reference(world: int, steps: int, h: int, p: int, tau: int, alpha: float, wrong: str = "",
+              rule: str = "average") -> dict:
     """The paper's Algorithm 2 in float64 with inner SGD: x_i (each worker's values), theta (the
     global values, per fragment), one Nesterov momentum per fragment (PyTorch's form: b <- mu b +
     Delta, theta <- theta - lr (Delta + mu b)). ``wrong``: "late" takes Delta when the average is
     used instead of when it is sent; "swap" merges with alpha and 1 - alpha exchanged; "shared"
-    gives all fragments one momentum."""
+    gives all fragments one momentum. ``rule``: how a fragment with steps since its send ends."""
     w0 = start_weights()
     n = w0.numel()
     bounds = [(n * i // p, n * (i + 1) // p) for i in range(p)]
@@ -108,16 +110,20 @@ def reference(world: int, steps: int, h: int, p: int, tau: int, alpha: float, wr
     for q in range(p):
         if last_send[q] < steps:
             a, b = bounds[q]
-            outer(q, sum(theta[a:b] - x[a:b] for x in xs) / world)
+            if rule == "step":
+                outer(q, sum(theta[a:b] - x[a:b] for x in xs) / world)
+            elif rule == "average":
+                theta[a:b] = sum(x[a:b] for x in xs) / world
     return {"locals": seen, "final": theta}
 
 
-@pytest.mark.parametrize("p, tau, alpha", [(2, 1, 0.5), (3, 2, 0.0), (1, 1, 1.0)])
-def test_two_workers_follow_the_paper(tmp_path, p: int, tau: int, alpha: float) -> None:
+@pytest.mark.parametrize("p, tau, alpha, rule", [(2, 1, 0.5, "average"), (3, 2, 0.0, "average"), (1, 1, 1.0, "average"),
+                                                (2, 1, 0.5, "step"), (2, 1, 0.5, "theta")])
+def test_two_workers_follow_the_paper(tmp_path, p: int, tau: int, alpha: float, rule: str) -> None:
     steps, h = 23, 6
     got = in_group(_worker, 2, tmp_path, "streaming-diloco",
-                   {"sync_every": h, "fragments": p, "overlap": tau, "merge": alpha}, steps)
-    ref = reference(2, steps, h, p, tau, alpha)
+                   {"sync_every": h, "fragments": p, "overlap": tau, "merge": alpha, "partial_round": rule}, steps)
+    ref = reference(2, steps, h, p, tau, alpha, rule=rule)
     for r in range(2):
         for t in (4, 11, steps - 1):
             torch.testing.assert_close(got[r]["locals"][t], ref["locals"][t][r], rtol=1e-5, atol=1e-6)
@@ -127,7 +133,10 @@ def test_two_workers_follow_the_paper(tmp_path, p: int, tau: int, alpha: float) 
     for wrong in ("late", "swap", "shared"):
         if (wrong == "late" and tau == 0) or (wrong == "swap" and alpha == 0.5) or (wrong == "shared" and p == 1):
             continue  # the same rule then
-        assert far(got[0]["final"], reference(2, steps, h, p, tau, alpha, wrong)["final"]), wrong
+        assert far(got[0]["final"], reference(2, steps, h, p, tau, alpha, wrong, rule)["final"]), wrong
+    if p == 2:  # (with one fragment, tau 1 and H 6, step 23 is a send: no fragment is cut short)
+        for other in {"average", "step", "theta"} - {rule}:
+            assert far(got[0]["final"], reference(2, steps, h, p, tau, alpha, rule=other)["final"]), other
 
 
 def test_one_fragment_without_overlap_or_merge_is_diloco(tmp_path) -> None:

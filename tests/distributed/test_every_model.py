@@ -159,13 +159,14 @@ def test_a_resumed_run_reports_its_saved_model(tmp_path: Path, model_file: str, 
 @needs_fashion
 def test_diloco_with_every_default_reports_its_saved_model(tmp_path: Path) -> None:
     """`distsgd train --algo diloco --workers 2`: H = 500 does not divide one epoch (469 steps a
-    worker), so the only outer step is the last, partial round's. It used to report 0.0495, the
-    untrained theta, and save a model that scored 0.65."""
+    worker), so the whole run is one partial round, and what it returns is the workers' models
+    averaged (--partial-round average): no outer step. It used to report 0.0495, the untrained
+    theta, and save a model that scored 0.65."""
     run = tmp_path / "run"
     res = run_cli("train", "--algo", "diloco", "--workers", "2", "--out", str(run), "--quiet", timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     s = json.loads((run / "summary.json").read_text())
-    assert s["outer_steps"] == 1
+    assert s["outer_steps"] == 0
     ev = run_cli("eval", "--checkpoint", str(run / "model.pt"), "--json")
     assert ev.returncode == 0, ev.stderr
     saved = json.loads(ev.stdout)

@@ -46,6 +46,9 @@ from distsgd.train.context import Start, Step, WorkerContext
 from distsgd.train.optim import build_optimizer
 
 
+PARTIAL_ROUNDS = ("average", "theta", "step")
+
+
 @dataclass(frozen=True)
 class OuterOptions(Options):
     """The inner and outer optimisers of DiLoCo and the algorithms built on it."""
@@ -54,6 +57,10 @@ class OuterOptions(Options):
                                            "--weight-decay; default adamw", metavar="NAME")
     outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient; default 0.7")
     outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum; default 0.9", metavar="MU")
+    partial_round: str = option("average", "what a round cut short returns (the run's end, an evaluation inside "
+                                           "a round): average (the workers' models averaged), theta (the last "
+                                           "outer step's model, the round's steps dropped) or step (an outer step "
+                                           "on the partial pseudo-gradient); default average", metavar="RULE")
 
     def check(self, cfg: RunConfig) -> None:
         if self.inner_optimizer not in OPTIMIZERS:
@@ -62,6 +69,8 @@ class OuterOptions(Options):
             raise ConfigError(f"--outer-lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.partial_round not in PARTIAL_ROUNDS:
+            raise ConfigError(f"--partial-round must be one of {', '.join(PARTIAL_ROUNDS)}, got '{self.partial_round}'")
 
 
 @dataclass(frozen=True)
@@ -142,18 +151,24 @@ class DiLoCo(InnerOuter):
         self.rounds += 1
         self.period.synced()
 
-    def _outer_step(self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer,
+    def _outer_step(self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer | None,
                     compressor: compress.Compressor) -> int:
         """One outer step of ``target`` (theta) with ``outer`` on the pseudo-gradients of this
-        worker's ``model``, averaged through ``compressor``; ``target``'s buffers become the average
-        of the workers' (integer ones rank 0's). Returns the bytes all-reduced. The worker's model
-        is left alone, so that an evaluation can make the step on copies."""
+        worker's ``model``, averaged through ``compressor`` (``outer`` None: theta <- theta - Delta,
+        the workers' models averaged, no momentum); ``target``'s buffers become the average of the
+        workers' (integer ones rank 0's). Returns the bytes all-reduced. The worker's model is left
+        alone, so that an evaluation can make the step on copies."""
         theta = params(target)
         delta = [t.detach() - p.detach() for t, p in zip(theta, self.params)]
         sent = compressor.allreduce_mean_(delta, self.world)
-        for t, d in zip(theta, delta):
-            t.grad = d
-        outer.step()
+        if outer is None:
+            with torch.no_grad():
+                for t, d in zip(theta, delta):
+                    t.sub_(d)
+        else:
+            for t, d in zip(theta, delta):
+                t.grad = d
+            outer.step()
         with torch.no_grad():
             for mine, kept in zip(model.buffers(), target.buffers()):
                 kept.copy_(mine)
@@ -161,20 +176,28 @@ class DiLoCo(InnerOuter):
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """What :meth:`final_model` would return now: theta after the last outer step or, in the
-        middle of a round, after an outer step on the round so far, made on copies of theta, the
-        outer momentum and the compressor's state (every worker takes part: one all-reduce, whose
-        bytes count as ``eval_bytes_sent``, not as the algorithm's)."""
-        if not self.period.pending:
+        middle of a round, what ``--partial-round`` makes of the round so far, on copies of theta,
+        the outer momentum and the compressor's state (every worker takes part: one all-reduce,
+        whose bytes count as ``eval_bytes_sent``, not as the algorithm's)."""
+        rule = self.opts.partial_round
+        if not self.period.pending or rule == "theta":
             return self.global_model
         target = copy.deepcopy(self.global_model)
-        outer = self._make_outer(params(target))
-        outer.load_state_dict(copy.deepcopy(self.outer.state_dict()))
+        outer = None
+        if rule == "step":
+            outer = self._make_outer(params(target))
+            outer.load_state_dict(copy.deepcopy(self.outer.state_dict()))
         self.sent_to_evaluate(self._outer_step(model, target, outer, copy.deepcopy(self.compressor)), self.world)
         return target
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        if self.period.pending:  # the last, partial round
+        """theta; a last, partial round ends as ``--partial-round`` says."""
+        rule = self.opts.partial_round
+        if self.period.pending and rule == "step":
             self.outer_step(model)
+        elif self.period.pending and rule == "average":
+            self.sent(self._outer_step(model, self.global_model, None, self.compressor), self.world)
+            self.period.synced()
         return self.global_model
 
     def state_dict(self) -> dict[str, Any]:

@@ -205,20 +205,25 @@ class StreamingDiLoCo(InnerOuter):
             count(sent.numel() * sent.element_size() * self.world // 2, self.world)
 
     def _land(self, flight: Flight, g: Globals, local: torch.Tensor, model: nn.Module, count: Any,
-              buffers: bool = True) -> None:
-        """Fragment ``flight.fragment``'s average arrived: the outer step of its theta, then the
-        merge of the worker's values (``local``); fragment 0 also averages the buffers."""
+              buffers: bool = True, outer: bool = True) -> None:
+        """Fragment ``flight.fragment``'s average arrived: the outer step of its theta (``outer``
+        False: theta <- theta - Delta, the workers' values averaged), then the merge of the worker's
+        values (``local``); fragment 0 also averages the buffers."""
         p = flight.fragment
         a, b = self.bounds[p]
-        g.thetas[p].grad = flight.average(self.world)
-        g.outers[p].step()
-        g.thetas[p].grad = None
+        mean = flight.average(self.world)
+        if outer:
+            g.thetas[p].grad = mean
+            g.outers[p].step()
+            g.thetas[p].grad = None
         alpha = self.opts.merge
         with torch.no_grad():
+            if not outer:
+                g.thetas[p].sub_(mean)
             local[a:b].mul_(alpha).add_(g.thetas[p], alpha=1 - alpha)
         if p == 0 and buffers:
             self._average_buffers(model, g, count)
-        if count == self.sent:  # the algorithm's own, not an evaluation's copies
+        if count == self.sent and outer:  # the algorithm's own outer steps, not an evaluation's copies
             self.rounds += 1
 
     def _average_buffers(self, model: nn.Module, g: Globals, count: Any) -> None:
@@ -234,17 +239,19 @@ class StreamingDiLoCo(InnerOuter):
     # -- the end, and what an evaluation measures --------------------------------------------------
     def _ending(self, g: Globals, local: torch.Tensor, model: nn.Module, flight: Flight | None,
                 pending: list[bool], count: Any) -> nn.Module:
-        """Land the fragment in flight, then a last outer step for each fragment with inner steps
-        since its last send, one fragment at a time; return the global model."""
+        """Land the fragment in flight, then end each fragment with inner steps since its last send
+        as ``--partial-round`` says (one fragment at a time: the peak stays 1/P); return the global
+        model."""
         if flight is not None:
             self._land(flight, g, local, model, count)
-        for p, owed in enumerate(pending):
-            if owed:
-                a, b = self.bounds[p]
-                last = Flight(p, 0)
-                self._start(last, g.thetas[p] - local[a:b].detach(), count)
-                self._land(last, g, local, model, count, buffers=False)
-        if any(pending):
+        rule = self.opts.partial_round
+        owed = [p for p, due in enumerate(pending) if due] if rule != "theta" else []
+        for p in owed:
+            a, b = self.bounds[p]
+            last = Flight(p, 0)
+            self._start(last, g.thetas[p] - local[a:b].detach(), count)
+            self._land(last, g, local, model, count, buffers=False, outer=rule == "step")
+        if owed:
             self._average_buffers(model, g, count)
         with torch.no_grad():
             for (a, b), theta in zip(self.bounds, g.thetas):

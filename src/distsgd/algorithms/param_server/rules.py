@@ -19,6 +19,10 @@ server's lock (:class:`~.core.ParameterServer` takes it) and answers workers thr
   correction of the stale gradient towards the current weights. ``--dc-lambda`` is the constant
   lambda (default 0.04, DC-ASGD-c); ``--dc-adaptive`` uses lambda0 / sqrt(m + eps) as the paper's
   DC-ASGD-a: m <- 0.95 m + 0.05 g * g, starting from 0, eps = 1e-7, lambda0 by default 2.
+  The paper steps with SGD on the corrected gradient; the correction estimates the gradient at the
+  current weights (a property of the loss, not of the step), so the server hands it to the run's
+  optimiser: SGD by default, the model's own where it has one (AdamW for gpt, on which SGD did not
+  get below the unigram entropy in a short run).
 - :class:`Elastic` (async ``easgd``, Zhang, Choromanska, LeCun, NIPS 2015): the server holds the
   centre x~; a worker sends x_i, the server computes d = x_i - x~, moves x~ <- x~ + alpha d and
   returns d (the worker then moves x_i <- x_i - alpha d).

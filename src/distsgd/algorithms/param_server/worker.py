@@ -82,8 +82,6 @@ class DCASGDOptions(StalenessOptions):
     def check(self, cfg: RunConfig) -> None:
         if self.dc_lambda is not None and self.dc_lambda < 0:
             raise ConfigError(f"--dc-lambda must be >= 0, got {self.dc_lambda}")
-        if cfg.optimizer != "sgd":
-            raise ConfigError("dcasgd compensates SGD gradients: use --optimizer sgd")
 
 
 class ServerAlgorithm(Algorithm):
@@ -195,10 +193,6 @@ class DCASGD(ServerAlgorithm):
     Options = DCASGDOptions
     summary_line = ("delay-compensated ASGD: g + lambda g*g*(w - w_read) (--dc-lambda, --dc-adaptive for "
                     "DC-ASGD-a)")
-
-    @classmethod
-    def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        return {"optimizer": "sgd"}  # its compensation is of SGD's gradients, whatever the model's own default
 
 
 __all__ = ["ServerTopology", "ServerAlgorithm", "ASGD", "SyncPS", "SSP", "DCASGD", "StalenessOptions"]
