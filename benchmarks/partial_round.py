@@ -49,7 +49,7 @@ def case(suite: str, h: int, steps: int, seed: int, out: Path) -> dict[str, Any]
     trained = distsgd.train(**common, **settings, partial_round="step", checkpoint_every=samples,
                             out=str(base / "trained"), overwrite=True).summary
     row: dict[str, Any] = {"suite": suite, "H": h, "steps": steps, "partial": steps % h, "seed": seed,
-                           "task": trained["task"], "trained_step": _score(trained)}
+                           "task": trained.get("task", "classification"), "trained_step": _score(trained)}
     for rule in RULES:
         s = distsgd.train(resume=str(base / "trained"), partial_round=rule, out=str(base / rule), overwrite=True,
                           quiet=True).summary
@@ -59,7 +59,7 @@ def case(suite: str, h: int, steps: int, seed: int, out: Path) -> dict[str, Any]
 
 def _score(summary: dict[str, Any]) -> float:
     """Test accuracy for classification, test loss for a language model."""
-    return summary["final_test_loss"] if summary["task"] == "lm" else summary["final_test_accuracy"]
+    return summary["final_test_loss"] if summary.get("task") == "lm" else summary["final_test_accuracy"]
 
 
 def render(rows: list[dict[str, Any]]) -> str:

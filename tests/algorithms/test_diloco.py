@@ -115,3 +115,20 @@ def test_diloco_learns_and_sends_a_fraction_of_allreduce() -> None:
     assert di["outer_steps"] == steps // 16  # every 16 steps; the last, partial round is averaged
     assert di["bytes_sent_per_sample"] <= ar["bytes_sent_per_sample"] / 16 * (1 + 16 / steps)
     assert di["replica_max_abs_diff"] == 0.0
+
+
+def test_the_clock_and_the_bytes_include_the_last_sync(digits) -> None:
+    """The run's end is part of training: the partial round's average is inside train_wall_s (the
+    final evaluation, of the returned model, is stamped with it) and in bytes_sent; the replica
+    check after it (two float64 all-reduces of the state) is in eval_bytes_sent."""
+    common = dict(model="mlp", data=digits, algo="diloco", workers=2, batch_size=16, lr=0.003, sync_every="8",
+                  quiet=True)
+    full = distsgd.train(max_samples=2 * 16 * 16, **common).summary  # 16 steps a worker: 2 rounds
+    cut = distsgd.train(max_samples=2 * 16 * 20, **common).summary  # 2 rounds and 4 steps, averaged
+    for s in (full, cut):
+        assert s["train_wall_s"] >= s["evals"][-1]["train_wall_s"]
+        assert s["train_wall_s"] == pytest.approx(s["evals"][-1]["train_wall_s"], abs=1e-9)
+    assert cut["outer_steps"] == full["outer_steps"] == 2
+    assert cut["bytes_sent"] == pytest.approx(1.5 * full["bytes_sent"], rel=1e-3)
+    state = sum(p.numel() for p in distsgd.models.build_model("mlp", digits.input_shape, digits.num_classes).parameters())
+    assert cut["eval_bytes_sent"] >= 2 * (2 * 8 * state)  # both workers' share of the two checks

@@ -276,7 +276,11 @@ class Algorithm:
         return 0
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
+        """The model this worker returns, after the algorithm's last synchronisation (timed)."""
         return self.unwrap(model)
+
+    def verify(self, ctx: "WorkerContext", model: nn.Module) -> None:
+        """Checks of the returned ``model`` that are not training (the clock is stopped)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """This worker's own module, without any wrapper ``setup`` put round it (DDP's)."""
@@ -421,10 +425,14 @@ class GroupAlgorithm(Algorithm):
         self.largest = state.get("largest", 0)
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
-        """The model to return, then how far its replicas are apart (0.0: equal parameters and buffers)."""
-        final = self.final_model(ctx, model)
-        self.replica_max_abs_diff = max_abs_diff(final, ctx.world)
-        return final
+        return self.final_model(ctx, model)
+
+    def verify(self, ctx: "WorkerContext", model: nn.Module) -> None:
+        """How far the returned model's replicas are apart (0.0: equal parameters and buffers): two
+        float64 all-reduces of the whole state, counted as ``eval_bytes_sent`` (a check, not training)."""
+        self.replica_max_abs_diff = max_abs_diff(model, ctx.world)
+        state = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()))
+        self.sent_to_evaluate(2 * 8 * state, ctx.world)
 
     def final_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """The model every replica returns (after any last synchronisation)."""

@@ -278,12 +278,15 @@ class _Worker:
         """The model the algorithm returns, evaluated, unless the last evaluation was of exactly
         this model (the same values in every parameter and buffer): the final figures always
         describe the model returned and saved, whatever the algorithm did at its end (a last
-        outer step, a last compressed average), and nothing changes that model afterwards."""
-        train_wall_s = self.clock.elapsed()
+        outer step, a last compressed average), and nothing changes that model afterwards. The
+        training clock stops once the algorithm has made that model (its last synchronisation
+        counts); what only checks it (``algo.verify``) runs with the clock stopped."""
         self.model = self.algo.finish(self.ctx, self.model)
+        self.clock.pause()
+        train_wall_s = self.clock.elapsed()
+        self.algo.verify(self.ctx, self.model)
         self.gs = self.algo.global_samples(self.ctx, self.state.local)
         if self.ctx.evaluates and not equal_states(self.model.state_dict(), self.evaluated):
-            self.clock.pause()
             self.measure(self.model)
         evals = self.state.evals
         final = evals[-1] if evals else None
