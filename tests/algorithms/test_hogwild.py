@@ -106,6 +106,28 @@ def test_stop_at_target(digits) -> None:
     assert s["evals"][-1]["samples"] == s["samples_to_target"]
 
 
+def test_stop_at_target_stops_a_step_past_the_copy_that_reached_it(digits) -> None:
+    """The workers wait at each evaluation point while the launcher measures the model, so the run
+    stops at most one step per worker past the copy that reached the target, evaluations come at
+    the cadence asked for, and ``samples`` is the returned copy's. The test set is made large (the
+    digits' repeated) so that an evaluation takes long enough for free-running workers to go far."""
+    from distsgd.data import Dataset
+
+    slow = Dataset("digits-slow-eval", digits.x_train, digits.y_train, digits.x_test.repeat(60, *[1] * (digits.x_test.dim() - 1)),
+                   digits.y_test.repeat(60), digits.num_classes)
+    workers, batch, every = 2, 16, 480
+    s = distsgd.train(model="mlp", data=slow, algo="hogwild", workers=workers, epochs=50, lr=0.05,
+                      batch_size=batch, eval_every=every, target_accuracy=0.85, stop_at_target=True,
+                      quiet=True).summary
+    step = workers * batch  # each worker at most one step past a point
+    assert s["samples_to_target"] is not None and s["final_test_accuracy"] >= 0.85
+    assert s["samples"] == s["samples_to_target"] == s["evals"][-1]["samples"]
+    assert sum(s["samples_per_worker"]) - s["samples"] <= step
+    points = [e["samples"] for e in s["evals"]]
+    assert [p // every for p in points] == list(range(1, len(points) + 1))  # none skipped
+    assert all(p % every <= step for p in points), points
+
+
 def test_hogwild_refuses_torchrun(monkeypatch) -> None:
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)

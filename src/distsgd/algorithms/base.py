@@ -104,6 +104,10 @@ class SharedSeat:
     states: list[dict[str, torch.Tensor]]  # every model in shared memory (one, or one a cluster)
     counts: torch.Tensor  # samples done, one int64 slot per worker of this machine (shared)
     stop: torch.Tensor  # one shared byte: 1 tells every worker to stop (read with no lock)
+    # --stop-at-target: hold[0] is the next evaluation point (samples, all workers'; -1: none): a
+    # worker that finds the counts there waits before its next step until the launcher has measured
+    # the model; hold[1 + slot] = 1 says that worker waits (or is done). None: never held
+    hold: torch.Tensor | None = None
     slot: int = 0  # this worker's slot in ``counts``
     lock: Any = None  # --hogwild-lock: one lock around every update
     extras: Any = None  # the topology's own shared state (its ``extras``)

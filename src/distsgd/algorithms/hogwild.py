@@ -29,6 +29,7 @@ and ``samples`` counts only the samples really processed.
 
 from __future__ import annotations
 
+import time
 import fcntl
 import logging
 import os
@@ -166,6 +167,7 @@ class Hogwild(Algorithm):
         # numpy views of the shared counters: a read or write is a memory access, not a tensor op
         self.counts, self.slot, self.lock = seat.counts.numpy(), seat.slot, seat.lock
         self.stop = seat.stop.numpy()  # one shared byte, read every step with no lock
+        self.hold = seat.hold.numpy() if seat.hold is not None else None  # read every step with no lock
         self.machines = seat.machines
         self.dataset_shared = ctx.dataset.is_shared()
         self.model_shared = all(p.is_shared() for p in shared.parameters())
@@ -204,7 +206,21 @@ class Hogwild(Algorithm):
         return int(self.counts.sum()) * self.machines
 
     def keep_going(self, ctx: WorkerContext) -> bool:
+        """Not stopped. With --stop-at-target, once the workers' samples reach the next evaluation
+        point, wait here, between two steps, while the launcher measures the model (it may stop
+        the run): no worker trains more than one step past the copy that reaches the target."""
+        hold = self.hold
+        if hold is not None and 0 <= hold[0] <= self.counts.sum():
+            hold[1 + self.slot] = 1
+            while 0 <= hold[0] <= self.counts.sum() and not self.stop[0]:
+                time.sleep(0.0005)
+            hold[1 + self.slot] = 0
         return not self.stop[0]
+
+    def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        if self.hold is not None:  # it takes no more steps: a hold need not wait for it
+            self.hold[1 + self.slot] = 1
+        return super().finish(ctx, model)
 
     def figures(self) -> Figures:
         return HogwildFigures(bytes_sent=0, dataset_shared=self.dataset_shared, model_shared=self.model_shared,

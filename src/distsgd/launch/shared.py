@@ -1,8 +1,10 @@
 """The shared-memory topology: workers on one machine train models held in shared memory, and this
 process watches and evaluates them.
 
-The workers never pause: this process copies the shared weights every ``eval_every`` samples and
-evaluates the copies after training (at once with ``stop_at_target``). A worker that dies is
+The workers do not pause for evaluations: this process copies the shared weights every
+``eval_every`` samples and evaluates the copies after training. With ``stop_at_target`` each copy
+is evaluated at once, and the workers wait between two steps while it is taken and measured, so
+the run stops at most one step per worker past the copy that reached the target. A worker that dies is
 recorded in ``failed_workers``; the others carry on. Under torchrun (a topology with
 ``local_workers``) each process is one machine's cluster of local workers, and what links the
 clusters (a token ring, say) comes from the topology's ``link``.
@@ -10,9 +12,11 @@ clusters (a token ring, say) comes from the topology's ``link``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +116,17 @@ class Machine:
         self.go = mpc.Event()
         self.handles = SharedSeat(states=self.states, counts=self.counts.share_memory_(),
                                   stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
+                                  hold=torch.full((1 + cfg.workers,), -1, dtype=torch.int64).share_memory_()
+                                  if cfg.stop_at_target and link is None else None,
                                   lock=topology.lock(cfg, mpc), machines=machines, device=str(self.device),
                                   extras=topology.extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self.current_state)
+        self.supervisor: procs.Supervisor | None = None
+        if self.handles.hold is not None:  # the copy that may stop the run: no worker steps past it
+            self.watcher.hold, self.watcher.count = self._held, self.samples
+            self._hold_at_next()
         if saved is not None:
             self.watcher.load_state_dict(saved["watcher"])
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {slot: its samples when it saved}
@@ -142,7 +152,7 @@ class Machine:
         with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
                            lambda r, out, again: (r, world, self.job, self.algo_cls, self.handles, self.go, out,
                                                   self.first_rank, self.data_world, again)) as team:
-            sup = procs.Supervisor(team.procs, team.inbox, self.relay)
+            sup = self.supervisor = procs.Supervisor(team.procs, team.inbox, self.relay)
             self._start_together(sup)
             self._watch(sup, team)
             failed = sup.failed()
@@ -150,8 +160,8 @@ class Machine:
                 first = min(failed)
                 raise WorkerError(f"all {world} workers failed; worker {self.first_rank + first}: {sup.reason(first)}")
             total = self.link.finish() if self.link is not None else int(self.handles.counts.sum())
-            train_wall_s, evals, final = self.watcher.finish(total) if self.evaluates else \
-                (self.watcher.clock.elapsed(), [], self.current_state())
+            train_wall_s, evals, final, total = self.watcher.finish(total) if self.evaluates else \
+                (self.watcher.clock.elapsed(), [], self.current_state(), total)
         return self._results(sup, total, train_wall_s, evals, final)
 
     def _start_together(self, sup: procs.Supervisor) -> None:
@@ -177,11 +187,7 @@ class Machine:
         torch.set_num_threads(1)  # evaluations during training share the cores with the workers
         try:
             while len(sup.results) + len(sup.failed()) < self.cfg.workers:
-                message = sup.poll(0.01)
-                if message is not None and message[0] == "checkpointed":
-                    seq, samples = message[2]
-                    self.saved.setdefault(seq, {})[message[1]] = samples
-                    self._commit_whole(sup)
+                self._handle(sup, sup.poll(0.01))
                 for slot in sorted(sup.failed() - self.gone):
                     if self.handles.stop[0] or not procs.replace(team, sup, slot, f"worker {self.first_rank + slot}",
                                                                   self.sink, self.restarts):
@@ -193,6 +199,38 @@ class Machine:
                     self.handles.stop.fill_(1)
         finally:
             torch.set_num_threads(threads)
+
+    def _handle(self, sup: procs.Supervisor, message: tuple[str, int, Any] | None) -> None:
+        if message is not None and message[0] == "checkpointed":
+            seq, samples = message[2]
+            self.saved.setdefault(seq, {})[message[1]] = samples
+            self._commit_whole(sup)
+
+    def _hold_at_next(self) -> None:
+        """The workers wait at the watcher's next evaluation point (--stop-at-target)."""
+        assert self.handles.hold is not None
+        nxt = self.watcher.at.next
+        self.handles.hold[0] = nxt if nxt is not None else -1
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """Every live worker waits between two steps (or is done) while the body runs: the copy
+        evaluated is the model at the samples counted, and none trains on while it is measured.
+        Waits at most --timeout for the workers to get there (each stops after the step that
+        reaches the evaluation point, or the one it was taking then); then they go on to the next."""
+        hold, sup = self.handles.hold, self.supervisor
+        assert hold is not None and sup is not None
+        flags = hold.numpy()
+        try:
+            deadline = time.monotonic() + self.cfg.timeout_s
+            while time.monotonic() < deadline:
+                live = set(range(self.cfg.workers)) - sup.failed() - set(sup.results)
+                if all(flags[1 + s] for s in live):
+                    break
+                self._handle(sup, sup.poll(0.0005))
+            yield
+        finally:
+            self._hold_at_next()
 
     def _commit_whole(self, sup: procs.Supervisor) -> None:
         """Commit the newest checkpoint every live worker has saved its part of, with the shared

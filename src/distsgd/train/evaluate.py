@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -64,6 +65,11 @@ class Watcher:
         self.evals: list[dict[str, Any]] = []
         self.last: dict[str, torch.Tensor] | None = None  # the last copy filed or evaluated
         self.reached: dict[str, torch.Tensor] | None = None  # the copy that reached the target (stop_at_target)
+        self.reached_at: tuple[int, float] | None = None  # its samples and training time
+        # what holds the trainers while a copy that may stop the run is taken and measured, and
+        # the samples trained then (None: those ``observe`` is given)
+        self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.count: Callable[[], int] | None = None
 
     def start(self) -> None:
         """Training starts now (the clock counts from here, plus any resumed run's time)."""
@@ -78,19 +84,23 @@ class Watcher:
             return True
         if not self.at.due(samples):
             return False
-        if self.pause_to_copy:
+        if not self.cfg.stop_at_target:
+            if self.pause_to_copy:
+                self.clock.pause()
+            self.last = self.state()
+            self.pending.append((samples, self.clock.elapsed(), self.last))
+            self.clock.resume()
+            return False
+        with self.hold():
             self.clock.pause()
-        copy, elapsed = self.state(), self.clock.elapsed()
-        self.last = copy
-        reached = False
-        if self.cfg.stop_at_target:
-            event = self.evaluate(samples, elapsed, copy)
+            copy = self.state()
+            samples = self.count() if self.count is not None else samples
+            self.last = copy
+            event = self.evaluate(samples, self.clock.elapsed(), copy)
             reached = target_reached(event, self.cfg.target_accuracy, self.cfg.target_loss)
-            if reached and self.reached is None:
-                self.reached = copy
-        else:
-            self.pending.append((samples, elapsed, copy))
-        self.clock.resume()
+            if reached:
+                self.reached, self.reached_at = copy, (samples, event["train_wall_s"])
+            self.clock.resume()
         return reached
 
     def evaluate(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -104,12 +114,15 @@ class Watcher:
         self.sink.emit(event)
         return event
 
-    def finish(self, samples: int) -> tuple[float, list[dict[str, Any]], dict[str, torch.Tensor]]:
-        """Training is over: (training time, every evaluation, the model to return). The model to
-        return is the copy that reached the target (``stop_at_target``: the trainers took a step or
-        two more before they saw the stop), else the model now; the last evaluation is of it
+    def finish(self, samples: int) -> tuple[float, list[dict[str, Any]], dict[str, torch.Tensor], int]:
+        """Training is over: (training time, every evaluation, the model to return, the samples it
+        was trained on). The model to return is the copy that reached the target
+        (``stop_at_target``: the trainers stopped a step or so later; its time and samples are the
+        copy's, not theirs), else the model now, after ``samples``; the last evaluation is of it
         (unless the last copy holds exactly its values, and so was already of it)."""
         train_s = self.clock.elapsed()
+        if self.reached_at is not None:
+            samples, train_s = self.reached_at
         for n, t, st in self.pending:
             self.evaluate(n, t, st)
         self.pending = []
@@ -117,7 +130,7 @@ class Watcher:
         if not equal_states(final, self.last):
             self.evaluate(samples, train_s, final)
             self.last = final
-        return train_s, self.evals, final
+        return train_s, self.evals, final, samples
 
     def state_dict(self) -> dict[str, Any]:
         return {"evals_at": self.at.state_dict(), "evals": list(self.evals), "train_wall_s": self.clock.elapsed(),

@@ -224,7 +224,7 @@ class ServerRole:
         self._report(final=True)
         total = server.total_samples()
         server.sync_buffers()  # the model returned carries the workers' statistics
-        train_wall_s, evals, final = self.watcher.finish(total)
+        train_wall_s, evals, final, total = self.watcher.finish(total)
         self.model.load_state_dict(final)  # the copy that reached the target, if the run stopped there
         figures = ServerFigures(bytes_sent=server.bytes_sent, staleness=server.staleness_summary(),
                                 server_updates=server.version,
