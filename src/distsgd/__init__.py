@@ -11,7 +11,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from distsgd.api import TrainResult, train
+from distsgd.api import TrainResult, spawn, train
+from distsgd.train.own_loop import Run
 from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError
 
-__all__ = ["train", "TrainResult", "DistsgdError", "ConfigError", "DataError", "ModelError", "__version__"]
+__all__ = ["train", "spawn", "Run", "TrainResult", "DistsgdError", "ConfigError", "DataError", "ModelError", "__version__"]

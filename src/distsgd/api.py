@@ -163,7 +163,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
-    _check_job(job, algo_cls)
+    _check_own(job, algo_cls) if job.main is not None else _check_job(job, algo_cls)
     out = None
     if cfg.out and chief:
         resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
@@ -174,7 +174,8 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
         except OSError as exc:
             raise OutputError.of(exc) from None
     if progress is None:
-        planned = cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
+        planned = cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition) \
+            if dataset.n_train else cfg.max_samples
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
     tb = TensorBoardWriter(tb_dir, started, config_mod.to_toml(cfg)) if tb_dir is not None else None
@@ -232,6 +233,55 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
         log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
                     "use it only on a trusted network", os.environ.get("MASTER_ADDR"))
     return cfg, algo_cls
+
+
+def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | None = None,
+           workers: int | None = None, *, train_size: int | None = None, **settings: Any) -> TrainResult:
+    """Run ``main(run)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
+    under torchrun, in this one); return the summary and the model ``main`` returned.
+
+    ``model``: as for :func:`train` (a built-in name, a class or factory, or a module instance,
+    copied); ``run.setup()`` builds it in each worker, seeded alike. ``main`` must be defined at
+    module level and the call made under ``if __name__ == "__main__":`` (workers import your
+    script). ``train_size``: your training set's length, if you want ``--schedule`` to know an
+    epoch. ``settings``: any ``distsgd train`` setting (``epochs=``, ``lr=``, ``out=``,
+    ``max_samples=``, the algorithm's options, ...). See :class:`distsgd.Run` for what ``main``
+    may call, and the README's "Bring your own loop".
+    """
+    from distsgd.train.own_loop import OwnData
+
+    procs.refuse_if_importing_main()
+    if not callable(main):
+        raise ConfigError(f"distsgd.spawn needs main, a function main(run); got {type(main).__name__}")
+    given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
+    cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="spawn()",
+                                  option_names=registry.option_names())
+    if isinstance(model, nn.Module):
+        model = _CopyOf(model)
+    cfg = cfg.replace(model=model if isinstance(model, str) else describe(model), dataset="own loop")
+    data = OwnData(n_train=train_size or 0)
+    return run(cfg, model_spec=model, dataset=data, code={"main": main})
+
+
+def _check_own(job: Job, algo_cls: type) -> None:
+    """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
+    and code that can travel to worker processes."""
+    if algo_cls.topology.kind not in ("one", "group"):
+        raise ConfigError(f"{job.cfg.algo} does not run your own loop yet (distsgd.spawn): single, allreduce, "
+                          f"ddp, local-sgd, easgd (sync), diloco and streaming-diloco do; or use distsgd.train")
+    build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
+    if algo_cls.topology.kind != "one":
+        import pickle
+
+        for what, obj in (("main", job.main), ("model", job.model)):
+            if obj is None or isinstance(obj, str):
+                continue
+            try:
+                pickle.dumps(obj)
+            except Exception as exc:
+                raise ConfigError(f"the {what} ({describe(obj)}) cannot be sent to worker processes "
+                                  f"({type(exc).__name__}): define it at module level, not inside a function "
+                                  f"or as a lambda") from None
 
 
 def _check_job(job: Job, algo_cls: type) -> None:

@@ -31,6 +31,7 @@ class Job:
     loss: Callable | None = None  # loss(output, target) -> scalar; None: cfg.loss
     optimizer: Callable | None = None  # optimizer(model) -> torch.optim.Optimizer; None: cfg.optimizer
     param_groups: Callable | None = None  # param_groups(model) -> [{"params": [...], "lr": ...}, ...]
+    main: Callable | None = None  # main(run): the user's own loop (distsgd.spawn); None: distsgd's loop
 
     def replace(self, **changes: Any) -> "Job":
         return dataclasses.replace(self, **changes)

@@ -42,7 +42,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
     """Train this worker's share of the run and return what it measured. ``replacement``: it
-    takes the place of a worker that died (its launcher started it again)."""
+    takes the place of a worker that died (its launcher started it again). A run whose loop is the
+    user's (``distsgd.spawn``) calls their ``main(run)`` instead."""
+    if ctx.job.main is not None:
+        from distsgd.train.own_loop import run_own_loop
+
+        return run_own_loop(ctx, algo)
     w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
     algo.before_training(ctx)
     w.clock.restart()

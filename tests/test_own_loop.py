@@ -1,0 +1,142 @@
+"""Your own training loop under distsgd's algorithms (``distsgd.spawn``): the same weights as
+``distsgd train`` with the same settings, for every synchronous algorithm that runs it, with two
+workers; dict batches and a loss of the model's own output; the mistakes a converted script makes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import TensorDataset
+
+import distsgd
+from distsgd.data import load_dataset
+
+
+class Net(nn.Module):
+    """A small MLP for the 8 x 8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class DictNet(Net):
+    """Takes a dict batch and returns its own loss, as a Hugging Face model does."""
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> dict:  # type: ignore[override]
+        logits = self.body(pixels)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels) if labels is not None else None}
+
+
+class DictDigits(TorchDataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"pixels": self.x[i], "labels": self.y[i]}
+
+
+def _digits():
+    return load_dataset("digits")
+
+
+def tuple_loop(run: distsgd.Run) -> nn.Module:
+    """A plain PyTorch loop, converted: the data, the loss and the epochs are the user's."""
+    data = _digits()
+    train_set = TensorDataset(data.x_train, data.y_train)
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for x, y in run.loader(train_set, epoch=epoch):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            run.backward(loss)
+            opt.step()
+            run.log(loss=loss)
+    final = run.final_model()
+    if run.rank == 0:
+        with torch.no_grad():
+            accuracy = (final(data.x_test).argmax(1) == data.y_test).float().mean()
+        run.log(test_accuracy=accuracy)
+    return final
+
+
+def dict_loop(run: distsgd.Run) -> nn.Module:
+    """Dict batches and ``model(**batch)["loss"]``: the algorithms touch only the parameters."""
+    data = _digits()
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for batch in run.loader(DictDigits(data.x_train, data.y_train), epoch=epoch):
+            opt.zero_grad()
+            run.backward(model(**batch)["loss"])
+            opt.step()
+    evaluated = run.evaluation_model()  # every worker calls it: it may be a collective
+    if run.rank == 0:
+        with torch.no_grad():
+            logits = evaluated(data.x_test)["logits"]
+        run.log(test_accuracy=(logits.argmax(1) == data.y_test).float().mean(),
+                test_loss=F.cross_entropy(logits, data.y_test))
+    return run.final_model()
+
+
+SYNCHRONOUS = [("single", 1, {}), ("allreduce", 2, {}), ("ddp", 2, {}), ("local-sgd", 2, {"sync_every": "5"}),
+               ("easgd", 2, {"tau": 4}), ("diloco", 2, {"sync_every": "6", "lr": 0.003}),
+               ("streaming-diloco", 2, {"sync_every": "6", "lr": 0.003})]
+
+
+@pytest.mark.parametrize("algo, workers, extra", SYNCHRONOUS, ids=[c[0] for c in SYNCHRONOUS])
+def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: int, extra: dict) -> None:
+    common = dict(algo=algo, workers=workers, epochs=2, batch_size=32, quiet=True, **{"lr": 0.05, **extra})
+    theirs = distsgd.spawn(tuple_loop, model=Net, **common)
+    ours = distsgd.train(model=Net, data=_digits(), **common)
+    for (name, a), b in zip(theirs.model.state_dict().items(), ours.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    assert theirs.summary["samples"] == ours.summary["samples"]
+    assert theirs.summary["final_test_accuracy"] == pytest.approx(ours.summary["final_test_accuracy"], abs=1e-6)
+    assert theirs.summary.get("bytes_sent") == ours.summary.get("bytes_sent")
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "local-sgd", "diloco"])
+def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
+    out = tmp_path / "run"
+    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo, workers=2, epochs=3, batch_size=32,
+                      lr=0.003 if algo == "diloco" else 0.05, sync_every="8" if algo != "allreduce" else None,
+                      out=str(out), quiet=True) if algo != "allreduce" else \
+        distsgd.spawn(dict_loop, model=DictNet, algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05, out=str(out),
+                      quiet=True)
+    assert r.summary["final_test_accuracy"] > 0.8, r.summary
+    assert (out / "summary.json").is_file() and (out / "model.pt").is_file() and (out / "metrics.jsonl").is_file()
+    saved = torch.load(out / "model.pt", weights_only=True)["state_dict"]
+    for k, v in r.model.state_dict().items():
+        assert torch.equal(saved[k], v), k
+
+
+def no_setup(run: distsgd.Run) -> None:
+    for _ in run.loader(TensorDataset(torch.zeros(4, 64))):
+        pass
+
+
+def step_without_batches(run: distsgd.Run) -> None:
+    model, opt = run.setup()
+    run.backward(model(torch.zeros(2, 64)).sum())
+    opt.step()
+
+
+def test_mistakes_get_one_line() -> None:
+    with pytest.raises(distsgd.ConfigError, match=r"before run.setup\(\)"):
+        distsgd.spawn(no_setup, model=Net, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="no batch from run.loader"):
+        distsgd.spawn(step_without_batches, model=Net, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="does not run your own loop yet"):
+        distsgd.spawn(tuple_loop, model=Net, algo="asgd", workers=2, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
+        distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)
