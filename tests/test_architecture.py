@@ -1,9 +1,11 @@
 """The import structure and size limits of docs/ARCHITECTURE.md, checked so a change that breaks
-them fails CI: the import-linter contracts in pyproject.toml, and no function over 80 lines."""
+them fails CI: the import-linter contracts in pyproject.toml, and no function over 80 lines; and
+the README's account of the code: its table of algorithms and its layout block."""
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -49,7 +51,6 @@ def test_nothing_outside_an_algorithms_module_names_an_algorithm_or_its_options(
     """An algorithm is one module of distsgd/algorithms: the settings, the command line, the API,
     the launchers, the loop, the data and the bench never name one (a string that is its name,
     ``--algo NAME``, ``NAME[``), nor one of its options (``--option``, ``cfg.option``)."""
-    import re
 
     from distsgd.algorithms import registry
 
@@ -76,3 +77,69 @@ def test_the_readme_lists_what_the_registry_has() -> None:
     from distsgd.cli import algorithms_table
 
     assert algorithms_table() in (ROOT / "README.md").read_text()
+
+
+_PATH_TOKEN = re.compile(r"[\w.-]+(?:/[\w.-]+)*(?:/|\.py)")
+
+
+def layout_paths(block: str) -> set[str]:
+    """The paths a layout block names, relative to the repository root; folders end in ``/``.
+
+    Each line starts with the paths it names, then its description: the leading tokens that look
+    like ``name.py`` or ``name/`` are paths, and the first other token ends them. A line whose
+    first path is a folder names that folder, inside the nearest folder above it that is indented
+    less; the other paths on the line are inside it. A line that starts with a file names files
+    inside the nearest folder above it that is indented less (the block's top level when none is).
+    A line that starts with neither is a description carried over and names nothing.
+    """
+    paths: set[str] = set()
+    folders: list[tuple[int, str]] = []  # (indent, path) of the folders enclosing the current line
+    for line in block.splitlines():
+        tokens = line.split()
+        names = []
+        for token in tokens:
+            if not _PATH_TOKEN.fullmatch(token):
+                break
+            names.append(token)
+        if not names:
+            continue
+        indent = len(line) - len(line.lstrip())
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        here = folders[-1][1] if folders else ""
+        if names[0].endswith("/"):
+            here += names.pop(0)
+            paths.add(here)
+            folders.append((indent, here))
+        paths.update(here + name for name in names)
+    return paths
+
+
+def _readme_layout() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Layout\n"):]
+    return section.split("```")[1]
+
+
+def test_layout_paths_reads_folders_by_indentation() -> None:
+    block = ("top/\n"
+             "  a.py  b.py        two files\n"
+             "  pkg/    c.py      a folder and a file in it\n"
+             "          d.py      carried on: still pkg/\n"
+             "          sub/ e.py a sub-folder of pkg/\n"
+             "                    words carried on, then f.py: not a path\n"
+             "  g.py              back in top/\n"
+             "other/  x/ y/  and prose\n")
+    assert layout_paths(block) == {"top/", "top/a.py", "top/b.py", "top/pkg/", "top/pkg/c.py", "top/pkg/d.py",
+                                   "top/pkg/sub/", "top/pkg/sub/e.py", "top/g.py", "other/", "other/x/",
+                                   "other/y/"}
+
+
+def test_the_readme_layout_names_every_module_and_only_what_exists() -> None:
+    """The README's layout block names every module under src/distsgd, and every path it names
+    exists. A package's folder stands for its ``__init__.py``: naming one is allowed (where the
+    package's main code lives there), not required."""
+    named = layout_paths(_readme_layout())
+    modules = {str(p.relative_to(ROOT)) for p in SRC.rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(modules - named) == [], "modules missing from the README's layout block"
+    assert sorted(p for p in named if not (ROOT / p).exists()) == [], "paths in the layout that do not exist"
