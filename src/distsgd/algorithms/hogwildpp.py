@@ -3,48 +3,76 @@ together by a token passed around a ring.
 
 Workers form clusters of ``--cluster-size C`` processes; each cluster runs Hogwild! on its own
 model w_i in shared memory (n = workers / C clusters). A token travels round the ring of
-clusters 0 -> 1 -> ... -> n-1 -> 0. As in the authors' code (huanzhang12/hogwildpp,
-``src/numasvm/svm_exec.hxx``, ``ModelUpdate``), the cluster that receives the token at once
-mixes its model with the next cluster's, w_next being read *before* it receives beta * delta:
+clusters 0 -> 1 -> ... -> n-1 -> 0. The cluster that receives the token at once exchanges with
+the next cluster, coordinate by coordinate, as the authors' code does (huanzhang12/hogwildpp @
+6aaf9ef, ``src/numasvm/svm_exec.hxx``, ``ModelUpdate``, l. 46-130), w_next being read *before* it
+receives beta * delta:
 
-    delta   = w_i - w_i_old
-    w_i    <- lambda * w_next + (1 - lambda) * w_i + (beta + lambda - 1) * delta
-    w_next <- w_next + beta * delta
-    w_i_old <- w_i
+    delta = eta * (w_i - w_i_old)
+    if |delta| > tol:  w_i <- lambda * w_next + (1 - lambda) * w_i + (beta + lambda - 1) * delta
+                       w_next <- w_next + beta * delta;  w_i_old <- w_i
+    else:              w_i <- lambda * w_next + (1 - lambda) * w_i + lambda * delta
+                       w_i_old <- w_i - delta    (w_next unchanged: delta waits for a later pass)
 
-then keeps the token for tau0 = ``--update-delay`` more local updates of its own, and passes it
-on. beta solves beta^n + beta - 1 = 0 and lambda = 1 - beta^(n - 1). With this rule one local
-update is never amplified by the ring: passed round with no other updates it settles at 1.0 of
-itself in every model for n = 2 and 0.87 for n = 3 (mixing with w_next *after* it received
-beta * delta would settle at 1.38 and 1.34: a hidden, ring-size-dependent learning-rate factor).
+then keeps the token for tau0 = ``--update-delay`` more optimiser steps per worker, and passes it
+on. beta is the root in [0.6, 1] of beta^n + beta - 1 = 0 and lambda = 1 - beta^(n - 1)
+(``src/numasvm_main.cc``, ``SolveBeta``, l. 90-110, and l. 354-355; they bisect to |error| <=
+1e-3, we solve exactly).
 
-Where this differs from the authors' code, and why: tau0 counts the cluster's updates divided by
-C (the authors count the holding thread's own, which is the same on average), so any worker of
-the holding cluster may pass the token and a dead worker cannot stall the ring; delta is the
-model's change itself (the authors' code further multiplies it by the current step size and
-skips coordinates whose delta is below 1e-2, neither of which the paper describes); both models
-are changed by increments, so Hogwild! updates that other workers make meanwhile are kept.
+eta is ``--ring-scale``. In the authors' code it is their SVM's SGD step size of the current
+epoch, stepinitial * step_decay^epoch (``PostUpdate`` multiplies it by step_decay after each
+epoch; defaults 0.05 and 0.8, ``numasvm_main.cc`` l. 227-232). ``--ring-scale lr`` is the
+holder's learning rate at the exchange (its optimiser's first parameter group's, as the run's
+schedule and warm-up set it), so it decays with the schedule: ``--schedule step --lr-gamma 0.8
+--lr-step-epochs 1`` is the authors' per-epoch decay. A number is a fixed eta; 1.0 passes the
+model's change itself. What eta does: passed round the ring with no other updates, one local
+update settles in every model at 1.0 of itself for n = 2, 0.87 for n = 3 and 0.78 for n = 4 with
+eta = 1, and at 0.39 (n = 2) and 0.12 (n = 4) with eta = 0.05. A small eta passes little of an
+update on and spends the rest pulling the holder towards its neighbour: the ring acts more as a
+gossip average than as a relay of updates, and the run learns as with a smaller learning rate.
+The default is 1.0, not the authors' ``lr``, by measurement (docs/BENCHMARKS.md, "HogWild++'s
+ring factor"): on the default job (one epoch, lr 0.01) ``lr`` ended 3.2 points of test accuracy
+below 1.0 with 2 clusters and 5.3 below with 4 (medians of 3 seeds, every seed below), and 2.2
+below at lr 0.05, the authors' own first step size. tol is ``--ring-tolerance``; the authors'
+driver uses 1e-2 (l. 232), ours defaults to 0, where the else-branch only meets coordinates whose
+delta is exactly 0, and changes nothing there.
 
-Buffers (BatchNorm statistics) stay with their cluster's model during training (shared by its
-workers, as in Hogwild!); the model evaluated and saved is the average of the cluster models,
-floating-point buffers averaged too, integer ones (``num_batches_tracked``) taken from cluster 0,
-never averaged.
+Where this differs from the authors' code, and why: tau0 counts the cluster's optimiser steps
+divided by C (the authors count the holding thread's own updates, one example each: the same on
+average), so any worker of the holding cluster may pass the token and a dead worker cannot stall
+the ring. The steps are counted from the cluster's samples, as samples / (``--batch-size`` x
+``--accumulate``), so ``--accumulate`` does not shorten tau0 (an epoch's last, short step counts
+as a part of one). The authors' tau0 defaults to 256 examples (their README advises 64 with
+fewer than 4 clusters); ours, 16, counts steps of 64 examples by default. Both models are
+changed by increments, so Hogwild! updates that other workers make meanwhile are kept.
+
+What is evaluated and saved: the average of the cluster models (floating-point buffers averaged,
+integer ones, ``num_batches_tracked``, taken from cluster 0, never averaged). The authors test
+the model of the cluster that last passed the token (``GetLatestModel``: (token - 1) mod n) and
+never average. We keep the average: the ring keeps the models close (a lone update settles at
+the same value in all of them), so their average is a model of the same run with each cluster's
+latest unshared steps weighed 1/n rather than all or nothing; it does not depend on which cluster
+happened to pass the token last when the run stopped (a matter of timing between processes); and
+under torchrun it is one all-reduce, with no agreement needed on who passed last. Buffers
+(BatchNorm statistics) stay with their cluster's model during training, shared by its workers as
+in Hogwild!.
 
 On one machine (``--workers N``) the clusters' models all live in shared memory and a worker of
 the holding cluster makes the exchange; ``bytes_sent`` counts the delta it hands to the next
 cluster. Across machines (torchrun, one process per node) each torchrun process is one cluster:
-it starts ``--cluster-size`` local Hogwild! workers on its model in shared memory and a thread
-(:class:`TokenRing`) runs the ring over torch.distributed point-to-point messages: the holder
-sends delta, the next cluster answers with its model as it was before adding beta * delta, and
-the holder applies the rule as an increment; after tau0 it sends the token. There
-``bytes_sent`` counts delta, the answer and the two messages' headers. Optimiser state is per
-worker, as in Hogwild!.
+it starts ``--cluster-size`` local Hogwild! workers (:class:`ClusterWorker`) on its model in
+shared memory and a thread (:class:`TokenRing`) runs the ring over torch.distributed
+point-to-point messages: the holder sends the delta it passes on, the next cluster answers with
+its model as it was before adding beta * delta, and the holder applies the rule as an increment;
+after tau0 it sends the token. There ``bytes_sent`` counts delta, the answer and the two
+messages' headers. Optimiser state is per worker, as in Hogwild!.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -58,7 +86,7 @@ from distsgd.algorithms.averaging import add_into, average_model_, flatten, mean
 from distsgd.algorithms.base import Algorithm, SharedSeat, Topology, register
 from distsgd.algorithms.hogwild import (Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, OwnedLock,
                                         bind_to_shared)
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, value
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.train.context import Figures, Start, Step, WorkerContext
@@ -77,20 +105,49 @@ def ring_constants(n: int) -> tuple[float, float]:
     return beta, 1 - beta ** (n - 1)
 
 
-def token_pass(w_i: torch.Tensor, w_next: torch.Tensor, w_old: torch.Tensor, beta: float,
-               lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One exchange on flat tensors, the authors' rule: returns the new (w_i, w_next); the holder's
-    w_i_old becomes the new w_i. w_next is mixed in as it was before receiving beta * delta."""
-    delta = w_i - w_old
-    return lam * w_next + (1 - lam) * w_i + (beta + lam - 1) * delta, w_next + beta * delta
+def token_pass(w_i: torch.Tensor, w_next: torch.Tensor, w_old: torch.Tensor, beta: float, lam: float,
+               scale: float = 1.0, tolerance: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One exchange on flat tensors, the authors' rule (the module's docstring): returns the new
+    (w_i, w_next, w_i_old). w_next is mixed in as it was before receiving beta * delta."""
+    delta, sent = split_delta(w_i, w_old, scale, tolerance)
+    new_i = w_i + holder_increment(w_i, w_next, delta, sent, beta, lam)
+    return new_i, w_next + beta * sent, new_i - (delta - sent)
 
 
-def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tensor, beta: float,
+def split_delta(w_i: torch.Tensor, w_old: torch.Tensor, scale: float,
+                tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, sent): delta = scale * (w_i - w_old); sent is delta where |delta| > tolerance and 0
+    elsewhere, what the next cluster receives (beta times). The rest waits in w_i_old."""
+    delta = (w_i - w_old) * scale
+    sent = delta if tolerance <= 0 else torch.where(delta.abs() > tolerance, delta, torch.zeros_like(delta))
+    return delta, sent
+
+
+def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tensor, sent: torch.Tensor, beta: float,
                      lam: float) -> torch.Tensor:
-    """What the holder adds to w_i: the new w_i of :func:`token_pass` minus w_i, where w_next is the
-    next cluster's model before it received beta * delta. Added as an increment, it keeps the
-    local updates made to w_i meanwhile."""
-    return lam * (w_next - w_i) + (beta + lam - 1) * delta
+    """What the holder adds to w_i: the new w_i minus w_i, where w_next is the next cluster's model
+    before it received beta * sent: lambda * (w_next - w_i), plus (beta + lambda - 1) * delta where
+    delta is sent and lambda * delta where it is not. Added as an increment, it keeps the local
+    updates made to w_i meanwhile. The holder's new w_i_old is w_i + this - (delta - sent)."""
+    return lam * (w_next - w_i) + (beta + lam - 1) * sent + lam * (delta - sent)
+
+
+RING_SCALE: float | str = 1.0
+RING_TOLERANCE = 0.0
+UPDATE_DELAY = 16
+
+
+def parse_ring_scale(given: Any) -> float | str:
+    """``--ring-scale``: 'lr' (the holder's learning rate at the exchange) or a positive number."""
+    if given == "lr":
+        return "lr"
+    try:
+        scale = float(given)
+    except (TypeError, ValueError):
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise ConfigError(f"--ring-scale must be 'lr' or a positive number, got '{given}'")
+    return scale
 
 
 @dataclass
@@ -108,8 +165,17 @@ class RingState:
 @dataclass(frozen=True)
 class RingOptions(HogwildOptions):
     cluster_size: int = option(1, "worker processes per cluster; default 1", metavar="C")
-    update_delay: int = option(16, "tau0: local updates per worker the holding cluster makes after its exchange "
-                                   "before passing the token on; default 16", metavar="TAU0")
+    update_delay: int = option(UPDATE_DELAY, "tau0: optimiser steps per worker (each --accumulate micro-batches) the "
+                                             "holding cluster makes after its exchange before passing the token on; "
+                                             f"default {UPDATE_DELAY}", metavar="TAU0")
+    ring_scale: float | str = option(RING_SCALE, "eta, the factor on the delta a token holder passes on: 'lr' (its "
+                                                 "learning rate at the exchange, following the schedule, as the "
+                                                 "authors' code uses its step size) or a fixed number (1: the model's "
+                                                 f"change itself); default {RING_SCALE}", parse=parse_ring_scale,
+                                     metavar="lr|ETA")
+    ring_tolerance: float = option(RING_TOLERANCE, "coordinates whose scaled delta is at most this are not passed "
+                                                   "on but wait in the holder's old model (the authors' code: 1e-2); "
+                                                   f"default {RING_TOLERANCE:g}", metavar="TOL")
 
     def check(self, cfg: RunConfig) -> None:
         if self.cluster_size < 1:
@@ -118,6 +184,8 @@ class RingOptions(HogwildOptions):
             raise ConfigError(f"--update-delay must be at least 1, got {self.update_delay}")
         if cfg.workers % self.cluster_size:
             raise ConfigError(f"--workers {cfg.workers} is not a multiple of --cluster-size {self.cluster_size}")
+        if not (math.isfinite(self.ring_tolerance) and self.ring_tolerance >= 0):
+            raise ConfigError(f"--ring-tolerance must be a number >= 0, got {self.ring_tolerance}")
 
 
 @dataclass
@@ -157,13 +225,48 @@ class Ring(HogwildMemory):
         return cfg.replace(options={**cfg.options, "cluster_size": workers})
 
     def node_algorithm(self, algo_cls: type[Algorithm]) -> type[Algorithm]:
-        return Hogwild  # each process is one cluster: plain Hogwild! on its model, linked by the ring
+        return ClusterWorker  # each process is one cluster: Hogwild! on its model, linked by the ring
 
     def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> "TokenRing":
-        return TokenRing(cfg, rank, n, model, seat.counts, seat.stop)
+        return TokenRing(cfg, rank, n, model, seat.counts, seat.stop, seat.extras)
 
     def merge_nodes(self, chiefs: list[Figures]) -> Figures:
         return dataclasses.replace(chiefs[0], token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in chiefs))
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate ``--ring-scale lr`` scales delta by: the first parameter group's, as the
+    run's schedule and warm-up last set it."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+class ClusterMemory(HogwildMemory):
+    """Under torchrun, one cluster's shared memory: Hogwild!'s, and its extras, one float64 that its
+    workers set to their learning rate after every step, for the :class:`TokenRing` to read."""
+
+    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> torch.Tensor:
+        return torch.full((1,), float(value(cfg, "lr")), dtype=torch.float64).share_memory_()
+
+
+class ClusterWorker(Hogwild):
+    """Under torchrun, a worker of one cluster (one process): Hogwild! on the cluster's model, and
+    it tells the ring its learning rate (the shared float of :class:`ClusterMemory`)."""
+
+    topology: ClassVar[Topology] = ClusterMemory()
+    optimizer: torch.optim.Optimizer
+    lr_now: Any  # a numpy view of the shared float
+
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        self.lr_now = self.seat.extras.numpy()
+        return super().setup(ctx, model, start)
+
+    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
+        self.optimizer = super().make_optimizer(ctx, model)
+        return self.optimizer
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        super().after_step(ctx, model, step)
+        self.lr_now[0] = current_lr(self.optimizer)
 
 
 @register
@@ -173,6 +276,7 @@ class HogwildPP(Hogwild):
     topology: ClassVar[Topology] = Ring()
     Options = RingOptions
     summary_line = "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay = tau0)"
+    optimizer: torch.optim.Optimizer  # this worker's, whose lr --ring-scale lr reads
 
     def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
         return self.seat.states[ctx.rank // self.opts.cluster_size]
@@ -191,7 +295,8 @@ class HogwildPP(Hogwild):
         self.beta, self.lam = ring_constants(self.n)
         self.ring: RingState = ring
         self.old = ring.old[self.cluster]
-        self.hold_steps = self.opts.update_delay * size  # tau0 updates per worker of the cluster
+        self.hold_steps = self.opts.update_delay * size  # tau0 steps per worker of the cluster
+        self.step_samples = self.cfg.batch_size * self.cfg.accumulate
         self.exchange_bytes = sum(p.numel() * p.element_size() for p in self.mine)  # what _exchange counts
         return model
 
@@ -200,7 +305,7 @@ class HogwildPP(Hogwild):
         ring = self.ring
         if self.n == 1 or int(ring.token) != self.cluster:
             return
-        cluster_steps = int(self.counts[self.members].sum()) // self.cfg.batch_size
+        cluster_steps = int(self.counts[self.members].sum()) // self.step_samples
         if ring.synced[0] and cluster_steps - int(ring.synced_at[0]) < self.hold_steps:
             return
         if not ring.lock.acquire(block=False):
@@ -218,12 +323,22 @@ class HogwildPP(Hogwild):
         finally:
             ring.lock.release()
 
+    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
+        self.optimizer = super().make_optimizer(ctx, model)
+        return self.optimizer
+
+    def scale(self) -> float:
+        """eta for an exchange now: this worker's learning rate, or the fixed --ring-scale."""
+        ring_scale = self.opts.ring_scale
+        return current_lr(self.optimizer) if ring_scale == "lr" else float(ring_scale)
+
     def _exchange(self) -> None:
         w_i, w_next = flatten(self.mine), flatten(self.next_params)
-        new_i, new_next = token_pass(w_i, w_next, self.old, self.beta, self.lam)
+        new_i, new_next, new_old = token_pass(w_i, w_next, self.old, self.beta, self.lam, self.scale(),
+                                              self.opts.ring_tolerance)
         add_into(new_next - w_next, self.next_params)  # increments: updates made meanwhile stay
         add_into(new_i - w_i, self.mine)
-        self.old.copy_(new_i)
+        self.old.copy_(new_old)
         self.bytes_sent += w_i.numel() * w_i.element_size()
         self.ring.passes += 1
 
@@ -246,8 +361,10 @@ class TokenRing:
     Runs in a thread of each cluster's launching process, beside its local Hogwild! workers, over
     the default process group (one rank per cluster). ``model`` is the cluster's model, bound to
     the tensors its workers share; ``counts`` the samples of each of the cluster's workers
-    (shared). The holder sends SYNC (then delta; the next cluster answers with its model as it was
-    before adding beta * delta), waits tau0 updates per worker, then sends TOKEN. Each message is
+    (shared); ``lr`` their learning rate (shared, set by each :class:`ClusterWorker` after every
+    step), for ``--ring-scale lr``. The holder sends SYNC (then the delta it passes on; the next
+    cluster answers with its model as it was before adding beta * delta), waits tau0 steps per
+    worker, then sends TOKEN. Each message is
     a header [kind, origin, stop, counts..., done...]: every holder writes its samples and whether
     its workers are done, so every cluster knows the others' progress as of the token's last
     visit. When a holder sees every cluster done, it sends STOP round the ring. ``request_stop()``
@@ -255,9 +372,10 @@ class TokenRing:
     """
 
     def __init__(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
-                 stop_flag: torch.Tensor) -> None:
+                 stop_flag: torch.Tensor, lr: torch.Tensor) -> None:
         self.cfg, self.rank, self.n = cfg, rank, n
         self.opts = RingOptions.from_mapping(cfg.options)
+        self.lr = lr  # the cluster's learning rate, as its workers last set it (shared)
         self.model, self.params, self.counts, self.stop_flag = model, params(model), counts, stop_flag
         self.next, self.prev = (rank + 1) % n, (rank - 1) % n
         self.beta, self.lam = ring_constants(n)
@@ -278,7 +396,13 @@ class TokenRing:
         return int(self.counts.sum())
 
     def steps(self) -> int:
-        return self.samples() // self.cfg.batch_size
+        """This cluster's optimiser steps (each ``--accumulate`` micro-batches)."""
+        return self.samples() // (self.cfg.batch_size * self.cfg.accumulate)
+
+    def scale(self) -> float:
+        """eta for an exchange now: the cluster's learning rate, or the fixed --ring-scale."""
+        ring_scale = self.opts.ring_scale
+        return float(self.lr[0]) if ring_scale == "lr" else float(ring_scale)
 
     def global_samples(self) -> int:
         """All clusters' samples: this one's now, the others' as of the token's last visit."""
@@ -340,12 +464,12 @@ class TokenRing:
             if kind == TOKEN:
                 holding = True
                 continue
-            delta = torch.empty_like(old)  # SYNC: answer with the model before adding beta * delta
-            dist.recv(delta, self.prev, tag=2)
+            sent = torch.empty_like(old)  # SYNC: the holder's delta; answer with the model before adding beta * it
+            dist.recv(sent, self.prev, tag=2)
             w = self._flat()
             dist.send(w, self.prev, tag=3)
             self.bytes_sent += w.numel() * w.element_size()
-            add_into((self.beta * delta).to(self.params[0].device), self.params)
+            add_into((self.beta * sent).to(self.params[0].device), self.params)
 
     def _flat(self) -> torch.Tensor:
         """This cluster's model, flat, on the CPU (gloo's point-to-point messages take host memory)."""
@@ -354,16 +478,16 @@ class TokenRing:
     def _exchange(self, old: torch.Tensor) -> torch.Tensor:
         """The holder's exchange with the next cluster; returns the new w_i_old."""
         w = self._flat()
-        delta = w - old
+        delta, sent = split_delta(w, old, self.scale(), self.opts.ring_tolerance)
         self._send_header(SYNC, -1)
-        dist.send(delta, self.next, tag=2)
+        dist.send(sent, self.next, tag=2)
         w_next = torch.empty_like(w)
         dist.recv(w_next, self.next, tag=3)
-        step = holder_increment(w, w_next, delta, self.beta, self.lam)
+        step = holder_increment(w, w_next, delta, sent, self.beta, self.lam)
         add_into(step.to(self.params[0].device), self.params)
-        self.bytes_sent += delta.numel() * delta.element_size()
+        self.bytes_sent += sent.numel() * sent.element_size()
         self.passes += 1
-        return w + step
+        return w + step - (delta - sent)
 
     def finish(self) -> int:
         """This cluster's workers are done: keep passing until every cluster is; then make every
