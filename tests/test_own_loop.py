@@ -105,19 +105,33 @@ def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: 
     assert theirs.summary.get("bytes_sent") == ours.summary.get("bytes_sent")
 
 
-@pytest.mark.parametrize("algo", ["allreduce", "local-sgd", "diloco"])
+DICT_CASES = {"allreduce": {}, "local-sgd": {"sync_every": "8"}, "diloco": {"sync_every": "8", "lr": 0.003},
+              "hogwild": {}, "hogwild++": {"update_delay": 4}}
+
+
+@pytest.mark.parametrize("algo", list(DICT_CASES))
 def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
     out = tmp_path / "run"
-    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo, workers=2, epochs=3, batch_size=32,
-                      lr=0.003 if algo == "diloco" else 0.05, sync_every="8" if algo != "allreduce" else None,
-                      out=str(out), quiet=True) if algo != "allreduce" else \
-        distsgd.spawn(dict_loop, model=DictNet, algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05, out=str(out),
-                      quiet=True)
+    settings = {"lr": 0.05, **DICT_CASES[algo]}
+    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo, workers=2, epochs=3, batch_size=32, out=str(out),
+                      quiet=True, **settings)
     assert r.summary["final_test_accuracy"] > 0.8, r.summary
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file() and (out / "metrics.jsonl").is_file()
     saved = torch.load(out / "model.pt", weights_only=True)["state_dict"]
     for k, v in r.model.state_dict().items():
         assert torch.equal(saved[k], v), k
+
+
+@pytest.mark.parametrize("algo", ["hogwild", "hogwild++"])
+def test_asynchronous_algorithms_reach_distsgd_trains_band(algo: str) -> None:
+    """Hogwild! interleaves its workers' updates as the scheduler runs them: not the same weights
+    as distsgd train, but the same accuracy band on the same data and settings."""
+    common = dict(algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05, quiet=True)
+    theirs = distsgd.spawn(tuple_loop, model=Net, **common).summary
+    ours = distsgd.train(model=Net, data=_digits(), **common).summary
+    assert theirs["final_test_accuracy"] > 0.85 and ours["final_test_accuracy"] > 0.85
+    assert abs(theirs["final_test_accuracy"] - ours["final_test_accuracy"]) < 0.06
+    assert theirs["samples"] == pytest.approx(ours["samples"], rel=0.05)
 
 
 def no_setup(run: distsgd.Run) -> None:

@@ -266,9 +266,16 @@ def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | No
 def _check_own(job: Job, algo_cls: type) -> None:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
     and code that can travel to worker processes."""
-    if algo_cls.topology.kind not in ("one", "group"):
-        raise ConfigError(f"{job.cfg.algo} does not run your own loop yet (distsgd.spawn): single, allreduce, "
-                          f"ddp, local-sgd, easgd (sync), diloco and streaming-diloco do; or use distsgd.train")
+    cfg = job.cfg
+    if algo_cls.topology.kind == "server":
+        raise ConfigError(f"{cfg.algo} does not run your own loop yet (distsgd.spawn): single, allreduce, ddp, "
+                          f"hogwild, hogwild++, local-sgd, easgd (sync), diloco and streaming-diloco do; or use "
+                          f"distsgd.train")
+    if algo_cls.topology.kind == "shared" and under_torchrun():
+        raise ConfigError(f"{cfg.algo} runs your own loop on one machine only: start it without torchrun")
+    for name in ("stop_at_target", "checkpoint_every", "resume", "restart_workers"):
+        if getattr(cfg, name, None):
+            raise ConfigError(f"--{name.replace('_', '-')} does not work with your own loop yet (distsgd.spawn)")
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if algo_cls.topology.kind != "one":
         import pickle

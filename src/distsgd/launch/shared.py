@@ -94,7 +94,8 @@ class Machine:
         self.job, self.cfg, self.algo_cls, self.dataset, self.sink = job, cfg, algo_cls, dataset, sink
         self.topology = topology = algo_cls.topology
         self.first_rank, self.data_world = first_rank, data_world or cfg.workers
-        self.evaluates = evaluates
+        self.own = job.main is not None  # the user's loop evaluates what it wants (its rank 0 logs it)
+        self.evaluates = evaluates and not self.own
         # On a GPU this process owns the shared models and the data in GPU memory (its workers map them
         # through CUDA IPC, and it keeps them alive); the fork server, started fresh, has no CUDA.
         self.device = device.resolve(cfg.device, 0)
@@ -146,6 +147,8 @@ class Machine:
             done, elapsed = self.samples(), self.watcher.clock.elapsed()
             self.sink.emit({**event, "samples": done, "train_wall_s": elapsed,
                             "samples_per_s": done / elapsed if elapsed > 0 else 0.0})
+        else:  # what a user's loop logged
+            self.sink.emit(event)
 
     def run(self) -> list[WorkerResult]:
         cfg, world = self.cfg, self.cfg.workers
@@ -265,7 +268,10 @@ class Machine:
         attendance = Attendance(samples_per_worker=[int(c) for c in counts], failed_workers=[first + r for r in failed],
                                 restarts=self.restarts,
                                 worker_errors={str(first + r): sup.reason(r) for r in failed} if failed else None)
-        final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
+        if self.own and sup.results:  # the user's loop: what its lowest worker logged
+            evals = sup.results[min(sup.results)]["evals"]
+        final = evals[-1] if evals else {}
+        final = {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss")}
         chief = WorkerResult(rank=first, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
                              evals=evals, final_test_accuracy=final["test_accuracy"],
                              final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance)
