@@ -89,7 +89,7 @@ def dict_loop(run: distsgd.Run) -> nn.Module:
 
 
 SYNCHRONOUS = [("single", 1, {}), ("allreduce", 2, {}), ("ddp", 2, {}), ("local-sgd", 2, {"sync_every": "5"}),
-               ("easgd", 2, {"tau": 4}), ("diloco", 2, {"sync_every": "6", "lr": 0.003}),
+               ("easgd", 2, {"tau": 4}), ("sync-ps", 2, {}), ("diloco", 2, {"sync_every": "6", "lr": 0.003}),
                ("streaming-diloco", 2, {"sync_every": "6", "lr": 0.003})]
 
 
@@ -106,14 +106,15 @@ def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: 
 
 
 DICT_CASES = {"allreduce": {}, "local-sgd": {"sync_every": "8"}, "diloco": {"sync_every": "8", "lr": 0.003},
-              "hogwild": {}, "hogwild++": {"update_delay": 4}}
+              "hogwild": {}, "hogwild++": {"update_delay": 4}, "asgd": {}, "ssp": {"staleness": 1}, "dcasgd": {},
+              "easgd-async": {"easgd_mode": "async", "tau": 4}}
 
 
 @pytest.mark.parametrize("algo", list(DICT_CASES))
 def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
     out = tmp_path / "run"
     settings = {"lr": 0.05, **DICT_CASES[algo]}
-    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo, workers=2, epochs=3, batch_size=32, out=str(out),
+    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo.removesuffix("-async"), workers=2, epochs=3, batch_size=32, out=str(out),
                       quiet=True, **settings)
     assert r.summary["final_test_accuracy"] > 0.8, r.summary
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file() and (out / "metrics.jsonl").is_file()
@@ -122,10 +123,10 @@ def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
         assert torch.equal(saved[k], v), k
 
 
-@pytest.mark.parametrize("algo", ["hogwild", "hogwild++"])
+@pytest.mark.parametrize("algo", ["hogwild", "hogwild++", "asgd"])
 def test_asynchronous_algorithms_reach_distsgd_trains_band(algo: str) -> None:
-    """Hogwild! interleaves its workers' updates as the scheduler runs them: not the same weights
-    as distsgd train, but the same accuracy band on the same data and settings."""
+    """Asynchronous workers interleave their updates as the scheduler runs them: not the same
+    weights as distsgd train, but the same accuracy band on the same data and settings."""
     common = dict(algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05, quiet=True)
     theirs = distsgd.spawn(tuple_loop, model=Net, **common).summary
     ours = distsgd.train(model=Net, data=_digits(), **common).summary
@@ -145,12 +146,18 @@ def step_without_batches(run: distsgd.Run) -> None:
     opt.step()
 
 
+def own_optimizer(run: distsgd.Run) -> None:
+    run.setup(lambda m: torch.optim.Adam(m.parameters()))
+
+
 def test_mistakes_get_one_line() -> None:
     with pytest.raises(distsgd.ConfigError, match=r"before run.setup\(\)"):
         distsgd.spawn(no_setup, model=Net, quiet=True)
     with pytest.raises(distsgd.ConfigError, match="no batch from run.loader"):
         distsgd.spawn(step_without_batches, model=Net, quiet=True)
-    with pytest.raises(distsgd.ConfigError, match="does not run your own loop yet"):
-        distsgd.spawn(tuple_loop, model=Net, algo="asgd", workers=2, quiet=True)
+    with pytest.raises(distsgd.DistsgdError, match="the parameter server steps"):  # said by a worker
+        distsgd.spawn(own_optimizer, model=Net, algo="asgd", workers=2, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="does not work with your own loop yet"):
+        distsgd.spawn(tuple_loop, model=Net, stop_at_target=True, target_accuracy=0.5, quiet=True)
     with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
         distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)

@@ -236,14 +236,17 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
 
 
 def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | None = None,
-           workers: int | None = None, *, train_size: int | None = None, **settings: Any) -> TrainResult:
+           workers: int | None = None, *, optimizer: Callable | None = None, train_size: int | None = None,
+           **settings: Any) -> TrainResult:
     """Run ``main(run)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
     under torchrun, in this one); return the summary and the model ``main`` returned.
 
     ``model``: as for :func:`train` (a built-in name, a class or factory, or a module instance,
     copied); ``run.setup()`` builds it in each worker, seeded alike. ``main`` must be defined at
     module level and the call made under ``if __name__ == "__main__":`` (workers import your
-    script). ``train_size``: your training set's length, if you want ``--schedule`` to know an
+    script). ``optimizer``: a module-level ``optimizer(model) -> torch.optim.Optimizer`` for every
+    worker (the one way to give the parameter server, which steps, your optimiser; elsewhere
+    ``run.setup(optimizer)`` may give it too). ``train_size``: your training set's length, if you want ``--schedule`` to know an
     epoch. ``settings``: any ``distsgd train`` setting (``epochs=``, ``lr=``, ``out=``,
     ``max_samples=``, the algorithm's options, ...). See :class:`distsgd.Run` for what ``main``
     may call, and the README's "Bring your own loop".
@@ -256,22 +259,20 @@ def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | No
     given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
     cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="spawn()",
                                   option_names=registry.option_names())
+    if isinstance(optimizer, str):
+        cfg, optimizer = cfg.replace(optimizer=optimizer), None
     if isinstance(model, nn.Module):
         model = _CopyOf(model)
     cfg = cfg.replace(model=model if isinstance(model, str) else describe(model), dataset="own loop")
     data = OwnData(n_train=train_size or 0)
-    return run(cfg, model_spec=model, dataset=data, code={"main": main})
+    return run(cfg, model_spec=model, dataset=data, code={"main": main, "optimizer": optimizer})
 
 
 def _check_own(job: Job, algo_cls: type) -> None:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
     and code that can travel to worker processes."""
     cfg = job.cfg
-    if algo_cls.topology.kind == "server":
-        raise ConfigError(f"{cfg.algo} does not run your own loop yet (distsgd.spawn): single, allreduce, ddp, "
-                          f"hogwild, hogwild++, local-sgd, easgd (sync), diloco and streaming-diloco do; or use "
-                          f"distsgd.train")
-    if algo_cls.topology.kind == "shared" and under_torchrun():
+    if algo_cls.topology.kind in ("shared", "server") and under_torchrun():
         raise ConfigError(f"{cfg.algo} runs your own loop on one machine only: start it without torchrun")
     for name in ("stop_at_target", "checkpoint_every", "resume", "restart_workers"):
         if getattr(cfg, name, None):
@@ -280,7 +281,7 @@ def _check_own(job: Job, algo_cls: type) -> None:
     if algo_cls.topology.kind != "one":
         import pickle
 
-        for what, obj in (("main", job.main), ("model", job.model)):
+        for what, obj in (("main", job.main), ("model", job.model), ("optimizer", job.optimizer)):
             if obj is None or isinstance(obj, str):
                 continue
             try:

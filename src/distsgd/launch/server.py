@@ -142,4 +142,7 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
                                   failed_workers=[r - 1 for r in failed], restarts=restarts,
                                   worker_errors={str(r - 1): sup.reason(r) for r in failed} if failed else None)
     others = [procs.unpack(sup.results[r], job) for r in range(1, world) if r in sup.results]
+    if job.main is not None and others:  # the user's loop: what its first worker logged
+        chief.evals = others[0].evals
+        chief.final_test_accuracy, chief.final_test_loss = others[0].final_test_accuracy, others[0].final_test_loss
     return [chief] + others

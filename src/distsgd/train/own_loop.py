@@ -107,6 +107,9 @@ class Run:
         self._model = self._algo.setup(ctx, model, Start.FRESH)
         if cfg.compile:
             self._algo.unwrap(self._model).compile()
+        if optimizer is not None and self._algo.topology.kind == "server":
+            raise ConfigError(f"under {cfg.algo} the parameter server steps, with its own optimiser: give "
+                              f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup()")
         if isinstance(optimizer, str) or optimizer is None:
             if isinstance(optimizer, str):
                 self.cfg = cfg = cfg.replace(optimizer=optimizer)

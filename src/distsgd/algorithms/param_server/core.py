@@ -52,7 +52,8 @@ class ParameterServer:
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
         self.scheduled = scheduled(cfg)
         self.samples_per_epoch = samples_per_epoch
-        self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / samples_per_epoch
+        self.total_epochs = cfg.epochs if cfg.max_samples is None or not samples_per_epoch else \
+            cfg.max_samples / samples_per_epoch
         self.on_update, self.on_start = on_update, on_start
         self.lock = threading.Lock()
         self.version = 0

@@ -71,6 +71,7 @@ class ServerRole:
         self.model = build_model(job.model, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
         per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
+        self.own = job.main is not None  # the user's loop evaluates what it wants (its first worker logs it)
         optimizer = build_optimizer(cfg, self.model, job.optimizer, job.param_groups)
         self.server = ParameterServer(cfg, self.model, workers, rule, per_epoch, self._on_update,
                                       on_start=self.watcher.start, optimizer=optimizer,
@@ -198,7 +199,7 @@ class ServerRole:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _on_update(self, total: int) -> None:  # runs inside the server's lock
-        if self.watcher.observe(total):
+        if not self.own and self.watcher.observe(total):
             self.server.stop = True
 
     def _report(self, final: bool = False) -> None:
@@ -224,14 +225,17 @@ class ServerRole:
         self._report(final=True)
         total = server.total_samples()
         server.sync_buffers()  # the model returned carries the workers' statistics
-        train_wall_s, evals, final, total = self.watcher.finish(total)
+        if self.own:
+            train_wall_s, evals, final = self.watcher.clock.elapsed(), [], self._state()
+        else:
+            train_wall_s, evals, final, total = self.watcher.finish(total)
         self.model.load_state_dict(final)  # the copy that reached the target, if the run stopped there
         figures = ServerFigures(bytes_sent=server.bytes_sent, staleness=server.staleness_summary(),
                                 server_updates=server.version,
                                 server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
                                 server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received,
                                 nonfinite_pushes=server.nonfinite)
-        final = evals[-1]
+        final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
         return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
                             final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
                             model=self.model, figures=figures, attendance=Attendance(samples_per_worker=server.counts[1:]))
