@@ -15,8 +15,8 @@ from helpers import make_idx_dataset, run_cli
 pytest.importorskip("sklearn")
 
 
-def distsgd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return run_cli(*args, timeout=timeout)
+def distsgd(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return run_cli(*args, timeout=timeout, cwd=cwd)
 
 
 def test_train_eval_end_to_end(tmp_path: Path) -> None:
@@ -43,6 +43,29 @@ def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
     assert res.stdout == "" and res.stderr == ""
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["model"], summary["epochs"], summary["batch_size"]) == ("logreg", 1, 32)
+
+
+def test_rerunning_a_runs_config_makes_a_new_run(tmp_path: Path) -> None:
+    """``--config runs/x/config.toml`` (from where the run was made, or from inside it, as its
+    header says) trains a new run beside runs/x, and never replaces runs/x, even when the file
+    holds an older version's ``out`` and ``overwrite``."""
+    first = tmp_path / "runs" / "x"
+    res = distsgd("train", "--dataset", "digits", "--model", "mlp", "--epochs", "3", "--out", "runs/x",
+                  "--overwrite", "--quiet", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    before = (first / "summary.json").read_text()
+    header = (first / "config.toml").read_text().splitlines()[0]
+    assert header.endswith("Re-run with: distsgd train --config runs/x/config.toml")
+    with (first / "config.toml").open("a") as fh:  # as versions before this one wrote it
+        fh.write('out = "runs/x"\noverwrite = true\n')
+    res = distsgd("train", "--config", "runs/x/config.toml", "--max-samples", "128", "--quiet", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    res = distsgd("train", "--config", "config.toml", "--max-samples", "128", cwd=first)
+    assert res.returncode == 0, res.stderr
+    assert (first / "summary.json").read_text() == before and not (first / "runs").exists()
+    new = [p for p in (tmp_path / "runs").iterdir() if p.name != "x"]
+    assert len(new) == 2, new
+    assert all(json.loads((p / "summary.json").read_text())["samples"] == 128 for p in new)
 
 
 def test_listing_commands() -> None:

@@ -18,6 +18,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 from distsgd import __version__, options
@@ -137,7 +138,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.algo is None:
         cfg = cfg.replace(algo=registry.baseline())
     if cfg.out is None:
-        cfg = cfg.replace(out=str(default_out(cfg.algo)))
+        cfg = cfg.replace(out=str(default_out(cfg.algo, beside=_saved_run(args))))
     result = run(cfg)
     s = result.summary
     if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports
@@ -160,6 +161,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"({s['samples_per_s']:.0f} samples/s){target}")
         print(f"run saved in {result.out}")
     return 0
+
+
+def _saved_run(args: argparse.Namespace) -> Path | None:
+    """The run directory whose own config.toml ``--config`` names, if it does: a re-run of it goes
+    beside it (not into it, nor into a runs/ folder inside it when run from there)."""
+    from distsgd import rundir
+
+    if not args.config or args.resume:
+        return None
+    folder = Path(args.config).parent
+    return folder if Path(args.config).name == "config.toml" and rundir.is_ours(folder) else None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -215,8 +227,6 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from distsgd.bench import parse_algos, run_bench
     from distsgd.errors import ConfigError
 
@@ -251,8 +261,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from distsgd.bench import compare_runs
     from distsgd.bench.report import table
 
@@ -269,8 +277,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _resume_hint(args: argparse.Namespace) -> str:
     """For a stopped run that checkpoints: where its last whole checkpoint is, and how to go on."""
-    from pathlib import Path
-
     from distsgd.checkpoint import read_manifest
 
     out = getattr(args, "out", None) or getattr(args, "resume", None)

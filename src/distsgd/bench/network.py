@@ -136,11 +136,11 @@ class Network:
         self.port += 1
         with tempfile.TemporaryDirectory() as tmp:
             settings = Path(tmp) / "config.toml"
-            settings.write_text(config_mod.to_toml(cfg.replace(workers=1, overwrite=True, quiet=True)))
+            settings.write_text(config_mod.to_toml(cfg.replace(workers=1, quiet=True)))
             logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
             procs: list[subprocess.Popen] = []
             try:
-                procs += [self._start(node, n, settings, logs[node]) for node, n in enumerate(nprocs)]
+                procs += [self._start(node, n, settings, Path(cfg.out), logs[node]) for node, n in enumerate(nprocs)]
                 codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
             finally:  # Ctrl-C, or any failure here: no host left running
                 for p in procs:
@@ -161,12 +161,12 @@ class Network:
         summary["network"] = self.spec
         return summary
 
-    def _start(self, node: int, nprocs: int, settings: Path, log: Path) -> subprocess.Popen:
+    def _start(self, node: int, nprocs: int, settings: Path, out: Path, log: Path) -> subprocess.Popen:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": self.veth[node], "OMP_NUM_THREADS": "1"}
         cmd = ["ip", "netns", "exec", self.names[node], sys.executable, "-m", "torch.distributed.run",
                "--nnodes", "2", "--nproc-per-node", str(nprocs), "--node-rank", str(node),
                "--master-addr", HOSTS[0], "--master-port", str(self.port), "-m", "distsgd", "train",
-               "--config", str(settings)]
+               "--config", str(settings), "--out", str(out), "--overwrite"]
         with log.open("w") as err:
             return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
 
