@@ -25,7 +25,7 @@ def test_train_eval_end_to_end(tmp_path: Path) -> None:
                   "--target-accuracy", "0.5", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "test accuracy" in res.stdout and f"run saved in {out}" in res.stdout
-    assert "eval  samples=1437" in res.stderr  # plain progress lines when not on a terminal
+    assert res.stderr.count("eval  samples=") == 5  # plain progress lines when not on a terminal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algo"] == "single" and summary["epochs"] == 3 and summary["final_test_accuracy"] > 0.8
     assert 'lr = 0.05' in (out / "config.toml").read_text()

@@ -32,6 +32,7 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
 setting = option  # a RunConfig field with its help text beside it (see distsgd.options)
+EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a GPT's evaluation is costly
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ class RunConfig:
     seed: int = setting(0, "seed for weights and data order; default 0")
     partition: str = setting("sharded", "sharded (disjoint shards) or replicated (every worker sees all data); "
                                         "default sharded")
-    eval_every: int | None = setting(None, "evaluate on the test set every this many samples; default: each epoch")
+    eval_every: int | None = setting(None, "evaluate on the test set every this many samples (all workers); "
+                                           f"default: each epoch, or, for a run shorter than {EVALS} epochs, "
+                                           f"{EVALS} times evenly (every planned samples / {EVALS})")
     eval_batch_size: int = setting(1000, "batch size for evaluation; default 1000")
     target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
     target_loss: float | None = setting(None, "test loss whose time and samples to reach are recorded (regression)")
@@ -290,6 +293,17 @@ def threads_per_worker(cfg: RunConfig) -> int:
         return cfg.threads_per_worker
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
     return max(1, cores() // local)
+
+
+def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
+    """Samples (all workers') between evaluations: ``--eval-every``; unset, None (each epoch's end)
+    for a run of at least :data:`EVALS` epochs, else its planned samples over :data:`EVALS`, so a
+    short run draws a curve too. ``per_epoch``: all workers' samples in an epoch. Worked out where
+    it is used, not written back into the settings: a re-run with another budget gets its own."""
+    if cfg.eval_every is not None:
+        return cfg.eval_every
+    planned = cfg.max_samples if cfg.max_samples is not None else cfg.epochs * per_epoch
+    return None if planned >= EVALS * per_epoch else max(1, math.ceil(planned / EVALS))
 
 
 # The generic defaults of the settings an algorithm (its paper's) or a built-in model (gpt's) may give

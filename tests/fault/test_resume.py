@@ -55,8 +55,9 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
 ])
 def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every,
                                                             extra) -> None:
+    # --eval-every: by default a run's evaluations spread over its own budget, which the first part's is not
     common = dict(model=dropout_model, data="digits", algo=algo, workers=workers, lr=0.05, checkpoint_every=every,
-                  quiet=True, **({"sync_every": "4"} if algo in ("local-sgd", "diloco") else {}))
+                  eval_every=500, quiet=True, **({"sync_every": "4"} if algo in ("local-sgd", "diloco") else {}))
     common.update(extra)
     full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
     distsgd.train(max_samples=1436, out=str(tmp_path / "part"), **common)
@@ -96,7 +97,8 @@ def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_
 def test_resume_elsewhere_and_continue_training_in_epochs(tmp_path) -> None:
     distsgd.train(model="mlp", data="digits", epochs=1, checkpoint_every="epoch", out=str(tmp_path / "a"), quiet=True)
     s = distsgd.train(resume=str(tmp_path / "a"), epochs=3, out=str(tmp_path / "b")).summary
-    assert s["samples"] == 3 * 1437 and len(s["evals"]) == 3
+    assert s["samples"] == 3 * 1437 and s["evals"][-1]["samples"] == 3 * 1437
+    assert len([e for e in s["evals"] if e["samples"] > 1437]) >= 3  # the 3 epochs' evaluations go on
     assert (tmp_path / "b" / "model.pt").exists() and (tmp_path / "b" / "summary.json").exists()
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["samples"] == 1437  # untouched
 
