@@ -68,6 +68,27 @@ def test_rerunning_a_runs_config_makes_a_new_run(tmp_path: Path) -> None:
     assert all(json.loads((p / "summary.json").read_text())["samples"] == 128 for p in new)
 
 
+QUIET_DATA = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def make():  # no num_classes: distsgd warns that it reads every label
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(96, 1, 8, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
+    return TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
+"""
+
+
+def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
+    """--quiet: nothing but errors, neither distsgd's warnings nor torch's in the workers (DDP's
+    grad-stride warning for resnet20's one-channel first convolution, once a worker)."""
+    (tmp_path / "data.py").write_text(QUIET_DATA)
+    res = distsgd("train", "--algo", "ddp", "--workers", "2", "--dataset", f"{tmp_path / 'data.py'}:make",
+                  "--model", "resnet20", "--max-samples", "64", "--batch-size", "16", "--quiet")
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stderr[-2000:]
+
+
 def test_listing_commands() -> None:
     res = distsgd("algorithms")
     assert res.returncode == 0 and res.stdout.startswith("single")

@@ -18,6 +18,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -135,6 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distsgd.algorithms import registry
 
     cfg = config_from_args(args)
+    _hush(cfg.quiet)
     if cfg.algo is None:
         cfg = cfg.replace(algo=registry.baseline())
     if cfg.out is None:
@@ -161,6 +163,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"({s['samples_per_s']:.0f} samples/s){target}")
         print(f"run saved in {result.out}")
     return 0
+
+
+def _hush(quiet: bool) -> None:
+    """--quiet: nothing but errors from this process (its workers: see procs.begin_worker), neither
+    warnings logged nor Python's (torch's) own."""
+    if quiet:
+        logging.getLogger().setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
 
 
 def _saved_run(args: argparse.Namespace) -> Path | None:
@@ -231,6 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from distsgd.errors import ConfigError
 
     base = config_from_args(args)
+    _hush(base.quiet)
     algos = parse_algos(args.algos)
     try:
         workers = [int(w) for w in args.bench_workers.split(",") if w.strip()]
@@ -264,6 +275,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from distsgd.bench import compare_runs
     from distsgd.bench.report import table
 
+    _hush(args.quiet)
     out = Path(args.out) if args.out else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     report = compare_runs([Path(d) for d in args.run_dirs], out)
     if not args.quiet:
