@@ -45,6 +45,16 @@ def test_a_short_run_evaluates_often_enough_to_draw_a_curve() -> None:
     assert [e["samples"] for e in given["evals"]] == [640]
 
 
+def test_the_summary_records_what_was_trained() -> None:
+    """epochs: those trained (a third of one here), beside the --epochs given; the global batch:
+    every worker's micro-batches of a step."""
+    s = distsgd.train(model="logreg", data="digits", algo="allreduce", workers=2, batch_size=16, accumulate=3,
+                      max_samples=480, **QUIET).summary
+    assert s["samples"] == 480 and s["epochs"] == pytest.approx(480 / 1436, abs=1e-4)
+    assert (s["configured_epochs"], s["max_samples"], s["accumulate"]) == (1, 480, 3)
+    assert s["global_batch_size"] == 16 * 3 * 2
+
+
 @needs_fashion
 def test_fashion_mnist_net_learns() -> None:
     summary, _ = distsgd.train(model="mnist_net", data="fashion-mnist", max_samples=12_800, lr=0.05,

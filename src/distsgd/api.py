@@ -286,8 +286,12 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "workers": cfg.workers,
         "dataset": dataset.name,
         "model": describe(spec) if not isinstance(spec, str) else spec,
-        "epochs": cfg.epochs,
+        # what was trained (a run stopped by --max-samples or --stop-at-target trains part of its epochs)
+        "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4),
+        "configured_epochs": cfg.epochs,
+        "max_samples": cfg.max_samples,
         "batch_size": cfg.batch_size,
+        "accumulate": cfg.accumulate,
         "samples": samples,
         "wall_s": time.time() - started,
         "train_wall_s": chief.train_wall_s,
@@ -312,7 +316,7 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
     if chief.attendance is not None:
         summary.update(chief.attendance.summary())
     if len(results) > 1 or cfg.workers > 1:
-        summary["global_batch_size"] = cfg.batch_size * cfg.workers
+        summary["global_batch_size"] = cfg.batch_size * cfg.accumulate * cfg.workers  # samples a step, all workers
     sent = chief.figures.run_bytes(results)  # every process's sends, as the algorithm counts them
     if sent is not None:
         summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent
