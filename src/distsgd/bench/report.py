@@ -143,13 +143,20 @@ def _bench_heading(bench: dict[str, Any]) -> list[str]:
         f"# distsgd bench, {bench['date']}",
         "",
         f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores; torch {m['torch_version']}, Python {m['python']}.",
-        "Settings: " + ", ".join(f"{k}={v}" for k, v in s.items() if v is not None) + ".",
+        "Settings: " + ", ".join(_setting(k, v, bench["repeats"]) for k, v in s.items() if v is not None) + ".",
         f"Medians over {bench['repeats']} repeat(s), with (min-max) where they differ. Configurations ran one "
         "after another.",
         *([f"Network (--network {bench['network']}): each run as {bench['link']}; the hosts are listed below "
            "the table."] if bench.get("network") else []),
         "",
     ]
+
+
+def _setting(name: str, value: Any, repeats: int) -> str:
+    """A setting as the Settings line shows it; repeat r of a bench runs with seed + r."""
+    if name == "seed" and repeats > 1:
+        return f"seed={value}..{value + repeats - 1} (repeat r: {value} + r)"
+    return f"{name}={value}"
 
 
 def _compare_heading(report: dict[str, Any]) -> list[str]:
