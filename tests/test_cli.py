@@ -214,3 +214,12 @@ def test_eval_of_a_missing_checkpoint(tmp_path: Path) -> None:
     res = distsgd("eval", "--checkpoint", str(bad))
     assert res.returncode == 2 and res.stderr.startswith("error: cannot load checkpoint")
     assert len(res.stderr.strip().splitlines()) == 1
+    assert "not a model.pt distsgd wrote" in res.stderr and "weights_only" not in res.stderr  # never that advice
+
+
+def test_an_unknown_flag_points_at_its_commands_help() -> None:
+    res = distsgd("train", "--dataset", "digits", "--bogus", "1")
+    assert res.returncode == 2
+    assert res.stderr == "error: unrecognized arguments: --bogus 1 (see `distsgd train --help`)\n"
+    res = distsgd("--bogus")
+    assert res.returncode == 2 and res.stderr.endswith("(see `distsgd --help`)\n")

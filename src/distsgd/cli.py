@@ -28,9 +28,19 @@ from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError, Terminated, on_sigterm
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, "_Parser"] = {}  # the top parser's sub-commands' parsers, by name
+
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, but a flag no parser knows is the sub-command's error, naming its help."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.commands.get(getattr(parsed, "command", None), self).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def _add_flag(parser: Any, f: dataclasses.Field, help_text: str) -> None:
@@ -86,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"distsgd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (dataset locations, workers)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    parser.commands = sub.choices
     train = sub.add_parser("train", help="train a model")
     _add_run_flags(train)
     ev = sub.add_parser("eval", help="measure a saved model on its test set")
