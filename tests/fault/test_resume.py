@@ -140,7 +140,7 @@ def test_bad_resume(tmp_path) -> None:
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
     args = ["train", "--algo", "allreduce", "--dataset", "digits", "--model", dropout_model, "--max-samples", "2872",
-            "--lr", "0.05", "--checkpoint-every", "400", "--quiet"]
+            "--lr", "0.05", "--checkpoint-every", "400"]  # not --quiet: it would hide the warning looked for
     torchrun = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "distsgd"]
     env = {"OMP_NUM_THREADS": "1", "KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
     res = run_cli(*torchrun, *args, "--out", str(tmp_path / "restarted"), module="torch.distributed.run",
@@ -165,7 +165,7 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     out = tmp_path / "restarted"
     res = run_cli("--standalone", "--nproc-per-node", "3", "--max-restarts", "1", "-m", "distsgd", "train",
                   "--algo", "asgd", "--dataset", "digits", "--model", dropout_model, "--max-samples", "14360",
-                  "--lr", "0.05", "--checkpoint-every", "400", "--out", str(out), "--quiet",
+                  "--lr", "0.05", "--checkpoint-every", "400", "--out", str(out),  # not --quiet: its warnings are looked for
                   module="torch.distributed.run", timeout=240,
                   env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "10"})
     assert res.returncode == 0, res.stderr[-3000:]
