@@ -40,10 +40,10 @@ def make_idx_dataset(folder: Path, n_train: int = 60, n_test: int = 20, gz: bool
 
 
 def run_cli(*args: str, timeout: float = 120, module: str = "distsgd",
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m distsgd ARGS`` (or another module) in a subprocess, with a timeout."""
+            env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m distsgd ARGS`` (or another module) in a subprocess, with a timeout, in ``cwd``."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -> None:

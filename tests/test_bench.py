@@ -60,3 +60,12 @@ def test_bad_straggler(text: str) -> None:
         validate(RunConfig(workers=4, straggler=text))
     with pytest.raises(distsgd.ConfigError, match="only 2 workers"):
         validate(RunConfig(workers=2, straggler="2:3"))
+
+
+def test_the_settings_line_gives_each_repeats_seed() -> None:
+    from distsgd.bench import report
+
+    machine = {"host": "h", "cpu": "c", "cores": 2, "torch_version": "t", "python": "p"}
+    three = report.markdown(report.derive([], machine, RunConfig(seed=3), repeats=3))
+    assert "seed=3..5 (repeat r: 3 + r)" in three and "seed=3," not in three
+    assert "seed=3," in report.markdown(report.derive([], machine, RunConfig(seed=3), repeats=1))

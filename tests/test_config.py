@@ -13,10 +13,41 @@ from distsgd.errors import ConfigError
 
 def test_toml_round_trip(tmp_path: Path) -> None:
     cfg = RunConfig(lr=0.05, epochs=3, dataset="digits", stop_at_target=True, target_accuracy=0.9,
-                    checkpoint_every="640", out="runs/x", options={"sync_every": "epoch", "tau": 4})
+                    checkpoint_every="640", options={"sync_every": "epoch", "tau": 4})
     path = tmp_path / "c.toml"
     path.write_text(config.to_toml(cfg))
     assert config.load_toml(path, option_names={"sync_every", "tau"}) == cfg
+
+
+def test_a_run_config_never_names_its_own_directory(tmp_path: Path) -> None:
+    """A run's config.toml leaves out --out, --overwrite and --resume, and reading one ignores
+    those keys where an older version wrote them, so re-running it cannot replace the run."""
+    cfg = RunConfig(dataset="digits", out="runs/x", overwrite=True, resume="runs/w")
+    text = config.to_toml(cfg, rerun="runs/x/config.toml")
+    assert text.splitlines()[0].endswith("Re-run with: distsgd train --config runs/x/config.toml")
+    assert not [ln for ln in text.splitlines() if ln.split(" = ")[0] in ("out", "overwrite", "resume")]
+    old = tmp_path / "config.toml"
+    old.write_text(text + 'out = "runs/x"\noverwrite = true\nresume = "runs/w"\n')
+    assert config.load_toml(old) == RunConfig(dataset="digits")
+    mine = tmp_path / "mine.toml"  # a file the user wrote may choose its run directory
+    mine.write_text('out = "runs/y"\noverwrite = true\n')
+    assert (config.load_toml(mine).out, config.load_toml(mine).overwrite) == ("runs/y", True)
+
+
+def test_a_python_run_says_what_its_config_cannot_hold(tmp_path: Path) -> None:
+    import numpy as np
+    from torch import nn
+
+    import distsgd
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 5)).astype("float32"), rng.integers(0, 3, 64)
+    distsgd.train(model=nn.Linear(5, 3), data=(x, y, x[:16], y[:16]), max_samples=64, out=str(tmp_path / "run"),
+                  quiet=True)
+    head = [ln for ln in (tmp_path / "run" / "config.toml").read_text().splitlines() if ln.startswith("#")]
+    assert "Re-run with" not in " ".join(head)
+    assert "the data (arrays) and the model (Linear) came from Python" in head[0]
+    assert "cannot re-run that run by itself" in " ".join(head)
 
 
 def test_train_table_and_dashes(tmp_path: Path) -> None:

@@ -30,6 +30,34 @@ def test_network_needs_namespaces(monkeypatch) -> None:
     assert parse("10mbit,delay=20ms") == ("10mbit", "20ms") and parse("unshaped") == (None, None)
 
 
+def test_a_network_that_cannot_be_made_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
+    """A refused --network neither creates the bench directory nor empties the one --overwrite names."""
+    from distsgd.bench import parse_algos, run_bench
+    from distsgd.config import RunConfig
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    base = RunConfig(dataset="digits", model="mlp", max_samples=64)
+    with pytest.raises(distsgd.ConfigError, match="needs root"):
+        run_bench(base, parse_algos("allreduce"), [2], 1, tmp_path / "new", network="10mbit")
+    assert not (tmp_path / "new").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".distsgd").write_text("bench directory written by distsgd\n")
+    (old / "bench.md").write_text("an earlier bench\n")
+    with pytest.raises(distsgd.ConfigError, match="needs root"):
+        run_bench(base, parse_algos("allreduce"), [2], 1, old, overwrite=True, network="10mbit")
+    assert (old / "bench.md").read_text() == "an earlier bench\n"
+
+
+def test_the_hosts_split_this_machines_cores() -> None:
+    from distsgd.bench.network import split_cores
+
+    assert split_cores([0, 1], (1, 1)) == ([0], [1]) and split_cores([0, 1], (1, 2)) == ([0], [1])
+    assert split_cores(list(range(16)), (1, 2)) == (list(range(5)), list(range(5, 16)))
+    assert split_cores(list(range(8)), (1, 1)) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert split_cores([3], (1, 1)) == ([3], [3])  # one core: shared
+
+
 def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     from distsgd.bench.network import _cannot
 
@@ -54,6 +82,18 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     for s in ran.values():
         assert s["network"] == "50mbit" and s["samples"] >= 3000 and s["bytes_sent"] > 0
         assert s["workers"] == 2 and s["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+    cores = len(os.sched_getaffinity(0))
+    for entry in bench["runs"]:  # each run's own summary.json says it crossed the link, and how it ran
+        own = json.loads((tmp_path / "b" / entry["run_dir"] / "summary.json").read_text())
+        assert own["network"] == "50mbit" and [h["address"] for h in own["hosts"]] == ["10.77.0.1", "10.77.0.2"]
+        a, b = own["hosts"]
+        assert not set(a["cores"]) & set(b["cores"]) if cores > 1 else a["cores"] == b["cores"]
+        assert own["threads_per_worker"] == a["threads_per_process"] == b["threads_per_process"] == \
+            max(1, min(len(a["cores"]) // a["processes"], len(b["cores"]) // b["processes"]))
+    md = (tmp_path / "b" / "bench.md").read_text()
+    assert "Network (--network 50mbit): each run as 2 hosts (network namespaces on this machine) joined by a " \
+           "veth pair shaped to 50mbit each way (tc tbf)" in md
+    assert "- asgd: host a (10.77.0.1): 1 process(es) on core(s)" in md
 
 
 def test_an_interrupted_network_bench_leaves_nothing_behind(tmp_path: Path) -> None:

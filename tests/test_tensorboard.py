@@ -47,7 +47,7 @@ def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     assert "server/staleness_mean" not in scalars and "comm/bytes_sent" not in scalars  # single: neither
     # against samples: the evaluations' steps and values are summary.json's
     acc = scalars["test/accuracy"]
-    assert [e.step for e in acc] == [v["samples"] for v in summary["evals"]] == [1437, 2874]
+    assert [e.step for e in acc] == [v["samples"] for v in summary["evals"]] and len(acc) == 5
     assert [e.value for e in acc] == pytest.approx([v["test_accuracy"] for v in summary["evals"]], abs=1e-6)
     # against training time: wall times are apart by what the training clock says
     gap = acc[1].wall_time - acc[0].wall_time
@@ -83,8 +83,8 @@ def test_a_parameter_server_run_logs_staleness_and_bytes(tmp_path: Path) -> None
 
 @needs_tensorboard
 def test_python_api_takes_true_or_a_path(tmp_path: Path) -> None:
-    distsgd.train(model="logreg", data="digits", epochs=1, quiet=True, tensorboard=str(tmp_path / "tb"))
-    assert read_scalars(tmp_path / "tb")["test/accuracy"][0].step == 1437
+    s = distsgd.train(model="logreg", data="digits", epochs=1, quiet=True, tensorboard=str(tmp_path / "tb")).summary
+    assert [e.step for e in read_scalars(tmp_path / "tb")["test/accuracy"]] == [e["samples"] for e in s["evals"]]
     distsgd.train(model="logreg", data="digits", epochs=1, quiet=True, out=str(tmp_path / "run"), tensorboard=True)
     assert read_scalars(tmp_path / "run" / "tb")["test/loss"]
     with pytest.raises(distsgd.ConfigError, match="give --out"):

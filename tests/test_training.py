@@ -31,6 +31,30 @@ def test_digits_mlp_learns() -> None:
     assert isinstance(model, nn.Module)
 
 
+def test_a_short_run_evaluates_often_enough_to_draw_a_curve() -> None:
+    """Without --eval-every, a run shorter than 5 epochs evaluates 5 times, evenly; a longer one,
+    at each epoch's end; --eval-every, where it says."""
+    short = distsgd.train(model="mlp", data="digits", max_samples=600, **QUIET).summary
+    assert [e["samples"] for e in short["evals"]] == [128, 256, 384, 512, 640]  # every 120, in steps of 64
+    assert short["time_to_target_s"] is None and short["evals"][0]["train_wall_s"] < short["train_wall_s"]
+    two = distsgd.train(model="mlp", data="digits", epochs=2, **QUIET).summary
+    assert len(two["evals"]) == 5 and two["evals"][-1]["samples"] == 2 * 1437
+    long = distsgd.train(model="logreg", data="digits", epochs=5, **QUIET).summary
+    assert [e["samples"] for e in long["evals"]] == [1437 * k for k in range(1, 6)]
+    given = distsgd.train(model="logreg", data="digits", max_samples=600, eval_every=1000, **QUIET).summary
+    assert [e["samples"] for e in given["evals"]] == [640]
+
+
+def test_the_summary_records_what_was_trained() -> None:
+    """epochs: those trained (a third of one here), beside the --epochs given; the global batch:
+    every worker's micro-batches of a step."""
+    s = distsgd.train(model="logreg", data="digits", algo="allreduce", workers=2, batch_size=16, accumulate=3,
+                      max_samples=480, **QUIET).summary
+    assert s["samples"] == 480 and s["epochs"] == pytest.approx(480 / 1436, abs=1e-4)
+    assert (s["configured_epochs"], s["max_samples"], s["accumulate"]) == (1, 480, 3)
+    assert s["global_batch_size"] == 16 * 3 * 2
+
+
 @needs_fashion
 def test_fashion_mnist_net_learns() -> None:
     summary, _ = distsgd.train(model="mnist_net", data="fashion-mnist", max_samples=12_800, lr=0.05,
@@ -137,7 +161,7 @@ def test_run_directory_and_checkpoint(tmp_path: Path) -> None:
     evals = [e for e in events if e["event"] == "eval"]
     assert [(e["samples"], e["test_accuracy"]) for e in evals] == \
         [(e["samples"], e["test_accuracy"]) for e in summary["evals"]]
-    assert len(evals) == 2
+    assert len(evals) == 5  # a run shorter than 5 epochs: 5 evaluations
     assert all(math.isfinite(e["loss"]) for e in events if e["event"] == "progress")
     evaluated = evaluate_checkpoint(out / "model.pt")
     assert evaluated["test_accuracy"] == pytest.approx(result.summary["final_test_accuracy"])

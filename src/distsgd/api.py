@@ -141,9 +141,10 @@ def prepare_out_dir(out: Path, overwrite: bool, keep: Path | None = None, kind: 
     return rundir.prepare(out, overwrite, keep, kind)
 
 
-def default_out(algo: str) -> Path:
+def default_out(algo: str, beside: Path | None = None) -> Path:
+    """``runs/<timestamp>-<algo>``; with ``beside`` (a run directory), in the folder that holds it."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{algo}"
+    return (Path("runs") if beside is None else Path(os.path.relpath(beside.resolve().parent))) / f"{stamp}-{algo}"
 
 
 def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingData | None = None,
@@ -159,18 +160,21 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    dataset_given = dataset is not None
     if dataset is None:
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
     _check_own(job, algo_cls) if job.main is not None else _check_job(job, algo_cls)
+    rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
+    settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = None
     if cfg.out and chief:
         resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
         try:
             out = Path(cfg.out) if resuming_in_place else \
                 prepare_out_dir(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
-            atomic_write_bytes(out / "config.toml", config_mod.to_toml(cfg).encode())  # a resumed run's too
+            atomic_write_bytes(out / "config.toml", settings_text.encode())  # a resumed run's too
         except OSError as exc:
             raise OutputError.of(exc) from None
     if progress is None:
@@ -178,7 +182,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
             if dataset.n_train else cfg.max_samples
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
-    tb = TensorBoardWriter(tb_dir, started, config_mod.to_toml(cfg)) if tb_dir is not None else None
+    tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
     sinks = [sink for sink in (writer, tb, progress) if sink is not None]
     try:
         results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
@@ -197,6 +201,18 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
         except OSError as exc:
             raise OutputError.of(exc) from None
     return TrainResult(summary, results[0].model, out)
+
+
+def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, Any] | None) -> list[str]:
+    """What of a run came from Python objects, which config.toml can name but not hold: the data
+    (``dataset``: what was passed in), the model, the user's loss, optimizer and param_groups."""
+    pieces = [] if dataset is None else [f"the data ({dataset.name})"]
+    if not isinstance(spec, str):
+        pieces.append(f"the model ({describe(spec)})")
+    for what, fn in (code or {}).items():
+        if fn is not None:
+            pieces.append(f"the {what} function ({describe(fn)})")
+    return pieces
 
 
 def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
@@ -328,8 +344,12 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "workers": cfg.workers,
         "dataset": dataset.name,
         "model": describe(spec) if not isinstance(spec, str) else spec,
-        "epochs": cfg.epochs,
+        # what was trained (a run stopped by --max-samples or --stop-at-target trains part of its epochs)
+        "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4),
+        "configured_epochs": cfg.epochs,
+        "max_samples": cfg.max_samples,
         "batch_size": cfg.batch_size,
+        "accumulate": cfg.accumulate,
         "samples": samples,
         "wall_s": time.time() - started,
         "train_wall_s": chief.train_wall_s,
@@ -354,7 +374,7 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
     if chief.attendance is not None:
         summary.update(chief.attendance.summary())
     if len(results) > 1 or cfg.workers > 1:
-        summary["global_batch_size"] = cfg.batch_size * cfg.workers
+        summary["global_batch_size"] = cfg.batch_size * cfg.accumulate * cfg.workers  # samples a step, all workers
     sent = chief.figures.run_bytes(results)  # every process's sends, as the algorithm counts them
     if sent is not None:
         summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent

@@ -87,9 +87,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc.strerror or exc}") from None
+    except Exception:  # torch raises many types for a bad file, and may advise weights_only=False: never here
+        raise CheckpointError(f"cannot load checkpoint {path}: it is not a model.pt distsgd wrote (torch cannot "
+                              f"read it as tensors and plain data: damaged, or another kind of file)") from None
     if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path} is not a distsgd model checkpoint")
     kinds = {"state_dict": dict, "model": str, "dataset": str, "input_shape": (list, tuple), "num_classes": int,

@@ -18,6 +18,8 @@ import json
 import logging
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any, NoReturn
 
 from distsgd import __version__, options
@@ -26,9 +28,19 @@ from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError, Terminated, on_sigterm
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, "_Parser"] = {}  # the top parser's sub-commands' parsers, by name
+
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, but a flag no parser knows is the sub-command's error, naming its help."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.commands.get(getattr(parsed, "command", None), self).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def _add_flag(parser: Any, f: dataclasses.Field, help_text: str) -> None:
@@ -84,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"distsgd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (dataset locations, workers)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    parser.commands = sub.choices
     train = sub.add_parser("train", help="train a model")
     _add_run_flags(train)
     ev = sub.add_parser("eval", help="measure a saved model on its test set")
@@ -134,10 +147,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distsgd.algorithms import registry
 
     cfg = config_from_args(args)
+    _hush(cfg.quiet)
     if cfg.algo is None:
         cfg = cfg.replace(algo=registry.baseline())
     if cfg.out is None:
-        cfg = cfg.replace(out=str(default_out(cfg.algo)))
+        cfg = cfg.replace(out=str(default_out(cfg.algo, beside=_saved_run(args))))
     result = run(cfg)
     s = result.summary
     if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports
@@ -160,6 +174,25 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"({s['samples_per_s']:.0f} samples/s){target}")
         print(f"run saved in {result.out}")
     return 0
+
+
+def _hush(quiet: bool) -> None:
+    """--quiet: nothing but errors from this process (its workers: see procs.begin_worker), neither
+    warnings logged nor Python's (torch's) own."""
+    if quiet:
+        logging.getLogger().setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
+
+
+def _saved_run(args: argparse.Namespace) -> Path | None:
+    """The run directory whose own config.toml ``--config`` names, if it does: a re-run of it goes
+    beside it (not into it, nor into a runs/ folder inside it when run from there)."""
+    from distsgd import rundir
+
+    if not args.config or args.resume:
+        return None
+    folder = Path(args.config).parent
+    return folder if Path(args.config).name == "config.toml" and rundir.is_ours(folder) else None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -215,12 +248,11 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from distsgd.bench import parse_algos, run_bench
     from distsgd.errors import ConfigError
 
     base = config_from_args(args)
+    _hush(base.quiet)
     algos = parse_algos(args.algos)
     try:
         workers = [int(w) for w in args.bench_workers.split(",") if w.strip()]
@@ -251,11 +283,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from distsgd.bench import compare_runs
     from distsgd.bench.report import table
 
+    _hush(args.quiet)
     out = Path(args.out) if args.out else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     report = compare_runs([Path(d) for d in args.run_dirs], out)
     if not args.quiet:
@@ -269,8 +300,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _resume_hint(args: argparse.Namespace) -> str:
     """For a stopped run that checkpoints: where its last whole checkpoint is, and how to go on."""
-    from pathlib import Path
-
     from distsgd.checkpoint import read_manifest
 
     out = getattr(args, "out", None) or getattr(args, "resume", None)

@@ -32,6 +32,7 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
 setting = option  # a RunConfig field with its help text beside it (see distsgd.options)
+EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a GPT's evaluation is costly
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ class RunConfig:
     seed: int = setting(0, "seed for weights and data order; default 0")
     partition: str = setting("sharded", "sharded (disjoint shards) or replicated (every worker sees all data); "
                                         "default sharded")
-    eval_every: int | None = setting(None, "evaluate on the test set every this many samples; default: each epoch")
+    eval_every: int | None = setting(None, "evaluate on the test set every this many samples (all workers); "
+                                           f"default: each epoch, or, for a run shorter than {EVALS} epochs, "
+                                           f"{EVALS} times evenly (every planned samples / {EVALS})")
     eval_batch_size: int = setting(1000, "batch size for evaluation; default 1000")
     target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
     target_loss: float | None = setting(None, "test loss whose time and samples to reach are recorded (regression)")
@@ -201,7 +204,8 @@ def from_mapping(values: dict[str, Any], base: RunConfig | None = None, source: 
 
 def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any = ()) -> RunConfig:
     """Read a TOML config. Keys are top-level, or under a ``[train]`` table; algorithm options are
-    keys like the others (``sync_every = 8``)."""
+    keys like the others (``sync_every = 8``). A run's own ``config.toml`` never chooses where a
+    run goes: the :data:`NOT_RECORDED` keys that older versions wrote into it are ignored."""
     path = Path(path)
     try:
         with path.open("rb") as fh:
@@ -218,14 +222,42 @@ def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any
         raise ConfigError(f"config file {path} is not valid TOML: {str(exc).splitlines()[0]}") from None
     if set(data) == {"train"} and isinstance(data["train"], dict):
         data = data["train"]
+    if is_run_config(path):
+        data = {k: v for k, v in data.items() if k.replace("-", "_") not in NOT_RECORDED}
     return from_mapping(data, base, source=str(path), option_names=option_names)
 
 
-def to_toml(cfg: RunConfig) -> str:
-    """The resolved configuration as TOML (settings that are unset are left out)."""
-    lines = ["# distsgd run configuration (resolved). Re-run with: distsgd train --config config.toml"]
+HEADER = "# distsgd run configuration"  # the first line of every config.toml a run writes
+# What a run's config.toml leaves out: where the run went, whether it replaced one, what it resumed.
+# They belong to the command that made the run; a file that kept them re-ran into (or over) its own run.
+NOT_RECORDED = ("out", "overwrite", "resume")
+
+
+def is_run_config(path: str | Path) -> bool:
+    """Whether ``path`` is a config.toml that a run wrote (its first line is :data:`HEADER`)."""
+    try:
+        with Path(path).open("rb") as fh:
+            return fh.read(len(HEADER)) == HEADER.encode()
+    except OSError:
+        return False
+
+
+def to_toml(cfg: RunConfig, rerun: str | None = None, from_python: list[str] | tuple[str, ...] = ()) -> str:
+    """The resolved configuration as TOML (settings that are unset, and :data:`NOT_RECORDED`, are
+    left out). The header says how to run it again: ``distsgd train --config RERUN`` (``rerun``:
+    the file's path as the run was given it; None: no path to name), or, for a run whose pieces
+    came from Python (``from_python``: "the data (arrays)", ...), that the file alone cannot."""
+    if from_python:
+        pieces = ", ".join(from_python[:-1]) + (" and " if len(from_python) > 1 else "") + from_python[-1]
+        lines = [f"{HEADER} (resolved), of a run made with distsgd.train(): {pieces} came from Python, and this",
+                 "# file records only their names, so it cannot re-run that run by itself: pass them to",
+                 "# distsgd.train() again with these settings."]
+    else:
+        where = rerun or "config.toml"
+        lines = [f"{HEADER} (resolved). Re-run with: distsgd train --config {where}",
+                 "# (the new run goes into a new directory beside this run's, or where --out says)"]
     for name, value in cfg.to_dict().items():
-        if name != "options" and value is not None:
+        if name != "options" and name not in NOT_RECORDED and value is not None:
             lines.append(f"{name} = {_toml_value(shown(_FIELDS[name], value))}")
     if cfg.options:
         lines.append(f"# {cfg.algo}'s own options")
@@ -261,6 +293,17 @@ def threads_per_worker(cfg: RunConfig) -> int:
         return cfg.threads_per_worker
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
     return max(1, cores() // local)
+
+
+def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
+    """Samples (all workers') between evaluations: ``--eval-every``; unset, None (each epoch's end)
+    for a run of at least :data:`EVALS` epochs, else its planned samples over :data:`EVALS`, so a
+    short run draws a curve too. ``per_epoch``: all workers' samples in an epoch. Worked out where
+    it is used, not written back into the settings: a re-run with another budget gets its own."""
+    if cfg.eval_every is not None:
+        return cfg.eval_every
+    planned = cfg.max_samples if cfg.max_samples is not None else cfg.epochs * per_epoch
+    return None if planned >= EVALS * per_epoch else max(1, math.ceil(planned / EVALS))
 
 
 # The generic defaults of the settings an algorithm (its paper's) or a built-in model (gpt's) may give

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from distsgd.config import is_run_config
 from distsgd.errors import ConfigError
 
 MARKER = ".distsgd"
@@ -19,18 +20,13 @@ MARKER = ".distsgd"
 OURS = {MARKER, "config.toml", "metrics.jsonl", "summary.json", "model.pt", "checkpoint", "tb", "workers.json",
         "host-a.log", "host-b.log", "bench.json", "bench.md", "compare.json", "compare.md", "runs",
         "accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput_vs_workers.png", "throughput_vs_time.png"}
-HEADER = "# distsgd run configuration"
 
 
 def is_ours(folder: Path) -> bool:
     """Whether ``folder`` is a directory distsgd made (its marker, or a run's config.toml from before it)."""
     if (folder / MARKER).is_file():
         return True
-    config = folder / "config.toml"
-    try:
-        return config.is_file() and config.read_text(errors="replace").startswith(HEADER)
-    except OSError:
-        return False
+    return is_run_config(folder / "config.toml")
 
 
 def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:

@@ -113,5 +113,9 @@ def test_compression_is_refused_where_it_does_not_apply() -> None:
         distsgd.train(model="mlp", data="digits", algo="hogwild", workers=2, compress="fp16", quiet=True)
     with pytest.raises(distsgd.ConfigError, match="--compress must be none, fp16 or powersgd"):
         distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, compress="zip", quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="allreduce --compress fp16 reduces every gradient at once, after "
+                                                  "backward, in no buckets: --bucket-mb does not apply"):
+        distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, compress="fp16", bucket_mb=5,
+                      quiet=True)
 
 

@@ -55,8 +55,9 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
 ])
 def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every,
                                                             extra) -> None:
+    # --eval-every: by default a run's evaluations spread over its own budget, which the first part's is not
     common = dict(model=dropout_model, data="digits", algo=algo, workers=workers, lr=0.05, checkpoint_every=every,
-                  quiet=True, **({"sync_every": "4"} if algo in ("local-sgd", "diloco") else {}))
+                  eval_every=500, quiet=True, **({"sync_every": "4"} if algo in ("local-sgd", "diloco") else {}))
     common.update(extra)
     full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
     distsgd.train(max_samples=1436, out=str(tmp_path / "part"), **common)
@@ -96,7 +97,8 @@ def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_
 def test_resume_elsewhere_and_continue_training_in_epochs(tmp_path) -> None:
     distsgd.train(model="mlp", data="digits", epochs=1, checkpoint_every="epoch", out=str(tmp_path / "a"), quiet=True)
     s = distsgd.train(resume=str(tmp_path / "a"), epochs=3, out=str(tmp_path / "b")).summary
-    assert s["samples"] == 3 * 1437 and len(s["evals"]) == 3
+    assert s["samples"] == 3 * 1437 and s["evals"][-1]["samples"] == 3 * 1437
+    assert len([e for e in s["evals"] if e["samples"] > 1437]) >= 3  # the 3 epochs' evaluations go on
     assert (tmp_path / "b" / "model.pt").exists() and (tmp_path / "b" / "summary.json").exists()
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["samples"] == 1437  # untouched
 
@@ -138,7 +140,7 @@ def test_bad_resume(tmp_path) -> None:
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
     args = ["train", "--algo", "allreduce", "--dataset", "digits", "--model", dropout_model, "--max-samples", "2872",
-            "--lr", "0.05", "--checkpoint-every", "400", "--quiet"]
+            "--lr", "0.05", "--checkpoint-every", "400"]  # not --quiet: it would hide the warning looked for
     torchrun = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "distsgd"]
     env = {"OMP_NUM_THREADS": "1", "KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
     res = run_cli(*torchrun, *args, "--out", str(tmp_path / "restarted"), module="torch.distributed.run",
@@ -163,7 +165,7 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     out = tmp_path / "restarted"
     res = run_cli("--standalone", "--nproc-per-node", "3", "--max-restarts", "1", "-m", "distsgd", "train",
                   "--algo", "asgd", "--dataset", "digits", "--model", dropout_model, "--max-samples", "14360",
-                  "--lr", "0.05", "--checkpoint-every", "400", "--out", str(out), "--quiet",
+                  "--lr", "0.05", "--checkpoint-every", "400", "--out", str(out),  # not --quiet: its warnings are looked for
                   module="torch.distributed.run", timeout=240,
                   env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "10"})
     assert res.returncode == 0, res.stderr[-3000:]

@@ -82,8 +82,8 @@ def _bucket(params: list[nn.Parameter]) -> Bucket:
 class BucketOptions(compress.CompressOptions):
     """allreduce's and ddp's options."""
 
-    bucket_mb: float = option(25.0, "gradient bucket size in MB; default 25 (not with allreduce --compress, nor "
-                                    "ddp --compress powersgd on gloo: one bucket)", metavar="MB")
+    bucket_mb: float = option(25.0, "gradient bucket size in MB; default 25 (allreduce --compress refuses it: no "
+                                    "buckets; ddp --compress powersgd on gloo: one bucket)", metavar="MB")
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)
@@ -102,6 +102,14 @@ class AllReduce(GroupAlgorithm):
     kind = "data parallel"
     Options = BucketOptions
     summary_line = "synchronous data parallel: gradients averaged by our bucketed all-reduce, overlapped with backward"
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        super().check(cfg)
+        opts = cls.Options.from_mapping(cfg.options)
+        if opts.compress != "none" and opts.bucket_mb != cls.Options().bucket_mb:
+            raise ConfigError(f"allreduce --compress {opts.compress} reduces every gradient at once, after backward, "
+                              f"in no buckets: --bucket-mb does not apply (leave it out)")
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world

@@ -12,6 +12,12 @@ time to target and bytes reported are those of the shaped run. Layouts, 2 worker
 - parameter server: the server alone on host a, both workers on host b (every push crosses the link);
 - hogwild++: one cluster of one Hogwild! worker on each host, the token crossing the link.
 
+The two hosts share this machine's cores: each gets its own, in proportion to its processes
+(``sched_setaffinity``; with one core, both share it), and unless ``--threads-per-worker`` says
+otherwise each process runs as many threads as its host has cores per process. Each run's
+``summary.json`` records the link (``network``) and the hosts (``hosts``: address, processes,
+cores, threads per process).
+
 Creating namespaces needs root (and iproute2 with ``tc``); elsewhere ``--network`` is refused
 with one line saying why. Algorithms that live on one machine (single, hogwild) are skipped.
 """
@@ -32,6 +38,7 @@ from typing import Any
 
 from distsgd import config as config_mod
 from distsgd.algorithms import registry
+from distsgd.checkpoint import atomic_write_json
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
 
@@ -48,6 +55,14 @@ def parse(text: str) -> tuple[str | None, str | None]:
         raise ConfigError(f"--network must be RATE[,delay=MS] such as 100mbit or 10mbit,delay=20ms, "
                           f"or unshaped, got '{text}'")
     return m["rate"], m["delay"]
+
+
+def describe(text: str) -> str:
+    """The link of ``--network TEXT`` in words, for bench.md."""
+    rate, delay = parse(text)
+    shaped = "with no shaping (unshaped)" if rate is None else \
+        f"shaped to {rate} each way (tc tbf)" + (f", delayed {delay} each way (netem)" if delay else "")
+    return f"2 hosts (network namespaces on this machine) joined by a veth pair {shaped}"
 
 
 def layout(cfg: RunConfig) -> tuple[int, int] | None:
@@ -134,13 +149,18 @@ class Network:
         if topology.kind == "shared":  # one worker on each host
             cfg = topology.per_machine(cfg, 1)
         self.port += 1
+        cpus = split_cores(sorted(os.sched_getaffinity(0)), nprocs)
+        threads = cfg.threads_per_worker or max(1, min(len(c) // n for c, n in zip(cpus, nprocs)))
+        hosts = [{"host": "ab"[node], "address": HOSTS[node], "processes": n, "cores": cpus[node],
+                  "threads_per_process": threads} for node, n in enumerate(nprocs)]
         with tempfile.TemporaryDirectory() as tmp:
             settings = Path(tmp) / "config.toml"
-            settings.write_text(config_mod.to_toml(cfg.replace(workers=1, overwrite=True, quiet=True)))
+            settings.write_text(config_mod.to_toml(cfg.replace(workers=1, quiet=True, threads_per_worker=threads)))
             logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
             procs: list[subprocess.Popen] = []
             try:
-                procs += [self._start(node, n, settings, logs[node]) for node, n in enumerate(nprocs)]
+                procs += [self._start(node, n, settings, Path(cfg.out), cpus[node], logs[node])
+                          for node, n in enumerate(nprocs)]
                 codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
             finally:  # Ctrl-C, or any failure here: no host left running
                 for p in procs:
@@ -157,18 +177,31 @@ class Network:
                 last = ([ln for ln in lines if "error" in ln.lower()] or lines)[-1:] or ["(no output)"]
                 raise WorkerError(f"{cfg.algo} on host {'ab'[node]} of --network {self.spec} failed "
                                   f"(exit {code}): {last[0].strip()} (its log: {kept})")
-        summary = json.loads((Path(cfg.out) / "summary.json").read_text())
-        summary["network"] = self.spec
+        # what the run on host a could not know: the link it crossed and the hosts it ran as
+        path = Path(cfg.out) / "summary.json"
+        summary = {**json.loads(path.read_text()), "network": self.spec, "hosts": hosts}
+        atomic_write_json(summary, path)
         return summary
 
-    def _start(self, node: int, nprocs: int, settings: Path, log: Path) -> subprocess.Popen:
+    def _start(self, node: int, nprocs: int, settings: Path, out: Path, cpus: list[int],
+               log: Path) -> subprocess.Popen:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": self.veth[node], "OMP_NUM_THREADS": "1"}
         cmd = ["ip", "netns", "exec", self.names[node], sys.executable, "-m", "torch.distributed.run",
                "--nnodes", "2", "--nproc-per-node", str(nprocs), "--node-rank", str(node),
                "--master-addr", HOSTS[0], "--master-port", str(self.port), "-m", "distsgd", "train",
-               "--config", str(settings)]
+               "--config", str(settings), "--out", str(out), "--overwrite"]
         with log.open("w") as err:
-            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
+                                    preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+
+
+def split_cores(cpus: list[int], nprocs: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """This machine's cores ``cpus`` split between the two hosts in proportion to their processes,
+    at least one each; with a single core, both hosts share it."""
+    if len(cpus) < 2:
+        return list(cpus), list(cpus)
+    first = min(len(cpus) - 1, max(1, round(len(cpus) * nprocs[0] / sum(nprocs))))
+    return cpus[:first], cpus[first:]
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -120,6 +120,13 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         if r["failed_workers"]:
             lines.append(f"\n{r['algo']} x{r['workers']}: failed workers {r['failed_workers']}")
+    hosts = [(e["algo"], e["summary"]["hosts"]) for e in report["runs"]
+             if e["repeat"] == 0 and e["summary"].get("hosts")]
+    if hosts:
+        lines.append("\nHosts (cores of this machine each host ran on; threads per process):")
+        lines += [f"- {algo}: " + "; ".join(f"host {h['host']} ({h['address']}): {h['processes']} process(es) on "
+                                            f"core(s) {','.join(map(str, h['cores']))}, {h['threads_per_process']} "
+                                            f"thread(s) each" for h in each) for algo, each in hosts]
     lines.append("")
     if report.get("kind") == "compare":
         lines.append(f"Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker {baseline_name()} run among "
@@ -136,11 +143,20 @@ def _bench_heading(bench: dict[str, Any]) -> list[str]:
         f"# distsgd bench, {bench['date']}",
         "",
         f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores; torch {m['torch_version']}, Python {m['python']}.",
-        "Settings: " + ", ".join(f"{k}={v}" for k, v in s.items() if v is not None) + ".",
+        "Settings: " + ", ".join(_setting(k, v, bench["repeats"]) for k, v in s.items() if v is not None) + ".",
         f"Medians over {bench['repeats']} repeat(s), with (min-max) where they differ. Configurations ran one "
         "after another.",
+        *([f"Network (--network {bench['network']}): each run as {bench['link']}; the hosts are listed below "
+           "the table."] if bench.get("network") else []),
         "",
     ]
+
+
+def _setting(name: str, value: Any, repeats: int) -> str:
+    """A setting as the Settings line shows it; repeat r of a bench runs with seed + r."""
+    if name == "seed" and repeats > 1:
+        return f"seed={value}..{value + repeats - 1} (repeat r: {value} + r)"
+    return f"{name}={value}"
 
 
 def _compare_heading(report: dict[str, Any]) -> list[str]:

@@ -113,7 +113,7 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
     """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With
     ``network`` (``RATE[,delay=D]``), each run crosses a shaped link between two namespaces."""
     from distsgd.bench import report
-    from distsgd.bench.network import Network, layout, parse
+    from distsgd.bench.network import Network, describe, layout, parse
 
     if network is not None:
         parse(network)
@@ -148,9 +148,10 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
                 plan.append((spec, cfg.workers, cfg))
     if not plan:
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
-    out = prepare_out_dir(out, overwrite, kind="bench")
     runs: list[dict[str, Any]] = []
+    # the hosts and their link first: a network that cannot be made leaves no bench directory behind
     with Network(network) if network is not None else contextlib.nullcontext() as net:
+        out = prepare_out_dir(out, overwrite, kind="bench")
         for spec, w, cfg in plan:
             for r in range(repeats):
                 run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
@@ -164,5 +165,6 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
     bench = report.derive(runs, machine_facts(), base, repeats)
     if network is not None:
         bench["network"] = network
+        bench["link"] = describe(network)
     report.write(bench, out, "bench")
     return bench

@@ -48,7 +48,7 @@ def run(job: Job, algo_cls: type, sink: Sink, torchrun: bool) -> list[WorkerResu
 def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, out: Any) -> None:
     """The body of a worker process."""
     q = procs.Outbox(out)
-    procs.begin_worker(f"worker {rank}", rank, world)
+    procs.begin_worker(f"worker {rank}", rank, world, job.cfg.quiet)
     cfg = job.cfg
     if cfg.init_method is None:
         loopback_only()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import warnings
 import os
 import queue
 import sys
@@ -157,9 +158,12 @@ def _exit_with_launcher() -> None:
     threading.Thread(target=watch, name="distsgd-launcher-watch", daemon=True).start()
 
 
-def begin_worker(label: str, rank: int, world: int) -> None:
-    """A worker process's logging prefix and torchrun-style environment."""
-    logging.basicConfig(level=logging.WARNING, format=f"{label}: %(levelname)s: %(message)s")
+def begin_worker(label: str, rank: int, world: int, quiet: bool = False) -> None:
+    """A worker process's logging prefix and torchrun-style environment. ``quiet`` (--quiet): it
+    says nothing but errors, neither warnings logged nor Python's (torch's) warnings."""
+    logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING, format=f"{label}: %(levelname)s: %(message)s")
+    if quiet:
+        warnings.simplefilter("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
 
 

@@ -85,7 +85,7 @@ def _entry(rank: int, world: int, job: Job, algo_cls: Any, seat: ServerSeat, giv
            replacement: bool = False) -> None:
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
-    procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world)
+    procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world, job.cfg.quiet)
 
     def body() -> WorkerResult:
         if rank == 0:

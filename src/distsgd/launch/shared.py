@@ -67,7 +67,7 @@ def _entry(slot: int, world: int, job: Job, algo_cls: Any, seat: SharedSeat, go:
     """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
     this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
     q = procs.Outbox(out)
-    procs.begin_worker(f"worker {first_rank + slot}", slot, world)
+    procs.begin_worker(f"worker {first_rank + slot}", slot, world, job.cfg.quiet)
 
     def start_together() -> None:
         q.put(("ready", slot, None))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distsgd.config import eval_period
 from distsgd.metrics import TrainClock, lm_figures
 from distsgd.metrics import reached as target_reached
 from distsgd.models import logits_of
@@ -47,7 +48,7 @@ class Watcher:
     pushes): the one loop-side view of such a model, with the run's training clock.
 
     ``state()`` gives a consistent copy of the model now. Every ``eval_every`` samples (default:
-    each epoch) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
+    :func:`~distsgd.config.eval_period`) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
     evaluation takes no CPU from the workers; with ``stop_at_target`` the copy is evaluated at once,
     to know when to stop. ``pause_to_copy``: the trainers wait while the copy is taken (the server's
     lock), so the clock stops meanwhile. Each evaluation is emitted to ``sink`` as an ``eval`` event.
@@ -58,7 +59,7 @@ class Watcher:
         self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = job.cfg, job.model, job.data, per_epoch, sink
         self.loss_fn = loss_function(job.cfg.loss, job.loss, job.data.task)
         self.state, self.pause_to_copy = state, pause_to_copy
-        self.at = Every(self.cfg.eval_every or per_epoch)
+        self.at = Every(eval_period(self.cfg, per_epoch) or per_epoch)
         self.clock = TrainClock()
         self.earlier_s = 0.0  # training time before the checkpoint this run resumed from
         self.pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distsgd.checkpoint import Checkpointer, RngState, scatter
-from distsgd.config import threads_per_worker, value
+from distsgd.config import eval_period, threads_per_worker, value
 from distsgd.data.partition import mix_seed, epoch_indices, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
@@ -68,7 +68,7 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
         if stop:
             break
         w.end_epoch()
-        if ctx.cfg.eval_every is None and not w.out_of_samples():
+        if w.eval_every is None and not w.out_of_samples():
             stop = w.evaluate()
         if w.checkpoint_each_epoch:
             w.checkpoint()
@@ -129,7 +129,8 @@ class _Worker:
         self.total_epochs = cfg.epochs if cfg.max_samples is None else cfg.max_samples / self.global_per_epoch
         period = cfg.checkpoint_period
         self.checkpoint_each_epoch = period is not None and period.each_epoch
-        self.state = LoopState(cfg.eval_every, period.count if period is not None else None)
+        self.eval_every = eval_period(cfg, self.global_per_epoch)  # None: at each epoch's end
+        self.state = LoopState(self.eval_every, period.count if period is not None else None)
         self.checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
         saved = self.checkpointer.load()
         # a worker its launcher started again rejoins the running model (what it saved, if it did, is
