@@ -345,7 +345,8 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "dataset": dataset.name,
         "model": describe(spec) if not isinstance(spec, str) else spec,
         # what was trained (a run stopped by --max-samples or --stop-at-target trains part of its epochs)
-        "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4),
+        "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4)
+        if dataset.n_train else None,  # a user's loop: its epochs are its own
         "configured_epochs": cfg.epochs,
         "max_samples": cfg.max_samples,
         "batch_size": cfg.batch_size,

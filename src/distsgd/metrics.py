@@ -159,6 +159,10 @@ class TrainClock:
             self._paused_total += time.perf_counter() - self._paused_at
             self._paused_at = None
 
+    @property
+    def running(self) -> bool:
+        return self._paused_at is None
+
     def elapsed(self) -> float:
         if self._paused_at is None and self.sync is not None:
             self.sync()

@@ -22,6 +22,7 @@ acts only through the calls below, on parameters, gradients and buffers:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,17 +32,19 @@ import torch
 from torch import nn
 
 from distsgd.config import threads_per_worker, value
-from distsgd.data.partition import epoch_indices, mix_seed
+from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.train import device
-from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
+from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import eval_event
 from distsgd.train.optim import schedule_lr
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,25 +75,58 @@ class OwnData:
         return False
 
 
+class LoopState:
+    """A worker's counters: what a checkpoint keeps of the loop (distsgd's or yours)."""
+
+    def __init__(self, eval_every: int | None = None, checkpoint_every: int | None = None) -> None:
+        self.epoch = 0
+        self.start = 0  # where the next batch begins in this epoch's order
+        self.local = 0  # this worker's samples
+        self.steps = 0
+        self.seq = 0  # checkpoints written
+        self.train_wall_s = 0.0
+        self.evals: list[dict[str, Any]] = []
+        self.evals_at, self.checkpoints_at = Every(eval_every), Every(checkpoint_every)
+
+    _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in self._COUNTERS}, "evals_at": self.evals_at.state_dict(),
+                "checkpoints_at": self.checkpoints_at.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k in self._COUNTERS:
+            setattr(self, k, state[k])
+        self.evals_at.load_state_dict(state["evals_at"])
+        self.checkpoints_at.load_state_dict(state["checkpoints_at"])
+
+
 class Run:
-    """One worker's handle on the run: what ``main(run)`` is given (see the module's docstring)."""
+    """One worker's handle on the run: what ``main(run)`` is given (see the module's docstring).
+    distsgd's own loop (:mod:`distsgd.train.loop`) drives the same object, so each algorithm's
+    step, setup and ending are defined here once for both."""
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm") -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
         self.rank, self.world, self.device = ctx.rank, ctx.world, ctx.device
-        self.samples = 0  # this worker's samples, stepped on
-        self.steps = 0
+        self.state = LoopState()  # the counters (distsgd's loop gives its own, with its periods)
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._stepper: Any = None
         self._returned: nn.Module | None = None
-        self._evals: list[dict[str, Any]] = []
-        self._clock = TrainClock(sync=device.synchronizer(ctx.device))
+        self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
-        self._loss_sum, self._loss_n = 0.0, 0
+        self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
         self.scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         self.autocast = device.autocast(ctx.device, self.cfg.precision)
         self._warmup, self._clip = value(self.cfg, "lr_warmup_steps"), value(self.cfg, "clip_grad_norm")
+        n = getattr(ctx.dataset, "n_train", 0) or 0
+        self.per_epoch = shard_size(n, ctx.world, self.cfg.partition)  # this worker's samples an epoch (0: unknown)
+        self.global_per_epoch = self.per_epoch * ctx.world
+        cfg = self.cfg
+        self.total_epochs = cfg.epochs if cfg.max_samples is None or not self.global_per_epoch else \
+            cfg.max_samples / self.global_per_epoch
         torch.set_num_threads(threads_per_worker(self.cfg))
 
     # -- setting up ------------------------------------------------------------------------------
@@ -98,31 +134,62 @@ class Run:
               ) -> tuple[nn.Module, "Optimizer"]:
         """The model, joined to the algorithm, and its optimiser. ``optimizer``: a function
         ``optimizer(model) -> torch.optim.Optimizer``, or None for the run's settings (``--optimizer``,
-        ``--lr``, ...; DiLoCo's inner optimiser)."""
+        ``--lr``, ...; DiLoCo's inner optimiser; ``distsgd.spawn(optimizer=...)``)."""
         if self._model is not None:
             raise ConfigError("run.setup() was called twice: set up one model and one optimiser per run")
-        ctx, cfg = self._ctx, self.cfg
-        model = build_model(ctx.model_spec, (), 0, cfg.init, seed=cfg.seed).to(ctx.device)
-        model.train()
-        self._model = self._algo.setup(ctx, model, Start.FRESH)
-        if cfg.compile:
-            self._algo.unwrap(self._model).compile()
         if optimizer is not None and self._algo.topology.kind == "server":
-            raise ConfigError(f"under {cfg.algo} the parameter server steps, with its own optimiser: give "
+            raise ConfigError(f"under {self.cfg.algo} the parameter server steps, with its own optimiser: give "
                               f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup()")
-        if isinstance(optimizer, str) or optimizer is None:
-            if isinstance(optimizer, str):
-                self.cfg = cfg = cfg.replace(optimizer=optimizer)
-                self._algo.cfg = cfg
-            inner = self._algo.make_optimizer(ctx, self._model)
-        else:
-            ctx.job = ctx.job.replace(optimizer=optimizer)
-            inner = self._algo.make_optimizer(ctx, self._model)
-        self._optimizer = inner
+        if isinstance(optimizer, str):
+            self.cfg = self._algo.cfg = self.cfg.replace(optimizer=optimizer)
+        elif optimizer is not None:
+            self._ctx.job = self._ctx.job.replace(optimizer=optimizer)
+        model = self.build()
+        self.begin()
+        return model, Optimizer(self, self._optimizer)
+
+    def build(self, saved: dict[str, torch.Tensor] | None = None, start: Start = Start.FRESH) -> nn.Module:
+        """The model on this worker's device (the same weights in every replica: one seed; ``saved``:
+        a checkpoint's), the algorithm's setup, --compile, the optimiser and --precision's pieces."""
+        ctx, cfg, algo = self._ctx, self.cfg, self._algo
+        ds = ctx.dataset
+        model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed).to(ctx.device)
+        model.train()
+        if saved is not None:
+            model.load_state_dict(saved)
+        self._model = algo.setup(ctx, model, start)
+        if cfg.compile:
+            algo.unwrap(self._model).compile()  # in place: the module, its state and its wrappers stay
+        self._optimizer = algo.make_optimizer(ctx, self._model)
+        self._stepper = device.ScaledOptimizer(self._optimizer, self.scaler) if self.scaler else self._optimizer
         torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
-        self._algo.before_training(ctx)
-        self._clock.restart()
-        return self._model, Optimizer(self, inner)
+        return self._model
+
+    def begin(self, earlier_s: float = 0.0) -> None:
+        """Training starts: every worker together (the algorithm's barrier), the clock from here
+        (plus ``earlier_s`` of a resumed run)."""
+        self._algo.before_training(self._ctx)
+        self.clock.restart()
+        self.clock.add(earlier_s)
+
+    @property
+    def samples(self) -> int:
+        """This worker's samples so far (stepped on)."""
+        return self.state.local
+
+    @property
+    def steps(self) -> int:
+        return self.state.steps
+
+    @property
+    def model(self) -> nn.Module:
+        return self._need_setup("run.model")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self._need_setup("run.optimizer")
+        assert self._optimizer is not None
+        return self._optimizer
 
     # -- data ------------------------------------------------------------------------------------
     def loader(self, dataset: Any, batch_size: int | None = None, epoch: int = 0,
@@ -141,59 +208,69 @@ class Run:
         for batch in data:
             if self.should_stop():
                 return
-            self._batch_samples += _count(batch)
+            self.count(_count(batch))
             yield _to(batch, self.device)
+
+    def count(self, samples: int) -> None:
+        """Count ``samples`` for the next step (``run.loader`` does it for its batches; call it for
+        batches from a loader of your own)."""
+        self._batch_samples += samples
+
+    def global_samples(self) -> int:
+        """All workers' samples so far, as this worker knows them."""
+        return self._algo.global_samples(self._ctx, self.samples)
 
     def should_stop(self) -> bool:
         """True once the run must end: ``--max-samples`` reached (all workers'), or the algorithm
         says so (a Hogwild! stop, a parameter server gone)."""
         cfg = self.cfg
-        if cfg.max_samples is not None and self._algo.global_samples(self._ctx, self.samples) >= cfg.max_samples:
+        if cfg.max_samples is not None and self.global_samples() >= cfg.max_samples:
             return True
         return not self._algo.keep_going(self._ctx)
 
     # -- a step ----------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled under ``--precision fp16``."""
-        model = self._need_setup("run.backward()")
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        self._loss_sum += float(loss.detach())
+    def backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
+        """``(loss * weight).backward()``, scaled under ``--precision fp16``; ``loss`` (unweighted)
+        counts in the progress lines' mean loss."""
+        self._need_setup("run.backward()")
+        weighted = loss * weight if weight != 1.0 else loss
+        (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+        self._loss_sum += loss.detach().float()
         self._loss_n += 1
-        del model
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Around the backward passes of all but the last micro-batch of an accumulated step: the
         algorithm does not synchronise gradients there (DDP's no_sync)."""
         return self._algo.no_sync(self._ctx, self._need_setup("run.no_sync()"))
 
-    def _step(self, inner: torch.optim.Optimizer) -> None:
+    def step(self) -> None:
+        """The algorithm's whole step on the gradients accumulated since the last: the learning
+        rate's schedule and warm-up, the gradient sync, --precision's unscaling, clipping, the
+        update, the parameter sync; then the counters (the samples ``count``ed since the last)."""
         ctx, algo, cfg = self._ctx, self._algo, self.cfg
         model = self._need_setup("optimizer.step()")
         n = self._batch_samples
         if n == 0:
             raise ConfigError("optimizer.step() with no batch from run.loader() since the last step: take batches "
-                              "from run.loader() so that the run counts its samples")
+                              "from run.loader() (or run.count(len(batch))) so that the run counts its samples")
         if cfg.schedule != "constant" or self.steps < self._warmup:
-            per_epoch = max(1, self._per_epoch())
-            schedule_lr(inner, cfg, algo.global_samples(ctx, self.samples) / per_epoch,
-                        cfg.epochs if cfg.max_samples is None else cfg.max_samples / per_epoch, self.steps + 1)
+            # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
+            progress = self.global_samples() / self.global_per_epoch if self.global_per_epoch else 0.0
+            schedule_lr(self._optimizer, cfg, progress, self.total_epochs, self.steps + 1)
         step = Step(number=self.steps + 1, samples=self.samples + n)
         algo.after_backward(ctx, model, step)
-        if self.scaler is not None:
-            self.scaler.unscale_(inner)
-        if self._clip:
+        if self.scaler is not None:  # once the gradients are synchronised: every worker finds the same overflow
+            self.scaler.unscale_(self._optimizer)
+        if self._clip:  # the synchronised gradient (every replica clips alike), before the update
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
-        stepper = device.ScaledOptimizer(inner, self.scaler) if self.scaler is not None else inner
-        algo.apply_step(ctx, stepper, step)
-        self.samples += n
-        self.steps += 1
+        algo.apply_step(ctx, self._stepper, step)
+        self.state.local += n
+        self.state.start += n
+        self.state.steps += 1
         self._batch_samples = 0
         algo.after_step(ctx, model, step)
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
-
-    def _per_epoch(self) -> int:
-        return getattr(self._ctx.dataset, "n_train", 0) or 0
 
     # -- reporting -------------------------------------------------------------------------------
     def log(self, **figures: Any) -> None:
@@ -203,38 +280,49 @@ class Run:
         values = {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in figures.items()}
         if not self._ctx.reports and not self._ctx.evaluates:
             return
-        gs = self._algo.global_samples(self._ctx, self.samples)
+        gs = self.global_samples()
         if "test_accuracy" in values or "test_loss" in values:
-            self._clock.pause()
-            event = eval_event(self._ctx.dataset, gs, 0.0, self._clock.elapsed(), values.get("test_accuracy"),
-                               values.get("test_loss", math.nan))
-            event.update({k: v for k, v in values.items() if k not in event})
-            self._evals.append(event)
-            self._ctx.sink.emit(event)
-            self._clock.resume()
+            with self.paused():
+                event = eval_event(self._ctx.dataset, gs, self.epoch(), self.clock.elapsed(),
+                                   values.get("test_accuracy"), values.get("test_loss", math.nan))
+                event.update({k: v for k, v in values.items() if k not in event})
+                self.record(event)
         else:
             self._ctx.sink.emit({"event": "log", "samples": gs, "rank": self.rank,
-                                 "train_wall_s": self._clock.elapsed(), **values})
+                                 "train_wall_s": self.clock.elapsed(), **values})
+
+    def record(self, event: dict[str, Any]) -> None:
+        """An evaluation: kept for the summary and emitted."""
+        self.state.evals.append(event)
+        self._ctx.sink.emit(event)
+
+    def epoch(self) -> float:
+        return round(self.samples / self.per_epoch, 4) if self.per_epoch else 0.0
 
     def _progress(self) -> None:
-        elapsed = self._clock.elapsed()
-        gs = self._algo.global_samples(self._ctx, self.samples)
-        loss = self._loss_sum / self._loss_n if self._loss_n else math.nan
-        self._ctx.sink.emit({"event": "progress", "samples": gs, "epoch": 0.0, "rank": self.rank, "loss": loss,
-                             "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
+        elapsed = self.clock.elapsed()
+        gs = self.global_samples()
+        mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
+        if not math.isfinite(mean_loss):
+            log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
+        self._ctx.sink.emit({"event": "progress", "samples": gs, "epoch": self.epoch(), "rank": self.rank,
+                             "loss": mean_loss, "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
                              "train_wall_s": elapsed, "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
                              **self._algo.progress_figures(self._ctx)})
-        self._loss_sum, self._loss_n = 0.0, 0
+        self._loss_sum.zero_()
+        self._loss_n = 0
 
     # -- the model -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """The training clock stopped (your evaluation, your logging): not counted in samples/s."""
-        self._clock.pause()
+        was_running = self.clock.running
+        self.clock.pause()
         try:
             yield
         finally:
-            self._clock.resume()
+            if was_running:
+                self.clock.resume()
 
     def evaluation_model(self) -> nn.Module:
         """The model the algorithm would return now (the average, theta, the shared model, the
@@ -246,22 +334,28 @@ class Run:
 
     def final_model(self) -> nn.Module:
         """The model the algorithm returns, after its last synchronisation (every worker calls it,
-        once, after its last step). Return it from ``main``: it is what distsgd saves."""
+        once, after its last step). Return it from ``main``: it is what distsgd saves. The
+        training clock stops here; the algorithm's checks of that model run after it."""
         if self._returned is not None:
             return self._returned
         model = self._need_setup("run.final_model()")
         self._returned = self._algo.finish(self._ctx, model)
-        self._clock.pause()
-        self._train_wall_s = self._clock.elapsed()
+        self.clock.pause()
+        self._train_wall_s = self.clock.elapsed()
         self._algo.verify(self._ctx, self._returned)
         return self._returned
+
+    @property
+    def train_wall_s(self) -> float:
+        """Training time: up to the final model once it is made, else so far."""
+        return self._train_wall_s if self._train_wall_s is not None else self.clock.elapsed()
 
     def _need_setup(self, what: str) -> nn.Module:
         if self._model is None:
             raise ConfigError(f"{what} before run.setup(): call model, opt = run.setup(...) first")
         return self._model
 
-    def result(self, returned: Any) -> WorkerResult:
+    def result(self, returned: Any = None) -> WorkerResult:
         """What this worker tells the launcher once ``main`` returned ``returned``."""
         final = self.final_model()
         if returned is not None and returned is not final:
@@ -269,11 +363,11 @@ class Run:
             if returned is not unwrapped and returned is not self._model:
                 raise ConfigError("main(run) returned a model that is not run.final_model(): return "
                                   "run.final_model() (or nothing)")
-        gs = self._algo.global_samples(self._ctx, self.samples)
-        last = self._evals[-1] if self._evals else None
-        assert self._train_wall_s is not None
-        return WorkerResult(rank=self.rank, samples=self.samples, global_samples=gs, train_wall_s=self._train_wall_s,
-                            evals=self._evals, final_test_accuracy=last.get("test_accuracy") if last else None,
+        evals = self.state.evals
+        last = evals[-1] if evals else None
+        return WorkerResult(rank=self.rank, samples=self.samples, global_samples=self.global_samples(),
+                            train_wall_s=self.train_wall_s, evals=evals,
+                            final_test_accuracy=last.get("test_accuracy") if last else None,
                             final_test_loss=last.get("test_loss") if last else None,
                             model=final if self._ctx.evaluates else None, figures=self._algo.figures(),
                             where=device.describe(self._ctx.device, self.cfg.precision))
@@ -290,7 +384,7 @@ class Optimizer:
         if closure is not None:
             raise ConfigError("optimizer.step(closure) is not supported under distsgd: compute the loss, "
                               "run.backward(loss), then optimizer.step()")
-        self._run._step(self.optimizer)
+        self._run.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -336,4 +430,4 @@ def _to(batch: Any, where: torch.device) -> Any:
     return batch
 
 
-__all__ = ["Run", "Optimizer", "run_own_loop"]
+__all__ = ["Run", "Optimizer", "LoopState", "run_own_loop"]
