@@ -60,3 +60,26 @@ def test_plain_loop_example_under_torchrun(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
     assert res.stdout.count("test accuracy") == 1  # rank 0 reports
+
+
+def test_mnist_hogwild_example() -> None:
+    res = _run([sys.executable, str(EXAMPLES / "mnist_hogwild.py")], ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("Train Epoch") >= 4  # each process prints its own progress, as the original did
+    accuracy = float(re.search(r"hogwild: test accuracy ([0-9.]+)", res.stdout).group(1))
+    assert accuracy > 0.6, res.stdout  # 10 classes; about 0.74 with these settings
+
+
+def test_siamese_asgd_example() -> None:
+    res = _run([sys.executable, str(EXAMPLES / "siamese_asgd.py")], ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours, server = (float(a) for a in re.search(r"pair accuracy ([0-9.]+) .*?, ([0-9.]+) ", res.stdout).groups())
+    assert ours > 0.75 and server > 0.75, res.stdout  # half the pairs are "same": chance is 0.5
+
+
+def test_hf_diloco_example() -> None:
+    pytest.importorskip("transformers", reason="examples/hf_diloco.py needs transformers: pip install 'distsgd[hf]'")
+    res = _run([sys.executable, str(EXAMPLES / "hf_diloco.py")], ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    loss = float(re.search(r"diloco: test loss ([0-9.]+) nats", res.stdout).group(1))
+    assert loss < 2.9, res.stdout  # below a guess from the bytes' frequencies (about 2.9), far below ln 256
