@@ -88,6 +88,21 @@ def dict_loop(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+def evaluate_dict(model: nn.Module) -> dict:
+    """The user's evaluation, which distsgd runs on the model it returns and saves."""
+    data = _digits()
+    with torch.no_grad():
+        logits = model(data.x_test)["logits"]
+    return {"test_accuracy": (logits.argmax(1) == data.y_test).float().mean().item(),
+            "test_loss": F.cross_entropy(logits, data.y_test).item()}
+
+
+def evaluate_net(model: nn.Module) -> dict:
+    data = _digits()
+    with torch.no_grad():
+        return {"test_accuracy": (model(data.x_test).argmax(1) == data.y_test).float().mean().item()}
+
+
 SYNCHRONOUS = [("single", 1, {}), ("allreduce", 2, {}), ("ddp", 2, {}), ("local-sgd", 2, {"sync_every": "5"}),
                ("easgd", 2, {"tau": 4}), ("sync-ps", 2, {}), ("diloco", 2, {"sync_every": "6", "lr": 0.003}),
                ("streaming-diloco", 2, {"sync_every": "6", "lr": 0.003})]
@@ -114,9 +129,10 @@ DICT_CASES = {"allreduce": {}, "local-sgd": {"sync_every": "8"}, "diloco": {"syn
 def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
     out = tmp_path / "run"
     settings = {"lr": 0.05, **DICT_CASES[algo]}
-    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo.removesuffix("-async"), workers=2, epochs=3, batch_size=32, out=str(out),
-                      quiet=True, **settings)
+    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo.removesuffix("-async"), workers=2, epochs=3, batch_size=32,
+                      out=str(out), quiet=True, evaluate=evaluate_dict, **settings)
     assert r.summary["final_test_accuracy"] > 0.8, r.summary
+    assert r.summary["final_test_accuracy"] == evaluate_dict(r.model)["test_accuracy"]  # of the model returned
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file() and (out / "metrics.jsonl").is_file()
     saved = torch.load(out / "model.pt", weights_only=True)["state_dict"]
     for k, v in r.model.state_dict().items():
@@ -128,11 +144,19 @@ def test_asynchronous_algorithms_reach_distsgd_trains_band(algo: str) -> None:
     """Asynchronous workers interleave their updates as the scheduler runs them: not the same
     weights as distsgd train, but the same accuracy band on the same data and settings."""
     common = dict(algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05, quiet=True)
-    theirs = distsgd.spawn(tuple_loop, model=Net, **common).summary
+    theirs = distsgd.spawn(tuple_loop, model=Net, evaluate=evaluate_net, **common).summary
     ours = distsgd.train(model=Net, data=_digits(), **common).summary
     assert theirs["final_test_accuracy"] > 0.85 and ours["final_test_accuracy"] > 0.85
     assert abs(theirs["final_test_accuracy"] - ours["final_test_accuracy"]) < 0.06
     assert theirs["samples"] == pytest.approx(ours["samples"], rel=0.05)
+
+
+def test_a_workers_figure_is_not_the_final_one_where_its_model_is_not_returned() -> None:
+    """Under Hogwild! a worker's final model is the shared one while others may still train it:
+    what rank 0 logged is kept among the evaluations, not reported as the returned model's."""
+    s = distsgd.spawn(tuple_loop, model=Net, algo="hogwild", workers=2, epochs=1, batch_size=32, lr=0.05,
+                      quiet=True).summary
+    assert s["final_test_accuracy"] is None and s["evals"]
 
 
 def no_setup(run: distsgd.Run) -> None:

@@ -38,6 +38,7 @@ from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reach
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.train import device
 from distsgd.train.context import Job, WorkerResult
+from distsgd.train.evaluate import eval_event
 from distsgd.train.objective import loss_function
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
@@ -148,7 +149,7 @@ def default_out(algo: str, beside: Path | None = None) -> Path:
 
 
 def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingData | None = None,
-        progress: Any = None, code: dict[str, Any] | None = None) -> TrainResult:
+        progress: Any = None, code: dict[str, Any] | None = None, evaluate: Callable | None = None) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
     ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
     torchrun = under_torchrun()
@@ -186,6 +187,8 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
     sinks = [sink for sink in (writer, tb, progress) if sink is not None]
     try:
         results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
+        if job.main is not None:
+            _own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
         summary = build_summary(cfg, dataset, spec, results, started, started_at)
         if tb is not None:
             tb.write_summary(summary)
@@ -252,8 +255,8 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
 
 
 def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | None = None,
-           workers: int | None = None, *, optimizer: Callable | None = None, train_size: int | None = None,
-           **settings: Any) -> TrainResult:
+           workers: int | None = None, *, optimizer: Callable | None = None, evaluate: Callable | None = None,
+           train_size: int | None = None, **settings: Any) -> TrainResult:
     """Run ``main(run)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
     under torchrun, in this one); return the summary and the model ``main`` returned.
 
@@ -262,7 +265,11 @@ def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | No
     module level and the call made under ``if __name__ == "__main__":`` (workers import your
     script). ``optimizer``: a module-level ``optimizer(model) -> torch.optim.Optimizer`` for every
     worker (the one way to give the parameter server, which steps, your optimiser; elsewhere
-    ``run.setup(optimizer)`` may give it too). ``train_size``: your training set's length, if you want ``--schedule`` to know an
+    ``run.setup(optimizer)`` may give it too). ``evaluate``: ``evaluate(model) -> {"test_accuracy":
+    ..., "test_loss": ...}``, called here on the model the run returns and saves: the summary's
+    final figures (needed for them under Hogwild! and the parameter server, whose workers' models
+    are not the one returned). Arguments of your own reach ``main`` through
+    ``functools.partial(main, args=...)``. ``train_size``: your training set's length, if you want ``--schedule`` to know an
     epoch. ``settings``: any ``distsgd train`` setting (``epochs=``, ``lr=``, ``out=``,
     ``max_samples=``, the algorithm's options, ...). See :class:`distsgd.Run` for what ``main``
     may call, and the README's "Bring your own loop".
@@ -281,7 +288,31 @@ def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | No
         model = _CopyOf(model)
     cfg = cfg.replace(model=model if isinstance(model, str) else describe(model), dataset="own loop")
     data = OwnData(n_train=train_size or 0)
-    return run(cfg, model_spec=model, dataset=data, code={"main": main, "optimizer": optimizer})
+    return run(cfg, model_spec=model, dataset=data, code={"main": main, "optimizer": optimizer}, evaluate=evaluate)
+
+
+def _own_final_figures(job: Job, algo_cls: type, results: list[WorkerResult], sink: Any,
+                       evaluate: Callable | None) -> None:
+    """The final figures of a run whose loop is the user's: ``evaluate(model)`` of the model the
+    run returns, here, when given (an eval event at the run's end). Without it, what the user's
+    first worker logged last, where that was of the returned model (a process group's); under
+    Hogwild! and the parameter server a worker's model is not the one returned, so none."""
+    chief = results[0]
+    if evaluate is not None and chief.model is not None:
+        got = evaluate(chief.model)
+        if not isinstance(got, dict) or not {"test_accuracy", "test_loss"} & set(got):
+            raise ConfigError("evaluate(model) must return a dict with test_accuracy and/or test_loss, got "
+                              f"{type(got).__name__}")
+        values = {k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in got.items()}
+        per_epoch = samples_per_epoch(job.data.n_train, job.cfg.workers, job.cfg.partition) if job.data.n_train else 0
+        event = eval_event(job.data, chief.global_samples, round(chief.global_samples / per_epoch, 4) if per_epoch
+                           else 0.0, chief.train_wall_s, values.get("test_accuracy"), values.get("test_loss"))
+        event.update({k: v for k, v in values.items() if k not in event})
+        chief.evals.append(event)
+        sink.emit(event)
+        chief.final_test_accuracy, chief.final_test_loss = values.get("test_accuracy"), values.get("test_loss")
+    elif algo_cls.topology.kind in ("shared", "server"):
+        chief.final_test_accuracy = chief.final_test_loss = None
 
 
 def _check_own(job: Job, algo_cls: type) -> None:

@@ -221,9 +221,10 @@ class LineProgress:
         if kind == "eval":
             self._acc = event["test_accuracy"]
             acc = f"test_acc={event['test_accuracy']:.4f} " if event["test_accuracy"] is not None else ""
+            loss = f"test_loss={event['test_loss']:.4f}" if event.get("test_loss") is not None else ""
             ppl = f" ppl={event['test_perplexity']:.3f}" if "test_perplexity" in event else ""
             self._write(f"eval  samples={event['samples']} epoch={event['epoch']:.2f} "
-                        f"{acc}test_loss={event['test_loss']:.4f}{ppl} train_s={event['train_wall_s']:.1f}")
+                        f"{acc}{loss}{ppl} train_s={event['train_wall_s']:.1f}")
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
@@ -293,7 +294,7 @@ def reached(event: dict[str, Any], target_accuracy: float | None, target_loss: f
     """Whether an evaluation reached the target: the accuracy if one is set, else the loss."""
     if target_accuracy is not None:
         return event["test_accuracy"] is not None and event["test_accuracy"] >= target_accuracy
-    return target_loss is not None and event["test_loss"] <= target_loss
+    return target_loss is not None and event.get("test_loss") is not None and event["test_loss"] <= target_loss
 
 
 def first_reaching(evals: list[dict[str, Any]], target_accuracy: float | None,

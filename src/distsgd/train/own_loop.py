@@ -193,23 +193,19 @@ class Run:
 
     # -- data ------------------------------------------------------------------------------------
     def loader(self, dataset: Any, batch_size: int | None = None, epoch: int = 0,
-               collate_fn: Callable | None = None, num_workers: int = 0) -> Iterator[Any]:
+               collate_fn: Callable | None = None, num_workers: int = 0) -> "_Shard":
         """This worker's batches of ``dataset`` (map-style: ``len`` and ``dataset[i]``) in ``epoch``:
         the indices ``distsgd train`` gives this worker (``--partition``, ``--seed``), ``batch_size``
         (default ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...)
-        and moved to this worker's device. Ends early once the run must stop."""
+        and moved to this worker's device. Ends early once the run must stop. ``len()`` is its
+        number of batches."""
         self._need_setup("run.loader()")
         from torch.utils.data import DataLoader
 
         size = batch_size or self.cfg.batch_size
         order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)
         batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
-        data = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers)
-        for batch in data:
-            if self.should_stop():
-                return
-            self.count(_count(batch))
-            yield _to(batch, self.device)
+        return _Shard(self, DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers))
 
     def count(self, samples: int) -> None:
         """Count ``samples`` for the next step (``run.loader`` does it for its batches; call it for
@@ -284,7 +280,7 @@ class Run:
         if "test_accuracy" in values or "test_loss" in values:
             with self.paused():
                 event = eval_event(self._ctx.dataset, gs, self.epoch(), self.clock.elapsed(),
-                                   values.get("test_accuracy"), values.get("test_loss", math.nan))
+                                   values.get("test_accuracy"), values.get("test_loss"))
                 event.update({k: v for k, v in values.items() if k not in event})
                 self.record(event)
         else:
@@ -371,6 +367,24 @@ class Run:
                             final_test_loss=last.get("test_loss") if last else None,
                             model=final if self._ctx.evaluates else None, figures=self._algo.figures(),
                             where=device.describe(self._ctx.device, self.cfg.precision))
+
+
+class _Shard:
+    """A worker's batches of one epoch (``run.loader``): counted, on its device, stopped when due."""
+
+    def __init__(self, run: Run, data: Any) -> None:
+        self.run, self.data = run, data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[Any]:
+        run = self.run
+        for batch in self.data:
+            if run.should_stop():
+                return
+            run.count(_count(batch))
+            yield _to(batch, run.device)
 
 
 class Optimizer:
