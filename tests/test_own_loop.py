@@ -5,6 +5,9 @@ workers; dict batches and a loss of the model's own output; the mistakes a conve
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +160,47 @@ def test_a_workers_figure_is_not_the_final_one_where_its_model_is_not_returned()
     s = distsgd.spawn(tuple_loop, model=Net, algo="hogwild", workers=2, epochs=1, batch_size=32, lr=0.05,
                       quiet=True).summary
     assert s["final_test_accuracy"] is None and s["evals"]
+
+
+def checkpointed_loop(run: distsgd.Run) -> nn.Module:
+    """Checkpoints at each epoch's end with state of its own; worker 1 is killed after the epoch
+    named in DIE_AFTER (the first run only: a resumed run goes on)."""
+    data = _digits()
+    train_set = TensorDataset(data.x_train, data.y_train)
+    model, opt = run.setup()
+    first = run.resumed["next_epoch"] if run.resumed else 0
+    seen = run.resumed["seen"] if run.resumed else []
+    run.log(first_epoch=first)
+    for epoch in range(first, run.cfg.epochs):
+        for x, y in run.loader(train_set, epoch=epoch):
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+        seen.append(epoch)
+        run.checkpoint(next_epoch=epoch + 1, seen=seen)
+        if run.resumed is None and os.environ.get("DIE_AFTER") == str(epoch) and run.rank == 1:
+            os._exit(3)
+    if seen != list(range(run.cfg.epochs)):
+        raise RuntimeError(f"the loop's own state was not restored: {seen}")
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "diloco"])
+def test_a_killed_checkpointed_loop_resumes_with_its_own_state(tmp_path, monkeypatch, algo: str) -> None:
+    common = dict(algo=algo, workers=2, epochs=4, batch_size=32, lr=0.05 if algo != "diloco" else 0.003,
+                  quiet=True, **({"sync_every": "7"} if algo == "diloco" else {}))
+    whole = distsgd.spawn(checkpointed_loop, model=Net, out=str(tmp_path / "whole"), **common)
+    out = tmp_path / "killed"
+    monkeypatch.setenv("DIE_AFTER", "1")
+    with pytest.raises(distsgd.DistsgdError, match="worker 1"):
+        distsgd.spawn(checkpointed_loop, model=Net, out=str(out), **common)
+    monkeypatch.delenv("DIE_AFTER")
+    resumed = distsgd.spawn(checkpointed_loop, model=Net, out=str(out), resume=str(out), **common)
+    for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    assert resumed.summary["samples"] == whole.summary["samples"]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["first_epoch"] for e in logged if "first_epoch" in e][-1] == 2  # it went on after epoch 1
 
 
 def no_setup(run: distsgd.Run) -> None:

@@ -321,7 +321,7 @@ def _check_own(job: Job, algo_cls: type) -> None:
     cfg = job.cfg
     if algo_cls.topology.kind in ("shared", "server") and under_torchrun():
         raise ConfigError(f"{cfg.algo} runs your own loop on one machine only: start it without torchrun")
-    for name in ("stop_at_target", "checkpoint_every", "resume", "restart_workers"):
+    for name in ("stop_at_target", "checkpoint_every", "restart_workers"):
         if getattr(cfg, name, None):
             raise ConfigError(f"--{name.replace('_', '-')} does not work with your own loop yet (distsgd.spawn)")
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distsgd.checkpoint import Checkpointer, RngState, scatter
+from distsgd.checkpoint import Checkpointer, scatter
 from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import ConfigError
@@ -108,10 +108,7 @@ class _Worker:
         start = Start.REPLACEMENT if replacement or (cfg.resume and saved is None) else \
             Start.RESUMED if saved is not None else Start.FRESH
         self.model = run.build(saved["model"] if saved is not None else None, start)
-        self.pieces = {"model": algo.unwrap(self.model), "optimizer": run.optimizer, "algo": algo,
-                       "loop": self.state, "rng": RngState()}
-        if run.scaler is not None:
-            self.pieces["scaler"] = run.scaler
+        self.pieces = run.pieces()
         if saved is not None:
             scatter({k: v for k, v in self.pieces.items() if k != "model"}, saved)
         if start is Start.REPLACEMENT:  # carry on from the samples this rank had trained, in its own shard

@@ -16,7 +16,9 @@ acts only through the calls below, on parameters, gradients and buffers:
 - ``run.log(**figures)``: progress lines, metrics.jsonl, TensorBoard (from the reporting worker);
   ``test_accuracy=`` / ``test_loss=`` make an evaluation event;
 - ``run.evaluation_model()``: the model the algorithm would return now (every worker calls it:
-  it may communicate); ``run.final_model()``: the model it returns (the last synchronisation).
+  it may communicate); ``run.final_model()``: the model it returns (the last synchronisation);
+- ``run.checkpoint(**state)``: a checkpoint with the loop's own state; ``resume=`` restores it all
+  in ``run.setup()`` and hands ``state`` back as ``run.resumed``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from distsgd.checkpoint import Checkpointer, RngState, scatter
 from distsgd.config import threads_per_worker, value
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
@@ -110,6 +113,9 @@ class Run:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
         self.rank, self.world, self.device = ctx.rank, ctx.world, ctx.device
         self.state = LoopState()  # the counters (distsgd's loop gives its own, with its periods)
+        self._user = _UserState()  # a user's loop's own state, in its checkpoints
+        self.resumed: dict[str, Any] | None = None  # that state, in a run resumed from a checkpoint
+        self._checkpointer: Checkpointer | None = None
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -144,9 +150,51 @@ class Run:
             self.cfg = self._algo.cfg = self.cfg.replace(optimizer=optimizer)
         elif optimizer is not None:
             self._ctx.job = self._ctx.job.replace(optimizer=optimizer)
-        model = self.build()
-        self.begin()
+        ctx, cfg = self._ctx, self.cfg
+        self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
+        saved = self._checkpointer.load()
+        model = self.build(saved["model"] if saved is not None else None,
+                           Start.RESUMED if saved is not None else Start.FRESH)
+        if saved is not None:
+            scatter({k: v for k, v in self.pieces().items() if k != "model"}, saved)
+            self.resumed = self._user.value
+        self.begin(self.state.train_wall_s)
         return model, Optimizer(self, self._optimizer)
+
+    def pieces(self) -> dict[str, Any]:
+        """What a checkpoint holds of this worker: the model, the optimiser, the algorithm's state,
+        the counters, the random state, --precision's scaler and (a user's loop) its own state."""
+        pieces = {"model": self._algo.unwrap(self._need_setup("run.checkpoint()")), "optimizer": self._optimizer,
+                  "algo": self._algo, "loop": self.state, "rng": RngState()}
+        if self.scaler is not None:
+            pieces["scaler"] = self.scaler
+        if self._ctx.job.main is not None:
+            pieces["user"] = self._user
+        return pieces
+
+    def checkpoint(self, **state: Any) -> None:
+        """Save this worker's part of a checkpoint in ``out``, with ``state`` (your loop's own:
+        numbers, strings, tensors, lists and dicts of them: what loads with ``weights_only``),
+        and, once every worker has, commit it. Every worker calls it at the same point. A run
+        started with ``resume=out`` continues from the newest: ``run.setup()`` restores the
+        model, the optimiser, the algorithm and the counters, and ``run.resumed`` is ``state``."""
+        self._need_setup("run.checkpoint()")
+        cfg, st = self.cfg, self.state
+        if not cfg.out:
+            raise ConfigError("run.checkpoint() needs out= (the run directory it saves into)")
+        with self.paused():
+            st.seq += 1
+            st.train_wall_s = self.clock.elapsed()
+            self._user.value = state
+            self._checkpointer.save(st.seq, self.pieces())
+            where = {"samples": self.global_samples(), "epoch": st.epoch}
+            seq = st.seq
+
+            def commit() -> None:
+                self._checkpointer.commit(seq, {**where, "algo": cfg.algo})
+                self._ctx.sink.emit({"event": "checkpoint", "seq": seq, **where, "train_wall_s": st.train_wall_s})
+
+            self._algo.checkpoint_saved(self._ctx, seq, commit)
 
     def build(self, saved: dict[str, torch.Tensor] | None = None, start: Start = Start.FRESH) -> nn.Module:
         """The model on this worker's device (the same weights in every replica: one seed; ``saved``:
@@ -203,7 +251,10 @@ class Run:
         from torch.utils.data import DataLoader
 
         size = batch_size or self.cfg.batch_size
-        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)
+        st = self.state
+        if epoch != st.epoch:  # a new epoch (in a resumed run, the one it stopped in goes on where it was)
+            st.epoch, st.start = epoch, 0
+        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)[st.start:]
         batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
         return _Shard(self, DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers))
 
@@ -367,6 +418,19 @@ class Run:
                             final_test_loss=last.get("test_loss") if last else None,
                             model=final if self._ctx.evaluates else None, figures=self._algo.figures(),
                             where=device.describe(self._ctx.device, self.cfg.precision))
+
+
+class _UserState:
+    """A user's loop's own state in a checkpoint (``run.checkpoint(**state)``)."""
+
+    def __init__(self) -> None:
+        self.value: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
 
 
 class _Shard:
