@@ -4,7 +4,8 @@
 Update rule: every worker starts a round from the global parameters theta, takes H inner steps
 (``--sync-every H``, 500 by default as in the paper) on its own shard with the inner optimiser
 (``--inner-optimizer``, AdamW by default, at ``--lr`` and ``--weight-decay``: by default the paper's
-4e-4 and 0.1 for AdamW, not the generic 0.01 and 0; its state is kept from round to round),
+4e-4 and 0.1 for AdamW, not the generic 0.01 and 0, unless the model has its own (gpt: 1e-3, 0.1),
+which come first; its state is kept from round to round),
 reaching theta_r. Then the outer step, with one all-reduce:
 
     Delta  = (1/W) sum_r (theta - theta_r)          the averaged pseudo-gradient
@@ -17,11 +18,19 @@ one model's worth every H steps: with H = 500, 1/500 of what ``allreduce`` sends
 
 Buffers (BatchNorm statistics): floating-point buffers are averaged at each outer step, integer
 ones copied from rank 0, as in local-sgd. The model evaluated and returned is the global one,
-theta (with the buffers of the last outer step); the last, partial round ends with an outer step.
-An evaluation in the middle of a round measures what would be returned if the run ended there:
-theta after an outer step on the round so far, made on copies of theta, the outer momentum and
-the compressor's state (its bytes are ``eval_bytes_sent``), so the model that reaches a target is
-the model saved.
+theta (with the buffers of the last outer step).
+
+Only full rounds take an outer step (the paper's Algorithm 1; torchft's ``DiLoCo`` likewise).
+A round cut short, by the run's end or by an evaluation inside it, ends as ``--partial-round``
+says: ``average`` (the default) returns the workers' models averaged, theta - Delta, through the
+compressor, with no outer step and no momentum; ``step`` takes the outer step as on a full round
+(with momentum 0.9 it moves ~1.3x the partial pseudo-gradient even after one inner step);
+``theta`` returns the last full round's theta, dropping the round's steps. Measured on the same
+workers' models (benchmarks/partial_round.py; docs/BENCHMARKS.md, "DiLoCo's partial round"):
+``average`` was best or within noise in every case, ``step`` lost up to 0.06 nats on the GPT,
+``theta`` returned an untrained model for runs shorter than H. An evaluation inside a round makes
+that same ending on copies of theta, the outer momentum and the compressor's state (its bytes are
+``eval_bytes_sent``), so the model that reaches a target is the model saved.
 Checkpoints hold theta, the outer momentum and the inner optimiser's state: a resumed run ends
 with exactly the loss of an uninterrupted one.
 """

@@ -31,8 +31,9 @@ Buffers (BatchNorm statistics): averaged (floating-point) and copied from rank 0
 fragment 0's average lands, and kept with the global model, as in DiLoCo.
 
 What is returned: the global model, every fragment's theta. At the end the fragment in flight
-lands, then each fragment with inner steps since its last send takes a last outer step, one
-fragment at a time (the peak stays 1/P). An evaluation in the middle of training makes that same
+lands (its round was full), then each fragment with inner steps since its last send ends as
+``--partial-round`` says, one fragment at a time (the peak stays 1/P): by default the workers'
+values averaged, as DiLoCo's partial round (see diloco.py). An evaluation in the middle of training makes that same
 ending on copies, so what is measured is what would be returned. Checkpoints hold theta, the outer
 momenta and a fragment in flight (its average, waited for): a resumed run ends with exactly the
 loss of an uninterrupted one.
