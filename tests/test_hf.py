@@ -83,3 +83,28 @@ def test_without_the_datasets_package_one_clear_error(tmp_path: Path, monkeypatc
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now fails
     with pytest.raises(DataError, match=r"pip install 'distsgd\[hf\]'"):
         load_dataset(f"hf:{tmp_path}", context=16)
+
+
+def test_a_pair_of_datasets_is_the_train_and_test_splits(tokenised: object) -> None:
+    """``data=(train_ds, test_ds)``, two ``datasets.Dataset`` objects, as a user holding two splits
+    passes them (it stopped with "a Dataset item must be (input, target); item 0 is dict")."""
+    n = len(tokenised)
+    train_ds, test_ds = tokenised.select(range(n * 9 // 10)), tokenised.select(range(n * 9 // 10, n))
+    s = distsgd.train(model=tiny_gpt2, data=(train_ds, test_ds), context=32, batch_size=16, max_samples=256,
+                      optimizer="adamw", lr=0.003, quiet=True).summary
+    splits = distsgd.api._dataset_from(datasets.DatasetDict({"train": train_ds, "test": test_ds}), 32)
+    pair = distsgd.api._dataset_from((train_ds, test_ds), 32)
+    assert s["task"] == "lm" and s["samples"] >= 256
+    assert torch.equal(pair.x_test, splits.x_test) and torch.equal(pair.x_train, splits.x_train)
+
+
+def test_dict_items_are_refused_in_one_line_that_says_what_to_do() -> None:
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": torch.zeros(4, dtype=torch.long), "labels": torch.zeros(4, dtype=torch.long)}
+
+    with pytest.raises(distsgd.DataError, match=r"is a dict \(keys input_ids, labels\).*distsgd.spawn"):
+        distsgd.train(model="mlp", data=(Dicts(), Dicts()), quiet=True)

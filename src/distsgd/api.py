@@ -122,6 +122,8 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
         return data
     if text.is_hf_dataset(data):  # a Hugging Face datasets.Dataset (or DatasetDict) of token ids or text
         return from_hf(data, context)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(text.is_hf_dataset(d) for d in data):
+        return from_hf({"train": data[0], "test": data[1]}, context)  # (train, test) Datasets: its two splits
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
         return TorchData(data[0], data[1], name="dataset")
     if isinstance(data, dict):
