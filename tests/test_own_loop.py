@@ -218,7 +218,17 @@ def own_optimizer(run: distsgd.Run) -> None:
     run.setup(lambda m: torch.optim.Adam(m.parameters()))
 
 
+def own_torch_optimizer(run: distsgd.Run) -> None:
+    model, _ = run.setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in run.loader(TensorDataset(torch.zeros(8, 64), torch.zeros(8, dtype=torch.long))):
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+
+
 def test_mistakes_get_one_line() -> None:
+    with pytest.raises(distsgd.ConfigError, match="never stepped"):
+        distsgd.spawn(own_torch_optimizer, model=Net, quiet=True)
     with pytest.raises(distsgd.ConfigError, match=r"before run.setup\(\)"):
         distsgd.spawn(no_setup, model=Net, quiet=True)
     with pytest.raises(distsgd.ConfigError, match="no batch from run.loader"):

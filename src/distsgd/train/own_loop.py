@@ -386,6 +386,9 @@ class Run:
         if self._returned is not None:
             return self._returned
         model = self._need_setup("run.final_model()")
+        if self.steps == 0 and self._batch_samples > 0:
+            raise ConfigError("batches were taken but the optimiser run.setup() returned never stepped: call its "
+                              "step(), not another optimiser's (the algorithm acts in it)")
         self._returned = self._algo.finish(self._ctx, model)
         self.clock.pause()
         self._train_wall_s = self.clock.elapsed()
