@@ -27,7 +27,7 @@ compressor, with no outer step and no momentum; ``step`` takes the outer step as
 (with momentum 0.9 it moves ~1.3x the partial pseudo-gradient even after one inner step);
 ``theta`` returns the last full round's theta, dropping the round's steps. Measured on the same
 workers' models (benchmarks/partial_round.py; docs/BENCHMARKS.md, "DiLoCo's partial round"):
-``average`` was best or within noise in every case, ``step`` lost up to 0.06 nats on the GPT,
+``average`` was best or within the seeds' spread in every case, ``step`` lost up to 0.075 nats on the GPT,
 ``theta`` returned an untrained model for runs shorter than H. An evaluation inside a round makes
 that same ending on copies of theta, the outer momentum and the compressor's state (its bytes are
 ``eval_bytes_sent``), so the model that reaches a target is the model saved.
