@@ -116,6 +116,7 @@ class Run:
         self._user = _UserState()  # a user's loop's own state, in its checkpoints
         self.resumed: dict[str, Any] | None = None  # that state, in a run resumed from a checkpoint
         self._checkpointer: Checkpointer | None = None
+        self._skip = 0  # samples of the resumed epoch trained before its checkpoint
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -158,6 +159,7 @@ class Run:
         if saved is not None:
             scatter({k: v for k, v in self.pieces().items() if k != "model"}, saved)
             self.resumed = self._user.value
+            self._skip = self.state.start
         self.begin(self.state.train_wall_s)
         return model, Optimizer(self, self._optimizer)
 
@@ -246,15 +248,18 @@ class Run:
         the indices ``distsgd train`` gives this worker (``--partition``, ``--seed``), ``batch_size``
         (default ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...)
         and moved to this worker's device. Ends early once the run must stop. ``len()`` is its
-        number of batches."""
+        number of batches. It is for the training data (it counts the samples each step takes):
+        evaluate with a DataLoader of your own."""
         self._need_setup("run.loader()")
         from torch.utils.data import DataLoader
 
         size = batch_size or self.cfg.batch_size
         st = self.state
-        if epoch != st.epoch:  # a new epoch (in a resumed run, the one it stopped in goes on where it was)
+        skip = self._skip if epoch == st.epoch else 0  # a resumed run goes on inside the epoch it stopped in
+        self._skip = 0
+        if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
-        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)[st.start:]
+        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)[skip:]
         batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
         return _Shard(self, DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers))
 
