@@ -96,10 +96,12 @@ def main(run: distsgd.Run) -> nn.Module:
             run.backward(loss)
             opt.step()  # push the gradient, pull the server's new weights
             run.log(loss=loss)
-    final = run.final_model()  # every worker calls it once: here, this worker's copy of the server's
-    if run.rank == 0:
-        run.log(test_accuracy=pair_accuracy(final, test_pairs))
-    return final
+    return run.final_model()  # every worker calls it once: here, this worker's copy of the server's
+
+
+def evaluate(model: nn.Module) -> dict:
+    """Run by distsgd on the model the run returns and saves (the server's): the final figure."""
+    return {"test_accuracy": pair_accuracy(model, pair_datasets()[1])}
 
 
 if __name__ == "__main__":
@@ -109,7 +111,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result = distsgd.spawn(main, model=Siamese, algo=args.algo, workers=args.workers, optimizer=make_optimizer,
-                           epochs=2, train_size=TRAIN_PAIRS, out=args.out)
-    print(f"{args.algo}: pair accuracy {result.summary['final_test_accuracy']:.4f} (rank 0's copy), "
-          f"{pair_accuracy(result.model, pair_datasets()[1]):.4f} (the server's model), "
+                           evaluate=evaluate, epochs=2, train_size=TRAIN_PAIRS, out=args.out)
+    print(f"{args.algo}: pair accuracy {result.summary['final_test_accuracy']:.4f} (the server's model), "
           f"{result.summary['samples_per_s']:.0f} samples/s")

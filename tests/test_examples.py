@@ -73,8 +73,8 @@ def test_mnist_hogwild_example() -> None:
 def test_siamese_asgd_example() -> None:
     res = _run([sys.executable, str(EXAMPLES / "siamese_asgd.py")], ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
-    ours, server = (float(a) for a in re.search(r"pair accuracy ([0-9.]+) .*?, ([0-9.]+) ", res.stdout).groups())
-    assert ours > 0.75 and server > 0.75, res.stdout  # half the pairs are "same": chance is 0.5
+    server = float(re.search(r"pair accuracy ([0-9.]+) ", res.stdout).group(1))
+    assert server > 0.75, res.stdout  # half the pairs are "same": chance is 0.5
 
 
 def test_hf_diloco_example() -> None:

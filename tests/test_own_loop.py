@@ -114,7 +114,7 @@ SYNCHRONOUS = [("single", 1, {}), ("allreduce", 2, {}), ("ddp", 2, {}), ("local-
 @pytest.mark.parametrize("algo, workers, extra", SYNCHRONOUS, ids=[c[0] for c in SYNCHRONOUS])
 def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: int, extra: dict) -> None:
     common = dict(algo=algo, workers=workers, epochs=2, batch_size=32, quiet=True, **{"lr": 0.05, **extra})
-    theirs = distsgd.spawn(tuple_loop, model=Net, **common)
+    theirs = distsgd.spawn(tuple_loop, model=Net, evaluate=evaluate_net, **common)
     ours = distsgd.train(model=Net, data=_digits(), **common)
     for (name, a), b in zip(theirs.model.state_dict().items(), ours.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)

@@ -228,9 +228,10 @@ def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any
 
 
 HEADER = "# distsgd run configuration"  # the first line of every config.toml a run writes
-# What a run's config.toml leaves out: where the run went, whether it replaced one, what it resumed.
-# They belong to the command that made the run; a file that kept them re-ran into (or over) its own run.
-NOT_RECORDED = ("out", "overwrite", "resume")
+# What a run's config.toml leaves out: where the run went, whether it replaced one, what it resumed,
+# whether it printed. They belong to the command that made the run, not to the run: a file that kept
+# them re-ran into (or over) its own run, and a resumed run inherited a --quiet it was not given.
+NOT_RECORDED = ("out", "overwrite", "resume", "quiet")
 
 
 def is_run_config(path: str | Path) -> bool:
