@@ -251,7 +251,7 @@ class Run:
         number of batches. It is for the training data (it counts the samples each step takes):
         evaluate with a DataLoader of your own."""
         self._need_setup("run.loader()")
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, TensorDataset
 
         size = batch_size or self.cfg.batch_size
         st = self.state
@@ -260,6 +260,10 @@ class Run:
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
         order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)[skip:]
+        if isinstance(dataset, TensorDataset) and collate_fn is None and not num_workers:
+            # tensors in memory: index them a batch at a time, as distsgd's loop does (a DataLoader
+            # fetches and stacks sample by sample)
+            return _Shard(self, _TensorBatches(dataset.tensors, order, size))
         batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
         return _Shard(self, DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers))
 
@@ -439,6 +443,21 @@ class _UserState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value = state["value"]
+
+
+class _TensorBatches:
+    """A TensorDataset's batches of ``order``, ``size`` at a time, indexed as they are taken."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], order: torch.Tensor, size: int) -> None:
+        self.tensors, self.order, self.size = tensors, order, size
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // self.size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        for i in range(0, len(self.order), self.size):
+            idx = self.order[i:i + self.size]
+            yield tuple(t[idx] for t in self.tensors)
 
 
 class _Shard:
