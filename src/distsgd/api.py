@@ -328,17 +328,22 @@ def _check_own(job: Job, algo_cls: type) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} does not work with your own loop yet (distsgd.spawn)")
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if algo_cls.topology.kind != "one":
-        import pickle
+        _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
 
-        for what, obj in (("main", job.main), ("model", job.model), ("optimizer", job.optimizer)):
-            if obj is None or isinstance(obj, str):
-                continue
-            try:
-                pickle.dumps(obj)
-            except Exception as exc:
-                raise ConfigError(f"the {what} ({describe(obj)}) cannot be sent to worker processes "
-                                  f"({type(exc).__name__}): define it at module level, not inside a function "
-                                  f"or as a lambda") from None
+
+def _check_travels(pieces: Any) -> None:
+    """Each (what, obj) of the user's code can be sent to worker processes (pickled), or one line."""
+    import pickle
+
+    for what, obj in pieces:
+        if obj is None or isinstance(obj, str):
+            continue
+        try:
+            pickle.dumps(obj)
+        except Exception as exc:
+            raise ConfigError(f"the {what} ({describe(obj)}) cannot be sent to worker processes "
+                              f"({type(exc).__name__}): define it at module level, not inside a function "
+                              f"or as a lambda") from None
 
 
 def _check_job(job: Job, algo_cls: type) -> None:
@@ -349,19 +354,9 @@ def _check_job(job: Job, algo_cls: type) -> None:
     check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name, data.task)
     loss_function(cfg.loss, job.loss, data.task)
     if algo_cls.topology.kind != "one":
-        import pickle
-
         datasets = [type(data.train), type(data.test)] if isinstance(data, TorchData) else []
-        for what, obj in (("model", spec), ("loss", job.loss), ("optimizer", job.optimizer),
-                          ("param_groups", job.param_groups), *(("dataset", d) for d in datasets)):
-            if obj is None or isinstance(obj, str):
-                continue
-            try:
-                pickle.dumps(obj)
-            except Exception as exc:
-                raise ConfigError(f"the {what} ({describe(obj)}) cannot be sent to worker processes "
-                                  f"({type(exc).__name__}): define it at module level, not inside a function "
-                                  f"or as a lambda") from None
+        _check_travels((("model", spec), ("loss", job.loss), ("optimizer", job.optimizer),
+                        ("param_groups", job.param_groups), *(("dataset", d) for d in datasets)))
     if data.n_train < cfg.workers:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
 
