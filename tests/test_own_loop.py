@@ -235,7 +235,84 @@ def test_mistakes_get_one_line() -> None:
         distsgd.spawn(step_without_batches, model=Net, quiet=True)
     with pytest.raises(distsgd.DistsgdError, match="the parameter server steps"):  # said by a worker
         distsgd.spawn(own_optimizer, model=Net, algo="asgd", workers=2, quiet=True)
-    with pytest.raises(distsgd.ConfigError, match="does not work with your own loop yet"):
-        distsgd.spawn(tuple_loop, model=Net, stop_at_target=True, target_accuracy=0.5, quiet=True)
+    with pytest.raises(distsgd.ConfigError, match=r"call run.checkpoint\(\*\*state\)"):
+        distsgd.spawn(tuple_loop, model=Net, checkpoint_every="100", out="unused", quiet=True)
+    with pytest.raises(distsgd.ConfigError, match="but the parameter server's"):
+        distsgd.spawn(tuple_loop, model=Net, algo="asgd", workers=2, stop_at_target=True, target_accuracy=0.5,
+                      quiet=True)
     with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
         distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)
+
+
+def evaluating_loop(run: distsgd.Run) -> nn.Module:
+    """Evaluates every 10 steps, in every worker (``run.log`` decides, with ``--stop-at-target``)."""
+    data = _digits()
+    train_set = TensorDataset(data.x_train, data.y_train)
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for x, y in run.loader(train_set, epoch=epoch):
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            if run.steps % 10 == 0:
+                evaluated = run.evaluation_model()
+                with torch.no_grad():
+                    run.log(test_accuracy=(evaluated(data.x_test).argmax(1) == data.y_test).float().mean())
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["single", "allreduce", "local-sgd", "hogwild"])
+def test_stop_at_target_ends_a_user_loop_at_its_first_figure_past_the_target(algo: str) -> None:
+    workers = 1 if algo == "single" else 2
+    s = distsgd.spawn(evaluating_loop, model=Net, algo=algo, workers=workers, epochs=20, batch_size=32, lr=0.05,
+                      stop_at_target=True, target_accuracy=0.8, quiet=True, evaluate=evaluate_net).summary
+    logged = [e for e in s["evals"] if e.get("test_accuracy") is not None][:-1]  # the last: evaluate=
+    reached = [e for e in logged if e["test_accuracy"] >= 0.8]
+    assert reached and reached[0] is logged[-1], logged  # it stopped at the first figure past the target
+    full = 20 * 1437  # 20 epochs of the digits' 1,437 training samples
+    assert s["samples"] < full / 4, s["samples"]
+    if algo != "hogwild":  # the returned model is the one evaluated at the target
+        assert s["final_test_accuracy"] == pytest.approx(logged[-1]["test_accuracy"], abs=1e-6)
+
+
+def dying_loop(run: distsgd.Run) -> nn.Module:
+    """Worker 1's first process dies in its second epoch (a marker file says it has)."""
+    marker = os.environ["MARKER"]
+    data = _digits()
+    train_set = TensorDataset(data.x_train, data.y_train)
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for x, y in run.loader(train_set, epoch=epoch):
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            if run.rank == 1 and epoch == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(3)
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_a_replacement_worker_rejoins_a_user_loop(tmp_path, monkeypatch, algo: str) -> None:
+    """--restart-workers: the dead worker's replacement calls main(run) again, rejoins the running
+    model and goes on from the samples its rank had trained (its loader skips what was done)."""
+    monkeypatch.setenv("MARKER", str(tmp_path / "died"))
+    s = distsgd.spawn(dying_loop, model=Net, algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05,
+                      restart_workers=1, quiet=True, evaluate=evaluate_net).summary
+    assert (tmp_path / "died").exists()
+    assert len(s["restarts"]) == 1 and not s["failed_workers"], s
+    assert s["final_test_accuracy"] > 0.85
+    assert s["samples"] == pytest.approx(3 * 1437, rel=0.03)  # no epoch trained twice
+
+
+def test_a_group_restarts_a_user_loop_from_its_last_checkpoint(tmp_path, monkeypatch) -> None:
+    """A lockstep group that loses a worker starts again from the last checkpoint, with the loop's
+    own state: the same weights as a run that was never killed."""
+    common = dict(algo="allreduce", workers=2, epochs=3, batch_size=32, lr=0.05, quiet=True)
+    whole = distsgd.spawn(checkpointed_loop, model=Net, out=str(tmp_path / "whole"), **common)
+    monkeypatch.setenv("DIE_AFTER", "1")
+    restarted = distsgd.spawn(checkpointed_loop, model=Net, out=str(tmp_path / "restarted"), restart_workers=1,
+                              **common)
+    assert len(restarted.summary["restarts"]) == 1
+    for (name, a), b in zip(whole.model.state_dict().items(), restarted.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)

@@ -323,9 +323,12 @@ def _check_own(job: Job, algo_cls: type) -> None:
     cfg = job.cfg
     if algo_cls.topology.kind in ("shared", "server") and under_torchrun():
         raise ConfigError(f"{cfg.algo} runs your own loop on one machine only: start it without torchrun")
-    for name in ("stop_at_target", "checkpoint_every", "restart_workers"):
-        if getattr(cfg, name, None):
-            raise ConfigError(f"--{name.replace('_', '-')} does not work with your own loop yet (distsgd.spawn)")
+    if cfg.checkpoint_every:
+        raise ConfigError("checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
+                          "your loop can save (every worker at the same point)")
+    if cfg.stop_at_target and algo_cls.topology.kind == "server":
+        raise ConfigError(f"stop_at_target with your own loop works under every algorithm but the parameter "
+                          f"server's ({cfg.algo}) yet: stop your loop yourself when your figures reach it")
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if algo_cls.topology.kind != "one":
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))

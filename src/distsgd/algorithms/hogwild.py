@@ -217,6 +217,13 @@ class Hogwild(Algorithm):
             hold[1 + self.slot] = 0
         return not self.stop[0]
 
+    def agree(self, ctx: WorkerContext, flag: bool) -> bool:
+        """A worker that measured the shared model at the target stops every worker (a user's loop
+        evaluates in its workers; distsgd's evaluates in the launcher, which raises the flag)."""
+        if flag:
+            self.stop[0] = 1
+        return flag
+
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         if self.hold is not None:  # it takes no more steps: a hold need not wait for it
             self.hold[1 + self.slot] = 1

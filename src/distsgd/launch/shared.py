@@ -118,7 +118,7 @@ class Machine:
         self.handles = SharedSeat(states=self.states, counts=self.counts.share_memory_(),
                                   stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
                                   hold=torch.full((1 + cfg.workers,), -1, dtype=torch.int64).share_memory_()
-                                  if cfg.stop_at_target and link is None else None,
+                                  if cfg.stop_at_target and link is None and self.evaluates else None,
                                   lock=topology.lock(cfg, mpc), machines=machines, device=str(self.device),
                                   extras=topology.extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles) if link is not None else None

@@ -44,7 +44,7 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     takes the place of a worker that died (its launcher started it again). A run whose loop is the
     user's (``distsgd.spawn``) calls their ``main(run)`` instead."""
     if ctx.job.main is not None:
-        return run_own_loop(ctx, algo)
+        return run_own_loop(ctx, algo, replacement)
     w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
     w.run.begin(w.state.train_wall_s)
     stop = False

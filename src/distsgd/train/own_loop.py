@@ -38,6 +38,7 @@ from distsgd.config import threads_per_worker, value
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
+from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train import device
 from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
@@ -109,19 +110,23 @@ class Run:
     distsgd's own loop (:mod:`distsgd.train.loop`) drives the same object, so each algorithm's
     step, setup and ending are defined here once for both."""
 
-    def __init__(self, ctx: WorkerContext, algo: "Algorithm") -> None:
+    def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
+        self._replacement = replacement  # in place of a worker that died (--restart-workers)
         self.rank, self.world, self.device = ctx.rank, ctx.world, ctx.device
         self.state = LoopState()  # the counters (distsgd's loop gives its own, with its periods)
         self._user = _UserState()  # a user's loop's own state, in its checkpoints
         self.resumed: dict[str, Any] | None = None  # that state, in a run resumed from a checkpoint
         self._checkpointer: Checkpointer | None = None
         self._skip = 0  # samples of the resumed epoch trained before its checkpoint
+        self._first_epoch = 0  # epochs before this one were trained before a resume or a replacement
+        self._rejoined: int | None = None  # a replacement: the samples its rank had trained
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._stepper: Any = None
         self._returned: nn.Module | None = None
+        self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
@@ -154,12 +159,18 @@ class Run:
         ctx, cfg = self._ctx, self.cfg
         self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
         saved = self._checkpointer.load()
-        model = self.build(saved["model"] if saved is not None else None,
-                           Start.RESUMED if saved is not None else Start.FRESH)
+        # as in distsgd's loop: a replacement (or, resumed, a rank with no part in the checkpoint)
+        # rejoins the running model and goes on from the samples its rank had trained
+        start = Start.REPLACEMENT if self._replacement or (cfg.resume and saved is None) else \
+            Start.RESUMED if saved is not None else Start.FRESH
+        model = self.build(saved["model"] if saved is not None else None, start)
         if saved is not None:
             scatter({k: v for k, v in self.pieces().items() if k != "model"}, saved)
+        if start is Start.RESUMED:
             self.resumed = self._user.value
-            self._skip = self.state.start
+            self._skip, self._first_epoch = self.state.start, self.state.epoch
+        elif start is Start.REPLACEMENT:
+            self.state.local = self._rejoined = self._algo.starting_samples(ctx)
         self.begin(self.state.train_wall_s)
         return model, Optimizer(self, self._optimizer)
 
@@ -249,12 +260,20 @@ class Run:
         (default ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...)
         and moved to this worker's device. Ends early once the run must stop. ``len()`` is its
         number of batches. It is for the training data (it counts the samples each step takes):
-        evaluate with a DataLoader of your own."""
+        evaluate with a DataLoader of your own. In a resumed run (or a worker that replaced a dead
+        one) it goes on where the run was: an epoch trained before is empty, the one it stopped in
+        goes on from there."""
         self._need_setup("run.loader()")
         from torch.utils.data import DataLoader, TensorDataset
 
         size = batch_size or self.cfg.batch_size
         st = self.state
+        if self._rejoined is not None:  # a replacement: its rank's samples so far, in its own shard
+            per_epoch = shard_size(len(dataset), self.world, self.cfg.partition)
+            st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, 0)
+            self._skip, self._first_epoch, self._rejoined = st.start, st.epoch, None
+        if epoch < self._first_epoch:
+            return _Shard(self, [])
         skip = self._skip if epoch == st.epoch else 0  # a resumed run goes on inside the epoch it stopped in
         self._skip = 0
         if epoch != st.epoch:
@@ -277,10 +296,11 @@ class Run:
         return self._algo.global_samples(self._ctx, self.samples)
 
     def should_stop(self) -> bool:
-        """True once the run must end: ``--max-samples`` reached (all workers'), or the algorithm
-        says so (a Hogwild! stop, a parameter server gone)."""
+        """True once the run must end: ``--max-samples`` reached (all workers'), a figure given to
+        ``run.log`` reached ``--stop-at-target``'s target, or the algorithm says so (a Hogwild!
+        stop, a parameter server gone)."""
         cfg = self.cfg
-        if cfg.max_samples is not None and self.global_samples() >= cfg.max_samples:
+        if self._stopped or cfg.max_samples is not None and self.global_samples() >= cfg.max_samples:
             return True
         return not self._algo.keep_going(self._ctx)
 
@@ -332,20 +352,30 @@ class Run:
     def log(self, **figures: Any) -> None:
         """Report figures (numbers or 0-d tensors). ``test_accuracy`` and ``test_loss`` make an
         evaluation event (progress, metrics.jsonl, summary.json's evals and final figures);
-        anything else a ``log`` event. Only the reporting worker's are written."""
+        anything else a ``log`` event. Only the reporting worker's are written. With
+        ``--stop-at-target`` a test figure that reaches the target ends the run (``run.loader``
+        stops, ``run.should_stop()`` is True): in a process group every worker calls ``run.log``
+        with its test figures at the same point (as ``run.evaluation_model()``), the reporting
+        one's decide; under Hogwild! any worker's figure stops them all."""
         values = {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in figures.items()}
-        if not self._ctx.reports and not self._ctx.evaluates:
-            return
-        gs = self.global_samples()
+        ctx, cfg = self._ctx, self.cfg
+        writes = ctx.reports or ctx.evaluates
         if "test_accuracy" in values or "test_loss" in values:
+            reached = False
             with self.paused():
-                event = eval_event(self._ctx.dataset, gs, self.epoch(), self.clock.elapsed(),
-                                   values.get("test_accuracy"), values.get("test_loss"))
-                event.update({k: v for k, v in values.items() if k not in event})
-                self.record(event)
-        else:
-            self._ctx.sink.emit({"event": "log", "samples": gs, "rank": self.rank,
-                                 "train_wall_s": self.clock.elapsed(), **values})
+                if writes:
+                    event = eval_event(ctx.dataset, self.global_samples(), self.epoch(), self.clock.elapsed(),
+                                       values.get("test_accuracy"), values.get("test_loss"))
+                    event.update({k: v for k, v in values.items() if k not in event})
+                    self.record(event)
+                    reached = target_reached(event, cfg.target_accuracy, cfg.target_loss)
+                # every worker of a process group gets here (the reporting one decides); a Hogwild!
+                # worker that reached it stops the others
+                if cfg.stop_at_target and self._algo.agree(ctx, reached):
+                    self._stopped = True
+        elif writes:
+            ctx.sink.emit({"event": "log", "samples": self.global_samples(), "rank": self.rank,
+                           "train_wall_s": self.clock.elapsed(), **values})
 
     def record(self, event: dict[str, Any]) -> None:
         """An evaluation: kept for the summary and emitted."""
@@ -498,9 +528,10 @@ class Optimizer:
         return getattr(self.optimizer, name)
 
 
-def run_own_loop(ctx: WorkerContext, algo: "Algorithm") -> WorkerResult:
-    """Call the user's ``main(run)`` in this worker and return what it measured."""
-    run = Run(ctx, algo)
+def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
+    """Call the user's ``main(run)`` in this worker (``replacement``: in place of one that died)
+    and return what it measured."""
+    run = Run(ctx, algo, replacement)
     returned = ctx.job.main(run)  # type: ignore[misc]
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
