@@ -316,3 +316,68 @@ def test_a_group_restarts_a_user_loop_from_its_last_checkpoint(tmp_path, monkeyp
     assert len(restarted.summary["restarts"]) == 1
     for (name, a), b in zip(whole.model.state_dict().items(), restarted.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+TORCHRUN_SCRIPT = '''
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+import distsgd
+from distsgd.data import load_dataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def evaluate(model):
+    d = load_dataset("digits")
+    with torch.no_grad():
+        return {"test_accuracy": (model(d.x_test).argmax(1) == d.y_test).float().mean().item()}
+
+
+def main(run):
+    d = load_dataset("digits")
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for x, y in run.loader(TensorDataset(d.x_train, d.y_train), epoch=epoch):
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+    return run.final_model()
+
+
+if __name__ == "__main__":
+    r = distsgd.spawn(main, model=Net, algo=sys.argv[1], epochs=3, lr=0.05, batch_size=32, evaluate=evaluate,
+                      out=sys.argv[2], quiet=True)
+    if r.model is not None:
+        print("accuracy", r.summary["final_test_accuracy"])
+'''
+
+
+@pytest.mark.parametrize("algo, procs", [("asgd", 3), ("hogwild++", 2)])
+def test_the_server_and_hogwild_plus_plus_run_a_user_loop_under_torchrun(tmp_path, algo: str, procs: int) -> None:
+    """The same script under torchrun: rank 0 serves (asgd), or each process is a Hogwild! cluster
+    of a ring (hogwild++); rank 0 writes the run and has its figures."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "loop.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p)}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(procs), str(script), algo, str(out)], capture_output=True, text=True, env=env,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("accuracy") == 1, res.stdout  # rank 0 alone has the run's result
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_test_accuracy"] > 0.85 and summary["algo"] == algo
+    assert summary["samples"] == pytest.approx(3 * 1437, rel=0.02)

@@ -48,10 +48,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What a run returns: ``summary`` (the summary.json dict), the trained ``model``, ``out``."""
+    """What a run returns: ``summary`` (the summary.json dict), the trained ``model``, ``out``.
+    Under torchrun the run's model is rank 0's; the other ranks get None."""
 
     summary: dict[str, Any]
-    model: nn.Module
+    model: nn.Module | None
     out: Path | None = None
 
     def __iter__(self) -> Iterator[Any]:  # summary, model = distsgd.train(...)
@@ -189,7 +190,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
     sinks = [sink for sink in (writer, tb, progress) if sink is not None]
     try:
         results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
-        if job.main is not None:
+        if job.main is not None and chief:
             _own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
         summary = build_summary(cfg, dataset, spec, results, started, started_at)
         if tb is not None:
@@ -205,7 +206,7 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
             atomic_write_json(summary, out / "summary.json")
         except OSError as exc:
             raise OutputError.of(exc) from None
-    return TrainResult(summary, results[0].model, out)
+    return TrainResult(summary, results[0].model if chief else None, out)  # under torchrun: rank 0's
 
 
 def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, Any] | None) -> list[str]:
@@ -321,8 +322,6 @@ def _check_own(job: Job, algo_cls: type) -> None:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
     and code that can travel to worker processes."""
     cfg = job.cfg
-    if algo_cls.topology.kind in ("shared", "server") and under_torchrun():
-        raise ConfigError(f"{cfg.algo} runs your own loop on one machine only: start it without torchrun")
     if cfg.checkpoint_every:
         raise ConfigError("checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
                           "your loop can save (every worker at the same point)")
