@@ -18,6 +18,10 @@ first 20 steps), threads = the cores this process may use.
 - ``distsgd``: ``distsgd.train(model="gpt", max_samples=N, quiet=True)``; its figure is
   ``tokens_per_s`` from the summary: the training clock, which excludes start-up and the
   evaluations it runs on its own schedule (5 in a run this short, each over the whole test set).
+- ``spawn`` (``--spawn``): the bare loop written as a user's loop on distsgd (``distsgd.spawn``,
+  ``algo="single"``, ``run.loader`` / ``run.backward`` / the optimiser ``run.setup`` returns) with
+  gpt's settings given to ``spawn`` (the model is the user's factory, so no model defaults apply)
+  and no evaluation; its figure is the summary's samples/s x 128 (the training clock).
 - ``distsgd-noeval`` (``--no-eval``): the same with ``eval_every`` beyond the run, so its only
   evaluation is the final one, after the clock stops: whether the evaluations, though off the
   clock, slow the steps after them (memory, caches).
@@ -52,6 +56,7 @@ from typing import Any
 
 KINDS = ("bare", "distsgd")
 NO_EVAL = "distsgd-noeval"  # --no-eval: distsgd with no evaluation during training (only the final one)
+SPAWN = "spawn"  # --spawn: the bare loop as a user's loop on distsgd (distsgd.spawn, algo single)
 CONTEXT = 128
 BATCH = 64
 
@@ -136,8 +141,47 @@ def _threads(threads: int | None) -> dict[str, Any]:
     return {"threads_per_worker": threads} if threads else {}
 
 
+def gpt() -> Any:
+    """The user's model factory for ``spawn``: the built-in GPT for python-stdlib, seed 0."""
+    from distsgd.data import load_dataset
+    from distsgd.models import build_model
+
+    ds = load_dataset("python-stdlib", None, context=CONTEXT)
+    return build_model("gpt", ds.input_shape, ds.num_classes, "default", seed=0)
+
+
+def user_loop(run: Any) -> Any:
+    """The bare loop as a user converts it: epochs until the run says stop (--max-samples)."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from distsgd.data import load_dataset
+
+    ds = load_dataset("python-stdlib", None, context=CONTEXT)
+    data = TensorDataset(ds.x_train, ds.y_train)
+    model, opt = run.setup()
+    epoch = 0
+    while not run.should_stop():
+        for x, y in run.loader(data, batch_size=BATCH, epoch=epoch):
+            opt.zero_grad(set_to_none=True)
+            logits = model(x)
+            run.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+            opt.step()
+        epoch += 1
+    return run.final_model()
+
+
 def one(kind: str, samples: int, threads: int | None = None) -> dict[str, Any]:
     """One run in this process: samples/s and tokens/s of its training steps."""
+    if kind == SPAWN:
+        import distsgd
+        from distsgd.models import RECOMMENDED
+
+        settings = {k: v for k, v in RECOMMENDED["gpt"].items() if k != "dataset"}
+        s = distsgd.spawn(user_loop, model=gpt, algo="single", max_samples=samples, quiet=True,
+                          **_threads(threads), **settings).summary
+        return {"samples": s["samples"], "train_wall_s": s["train_wall_s"], "samples_per_s": s["samples_per_s"],
+                "tokens_per_s": s["samples_per_s"] * CONTEXT, "threads_per_worker": s.get("threads_per_worker")}
     if kind == "bare":
         done, elapsed, loss = Bare(threads).train(samples)
         return {"samples": done, "train_wall_s": elapsed, "samples_per_s": done / elapsed,
@@ -314,7 +358,7 @@ def machine() -> str:
 
 
 def render(facts: str, pairs: list[dict[str, Any]]) -> str:
-    kinds = [k for k in (*KINDS, NO_EVAL) if k in pairs[0]]
+    kinds = [k for k in (*KINDS, NO_EVAL, SPAWN) if k in pairs[0]]
     others = kinds[1:]
     med = {k: statistics.median(p[k]["tokens_per_s"] for p in pairs) for k in kinds}
     lines = [facts, "", "| pair | order | " + " | ".join(f"{k}: tokens/s" for k in kinds) + " | "
@@ -345,7 +389,11 @@ def cli() -> None:
                         "default every core, distsgd's default")
     parser.add_argument("--no-eval", action="store_true", help=f"also run distsgd with no evaluation during "
                         f"training ({NO_EVAL}; --eval-every beyond the run): what its evaluations cost the steps")
-    parser.add_argument("--one", choices=(*KINDS, NO_EVAL), help=argparse.SUPPRESS)  # a single run, in its own process
+    parser.add_argument("--spawn", action="store_true", help=f"also run the bare loop as a user's loop on "
+                        f"distsgd ({SPAWN}: distsgd.spawn, algo single)")
+    parser.add_argument("--only", nargs="+", choices=(*KINDS, NO_EVAL, SPAWN), help="run these kinds only "
+                        "(bare is always run: the ratios are to it)")
+    parser.add_argument("--one", choices=(*KINDS, NO_EVAL, SPAWN), help=argparse.SUPPRESS)  # a single run, in its own process
     args = parser.parse_args()
     if args.max_samples is None:
         args.max_samples = 1000 if args.profile else 6000
@@ -355,7 +403,9 @@ def cli() -> None:
     if args.profile:
         profile(args.profile, args.max_samples, args.profiler, args.top, args.threads)
         return
-    kinds = (*KINDS, NO_EVAL) if args.no_eval else KINDS
+    kinds = (*KINDS, *((NO_EVAL,) if args.no_eval else ()), *((SPAWN,) if args.spawn else ()))
+    if args.only:
+        kinds = tuple(k for k in (*KINDS, NO_EVAL, SPAWN) if k == "bare" or k in args.only)
     pairs = []
     for r in range(args.repeats):
         order = kinds if r % 2 == 0 else kinds[::-1]
@@ -367,7 +417,7 @@ def cli() -> None:
     threads = args.threads or _cores()
     facts = (f"{machine()}; gpt (every default) on python-stdlib, {args.max_samples} samples of {CONTEXT} tokens a "
              f"run, batch {BATCH}, one worker of {threads} thread{'s' if threads != 1 else ''}; {args.repeats} "
-             f"alternating {'triples' if args.no_eval else 'pairs'}, each run a fresh process; tokens/s of the "
+             f"alternating {'pairs' if len(kinds) == 2 else 'groups of ' + str(len(kinds))}, each run a fresh process; tokens/s of the "
              f"training steps (distsgd: its training clock)")
     table = render(facts, pairs)
     print(table)
