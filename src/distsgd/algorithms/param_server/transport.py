@@ -246,6 +246,7 @@ class Frame:
 SECRET_BYTES = 32  # the run's secret, which a HELLO carries after its header
 HELLO_DEADLINE_S = 10.0  # a connection says HELLO, with the secret, within this or is dropped
 REFUSALS_SHOWN = 3  # refused connections warned of one by one; the rest are counted (a flood is not a log)
+ACCEPT_WARNING_EVERY_S = 10.0  # the acceptor's errors (too many files, no thread to spare): warned of at most so often
 
 
 def hello_message(rank: int, secret: bytes, rejoining: bool = False) -> bytes:
@@ -270,8 +271,10 @@ class Service:
     cannot keep a real worker (which says HELLO as soon as it connects) out for long. Then every
     request is checked: a known op, sample counts that only grow, by at most
     what the worker can have trained since its last message, a version the server has made, and
-    (in the core) finite gradients; a frame must arrive within ``--timeout``; an ``accept()`` error
-    (too many open files) is logged and the server keeps listening."""
+    (in the core) finite gradients; a frame must arrive within ``--timeout``. An ``accept()`` error
+    (too many open files), or a connection's thread that cannot start (the process's thread limit:
+    that connection is closed and counted refused), is logged at most every
+    :data:`ACCEPT_WARNING_EVERY_S` and the server keeps listening."""
 
     def __init__(self, server: Any, role: Any, layout: Layout, address: str, silence_s: float | None = None,
                  secret: bytes = b"", max_pending: int | None = None) -> None:
@@ -288,6 +291,7 @@ class Service:
         self.pending: list[Channel] = []  # connected, HELLO not yet said (oldest first)
         self.open = 0
         self.refused = 0  # connections refused or dropped before they said who they were
+        self.troubles, self.warn_at = 0, 0.0  # the acceptor's errors not yet warned of, and when it may warn next
         self.closing = False
         self.acceptor = threading.Thread(target=self._accept, name="distsgd-ps-accept", daemon=True)
 
@@ -315,8 +319,7 @@ class Service:
             except OSError as exc:
                 if self.closing:
                     return
-                log.warning("the parameter server could not accept a connection (%s); it keeps listening", exc)
-                time.sleep(0.1)
+                self._trouble("could not accept a connection", exc)
                 continue
             try:
                 channel = Channel(sock, self.silence_s)
@@ -331,9 +334,27 @@ class Service:
             if evicted is not None:
                 evicted.evicted = True
                 evicted.close()  # its thread finds it closed, and counts it refused
-            thread = threading.Thread(target=self._serve, args=(channel,), daemon=True)
+            thread = threading.Thread(target=self._serve, args=(channel,), name="distsgd-ps-connection", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # the process's thread limit: drop this one, and keep serving the others
+                self._forget(channel)
+                with self.membership:
+                    self.refused += 1
+                self._trouble("could not start a thread for a connection, and closed it", exc)
+                continue
             self.threads = [t for t in self.threads if t.is_alive()] + [thread]
-            thread.start()
+
+    def _trouble(self, what: str, exc: Exception) -> None:
+        """Warn that the acceptor ``what`` (at most every :data:`ACCEPT_WARNING_EVERY_S`, with a count
+        of the times not shown: a flood is not a log), then pause: the cause is not gone at once."""
+        self.troubles += 1
+        now = time.monotonic()
+        if now >= self.warn_at:
+            more = f"; {self.troubles - 1} more since the last warning" if self.troubles > 1 else ""
+            log.warning("the parameter server %s (%s)%s; it keeps listening", what, exc, more)
+            self.troubles, self.warn_at = 0, now + ACCEPT_WARNING_EVERY_S
+        time.sleep(0.1)
 
     def _handshake(self, channel: Channel) -> int:
         """The rank of a connection that said a valid HELLO with the run's secret, in time."""
@@ -387,12 +408,15 @@ class Service:
                                 why, "; further refusals are only counted (refused_connections in the summary)"
                                 if n == REFUSALS_SHOWN else "")
         finally:
-            channel.close()
-            with self.membership:
-                self.open -= 1
-                if channel in self.pending:
-                    self.pending.remove(channel)
-                self.channels = [c for c in self.channels if not c.closed]
+            self._forget(channel)
+
+    def _forget(self, channel: Channel) -> None:
+        channel.close()
+        with self.membership:
+            self.open -= 1
+            if channel in self.pending:
+                self.pending.remove(channel)
+            self.channels = [c for c in self.channels if not c.closed]
 
 
 class _Connection:

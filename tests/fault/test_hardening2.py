@@ -1,0 +1,244 @@
+"""Hardening II (issue 38), the parameter server's side: every wait on either end of its socket
+has a deadline or a liveness check, and a run whose workers finished is never lost.
+
+Each test failed on main 43f33af (before this work); the docstrings say how. Forged frames carry
+the run's secret, as a test harness that built the server knows it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsgd.algorithms.param_server import ParameterServer, transport
+from distsgd.config import RunConfig
+
+pytest.importorskip("sklearn")
+
+SECRET = bytes(range(32))
+SMALL = ["--dataset", "digits", "--batch-size", "16", "--lr", "0.05"]
+
+
+def _core(algo: str, workers: int = 2) -> ParameterServer:
+    from distsgd.algorithms import registry
+
+    torch.manual_seed(0)
+    cfg = RunConfig(lr=0.1, batch_size=8)
+    algo_cls = registry.get(algo)
+    rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping({}))
+    return ParameterServer(cfg, torch.nn.Linear(3, 2), workers, rule, samples_per_epoch=1000)
+
+
+class _Role:
+    """What the transport tells the role, recorded."""
+
+    def __init__(self) -> None:
+        self.said: list[tuple] = []
+
+    def worker_hello(self, rank: int, rejoining: bool) -> None:
+        self.said.append(("hello", rank))
+
+    def worker_done(self, rank: int, samples: int) -> None:
+        self.said.append(("done", rank))
+
+    def leave(self, rank: int) -> None:
+        self.said.append(("gone", rank))
+
+    def commit_after(self, taken: None) -> None:
+        pass
+
+
+def _serve(ps: ParameterServer, role=None, silence_s: float | None = 5.0) -> transport.Service:
+    service = transport.Service(ps, role or _Role(), transport.Layout.of(ps.model), "127.0.0.1:0",
+                                silence_s=silence_s, secret=SECRET)
+    service.start()
+    return service
+
+
+def _client(ps: ParameterServer, service: transport.Service, rank: int, timeout_s: float = 5.0,
+            rejoining: bool = False) -> transport.Client:
+    weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
+    return transport.Client(rank, weights, transport.Layout.of(ps.model), service.address, timeout_s=timeout_s,
+                            rejoining=rejoining, secret=SECRET)
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.settimeout(10)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """True if the server closed the connection without a word (an answer would be bytes)."""
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(predicate, seconds: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert proc is None or proc.poll() is None, proc.communicate()[1][-3000:] if proc else ""
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _progress(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and '"progress"' in metrics.read_text()
+
+
+# --- 1. A thread that cannot start ------------------------------------------------------------
+
+def _no_threads_for_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Thread.start`` fails, as at a cgroup's pids.max, for the server's per-connection threads."""
+    start = threading.Thread.start
+
+    def failing(self: threading.Thread) -> None:
+        if getattr(getattr(self, "_target", None), "__name__", "") == "_serve":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing)
+
+
+def test_a_connection_whose_thread_cannot_start_is_closed_and_the_server_goes_on(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On 43f33af the first failure ended the acceptor thread (the flood's connections then waited
+    unanswered, and so would a replacement worker), and ``close()`` raised joining the thread that
+    never started: the server process failed with the run's result."""
+    ps = _core("asgd")
+    service = _serve(ps)
+    try:
+        first = _client(ps, service, 1)
+        _no_threads_for_connections(monkeypatch)
+        flood = [_connect(service.address) for _ in range(10)]
+        assert all(_closed_by_server(s) for s in flood)
+        monkeypatch.undo()
+        late = _client(ps, service, 2)  # a worker joining later (a replacement) still gets in
+        assert late.pull() == first.pull() == ps.version
+        assert service.acceptor.is_alive() and service.refused == 10
+        first.done(0)
+        late.done(0)
+        for s in flood:
+            s.close()
+    finally:
+        service.close()  # does not raise
+    warned = [r for r in caplog.records if "could not start a thread" in r.getMessage()]
+    assert len(warned) == 1  # ten failures in a second: one line
+
+
+NO_THREADS_MODEL = '''
+import os, threading
+import torch.nn as nn
+
+_start = threading.Thread.start
+
+def start(self):  # the server's per-connection threads cannot start once the flag file exists
+    if getattr(getattr(self, "_target", None), "__name__", "") == "_serve" and os.path.exists(os.environ["NO_THREADS"]):
+        raise RuntimeError("can't start new thread")
+    return _start(self)
+
+threading.Thread.start = start
+
+class Net(nn.Module):
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path) -> None:
+    """An asgd run whose server can start no more threads (injected through the model file, which
+    every process imports) meets a flood of 20 connections. On 43f33af: exit 2, `the parameter
+    server failed: RuntimeError: cannot join thread before it is started`, no model.pt, no
+    summary.json, though both workers had trained every sample."""
+    model, flag, out, port = tmp_path / "nothreads.py", tmp_path / "no-threads", tmp_path / "run", _free_port()
+    model.write_text(NO_THREADS_MODEL)
+    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2", *SMALL, "--model",
+           f"{model}:Net", "--epochs", "30", "--log-every", "20", "--init-method", f"tcp://127.0.0.1:{port}",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NO_THREADS": str(flag)})
+    held: list[socket.socket] = []
+    try:
+        _wait_for(lambda: _progress(out), 120, proc)
+        flag.touch()
+        for _ in range(20):
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                break
+        _, err = proc.communicate(timeout=300)
+    finally:
+        for s in held:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert (out / "model.pt").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed_workers"] == [] and summary["samples_per_worker"] == [30 * 718, 30 * 718]
+    assert summary["refused_connections"] >= 1
+    assert err.count("could not start a thread") == 1, err[-3000:]  # one warning, not one per connection
+
+
+# --- 9 (the server's part). The acceptor's errors are rate-limited ---------------------------------
+
+class _FlakyListener:
+    """A listening socket whose next ``failures`` accept() calls fail with EMFILE."""
+
+    def __init__(self, sock: socket.socket, failures: int) -> None:
+        self.sock, self.failures = sock, failures
+
+    def accept(self):
+        import errno
+
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.sock.accept()
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_accept_errors_are_one_warning_then_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    """On 43f33af every failed accept() was a warning: 10 lines a second for as long as it lasted."""
+    ps = _core("asgd")
+    service = transport.Service(ps, _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", secret=SECRET)
+    service.listener = _FlakyListener(service.listener, failures=20)
+    service.start()
+    try:
+        client = _client(ps, service, 1)  # served once the errors stop
+        assert client.pull() == 0
+        client.done(0)
+    finally:
+        service.close()
+    said = [r.getMessage() for r in caplog.records if "could not accept" in r.getMessage()]
+    assert len(said) == 1 and "Too many open files" in said[0], said
+    service.warn_at = 0.0  # as if the quiet interval had passed: the next warning counts the ones not shown
+    service._trouble("could not accept a connection", OSError("Too many open files"))
+    assert "19 more since the last warning" in caplog.records[-1].getMessage()
