@@ -242,3 +242,48 @@ def test_accept_errors_are_one_warning_then_a_count(caplog: pytest.LogCaptureFix
     service.warn_at = 0.0  # as if the quiet interval had passed: the next warning counts the ones not shown
     service._trouble("could not accept a connection", OSError("Too many open files"))
     assert "19 more since the last warning" in caplog.records[-1].getMessage()
+
+
+# --- 2. A HELLO that says "rejoining" cannot take a live worker's place -----------------------------
+
+def test_only_a_dead_workers_place_can_be_taken() -> None:
+    """A HELLO for a connected rank that says it replaces a dead worker: on 43f33af it took that
+    rank's place (under sync-ps the real worker's answer went to the impostor, and it waited until
+    --timeout). Now it is refused. A real replacement still gets in, also while its predecessor's
+    server thread waits for a round and has not yet noticed the death."""
+    ps = _core("sync-ps")
+    role = _Role()
+    service = _serve(ps, role)
+    try:
+        one, two = _client(ps, service, 1), _client(ps, service, 2)
+        impostor = _connect(service.address)
+        impostor.sendall(transport.hello_message(1, SECRET, rejoining=True))
+        assert _closed_by_server(impostor)
+        impostor.close()
+        assert role.said == [("hello", 1), ("hello", 2)]
+        grads = [torch.ones_like(p) for p in ps.model.parameters()]
+        pushed = threading.Thread(target=lambda: two.push(grads, 0, 8, None), daemon=True)
+        pushed.start()
+        one.push(grads, 0, 8, None)  # the round: both answered, the impostor had no part in it
+        pushed.join(10)
+        assert not pushed.is_alive() and ps.version == 1
+
+        def dies() -> None:  # worker 0 pushes, then dies while its push waits for worker 1's
+            try:
+                one.push(grads, 1, 16, None)
+            except OSError:
+                pass
+
+        waiting = threading.Thread(target=dies, daemon=True)
+        waiting.start()
+        _wait_for(lambda: ps.clocks[1] == 2, 10)
+        one.channel.close()
+        waiting.join(10)
+        replacement = _client(ps, service, 1, rejoining=True)
+        assert role.said[-1] == ("hello", 1)
+        assert replacement.pull() == ps.version
+        assert two.push(grads, 1, 16, None)[0] == 2  # the round the dead worker had joined completes
+        replacement.close()
+        two.close()
+    finally:
+        service.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import select
 import socket
 import struct
 import threading
@@ -95,6 +96,16 @@ class Channel:
                 whole = int(self.silence_s)
                 timeval = struct.pack("ll", whole, int((self.silence_s - whole) * 1e6))
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+    def hung_up(self) -> bool:
+        """Whether the peer closed the connection or it broke (the peer's process died), even while
+        what it sent before is still unread (its server thread may be waiting for a round)."""
+        poller = select.poll()
+        try:
+            poller.register(self.sock, getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return True
 
     def close(self) -> None:
         self.closed = True
@@ -265,13 +276,15 @@ class Service:
 
     It admits only its own run's workers: a connection must send, within :data:`HELLO_DEADLINE_S`,
     a HELLO with a worker rank and the run's ``secret`` (compared in constant time), before the
-    server allocates anything for it; a HELLO for a rank that is connected is refused unless it
-    says it replaces a dead worker. At most ``max_pending`` connections may be waiting to say
-    HELLO at once: a new one past that closes the oldest waiting one, so a flood of strangers
-    cannot keep a real worker (which says HELLO as soon as it connects) out for long. Then every
-    request is checked: a known op, sample counts that only grow, by at most
-    what the worker can have trained since its last message, a version the server has made, and
-    (in the core) finite gradients; a frame must arrive within ``--timeout``. An ``accept()`` error
+    server allocates anything for it; a HELLO for a rank whose connection is open is refused, even
+    one that says it replaces a dead worker (a replacement's predecessor died: its connection has
+    closed, or hung up while its thread still waits for a round). At most ``max_pending``
+    connections may be waiting to say HELLO at once: a new one past that closes the oldest waiting
+    one, so a flood of strangers cannot keep a real worker (which says HELLO as soon as it
+    connects) out for long. Then every request is checked: a known op, sample counts that only
+    grow, by at most what the worker can have trained since its last message, a version the
+    server has made, and (in the core) finite gradients; a frame must arrive within
+    ``--timeout``. An ``accept()`` error
     (too many open files), or a connection's thread that cannot start (the process's thread limit:
     that connection is closed and counted refused), is logged at most every
     :data:`ACCEPT_WARNING_EVERY_S` and the server keeps listening."""
@@ -371,7 +384,7 @@ class Service:
             if channel.closed or channel not in self.pending:  # evicted meanwhile, or the service is closing
                 raise Refused("closed before its HELLO was read")
             live = self.current.get(rank)
-            if live is not None and not live.closed and not rejoining:
+            if live is not None and not live.closed and not live.hung_up():  # whatever the HELLO says
                 raise Refused(f"a second HELLO for worker {rank - 1}, which is connected")
             self.pending.remove(channel)
             self.current[rank] = channel
