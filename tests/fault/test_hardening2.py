@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distsgd import checkpoint
 from distsgd.algorithms.param_server import ParameterServer, transport
 from distsgd.config import RunConfig
 
@@ -287,3 +288,45 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
         two.close()
     finally:
         service.close()
+
+
+# --- 3. A checkpoint number the worker did not save ------------------------------------------------
+
+def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
+    """Once a run's workers have finished, a connection with the run's secret says HELLO for rank 2
+    and CHECKPOINTED 2**40. On 43f33af the server wrote its state as checkpoint 2**40 (a file no
+    clean-up ever removes: every later one has a lower number), then failed to commit it and
+    dropped the connection. Now the claim is refused: no worker file, nothing written."""
+    from distsgd.algorithms import registry
+    from distsgd.algorithms.param_server.role import ServerRole
+    from distsgd.data import Dataset
+    from distsgd.metrics import NullSink
+    from distsgd.train.context import Job
+
+    cfg = RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16")
+    g = torch.Generator().manual_seed(0)
+    data = Dataset("tiny", torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g),
+                   torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g), 2)
+    algo = registry.get("asgd")
+    role = ServerRole(Job(cfg, "mlp", data), algo.topology.rule(cfg, algo.Options.from_mapping({})), 2, NullSink())
+    layout = transport.Layout.of(role.model)
+    service = _serve(role.server, role)
+    ckpt = tmp_path / checkpoint.CHECKPOINT_DIR
+    try:
+        clients = [_client(role.server, service, rank) for rank in (1, 2)]
+        for rank, client in zip((1, 2), clients):  # an honest checkpoint: each worker writes its part, then says so
+            checkpoint.save_worker_state(ckpt, 1, rank - 1, {"w": torch.zeros(1)})
+            client.checkpointed(1, 0)
+        assert checkpoint.read_manifest(tmp_path)["seq"] == 1
+        for client in clients:
+            client.done(0)
+        forger = _connect(service.address)
+        forger.sendall(transport.hello_message(2, SECRET, rejoining=True))  # rank 2's worker has left
+        transport.Frame(layout.answer_bytes).recv(transport.Channel(forger))
+        transport.Frame(layout.request_bytes).send(transport.Channel(forger), transport.CHECKPOINTED, 2**40, 0, 0)
+        assert _closed_by_server(forger)
+        forger.close()
+    finally:
+        service.close()
+    assert sorted(p.name for p in ckpt.glob(f"*{2**40}*")) == []
+    assert checkpoint.usable_checkpoint(tmp_path)["seq"] == 1

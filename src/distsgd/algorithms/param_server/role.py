@@ -15,7 +15,7 @@ import torch
 from distsgd.algorithms.param_server.core import ParameterServer
 from distsgd.algorithms.param_server.rules import Rule
 from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, gather, load_worker_state,
-                                save_worker_state, scatter)
+                                save_worker_state, scatter, worker_file)
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError
 from distsgd.models import build_model
@@ -98,7 +98,13 @@ class ServerRole:
 
     def checkpointed(self, rank: int, seq: int, samples: int) -> None:
         """Worker ``rank`` saved its part of checkpoint ``seq``; once every live worker has, save the
-        server's state (the model, optimiser, counters, evaluations) and commit."""
+        server's state (the model, optimiser, counters, evaluations) and commit. A worker writes its
+        file before it says so: a claim with no file (a forged number) is refused, and nothing is
+        written for it."""
+        part = worker_file(Path(self.cfg.out) / CHECKPOINT_DIR, seq, rank - 1) if self.cfg.out else None
+        if part is None or not part.is_file():
+            raise ConnectionError(f"worker {rank - 1} said it saved its part of checkpoint {seq}, and there is no "
+                                  f"{part or 'run directory'}")
         with self.server.lock:
             self.saved.setdefault(seq, {})[rank] = samples
             taken = self._take_whole()

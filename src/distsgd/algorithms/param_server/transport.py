@@ -283,8 +283,8 @@ class Service:
     one, so a flood of strangers cannot keep a real worker (which says HELLO as soon as it
     connects) out for long. Then every request is checked: a known op, sample counts that only
     grow, by at most what the worker can have trained since its last message, a version the
-    server has made, and (in the core) finite gradients; a frame must arrive within
-    ``--timeout``. An ``accept()`` error
+    server has made, a checkpoint whose file the worker wrote (in the role), and (in the core)
+    finite gradients; a frame must arrive within ``--timeout``. An ``accept()`` error
     (too many open files), or a connection's thread that cannot start (the process's thread limit:
     that connection is closed and counted refused), is logged at most every
     :data:`ACCEPT_WARNING_EVERY_S` and the server keeps listening."""
