@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,7 +52,7 @@ class _Role:
     def worker_done(self, rank: int, samples: int) -> None:
         self.said.append(("done", rank))
 
-    def leave(self, rank: int) -> None:
+    def leave(self, rank: int, why: str) -> None:
         self.said.append(("gone", rank))
 
     def commit_after(self, taken: None) -> None:
@@ -330,3 +331,31 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
         service.close()
     assert sorted(p.name for p in ckpt.glob(f"*{2**40}*")) == []
     assert checkpoint.usable_checkpoint(tmp_path)["seq"] == 1
+
+
+# --- 7. A worker dropped for silence ------------------------------------------------
+
+def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> None:
+    """Worker 1 SIGSTOPped for the rest of an asgd run with --timeout 10: the server drops it and
+    the run ends, but on 43f33af summary.json said `failed_workers: []` (its process never
+    exited, so the launcher saw no failure)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2", *SMALL, "--model", "mlp",
+           "--epochs", "30", "--log-every", "20", "--timeout", "10", "--quiet", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (out / "workers.json").exists() and _progress(out), 120, proc)
+        entries = json.loads((out / "workers.json").read_text())
+        victim = next(e for e in entries if e["role"] == "worker" and e["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed_workers"] == [1]
+    assert "silent for 10 s (--timeout)" in summary["worker_errors"]["1"]
+    assert summary["samples_per_worker"][0] == 30 * 718 and summary["samples_per_worker"][1] < 30 * 718
+    assert (out / "model.pt").exists()

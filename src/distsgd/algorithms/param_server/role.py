@@ -91,6 +91,7 @@ class ServerRole:
         self.given_up = given_up
         self.connected: set[int] = set()  # ranks whose current process has said HELLO and not left
         self.lost: dict[int, float] = {}  # ranks whose connection broke, and when
+        self.dropped: dict[int, str] = {}  # ranks that left without finishing (none came back), and why
         if cfg.resume:
             saved = load_worker_state(Path(cfg.resume), COORDINATOR)
             if saved is not None:
@@ -155,6 +156,7 @@ class ServerRole:
         with self.server.lock:
             self.connected.add(rank)
             self.lost.pop(rank, None)
+            self.dropped.pop(rank, None)
 
     def worker_done(self, rank: int, samples: int) -> None:
         """Worker ``rank`` finished its training."""
@@ -162,18 +164,19 @@ class ServerRole:
             self.connected.discard(rank)
         self.server.finished(rank, samples)
 
-    def worker_gone(self, rank: int) -> None:
-        """Worker ``rank``'s connection broke (it died, or fell silent): carry on without it, or,
-        in a local run, until the launcher says no replacement is coming (or ``--timeout``
-        passes), wait for one."""
-        self.commit_after(self.leave(rank))
+    def worker_gone(self, rank: int, why: str) -> None:
+        """Worker ``rank``'s connection broke (it died, or fell silent: ``why``): carry on without
+        it, or, in a local run, until the launcher says no replacement is coming (or ``--timeout``
+        passes), wait for one. Unless one comes, the summary lists it in ``failed_workers``."""
+        self.commit_after(self.leave(rank, why))
 
-    def leave(self, rank: int) -> Any:
+    def leave(self, rank: int, why: str) -> Any:
         """The bookkeeping of :meth:`worker_gone`, quick (the transport calls it while it holds its
         membership lock); returns the checkpoint this completes, for :meth:`commit_after`."""
         with self.server.lock:
             self.connected.discard(rank)
             self.lost[rank] = time.monotonic()
+            self.dropped[rank] = why
         self.server.finished(rank)
         with self.server.lock:
             return self._take_whole()
@@ -193,7 +196,7 @@ class ServerRole:
             dropped = [r for r in server.active if self.given_up[r] and r not in self.connected]
         for rank in dropped:
             log.warning("worker %d died before it reached the server; the server carries on without it", rank - 1)
-            self.worker_gone(rank)
+            self.worker_gone(rank, "it died before it reached the server")
         with server.lock:
             now = time.monotonic()
             self.lost = {r: t for r, t in self.lost.items() if not self.given_up[r] and now - t < self.cfg.timeout_s}
@@ -242,6 +245,9 @@ class ServerRole:
                                 server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received,
                                 nonfinite_pushes=server.nonfinite)
         final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
+        dropped = {str(r - 1): f"dropped by the server: {why}" for r, why in sorted(self.dropped.items())}
+        attendance = Attendance(samples_per_worker=server.counts[1:], failed_workers=[int(r) for r in dropped],
+                                worker_errors=dropped or None)
         return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
                             final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
-                            model=self.model, figures=figures, attendance=Attendance(samples_per_worker=server.counts[1:]))
+                            model=self.model, figures=figures, attendance=attendance)

@@ -407,7 +407,7 @@ class Service:
                 with self.membership:  # a replacement's HELLO cannot slip in between the test and the drop
                     if self.current.get(rank) is channel:  # not a replaced one
                         log.warning("worker %d is gone (%s); the server carries on without it", rank - 1, why)
-                        taken, gone = self.role.leave(rank), True
+                        taken, gone = self.role.leave(rank, why), True
                 if gone:
                     self.role.commit_after(taken)  # a checkpoint this completed: written outside the lock
             else:
