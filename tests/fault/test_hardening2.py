@@ -333,7 +333,7 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
     assert checkpoint.usable_checkpoint(tmp_path)["seq"] == 1
 
 
-# --- 7. A worker dropped for silence ------------------------------------------------
+# --- 7. A worker dropped for silence; a frozen server ------------------------------------------------
 
 def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> None:
     """Worker 1 SIGSTOPped for the rest of an asgd run with --timeout 10: the server drops it and
@@ -359,3 +359,63 @@ def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> No
     assert "silent for 10 s (--timeout)" in summary["worker_errors"]["1"]
     assert summary["samples_per_worker"][0] == 30 * 718 and summary["samples_per_worker"][1] < 30 * 718
     assert (out / "model.pt").exists()
+
+
+@pytest.mark.parametrize("frozen_at", ["hello", "pull"])
+def test_a_worker_gives_up_on_a_frozen_server(frozen_at: str) -> None:
+    """A server that takes the connection and then says nothing (SIGSTOPped: its kernel still
+    accepts and buffers). On 43f33af the worker waited for ever, for the answer to its HELLO or to
+    any later request; now it fails after --timeout with one line."""
+    layout = transport.Layout.of(torch.nn.Linear(3, 2))
+    frozen = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{frozen.getsockname()[1]}"
+    outcome: dict[str, object] = {}
+
+    def worker() -> None:
+        try:
+            client = transport.Client(1, torch.zeros(8), layout, address, timeout_s=0.5, secret=SECRET)
+            client.pull()
+        except ConnectionError as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    peer, _ = frozen.accept()
+    try:
+        if frozen_at == "pull":  # the HELLO is answered; then nothing
+            peer.recv(len(transport.hello_message(1, SECRET)), socket.MSG_WAITALL)
+            transport.Frame(layout.answer_bytes).send(transport.Channel(peer), 0, 0, 0, 0)
+        thread.join(10)
+        gave_up = not thread.is_alive()
+    finally:
+        peer.close()  # lets a worker that waits for ever go
+        frozen.close()
+        thread.join(10)
+    assert gave_up, "the worker still waits for a frozen server"
+    assert "sent nothing for 0.5 s (--timeout)" in str(outcome.get("error")), outcome
+
+
+def test_a_worker_waiting_for_a_round_hears_the_server_live() -> None:
+    """The other side of that deadline: a sync-ps worker whose push waits for a slow peer (1.5 s,
+    three times --timeout) is sent BEATs and keeps waiting; the round then completes. (43f33af sent
+    none: a worker could not tell a round that waits from a frozen server.)"""
+    ps = _core("sync-ps")
+    service = _serve(ps, silence_s=0.5)
+    try:
+        one, two = _client(ps, service, 1, timeout_s=0.5), _client(ps, service, 2, timeout_s=0.5)
+        grads = [torch.ones_like(p) for p in ps.model.parameters()]
+        answered: list[int] = []
+        waiting = threading.Thread(target=lambda: answered.append(one.push(grads, 0, 8, None)[0]), daemon=True)
+        waiting.start()
+        _wait_for(lambda: ps.clocks[1] == 1, 10)
+        sent = ps.bytes_sent
+        time.sleep(1.5)  # worker 2 computes a long step (its client PINGs meanwhile)
+        beats = (ps.bytes_sent - sent) // 32
+        assert two.push(grads, 0, 8, None)[0] == 1
+        waiting.join(10)
+        assert answered == [1]
+        assert beats >= 3, beats  # every 0.125 s of waiting after the first 0.125 s: about 10
+        one.done(8)
+        two.done(8)
+    finally:
+        service.close()
