@@ -256,10 +256,10 @@ class _Role:
     def worker_done(self, rank: int, samples: int) -> None:
         self.said.append(("done", rank))
 
-    def worker_gone(self, rank: int) -> None:
+    def worker_gone(self, rank: int, why: str) -> None:
         self.said.append(("gone", rank))
 
-    def leave(self, rank: int) -> None:  # the transport's half of worker_gone
+    def leave(self, rank: int, why: str) -> None:  # the transport's half of worker_gone
         self.said.append(("gone", rank))
 
     def commit_after(self, taken: None) -> None:

@@ -61,8 +61,7 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
             store.set(f"{key}/secret", secret)
             chief = topology.serve(job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a),
                                    secret=secret)
-            chief.attendance = Attendance(samples_per_worker=chief.attendance.samples_per_worker
-                                          if chief.attendance else None, failed_workers=[])
+            chief.attendance = chief.attendance or Attendance(failed_workers=[])  # those the server dropped
             return [chief]
         store.wait([key])
         seat = ServerSeat(store.get(key).decode(), store.get(f"{key}/secret"))
@@ -138,9 +137,11 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
     failed = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)
-    chief.attendance = Attendance(samples_per_worker=chief.attendance.samples_per_worker if chief.attendance else None,
-                                  failed_workers=[r - 1 for r in failed], restarts=restarts,
-                                  worker_errors={str(r - 1): sup.reason(r) for r in failed} if failed else None)
+    seen = chief.attendance or Attendance()  # the server's: the workers it dropped (one frozen is alive, not failed)
+    errors = {**(seen.worker_errors or {}), **{str(r - 1): sup.reason(r) for r in failed}}
+    chief.attendance = Attendance(samples_per_worker=seen.samples_per_worker, restarts=restarts,
+                                  failed_workers=sorted({r - 1 for r in failed} | set(seen.failed_workers or [])),
+                                  worker_errors=errors or None)
     others = [procs.unpack(sup.results[r], job) for r in range(1, world) if r in sup.results]
     if job.main is not None and others:  # the user's loop: what its first worker logged
         chief.evals = others[0].evals

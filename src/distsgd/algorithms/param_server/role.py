@@ -15,7 +15,7 @@ import torch
 from distsgd.algorithms.param_server.core import ParameterServer
 from distsgd.algorithms.param_server.rules import Rule
 from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, gather, load_worker_state,
-                                save_worker_state, scatter)
+                                save_worker_state, scatter, worker_file)
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError
 from distsgd.models import build_model
@@ -91,6 +91,7 @@ class ServerRole:
         self.given_up = given_up
         self.connected: set[int] = set()  # ranks whose current process has said HELLO and not left
         self.lost: dict[int, float] = {}  # ranks whose connection broke, and when
+        self.dropped: dict[int, str] = {}  # ranks that left without finishing (none came back), and why
         if cfg.resume:
             saved = load_worker_state(Path(cfg.resume), COORDINATOR)
             if saved is not None:
@@ -98,7 +99,13 @@ class ServerRole:
 
     def checkpointed(self, rank: int, seq: int, samples: int) -> None:
         """Worker ``rank`` saved its part of checkpoint ``seq``; once every live worker has, save the
-        server's state (the model, optimiser, counters, evaluations) and commit."""
+        server's state (the model, optimiser, counters, evaluations) and commit. A worker writes its
+        file before it says so: a claim with no file (a forged number) is refused, and nothing is
+        written for it."""
+        part = worker_file(Path(self.cfg.out) / CHECKPOINT_DIR, seq, rank - 1) if self.cfg.out else None
+        if part is None or not part.is_file():
+            raise ConnectionError(f"worker {rank - 1} said it saved its part of checkpoint {seq}, and there is no "
+                                  f"{part or 'run directory'}")
         with self.server.lock:
             self.saved.setdefault(seq, {})[rank] = samples
             taken = self._take_whole()
@@ -149,6 +156,7 @@ class ServerRole:
         with self.server.lock:
             self.connected.add(rank)
             self.lost.pop(rank, None)
+            self.dropped.pop(rank, None)
 
     def worker_done(self, rank: int, samples: int) -> None:
         """Worker ``rank`` finished its training."""
@@ -156,18 +164,19 @@ class ServerRole:
             self.connected.discard(rank)
         self.server.finished(rank, samples)
 
-    def worker_gone(self, rank: int) -> None:
-        """Worker ``rank``'s connection broke (it died, or fell silent): carry on without it, or,
-        in a local run, until the launcher says no replacement is coming (or ``--timeout``
-        passes), wait for one."""
-        self.commit_after(self.leave(rank))
+    def worker_gone(self, rank: int, why: str) -> None:
+        """Worker ``rank``'s connection broke (it died, or fell silent: ``why``): carry on without
+        it, or, in a local run, until the launcher says no replacement is coming (or ``--timeout``
+        passes), wait for one. Unless one comes, the summary lists it in ``failed_workers``."""
+        self.commit_after(self.leave(rank, why))
 
-    def leave(self, rank: int) -> Any:
+    def leave(self, rank: int, why: str) -> Any:
         """The bookkeeping of :meth:`worker_gone`, quick (the transport calls it while it holds its
         membership lock); returns the checkpoint this completes, for :meth:`commit_after`."""
         with self.server.lock:
             self.connected.discard(rank)
             self.lost[rank] = time.monotonic()
+            self.dropped[rank] = why
         self.server.finished(rank)
         with self.server.lock:
             return self._take_whole()
@@ -187,7 +196,7 @@ class ServerRole:
             dropped = [r for r in server.active if self.given_up[r] and r not in self.connected]
         for rank in dropped:
             log.warning("worker %d died before it reached the server; the server carries on without it", rank - 1)
-            self.worker_gone(rank)
+            self.worker_gone(rank, "it died before it reached the server")
         with server.lock:
             now = time.monotonic()
             self.lost = {r: t for r, t in self.lost.items() if not self.given_up[r] and now - t < self.cfg.timeout_s}
@@ -236,6 +245,9 @@ class ServerRole:
                                 server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received,
                                 nonfinite_pushes=server.nonfinite)
         final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
+        dropped = {str(r - 1): f"dropped by the server: {why}" for r, why in sorted(self.dropped.items())}
+        attendance = Attendance(samples_per_worker=server.counts[1:], failed_workers=[int(r) for r in dropped],
+                                worker_errors=dropped or None)
         return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
                             final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
-                            model=self.model, figures=figures, attendance=Attendance(samples_per_worker=server.counts[1:]))
+                            model=self.model, figures=figures, attendance=attendance)

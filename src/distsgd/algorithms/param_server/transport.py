@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import select
 import socket
 import struct
 import threading
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED, PING = range(8)
 _HEAD = 4 * 8  # bytes of a header: four int64 (a PING is a header alone, and gets no answer)
+BEAT = -1  # an answer's header [BEAT, 0, 0, 0], alone: no answer yet, the server lives (a version is >= 0)
+_BEAT_MESSAGE = struct.pack("4q", BEAT, 0, 0, 0)
 
 
 class Channel:
@@ -52,7 +55,10 @@ class Channel:
     take what is sent, counts as gone too (the kernel's SO_RCVTIMEO/SO_SNDTIMEO: no cost per call).
     A worker's :class:`Client` sends a PING when it has been quiet for a quarter of that, so only
     a process that is frozen or whose machine vanished is silent that long, not one that computes
-    a long step, writes a checkpoint or waits ``--tau`` steps between EASGD exchanges.
+    a long step, writes a checkpoint or waits ``--tau`` steps between EASGD exchanges. The same
+    holds the other way (a worker's end: ``--timeout`` too): while a worker waits for its answer
+    (a sync-ps round, the start, a checkpoint being written), the server sends a BEAT every
+    quarter of it.
     """
 
     def __init__(self, sock: socket.socket, silence_s: float | None = None) -> None:
@@ -95,6 +101,16 @@ class Channel:
                 whole = int(self.silence_s)
                 timeval = struct.pack("ll", whole, int((self.silence_s - whole) * 1e6))
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+    def hung_up(self) -> bool:
+        """Whether the peer closed the connection or it broke (the peer's process died), even while
+        what it sent before is still unread (its server thread may be waiting for a round)."""
+        poller = select.poll()
+        try:
+            poller.register(self.sock, getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return True
 
     def close(self) -> None:
         self.closed = True
@@ -246,6 +262,7 @@ class Frame:
 SECRET_BYTES = 32  # the run's secret, which a HELLO carries after its header
 HELLO_DEADLINE_S = 10.0  # a connection says HELLO, with the secret, within this or is dropped
 REFUSALS_SHOWN = 3  # refused connections warned of one by one; the rest are counted (a flood is not a log)
+ACCEPT_WARNING_EVERY_S = 10.0  # the acceptor's errors (too many files, no thread to spare): warned of at most so often
 
 
 def hello_message(rank: int, secret: bytes, rejoining: bool = False) -> bytes:
@@ -264,14 +281,18 @@ class Service:
 
     It admits only its own run's workers: a connection must send, within :data:`HELLO_DEADLINE_S`,
     a HELLO with a worker rank and the run's ``secret`` (compared in constant time), before the
-    server allocates anything for it; a HELLO for a rank that is connected is refused unless it
-    says it replaces a dead worker. At most ``max_pending`` connections may be waiting to say
-    HELLO at once: a new one past that closes the oldest waiting one, so a flood of strangers
-    cannot keep a real worker (which says HELLO as soon as it connects) out for long. Then every
-    request is checked: a known op, sample counts that only grow, by at most
-    what the worker can have trained since its last message, a version the server has made, and
-    (in the core) finite gradients; a frame must arrive within ``--timeout``; an ``accept()`` error
-    (too many open files) is logged and the server keeps listening."""
+    server allocates anything for it; a HELLO for a rank whose connection is open is refused, even
+    one that says it replaces a dead worker (a replacement's predecessor died: its connection has
+    closed, or hung up while its thread still waits for a round). At most ``max_pending``
+    connections may be waiting to say HELLO at once: a new one past that closes the oldest waiting
+    one, so a flood of strangers cannot keep a real worker (which says HELLO as soon as it
+    connects) out for long. Then every request is checked: a known op, sample counts that only
+    grow, by at most what the worker can have trained since its last message, a version the
+    server has made, a checkpoint whose file the worker wrote (in the role), and (in the core)
+    finite gradients; a frame must arrive within ``--timeout``. An ``accept()`` error
+    (too many open files), or a connection's thread that cannot start (the process's thread limit:
+    that connection is closed and counted refused), is logged at most every
+    :data:`ACCEPT_WARNING_EVERY_S` and the server keeps listening."""
 
     def __init__(self, server: Any, role: Any, layout: Layout, address: str, silence_s: float | None = None,
                  secret: bytes = b"", max_pending: int | None = None) -> None:
@@ -288,21 +309,28 @@ class Service:
         self.pending: list[Channel] = []  # connected, HELLO not yet said (oldest first)
         self.open = 0
         self.refused = 0  # connections refused or dropped before they said who they were
-        self.closing = False
+        self.troubles, self.warn_at = 0, 0.0  # the acceptor's errors not yet warned of, and when it may warn next
+        self.serving: set[_Connection] = set()  # admitted workers: the heartbeat's
+        self.closing, self.stopped = False, threading.Event()
         self.acceptor = threading.Thread(target=self._accept, name="distsgd-ps-accept", daemon=True)
+        self.heart = threading.Thread(target=self._beat, name="distsgd-ps-heartbeat", daemon=True)
 
     def start(self) -> None:
         self.acceptor.start()
+        if self.silence_s is not None:
+            self.heart.start()
 
     def close(self, wait_s: float = 5.0) -> None:
         self.closing = True
+        self.stopped.set()
         try:  # wakes the acceptor blocked in accept() (close alone does not, and its number would be
             self.listener.shutdown(socket.SHUT_RDWR)  # reused by the next socket the process opens)
         except OSError:
             pass
         self.listener.close()
-        if self.acceptor.is_alive():
-            self.acceptor.join(wait_s)
+        for t in (self.acceptor, self.heart):
+            if t.is_alive():
+                t.join(wait_s)
         for c in list(self.channels):
             c.close()
         for t in list(self.threads):
@@ -315,8 +343,7 @@ class Service:
             except OSError as exc:
                 if self.closing:
                     return
-                log.warning("the parameter server could not accept a connection (%s); it keeps listening", exc)
-                time.sleep(0.1)
+                self._trouble("could not accept a connection", exc)
                 continue
             try:
                 channel = Channel(sock, self.silence_s)
@@ -331,9 +358,37 @@ class Service:
             if evicted is not None:
                 evicted.evicted = True
                 evicted.close()  # its thread finds it closed, and counts it refused
-            thread = threading.Thread(target=self._serve, args=(channel,), daemon=True)
+            thread = threading.Thread(target=self._serve, args=(channel,), name="distsgd-ps-connection", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # the process's thread limit: drop this one, and keep serving the others
+                self._forget(channel)
+                with self.membership:
+                    self.refused += 1
+                self._trouble("could not start a thread for a connection, and closed it", exc)
+                continue
             self.threads = [t for t in self.threads if t.is_alive()] + [thread]
-            thread.start()
+
+    def _beat(self) -> None:
+        """A worker's deadline for hearing from the server is ``--timeout``, as the server's for it;
+        a worker that waits for its answer is sent a BEAT every quarter of that."""
+        quiet = self.silence_s / 4
+        while not self.stopped.wait(quiet / 2):
+            with self.membership:
+                serving = list(self.serving)
+            for connection in serving:
+                connection.beat(quiet)
+
+    def _trouble(self, what: str, exc: Exception) -> None:
+        """Warn that the acceptor ``what`` (at most every :data:`ACCEPT_WARNING_EVERY_S`, with a count
+        of the times not shown: a flood is not a log), then pause: the cause is not gone at once."""
+        self.troubles += 1
+        now = time.monotonic()
+        if now >= self.warn_at:
+            more = f"; {self.troubles - 1} more since the last warning" if self.troubles > 1 else ""
+            log.warning("the parameter server %s (%s)%s; it keeps listening", what, exc, more)
+            self.troubles, self.warn_at = 0, now + ACCEPT_WARNING_EVERY_S
+        time.sleep(0.1)
 
     def _handshake(self, channel: Channel) -> int:
         """The rank of a connection that said a valid HELLO with the run's secret, in time."""
@@ -350,7 +405,7 @@ class Service:
             if channel.closed or channel not in self.pending:  # evicted meanwhile, or the service is closing
                 raise Refused("closed before its HELLO was read")
             live = self.current.get(rank)
-            if live is not None and not live.closed and not rejoining:
+            if live is not None and not live.closed and not live.hung_up():  # whatever the HELLO says
                 raise Refused(f"a second HELLO for worker {rank - 1}, which is connected")
             self.pending.remove(channel)
             self.current[rank] = channel
@@ -358,10 +413,13 @@ class Service:
         return rank
 
     def _serve(self, channel: Channel) -> None:
-        rank = -1
+        rank, connection = -1, None
         try:
             rank = self._handshake(channel)
-            _Connection(self, channel, rank).run()
+            connection = _Connection(self, channel, rank)
+            with self.membership:
+                self.serving.add(connection)
+            connection.run()
         except Exception as exc:  # its connection broke: it died, fell silent, lied, or the run is ending
             if self.closing:
                 return
@@ -373,7 +431,7 @@ class Service:
                 with self.membership:  # a replacement's HELLO cannot slip in between the test and the drop
                     if self.current.get(rank) is channel:  # not a replaced one
                         log.warning("worker %d is gone (%s); the server carries on without it", rank - 1, why)
-                        taken, gone = self.role.leave(rank), True
+                        taken, gone = self.role.leave(rank, why), True
                 if gone:
                     self.role.commit_after(taken)  # a checkpoint this completed: written outside the lock
             else:
@@ -387,12 +445,17 @@ class Service:
                                 why, "; further refusals are only counted (refused_connections in the summary)"
                                 if n == REFUSALS_SHOWN else "")
         finally:
-            channel.close()
             with self.membership:
-                self.open -= 1
-                if channel in self.pending:
-                    self.pending.remove(channel)
-                self.channels = [c for c in self.channels if not c.closed]
+                self.serving.discard(connection)
+            self._forget(channel)
+
+    def _forget(self, channel: Channel) -> None:
+        channel.close()
+        with self.membership:
+            self.open -= 1
+            if channel in self.pending:
+                self.pending.remove(channel)
+            self.channels = [c for c in self.channels if not c.closed]
 
 
 class _Connection:
@@ -402,6 +465,8 @@ class _Connection:
         self.service, self.channel, self.rank = service, channel, rank
         self.server, self.role, self.layout = service.server, service.role, service.layout
         self.request, self.answer = Frame(self.layout.request_bytes), Frame(self.layout.answer_bytes)
+        self.sending = threading.Lock()  # answers and BEATs, one message at a time
+        self.waiting: float | None = None  # since when the worker has heard nothing while it waits for an answer
         self.reply(self.server.version, self.server.total_samples(), self.server.stop,
                    nbytes=self.server.counts[rank])  # HELLO: answered with that rank's samples so far
         self.server.count(received=_HEAD + SECRET_BYTES)
@@ -412,7 +477,23 @@ class _Connection:
             self.layout.params.whole(self.answer).copy_(data)
         if floats is not None:
             self.layout.floats.pack(self.answer, floats)
-        self.server.count(sent=self.answer.send(self.channel, version, total, int(stop), nbytes))
+        with self.sending:
+            self.server.count(sent=self.answer.send(self.channel, version, total, int(stop), nbytes))
+            self.waiting = None
+
+    def beat(self, quiet_s: float) -> None:
+        """A BEAT if the worker has waited ``quiet_s`` for its answer since it last heard from the
+        server (never in the middle of an answer being sent)."""
+        if self.waiting is None or time.monotonic() - self.waiting < quiet_s or not self.sending.acquire(False):
+            return
+        try:
+            if self.waiting is not None:
+                self.server.count(sent=self.channel.send(_BEAT_MESSAGE))
+                self.waiting = time.monotonic()
+        except OSError:
+            pass  # the connection broke: its own thread finds out
+        finally:
+            self.sending.release()
 
     def run(self) -> None:
         server, layout, request, rank = self.server, self.layout, self.request, self.rank
@@ -424,6 +505,8 @@ class _Connection:
             if op != PING:
                 request.recv_payload(self.channel, None if silence is None else time.monotonic() + silence)
             server.count(received=_HEAD if op == PING else request.buffer.numel())
+            if op not in (PING, DONE):
+                self.waiting = time.monotonic()
             if op in (PUSH, EXCHANGE, DONE, CHECKPOINTED):
                 server.check_samples(rank, samples, done=op in (DONE, CHECKPOINTED))
             if op == PING:  # [PING, 0, 0, 0]: the worker is alive, busy between requests
@@ -456,12 +539,15 @@ class _Connection:
 
 
 def connect(address: str, timeout_s: float) -> Channel:
-    """A connection to the server at ``host:port``, retried until it listens (or ``timeout_s``)."""
+    """A connection to the server at ``host:port``, retried until it listens (or ``timeout_s``),
+    on which a send or a receive that makes no progress for ``timeout_s`` fails."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return Channel(socket.create_connection((host, int(port)), timeout=timeout_s))
+            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+            sock.settimeout(None)  # blocking, with the kernel's limits (Channel's silence_s): no cost per call
+            return Channel(sock, timeout_s)
         except OSError:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"no parameter server answered at {address} within {timeout_s:.0f} s") from None
@@ -477,7 +563,9 @@ class Client:
 
     A thread sends a PING (a header, 32 bytes) whenever no request has gone out for
     ``timeout_s / 4``: the server drops a worker silent for ``timeout_s``, and a busy one is not
-    silent. Requests and PINGs share the connection under one lock."""
+    silent. Requests and PINGs share the connection under one lock. Likewise a server that says
+    nothing for ``timeout_s`` while an answer is due (it sends BEATs while one waits: a round, the
+    start) is frozen or gone: the call fails with one line, instead of waiting for ever."""
 
     def __init__(self, me: int, weights: torch.Tensor, layout: Layout, address: str,
                  timeout_s: float, rejoining: bool = False, secret: bytes = b"") -> None:
@@ -485,13 +573,17 @@ class Client:
         pinned = weights.device.type == "cuda"
         self.request, self.answer = Frame(layout.request_bytes, pinned), Frame(layout.answer_bytes, pinned)
         self.bytes_sent = 0
+        self.address, self.timeout_s = address, timeout_s
         self.channel = connect(address, timeout_s)
-        self.channel.sock.settimeout(None)  # a push may wait for a round; the server's death closes it
         self.lock, self.quiet_s, self.last = threading.Lock(), timeout_s / 4, time.monotonic()
         self.closed = threading.Event()
-        with self.lock:  # the HELLO: its header and the run's secret; the answer, a whole message
-            self.bytes_sent += self.channel.send(hello_message(me, secret, rejoining))
-            self.samples = self.answer.recv(self.channel)[3]
+        try:
+            with self.lock:  # the HELLO: its header and the run's secret; the answer, a whole message
+                self.bytes_sent += self.channel.send(hello_message(me, secret, rejoining))
+                self.samples = self._answer()[3]
+        except OSError:
+            self.channel.close()
+            raise
         self.beat = threading.Thread(target=self._beat, name="distsgd-ps-heartbeat", daemon=True)
         self.beat.start()
 
@@ -504,13 +596,30 @@ class Client:
 
     def _call(self, op: int, version: int = 0, samples: int = 0, flag: int = 0) -> tuple[int, int, bool, int]:
         with self.lock:
-            self.bytes_sent += self.request.send(self.channel, op, version, samples, flag)
+            try:
+                self.bytes_sent += self.request.send(self.channel, op, version, samples, flag)
+            except (socket.timeout, BlockingIOError, TimeoutError):
+                raise self._frozen() from None
             self.last = time.monotonic()
             if op == DONE:
                 self.closed.set()
                 return 0, 0, False, 0
-            version, total, stop, nbytes = self.answer.recv(self.channel)
+            version, total, stop, nbytes = self._answer()
         return version, total, bool(stop), nbytes
+
+    def _answer(self) -> list[int]:
+        """The header of the server's answer, its payload in ``answer``; the BEATs before it skipped."""
+        try:
+            while (head := self.answer.recv_head(self.channel))[0] == BEAT:
+                pass
+            self.answer.recv_payload(self.channel)
+        except (socket.timeout, BlockingIOError, TimeoutError):
+            raise self._frozen() from None
+        return head
+
+    def _frozen(self) -> ConnectionError:
+        return ConnectionError(f"the parameter server at {self.address} sent nothing for {self.timeout_s:g} s "
+                               f"(--timeout): it is frozen, or its machine is gone")
 
     def _beat(self) -> None:
         ping = struct.pack("4q", PING, 0, 0, 0)  # a header, in the int64s the server reads
