@@ -1,0 +1,77 @@
+"""Hardening II (issue 38), the command's side: every setting checked before any process starts,
+a resume under another algorithm refused, ``eval`` runs no file it was not asked to, ``--overwrite``
+deletes only the files distsgd recorded writing, and repeated or full-disk failures say so once,
+naming the file.
+
+Each test failed on main 43f33af (before this work); the docstrings say how.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distsgd import cli
+
+pytest.importorskip("sklearn")
+
+SMALL = ["--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--lr", "0.05"]
+
+
+def one_error_line(err: str) -> str:
+    """The only line on stderr, an ``error:`` line (no traceback, no warning)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+def main(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``distsgd ARGS`` in this process, through the same main() the command runs."""
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["distsgd", *args], code, out, err)
+
+
+def train_here(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    return main(capsys, "train", *SMALL, "--quiet", *args)
+
+
+# --- 8. every setting checked before any process starts -------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", str(2 ** 64)], "--seed must be a whole number from 0 to 2**63 - 1"),
+    (["--seed", "-1"], "--seed must be a whole number from 0"),
+    (["--threads-per-worker", "100000"], "--threads-per-worker must be from 1 to the"),
+    (["--timeout", "1e308"], "--timeout must be positive and at most 604800 seconds"),
+    (["--timeout", "inf"], "--timeout must be a finite number"),
+    (["--timeout", "nan"], "--timeout must be a finite number"),
+    (["--algo", "allreduce", "--workers", "2", "--init-method", "tcp://127.0.0.1:0"],
+     "the port must be a number from 1 to 65535, got '0'"),
+    (["--algo", "allreduce", "--workers", "2", "--init-method", "tcp://127.0.0.1:99999"],
+     "the port must be a number from 1 to 65535, got '99999'"),
+    (["--algo", "asgd", "--workers", "2", "--init-method", "tcp://127.0.0.1:port"], "got 'port'"),
+    (["--init-method", "tcp://127.0.0.1:0"], "the port must be a number"),  # checked for any algorithm
+    (["--lr", "1e308"], "--lr must be a positive number (at most 3.403e+38)"),
+    (["--weight-decay", "1e308"], "--weight-decay must be >= 0 (at most"),
+    (["--target-loss", "inf"], "--target-loss must be a finite number"),
+    (["--straggler", "0:1e308"], "FACTOR from 1 to 1000"),
+])
+def test_every_setting_is_range_checked_before_any_process_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, args: list[str],
+        message: str) -> None:
+    """On 43f33af: tracebacks (a seed of 2**64: ValueError; --lr 1e308: RuntimeError in the first
+    step; a straggler factor of 1e308: OverflowError), a worker's error once the processes had
+    started (--timeout 1e308: OverflowError; a port of 99999), a 15 s wait for port 0 (300 s by
+    default), or "cannot write inf to TOML"."""
+    from distsgd import launch
+
+    def no_start(*_: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(launch, "run", no_start)
+    r = train_here(capsys, "--max-samples", "64", "--out", str(tmp_path / "o"), *args)
+    assert r.returncode == 2 and message in one_error_line(r.stderr)
+    assert not (tmp_path / "o").exists()
