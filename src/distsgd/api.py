@@ -250,6 +250,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
         if manifest["world"] != cfg.workers:
             raise ConfigError(f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
                               f"--workers {manifest['world']}")
+        if manifest.get("algo", cfg.algo) != cfg.algo:  # another algorithm's state would be misread, or hang
+            raise ConfigError(f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
+                              f"resume it with --algo {manifest['algo']}")
     if torchrun and os.environ.get("RANK") == "0" and os.environ.get("MASTER_ADDR") not in LOCAL_NAMES:
         log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
                     "use it only on a trusted network", os.environ.get("MASTER_ADDR"))

@@ -249,6 +249,8 @@ def manifest_problem(manifest: Any) -> str | None:
         return f"ranks {ranks!r}"
     if not isinstance(manifest.get("coordinator", False), bool):
         return f"coordinator {manifest.get('coordinator')!r}"
+    if not isinstance(manifest.get("algo", ""), str):
+        return f"algo {manifest['algo']!r}"
     for key in ("samples", "epoch", "step"):
         if key in manifest and (not whole(manifest[key]) or manifest[key] < 0):
             return f"{key} {manifest[key]!r}"

@@ -39,6 +39,20 @@ def train_here(capsys: pytest.CaptureFixture, *args: str) -> subprocess.Complete
     return main(capsys, "train", *SMALL, "--quiet", *args)
 
 
+class _Started(Exception):
+    """launch.run was reached: the run would have started its processes."""
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distsgd import launch
+
+    def started(*_: object) -> None:
+        raise _Started()
+
+    monkeypatch.setattr(launch, "run", started)
+
+
 # --- 8. every setting checked before any process starts -------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
@@ -60,18 +74,33 @@ def train_here(capsys: pytest.CaptureFixture, *args: str) -> subprocess.Complete
     (["--straggler", "0:1e308"], "FACTOR from 1 to 1000"),
 ])
 def test_every_setting_is_range_checked_before_any_process_starts(
-        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, args: list[str],
-        message: str) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture, no_launch: None, args: list[str], message: str) -> None:
     """On 43f33af: tracebacks (a seed of 2**64: ValueError; --lr 1e308: RuntimeError in the first
     step; a straggler factor of 1e308: OverflowError), a worker's error once the processes had
     started (--timeout 1e308: OverflowError; a port of 99999), a 15 s wait for port 0 (300 s by
     default), or "cannot write inf to TOML"."""
-    from distsgd import launch
-
-    def no_start(*_: object) -> None:
-        raise AssertionError("the run started")
-
-    monkeypatch.setattr(launch, "run", no_start)
     r = train_here(capsys, "--max-samples", "64", "--out", str(tmp_path / "o"), *args)
     assert r.returncode == 2 and message in one_error_line(r.stderr)
     assert not (tmp_path / "o").exists()
+
+
+# --- 6. a checkpoint resumes under the algorithm that wrote it --------------------------------
+
+def test_a_checkpoint_resumes_only_under_its_own_algorithm(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            no_launch: None) -> None:
+    """An asgd checkpoint resumed with another --algo: on 43f33af hogwild raised a KeyError
+    traceback, allreduce stalled in gloo for --timeout (300 s), and dcasgd, sync-ps and async easgd
+    resumed it as their own."""
+    from helpers import run_cli
+
+    run = tmp_path / "asgd"
+    r = run_cli("train", *SMALL, "--quiet", "--algo", "asgd", "--workers", "2", "--max-samples", "256",
+                "--checkpoint-every", "128", "--out", str(run), timeout=180)
+    assert r.returncode == 0, r.stderr
+    for other in (["hogwild"], ["allreduce"], ["dcasgd"], ["sync-ps"], ["easgd", "--easgd-mode", "async"]):
+        r = main(capsys, "train", "--resume", str(run), "--max-samples", "512", "--quiet", "--algo", *other)
+        assert r.returncode == 2
+        assert one_error_line(r.stderr) == f"error: the checkpoint in {run} was written by asgd, not {other[0]}; " \
+                                           f"resume it with --algo asgd"
+    with pytest.raises(_Started):  # its own algorithm, named or not, goes on
+        cli.main(["train", "--resume", str(run), "--max-samples", "512", "--quiet", "--algo", "asgd"])
