@@ -104,3 +104,68 @@ def test_a_checkpoint_resumes_only_under_its_own_algorithm(tmp_path: Path, capsy
                                            f"resume it with --algo asgd"
     with pytest.raises(_Started):  # its own algorithm, named or not, goes on
         cli.main(["train", "--resume", str(run), "--max-samples", "512", "--quiet", "--algo", "asgd"])
+
+
+# --- 4. eval runs no file it was not asked to ----------------------------------------------------
+
+EVIL = '''
+import pathlib
+
+def make(*args, **kwargs):
+    pathlib.Path(__file__).with_suffix(".ran").write_text("ran")
+    raise ValueError("this file ran")
+'''
+
+
+@pytest.fixture
+def saved(tmp_path: Path, capsys: pytest.CaptureFixture) -> dict:
+    """A model.pt of a short run, as a dict to edit and save again."""
+    import torch
+
+    assert train_here(capsys, "--max-samples", "64", "--out", str(tmp_path / "run")).returncode == 0
+    return torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("what", ["model", "dataset"])
+def test_eval_imports_no_file_the_command_does_not_name(tmp_path: Path, capsys: pytest.CaptureFixture, saved: dict,
+                                                        what: str) -> None:
+    """A checkpoint whose dataset (or model) is ``evil.py:make``: on 43f33af ``distsgd eval``
+    imported and ran it. Now one line says how to allow it; naming the file runs it."""
+    import torch
+
+    evil = tmp_path / "evil.py"
+    evil.write_text(EVIL)
+    ran = evil.with_suffix(".ran")
+    ckpt = tmp_path / "model.pt"
+    torch.save({**saved, what: f"{evil}:make"}, ckpt)
+    r = main(capsys, "eval", "--checkpoint", str(ckpt))
+    assert r.returncode == 2 and not ran.exists()
+    assert one_error_line(r.stderr) == (f"error: {ckpt} was trained with the {what} in {evil}:make, and eval runs "
+                                        f"no file you did not name: if you trust that file, give --{what} {evil}:make")
+    r = main(capsys, "eval", "--checkpoint", str(ckpt), f"--{what}", f"{evil}:make")
+    assert r.returncode == 2 and "this file ran" in one_error_line(r.stderr) and ran.exists()
+    other = {"model": "mlp", "dataset": "digits"}[what]  # or a model or dataset that is no file
+    r = main(capsys, "eval", "--checkpoint", str(ckpt), f"--{what}", other)
+    assert r.returncode == 0 and r.stdout.startswith("mlp on digits"), r.stderr
+
+
+@pytest.mark.parametrize("recorded, message", [
+    ({"context": "abc"}, "setting 'context' must be a whole number, got 'abc'"),
+    ({"loss": 5}, "setting 'loss' must be a string, got 5"),
+    ({"loss": "hinge"}, "unknown loss 'hinge'"),
+    ({"init": [1]}, "setting 'init' must be a string, got [1]"),
+    ({"init": "orthogonal"}, "unknown init 'orthogonal'"),
+    ({"context": 0}, "--context must be at least 1"),
+])
+def test_eval_of_settings_of_the_wrong_type_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, saved: dict,
+                                                         recorded: dict, message: str) -> None:
+    """On 43f33af ``loss = 5`` was an AttributeError traceback, ``loss = "hinge"`` a KeyError, and
+    ``context = "abc"`` went unnoticed (a traceback for a token dataset)."""
+    import torch
+
+    ckpt = tmp_path / "model.pt"
+    torch.save({**saved, "config": {**saved["config"], **recorded}}, ckpt)
+    r = main(capsys, "eval", "--checkpoint", str(ckpt))
+    assert r.returncode == 2
+    line = one_error_line(r.stderr)
+    assert line.startswith(f"error: {ckpt} is damaged: the settings it records are not a run's (") and message in line
