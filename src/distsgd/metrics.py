@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from distsgd.errors import ConfigError
+from distsgd.rundir import record
 
 
 class Sink(Protocol):
@@ -49,6 +50,7 @@ class JsonlWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        record(path)
         self._fh = path.open("a", encoding="utf-8")
 
     def emit(self, event: dict[str, Any]) -> None:
@@ -103,7 +105,9 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir, self.started = logdir, started
+        before = set(logdir.rglob("*")) if logdir.is_dir() else set()
         self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
+        record(*(set(logdir.rglob("*")) - before))  # its event file, named by TensorBoard
         if config_text:
             self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
 

@@ -169,3 +169,63 @@ def test_eval_of_settings_of_the_wrong_type_is_one_line(tmp_path: Path, capsys: 
     assert r.returncode == 2
     line = one_error_line(r.stderr)
     assert line.startswith(f"error: {ckpt} is damaged: the settings it records are not a run's (") and message in line
+
+
+# --- 5. --overwrite deletes only the files distsgd recorded writing --------------------------------
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_keeps_a_users_file_inside_distsgds_folders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """On 43f33af ``--overwrite`` checked the top-level names only and removed whole folders:
+    ``checkpoint/my_notes.txt``, ``tb/plot.py`` and a ``runs/thesis/`` tree went with them."""
+    run = tmp_path / "run"
+    args = ["--max-samples", "128", "--checkpoint-every", "64", "--out", str(run)]
+    assert train_here(capsys, *args, "--tensorboard").returncode == 0
+    for mine in ("checkpoint/my_notes.txt", "tb/plot.py", "runs/thesis/chapter1.tex"):
+        (run / mine).parent.mkdir(parents=True, exist_ok=True)
+        (run / mine).write_text("mine")
+        before = _tree(run)
+        r = train_here(capsys, *args, "--overwrite")
+        assert r.returncode == 2 and f"also holds {mine}, which distsgd did not write" in one_error_line(r.stderr)
+        assert _tree(run) == before  # nothing deleted, nothing written
+        (run / mine).unlink()
+    (run / "runs" / "thesis" / "figures").mkdir()  # an empty folder of the user's: no file to lose, kept
+    r = train_here(capsys, *args, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert (run / "runs" / "thesis" / "figures").is_dir() and (run / "model.pt").is_file()
+    assert not (run / "tb").exists()  # what the first run wrote, and this one did not, is gone
+
+
+def test_overwrite_of_a_bench_keeps_run_folders_it_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A bench directory's runs/ holds run directories; a user's folder there, even a copy of a
+    run directory with its own ledger, is not the bench's (43f33af deleted runs/ whole)."""
+    import shutil
+
+    bench = tmp_path / "bench"
+    args = ["bench", "--algos", "single", "--workers", "1", *SMALL, "--max-samples", "64", "--quiet", "--out",
+            str(bench)]
+    assert main(capsys, *args).returncode == 0
+    shutil.copytree(bench / "runs" / "single-w1-r0", bench / "runs" / "mine")
+    before = _tree(bench)
+    r = main(capsys, *args, "--overwrite")
+    assert r.returncode == 2 and "also holds runs/mine/.distsgd, runs/mine/config.toml" in one_error_line(r.stderr)
+    assert _tree(bench) == before
+    shutil.rmtree(bench / "runs" / "mine")
+    old = (bench / "runs" / "single-w1-r0" / "summary.json").read_bytes()
+    assert main(capsys, *args, "--overwrite").returncode == 0
+    assert (bench / "runs" / "single-w1-r0" / "summary.json").read_bytes() != old
+
+
+def test_overwrite_refuses_a_directory_whose_files_are_not_recorded(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """A run directory of an older distsgd (a marker, or a config.toml, but no record of what it
+    wrote) is not guessed at by its names: refused (43f33af replaced it by its names)."""
+    run = tmp_path / "run"
+    assert train_here(capsys, "--max-samples", "64", "--out", str(run)).returncode == 0
+    (run / ".distsgd").write_text("run directory written by distsgd\n")
+    before = _tree(run)
+    r = train_here(capsys, "--max-samples", "64", "--out", str(run), "--overwrite")
+    assert r.returncode == 2 and "was written by an older distsgd" in one_error_line(r.stderr)
+    assert _tree(run) == before
