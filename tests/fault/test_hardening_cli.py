@@ -8,6 +8,7 @@ Each test failed on main 43f33af (before this work); the docstrings say how.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
 
@@ -229,3 +230,22 @@ def test_overwrite_refuses_a_directory_whose_files_are_not_recorded(tmp_path: Pa
     r = train_here(capsys, "--max-samples", "64", "--out", str(run), "--overwrite")
     assert r.returncode == 2 and "was written by an older distsgd" in one_error_line(r.stderr)
     assert _tree(run) == before
+
+
+# --- 9. a repeated warning is said once, with a count; a full disk names its file ------------------
+
+def test_a_diverged_run_says_its_loss_is_nan_once_with_a_count(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """--lr 1e30 makes the loss nan within a step or two: on 43f33af "training loss is nan" came at
+    every progress report (39 lines here; 94 in the issue's run)."""
+    caplog.set_level(logging.WARNING)  # (not --quiet, which says nothing but errors)
+    r = main(capsys, "train", *SMALL, "--lr", "1e30", "--max-samples", "640", "--log-every", "1", "--out",
+             str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    said = [rec.getMessage() for rec in caplog.records if "training loss" in rec.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith("training loss is nan at ") and said[0].endswith(" samples: lower --lr?")
+    count = sum(1 for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()
+                if '"event":"progress"' in line and '"loss":NaN' in line)
+    assert count > 30 and said[1].startswith(f"training loss was nan or inf in {count} progress reports, from ")
+
