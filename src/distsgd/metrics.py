@@ -25,10 +25,12 @@ Sinks take these events: :class:`JsonlWriter` (``metrics.jsonl``), :class:`Tenso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -54,11 +56,21 @@ class JsonlWriter:
         self._fh = path.open("a", encoding="utf-8")
 
     def emit(self, event: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._fh.flush()
+        with self._naming_the_file():
+            self._fh.write(json.dumps(event, separators=(",", ":")) + "\n")
+            self._fh.flush()
 
     def close(self) -> None:
-        self._fh.close()
+        with self._naming_the_file():
+            self._fh.close()
+
+    @contextlib.contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """A failed write (a full disk) names this file: the write's own error does not."""
+        try:
+            yield
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
 
 class Fanout:

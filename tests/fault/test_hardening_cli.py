@@ -249,3 +249,15 @@ def test_a_diverged_run_says_its_loss_is_nan_once_with_a_count(tmp_path: Path, c
                 if '"event":"progress"' in line and '"loss":NaN' in line)
     assert count > 30 and said[1].startswith(f"training loss was nan or inf in {count} progress reports, from ")
 
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device whose writes fail: ENOSPC)")
+def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """metrics.jsonl on a full disk (here /dev/full, where every write fails with ENOSPC): on
+    43f33af the one line said "No space left on device" without naming the file."""
+    run = tmp_path / "run"
+    assert train_here(capsys, "--max-samples", "128", "--checkpoint-every", "64", "--out", str(run)).returncode == 0
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to("/dev/full")
+    r = train_here(capsys, "--resume", str(run), "--max-samples", "256")
+    assert r.returncode == 2
+    assert one_error_line(r.stderr) == f"error: cannot write or read {run / 'metrics.jsonl'}: No space left on device"
