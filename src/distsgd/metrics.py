@@ -117,9 +117,9 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir, self.started = logdir, started
-        before = set(logdir.rglob("*")) if logdir.is_dir() else set()
+        before = set(logdir.iterdir()) if logdir.is_dir() else set()
         self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
-        record(*(set(logdir.rglob("*")) - before))  # its event file, named by TensorBoard
+        record(*(set(logdir.iterdir()) - before))  # its event file, named by TensorBoard
         if config_text:
             self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
 
