@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from distsgd import config as config_mod
-from distsgd import rundir
+from distsgd import rundir, user
 from distsgd import launch
 from distsgd.algorithms import registry
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
@@ -30,7 +30,7 @@ from distsgd.config import RunConfig, threads_per_worker, validate, with_default
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import ConfigError, DataError, ModelError, OutputError
+from distsgd.errors import CheckpointError, ConfigError, DataError, ModelError, OutputError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import under_torchrun
 from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reaching, lm_figures, make_progress,
@@ -251,6 +251,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
         if manifest["world"] != cfg.workers:
             raise ConfigError(f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
                               f"--workers {manifest['world']}")
+        if manifest.get("algo", cfg.algo) != cfg.algo:  # another algorithm's state would be misread, or hang
+            raise ConfigError(f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
+                              f"resume it with --algo {manifest['algo']}")
     if torchrun and os.environ.get("RANK") == "0" and os.environ.get("MASTER_ADDR") not in LOCAL_NAMES:
         log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
                     "use it only on a trusted network", os.environ.get("MASTER_ADDR"))
@@ -441,26 +444,45 @@ def _where(results: list[WorkerResult], cfg: RunConfig) -> dict[str, Any]:
 
 
 def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: str | None = None,
-                        batch_size: int = 1000) -> dict[str, Any]:
-    """Load a saved model (weights only) and measure it on its dataset's test set."""
+                        batch_size: int = 1000, model: str | None = None) -> dict[str, Any]:
+    """Load a saved model (weights only) and measure it on its dataset's test set (``dataset``:
+    another). A model or dataset that is a file (``path/file.py:Name``) is imported only when the
+    caller names it (``model``, ``dataset``): a checkpoint cannot make eval run code."""
     from distsgd.checkpoint import load_checkpoint
     from distsgd.train.evaluate import evaluate
 
-    ckpt = load_checkpoint(Path(path))
-    ds = load_dataset(dataset or ckpt["dataset"], data_dir, context=ckpt["config"].get("context"))
+    path = Path(path)
+    file = path / "model.pt" if path.is_dir() else path
+    ckpt = load_checkpoint(file)
+    saved = _recorded_settings(ckpt["config"], file)
+    for what, flag, recorded, given in (("model", "--model", ckpt["model"], model),
+                                        ("dataset", "--dataset", ckpt["dataset"], dataset)):
+        if given is None and user.names_file(recorded):
+            raise ConfigError(f"{file} was trained with the {what} in {recorded}, and eval runs no file you did not "
+                              f"name: if you trust that file, give {flag} {recorded}")
+    ds = load_dataset(dataset or ckpt["dataset"], data_dir, context=saved.context)
     if list(ds.input_shape) != list(ckpt["input_shape"]) or ds.num_classes != ckpt["num_classes"]:
         raise DataError(f"the checkpoint was trained on input {ckpt['input_shape']} with {ckpt['num_classes']} "
                         f"classes; {ds.name} has {list(ds.input_shape)} and {ds.num_classes}")
-    init = ckpt["config"].get("init", "default")
-    model = build_model(ckpt["model"], ds.input_shape, ds.num_classes, init)
+    spec = model or ckpt["model"]
+    net = build_model(spec, ds.input_shape, ds.num_classes, saved.init)
     try:
-        model.load_state_dict(ckpt["state_dict"])
+        net.load_state_dict(ckpt["state_dict"])
     except RuntimeError as exc:
-        raise ModelError(f"the checkpoint does not match model {ckpt['model']}: {str(exc).splitlines()[0]}") from None
-    loss_fn = loss_function(ckpt["config"].get("loss", "auto"), None, ds.task)
-    acc, loss = evaluate(model, ds, batch_size, loss_fn)
-    return {"checkpoint": str(path), "model": ckpt["model"], "dataset": ds.name, "test_samples": ds.n_test,
+        raise ModelError(f"the checkpoint does not match model {spec}: {str(exc).splitlines()[0]}") from None
+    loss_fn = loss_function(saved.loss, None, ds.task)
+    acc, loss = evaluate(net, ds, batch_size, loss_fn)
+    return {"checkpoint": str(path), "model": spec, "dataset": ds.name, "test_samples": ds.n_test,
             "test_accuracy": acc, "test_loss": loss, **(lm_figures(loss) if ds.task == "lm" else {})}
+
+
+def _recorded_settings(recorded: dict[str, Any], file: Path) -> RunConfig:
+    """The settings a checkpoint records that eval reads (context, loss, init), checked as a run's."""
+    try:
+        return validate(config_mod.from_mapping({k: recorded[k] for k in ("context", "loss", "init") if k in recorded},
+                                                source=str(file)))
+    except ConfigError as exc:
+        raise CheckpointError(f"{file} is damaged: the settings it records are not a run's ({exc})") from None
 
 
 __all__ = ["train", "run", "TrainResult", "evaluate_checkpoint"]

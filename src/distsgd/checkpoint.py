@@ -12,13 +12,14 @@ import io
 import json
 import logging
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from distsgd.errors import CheckpointError
+from distsgd.rundir import record
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all (a temporary file, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
+        record(tmp, path)  # both in the run directory's ledger first: what --overwrite may delete
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -249,6 +252,8 @@ def manifest_problem(manifest: Any) -> str | None:
         return f"ranks {ranks!r}"
     if not isinstance(manifest.get("coordinator", False), bool):
         return f"coordinator {manifest.get('coordinator')!r}"
+    if not isinstance(manifest.get("algo", ""), str):
+        return f"algo {manifest['algo']!r}"
     for key in ("samples", "epoch", "step"):
         if key in manifest and (not whole(manifest[key]) or manifest[key] < 0):
             return f"{key} {manifest[key]!r}"

@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(train)
     ev = sub.add_parser("eval", help="measure a saved model on its test set")
     ev.add_argument("--checkpoint", required=True, help="model.pt, or a run directory")
-    ev.add_argument("--dataset", help="dataset to evaluate on (default: the one it was trained on)")
+    ev.add_argument("--dataset", help="dataset to evaluate on (default: the one it was trained on; a FILE.py:FUNC "
+                                      "it names runs only when named here)")
+    ev.add_argument("--model", help="the model's path/file.py:ClassName, when the checkpoint names one: eval runs "
+                                    "no file that is not named on its command line")
     ev.add_argument("--data-dir")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ds = sub.add_parser("datasets", help="list the built-in datasets and where their files are")
@@ -198,7 +201,7 @@ def _saved_run(args: argparse.Namespace) -> Path | None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from distsgd.api import evaluate_checkpoint
 
-    res = evaluate_checkpoint(args.checkpoint, args.dataset, args.data_dir)
+    res = evaluate_checkpoint(args.checkpoint, args.dataset, args.data_dir, model=args.model)
     if args.json:
         print(json.dumps(res))
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.errors import ConfigError
-from distsgd.options import close_match, coerce, option, shown
+from distsgd.options import close_match, coerce, flag_of, option, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,6 +33,10 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 setting = option  # a RunConfig field with its help text beside it (see distsgd.options)
 EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a GPT's evaluation is costly
+SEEDS = 2 ** 63  # seeds are 0 .. SEEDS - 1: an int64, as torch's generators and JSON readers hold one
+TIMEOUT_MAX_S = 7 * 24 * 3600  # a longer wait is a hang (and far longer ones overflow torch's and sockets' clocks)
+STRAGGLER_MAX = 1000  # --straggler's slow-down factor: beyond it a worker's sleep is a hang
+FLOAT32_MAX = 3.4028234663852886e38  # a learning rate or decay above it overflows the float32 step
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class RunConfig:
     clip_grad_norm: float | None = setting(None, "clip each step's gradient to this global L2 norm (after the "
                                                  "algorithm's gradient sync); default none (gpt: 1.0)")
     init: str = setting("default", "default (PyTorch's) or xavier initialisation")
-    seed: int = setting(0, "seed for weights and data order; default 0")
+    seed: int = setting(0, "seed for weights and data order, 0 to 2**63 - 1; default 0")
     partition: str = setting("sharded", "sharded (disjoint shards) or replicated (every worker sees all data); "
                                         "default sharded")
     eval_every: int | None = setting(None, "evaluate on the test set every this many samples (all workers); "
@@ -114,7 +118,8 @@ class RunConfig:
     target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
     target_loss: float | None = setting(None, "test loss whose time and samples to reach are recorded (regression)")
     stop_at_target: bool = setting(False, "stop once --target-accuracy (or --target-loss) is reached")
-    threads_per_worker: int | None = setting(None, "torch threads per worker; default max(1, cores // workers)")
+    threads_per_worker: int | None = setting(None, "torch threads per worker, at most the cores; default max(1, "
+                                                   "cores // workers)")
     log_every: int = setting(50, "steps between progress events in metrics.jsonl; default 50")
     out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
     overwrite: bool = setting(False, "replace an existing run directory")
@@ -131,7 +136,8 @@ class RunConfig:
                                    "worker of a machine has a GPU of its own, else gloo")
     init_method: str | None = setting(None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; "
                                             "default a free port on 127.0.0.1")
-    timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed; default 300",
+    timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed, at most a week "
+                                       "(604800); default 300",
                                flag="--timeout")
     # Checkpoints.
     checkpoint_every: str | None = setting(None, "save a checkpoint every N samples (all workers) or 'epoch' into "
@@ -335,18 +341,24 @@ def validate(cfg: RunConfig) -> RunConfig:
         if not ok:
             raise ConfigError(message)
 
+    for name, f in _FIELDS.items():  # inf and nan mean nothing for any setting (and TOML cannot record them)
+        given = getattr(cfg, name)
+        need(not isinstance(given, float) or math.isfinite(given),
+             f"{flag_of(f)} must be a finite number, got {given}")
     need(cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}")
+    need(0 <= cfg.seed < SEEDS, f"--seed must be a whole number from 0 to 2**63 - 1, got {cfg.seed}")
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
     cfg = with_defaults(cfg)
     need(cfg.max_samples is None or cfg.max_samples >= 1, f"--max-samples must be at least 1, got {cfg.max_samples}")
-    need(math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr must be a positive number, got {cfg.lr}")
+    need(0 < cfg.lr <= FLOAT32_MAX, f"--lr must be a positive number (at most {FLOAT32_MAX:.4g}), got {cfg.lr}")
     need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")
     need(not cfg.nesterov or cfg.momentum > 0, "--nesterov needs a --momentum above 0")
-    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    need(0 <= cfg.weight_decay <= FLOAT32_MAX,
+         f"--weight-decay must be >= 0 (at most {FLOAT32_MAX:.4g}), got {cfg.weight_decay}")
     need(cfg.context >= 1, f"--context must be at least 1 token, got {cfg.context}")
     need(cfg.lr_warmup_steps >= 0, f"--lr-warmup-steps must be >= 0, got {cfg.lr_warmup_steps}")
-    need(math.isfinite(cfg.clip_grad_norm) and cfg.clip_grad_norm >= 0,
+    need(cfg.clip_grad_norm >= 0,
          f"--clip-grad-norm must be a positive number (0: off), got {cfg.clip_grad_norm}")
     need(cfg.weight_decay_on in ("all", "weights"),
          f"--weight-decay-on must be all or weights, got '{cfg.weight_decay_on}'")
@@ -370,19 +382,32 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.accumulate >= 1, f"--accumulate must be at least 1 micro-batch, got {cfg.accumulate}")
     need(cfg.loader_workers >= 0, f"--loader-workers must be >= 0, got {cfg.loader_workers}")
     need(cfg.restart_workers >= 0, f"--restart-workers must be >= 0, got {cfg.restart_workers}")
-    need(
-        cfg.threads_per_worker is None or cfg.threads_per_worker >= 1,
-        f"--threads-per-worker must be at least 1, got {cfg.threads_per_worker}",
-    )
+    # more threads than cores only slows a worker down; torch's pools fail (even crash) with thousands
+    need(cfg.threads_per_worker is None or 1 <= cfg.threads_per_worker <= cores(),
+         f"--threads-per-worker must be from 1 to the {cores()} cores this process may use, got "
+         f"{cfg.threads_per_worker}")
     need(cfg.log_every >= 1, f"--log-every must be at least 1 step, got {cfg.log_every}")
     need(cfg.backend in BACKENDS, f"unknown backend '{cfg.backend}' (choose from {', '.join(BACKENDS)})")
-    need(cfg.timeout_s > 0, f"--timeout must be positive, got {cfg.timeout_s}")
+    need(0 < cfg.timeout_s <= TIMEOUT_MAX_S,
+         f"--timeout must be positive and at most {TIMEOUT_MAX_S} seconds (a week), got {cfg.timeout_s}")
+    check_init_method(cfg.init_method)
     if cfg.checkpoint_period is not None:
         need(cfg.out is not None, "--checkpoint-every needs a run directory (--out)")
     if cfg.straggler_spec is not None:
         rank = cfg.straggler_spec.rank
         need(rank < cfg.workers, f"--straggler names worker {rank}, but there are only {cfg.workers} workers")
     return cfg
+
+
+def check_init_method(init_method: str | None) -> None:
+    """``--init-method``: env://, file:///PATH, or tcp://HOST:PORT with a port a worker can dial."""
+    if init_method is None or init_method.startswith(("env://", "file://")):
+        return
+    host, _, port = init_method[len("tcp://"):].rpartition(":")
+    if not init_method.startswith("tcp://") or not host:
+        raise ConfigError(f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--init-method {init_method}: the port must be a number from 1 to 65535, got '{port}'")
 
 
 def parse_period(text: str, flag: str, unit: str) -> Period:
@@ -424,6 +449,7 @@ def parse_straggler(text: str) -> Straggler:
         rank, factor = int(rank_text), float(factor_text)
     except ValueError:
         rank, factor = -1, 0.0
-    if not sep or rank < 0 or not math.isfinite(factor) or factor < 1:
-        raise ConfigError(f"--straggler must be RANK:FACTOR with RANK >= 0 and FACTOR >= 1, got '{text}'")
+    if not sep or rank < 0 or not 1 <= factor <= STRAGGLER_MAX:  # a nan factor fails the comparison too
+        raise ConfigError(f"--straggler must be RANK:FACTOR with RANK >= 0 and FACTOR from 1 to {STRAGGLER_MAX}, "
+                          f"got '{text}'")
     return Straggler(rank, factor)

@@ -25,14 +25,17 @@ Sinks take these events: :class:`JsonlWriter` (``metrics.jsonl``), :class:`Tenso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from distsgd.errors import ConfigError
+from distsgd.rundir import record
 
 
 class Sink(Protocol):
@@ -49,14 +52,25 @@ class JsonlWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        record(path)
         self._fh = path.open("a", encoding="utf-8")
 
     def emit(self, event: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._fh.flush()
+        with self._naming_the_file():
+            self._fh.write(json.dumps(event, separators=(",", ":")) + "\n")
+            self._fh.flush()
 
     def close(self) -> None:
-        self._fh.close()
+        with self._naming_the_file():
+            self._fh.close()
+
+    @contextlib.contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """A failed write (a full disk) names this file: the write's own error does not."""
+        try:
+            yield
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
 
 class Fanout:
@@ -103,7 +117,9 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir, self.started = logdir, started
+        before = set(logdir.iterdir()) if logdir.is_dir() else set()
         self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
+        record(*(set(logdir.iterdir()) - before))  # its event file, named by TensorBoard
         if config_text:
             self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
 

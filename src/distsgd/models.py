@@ -301,7 +301,7 @@ def describe(spec: ModelSpec) -> str:
 
 
 def _load_user(spec: str) -> Callable[..., nn.Module]:
-    if not spec.rpartition(":")[0].endswith(".py"):
+    if not user.names_file(spec):
         raise ModelError(f"unknown model '{spec}' (choose from {', '.join(BUILTIN)}, or give path/file.py:ClassName)")
     return user.load(spec, ModelError, "model")
 

@@ -1,25 +1,23 @@
-"""Run directories: created for a run (or a bench), and replaced only when they are distsgd's.
+"""Run directories: created for a run (or a bench), and replaced only where distsgd wrote them.
 
-``--overwrite`` must never delete what the user made. A directory distsgd makes carries a marker
-file (:data:`MARKER`); replacing one deletes only the entries distsgd writes (:data:`OURS`), and
-refuses, before deleting anything, when the directory holds anything else. An empty directory is
-taken as it is; any other directory is refused with one line. Directories of runs made before the
-marker existed are recognised by their ``config.toml``'s first line.
+``--overwrite`` must never delete what the user made. A directory distsgd makes carries a ledger
+(:data:`MARKER`): every file distsgd writes anywhere inside it is recorded there, by
+:func:`record`, before it is written. Replacing the directory deletes the files its ledger lists
+(and, in a distsgd directory made inside it, such as a bench's runs, the files that one's ledger
+lists), and refuses, before deleting anything, when the directory holds any other file, however
+deep and whatever its name. An empty directory is taken as it is; any other is refused.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 from pathlib import Path
 
 from distsgd.config import is_run_config
 from distsgd.errors import ConfigError
 
 MARKER = ".distsgd"
-# What a run, a bench or a compare writes into its directory (bench: runs/ holds run directories).
-OURS = {MARKER, "config.toml", "metrics.jsonl", "summary.json", "model.pt", "checkpoint", "tb", "workers.json",
-        "host-a.log", "host-b.log", "bench.json", "bench.md", "compare.json", "compare.md", "runs",
-        "accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput_vs_workers.png", "throughput_vs_time.png"}
+LEDGER = "# distsgd: the files it wrote in this directory, one a line (--overwrite deletes these and nothing else)"
 
 
 def is_ours(folder: Path) -> bool:
@@ -29,11 +27,57 @@ def is_ours(folder: Path) -> bool:
     return is_run_config(folder / "config.toml")
 
 
+def record(*paths: Path) -> None:
+    """Note ``paths`` (about to be written) in the ledger of the nearest distsgd directory that holds
+    them; nothing where none does. One append, so that processes writing at once do not mix lines."""
+    lines = []
+    for path in paths:
+        path = Path(os.path.abspath(path))
+        ledger = next((d / MARKER for d in path.parents if (d / MARKER).is_file()), None)
+        if ledger is None or "\n" in str(path):  # (a name the ledger cannot hold stays unrecorded: never deleted)
+            continue
+        lines.append((ledger, str(path.relative_to(ledger.parent))))
+    for ledger in {ledger for ledger, _ in lines}:
+        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, "".join(f"{name}\n" for where, name in lines if where == ledger).encode())
+        finally:
+            os.close(fd)
+
+
+def _written(folder: Path) -> set[str] | None:
+    """What ``folder``'s ledger lists (None: no ledger; an older distsgd's marker, which lists nothing)."""
+    try:
+        lines = (folder / MARKER).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return set(lines[1:]) if lines and lines[0] == LEDGER else None
+
+
+def _sort(folder: Path, written: set[str], prefix: str = "") -> tuple[list[Path], list[Path]]:
+    """The files under ``folder`` that distsgd wrote (its ledger ``written`` lists them, or the ledger
+    of a distsgd directory it lists) and those it did not. Symbolic links are not followed."""
+    ours: list[Path] = []
+    theirs: list[Path] = []
+    for child in sorted(folder.iterdir()):
+        name = prefix + child.name
+        if child.is_dir() and not child.is_symlink():
+            inner = _written(child) if name in written else None  # a distsgd directory made in this one
+            o, t = _sort(child, inner) if inner is not None else _sort(child, written, name + "/")
+            ours += o
+            theirs += t
+        elif name in written or name == MARKER:
+            ours.append(child)
+        else:
+            theirs.append(child)
+    return ours, theirs
+
+
 def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
-    """Create ``out`` for a run (or a bench: ``kind``), with its marker. An existing non-empty
+    """Create ``out`` for a run (or a bench: ``kind``), with its ledger. An existing non-empty
     ``out`` is replaced only with ``overwrite``, only if distsgd made it, only if it holds nothing
-    but what distsgd writes, and never if it is, holds or lies inside ``keep`` (the run being
-    resumed)."""
+    but files distsgd recorded writing, and never if it is, holds or lies inside ``keep`` (the run
+    being resumed)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
@@ -48,16 +92,27 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
         if not is_ours(out):
             raise ConfigError(f"--out {out} holds files distsgd did not write; --overwrite replaces only a distsgd "
                               f"{kind} directory (or an empty one): choose another --out")
-        theirs = sorted(p.name for p in out.iterdir() if p.name not in OURS)
+        written = _written(out)
+        if written is None:
+            raise ConfigError(f"--out {out} was written by an older distsgd, which did not record its files, and "
+                              f"--overwrite deletes only files distsgd recorded: delete it yourself, or choose "
+                              f"another --out")
+        ours, theirs = _sort(out, written)
         if theirs:
-            shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+            shown = ", ".join(str(p.relative_to(out)) for p in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
             raise ConfigError(f"--out {out} also holds {shown}, which distsgd did not write, and --overwrite never "
                               f"deletes those: move them, or choose another --out")
-        for child in out.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        for path in ours:
+            path.unlink()
+        for folder in sorted({d for p in ours for d in p.parents if out in d.parents}, key=lambda d: -len(d.parts)):
+            try:  # the folders that held them, once empty (an empty folder of the user's stays)
+                folder.rmdir()
+            except OSError:
+                pass
+    record(out)  # in the ledger of a distsgd directory that holds this one (a bench's runs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text(f"{kind} directory written by distsgd\n")
+    (out / MARKER).write_text(f"{LEDGER}\n")
     return out
 
 
-__all__ = ["MARKER", "OURS", "is_ours", "prepare"]
+__all__ = ["MARKER", "is_ours", "prepare", "record"]

@@ -42,12 +42,17 @@ if not any(isinstance(f, _Finder) for f in sys.meta_path):
     sys.meta_path.append(_Finder())
 
 
+def names_file(spec: str) -> bool:
+    """Whether ``spec`` names a Python file (``path/file.py:Name``), which loading it would run."""
+    return spec.rpartition(":")[0].endswith(".py")
+
+
 def load(spec: str, error: type[Exception], what: str) -> Any:
     """The object named by ``path/file.py:Name``; ``error`` (a DistsgdError subclass) for a
     missing file, a failing import or a missing name. ``what``: "model", "dataset", ..."""
     path_text, _, name = spec.rpartition(":")
     path = Path(path_text)
-    if not path_text.endswith(".py") or not name:
+    if not names_file(spec) or not name:
         raise error(f"cannot read {what} '{spec}': give path/file.py:Name")
     if not path.is_file():
         raise error(f"{what} file not found: {path}")

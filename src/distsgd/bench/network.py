@@ -41,6 +41,7 @@ from distsgd.algorithms import registry
 from distsgd.checkpoint import atomic_write_json
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
+from distsgd.rundir import record
 
 HOSTS = ("10.77.0.1", "10.77.0.2")
 _SPEC = re.compile(r"^(?P<rate>\d+(\.\d+)?[kmg]?bit)(,delay=(?P<delay>\d+(\.\d+)?ms))?$")
@@ -172,6 +173,7 @@ class Network:
             if code != 0:
                 Path(cfg.out).mkdir(parents=True, exist_ok=True)
                 kept = Path(cfg.out) / f"host-{'ab'[node]}.log"
+                record(kept)
                 kept.write_text(err)
                 lines = [ln for ln in err.strip().splitlines() if ln.strip() and "error_file" not in ln]
                 last = ([ln for ln in lines if "error" in ln.lower()] or lines)[-1:] or ["(no output)"]

@@ -11,6 +11,7 @@ from typing import Any
 
 from distsgd.algorithms.registry import baseline as baseline_name
 from distsgd.config import RunConfig
+from distsgd.rundir import record
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def write(report: dict[str, Any], out: Path, name: str) -> list[str]:
     """What bench and compare both write into ``out``: ``<name>.json`` (the report), ``<name>.md``
     (:func:`markdown`) and the plots (:func:`plots`); returns the plots' file names."""
+    record(out / f"{name}.json", out / f"{name}.md")
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")  # kept even if plotting fails
     (out / f"{name}.md").write_text(markdown(report))
     report["plots"] = plots(report, out)
@@ -233,6 +235,7 @@ def _save(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, path: Path, leg
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=legend_cols)
     fig.tight_layout()
+    record(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from distsgd import user
 from distsgd.data import formats, sources, text
 from distsgd.data.augment import crop_flip
 from distsgd.data.torchdata import TorchData, is_map_dataset
@@ -185,7 +186,7 @@ FORMATS = (
            "text (language models; pip install 'distsgd[hf]')", _prefixed("hf:"),
            lambda spec, _, context: from_hf(text.read_hf(spec[3:]), context, spec, spec[3:])),
     Format("FILE.py:FUNC", "a function returning (train, test) torch Datasets (runs that file)",
-           lambda spec: spec.rpartition(":")[0].endswith(".py"), lambda spec, _, __: _load_user(spec)),
+           user.names_file, lambda spec, _, __: _load_user(spec)),
 )
 
 
@@ -376,8 +377,6 @@ def _load_folder(path: Path) -> TorchData:
 
 
 def _load_user(spec: str) -> TrainingData:
-    from distsgd import user
-
     function = user.load(spec, DataError, "dataset")
     try:
         result = function()

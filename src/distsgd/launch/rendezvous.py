@@ -56,11 +56,8 @@ def check_backend(cfg: RunConfig) -> None:
 
 
 def check_init_method(init_method: str | None) -> None:
-    if init_method is None:
-        return
-    if not init_method.startswith(("env://", "tcp://", "file://")):
-        raise ConfigError(f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'")
-    if init_method.startswith("tcp://"):
+    """Warn when the rendezvous (checked by ``config.validate``) listens beyond this machine."""
+    if init_method is not None and init_method.startswith("tcp://"):
         host = init_method[len("tcp://"):].rsplit(":", 1)[0]
         if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
             log.warning("the rendezvous listens on %s: torch.distributed has no authentication or encryption; "

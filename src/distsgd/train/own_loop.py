@@ -130,6 +130,7 @@ class Run:
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
+        self._nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
         self.scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         self.autocast = device.autocast(ctx.device, self.cfg.precision)
         self._warmup, self._clip = value(self.cfg, "lr_warmup_steps"), value(self.cfg, "clip_grad_norm")
@@ -389,8 +390,11 @@ class Run:
         elapsed = self.clock.elapsed()
         gs = self.global_samples()
         mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
-        if not math.isfinite(mean_loss):
-            log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
+        if not math.isfinite(mean_loss):  # said once, and how often at the end: a diverged run says it every report
+            count, first, _ = self._nonfinite
+            if not count:
+                log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
+            self._nonfinite = (count + 1, first if count else gs, gs)
         self._ctx.sink.emit({"event": "progress", "samples": gs, "epoch": self.epoch(), "rank": self.rank,
                              "loss": mean_loss, "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
                              "train_wall_s": elapsed, "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
@@ -432,6 +436,9 @@ class Run:
         self.clock.pause()
         self._train_wall_s = self.clock.elapsed()
         self._algo.verify(self._ctx, self._returned)
+        if self._nonfinite[0] > 1:
+            log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples",
+                        *self._nonfinite)
         return self._returned
 
     @property
