@@ -51,6 +51,21 @@ def test_bf16_under_every_topology(algo: str, workers: int) -> None:
     assert s["precision"] == "bf16" and s["final_test_accuracy"] > 0.5, s
 
 
+@pytest.mark.parametrize("algo", ["hogwild", "hogwild++"])
+def test_shared_memory_results_say_where_their_workers_trained(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
+    """summary.json's device, precision and gpu come from the workers' own record of where they
+    trained: the shared-memory launcher only holds the models (on a GPU it would otherwise say cpu)."""
+    from distsgd import api
+
+    seen: list[list] = []
+    where = api._where
+    monkeypatch.setattr(api, "_where", lambda results, cfg: seen.append([r.where for r in results]) or
+                        where(results, cfg))
+    s = distsgd.train(model="mlp", data="digits", algo=algo, workers=2, epochs=1, precision="bf16", quiet=True).summary
+    assert seen[0] == [{"device": "cpu", "precision": "bf16"}] * 2, seen
+    assert s["device"] == "cpu" and s["precision"] == "bf16"
+
+
 def test_compile_trains_on_cpu() -> None:
     """torch.compile of the model (inductor: a C compiler builds its kernels on the first steps)."""
     s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True,

@@ -272,12 +272,16 @@ class Machine:
             evals = sup.results[min(sup.results)]["evals"]
         final = evals[-1] if evals else {}
         final = {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss")}
+        # where each worker trained (its device, its GPU): this process only holds the shared models
+        where = {r: sup.results[r].get("where") for r in sup.results}
         chief = WorkerResult(rank=first, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
                              evals=evals, final_test_accuracy=final["test_accuracy"],
-                             final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance)
+                             final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance,
+                             where=where.get(0) or next(iter(where.values()), None))
         others = [WorkerResult(rank=first + r, samples=int(counts[r]), global_samples=total,
                                train_wall_s=train_wall_s, evals=[], final_test_accuracy=None, final_test_loss=None,
-                               model=None, figures=sup.results.get(r, {}).get("figures", Figures()))
+                               model=None, figures=sup.results.get(r, {}).get("figures", Figures()),
+                               where=where.get(r))
                   for r in range(1, self.cfg.workers)]
         return [chief] + others
 
