@@ -38,3 +38,86 @@ def test_algorithm_state_resumes_on_a_gpu(tmp_path: Path, algo: str, extra: dict
     resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=1440)
     assert resumed.summary["device"].startswith("cuda")
     assert resumed.summary["final_test_loss"] == pytest.approx(full.summary["final_test_loss"], rel=1e-5)
+
+
+def _idle() -> bool:
+    """Whether every kernel this process queued on its GPU has run."""
+    return torch.cuda.current_stream().query()
+
+
+class _Probe:
+    """A lock that notes, each time it is released, whether the holder's GPU work was done."""
+
+    def __init__(self) -> None:
+        self.idle: list[bool] = []
+
+    def acquire(self, block: bool = True) -> bool:
+        return True
+
+    def release(self) -> None:
+        self.idle.append(_idle())
+
+    def __enter__(self) -> "_Probe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _big_model(where: torch.device) -> torch.nn.Module:
+    """64M parameters: a step of Adam on them takes the GPU a while after step() has returned."""
+    return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).to(where)
+
+
+def _shared_seat(models: list[torch.nn.Module], lock: object, extras: object = None) -> object:
+    from distsgd.algorithms.base import SharedSeat
+
+    return SharedSeat(states=[m.state_dict() for m in models], counts=torch.zeros(len(models), dtype=torch.int64),
+                      stop=torch.zeros(1, dtype=torch.int8), lock=lock, extras=extras,
+                      device=str(next(models[0].parameters()).device))
+
+
+def test_the_hogwild_lock_is_held_until_the_gpu_has_stepped() -> None:
+    """--hogwild-lock excludes the other workers' updates only if this one's is done on the device
+    when the lock is released (optimizer.step() queues the kernels and returns)."""
+    from types import SimpleNamespace
+
+    from distsgd.algorithms.hogwild import Hogwild
+    from distsgd.config import RunConfig
+    from distsgd.train.context import Start, Step
+
+    where = torch.device("cuda", torch.cuda.current_device())
+    model, probe = _big_model(where), _Probe()
+    algo = Hogwild(RunConfig(algo="hogwild", workers=1, options={"hogwild_lock": True}), _shared_seat([model], probe))
+    ctx = SimpleNamespace(device=where, rank=0, dataset=SimpleNamespace(is_shared=lambda: True))
+    model = algo.setup(ctx, model, Start.FRESH)
+    optimizer = torch.optim.Adam(model.parameters())
+    for number in range(1, 6):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        algo.apply_step(ctx, optimizer, Step(number=number, samples=number))
+    assert probe.idle == [True] * 5
+
+
+def test_a_hogwildpp_exchange_is_done_on_the_gpu_before_the_ring_lock_is_released() -> None:
+    """The token holder's exchange adds to its model and the next cluster's; the next cluster's own
+    exchange must not read them before those kernels have run."""
+    from types import SimpleNamespace
+
+    from distsgd.algorithms.hogwildpp import HogwildPP, Ring
+    from distsgd.config import RunConfig
+    from distsgd.train.context import Start
+
+    where = torch.device("cuda", torch.cuda.current_device())
+    cfg = RunConfig(algo="hogwild++", workers=2, options={"cluster_size": 1})
+    models = [_big_model(where) for _ in range(2)]
+    ring = Ring().extras(cfg, None, models)
+    algo = HogwildPP(cfg, _shared_seat(models, None, ring))
+    ctx = SimpleNamespace(device=where, rank=0, dataset=SimpleNamespace(is_shared=lambda: True))
+    model = algo.setup(ctx, _big_model(where), Start.FRESH)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))  # a local update since the last exchange
+        algo._exchange()
+        assert _idle()
