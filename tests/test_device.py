@@ -88,6 +88,26 @@ def test_impossible_devices_are_one_error_line(tmp_path: Path, args: list[str], 
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), res.stderr
 
 
+def test_nccl_is_refused_for_workers_that_would_share_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL takes one rank per GPU: on a one-GPU machine two nccl workers fail inside NCCL
+    ("duplicate GPU"), so the plan refuses them in one line (``auto`` picks gloo there)."""
+    import torch.distributed as dist
+
+    from distsgd.config import RunConfig
+    from distsgd.launch import group
+    from distsgd.train import device
+
+    monkeypatch.setattr(device, "cuda_count", lambda: 1)  # a machine with one GPU
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    cfg = RunConfig(algo="allreduce", workers=2, device="cuda", backend="nccl")
+    with pytest.raises(ConfigError, match="--backend nccl needs a GPU for each worker of a machine: 2 workers, 1 GPU"):
+        group.plan(cfg, None, False)
+    with pytest.raises(ConfigError, match="--backend nccl needs the workers on GPUs"):
+        group.plan(cfg.replace(workers=1, device="cpu"), None, False)
+    assert group.plan(cfg.replace(workers=1), None, False).backend == "nccl"
+    assert group.plan(cfg.replace(backend="auto"), None, False).backend == "gloo"
+
+
 def test_auto_is_the_cpu_without_cuda() -> None:
     from distsgd.train import device
 

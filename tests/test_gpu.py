@@ -14,6 +14,8 @@ import torch
 import distsgd
 from distsgd.checkpoint import load_worker_state
 
+from helpers import run_cli
+
 pytest.importorskip("sklearn")
 
 pytestmark = pytest.mark.gpu
@@ -121,3 +123,24 @@ def test_a_hogwildpp_exchange_is_done_on_the_gpu_before_the_ring_lock_is_release
                 p.add_(torch.randn_like(p))  # a local update since the last exchange
         algo._exchange()
         assert _idle()
+
+
+def test_nccl_runs_say_nothing_on_stderr(tmp_path: Path) -> None:
+    """Its group is bound to each worker's GPU (init_process_group's device_id), so NCCL neither
+    guesses the barrier's device nor warns that it does; without --quiet, stderr holds the progress
+    lines alone."""
+    workers = min(2, torch.cuda.device_count())
+    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--algo", "allreduce", "--workers", str(workers),
+                  "--device", "cuda", "--backend", "nccl", "--epochs", "1", "--out", str(tmp_path / "r"), timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    others = [line for line in res.stderr.splitlines() if not line.startswith(("train ", "eval "))]
+    assert others == [], res.stderr[-2000:]
+
+
+def test_nccl_with_two_workers_on_one_gpu_is_one_error_line(tmp_path: Path) -> None:
+    workers = torch.cuda.device_count() + 1
+    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--algo", "allreduce", "--workers", str(workers),
+                  "--device", "cuda", "--backend", "nccl", "--out", str(tmp_path / "r"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --backend nccl needs a GPU for each worker"), res.stderr
