@@ -66,6 +66,29 @@ def test_shared_memory_results_say_where_their_workers_trained(monkeypatch: pyte
     assert s["device"] == "cpu" and s["precision"] == "bf16"
 
 
+class SeesFloat32(torch.nn.Module):
+    """Logistic regression that fails unless it computes in IEEE float32: cuDNN's convolutions run
+    in TF32 unless told otherwise, which on a GPU would make --precision fp32 something else."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        precision = (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+        assert precision == ("ieee", "ieee") or not x.any(), precision  # zeros: the launcher's shape probe
+        return self.fc(x.flatten(1))
+
+
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2), ("hogwild", 2)])
+def test_fp32_is_ieee_float32_in_training_and_evaluation(algo: str, workers: int) -> None:
+    before = torch.backends.cudnn.conv.fp32_precision
+    s = distsgd.train(model=SeesFloat32, data="digits", algo=algo, workers=workers, epochs=1, lr=0.1,
+                      quiet=True).summary
+    assert s["final_test_accuracy"] > 0.5, s
+    assert torch.backends.cudnn.conv.fp32_precision == before  # the caller's own setting (single ran here)
+
+
 def test_compile_trains_on_cpu() -> None:
     """torch.compile of the model (inductor: a C compiler builds its kernels on the first steps)."""
     s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True,

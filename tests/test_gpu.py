@@ -144,3 +144,17 @@ def test_nccl_with_two_workers_on_one_gpu_is_one_error_line(tmp_path: Path) -> N
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --backend nccl needs a GPU for each worker"), res.stderr
+
+
+def test_fp32_on_a_gpu_scores_what_the_cpu_scores(tmp_path: Path) -> None:
+    """--precision fp32 is IEEE float32 on the GPU (cuDNN would run resnet20's convolutions in
+    TF32, 10 bits of mantissa): the reported loss is the CPU's evaluation of model.pt to float32
+    rounding, not to TF32's 1e-3."""
+    from distsgd.api import evaluate_checkpoint
+
+    run = tmp_path / "run"
+    s = distsgd.train(model="resnet20", data="digits", epochs=1, batch_size=64, lr=0.05, device="cuda", out=str(run),
+                      quiet=True).summary
+    saved = evaluate_checkpoint(run / "model.pt")  # on the CPU
+    assert s["final_test_loss"] == pytest.approx(saved["test_loss"], rel=1e-4)
+    assert s["final_test_accuracy"] == saved["test_accuracy"]

@@ -9,12 +9,15 @@ worker picks its device from its index on its machine (:func:`resolve`: worker i
 Precision: ``bf16`` runs the forward pass and the loss under ``torch.autocast`` with bfloat16 (CPU
 and GPU; no loss scaling needed, its range is float32's); ``fp16`` under autocast with float16 and a
 ``GradScaler`` (GPU only: its loss scaling skips a step whose gradients overflowed). Parameters,
-gradients, optimiser state and everything the algorithms send stay float32.
+gradients, optimiser state and everything the algorithms send stay float32. float32 is IEEE float32
+on a GPU too (:func:`float32_exact`: not the TF32 that cuDNN uses by default), so ``fp32`` means
+what it says and a GPU's evaluation agrees with the CPU's to float32 rounding; bf16 is the fast path.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -82,6 +85,31 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
+@contextlib.contextmanager
+def float32_exact() -> Iterator[None]:
+    """Inside the block float32 means IEEE float32 on a GPU too: cuDNN convolutions (and RNNs),
+    which PyTorch runs in TF32 by default, and CUDA matmuls. Outside it the process's own settings
+    hold again (``single`` trains in the caller's process)."""
+    backends = torch.backends
+    if hasattr(backends.cudnn, "conv"):  # torch >= 2.9: each op's fp32_precision (its legacy flags must not mix)
+        ops = [backends.cudnn.conv, backends.cudnn.rnn, backends.cuda.matmul]
+        before = [op.fp32_precision for op in ops]
+        for op in ops:
+            op.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for op, value in zip(ops, before):
+                op.fp32_precision = value
+        return
+    flags = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
+    backends.cudnn.allow_tf32 = backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = flags
+
+
 def synchronizer(device: torch.device) -> Callable[[], None] | None:
     """What a clock calls before it is read, so it counts the work queued on the device."""
     if device.type == "cuda":
@@ -113,5 +141,5 @@ def describe(device: torch.device, precision: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["PRECISIONS", "cuda_count", "kind", "check", "resolve", "use", "autocast", "synchronizer", "ScaledOptimizer",
-           "describe"]
+__all__ = ["PRECISIONS", "cuda_count", "kind", "check", "resolve", "use", "autocast", "float32_exact", "synchronizer",
+           "ScaledOptimizer", "describe"]

@@ -13,11 +13,13 @@ from distsgd.config import eval_period
 from distsgd.metrics import TrainClock, lm_figures
 from distsgd.metrics import reached as target_reached
 from distsgd.models import logits_of
+from distsgd.train import device
 from distsgd.train.context import Every
 from distsgd.train.objective import loss_function
 
 
 @torch.no_grad()
+@device.float32_exact()  # what distsgd eval measures on the CPU: float32, not TF32
 def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy) -> tuple[float | None, float]:
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
     model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
