@@ -157,4 +157,4 @@ def test_fp32_on_a_gpu_scores_what_the_cpu_scores(tmp_path: Path) -> None:
                       quiet=True).summary
     saved = evaluate_checkpoint(run / "model.pt")  # on the CPU
     assert s["final_test_loss"] == pytest.approx(saved["test_loss"], rel=1e-4)
-    assert s["final_test_accuracy"] == saved["test_accuracy"]
+    assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1.01 / saved["test_samples"])
