@@ -158,3 +158,45 @@ def test_fp32_on_a_gpu_scores_what_the_cpu_scores(tmp_path: Path) -> None:
     saved = evaluate_checkpoint(run / "model.pt")  # on the CPU
     assert s["final_test_loss"] == pytest.approx(saved["test_loss"], rel=1e-4)
     assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1.01 / saved["test_samples"])
+
+
+def test_a_cpu_model_evaluated_on_gpu_data_reads_each_batch_once_it_has_arrived() -> None:
+    """A batch copied from the GPU to the host with non_blocking=True may be read before it has
+    landed (PyTorch's pinned-memory tutorial); evaluate() must give what it gives with the data on
+    the host. Batches of 60 MB: a copy the CPU would overtake."""
+    from distsgd.data import from_arrays
+    from distsgd.train.evaluate import evaluate
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20_000, 3, 32, 32, generator=g), torch.randint(0, 10, (20_000,), generator=g)
+    data = from_arrays("arrays", x[:100], y[:100], x, y)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    assert evaluate(model, data.to(torch.device("cuda")), 5000) == evaluate(model, data, 5000)
+
+
+class Wide(torch.nn.Module):
+    """1.2 M parameters (4.7 MB) on 8x8 digits: a copy per evaluation point shows in GPU memory."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 16384), torch.nn.ReLU(),
+                                       torch.nn.Linear(16384, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_hogwild_keeps_no_gpu_copy_per_evaluation_point() -> None:
+    """The launcher copies the shared model at every --eval-every point and evaluates the copies
+    after training: kept on the GPU, its memory would grow with the number of points."""
+    model_bytes = sum(p.numel() * 4 for p in Wide(10).parameters())
+
+    def peak(eval_every: int) -> int:
+        torch.cuda.reset_peak_memory_stats()
+        s = distsgd.train(model=Wide, data="digits", algo="hogwild", workers=2, epochs=1, lr=0.01,
+                          eval_every=eval_every, device="cuda", quiet=True).summary
+        assert s["device"].startswith("cuda"), s
+        return torch.cuda.max_memory_allocated()
+
+    few, many = peak(2000), peak(50)  # 1 evaluation against about 29
+    assert many - few < 3 * model_bytes, (few, many, model_bytes)
