@@ -131,6 +131,36 @@ def test_nccl_is_refused_for_workers_that_would_share_a_gpu(monkeypatch: pytest.
     assert group.plan(cfg.replace(backend="auto"), None, False).backend == "gloo"
 
 
+def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's random state holds its own GPU's generator: saved by the worker on GPU 3 of 4, it
+    loads on a machine with one GPU (into that GPU's), where one state per GPU of the saving machine
+    could not. (torch.cuda stood in for: set_rng_state_all sets GPU i to the i-th state, as torch does.)"""
+    from distsgd.checkpoint import RngState
+
+    gpus = {"count": 4, "current": 3}
+    generators = [torch.tensor([i], dtype=torch.uint8) for i in range(4)]
+    set_on: list[tuple[int, int]] = []
+
+    def set_rng_state(state: torch.Tensor, device: int | str = "cuda") -> None:
+        index = gpus["current"] if device == "cuda" else int(device)
+        if index >= gpus["count"]:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        set_on.append((index, int(state[0])))
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus["count"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": generators[gpus["current"]])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: generators[:gpus["count"]])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: [set_rng_state(s, i) for i, s in enumerate(states)])
+    saved = RngState().state_dict()
+    gpus.update(count=1, current=0)
+    RngState().load_state_dict(saved)
+    assert set_on == [(0, 3)]
+
+
 def test_auto_is_the_cpu_without_cuda() -> None:
     from distsgd.train import device
 
