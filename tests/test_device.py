@@ -10,6 +10,7 @@ scaling, workers that start though the caller used CUDA, model.pt loading withou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,54 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(monkeypatch: pytest.
     gpus.update(count=1, current=0)
     RngState().load_state_dict(saved)
     assert set_on == [(0, 3)]
+
+
+def test_the_launcher_counts_gpus_without_initialising_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launching process counts GPUs through NVML: asking the CUDA runtime
+    (torch.cuda.is_available) initialises the CUDA driver, after which a process that forks cannot
+    use CUDA in the child. (torch's NVML count and its CUDA one stood in for, on this CPU build.)"""
+    from distsgd.train import device
+
+    def cuda_runtime() -> int:
+        raise AssertionError("the CUDA runtime was asked: cuInit ran in the launching process")
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_runtime, raising=False)
+    assert device.cuda_count() == 2
+
+
+def _mark() -> str | None:
+    return os.environ.get("DISTSGD_TEST_MARK")
+
+
+class _EnvironmentWhenUnpickled:
+    """Unpickles as what DISTSGD_TEST_MARK is in the unpickling process, then (as a CUDA IPC tensor
+    initialises CUDA with the CUDA_VISIBLE_DEVICES of that moment)."""
+
+    def __reduce__(self) -> tuple:
+        return _mark, ()
+
+
+def _say(value: object, out: object) -> None:
+    from distsgd.launch import procs
+
+    procs.Outbox(out).put(("result", 0, value))
+
+
+def test_workers_unpickle_their_arguments_in_the_launchers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server keeps the environment it started with; a worker takes the launcher's before
+    its arguments are unpickled, so CUDA tensors among them meet the launcher's CUDA_VISIBLE_DEVICES."""
+    from distsgd.config import RunConfig
+    from distsgd.launch import procs
+
+    procs.mp_context()  # the fork server runs, with the environment of now
+    monkeypatch.setenv("DISTSGD_TEST_MARK", "set after the fork server started")
+    with procs.spawned(RunConfig(), _say, [("worker", 0)],
+                       lambda i, out, again: (_EnvironmentWhenUnpickled(), out)) as team:
+        sup = procs.Supervisor(team.procs, team.inbox, lambda event: None)
+        sup.drain_until(lambda: bool(sup.results or sup.failed()), 60)
+    assert sup.results == {0: "set after the fork server started"}, sup.said
 
 
 def test_auto_is_the_cpu_without_cuda() -> None:

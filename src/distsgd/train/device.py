@@ -1,10 +1,14 @@
 """Where and how precisely a worker computes: ``--device``, ``--precision``, ``--compile``.
 
-Devices are a parameter, never an assumption. The launching process never creates a CUDA context:
-it only asks whether CUDA is there and how many devices it has (:func:`cuda_count`, which does not
-create one), and the fork server that starts workers imports torch without touching CUDA. Each
-worker picks its device from its index on its machine (:func:`resolve`: worker i uses
-``cuda:(i % visible GPUs)``) and creates everything there.
+Devices are a parameter, never an assumption. The launching process asks how many GPUs there are
+through NVML (:func:`cuda_count`: no CUDA context, and not even the CUDA driver, which would keep a
+process that forks afterwards from using CUDA in the child). It creates a CUDA context only where it
+computes itself: ``single`` trains in it, and the shared-memory launcher holds the models and the
+data that its workers map through CUDA IPC, and evaluates them. Workers never inherit that: they
+come from a fork server started by exec, which imports torch without touching CUDA, and unpickle
+their arguments (CUDA IPC tensors initialise CUDA) only once the launcher's environment, with its
+``CUDA_VISIBLE_DEVICES``, is theirs. Each worker picks its device from its index on its machine
+(:func:`resolve`: worker i uses ``cuda:(i % visible GPUs)``) and creates everything there.
 
 Precision: ``bf16`` runs the forward pass and the loss under ``torch.autocast`` with bfloat16 (CPU
 and GPU; no loss scaling needed, its range is float32's); ``fp16`` under autocast with float16 and a
@@ -29,9 +33,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cuda_count() -> int:
-    """GPUs this process may use, asked without creating a CUDA context (0 without CUDA)."""
+    """GPUs this process may use (0 without CUDA), as NVML counts them: ``torch.cuda.is_available``
+    would ask the CUDA driver, initialising it (torch falls back to that only without NVML)."""
     try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return torch.cuda.device_count()
     except Exception:  # a broken driver counts as no GPU
         return 0
 
