@@ -200,3 +200,69 @@ def test_hogwild_keeps_no_gpu_copy_per_evaluation_point() -> None:
 
     few, many = peak(2000), peak(50)  # 1 evaluation against about 29
     assert many - few < 3 * model_bytes, (few, many, model_bytes)
+
+
+def test_bf16_on_a_gpu_without_it_is_one_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU without bfloat16 (autocast refuses it with a RuntimeError): each worker says so in one
+    line before it trains (here `single`, in this process, on a GPU made to say it has none)."""
+    from distsgd.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(ConfigError, match="does not support bfloat16; use --precision fp16 or fp32") as caught:
+        distsgd.train(model="mlp", data="digits", epochs=1, device="cuda", precision="bf16", quiet=True)
+    assert len(str(caught.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2), ("hogwild", 2), ("asgd", 2)])
+def test_the_model_returned_is_on_the_cpu_whatever_the_topology(algo: str, workers: int) -> None:
+    result = distsgd.train(model="mlp", data="digits", algo=algo, workers=workers, epochs=1, lr=0.05, device="cuda",
+                           quiet=True)
+    assert result.summary["device"].startswith("cuda")
+    assert {t.device.type for t in result.model.state_dict().values()} == {"cpu"}
+
+
+def test_a_parameter_server_worker_sends_its_gradient_off_the_gpu_in_one_copy() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from distsgd.algorithms.param_server.transport import Frame, Layout
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]).cuda()  # 16 tensors
+    layout = Layout.of(model)
+    frame = Frame(layout.request_bytes, pinned=True)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layout.params.pack(frame, grads)
+    copies = [e.name for e in prof.events() if e.name.lower().startswith("memcpy dtoh")]
+    assert len(copies) == 1, copies
+    assert torch.equal(layout.params.whole(frame), torch.cat([g.reshape(-1) for g in grads]).cpu())
+
+
+def test_augmentation_on_a_gpu_never_waits_for_it() -> None:
+    """--augment on the tensor fast path: crops and flips on the device, with no synchronisation
+    (a boolean mask's indexing asks the GPU how many it selected, and waits)."""
+    from distsgd.data.augment import crop_flip
+
+    x, fill = torch.randn(256, 3, 32, 32, device="cuda"), torch.zeros(1, 3, 1, 1, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = crop_flip(x, fill)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("ddp", 2), ("hogwild", 2), ("asgd", 2)])
+def test_compile_on_cuda_workers_saves_the_plain_model(tmp_path: Path, algo: str, workers: int) -> None:
+    """--compile compiles each worker's module in place: model.pt's keys are the model's own (no
+    _orig_mod. or module. prefix), and it scores on the CPU what the run reported."""
+    from distsgd.api import evaluate_checkpoint
+
+    run = tmp_path / "run"
+    s = distsgd.train(model="mlp", data="digits", algo=algo, workers=workers, epochs=2, lr=0.05, device="cuda",
+                      compile=True, out=str(run), quiet=True).summary
+    assert s["compile"] is True and s["device"].startswith("cuda") and s["final_test_accuracy"] > 0.5, s
+    state = torch.load(run / "model.pt", weights_only=True)["state_dict"]
+    assert set(state) == set(distsgd.models.build_model("mlp", (1, 8, 8), 10).state_dict()), sorted(state)
+    saved = evaluate_checkpoint(run / "model.pt")
+    assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1.01 / saved["test_samples"])

@@ -84,9 +84,14 @@ def use(spec: str, local_index: int = 0) -> torch.device:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The forward pass's context: nothing for fp32, autocast for bf16 and fp16."""
+    """The forward pass's context: nothing for fp32, autocast for bf16 and fp16. Each worker asks
+    once, before it trains: a GPU without bfloat16 is one error line (the launcher, which creates no
+    CUDA context, cannot ask its GPU)."""
     if precision == "fp32":
         return contextlib.nullcontext()
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"--precision bf16: this GPU ({torch.cuda.get_device_name(device)}) does not support "
+                          f"bfloat16; use --precision fp16 or fp32")
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
