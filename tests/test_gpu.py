@@ -266,3 +266,26 @@ def test_compile_on_cuda_workers_saves_the_plain_model(tmp_path: Path, algo: str
     assert set(state) == set(distsgd.models.build_model("mlp", (1, 8, 8), 10).state_dict()), sorted(state)
     saved = evaluate_checkpoint(run / "model.pt")
     assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1.01 / saved["test_samples"])
+
+
+def test_fp16_with_a_float16_wire_keeps_a_sane_loss_scale(tmp_path: Path) -> None:
+    """allreduce --compress fp16 casts the gradients to float16 while they are still loss-scaled,
+    as torch's DDP with fp16_compress_hook and a GradScaler does: values past float16's 65504
+    overflow to inf on every worker alike, every worker skips that step and the scaler halves its
+    scale, so the scale settles where the scaled gradients fit the wire. It must stay near the
+    scale without the wire and the run learn as well."""
+    import json
+
+    def run(compress: str) -> tuple[dict, list[float]]:
+        out = tmp_path / compress
+        s = distsgd.train(model="resnet20", data="digits", algo="allreduce", workers=2, epochs=3, batch_size=32,
+                          lr=0.05, device="cuda", precision="fp16", compress=compress, log_every=5, out=str(out),
+                          quiet=True).summary
+        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return s, [e["loss_scale"] for e in events if e["event"] == "progress"]
+
+    plain, plain_scales = run("none")
+    wired, wired_scales = run("fp16")
+    assert wired_scales and min(wired_scales) >= 2.0 ** 10, wired_scales
+    assert min(wired_scales[len(wired_scales) // 2:]) >= min(plain_scales) / 4, (wired_scales, plain_scales)
+    assert wired["final_test_accuracy"] > plain["final_test_accuracy"] - 0.05, (wired, plain)
