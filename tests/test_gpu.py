@@ -288,4 +288,4 @@ def test_fp16_with_a_float16_wire_keeps_a_sane_loss_scale(tmp_path: Path) -> Non
     wired, wired_scales = run("fp16")
     assert wired_scales and min(wired_scales) >= 2.0 ** 10, wired_scales
     assert min(wired_scales[len(wired_scales) // 2:]) >= min(plain_scales) / 4, (wired_scales, plain_scales)
-    assert wired["final_test_accuracy"] > plain["final_test_accuracy"] - 0.05, (wired, plain)
+    assert wired["final_test_accuracy"] > plain["final_test_accuracy"] - 0.1, (wired, plain)
