@@ -289,3 +289,29 @@ def test_fp16_with_a_float16_wire_keeps_a_sane_loss_scale(tmp_path: Path) -> Non
     assert wired_scales and min(wired_scales) >= 2.0 ** 10, wired_scales
     assert min(wired_scales[len(wired_scales) // 2:]) >= min(plain_scales) / 4, (wired_scales, plain_scales)
     assert wired["final_test_accuracy"] > plain["final_test_accuracy"] - 0.1, (wired, plain)
+
+
+class Dropped(torch.nn.Module):
+    """An MLP with dropout: a resumed run repeats an uninterrupted one only if its GPU's random
+    state was saved and restored."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.3), torch.nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_gpu_workers_random_state_resumes_exactly(tmp_path: Path) -> None:
+    """Each worker's checkpoint holds its own GPU's random state (dropout draws there), restored
+    into the GPU it resumes on."""
+    common = dict(model=Dropped, data="digits", algo="allreduce", workers=2, lr=0.05, device="cuda",
+                  checkpoint_every="epoch", quiet=True)
+    full = distsgd.train(epochs=2, out=str(tmp_path / "full"), **common)
+    distsgd.train(epochs=1, out=str(tmp_path / "part"), **common)
+    state = load_worker_state(tmp_path / "part", 1)["rng"]
+    assert isinstance(state["cuda"], torch.Tensor)  # one generator's state: this worker's GPU
+    resumed = distsgd.train(model=Dropped, resume=str(tmp_path / "part"), epochs=2)
+    assert all(torch.equal(a, b) for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values()))
