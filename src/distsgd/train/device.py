@@ -85,8 +85,8 @@ def use(spec: str, local_index: int = 0) -> torch.device:
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """The forward pass's context: nothing for fp32, autocast for bf16 and fp16. Each worker asks
-    once, before it trains: a GPU without bfloat16 is one error line (the launcher, which creates no
-    CUDA context, cannot ask its GPU)."""
+    once, before it trains: a GPU without bfloat16 is one error line (asking a GPU takes a CUDA
+    context, which the launching process does not make for this)."""
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
