@@ -15,6 +15,13 @@ its two sides measured in alternating repeats (medians), on the same GPU:
    against ``single``: samples/s, resnet20 fp32 batch 128.
 3. bf16 against fp32: samples/s and the test accuracy after the same 3 epochs of Fashion-MNIST
    (bundled) with resnet20, one process.
+4. The GradScaler's scale over fp16 runs (resnet20, Fashion-MNIST, 1 epoch, batch 128), as the
+   progress events report it: single, allreduce x2, and allreduce x2 with ``--compress fp16``,
+   whose float16 wire carries the gradients still loss-scaled (the scale must stay near the others').
+5. TF32 on and off for float32 (cuDNN convolutions and CUDA matmuls; distsgd's ``fp32`` is IEEE
+   float32): the bare loop's samples/s each way in alternating repeats, and one trained model's test
+   loss and accuracy on the CPU, on the GPU in float32 and on the GPU in TF32 (how far a TF32
+   evaluation moves the numbers that the GPU tests compare with the CPU's).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import distsgd  # noqa: E402
+from distsgd.api import evaluate_checkpoint  # noqa: E402
+from distsgd.data import load_dataset  # noqa: E402
 from distsgd.models import build_model  # noqa: E402
 
 N = 50_000
@@ -124,6 +133,75 @@ def part_precision() -> list[dict[str, Any]]:
     return rows
 
 
+def fp32_precision(setting: str) -> None:
+    """'tf32' or 'ieee' for float32 convolutions and matmuls in this process."""
+    torch.backends.cudnn.conv.fp32_precision = setting
+    torch.backends.cuda.matmul.fp32_precision = setting
+
+
+def part_scale(folder: Path) -> list[dict[str, Any]]:
+    rows = []
+    for algo, workers, compress in (("single", 1, None), ("allreduce", 2, None), ("allreduce", 2, "fp16")):
+        out = folder / f"scale-{algo}-{compress or 'none'}"
+        s = distsgd.train(model="resnet20", data="fashion-mnist", algo=algo, workers=workers, epochs=1, batch_size=128,
+                          lr=0.05, momentum=0.9, device="cuda", precision="fp16", log_every=10, out=str(out),
+                          overwrite=True, quiet=True, **({"compress": compress} if compress else {})).summary
+        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        scales = [(e["samples"], e["loss_scale"]) for e in events if e["event"] == "progress"]
+        values = [v for _, v in scales]
+        rows.append({"algo": algo, "workers": workers, "compress": compress or "none", "scales": scales,
+                     "first": values[0], "min": min(values), "final": values[-1],
+                     "backoffs": sum(b < a for a, b in zip(values, values[1:])),
+                     "final_test_accuracy": s["final_test_accuracy"], "samples_per_s": s["samples_per_s"]})
+        print({k: v for k, v in rows[-1].items() if k != "scales"}, flush=True)
+    return rows
+
+
+def plain_evaluation(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(accuracy, mean loss) under this process's float32 settings (distsgd's evaluate uses IEEE)."""
+    model.eval()
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(y), 1000):
+            out = model(x[i:i + 1000])
+            loss += float(torch.nn.functional.cross_entropy(out, y[i:i + 1000], reduction="sum"))
+            correct += int((out.argmax(1) == y[i:i + 1000]).sum())
+    return correct / len(y), loss / len(y)
+
+
+def part_tf32(repeats: int, samples: int, folder: Path) -> dict[str, Any]:
+    x, y, _, _ = cifar_shaped()
+    speed: dict[str, list[float]] = {"ieee": [], "tf32": []}
+    try:
+        for setting in ("ieee", "tf32"):  # warm-up: cuDNN picks its kernels for each
+            fp32_precision(setting)
+            bare(x, y, 128, "fp32", 5 * 128)
+        for _ in range(repeats):
+            for setting in ("ieee", "tf32"):
+                fp32_precision(setting)
+                speed[setting].append(bare(x, y, 128, "fp32", samples))
+        out = folder / "tf32-model"
+        distsgd.train(model="resnet20", data="fashion-mnist", epochs=1, batch_size=128, lr=0.05, momentum=0.9,
+                      device="cuda", out=str(out), overwrite=True, quiet=True)
+        cpu = evaluate_checkpoint(out / "model.pt")
+        data = load_dataset("fashion-mnist")
+        model = build_model("resnet20", data.input_shape, data.num_classes)
+        model.load_state_dict(torch.load(out / "model.pt", weights_only=True)["state_dict"])
+        model.cuda()
+        xt, yt = data.x_test.cuda(), data.y_test.cuda()
+        scores = {}
+        for setting in ("ieee", "tf32"):
+            fp32_precision(setting)
+            scores[setting] = plain_evaluation(model, xt, yt)
+    finally:
+        fp32_precision("ieee")
+    result = {"bare_ieee": median(speed["ieee"]), "bare_tf32": median(speed["tf32"]), "speed": speed,
+              "cpu": [cpu["test_accuracy"], cpu["test_loss"]], "gpu_ieee": list(scores["ieee"]),
+              "gpu_tf32": list(scores["tf32"])}
+    print(result, flush=True)
+    return result
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"# distsgd on one GPU, {result['date']}", "",
@@ -141,6 +219,21 @@ def markdown(result: dict[str, Any]) -> str:
               "| precision | samples/s | test accuracy | test loss |", "|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['samples_per_s']:.0f} | {r['final_test_accuracy']:.4f} | "
               f"{r['final_test_loss']:.4f} |" for r in result["precision"]]
+    lines += ["", "## The GradScaler's scale over fp16 runs (resnet20, Fashion-MNIST, 1 epoch, batch 128)", "",
+              "| algorithm | workers | --compress | first scale | lowest | final | back-offs | test accuracy |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['algo']} | {r['workers']} | {r['compress']} | {r['first']:g} | {r['min']:g} | {r['final']:g} | "
+              f"{r['backoffs']} | {r['final_test_accuracy']:.4f} |" for r in result["scale"]]
+    t = result["tf32"]
+    if t:
+        lines += ["", "## TF32 on and off for float32 (resnet20)", "",
+                  f"Bare loop, CIFAR-shaped, batch 128, medians of {result['repeats']} alternating repeats: "
+                  f"{t['bare_ieee']:.0f} samples/s in IEEE float32, {t['bare_tf32']:.0f} in TF32 "
+                  f"({t['bare_tf32'] / t['bare_ieee']:.2f}x).", "",
+                  "| one model (Fashion-MNIST, 1 epoch) evaluated | test accuracy | test loss |", "|---|---|---|",
+                  f"| CPU | {t['cpu'][0]:.4f} | {t['cpu'][1]:.6f} |",
+                  f"| GPU, IEEE float32 (distsgd's fp32) | {t['gpu_ieee'][0]:.4f} | {t['gpu_ieee'][1]:.6f} |",
+                  f"| GPU, TF32 | {t['gpu_tf32'][0]:.4f} | {t['gpu_tf32'][1]:.6f} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +242,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=25_600, help="samples per throughput measurement")
-    ap.add_argument("--parts", default="bare,topologies,precision")
+    ap.add_argument("--parts", default="bare,topologies,precision,scale,tf32")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -165,6 +258,8 @@ def main() -> None:
     result["single_vs_bare"] = part_single_vs_bare(args.repeats, args.samples) if "bare" in parts else []
     result["topologies"] = part_topologies(args.samples) if "topologies" in parts else []
     result["precision"] = part_precision() if "precision" in parts else []
+    result["scale"] = part_scale(out) if "scale" in parts else []
+    result["tf32"] = part_tf32(args.repeats, args.samples, out) if "tf32" in parts else {}
     (out / "gpu.json").write_text(json.dumps(result, indent=1))
     (out / "gpu.md").write_text(markdown(result))
     print((out / "gpu.md").read_text())

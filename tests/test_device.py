@@ -10,6 +10,7 @@ scaling, workers that start though the caller used CUDA, model.pt loading withou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,44 @@ def test_bf16_under_every_topology(algo: str, workers: int) -> None:
     assert s["precision"] == "bf16" and s["final_test_accuracy"] > 0.5, s
 
 
+@pytest.mark.parametrize("algo", ["hogwild", "hogwild++"])
+def test_shared_memory_results_say_where_their_workers_trained(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
+    """summary.json's device, precision and gpu come from the workers' own record of where they
+    trained: the shared-memory launcher only holds the models (on a GPU it would otherwise say cpu)."""
+    from distsgd import api
+
+    seen: list[list] = []
+    where = api._where
+    monkeypatch.setattr(api, "_where", lambda results, cfg: seen.append([r.where for r in results]) or
+                        where(results, cfg))
+    s = distsgd.train(model="mlp", data="digits", algo=algo, workers=2, epochs=1, precision="bf16", quiet=True).summary
+    assert seen[0] == [{"device": "cpu", "precision": "bf16"}] * 2, seen
+    assert s["device"] == "cpu" and s["precision"] == "bf16"
+
+
+class SeesFloat32(torch.nn.Module):
+    """Logistic regression that fails unless it computes in IEEE float32: cuDNN's convolutions run
+    in TF32 unless told otherwise, which on a GPU would make --precision fp32 something else."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        precision = (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+        assert precision == ("ieee", "ieee") or not x.any(), precision  # zeros: the launcher's shape probe
+        return self.fc(x.flatten(1))
+
+
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2), ("hogwild", 2)])
+def test_fp32_is_ieee_float32_in_training_and_evaluation(algo: str, workers: int) -> None:
+    before = torch.backends.cudnn.conv.fp32_precision
+    s = distsgd.train(model=SeesFloat32, data="digits", algo=algo, workers=workers, epochs=1, lr=0.1,
+                      quiet=True).summary
+    assert s["final_test_accuracy"] > 0.5, s
+    assert torch.backends.cudnn.conv.fp32_precision == before  # the caller's own setting (single ran here)
+
+
 def test_compile_trains_on_cpu() -> None:
     """torch.compile of the model (inductor: a C compiler builds its kernels on the first steps)."""
     s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True,
@@ -71,6 +110,104 @@ def test_impossible_devices_are_one_error_line(tmp_path: Path, args: list[str], 
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), res.stderr
+
+
+def test_nccl_is_refused_for_workers_that_would_share_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL takes one rank per GPU: on a one-GPU machine two nccl workers fail inside NCCL
+    ("duplicate GPU"), so the plan refuses them in one line (``auto`` picks gloo there)."""
+    import torch.distributed as dist
+
+    from distsgd.config import RunConfig
+    from distsgd.launch import group
+    from distsgd.train import device
+
+    monkeypatch.setattr(device, "cuda_count", lambda: 1)  # a machine with one GPU
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    cfg = RunConfig(algo="allreduce", workers=2, device="cuda", backend="nccl")
+    with pytest.raises(ConfigError, match="--backend nccl needs a GPU for each worker of a machine: 2 workers, 1 GPU"):
+        group.plan(cfg, None, False)
+    with pytest.raises(ConfigError, match="--backend nccl needs the workers on GPUs"):
+        group.plan(cfg.replace(workers=1, device="cpu"), None, False)
+    assert group.plan(cfg.replace(workers=1), None, False).backend == "nccl"
+    assert group.plan(cfg.replace(backend="auto"), None, False).backend == "gloo"
+
+
+def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's random state holds its own GPU's generator: saved by the worker on GPU 3 of 4, it
+    loads on a machine with one GPU (into that GPU's), where one state per GPU of the saving machine
+    could not. (torch.cuda stood in for: set_rng_state_all sets GPU i to the i-th state, as torch does.)"""
+    from distsgd.checkpoint import RngState
+
+    gpus = {"count": 4, "current": 3}
+    generators = [torch.tensor([i], dtype=torch.uint8) for i in range(4)]
+    set_on: list[tuple[int, int]] = []
+
+    def set_rng_state(state: torch.Tensor, device: int | str = "cuda") -> None:
+        index = gpus["current"] if device == "cuda" else int(device)
+        if index >= gpus["count"]:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        set_on.append((index, int(state[0])))
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus["count"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": generators[gpus["current"]])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: generators[:gpus["count"]])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: [set_rng_state(s, i) for i, s in enumerate(states)])
+    saved = RngState().state_dict()
+    gpus.update(count=1, current=0)
+    RngState().load_state_dict(saved)
+    assert set_on == [(0, 3)]
+
+
+def test_the_launcher_counts_gpus_without_initialising_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launching process counts GPUs through NVML: asking the CUDA runtime
+    (torch.cuda.is_available) initialises the CUDA driver, after which a process that forks cannot
+    use CUDA in the child. (torch's NVML count and its CUDA one stood in for, on this CPU build.)"""
+    from distsgd.train import device
+
+    def cuda_runtime() -> int:
+        raise AssertionError("the CUDA runtime was asked: cuInit ran in the launching process")
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_runtime, raising=False)
+    assert device.cuda_count() == 2
+
+
+def _mark() -> str | None:
+    return os.environ.get("DISTSGD_TEST_MARK")
+
+
+class _EnvironmentWhenUnpickled:
+    """Unpickles as what DISTSGD_TEST_MARK is in the unpickling process, then (as a CUDA IPC tensor
+    initialises CUDA with the CUDA_VISIBLE_DEVICES of that moment)."""
+
+    def __reduce__(self) -> tuple:
+        return _mark, ()
+
+
+def _say(value: object, out: object) -> None:
+    from distsgd.launch import procs
+
+    procs.Outbox(out).put(("result", 0, value))
+
+
+def test_workers_unpickle_their_arguments_in_the_launchers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server keeps the environment it started with; a worker takes the launcher's before
+    its arguments are unpickled, so CUDA tensors among them meet the launcher's CUDA_VISIBLE_DEVICES."""
+    from distsgd.config import RunConfig
+    from distsgd.launch import procs
+
+    procs.mp_context()  # the fork server runs, with the environment of now
+    monkeypatch.setenv("DISTSGD_TEST_MARK", "set after the fork server started")
+    with procs.spawned(RunConfig(), _say, [("worker", 0)],
+                       lambda i, out, again: (_EnvironmentWhenUnpickled(), out)) as team:
+        sup = procs.Supervisor(team.procs, team.inbox, lambda event: None)
+        sup.drain_until(lambda: bool(sup.results or sup.failed()), 60)
+    assert sup.results == {0: "set after the fork server started"}, sup.said
 
 
 def test_auto_is_the_cpu_without_cuda() -> None:

@@ -287,19 +287,20 @@ class Stateful(Protocol):
 
 
 class RngState:
-    """torch's global random state (dropout) as a stateful piece: the CPU's, and this process's
-    GPUs' when it uses CUDA (a checkpoint written on a GPU resumes there exactly)."""
+    """torch's global random state (dropout) as a stateful piece: the CPU's, and when the process
+    uses CUDA its current GPU's, the one a worker trains on (a checkpoint written on a GPU resumes
+    there exactly; not every GPU of the machine, which a machine with fewer could not take)."""
 
     def state_dict(self) -> dict[str, Any]:
         state = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        if torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        if "cuda" in state and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 def gather(pieces: dict[str, Stateful]) -> dict[str, Any]:

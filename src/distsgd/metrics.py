@@ -5,7 +5,8 @@ Every event is one JSON object on one line of ``metrics.jsonl``:
 - ``{"event": "progress", "samples", "epoch", "rank", "loss", "lr", "train_wall_s", "samples_per_s"}``
   from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
   the algorithm's own figures (``Algorithm.progress_figures``): ``bytes_sent`` for algorithms
-  that communicate through a process group or a token ring (all workers' bytes so far).
+  that communicate through a process group or a token ring (all workers' bytes so far); with
+  ``--precision fp16``, ``loss_scale``, the reporting worker's GradScaler scale.
 - ``{"event": "eval", "samples", "epoch", "train_wall_s", "test_accuracy", "test_loss"}``; a
   language model's also ``test_perplexity`` (exp of the loss per token) and ``test_bits_per_token``
   (the loss / ln 2); its ``test_accuracy`` is next-token accuracy over every token.
@@ -103,7 +104,7 @@ class TensorBoardWriter:
 
     TAGS: dict[str, dict[str, str]] = {
         "progress": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
-                     "bytes_sent": "comm/bytes_sent"},
+                     "bytes_sent": "comm/bytes_sent", "loss_scale": "train/loss_scale"},
         "eval": {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "test_perplexity": "test/perplexity",
                  "test_bits_per_token": "test/bits_per_token"},
         "server": {"staleness_mean": "server/staleness_mean", "staleness_max": "server/staleness_max",

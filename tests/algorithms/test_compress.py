@@ -119,3 +119,62 @@ def test_compression_is_refused_where_it_does_not_apply() -> None:
                       quiet=True)
 
 
+
+
+@pytest.mark.parametrize("algo, options", [
+    ("local-sgd", {"sync_every": 1, "compress": "powersgd:1"}),
+    ("diloco", {"sync_every": 1, "compress": "powersgd:1"}),
+    ("allreduce", {"compress": "powersgd:1"}),
+    ("streaming-diloco", {"sync_every": 4, "fragments": 2, "overlap": 1}),  # stops with fragment 0 in flight
+])
+@pytest.mark.filterwarnings("ignore:.*to a meta parameter")  # Module.load_state_dict into the meta model
+def test_resumed_state_follows_the_model_to_its_device(group_of_one, algo: str, options: dict) -> None:
+    """A checkpoint is loaded on the CPU; every tensor of the algorithm's state (PowerSGD's error
+    feedback and Q, local SGD's anchor, Streaming DiLoCo's average in flight) must then live where
+    the model does (a GPU: here the meta device, which the CPU allows)."""
+    from distsgd.algorithms import registry
+    from distsgd.config import RunConfig
+    from distsgd.train.context import Start, Step
+
+    from quadratics import context
+
+    cfg = RunConfig(algo=algo, workers=1, options=options)
+    cls = registry.resolve(algo, cfg)
+    ctx = context(0, 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(30, 20)
+    trained = cls(cfg)
+    model = trained.setup(ctx, model, Start.FRESH)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for number in range(1, 6):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        step = Step(number=number, samples=number)
+        trained.after_backward(ctx, model, step)
+        trained.apply_step(ctx, opt, step)
+        trained.after_step(ctx, model, step)
+    saved = trained.state_dict()
+    if algo == "streaming-diloco":
+        assert saved["flight"] is not None
+    if algo != "streaming-diloco":
+        assert saved["compressor"]["error"] is not None and saved["compressor"]["qs"]
+
+    resumed = cls(cfg)
+    if algo == "allreduce":  # its setup broadcasts rank 0's weights, which the meta device cannot
+        resumed.setup(ctx, torch.nn.Linear(30, 20), Start.RESUMED)
+        resumed.params = [p.to("meta") for p in resumed.params]
+    else:
+        resumed.setup(ctx, torch.nn.Linear(30, 20, device="meta"), Start.RESUMED)
+    resumed.load_state_dict(saved)
+
+    def tensors(state: object) -> list[torch.Tensor]:
+        if isinstance(state, torch.Tensor):
+            return [state]
+        if isinstance(state, dict):
+            return [t for v in state.values() for t in tensors(v)]
+        if isinstance(state, (list, tuple)):
+            return [t for v in state for t in tensors(v)]
+        return []
+
+    floats = [t for t in tensors(resumed.state_dict()) if t.is_floating_point()]
+    assert floats and all(t.device.type == "meta" for t in floats), [t.device for t in floats]

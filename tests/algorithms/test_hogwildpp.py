@@ -100,7 +100,7 @@ def _ring(n: int, size: int = 1, options: dict | None = None, **settings):
 
 
 def _context(rank: int) -> SimpleNamespace:
-    return SimpleNamespace(rank=rank, dataset=SimpleNamespace(is_shared=lambda: True),
+    return SimpleNamespace(rank=rank, dataset=SimpleNamespace(is_shared=lambda: True), device=torch.device("cpu"),
                            job=SimpleNamespace(optimizer=None, param_groups=None))
 
 

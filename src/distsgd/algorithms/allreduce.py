@@ -192,7 +192,7 @@ class AllReduce(GroupAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.compressor is not None:
-            self.compressor.load_state_dict(state["compressor"])
+            self.compressor.load_state_dict(state["compressor"], self.params[0].device)
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         broadcast_(int_buffers(model))

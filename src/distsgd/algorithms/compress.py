@@ -84,8 +84,9 @@ class Compressor:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Restore :meth:`state_dict`'s state, its tensors on ``device`` (the gradients'): a
+        checkpoint is loaded on the CPU."""
 
 
 class FP16(Compressor):
@@ -178,8 +179,10 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "error": self.error, "qs": self.qs, "rng": rng_state(self.rng)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.iter, self.error, self.qs = state["iter"], state["error"], state["qs"]
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.iter = state["iter"]
+        self.error = state["error"].to(device) if state["error"] is not None else None
+        self.qs = [q.to(device) for q in state["qs"]] if state["qs"] is not None else None
         set_rng_state(self.rng, state["rng"])
 
 

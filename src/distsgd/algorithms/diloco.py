@@ -220,7 +220,7 @@ class DiLoCo(InnerOuter):
         self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
         self.global_model.load_state_dict(state["global"])
         self.outer.load_state_dict(state["outer"])
-        self.compressor.load_state_dict(state["compressor"])
+        self.compressor.load_state_dict(state["compressor"], self.params[0].device)
 
     def figures(self) -> DiLoCoFigures:
         return DiLoCoFigures(**vars(super().figures()), outer_steps=self.rounds)

@@ -44,6 +44,7 @@ from torch import nn
 from distsgd.algorithms.base import Algorithm, SharedMemory, SharedSeat, Topology, register
 from distsgd.config import RunConfig
 from distsgd.options import Options, option
+from distsgd.train import device
 from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ class Hogwild(Algorithm):
         self.stop = seat.stop.numpy()  # one shared byte, read every step with no lock
         self.hold = seat.hold.numpy() if seat.hold is not None else None  # read every step with no lock
         self.machines = seat.machines
+        # a CUDA step is queued, not done, when step() returns: a lock is held until the device is done
+        self.synchronize = device.synchronizer(ctx.device) or (lambda: None)
         self.dataset_shared = ctx.dataset.is_shared()
         self.model_shared = all(p.is_shared() for p in shared.parameters())
         shared.train()
@@ -193,6 +196,7 @@ class Hogwild(Algorithm):
         else:
             with self.lock:
                 optimizer.step()
+                self.synchronize()
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.counts[self.slot] = step.samples  # only this worker writes its slot

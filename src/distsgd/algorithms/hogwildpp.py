@@ -339,6 +339,7 @@ class HogwildPP(Hogwild):
         add_into(new_next - w_next, self.next_params)  # increments: updates made meanwhile stay
         add_into(new_i - w_i, self.mine)
         self.old.copy_(new_old)
+        self.synchronize()  # done on the device before the ring's lock is released
         self.bytes_sent += w_i.numel() * w_i.element_size()
         self.ring.passes += 1
 

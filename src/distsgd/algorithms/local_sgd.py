@@ -142,8 +142,10 @@ class LocalSGD(GroupAlgorithm):
         self.averagings = state["averagings"]
         self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
         if self.compressor is not None:
-            self.compressor.load_state_dict(state["compressor"])
-            self.anchor = [a.clone() for a in state["anchor"]]
+            self.compressor.load_state_dict(state["compressor"], self.params[0].device)
+            with torch.no_grad():  # into the anchor made by setup: on the parameters' device
+                for anchor, saved in zip(self.anchor, state["anchor"]):
+                    anchor.copy_(saved)
 
     def figures(self) -> LocalSGDFigures:
         return LocalSGDFigures(**vars(super().figures()), averagings=self.averagings)

@@ -298,7 +298,7 @@ class StreamingDiLoCo(InnerOuter):
         super().load_state_dict(state)
         self.rounds = state["rounds"]
         f = state["flight"]
-        self.flight = None if f is None else Flight(f["fragment"], f["lands"], mean=f["mean"])
+        self.flight = None if f is None else Flight(f["fragment"], f["lands"], mean=f["mean"].to(self.flat.device))
         for period, saved in zip(self.periods, state["periods"]):
             period.load_state_dict(saved)
         self.globals.model.load_state_dict(state["global"])

@@ -33,5 +33,4 @@ def crop_flip(x: torch.Tensor, fill: torch.Tensor, generator: torch.Generator | 
     out = padded[torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
                  rows, cols]
     flip = (torch.rand(b, generator=generator, **where) < 0.5).to(dev)
-    out[flip] = out[flip].flip(-1)
-    return out
+    return torch.where(flip[:, None, None, None], out.flip(-1), out)  # a mask's indexing would wait for the GPU

@@ -42,7 +42,10 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         from distsgd.train.loop import run_worker
 
         where = device.use(job.cfg.device, 0)  # in this process: a single worker trains here
-        return [run_worker(WorkerContext(job, rank=0, world=1, sink=sink, device=where), algo_cls(job.cfg))]
+        result = run_worker(WorkerContext(job, rank=0, world=1, sink=sink, device=where), algo_cls(job.cfg))
+        if result.model is not None:  # on the CPU, as every other topology returns it
+            result.model.cpu()
+        return [result]
     return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
 
 

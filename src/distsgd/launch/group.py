@@ -32,7 +32,7 @@ def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
         cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers)) if torchrun else cfg.workers
     cfg = resolve_backend(cfg, local)
-    check_backend(cfg)
+    check_backend(cfg, local)
     check_init_method(cfg.init_method)
     return cfg
 

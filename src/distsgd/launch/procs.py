@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
 import warnings
 import os
 import queue
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable
 
@@ -123,9 +125,28 @@ def _sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, old)
 
 
-def _bootstrap(env: dict[str, str], target: Any, args: tuple) -> None:
+class _Later:
+    """A worker's arguments, pickled with its process but unpickled by :func:`_bootstrap` once the
+    launcher's environment is the worker's: unpickling a tensor in GPU memory (CUDA IPC) initialises
+    CUDA, which reads ``CUDA_VISIBLE_DEVICES`` there and then."""
+
+    def __init__(self, args: tuple | None = None, data: bytes = b"") -> None:
+        self.args, self.data = args, data
+
+    def __reduce__(self) -> tuple:
+        # pickled while the process starts, by its own pickler: pipes and shared memory travel as usual
+        return _Later, (None, bytes(ForkingPickler.dumps(self.args)))
+
+    def load(self) -> tuple:
+        # kept, as a process keeps its arguments, to its end: its pipe must not close (and be
+        # collected) while a SIGTERM may arrive
+        self.args = pickle.loads(self.data)
+        return self.args
+
+
+def _bootstrap(env: dict[str, str], target: Any, args: _Later) -> None:
     """A worker's first step: take the launcher's environment as of now and Python's usual Ctrl-C
-    handler (the fork server ignores Ctrl-C), then run ``target``."""
+    handler (the fork server ignores Ctrl-C), then unpickle its arguments and run ``target``."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -134,7 +155,7 @@ def _bootstrap(env: dict[str, str], target: Any, args: tuple) -> None:
     os.environ.update(env)
     _exit_with_launcher()
     try:
-        target(*args)
+        target(*args.load())
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM after its body had reported (the launcher stops a
         # worker still leaving its process group once every result is in): nothing more to say
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
@@ -322,7 +343,7 @@ class Team:
             read, write = self.mpc.Pipe(duplex=False)
             self.inbox.add(read)
             p = self.mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
-                                 args=(dict(os.environ), self.target, self.args(i, write, replacement)))
+                                 args=(dict(os.environ), self.target, _Later(self.args(i, write, replacement))))
             p.start()
             write.close()  # the worker holds it now
         if i < len(self.procs):

@@ -40,15 +40,26 @@ def resolve_backend(cfg: RunConfig, local_workers: int) -> RunConfig:
     too, for the collectives the algorithms use)."""
     if cfg.backend != "auto":
         return cfg
-    gpus = 1 if cfg.device.startswith("cuda:") else device.cuda_count()  # cuda:N: every worker on that one
-    own_gpus = device.kind(cfg.device) == "cuda" and local_workers <= gpus
+    own_gpus = device.kind(cfg.device) == "cuda" and local_workers <= _gpus(cfg)
     return cfg.replace(backend="nccl" if own_gpus and dist.is_nccl_available() else "gloo")
 
 
-def check_backend(cfg: RunConfig) -> None:
-    """Reject a backend this torch build or machine cannot run, before any process starts."""
-    if cfg.backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise ConfigError("--backend nccl needs CUDA GPUs and a torch build with NCCL; use --backend gloo on CPU")
+def _gpus(cfg: RunConfig) -> int:
+    """The GPUs a machine's workers spread over (cuda:N: every worker on that one)."""
+    return 1 if cfg.device.startswith("cuda:") else device.cuda_count()
+
+
+def check_backend(cfg: RunConfig, local_workers: int = 1) -> None:
+    """Reject a backend this torch build or machine cannot run, before any process starts. NCCL
+    takes GPU tensors only, and one rank per GPU (two ranks on one GPU fail inside NCCL)."""
+    if cfg.backend == "nccl":
+        if not (device.cuda_count() and dist.is_nccl_available()):
+            raise ConfigError("--backend nccl needs CUDA GPUs and a torch build with NCCL; use --backend gloo on CPU")
+        if device.kind(cfg.device) == "cpu":
+            raise ConfigError("--backend nccl needs the workers on GPUs: use --device cuda, or --backend gloo")
+        if local_workers > _gpus(cfg):
+            raise ConfigError(f"--backend nccl needs a GPU for each worker of a machine: {local_workers} workers, "
+                              f"{_gpus(cfg)} GPU(s) for --device {cfg.device}; use --backend gloo (or auto)")
     if cfg.backend == "mpi" and not dist.is_mpi_available():
         raise ConfigError("--backend mpi is not available in this torch build; use --backend gloo")
     if cfg.backend == "gloo" and not dist.is_gloo_available():
@@ -67,7 +78,13 @@ def check_init_method(init_method: str | None) -> None:
 def init_group(cfg: RunConfig, rank: int, world: int, init_method: str) -> None:
     """Join the default process group with the run's backend and collective timeout."""
     dist.init_process_group(backend=cfg.backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s), **_bound(cfg))
+
+
+def _bound(cfg: RunConfig) -> dict[str, torch.device]:
+    """NCCL's group is bound to this worker's GPU (the current device, which ``device.use`` set):
+    its barrier and communicators use that one rather than guess (and warn)."""
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())} if cfg.backend == "nccl" else {}
 
 
 def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
@@ -82,7 +99,7 @@ def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout)
     dist.init_process_group(backend=cfg.backend, store=dist.PrefixStore(f"distsgd/attempt-{restart}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+                            rank=rank, world_size=world, timeout=timeout, **_bound(cfg))
 
 
 def leave_group() -> None:

@@ -123,7 +123,7 @@ class Machine:
                                   extras=topology.extras(cfg, mpc, self.models))
         self.link = link(self.models[0], self.handles) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
-        self.watcher = Watcher(job, per_epoch, sink, self.current_state)
+        self.watcher = Watcher(job, per_epoch, sink, self.current_state, device=self.device)
         self.supervisor: procs.Supervisor | None = None
         if self.handles.hold is not None:  # the copy that may stop the run: no worker steps past it
             self.watcher.hold, self.watcher.count = self._held, self.samples
@@ -135,8 +135,9 @@ class Machine:
         self.gone: set[int] = set()  # failed slots the run carries on without
 
     def current_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the model the algorithm returns (hogwild++: the clusters' average)."""
-        return {k: v.detach().clone() for k, v in self.topology.combine(self.states).items()}
+        """A copy of the model the algorithm returns (hogwild++: the clusters' average), in host
+        memory: the watcher keeps one per evaluation point, which would otherwise fill the GPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.topology.combine(self.states).items()}
 
     def samples(self) -> int:
         return self.link.global_samples() if self.link is not None else int(self.handles.counts.sum())
@@ -272,12 +273,16 @@ class Machine:
             evals = sup.results[min(sup.results)]["evals"]
         final = evals[-1] if evals else {}
         final = {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss")}
+        # where each worker trained (its device, its GPU): this process only holds the shared models
+        where = {r: sup.results[r].get("where") for r in sup.results}
         chief = WorkerResult(rank=first, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
                              evals=evals, final_test_accuracy=final["test_accuracy"],
-                             final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance)
+                             final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance,
+                             where=where.get(0) or next(iter(where.values()), None))
         others = [WorkerResult(rank=first + r, samples=int(counts[r]), global_samples=total,
                                train_wall_s=train_wall_s, evals=[], final_test_accuracy=None, final_test_loss=None,
-                               model=None, figures=sup.results.get(r, {}).get("figures", Figures()))
+                               model=None, figures=sup.results.get(r, {}).get("figures", Figures()),
+                               where=where.get(r))
                   for r in range(1, self.cfg.workers)]
         return [chief] + others
 

@@ -1,20 +1,27 @@
 """Where and how precisely a worker computes: ``--device``, ``--precision``, ``--compile``.
 
-Devices are a parameter, never an assumption. The launching process never creates a CUDA context:
-it only asks whether CUDA is there and how many devices it has (:func:`cuda_count`, which does not
-create one), and the fork server that starts workers imports torch without touching CUDA. Each
-worker picks its device from its index on its machine (:func:`resolve`: worker i uses
-``cuda:(i % visible GPUs)``) and creates everything there.
+Devices are a parameter, never an assumption. The launching process asks how many GPUs there are
+through NVML (:func:`cuda_count`: no CUDA context, and not even the CUDA driver, which would keep a
+process that forks afterwards from using CUDA in the child). It creates a CUDA context only where it
+computes itself: ``single`` trains in it, and the shared-memory launcher holds the models and the
+data that its workers map through CUDA IPC, and evaluates them. Workers never inherit that: they
+come from a fork server started by exec, which imports torch without touching CUDA, and unpickle
+their arguments (CUDA IPC tensors initialise CUDA) only once the launcher's environment, with its
+``CUDA_VISIBLE_DEVICES``, is theirs. Each worker picks its device from its index on its machine
+(:func:`resolve`: worker i uses ``cuda:(i % visible GPUs)``) and creates everything there.
 
 Precision: ``bf16`` runs the forward pass and the loss under ``torch.autocast`` with bfloat16 (CPU
 and GPU; no loss scaling needed, its range is float32's); ``fp16`` under autocast with float16 and a
 ``GradScaler`` (GPU only: its loss scaling skips a step whose gradients overflowed). Parameters,
-gradients, optimiser state and everything the algorithms send stay float32.
+gradients, optimiser state and everything the algorithms send stay float32. float32 is IEEE float32
+on a GPU too (:func:`float32_exact`: not the TF32 that cuDNN uses by default), so ``fp32`` means
+what it says and a GPU's evaluation agrees with the CPU's to float32 rounding; bf16 is the fast path.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -26,9 +33,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cuda_count() -> int:
-    """GPUs this process may use, asked without creating a CUDA context (0 without CUDA)."""
+    """GPUs this process may use (0 without CUDA), as NVML counts them: ``torch.cuda.is_available``
+    would ask the CUDA driver, initialising it (torch falls back to that only without NVML)."""
     try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return torch.cuda.device_count()
     except Exception:  # a broken driver counts as no GPU
         return 0
 
@@ -76,10 +84,40 @@ def use(spec: str, local_index: int = 0) -> torch.device:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The forward pass's context: nothing for fp32, autocast for bf16 and fp16."""
+    """The forward pass's context: nothing for fp32, autocast for bf16 and fp16. Each worker asks
+    once, before it trains: a GPU without bfloat16 is one error line (asking a GPU takes a CUDA
+    context, which the launching process does not make for this)."""
     if precision == "fp32":
         return contextlib.nullcontext()
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"--precision bf16: this GPU ({torch.cuda.get_device_name(device)}) does not support "
+                          f"bfloat16; use --precision fp16 or fp32")
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+@contextlib.contextmanager
+def float32_exact() -> Iterator[None]:
+    """Inside the block float32 means IEEE float32 on a GPU too: cuDNN convolutions (and RNNs),
+    which PyTorch runs in TF32 by default, and CUDA matmuls. Outside it the process's own settings
+    hold again (``single`` trains in the caller's process)."""
+    backends = torch.backends
+    if hasattr(backends.cudnn, "conv"):  # torch >= 2.9: each op's fp32_precision (its legacy flags must not mix)
+        ops = [backends.cudnn.conv, backends.cudnn.rnn, backends.cuda.matmul]
+        before = [op.fp32_precision for op in ops]
+        for op in ops:
+            op.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for op, value in zip(ops, before):
+                op.fp32_precision = value
+        return
+    flags = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
+    backends.cudnn.allow_tf32 = backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = flags
 
 
 def synchronizer(device: torch.device) -> Callable[[], None] | None:
@@ -113,5 +151,5 @@ def describe(device: torch.device, precision: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["PRECISIONS", "cuda_count", "kind", "check", "resolve", "use", "autocast", "synchronizer", "ScaledOptimizer",
-           "describe"]
+__all__ = ["PRECISIONS", "cuda_count", "kind", "check", "resolve", "use", "autocast", "float32_exact", "synchronizer",
+           "ScaledOptimizer", "describe"]

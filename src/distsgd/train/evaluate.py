@@ -13,11 +13,13 @@ from distsgd.config import eval_period
 from distsgd.metrics import TrainClock, lm_figures
 from distsgd.metrics import reached as target_reached
 from distsgd.models import logits_of
+from distsgd.train import device
 from distsgd.train.context import Every
 from distsgd.train.objective import loss_function
 
 
 @torch.no_grad()
+@device.float32_exact()  # what distsgd eval measures on the CPU: float32, not TF32
 def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy) -> tuple[float | None, float]:
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
     model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
@@ -29,9 +31,10 @@ def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F
     correct, loss_sum, n = 0, 0.0, 0
     classify = data.task in ("classification", "lm")
     where = next(iter(model.parameters()), torch.empty(0)).device
+    onto_gpu = where.type == "cuda"  # a copy to the host must not be asynchronous: it is read at once
     try:
         for x, y in data.test_batches(batch_size):  # only the test set goes to the model's device
-            x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
+            x, y = x.to(where, non_blocking=onto_gpu), y.to(where, non_blocking=onto_gpu)
             out = model(x)
             loss_sum += float(loss_fn(out, y)) * y.numel()
             if classify:
@@ -47,7 +50,8 @@ class Watcher:
     """Evaluation of a model that other processes train (Hogwild! workers, a parameter server's
     pushes): the one loop-side view of such a model, with the run's training clock.
 
-    ``state()`` gives a consistent copy of the model now. Every ``eval_every`` samples (default:
+    ``state()`` gives a consistent copy of the model now (in host memory: the watcher keeps one per
+    evaluation point), evaluated on ``device``. Every ``eval_every`` samples (default:
     :func:`~distsgd.config.eval_period`) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
     evaluation takes no CPU from the workers; with ``stop_at_target`` the copy is evaluated at once,
     to know when to stop. ``pause_to_copy``: the trainers wait while the copy is taken (the server's
@@ -55,8 +59,9 @@ class Watcher:
     """
 
     def __init__(self, job: Any, per_epoch: int, sink: Any, state: Callable[[], dict[str, torch.Tensor]],
-                 pause_to_copy: bool = False) -> None:
+                 pause_to_copy: bool = False, device: torch.device = torch.device("cpu")) -> None:
         self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = job.cfg, job.model, job.data, per_epoch, sink
+        self.device = device  # where the data is, and the copies are evaluated
         self.loss_fn = loss_function(job.cfg.loss, job.loss, job.data.task)
         self.state, self.pause_to_copy = state, pause_to_copy
         self.at = Every(eval_period(self.cfg, per_epoch) or per_epoch)
@@ -108,7 +113,7 @@ class Watcher:
         from distsgd.models import build_model
 
         probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
-        probe.to(next(iter(state.values())).device).load_state_dict(state)  # where the watched model is
+        probe.to(self.device).load_state_dict(state)
         acc, loss = evaluate(probe, self.dataset, self.cfg.eval_batch_size, self.loss_fn)
         event = eval_event(self.dataset, samples, round(samples / self.per_epoch, 4), train_s, acc, loss)
         self.evals.append(event)

@@ -26,6 +26,7 @@ from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import reached as target_reached
+from distsgd.train import device
 from distsgd.train.context import Start, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, evaluate, snapshot
 from distsgd.train.objective import loss_function
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+@device.float32_exact()  # float32 computed in float32 on a GPU too (not cuDNN's default TF32)
 def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
     """Train this worker's share of the run and return what it measured. ``replacement``: it
     takes the place of a worker that died (its launcher started it again). A run whose loop is the

@@ -398,6 +398,7 @@ class Run:
         self._ctx.sink.emit({"event": "progress", "samples": gs, "epoch": self.epoch(), "rank": self.rank,
                              "loss": mean_loss, "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
                              "train_wall_s": elapsed, "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
+                             **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
                              **self._algo.progress_figures(self._ctx)})
         self._loss_sum.zero_()
         self._loss_n = 0

@@ -166,21 +166,18 @@ class Packing:
         self.end = offset
 
     def pack(self, frame: "Frame", tensors: list[torch.Tensor]) -> None:
-        """Write ``tensors`` (of the sizes and dtypes this packing was made for) into ``frame``:
-        one concatenation on the CPU, or from a GPU one copy per tensor into the (pinned) frame."""
+        """Write ``tensors`` (of the sizes and dtypes this packing was made for) into ``frame``: one
+        concatenation on the CPU, or from a GPU a concatenation there and one copy into the (pinned)
+        frame, done when ``copy_`` returns (before the socket reads the bytes)."""
         for s in self.sections:
             if not s.numel:
                 continue
             out = frame.section(s)
-            if all(tensors[i].device.type == "cpu" for i in s.members):
-                torch.cat([tensors[i].detach().reshape(-1) for i in s.members], out=out)
-                continue
-            offset = 0
-            for i in s.members:
-                n = self.numels[i]
-                out[offset:offset + n].copy_(tensors[i].detach().reshape(-1), non_blocking=True)
-                offset += n
-            torch.cuda.synchronize()  # the bytes are in the frame before the socket reads them
+            parts = [tensors[i].detach().reshape(-1) for i in s.members]
+            if parts[0].device.type == "cpu":
+                torch.cat(parts, out=out)
+            else:
+                out.copy_(torch.cat(parts))
 
     def unpack(self, frame: "Frame", clone: bool = False) -> list[torch.Tensor]:
         """The tensors in ``frame``, flat, in list order: views of the frame, or (``clone``) of one
