@@ -16,6 +16,7 @@ from helpers import run_cli
 pytest.importorskip("sklearn")
 
 
+@pytest.mark.slow
 def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     res = run_cli("bench", "--algos", "single,local-sgd[sync_every=4]", "--workers", "1,2", "--dataset", "digits",
@@ -39,6 +40,7 @@ def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_bad_input(tmp_path: Path) -> None:
     res = run_cli("bench", "--algos", "single,gossip", "--dataset", "digits", "--out", str(tmp_path / "b"))
     assert res.returncode == 2 and res.stderr.strip() == "error: unknown algorithm 'gossip' (choose from " + \

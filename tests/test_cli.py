@@ -19,6 +19,7 @@ def distsgd(*args: str, timeout: float = 120, cwd: Path | None = None) -> subpro
     return run_cli(*args, timeout=timeout, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_train_eval_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = distsgd("train", "--dataset", "digits", "--model", "mlp", "--epochs", "3", "--lr", "0.05",
@@ -34,6 +35,7 @@ def test_train_eval_end_to_end(tmp_path: Path) -> None:
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"])
 
 
+@pytest.mark.slow
 def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text('dataset = "digits"\nmodel = "logreg"\nepochs = 5\nbatch_size = 32\n')
@@ -45,6 +47,7 @@ def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
     assert (summary["model"], summary["epochs"], summary["batch_size"]) == ("logreg", 1, 32)
 
 
+@pytest.mark.slow
 def test_rerunning_a_runs_config_makes_a_new_run(tmp_path: Path) -> None:
     """``--config runs/x/config.toml`` (from where the run was made, or from inside it, as its
     header says) trains a new run beside runs/x, and never replaces runs/x, even when the file
@@ -80,6 +83,7 @@ def make():  # no num_classes: distsgd warns that it reads every label
 """
 
 
+@pytest.mark.slow
 def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
     """--quiet: nothing but errors, neither distsgd's warnings nor torch's in the workers (DDP's
     grad-stride warning for resnet20's one-channel first convolution, once a worker)."""
@@ -89,6 +93,7 @@ def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
     assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_listing_commands() -> None:
     res = distsgd("algorithms")
     assert res.returncode == 0 and res.stdout.startswith("single")
@@ -199,6 +204,7 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str, capsys: pytest.C
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     res = distsgd("train", "--dataset", "digits", "--model", "mnist_net", "--out", str(tmp_path / "out"))
     assert res.returncode == 2 and "Traceback" not in res.stderr
@@ -206,6 +212,7 @@ def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
         res.stderr.strip().split(": ", 2)[2]
 
 
+@pytest.mark.slow
 def test_eval_of_a_missing_checkpoint(tmp_path: Path) -> None:
     res = distsgd("eval", "--checkpoint", str(tmp_path / "nothing.pt"))
     assert res.returncode == 2 and res.stderr.startswith("error: checkpoint not found")
@@ -217,6 +224,7 @@ def test_eval_of_a_missing_checkpoint(tmp_path: Path) -> None:
     assert "not a model.pt distsgd wrote" in res.stderr and "weights_only" not in res.stderr  # never that advice
 
 
+@pytest.mark.slow
 def test_an_unknown_flag_points_at_its_commands_help() -> None:
     res = distsgd("train", "--dataset", "digits", "--bogus", "1")
     assert res.returncode == 2

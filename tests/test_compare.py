@@ -29,6 +29,7 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "base", root / "two"
 
 
+@pytest.mark.slow
 def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
     base, two = two_runs
     out = tmp_path / "cmp"
@@ -99,6 +100,7 @@ def test_bad_run_directories_are_one_error_line(two_runs: tuple[Path, Path], tmp
         assert not (out / "compare.md").exists()
 
 
+@pytest.mark.slow
 def test_no_arguments_and_a_subprocess_have_no_traceback(tmp_path: Path) -> None:
     res = run_cli("compare")
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [

@@ -26,6 +26,7 @@ from helpers import run_cli
 pytest.importorskip("sklearn")
 
 
+@pytest.mark.slow
 def test_cpu_and_bf16_train_and_say_where(tmp_path: Path) -> None:
     base = dict(model="mlp", data="digits", epochs=3, lr=0.05, quiet=True)
     fp32 = distsgd.train(device="cpu", **base).summary
@@ -105,6 +106,7 @@ def test_compile_trains_on_cpu() -> None:
     (["--precision", "fp16"], "--precision fp16 needs a GPU"),
     (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16"),
 ])
+@pytest.mark.slow
 def test_impossible_devices_are_one_error_line(tmp_path: Path, args: list[str], message: str) -> None:
     res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--out", str(tmp_path / "r"), *args)
     assert res.returncode == 2

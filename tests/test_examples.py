@@ -36,6 +36,7 @@ def readme_diff() -> tuple[str, str]:
     return "\n".join(old) + "\n", "\n".join(new) + "\n"
 
 
+@pytest.mark.slow
 def test_the_readme_diff_is_a_plain_loop_and_the_same_loop_on_distsgd(tmp_path: Path) -> None:
     old, new = readme_diff()
     (tmp_path / "plain.py").write_text(old)
@@ -46,6 +47,7 @@ def test_the_readme_diff_is_a_plain_loop_and_the_same_loop_on_distsgd(tmp_path: 
     assert "spawn" in new and "spawn" not in old
 
 
+@pytest.mark.slow
 def test_plain_loop_example() -> None:
     res = _run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--algo", "local-sgd"], ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -53,6 +55,7 @@ def test_plain_loop_example() -> None:
     assert accuracy > 0.7, res.stdout
 
 
+@pytest.mark.slow
 def test_plain_loop_example_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -62,6 +65,7 @@ def test_plain_loop_example_under_torchrun(tmp_path: Path) -> None:
     assert res.stdout.count("test accuracy") == 1  # rank 0 reports
 
 
+@pytest.mark.slow
 def test_mnist_hogwild_example() -> None:
     res = _run([sys.executable, str(EXAMPLES / "mnist_hogwild.py")], ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -70,6 +74,7 @@ def test_mnist_hogwild_example() -> None:
     assert accuracy > 0.6, res.stdout  # 10 classes; about 0.74 with these settings
 
 
+@pytest.mark.slow
 def test_siamese_asgd_example() -> None:
     res = _run([sys.executable, str(EXAMPLES / "siamese_asgd.py")], ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -77,6 +82,7 @@ def test_siamese_asgd_example() -> None:
     assert server > 0.75, res.stdout  # half the pairs are "same": chance is 0.5
 
 
+@pytest.mark.slow
 def test_hf_diloco_example() -> None:
     pytest.importorskip("transformers", reason="examples/hf_diloco.py needs transformers: pip install 'distsgd[hf]'")
     res = _run([sys.executable, str(EXAMPLES / "hf_diloco.py")], ROOT)

@@ -38,6 +38,7 @@ def tokenised() -> object:
     return datasets.Dataset.from_dict({"input_ids": rows})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
 def test_a_transformers_gpt2_trains_on_a_tokenised_dataset(tmp_path: Path, tokenised: object, algo: str) -> None:
     res = distsgd.train(model=tiny_gpt2, data=tokenised, algo=algo, workers=2, context=32, batch_size=16,
@@ -85,6 +86,7 @@ def test_without_the_datasets_package_one_clear_error(tmp_path: Path, monkeypatc
         load_dataset(f"hf:{tmp_path}", context=16)
 
 
+@pytest.mark.slow
 def test_a_pair_of_datasets_is_the_train_and_test_splits(tokenised: object) -> None:
     """``data=(train_ds, test_ds)``, two ``datasets.Dataset`` objects, as a user holding two splits
     passes them (it stopped with "a Dataset item must be (input, target); item 0 is dict")."""

@@ -208,6 +208,7 @@ def test_settings_are_checked() -> None:
             distsgd.train(model=TINY, data="python-stdlib", quiet=True, max_samples=8, **bad)
 
 
+@pytest.mark.slow
 def test_gpt_trains_on_pythons_own_sources_and_eval_agrees(tmp_path: Path) -> None:
     """`distsgd train --model gpt` needs no dataset: Python's standard library as text. What it
     reports is what `distsgd eval` measures of model.pt."""
@@ -232,6 +233,7 @@ def test_gpt_trains_on_pythons_own_sources_and_eval_agrees(tmp_path: Path) -> No
     assert saved["test_perplexity"] == pytest.approx(s["final_test_perplexity"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bench_and_compare_show_a_language_models_loss_and_perplexity(tmp_path: Path) -> None:
     """compare's table names the target loss and shows loss and perplexity; its plots are of the
     test loss per token."""

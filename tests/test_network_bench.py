@@ -58,6 +58,7 @@ def test_the_hosts_split_this_machines_cores() -> None:
     assert split_cores([3], (1, 1)) == ([3], [3])  # one core: shared
 
 
+@pytest.mark.slow
 def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     from distsgd.bench.network import _cannot
 
@@ -96,6 +97,7 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     assert "- asgd: host a (10.77.0.1): 1 process(es) on core(s)" in md
 
 
+@pytest.mark.slow
 def test_an_interrupted_network_bench_leaves_nothing_behind(tmp_path: Path) -> None:
     """SIGTERM to ``bench --network`` mid-run: one line, exit 130, and neither a host's torchrun, nor
     its workers (in sessions of their own), nor a namespace is left. (Before, SIGTERM left all five

@@ -111,6 +111,7 @@ SYNCHRONOUS = [("single", 1, {}), ("allreduce", 2, {}), ("ddp", 2, {}), ("local-
                ("streaming-diloco", 2, {"sync_every": "6", "lr": 0.003})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, workers, extra", SYNCHRONOUS, ids=[c[0] for c in SYNCHRONOUS])
 def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: int, extra: dict) -> None:
     common = dict(algo=algo, workers=workers, epochs=2, batch_size=32, quiet=True, **{"lr": 0.05, **extra})
@@ -128,6 +129,7 @@ DICT_CASES = {"allreduce": {}, "local-sgd": {"sync_every": "8"}, "diloco": {"syn
               "easgd-async": {"easgd_mode": "async", "tau": 4}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", list(DICT_CASES))
 def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
     out = tmp_path / "run"
@@ -142,6 +144,7 @@ def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
         assert torch.equal(saved[k], v), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["hogwild", "hogwild++", "asgd"])
 def test_asynchronous_algorithms_reach_distsgd_trains_band(algo: str) -> None:
     """Asynchronous workers interleave their updates as the scheduler runs them: not the same
@@ -154,6 +157,7 @@ def test_asynchronous_algorithms_reach_distsgd_trains_band(algo: str) -> None:
     assert theirs["samples"] == pytest.approx(ours["samples"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_workers_figure_is_not_the_final_one_where_its_model_is_not_returned() -> None:
     """Under Hogwild! a worker's final model is the shared one while others may still train it:
     what rank 0 logged is kept among the evaluations, not reported as the returned model's."""
@@ -185,6 +189,7 @@ def checkpointed_loop(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["allreduce", "diloco"])
 def test_a_killed_checkpointed_loop_resumes_with_its_own_state(tmp_path, monkeypatch, algo: str) -> None:
     common = dict(algo=algo, workers=2, epochs=4, batch_size=32, lr=0.05 if algo != "diloco" else 0.003,
@@ -261,6 +266,7 @@ def evaluating_loop(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["single", "allreduce", "local-sgd", "hogwild"])
 def test_stop_at_target_ends_a_user_loop_at_its_first_figure_past_the_target(algo: str) -> None:
     workers = 1 if algo == "single" else 2
@@ -292,6 +298,7 @@ def dying_loop(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["hogwild", "asgd"])
 def test_a_replacement_worker_rejoins_a_user_loop(tmp_path, monkeypatch, algo: str) -> None:
     """--restart-workers: the dead worker's replacement calls main(run) again, rejoins the running
@@ -305,6 +312,7 @@ def test_a_replacement_worker_rejoins_a_user_loop(tmp_path, monkeypatch, algo: s
     assert s["samples"] == pytest.approx(3 * 1437, rel=0.03)  # no epoch trained twice
 
 
+@pytest.mark.slow
 def test_a_group_restarts_a_user_loop_from_its_last_checkpoint(tmp_path, monkeypatch) -> None:
     """A lockstep group that loses a worker starts again from the last checkpoint, with the loop's
     own state: the same weights as a run that was never killed."""
@@ -362,6 +370,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, procs", [("asgd", 3), ("hogwild++", 2)])
 def test_the_server_and_hogwild_plus_plus_run_a_user_loop_under_torchrun(tmp_path, algo: str, procs: int) -> None:
     """The same script under torchrun: rank 0 serves (asgd), or each process is a Hogwild! cluster

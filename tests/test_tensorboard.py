@@ -33,6 +33,7 @@ def read_scalars(logdir: Path) -> dict[str, list[Any]]:
     return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 @needs_tensorboard
 def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -58,6 +59,7 @@ def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     assert scalars["summary/final_test_accuracy"][0].value == pytest.approx(summary["final_test_accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow
 @needs_tensorboard
 def test_a_parameter_server_run_logs_staleness_and_bytes(tmp_path: Path) -> None:
     out = tmp_path / "ps"

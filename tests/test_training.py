@@ -22,6 +22,7 @@ pytest.importorskip("sklearn")
 QUIET = {"quiet": True}
 
 
+@pytest.mark.slow
 def test_digits_mlp_learns() -> None:
     summary, model = distsgd.train(model="mlp", data="digits", epochs=8, lr=0.05, **QUIET)
     assert summary["final_test_accuracy"] >= 0.92
@@ -31,6 +32,7 @@ def test_digits_mlp_learns() -> None:
     assert isinstance(model, nn.Module)
 
 
+@pytest.mark.slow
 def test_a_short_run_evaluates_often_enough_to_draw_a_curve() -> None:
     """Without --eval-every, a run shorter than 5 epochs evaluates 5 times, evenly; a longer one,
     at each epoch's end; --eval-every, where it says."""
@@ -55,6 +57,7 @@ def test_the_summary_records_what_was_trained() -> None:
     assert s["global_batch_size"] == 16 * 3 * 2
 
 
+@pytest.mark.slow
 @needs_fashion
 def test_fashion_mnist_net_learns() -> None:
     summary, _ = distsgd.train(model="mnist_net", data="fashion-mnist", max_samples=12_800, lr=0.05,
@@ -64,6 +67,7 @@ def test_fashion_mnist_net_learns() -> None:
     assert summary["final_test_accuracy"] >= 0.65
 
 
+@pytest.mark.slow
 def test_same_seed_same_run() -> None:
     a = distsgd.train(model="mlp", data="digits", epochs=2, seed=3, **QUIET)
     b = distsgd.train(model="mlp", data="digits", epochs=2, seed=3, **QUIET)
@@ -128,6 +132,7 @@ def test_api_accepts_tensors_classes_factories_and_instances() -> None:
     assert summary["dataset"] == "arrays" and summary["final_test_accuracy"] >= 0.9
 
 
+@pytest.mark.slow
 def test_optimizers_and_schedules_train() -> None:
     for opt, lr in (("adam", 0.003), ("adamw", 0.003), ("sgd", 0.05)):
         summary, _ = distsgd.train(model="mlp", data="digits", epochs=3, lr=lr, optimizer=opt, schedule="cosine",

@@ -66,6 +66,7 @@ def user_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     ("sync-ps", {}), ("ssp", {}), ("dcasgd", {}), ("local-sgd", {"sync_every": "4"}), ("easgd", {}),
     ("easgd", {"easgd_mode": "async"}), ("hogwild++", {"update_delay": 4}),
 ])
+@pytest.mark.slow
 def test_a_user_dataset_with_random_augmentation_trains_under_every_algorithm(user_data: str, algo: str,
                                                                                extra: dict) -> None:
     workers = 1 if algo == "single" else 2
@@ -77,6 +78,7 @@ def test_a_user_dataset_with_random_augmentation_trains_under_every_algorithm(us
         assert s["dataset_shared"]  # the Datasets' tensors were moved to shared memory, one copy for all
 
 
+@pytest.mark.slow
 def test_workers_read_disjoint_shards_that_cover_the_data(user_data: str, tmp_path: Path, monkeypatch) -> None:
     log = tmp_path / "log"
     log.mkdir()
@@ -90,6 +92,7 @@ def test_workers_read_disjoint_shards_that_cover_the_data(user_data: str, tmp_pa
     assert set(shards[0]).isdisjoint(shards[1]) and set(shards[0]) | set(shards[1]) == set(range(1500))
 
 
+@pytest.mark.slow
 def test_an_npz_of_float_targets_is_a_regression_trained_with_mse(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 5)).astype(np.float32)
@@ -135,6 +138,7 @@ def adam_on_the_head(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam([{"params": ps[:2], "lr": 0.0}, {"params": ps[2:], "lr": 0.01}])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["single", "allreduce", "asgd"])
 def test_per_group_learning_rates_are_honoured(algo: str) -> None:
     digits = load_dataset("digits")
@@ -185,6 +189,7 @@ def make():
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--loader-workers", "1"], ["--algo", "allreduce", "--workers", "2"]])
 def test_a_bad_sample_found_while_training_is_one_error_line(tmp_path: Path, args: list[str]) -> None:
     path = tmp_path / "flaky.py"
@@ -196,6 +201,7 @@ def test_a_bad_sample_found_while_training_is_one_error_line(tmp_path: Path, arg
     assert len(last) == 1 and "cannot read image /data/seven.png: broken" in last[0] and last[0].startswith("error: ")
 
 
+@pytest.mark.slow
 def test_the_default_job_trains_with_no_network_and_no_system_dataset(tmp_path: Path) -> None:
     """The README's first command on a fresh machine: Fashion-MNIST comes from the copy distsgd
     ships, its contents checked against the published checksums."""

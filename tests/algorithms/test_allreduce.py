@@ -24,6 +24,7 @@ def single_reference(digits):
     return flat_params(result.model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, bucket_mb", [("allreduce", 25.0), ("allreduce", 0.02), ("ddp", 25.0)])
 def test_two_workers_equal_single_with_the_global_batch(digits, single_reference, algo, bucket_mb) -> None:
     result = distsgd.train(model="mlp", data=digits, algo=algo, workers=2, batch_size=B, max_samples=STEPS * 2 * B,

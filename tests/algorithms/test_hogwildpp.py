@@ -287,6 +287,7 @@ def test_bad_settings() -> None:
         distsgd.train(model="mlp", data="digits", algo="hogwild++", workers=2, ring_tolerance=-0.1, quiet=True)
 
 
+@pytest.mark.slow
 def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path) -> None:
     """Under torchrun each process is a cluster (here 2 of 2 local Hogwild! workers each) and the
     token travels between the processes over gloo, as it would between nodes. The lr schedule

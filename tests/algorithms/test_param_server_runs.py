@@ -105,6 +105,7 @@ def test_ssp_does_not_wait_forever_for_a_dead_worker(digits, killer, monkeypatch
     assert s["failed_workers"] == [1] and s["samples_per_worker"][0] == 3 * 718
 
 
+@pytest.mark.slow
 def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
     start = time.monotonic()
     res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", killer,
@@ -114,6 +115,7 @@ def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
     assert res.stderr.strip().splitlines()[-1] == "error: the parameter server failed: killed by SIGKILL"
 
 
+@pytest.mark.slow
 def test_torchrun_rank_zero_serves(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = run_cli("--standalone", "--nproc-per-node", "3", "-m", "distsgd", "train", "--algo", "asgd",

@@ -47,6 +47,7 @@ class Failing(nn.Module):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, message", [("raise", "worker 1 failed: RuntimeError: injected failure at step 5"),
                                           ("kill", "worker 1 failed: killed by SIGKILL")])
 def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) -> None:
@@ -65,6 +66,7 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
     # The reaper fixture (conftest) fails this test if any worker process is still alive.
 
 
+@pytest.mark.slow
 def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = run_cli("--standalone", "--nproc-per-node", "2", "-m", "distsgd", "train", "--algo", "allreduce",
@@ -79,6 +81,7 @@ def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     assert res.stdout.count("run saved in") == 1  # only rank 0 reports
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -107,6 +110,7 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     # The reaper fixture checks that no worker outlived the launcher.
 
 
+@pytest.mark.slow
 def test_workers_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
     """A SIGKILLed launcher cannot stop its workers; they notice it is gone and exit by themselves."""
     import subprocess

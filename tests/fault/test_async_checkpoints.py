@@ -35,6 +35,7 @@ def _manifest(run: Path) -> dict | None:
         return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, extra", ASYNC, ids=[a for a, _ in ASYNC])
 def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Path, algo: str,
                                                                   extra: list[str]) -> None:
@@ -199,6 +200,7 @@ def test_a_lockstep_group_restarts_from_its_last_checkpoint(tmp_path: Path, kill
     assert s["samples"] == clean["samples"]
 
 
+@pytest.mark.slow
 def test_a_dead_server_points_at_resume(tmp_path: Path, monkeypatch) -> None:
     """The server (RANK 0) SIGKILLs itself at its 5th model copy; the run stops with one line naming
     --resume, and the resumed run finishes."""

@@ -26,6 +26,7 @@ ALGOS = [("hogwild", []), ("asgd", []), ("ssp", ["--staleness", "2"]), ("dcasgd"
 EPOCHS = {"hogwild": 20, "hogwild++": 20, "easgd": 20}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, extra", ALGOS, ids=[a for a, _ in ALGOS])
 def test_run_finishes_after_a_worker_is_killed(tmp_path: Path, algo: str, extra: list[str]) -> None:
     out = tmp_path / "run"

@@ -52,6 +52,7 @@ def _one_error_line(code: int, err: str, out: Path) -> None:
     assert not out.exists(), "a failed run left its directory behind"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.dictionaries(st.sampled_from(FIELDS + ["lr_", "batchsize", "train"]), scalars, max_size=6))
 def test_any_settings_table_is_valid_or_one_config_error(values: dict) -> None:
@@ -64,6 +65,7 @@ def test_any_settings_table_is_valid_or_one_config_error(values: dict) -> None:
         assert type(exc).__name__ == "ConfigError" and "\n" not in str(exc)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.text(max_size=200))
 def test_any_toml_text_is_one_error_line_or_a_config(tmp_path_factory, text: str) -> None:
@@ -229,6 +231,7 @@ def small_run(tmp_path_factory) -> Path:
 
 
 @FUZZ
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.integers(0, 10 ** 6), st.binary(min_size=1, max_size=4)), min_size=1, max_size=3),
        st.one_of(st.none(), st.integers(0, 10 ** 6)))
 def test_any_damaged_model_file_is_one_error_line_or_evaluates(tmp_path_factory, small_run, edits, cut) -> None:
@@ -296,6 +299,7 @@ frames = st.lists(st.tuples(ops, st.integers(-2**63, 2**63 - 1), st.integers(-2*
                             st.integers(-2**63, 2**63 - 1), st.binary(max_size=96)), max_size=4)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.booleans(), st.binary(max_size=80), frames)
 def test_any_bytes_on_the_server_port_leave_it_serving(served, hello_first: bool, opening: bytes, requests) -> None:

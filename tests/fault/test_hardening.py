@@ -122,6 +122,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("whole_group", [False, True], ids=["kill-launcher", "kill-process-group"])
 def test_sigterm_stops_a_run_cleanly(tmp_path: Path, whole_group: bool) -> None:
     """``kill PID`` (the launcher alone) or a scheduler's SIGTERM to the whole process group.
@@ -152,6 +153,7 @@ def test_sigterm_stops_a_run_cleanly(tmp_path: Path, whole_group: bool) -> None:
     assert manifest["samples"] >= 2000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["allreduce", "local-sgd"])
 def test_a_finished_run_says_nothing_on_stderr(tmp_path: Path, algo: str) -> None:
     """The launcher stops a worker still leaving its process group once every result is in. Since
@@ -170,6 +172,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_stranger_on_the_server_port_cannot_stop_the_run(tmp_path: Path) -> None:
     """During an asgd run, a stranger connects and says HELLO for worker 0, then PUSHes a gradient
     claiming 2**62 samples; another holds 100 connections open; another trickles a byte a second.
@@ -257,6 +260,7 @@ class Net(nn.Module):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["hogwild-lock", "hogwild++-ring"])
 def test_a_worker_killed_holding_a_lock_does_not_stop_the_others(tmp_path: Path, where: str) -> None:
     """A worker SIGKILLed inside ``--hogwild-lock`` (on 767cbe8 the others blocked for ever), or
@@ -290,6 +294,7 @@ def _says_then_dies(rank: int, out, replacement: bool) -> None:
     box.put(("result", rank, {"ok": True}))
 
 
+@pytest.mark.slow
 def test_a_replacement_is_not_blamed_for_its_predecessors_last_words(tmp_path: Path) -> None:
     """The dead process's error was still in its pipe when the launcher replaced it; on 767cbe8 it
     was filed under the replacement, which then counted as failed too."""
@@ -312,6 +317,7 @@ def test_a_replacement_is_not_blamed_for_its_predecessors_last_words(tmp_path: P
 
 # --- 5. No data lost: checkpoints, a full disk, the order of the files ----------------------------
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
     """On 767cbe8 only one generation was kept: a damaged newest checkpoint was a clean error and
     the run could not go on. A killed writer's temporary files stayed for ever."""
@@ -341,6 +347,7 @@ def _tmpfs(path: Path, size: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_loses_no_checkpoint(tmp_path: Path) -> None:
     """A run whose disk fills during a checkpoint stops with one line naming the path; its last
     whole checkpoint still resumes. A run whose model.pt cannot be written leaves no summary.json
@@ -410,6 +417,7 @@ def test_a_gzip_bomb_is_refused_without_reading_it(tmp_path: Path) -> None:
     assert peak < 4 << 20
 
 
+@pytest.mark.slow
 def test_an_npz_claiming_ten_trillion_elements(tmp_path: Path) -> None:
     """An npy header claiming 10**13 elements (numpy tried to allocate it on 767cbe8)."""
     import zipfile
@@ -445,6 +453,7 @@ def test_cifar_labels_that_are_not_a_list_of_ints(tmp_path: Path, labels) -> Non
         formats.read_cifar_batch(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["toml-not-utf8", "config-is-a-directory", "out-under-a-file"])
 def test_bad_paths_and_files_are_one_line(tmp_path: Path, case: str) -> None:
     """Tracebacks on 767cbe8 (UnicodeDecodeError, IsADirectoryError, NotADirectoryError)."""
@@ -472,6 +481,7 @@ print("trained", flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_a_script_that_trains_at_module_level_is_told_what_to_do(tmp_path: Path) -> None:
     """Without ``if __name__ == "__main__":`` every worker imports the script again; on 767cbe8 that
     was a BrokenPipeError traceback from the fork server."""

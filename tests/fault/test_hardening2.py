@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import logging
 import socket
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def test_a_connection_whose_thread_cannot_start_is_closed_and_the_server_goes_on
     """On 43f33af the first failure ended the acceptor thread (the flood's connections then waited
     unanswered, and so would a replacement worker), and ``close()`` raised joining the thread that
     never started: the server process failed with the run's result."""
+    caplog.set_level(logging.WARNING)  # an earlier in-process --quiet run may have raised the root's level
     ps = _core("asgd")
     service = _serve(ps)
     try:
@@ -229,6 +231,7 @@ class _FlakyListener:
 
 def test_accept_errors_are_one_warning_then_a_count(caplog: pytest.LogCaptureFixture) -> None:
     """On 43f33af every failed accept() was a warning: 10 lines a second for as long as it lasted."""
+    caplog.set_level(logging.WARNING)
     ps = _core("asgd")
     service = transport.Service(ps, _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", secret=SECRET)
     service.listener = _FlakyListener(service.listener, failures=20)

@@ -80,6 +80,7 @@ def _run_on_both(names, veth, algo: str, out: Path, port: int) -> list[subproces
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, workers", [("allreduce", 2), ("asgd", 1), ("hogwild++", 2)])
 def test_torchrun_across_two_hosts(two_hosts, tmp_path: Path, algo: str, workers: int) -> None:
     """hogwild++: each host is one cluster (one local Hogwild! worker here); the token crosses the link."""

@@ -53,6 +53,7 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     ("diloco", 2, "500", {"lr": 0.002}), ("allreduce", 2, "500", {"compress": "powersgd:2"}),
     ("local-sgd", 2, "500", {"compress": "powersgd"}), ("ddp", 2, "epoch", {"compress": "fp16"}),
 ])
+@pytest.mark.slow
 def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every,
                                                             extra) -> None:
     # --eval-every: by default a run's evaluations spread over its own budget, which the first part's is not
@@ -74,6 +75,7 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_mo
     assert saved["samples"] == full.summary["samples"]  # written back into the resumed directory
 
 
+@pytest.mark.slow
 def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_model, monkeypatch) -> None:
     common = dict(model=dropout_model, data="digits", algo="sync-ps", workers=2, lr=0.05, checkpoint_every="500",
                   quiet=True)
@@ -94,6 +96,7 @@ def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_
     assert resumed.summary["server_updates"] == full.summary["server_updates"]
 
 
+@pytest.mark.slow
 def test_resume_elsewhere_and_continue_training_in_epochs(tmp_path) -> None:
     distsgd.train(model="mlp", data="digits", epochs=1, checkpoint_every="epoch", out=str(tmp_path / "a"), quiet=True)
     s = distsgd.train(resume=str(tmp_path / "a"), epochs=3, out=str(tmp_path / "b")).summary
@@ -126,6 +129,7 @@ def test_bad_checkpoint_settings(tmp_path, kwargs, message) -> None:
         distsgd.train(model="mlp", data="digits", out=str(tmp_path / "r"), quiet=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_bad_resume(tmp_path) -> None:
     with pytest.raises(distsgd.ConfigError, match="not a distsgd run directory"):
         distsgd.train(resume=str(tmp_path / "nothing"))
@@ -138,6 +142,7 @@ def test_bad_resume(tmp_path) -> None:
         distsgd.train(resume=str(tmp_path / "two"), workers=1, algo="single", epochs=2)
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
     args = ["train", "--algo", "allreduce", "--dataset", "digits", "--model", dropout_model, "--max-samples", "2872",
             "--lr", "0.05", "--checkpoint-every", "400"]  # not --quiet: it would hide the warning looked for
@@ -156,6 +161,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_mod
     assert restarted["final_test_loss"] == clean["final_test_loss"]
 
 
+@pytest.mark.slow
 def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp_path, dropout_model) -> None:
     """asgd under torchrun --max-restarts 1: worker 1 (process rank 2) SIGKILLed at its 10th step,
     after a few checkpoints; torchrun stops the group before the survivor finishes the budget and
