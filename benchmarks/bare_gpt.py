@@ -233,7 +233,7 @@ class StepTimes:
     def mark(self, phase: str) -> None:
         now = self.now()
         if self.last is not None:
-            self.current[phase] = tuple(n - l - p for n, l, p in zip(now, self.last, self.paused))
+            self.current[phase] = tuple(n - last - p for n, last, p in zip(now, self.last, self.paused))
             if phase == PHASES[-1]:
                 self.steps.append(self.current)
                 self.current = {}

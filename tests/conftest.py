@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` need CUDA: skipped, saying so, on a machine without it (CI)."""
     import torch

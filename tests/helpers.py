@@ -62,7 +62,6 @@ def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120):
     """``fn(rank, world, *args)`` in each of ``world`` forked processes joined in a gloo process
     group (so its collectives are real); returns each rank's result (saved with torch.save)."""
     import multiprocessing as mp
-
     import tempfile
 
     ctx = mp.get_context("fork")

@@ -10,7 +10,6 @@ import pytest
 import distsgd
 from distsgd.bench import parse_algos
 from distsgd.config import RunConfig, validate
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from distsgd import cli
-
 from helpers import make_idx_dataset, run_cli
 
 pytest.importorskip("sklearn")
@@ -168,8 +167,9 @@ def _nan_npz(t: Path) -> Path:
 
 
 def _bad_labels_idx(t: Path) -> str:
-    from helpers import write_idx
     import numpy as np
+
+    from helpers import write_idx
 
     folder = make_idx_dataset(t / "labels", gz=False)
     write_idx(folder / "train-labels-idx1-ubyte", np.full(60, 11))

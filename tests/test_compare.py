@@ -9,7 +9,6 @@ import pytest
 
 from distsgd import cli
 from distsgd.bench.compare import _labels
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

@@ -20,7 +20,6 @@ import torch
 
 import distsgd
 from distsgd.errors import ConfigError
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

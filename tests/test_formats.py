@@ -6,12 +6,11 @@ import pickle
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from distsgd.data import formats, load_dataset
 from distsgd.errors import DataError
-
 from helpers import make_idx_dataset, write_idx
 
 

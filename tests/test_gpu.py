@@ -13,7 +13,6 @@ import torch
 
 import distsgd
 from distsgd.checkpoint import load_worker_state
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

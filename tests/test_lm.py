@@ -21,14 +21,12 @@ import torch.nn.functional as F
 import distsgd
 from distsgd.api import evaluate_checkpoint
 from distsgd.config import RunConfig
-from distsgd.data import load_dataset
-from distsgd.data import text
+from distsgd.data import load_dataset, text
 from distsgd.errors import ConfigError, DataError, ModelError
 from distsgd.models import GPT, build_model, check_fits
 from distsgd.train.evaluate import evaluate
 from distsgd.train.objective import loss_function
 from distsgd.train.optim import build_optimizer, schedule_lr, warmup_factor
-
 from helpers import run_cli
 
 TINY = "gpt[layers=1,heads=2,width=32]"

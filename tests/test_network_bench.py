@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import warnings
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import distsgd
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

@@ -12,7 +12,6 @@ import pytest
 
 from distsgd.data import sources
 from distsgd.errors import DataError
-
 from helpers import make_idx_dataset
 
 

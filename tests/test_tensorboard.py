@@ -16,7 +16,6 @@ import distsgd
 from distsgd import cli
 from distsgd.config import from_mapping
 from distsgd.metrics import BarProgress, LineProgress
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

@@ -14,7 +14,6 @@ import distsgd
 from distsgd.api import evaluate_checkpoint
 from distsgd.config import RunConfig
 from distsgd.train.optim import lr_at
-
 from helpers import needs_fashion
 
 pytest.importorskip("sklearn")

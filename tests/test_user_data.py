@@ -12,7 +12,6 @@ import torch
 
 import distsgd
 from distsgd.data import load_dataset
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

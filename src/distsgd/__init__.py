@@ -12,7 +12,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from distsgd.api import TrainResult, spawn, train
-from distsgd.train.own_loop import Run
 from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError
+from distsgd.train.own_loop import Run
 
 __all__ = ["train", "spawn", "Run", "TrainResult", "DistsgdError", "ConfigError", "DataError", "ModelError", "__version__"]

@@ -22,19 +22,25 @@ import torch
 from torch import nn
 
 from distsgd import config as config_mod
-from distsgd import rundir, user
-from distsgd import launch
+from distsgd import launch, rundir, user
 from distsgd.algorithms import registry
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
 from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
-from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.data.partition import samples_per_epoch
+from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, ModelError, OutputError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import under_torchrun
-from distsgd.metrics import (Fanout, JsonlWriter, TensorBoardWriter, first_reaching, lm_figures, make_progress,
-                             require_tensorboard)
+from distsgd.metrics import (
+    Fanout,
+    JsonlWriter,
+    TensorBoardWriter,
+    first_reaching,
+    lm_figures,
+    make_progress,
+    require_tensorboard,
+)
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.train import device
 from distsgd.train.context import Job, WorkerResult

@@ -27,6 +27,7 @@ from distsgd import config as config_mod
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError, Terminated, on_sigterm
 
+
 class _Parser(argparse.ArgumentParser):
     commands: dict[str, "_Parser"] = {}  # the top parser's sub-commands' parsers, by name
 
@@ -145,9 +146,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from distsgd.api import default_out, run
-
     from distsgd.algorithms import registry
+    from distsgd.api import default_out, run
 
     cfg = config_from_args(args)
     _hush(cfg.quiet)

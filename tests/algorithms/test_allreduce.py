@@ -7,7 +7,6 @@ import torch
 
 import distsgd
 from distsgd.algorithms.allreduce import make_buckets
-
 from helpers import flat_params
 
 pytest.importorskip("sklearn")

@@ -135,7 +135,6 @@ def test_resumed_state_follows_the_model_to_its_device(group_of_one, algo: str, 
     from distsgd.algorithms import registry
     from distsgd.config import RunConfig
     from distsgd.train.context import Start, Step
-
     from quadratics import context
 
     cfg = RunConfig(algo=algo, workers=1, options=options)

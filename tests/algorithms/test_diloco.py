@@ -9,7 +9,6 @@ import torch
 import distsgd
 from distsgd.data import load_dataset
 from distsgd.train.context import Start
-
 from helpers import in_group
 from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
 

@@ -10,7 +10,6 @@ from torch import nn
 import distsgd
 from distsgd.config import RunConfig
 from distsgd.train.context import Start
-
 from helpers import in_group
 from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
 

@@ -11,10 +11,8 @@ from torch import nn
 
 import distsgd
 from distsgd.train.context import Start
-
-from quadratics import config
-
 from helpers import flat_params
+from quadratics import config
 
 # -- HogWild++ (Zhang, Hsieh, Akella, ICDM 2016) -------------------------------------------------
 

@@ -8,7 +8,6 @@ import torch
 
 import distsgd
 from distsgd.train.context import Start
-
 from helpers import flat_params, in_group
 from quadratics import config, context, far, flat, model_and_grad, take_step
 

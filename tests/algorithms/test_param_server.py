@@ -213,7 +213,6 @@ def test_staleness_stats_empty_and_quantiles() -> None:
 
 def test_dcasgd_lambda_defaults_are_the_papers() -> None:
     from distsgd.algorithms.param_server import dc_lambda
-
     from distsgd.algorithms.param_server.worker import DCASGDOptions
 
     assert dc_lambda(DCASGDOptions()) == 0.04  # DC-ASGD-c
@@ -282,6 +281,7 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
     (A wrong HELLO used to be taken as rank -1 or an index past the counters.)"""
     import socket
     import struct
+
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
@@ -309,6 +309,7 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
 def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
     import socket
     import time
+
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
@@ -334,6 +335,7 @@ def test_a_busy_worker_is_not_silent() -> None:
     checkpoint, --tau EASGD steps) keeps its connection: its client PINGs while it is quiet. (The
     server used to drop it.)"""
     import time
+
     from distsgd.algorithms.param_server import transport
 
     ps, role = make_server("asgd"), _Role()
@@ -439,8 +441,8 @@ def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> 
 
 @pytest.mark.parametrize("accept", [False, True])
 def test_a_nan_gradient_is_not_applied_unless_the_user_accepts_it(accept: bool) -> None:
-    from distsgd.algorithms.param_server.core import ParameterServer
     from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server.core import ParameterServer
 
     base = make_server("asgd", batch_size=8)
     ps = ParameterServer(base.cfg, base.model, 2, base.rule, 1000, accept_nonfinite=accept)

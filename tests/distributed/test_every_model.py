@@ -23,7 +23,6 @@ import torch
 import distsgd
 from distsgd.algorithms import registry
 from distsgd.api import evaluate_checkpoint
-
 from helpers import needs_fashion, run_cli
 
 pytest.importorskip("sklearn")

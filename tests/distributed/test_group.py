@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import distsgd
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

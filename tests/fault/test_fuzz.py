@@ -11,13 +11,13 @@ import shutil
 import socket
 import struct
 import time
-import tomllib
 import uuid
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -25,7 +25,6 @@ from hypothesis.extra import numpy as hnp
 from distsgd import cli, config
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError
-
 from helpers import write_idx
 
 FIELDS = [f for f in RunConfig.__dataclass_fields__]

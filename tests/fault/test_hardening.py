@@ -25,7 +25,6 @@ import pytest
 
 from distsgd import checkpoint
 from distsgd.errors import DataError
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

@@ -8,9 +8,9 @@ the run's secret, as a test harness that built the server knows it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import logging
 import socket
 import subprocess
 import sys

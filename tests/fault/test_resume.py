@@ -11,7 +11,6 @@ import torch
 import distsgd
 from distsgd import checkpoint
 from distsgd.errors import CheckpointError, WorkerError
-
 from helpers import run_cli
 
 pytest.importorskip("sklearn")

@@ -54,7 +54,6 @@ from distsgd.options import Options, option
 from distsgd.train.context import Start, Step, WorkerContext
 from distsgd.train.optim import build_optimizer
 
-
 PARTIAL_ROUNDS = ("average", "theta", "step")
 
 

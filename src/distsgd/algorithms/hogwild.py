@@ -29,11 +29,11 @@ and ``samples`` counts only the samples really processed.
 
 from __future__ import annotations
 
-import time
 import fcntl
 import logging
 import os
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar

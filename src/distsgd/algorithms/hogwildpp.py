@@ -84,8 +84,7 @@ from torch import nn
 
 from distsgd.algorithms.averaging import add_into, average_model_, flatten, mean_state, params
 from distsgd.algorithms.base import Algorithm, SharedSeat, Topology, register
-from distsgd.algorithms.hogwild import (Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, OwnedLock,
-                                        bind_to_shared)
+from distsgd.algorithms.hogwild import Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, OwnedLock, bind_to_shared
 from distsgd.config import RunConfig, value
 from distsgd.errors import ConfigError
 from distsgd.options import option

@@ -9,9 +9,8 @@ import importlib
 import pkgutil
 
 import distsgd.algorithms as _package
+from distsgd.algorithms.base import Algorithm, baseline, get, names, option_owners, options_of, resolve  # noqa: F401
 from distsgd.config import RunConfig
-from distsgd.algorithms.base import (Algorithm, baseline, get, names, option_owners,  # noqa: F401
-                                     options_of, resolve)
 
 
 def _import_all() -> None:

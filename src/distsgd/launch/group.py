@@ -18,8 +18,17 @@ import torch.distributed as dist
 
 from distsgd.config import RunConfig
 from distsgd.launch import procs
-from distsgd.launch.rendezvous import (LOOPBACK, check_backend, check_init_method, free_port, init_group,
-                                       init_torchrun_group, leave_group, loopback_only, resolve_backend)
+from distsgd.launch.rendezvous import (
+    LOOPBACK,
+    check_backend,
+    check_init_method,
+    free_port,
+    init_group,
+    init_torchrun_group,
+    leave_group,
+    loopback_only,
+    resolve_backend,
+)
 from distsgd.metrics import NullSink, Sink
 from distsgd.train import device
 from distsgd.train.context import Job, WorkerContext, WorkerResult

@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import pickle
-import warnings
 import os
+import pickle
 import queue
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path

@@ -14,8 +14,16 @@ import torch
 
 from distsgd.algorithms.param_server.core import ParameterServer
 from distsgd.algorithms.param_server.rules import Rule
-from distsgd.checkpoint import (CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, gather, load_worker_state,
-                                save_worker_state, scatter, worker_file)
+from distsgd.checkpoint import (
+    CHECKPOINT_DIR,
+    COORDINATOR,
+    commit_checkpoint,
+    gather,
+    load_worker_state,
+    save_worker_state,
+    scatter,
+    worker_file,
+)
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError
 from distsgd.models import build_model

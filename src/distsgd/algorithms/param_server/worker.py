@@ -13,8 +13,7 @@ from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers,
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport
 from distsgd.algorithms.param_server.role import ServerRole
-from distsgd.algorithms.param_server.rules import (Asynchronous, BoundedStaleness, DelayCompensated, Rule,
-                                                   SyncRound)
+from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
