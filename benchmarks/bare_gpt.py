@@ -86,8 +86,10 @@ class Bare:
         self.model = build_model("gpt", ds.input_shape, ds.num_classes, "default", seed=0)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": float(rec["weight_decay"])},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # weights decay, not 1-D
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": float(rec["weight_decay"])},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]  # weights decay, not 1-D
         self.opt = torch.optim.AdamW(groups, lr=self.lr)
         self.gen = torch.Generator().manual_seed(0)
 
@@ -101,7 +103,7 @@ class Bare:
             for first in range(0, len(order), BATCH):
                 if done >= samples:
                     return
-                idx = order[first:first + BATCH]
+                idx = order[first : first + BATCH]
                 done += len(idx)
                 yield idx
 
@@ -178,20 +180,33 @@ def one(kind: str, samples: int, threads: int | None = None) -> dict[str, Any]:
         from distsgd.models import RECOMMENDED
 
         settings = {k: v for k, v in RECOMMENDED["gpt"].items() if k != "dataset"}
-        s = distsgd.spawn(user_loop, model=gpt, algo="single", max_samples=samples, quiet=True,
-                          **_threads(threads), **settings).summary
-        return {"samples": s["samples"], "train_wall_s": s["train_wall_s"], "samples_per_s": s["samples_per_s"],
-                "tokens_per_s": s["samples_per_s"] * CONTEXT, "threads_per_worker": s.get("threads_per_worker")}
+        s = distsgd.spawn(
+            user_loop, model=gpt, algo="single", max_samples=samples, quiet=True, **_threads(threads), **settings
+        ).summary
+        return {
+            "samples": s["samples"],
+            "train_wall_s": s["train_wall_s"],
+            "samples_per_s": s["samples_per_s"],
+            "tokens_per_s": s["samples_per_s"] * CONTEXT,
+            "threads_per_worker": s.get("threads_per_worker"),
+        }
     if kind == "bare":
         done, elapsed, loss = Bare(threads).train(samples)
-        return {"samples": done, "train_wall_s": elapsed, "samples_per_s": done / elapsed,
-                "tokens_per_s": done * CONTEXT / elapsed, "last_train_loss": loss}
+        return {
+            "samples": done,
+            "train_wall_s": elapsed,
+            "samples_per_s": done / elapsed,
+            "tokens_per_s": done * CONTEXT / elapsed,
+            "last_train_loss": loss,
+        }
     import distsgd
 
     no_eval = {"eval_every": 10**15} if kind == NO_EVAL else {}  # never due: only the final evaluation
     s = distsgd.train(model="gpt", max_samples=samples, quiet=True, **_threads(threads), **no_eval).summary
-    return {k: s[k] for k in ("samples", "train_wall_s", "samples_per_s", "tokens_per_s", "final_test_loss",
-                              "threads_per_worker")}
+    return {
+        k: s[k]
+        for k in ("samples", "train_wall_s", "samples_per_s", "tokens_per_s", "final_test_loss", "threads_per_worker")
+    }
 
 
 def measure(kind: str, samples: int, threads: int | None) -> dict[str, Any]:
@@ -250,18 +265,25 @@ class StepTimes:
         if not steps:
             return "no step times (too few steps)"
         totals = [tuple(sum(s[p][i] for p in PHASES) for i in range(3)) for s in steps]
-        lines = [f"{len(steps)} steps (the first left out), medians per step:",
-                 f"  {'phase':9s}" + "".join(f"{m:>10s}" for m in self.MEASURES) + "  share of wall time"]
+        lines = [
+            f"{len(steps)} steps (the first left out), medians per step:",
+            f"  {'phase':9s}" + "".join(f"{m:>10s}" for m in self.MEASURES) + "  share of wall time",
+        ]
         for p in PHASES:
             med = [statistics.median(s[p][i] for s in steps) for i in range(3)]
             share = sum(s[p][0] for s in steps) / sum(t[0] for t in totals)
             lines.append(f"  {p:9s}" + "".join(f"{m:10.1f}" for m in med) + f"  {share:6.1%}")
-        lines.append(f"  {'step':9s}" + "".join(f"{statistics.median(t[i] for t in totals):10.1f}" for i in range(3))
-                     + f"  (min {min(t[0] for t in totals):.1f}, max {max(t[0] for t in totals):.1f} ms wall)")
+        lines.append(
+            f"  {'step':9s}"
+            + "".join(f"{statistics.median(t[i] for t in totals):10.1f}" for i in range(3))
+            + f"  (min {min(t[0] for t in totals):.1f}, max {max(t[0] for t in totals):.1f} ms wall)"
+        )
         after = [i for i in sorted(self.after_eval) if i < len(steps)]
         if after:
-            lines.append("steps right after an evaluation (wall ms, CPU ms, faults): " + "; ".join(
-                ", ".join(f"{v:.0f}" for v in totals[i]) for i in after))
+            lines.append(
+                "steps right after an evaluation (wall ms, CPU ms, faults): "
+                + "; ".join(", ".join(f"{v:.0f}" for v in totals[i]) for i in after)
+            )
         return "\n".join(lines)
 
 
@@ -341,59 +363,110 @@ def profile(kind: str, samples: int, profiler: str, top: int, threads: int | Non
         done, elapsed, _ = result
         print(f"bare: {done} samples in {elapsed:.2f} s of training: {done * CONTEXT / elapsed:.0f} tokens/s{under}")
     else:
-        print(f"distsgd: {result['samples']} samples in {result['train_wall_s']:.2f} s of training (wall "
-              f"{result['wall_s']:.2f} s): {result['tokens_per_s']:.0f} tokens/s{under}")
+        print(
+            f"distsgd: {result['samples']} samples in {result['train_wall_s']:.2f} s of training (wall "
+            f"{result['wall_s']:.2f} s): {result['tokens_per_s']:.0f} tokens/s{under}"
+        )
     print(times.report())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_cores()} cores")
 
 
 # -- the comparison --------------------------------------------------------------------------------
 
+
 def machine() -> str:
     import torch
 
-    return (f"Machine: {platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()}), "
-            f"{os.cpu_count()} cores ({_cores()} usable), torch {torch.__version__}, Python "
-            f"{platform.python_version()}; {_dt.date.today().isoformat()}")
+    return (
+        f"Machine: {platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()}), "
+        f"{os.cpu_count()} cores ({_cores()} usable), torch {torch.__version__}, Python "
+        f"{platform.python_version()}; {_dt.date.today().isoformat()}"
+    )
 
 
 def render(facts: str, pairs: list[dict[str, Any]]) -> str:
     kinds = [k for k in (*KINDS, NO_EVAL, SPAWN) if k in pairs[0]]
     others = kinds[1:]
     med = {k: statistics.median(p[k]["tokens_per_s"] for p in pairs) for k in kinds}
-    lines = [facts, "", "| pair | order | " + " | ".join(f"{k}: tokens/s" for k in kinds) + " | "
-             + " | ".join(f"{k} / bare" for k in others) + " |", "|---|---|" + "---|" * (len(kinds) + len(others))]
+    lines = [
+        facts,
+        "",
+        "| pair | order | "
+        + " | ".join(f"{k}: tokens/s" for k in kinds)
+        + " | "
+        + " | ".join(f"{k} / bare" for k in others)
+        + " |",
+        "|---|---|" + "---|" * (len(kinds) + len(others)),
+    ]
     for i, p in enumerate(pairs, 1):
         t = {k: p[k]["tokens_per_s"] for k in kinds}
-        lines.append(f"| {i} | {', '.join(p['order'])} | " + " | ".join(f"{t[k]:.0f}" for k in kinds) + " | "
-                     + " | ".join(f"{t[k] / t['bare']:.3f}" for k in others) + " |")
-    lines.append("| median | | " + " | ".join(f"{med[k]:.0f}" for k in kinds) + " | "
-                 + " | ".join(f"{med[k] / med['bare']:.3f} (of the medians)" for k in others) + " |")
+        lines.append(
+            f"| {i} | {', '.join(p['order'])} | "
+            + " | ".join(f"{t[k]:.0f}" for k in kinds)
+            + " | "
+            + " | ".join(f"{t[k] / t['bare']:.3f}" for k in others)
+            + " |"
+        )
+    lines.append(
+        "| median | | "
+        + " | ".join(f"{med[k]:.0f}" for k in kinds)
+        + " | "
+        + " | ".join(f"{med[k] / med['bare']:.3f} (of the medians)" for k in others)
+        + " |"
+    )
     return "\n".join(lines)
 
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-samples", type=int, default=None, help="training samples per run (sequences of "
-                        f"{CONTEXT} tokens); default 6000 (--profile: 1000)")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating pairs (with --no-eval, triples); "
-                        "default 3")
+    parser.add_argument(
+        "--max-samples",
+        type=int,
+        default=None,
+        help=f"training samples per run (sequences of {CONTEXT} tokens); default 6000 (--profile: 1000)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="alternating pairs (with --no-eval, triples); default 3")
     parser.add_argument("--out", help="also write rows.json and bare_gpt.md into this folder")
-    parser.add_argument("--profile", nargs="?", const="distsgd", choices=KINDS,
-                        help="profile one short run of distsgd's loop (or of the bare one) in this process")
-    parser.add_argument("--profiler", choices=("cprofile", "torch", "none"), default="cprofile",
-                        help="with --profile: cProfile (Python functions), torch.profiler (operators), or none "
-                             "(the step times alone, undisturbed)")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="distsgd",
+        choices=KINDS,
+        help="profile one short run of distsgd's loop (or of the bare one) in this process",
+    )
+    parser.add_argument(
+        "--profiler",
+        choices=("cprofile", "torch", "none"),
+        default="cprofile",
+        help="with --profile: cProfile (Python functions), torch.profiler (operators), or none "
+        "(the step times alone, undisturbed)",
+    )
     parser.add_argument("--top", type=int, default=25, help="with --profile: entries shown; default 25")
-    parser.add_argument("--threads", type=int, help="torch threads of both loops (distsgd: --threads-per-worker); "
-                        "default every core, distsgd's default")
-    parser.add_argument("--no-eval", action="store_true", help=f"also run distsgd with no evaluation during "
-                        f"training ({NO_EVAL}; --eval-every beyond the run): what its evaluations cost the steps")
-    parser.add_argument("--spawn", action="store_true", help=f"also run the bare loop as a user's loop on "
-                        f"distsgd ({SPAWN}: distsgd.spawn, algo single)")
-    parser.add_argument("--only", nargs="+", choices=(*KINDS, NO_EVAL, SPAWN), help="run these kinds only "
-                        "(bare is always run: the ratios are to it)")
-    parser.add_argument("--one", choices=(*KINDS, NO_EVAL, SPAWN), help=argparse.SUPPRESS)  # a single run, in its own process
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of both loops (distsgd: --threads-per-worker); default every core, distsgd's default",
+    )
+    parser.add_argument(
+        "--no-eval",
+        action="store_true",
+        help=f"also run distsgd with no evaluation during "
+        f"training ({NO_EVAL}; --eval-every beyond the run): what its evaluations cost the steps",
+    )
+    parser.add_argument(
+        "--spawn",
+        action="store_true",
+        help=f"also run the bare loop as a user's loop on distsgd ({SPAWN}: distsgd.spawn, algo single)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=(*KINDS, NO_EVAL, SPAWN),
+        help="run these kinds only (bare is always run: the ratios are to it)",
+    )
+    parser.add_argument(
+        "--one", choices=(*KINDS, NO_EVAL, SPAWN), help=argparse.SUPPRESS
+    )  # a single run, in its own process
     args = parser.parse_args()
     if args.max_samples is None:
         args.max_samples = 1000 if args.profile else 6000
@@ -415,18 +488,21 @@ def cli() -> None:
             print(f"pair {r + 1}: {kind}: {pair[kind]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
         pairs.append(pair)
     threads = args.threads or _cores()
-    facts = (f"{machine()}; gpt (every default) on python-stdlib, {args.max_samples} samples of {CONTEXT} tokens a "
-             f"run, batch {BATCH}, one worker of {threads} thread{'s' if threads != 1 else ''}; {args.repeats} "
-             f"alternating {'pairs' if len(kinds) == 2 else 'groups of ' + str(len(kinds))}, each run a fresh process; tokens/s of the "
-             f"training steps (distsgd: its training clock)")
+    facts = (
+        f"{machine()}; gpt (every default) on python-stdlib, {args.max_samples} samples of {CONTEXT} tokens a "
+        f"run, batch {BATCH}, one worker of {threads} thread{'s' if threads != 1 else ''}; {args.repeats} "
+        f"alternating {'pairs' if len(kinds) == 2 else 'groups of ' + str(len(kinds))}, each run a fresh process; tokens/s of the "
+        f"training steps (distsgd: its training clock)"
+    )
     table = render(facts, pairs)
     print(table)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "rows.json").write_text(json.dumps({"facts": facts, "max_samples": args.max_samples,
-                                                   "threads": threads, "pairs": pairs}, indent=1)
-                                       + "\n")
+        (out / "rows.json").write_text(
+            json.dumps({"facts": facts, "max_samples": args.max_samples, "threads": threads, "pairs": pairs}, indent=1)
+            + "\n"
+        )
         (out / "bare_gpt.md").write_text(table + "\n")
 
 

@@ -62,9 +62,19 @@ def pytorch_loop(ds: Samples, samples: int, workers: int) -> float:
 
 
 def distsgd_run(train: Samples, test: Samples, samples: int, workers: int) -> float:
-    s = distsgd.train(model="mnist_net", data=(train, test), algo="single", max_samples=samples, lr=0.01,
-                      momentum=0.5, batch_size=64, threads_per_worker=1, loader_workers=workers,
-                      eval_every=10 ** 9, quiet=True).summary
+    s = distsgd.train(
+        model="mnist_net",
+        data=(train, test),
+        algo="single",
+        max_samples=samples,
+        lr=0.01,
+        momentum=0.5,
+        batch_size=64,
+        threads_per_worker=1,
+        loader_workers=workers,
+        eval_every=10**9,
+        quiet=True,
+    ).summary
     return s["samples_per_s"]
 
 
@@ -83,10 +93,15 @@ def main() -> None:
         for w in counts:
             rates[("pytorch", w)].append(pytorch_loop(train, args.samples, w))
             rates[("distsgd", w)].append(distsgd_run(train, test, args.samples, w))
-            print(f"repeat {r + 1}, {w} loader workers: pytorch {rates[('pytorch', w)][-1]:.0f}, "
-                  f"distsgd {rates[('distsgd', w)][-1]:.0f} samples/s", flush=True)
-    print(f"\nMachine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"{_dt.date.today().isoformat()}; {args.samples} samples a run, {args.repeats} alternating repeats\n")
+            print(
+                f"repeat {r + 1}, {w} loader workers: pytorch {rates[('pytorch', w)][-1]:.0f}, "
+                f"distsgd {rates[('distsgd', w)][-1]:.0f} samples/s",
+                flush=True,
+            )
+    print(
+        f"\nMachine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{_dt.date.today().isoformat()}; {args.samples} samples a run, {args.repeats} alternating repeats\n"
+    )
     print("| loader workers | PyTorch DataLoader loop (samples/s) | distsgd, Dataset path | distsgd / PyTorch |")
     print("|---|---|---|---|")
     for w in counts:

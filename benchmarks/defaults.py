@@ -23,8 +23,9 @@ MODELS = {"mnist_net": 30_000, "gpt": 6_000}  # model -> samples, all workers to
 
 
 def algorithms() -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "distsgd", "algorithms", "--markdown"], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "distsgd", "algorithms", "--markdown"], check=True, capture_output=True, text=True
+    ).stdout
     return [line.split("`")[1] for line in out.splitlines() if line.startswith("| `")]
 
 
@@ -33,22 +34,49 @@ def one(algo: str, model: str, out: Path) -> dict[str, Any]:
     workers = "1" if algo == "single" else "2"
     # --eval-every the budget: one evaluation, at the end (the others cost the GPT ~20 s each and do
     # not change training)
-    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", algo, "--model", model, "--workers", workers,
-           "--max-samples", str(MODELS[model]), "--eval-every", str(MODELS[model]), "--out", str(run), "--overwrite",
-           "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        algo,
+        "--model",
+        model,
+        "--workers",
+        workers,
+        "--max-samples",
+        str(MODELS[model]),
+        "--eval-every",
+        str(MODELS[model]),
+        "--out",
+        str(run),
+        "--overwrite",
+        "--quiet",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"algo": algo, "model": model, "workers": int(workers), "rc": res.returncode}
     if res.returncode != 0:
         row["error"] = res.stderr.strip().splitlines()[-1:] if res.stderr else []
         return row
     s = json.loads((run / "summary.json").read_text())
-    ev = subprocess.run([sys.executable, "-m", "distsgd", "eval", "--checkpoint", str(run / "model.pt"), "--json"],
-                        capture_output=True, text=True, check=True)
+    ev = subprocess.run(
+        [sys.executable, "-m", "distsgd", "eval", "--checkpoint", str(run / "model.pt"), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     saved = json.loads(ev.stdout)
-    row.update(samples=s["samples"], accuracy=s["final_test_accuracy"], loss=s["final_test_loss"],
-               saved_accuracy=saved["test_accuracy"], saved_loss=saved["test_loss"],
-               unigram_entropy=s.get("unigram_entropy"), optimizer=s.get("config", {}).get("optimizer"),
-               lr=s.get("config", {}).get("lr"))
+    row.update(
+        samples=s["samples"],
+        accuracy=s["final_test_accuracy"],
+        loss=s["final_test_loss"],
+        saved_accuracy=saved["test_accuracy"],
+        saved_loss=saved["test_loss"],
+        unigram_entropy=s.get("unigram_entropy"),
+        optimizer=s.get("config", {}).get("optimizer"),
+        lr=s.get("config", {}).get("lr"),
+    )
     return row
 
 
@@ -56,10 +84,14 @@ def render(rows: list[dict[str, Any]]) -> str:
     by = {(r["algo"], r["model"]): r for r in rows}
     algos = list(dict.fromkeys(r["algo"] for r in rows))
     entropy = next((r["unigram_entropy"] for r in rows if r.get("unigram_entropy")), None)
-    lines = [f"| algorithm | mnist_net, Fashion-MNIST, {MODELS['mnist_net']:,} samples: test accuracy "
-             f"(saved model.pt) | gpt, python-stdlib, {MODELS['gpt']:,} samples: test loss, nats/token "
-             f"(saved; unigram entropy {entropy:.4f}) |" if entropy else "| algorithm | mnist_net | gpt |",
-             "|---|---|---|"]
+    lines = [
+        f"| algorithm | mnist_net, Fashion-MNIST, {MODELS['mnist_net']:,} samples: test accuracy "
+        f"(saved model.pt) | gpt, python-stdlib, {MODELS['gpt']:,} samples: test loss, nats/token "
+        f"(saved; unigram entropy {entropy:.4f}) |"
+        if entropy
+        else "| algorithm | mnist_net | gpt |",
+        "|---|---|---|",
+    ]
 
     def cell(r: dict[str, Any] | None, key: str) -> str:
         if r is None:
@@ -69,7 +101,9 @@ def render(rows: list[dict[str, Any]]) -> str:
         return f"{r[key]:.4f} ({r['saved_' + key]:.4f})"
 
     for algo in algos:
-        lines.append(f"| {algo} | {cell(by.get((algo, 'mnist_net')), 'accuracy')} | {cell(by.get((algo, 'gpt')), 'loss')} |")
+        lines.append(
+            f"| {algo} | {cell(by.get((algo, 'mnist_net')), 'accuracy')} | {cell(by.get((algo, 'gpt')), 'loss')} |"
+        )
     return "\n".join(lines)
 
 

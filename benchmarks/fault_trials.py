@@ -24,19 +24,43 @@ import tempfile
 import time
 from pathlib import Path
 
-ASYNC = [("hogwild", []), ("hogwild++", ["--update-delay", "4"]), ("asgd", []), ("ssp", ["--staleness", "2"]),
-         ("dcasgd", []), ("easgd", ["--easgd-mode", "async", "--tau", "4"])]
+ASYNC = [
+    ("hogwild", []),
+    ("hogwild++", ["--update-delay", "4"]),
+    ("asgd", []),
+    ("ssp", ["--staleness", "2"]),
+    ("dcasgd", []),
+    ("easgd", ["--easgd-mode", "async", "--tau", "4"]),
+]
 BUDGET, EVERY = 57_440, 4_000
 # The lr decays to 0 (cosine) so that the final model is not one noisy iterate: at a constant lr two
 # uninterrupted ssp runs here ended 1.7 points apart (5 runs: 0.967-0.983); with cosine, 0.3 (one
 # of the 360 test digits).
-COMMON = ["--workers", "2", "--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--lr", "0.05",
-          "--schedule", "cosine", "--max-samples", str(BUDGET), "--eval-every", "14360", "--quiet"]
+COMMON = [
+    "--workers",
+    "2",
+    "--dataset",
+    "digits",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--schedule",
+    "cosine",
+    "--max-samples",
+    str(BUDGET),
+    "--eval-every",
+    "14360",
+    "--quiet",
+]
 
 
 def train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distsgd", "train", *args], capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "distsgd", "train", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def manifest(run: Path) -> dict | None:
@@ -50,9 +74,25 @@ def trial(algo: str, extra: list[str], tmp: Path, rng: random.Random) -> dict:
     whole = train("--algo", algo, *COMMON, *extra, "--out", str(tmp / "whole"))
     assert whole.returncode == 0, whole.stderr
     run = tmp / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "train", "--algo", algo, *COMMON, *extra,
-                             "--checkpoint-every", str(EVERY), "--out", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "train",
+            "--algo",
+            algo,
+            *COMMON,
+            *extra,
+            "--checkpoint-every",
+            str(EVERY),
+            "--out",
+            str(run),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     seq = rng.randint(1, 8)  # killed somewhere after checkpoint `seq`
     while (manifest(run) or {}).get("seq", 0) < seq and proc.poll() is None:
         time.sleep(0.01)
@@ -67,8 +107,12 @@ def trial(algo: str, extra: list[str], tmp: Path, rng: random.Random) -> dict:
     resumed = train("--resume", str(run), "--max-samples", str(BUDGET))
     a = json.loads((tmp / "whole" / "summary.json").read_text())
     b = json.loads((run / "summary.json").read_text()) if resumed.returncode == 0 else None
-    return {"killed": True, "finished": b is not None and b["samples"] >= BUDGET, "lost": max(0, done - kept),
-            "acc_diff": None if b is None else b["final_test_accuracy"] - a["final_test_accuracy"]}
+    return {
+        "killed": True,
+        "finished": b is not None and b["samples"] >= BUDGET,
+        "lost": max(0, done - kept),
+        "acc_diff": None if b is None else b["final_test_accuracy"] - a["final_test_accuracy"],
+    }
 
 
 def main() -> None:
@@ -77,8 +121,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    print("| algorithm | trials | resumed runs finished | samples lost (median, max; interval 4,000) "
-          "| accuracy - uninterrupted (median, worst) |")
+    print(
+        "| algorithm | trials | resumed runs finished | samples lost (median, max; interval 4,000) "
+        "| accuracy - uninterrupted (median, worst) |"
+    )
     print("|---|---|---|---|---|")
     for algo, extra in ASYNC:
         rows = []
@@ -89,10 +135,14 @@ def main() -> None:
         lost = [r["lost"] for r in done]
         diffs = [r["acc_diff"] for r in done if r["acc_diff"] is not None]
         worst = min(diffs, key=lambda d: -abs(d)) if diffs else None
-        print(f"| {algo} | {len(done)} | {sum(r['finished'] for r in done)} of {len(done)} | "
-              f"{statistics.median(lost):.0f}, {max(lost)} | "
-              f"{statistics.median(diffs):+.4f}, {worst:+.4f} |" if done else f"| {algo} | 0 | - | - | - |",
-              flush=True)
+        print(
+            f"| {algo} | {len(done)} | {sum(r['finished'] for r in done)} of {len(done)} | "
+            f"{statistics.median(lost):.0f}, {max(lost)} | "
+            f"{statistics.median(diffs):+.4f}, {worst:+.4f} |"
+            if done
+            else f"| {algo} | 0 | - | - | - |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

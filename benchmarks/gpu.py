@@ -66,7 +66,7 @@ def bare(x: torch.Tensor, y: torch.Tensor, batch: int, precision: str, samples: 
     torch.cuda.synchronize()
     start, done, i = time.perf_counter(), 0, 0
     while done < samples:
-        idx = perm[i:i + batch]
+        idx = perm[i : i + batch]
         i = (i + batch) % (len(yd) - batch)
         with ctx:
             loss = torch.nn.functional.cross_entropy(model(xd[idx]), yd[idx])
@@ -78,11 +78,23 @@ def bare(x: torch.Tensor, y: torch.Tensor, batch: int, precision: str, samples: 
     return done / (time.perf_counter() - start)
 
 
-def ours(data: Any, batch: int, precision: str, samples: int, algo: str = "single", workers: int = 1,
-         **extra: Any) -> dict[str, Any]:
-    return distsgd.train(model="resnet20", data=data, algo=algo, workers=workers, batch_size=batch,
-                         max_samples=samples, lr=0.01, momentum=0.5, device="cuda", precision=precision,
-                         quiet=True, **extra).summary
+def ours(
+    data: Any, batch: int, precision: str, samples: int, algo: str = "single", workers: int = 1, **extra: Any
+) -> dict[str, Any]:
+    return distsgd.train(
+        model="resnet20",
+        data=data,
+        algo=algo,
+        workers=workers,
+        batch_size=batch,
+        max_samples=samples,
+        lr=0.01,
+        momentum=0.5,
+        device="cuda",
+        precision=precision,
+        quiet=True,
+        **extra,
+    ).summary
 
 
 def median(xs: list[float]) -> float:
@@ -99,8 +111,17 @@ def part_single_vs_bare(repeats: int, samples: int) -> list[dict[str, Any]]:
             for _ in range(repeats):
                 b.append(bare(x, y, batch, precision, samples))
                 d.append(ours((x, y, xt, yt), batch, precision, samples)["samples_per_s"])
-            rows.append({"batch": batch, "precision": precision, "bare": median(b), "single": median(d),
-                         "ratio": median(d) / median(b), "bare_all": b, "single_all": d})
+            rows.append(
+                {
+                    "batch": batch,
+                    "precision": precision,
+                    "bare": median(b),
+                    "single": median(d),
+                    "ratio": median(d) / median(b),
+                    "bare_all": b,
+                    "single_all": d,
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -108,13 +129,26 @@ def part_single_vs_bare(repeats: int, samples: int) -> list[dict[str, Any]]:
 def part_topologies(samples: int) -> list[dict[str, Any]]:
     x, y, xt, yt = cifar_shaped()
     data = (x, y, xt, yt)
-    runs = [("single", 1, {}), ("hogwild", 1, {}), ("hogwild", 2, {}), ("hogwild", 4, {}), ("asgd", 2, {}),
-            ("allreduce", 2, {})]
+    runs = [
+        ("single", 1, {}),
+        ("hogwild", 1, {}),
+        ("hogwild", 2, {}),
+        ("hogwild", 4, {}),
+        ("asgd", 2, {}),
+        ("allreduce", 2, {}),
+    ]
     rows = []
     for algo, workers, extra in runs:
         s = ours(data, 128, "fp32", samples, algo, workers, **extra)
-        rows.append({"algo": algo, "workers": workers, "samples_per_s": s["samples_per_s"],
-                     "backend": s.get("backend"), "device": s["device"]})
+        rows.append(
+            {
+                "algo": algo,
+                "workers": workers,
+                "samples_per_s": s["samples_per_s"],
+                "backend": s.get("backend"),
+                "device": s["device"],
+            }
+        )
         print(rows[-1], flush=True)
     base = rows[0]["samples_per_s"]
     for r in rows:
@@ -125,10 +159,26 @@ def part_topologies(samples: int) -> list[dict[str, Any]]:
 def part_precision() -> list[dict[str, Any]]:
     rows = []
     for precision in ("fp32", "bf16"):
-        s = distsgd.train(model="resnet20", data="fashion-mnist", epochs=3, batch_size=128, lr=0.05, momentum=0.9,
-                          device="cuda", precision=precision, quiet=True).summary
-        rows.append({"precision": precision, "samples_per_s": s["samples_per_s"], "samples": s["samples"],
-                     "final_test_accuracy": s["final_test_accuracy"], "final_test_loss": s["final_test_loss"]})
+        s = distsgd.train(
+            model="resnet20",
+            data="fashion-mnist",
+            epochs=3,
+            batch_size=128,
+            lr=0.05,
+            momentum=0.9,
+            device="cuda",
+            precision=precision,
+            quiet=True,
+        ).summary
+        rows.append(
+            {
+                "precision": precision,
+                "samples_per_s": s["samples_per_s"],
+                "samples": s["samples"],
+                "final_test_accuracy": s["final_test_accuracy"],
+                "final_test_loss": s["final_test_loss"],
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -143,16 +193,40 @@ def part_scale(folder: Path) -> list[dict[str, Any]]:
     rows = []
     for algo, workers, compress in (("single", 1, None), ("allreduce", 2, None), ("allreduce", 2, "fp16")):
         out = folder / f"scale-{algo}-{compress or 'none'}"
-        s = distsgd.train(model="resnet20", data="fashion-mnist", algo=algo, workers=workers, epochs=1, batch_size=128,
-                          lr=0.05, momentum=0.9, device="cuda", precision="fp16", log_every=10, out=str(out),
-                          overwrite=True, quiet=True, **({"compress": compress} if compress else {})).summary
+        s = distsgd.train(
+            model="resnet20",
+            data="fashion-mnist",
+            algo=algo,
+            workers=workers,
+            epochs=1,
+            batch_size=128,
+            lr=0.05,
+            momentum=0.9,
+            device="cuda",
+            precision="fp16",
+            log_every=10,
+            out=str(out),
+            overwrite=True,
+            quiet=True,
+            **({"compress": compress} if compress else {}),
+        ).summary
         events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         scales = [(e["samples"], e["loss_scale"]) for e in events if e["event"] == "progress"]
         values = [v for _, v in scales]
-        rows.append({"algo": algo, "workers": workers, "compress": compress or "none", "scales": scales,
-                     "first": values[0], "min": min(values), "final": values[-1],
-                     "backoffs": sum(b < a for a, b in zip(values, values[1:])),
-                     "final_test_accuracy": s["final_test_accuracy"], "samples_per_s": s["samples_per_s"]})
+        rows.append(
+            {
+                "algo": algo,
+                "workers": workers,
+                "compress": compress or "none",
+                "scales": scales,
+                "first": values[0],
+                "min": min(values),
+                "final": values[-1],
+                "backoffs": sum(b < a for a, b in zip(values, values[1:])),
+                "final_test_accuracy": s["final_test_accuracy"],
+                "samples_per_s": s["samples_per_s"],
+            }
+        )
         print({k: v for k, v in rows[-1].items() if k != "scales"}, flush=True)
     return rows
 
@@ -163,9 +237,9 @@ def plain_evaluation(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
     correct, loss = 0, 0.0
     with torch.no_grad():
         for i in range(0, len(y), 1000):
-            out = model(x[i:i + 1000])
-            loss += float(torch.nn.functional.cross_entropy(out, y[i:i + 1000], reduction="sum"))
-            correct += int((out.argmax(1) == y[i:i + 1000]).sum())
+            out = model(x[i : i + 1000])
+            loss += float(torch.nn.functional.cross_entropy(out, y[i : i + 1000], reduction="sum"))
+            correct += int((out.argmax(1) == y[i : i + 1000]).sum())
     return correct / len(y), loss / len(y)
 
 
@@ -181,8 +255,18 @@ def part_tf32(repeats: int, samples: int, folder: Path) -> dict[str, Any]:
                 fp32_precision(setting)
                 speed[setting].append(bare(x, y, 128, "fp32", samples))
         out = folder / "tf32-model"
-        distsgd.train(model="resnet20", data="fashion-mnist", epochs=1, batch_size=128, lr=0.05, momentum=0.9,
-                      device="cuda", out=str(out), overwrite=True, quiet=True)
+        distsgd.train(
+            model="resnet20",
+            data="fashion-mnist",
+            epochs=1,
+            batch_size=128,
+            lr=0.05,
+            momentum=0.9,
+            device="cuda",
+            out=str(out),
+            overwrite=True,
+            quiet=True,
+        )
         cpu = evaluate_checkpoint(out / "model.pt")
         data = load_dataset("fashion-mnist")
         model = build_model("resnet20", data.input_shape, data.num_classes)
@@ -195,45 +279,86 @@ def part_tf32(repeats: int, samples: int, folder: Path) -> dict[str, Any]:
             scores[setting] = plain_evaluation(model, xt, yt)
     finally:
         fp32_precision("ieee")
-    result = {"bare_ieee": median(speed["ieee"]), "bare_tf32": median(speed["tf32"]), "speed": speed,
-              "cpu": [cpu["test_accuracy"], cpu["test_loss"]], "gpu_ieee": list(scores["ieee"]),
-              "gpu_tf32": list(scores["tf32"])}
+    result = {
+        "bare_ieee": median(speed["ieee"]),
+        "bare_tf32": median(speed["tf32"]),
+        "speed": speed,
+        "cpu": [cpu["test_accuracy"], cpu["test_loss"]],
+        "gpu_ieee": list(scores["ieee"]),
+        "gpu_tf32": list(scores["tf32"]),
+    }
     print(result, flush=True)
     return result
 
 
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
-    lines = [f"# distsgd on one GPU, {result['date']}", "",
-             f"{m['gpu']}, CUDA {m['cuda']}, torch {m['torch']}, Python {m['python']}, {m['host']}.", "",
-             "## single against a bare PyTorch loop (resnet20, CIFAR-shaped data on the device)", "",
-             f"Medians of {result['repeats']} alternating repeats of {result['samples']} samples.", "",
-             "| batch | precision | bare (samples/s) | distsgd single | single / bare |", "|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['precision']} | {r['bare']:.0f} | {r['single']:.0f} | {r['ratio']:.3f} |"
-              for r in result["single_vs_bare"]]
-    lines += ["", "## Topologies on the one GPU (resnet20, fp32, batch 128 per worker)", "",
-              "| algorithm | workers | samples/s | / single | backend |", "|---|---|---|---|---|"]
-    lines += [f"| {r['algo']} | {r['workers']} | {r['samples_per_s']:.0f} | {r['vs_single']:.2f} | {r['backend'] or '-'} |"
-              for r in result["topologies"]]
-    lines += ["", "## bf16 against fp32 (resnet20, Fashion-MNIST, 3 epochs, one process)", "",
-              "| precision | samples/s | test accuracy | test loss |", "|---|---|---|---|"]
-    lines += [f"| {r['precision']} | {r['samples_per_s']:.0f} | {r['final_test_accuracy']:.4f} | "
-              f"{r['final_test_loss']:.4f} |" for r in result["precision"]]
-    lines += ["", "## The GradScaler's scale over fp16 runs (resnet20, Fashion-MNIST, 1 epoch, batch 128)", "",
-              "| algorithm | workers | --compress | first scale | lowest | final | back-offs | test accuracy |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['algo']} | {r['workers']} | {r['compress']} | {r['first']:g} | {r['min']:g} | {r['final']:g} | "
-              f"{r['backoffs']} | {r['final_test_accuracy']:.4f} |" for r in result["scale"]]
+    lines = [
+        f"# distsgd on one GPU, {result['date']}",
+        "",
+        f"{m['gpu']}, CUDA {m['cuda']}, torch {m['torch']}, Python {m['python']}, {m['host']}.",
+        "",
+        "## single against a bare PyTorch loop (resnet20, CIFAR-shaped data on the device)",
+        "",
+        f"Medians of {result['repeats']} alternating repeats of {result['samples']} samples.",
+        "",
+        "| batch | precision | bare (samples/s) | distsgd single | single / bare |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['batch']} | {r['precision']} | {r['bare']:.0f} | {r['single']:.0f} | {r['ratio']:.3f} |"
+        for r in result["single_vs_bare"]
+    ]
+    lines += [
+        "",
+        "## Topologies on the one GPU (resnet20, fp32, batch 128 per worker)",
+        "",
+        "| algorithm | workers | samples/s | / single | backend |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['algo']} | {r['workers']} | {r['samples_per_s']:.0f} | {r['vs_single']:.2f} | {r['backend'] or '-'} |"
+        for r in result["topologies"]
+    ]
+    lines += [
+        "",
+        "## bf16 against fp32 (resnet20, Fashion-MNIST, 3 epochs, one process)",
+        "",
+        "| precision | samples/s | test accuracy | test loss |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['precision']} | {r['samples_per_s']:.0f} | {r['final_test_accuracy']:.4f} | {r['final_test_loss']:.4f} |"
+        for r in result["precision"]
+    ]
+    lines += [
+        "",
+        "## The GradScaler's scale over fp16 runs (resnet20, Fashion-MNIST, 1 epoch, batch 128)",
+        "",
+        "| algorithm | workers | --compress | first scale | lowest | final | back-offs | test accuracy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['algo']} | {r['workers']} | {r['compress']} | {r['first']:g} | {r['min']:g} | {r['final']:g} | "
+        f"{r['backoffs']} | {r['final_test_accuracy']:.4f} |"
+        for r in result["scale"]
+    ]
     t = result["tf32"]
     if t:
-        lines += ["", "## TF32 on and off for float32 (resnet20)", "",
-                  f"Bare loop, CIFAR-shaped, batch 128, medians of {result['repeats']} alternating repeats: "
-                  f"{t['bare_ieee']:.0f} samples/s in IEEE float32, {t['bare_tf32']:.0f} in TF32 "
-                  f"({t['bare_tf32'] / t['bare_ieee']:.2f}x).", "",
-                  "| one model (Fashion-MNIST, 1 epoch) evaluated | test accuracy | test loss |", "|---|---|---|",
-                  f"| CPU | {t['cpu'][0]:.4f} | {t['cpu'][1]:.6f} |",
-                  f"| GPU, IEEE float32 (distsgd's fp32) | {t['gpu_ieee'][0]:.4f} | {t['gpu_ieee'][1]:.6f} |",
-                  f"| GPU, TF32 | {t['gpu_tf32'][0]:.4f} | {t['gpu_tf32'][1]:.6f} |"]
+        lines += [
+            "",
+            "## TF32 on and off for float32 (resnet20)",
+            "",
+            f"Bare loop, CIFAR-shaped, batch 128, medians of {result['repeats']} alternating repeats: "
+            f"{t['bare_ieee']:.0f} samples/s in IEEE float32, {t['bare_tf32']:.0f} in TF32 "
+            f"({t['bare_tf32'] / t['bare_ieee']:.2f}x).",
+            "",
+            "| one model (Fashion-MNIST, 1 epoch) evaluated | test accuracy | test loss |",
+            "|---|---|---|",
+            f"| CPU | {t['cpu'][0]:.4f} | {t['cpu'][1]:.6f} |",
+            f"| GPU, IEEE float32 (distsgd's fp32) | {t['gpu_ieee'][0]:.4f} | {t['gpu_ieee'][1]:.6f} |",
+            f"| GPU, TF32 | {t['gpu_tf32'][0]:.4f} | {t['gpu_tf32'][1]:.6f} |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -251,9 +376,18 @@ def main() -> None:
     import datetime
 
     result: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "repeats": args.repeats, "samples": args.samples,
-        "machine": {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "torch": torch.__version__,
-                    "python": platform.python_version(), "host": platform.node(), "gpus": torch.cuda.device_count()}}
+        "date": datetime.date.today().isoformat(),
+        "repeats": args.repeats,
+        "samples": args.samples,
+        "machine": {
+            "gpu": torch.cuda.get_device_name(0),
+            "cuda": torch.version.cuda,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "host": platform.node(),
+            "gpus": torch.cuda.device_count(),
+        },
+    }
     parts = args.parts.split(",")
     result["single_vs_bare"] = part_single_vs_bare(args.repeats, args.samples) if "bare" in parts else []
     result["topologies"] = part_topologies(args.samples) if "topologies" in parts else []

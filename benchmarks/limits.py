@@ -34,7 +34,10 @@ from pathlib import Path
 CONFIGS = ("bare", "probe", "single", "hogwild", "asgd", "allreduce", "ddp")
 WORKERS = {"single": 1, "hogwild": 2, "asgd": 2, "allreduce": 2, "ddp": 2}
 TARGETS = [  # (numerator, denominator, at least)
-    ("single", "bare", 0.98), ("hogwild", "probe", 0.95), ("hogwild", "single", 1.85), ("asgd", "hogwild", 0.85),
+    ("single", "bare", 0.98),
+    ("hogwild", "probe", 0.95),
+    ("hogwild", "single", 1.85),
+    ("asgd", "hogwild", 0.85),
     ("allreduce", "ddp", 1.0),
 ]
 
@@ -57,7 +60,7 @@ def _train(model, x, y, order, samples: int, batch: int = 64) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     done = 0
     for i in range(0, samples, batch):
-        idx = order[i:i + batch]
+        idx = order[i : i + batch]
         opt.zero_grad()
         F.nll_loss(model(x[idx]), y[idx]).backward()
         opt.step()
@@ -121,10 +124,33 @@ def distsgd_run(algo: str, samples: int, pythonpath: str | None) -> float:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "distsgd", "train", "--algo", algo, "--workers", str(WORKERS[algo]),
-               "--dataset", "fashion-mnist", "--model", "mnist_net", "--lr", "0.01", "--momentum", "0.5",
-               "--batch-size", "64", "--threads-per-worker", "1", "--max-samples", str(samples),
-               "--out", f"{tmp}/run", "--quiet"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "train",
+            "--algo",
+            algo,
+            "--workers",
+            str(WORKERS[algo]),
+            "--dataset",
+            "fashion-mnist",
+            "--model",
+            "mnist_net",
+            "--lr",
+            "0.01",
+            "--momentum",
+            "0.5",
+            "--batch-size",
+            "64",
+            "--threads-per-worker",
+            "1",
+            "--max-samples",
+            str(samples),
+            "--out",
+            f"{tmp}/run",
+            "--quiet",
+        ]
         subprocess.run(cmd, check=True, env=env)
         return json.loads(Path(f"{tmp}/run/summary.json").read_text())["samples_per_s"]
 
@@ -143,8 +169,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=60_000, help="training samples per run (all workers)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
-    parser.add_argument("--ab", help="also run each distsgd configuration from this source folder (NAME@ab), "
-                                     "interleaved: an A/B against another checkout")
+    parser.add_argument(
+        "--ab",
+        help="also run each distsgd configuration from this source folder (NAME@ab), "
+        "interleaved: an A/B against another checkout",
+    )
     parser.add_argument("--inner", choices=("bare", "probe"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner:  # a bare loop in its own process
@@ -161,9 +190,11 @@ def main() -> None:
     med = {c: statistics.median(v) for c, v in rates.items()}
     import torch
 
-    print(f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"Python {platform.python_version()}; {_dt.date.today().isoformat()}; {args.samples} samples a run, "
-          f"{args.repeats} alternating repeats" + (f"; NAME@ab: distsgd from {args.ab}" if args.ab else ""))
+    print(
+        f"Machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Python {platform.python_version()}; {_dt.date.today().isoformat()}; {args.samples} samples a run, "
+        f"{args.repeats} alternating repeats" + (f"; NAME@ab: distsgd from {args.ab}" if args.ab else "")
+    )
     print("\n| configuration | samples/s (median) | min-max |\n|---|---|---|")
     for c in configs:
         print(f"| {c} | {med[c]:.0f} | {min(rates[c]):.0f}-{max(rates[c]):.0f} |")

@@ -39,47 +39,113 @@ MODEL = HERE / "models" / "wide_mlp.py"
 class Suite:
     """A model, its data, its target and the configurations compared on it."""
 
-    def __init__(self, name: str, out: str, networks: tuple[str, ...], configs: tuple[str, ...], common: list[str],
-                 cap: int, target: str, title: str) -> None:
-        self.name, self.out, self.networks, self.configs, self.common = name, HERE / "results" / out, networks, \
-            configs, common
+    def __init__(
+        self,
+        name: str,
+        out: str,
+        networks: tuple[str, ...],
+        configs: tuple[str, ...],
+        common: list[str],
+        cap: int,
+        target: str,
+        title: str,
+    ) -> None:
+        self.name, self.out, self.networks, self.configs, self.common = (
+            name,
+            HERE / "results" / out,
+            networks,
+            configs,
+            common,
+        )
         self.cap, self.target, self.title = cap, target, title
 
 
 SUITES = {
-    "mlp": Suite("mlp", "low_comm", ("unshaped", "100mbit", "10mbit"), (
-        "allreduce",
-        "ddp[compress=fp16]",
-        "ddp[compress=powersgd:2]",
-        "allreduce[compress=powersgd:2]",
-        "allreduce[compress=powersgd:4]",
-        "local-sgd[sync_every=8]",
-        "local-sgd[sync_every=64]",
-        "local-sgd[sync_every=8;compress=powersgd:2]",
-        "diloco[sync_every=64;lr=0.001]",
-        "diloco[sync_every=500;lr=0.001]",
-        "diloco[sync_every=500;lr=0.0004;weight_decay=0.1]",
-        "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1]",
-        "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1;merge=0]",
-        "hogwild++",
-        "asgd",
-    ), ["--dataset", "fashion-mnist", "--model", f"{MODEL}:WideMLP", "--workers", "2", "--batch-size", "64",
-        "--lr", "0.05", "--momentum", "0.9", "--target-accuracy", "0.85", "--stop-at-target",
-        "--eval-every", "2000", "--threads-per-worker", "1"], 600_000, "85%",
-        "Fashion-MNIST, 352k-parameter MLP, 2 hosts"),
+    "mlp": Suite(
+        "mlp",
+        "low_comm",
+        ("unshaped", "100mbit", "10mbit"),
+        (
+            "allreduce",
+            "ddp[compress=fp16]",
+            "ddp[compress=powersgd:2]",
+            "allreduce[compress=powersgd:2]",
+            "allreduce[compress=powersgd:4]",
+            "local-sgd[sync_every=8]",
+            "local-sgd[sync_every=64]",
+            "local-sgd[sync_every=8;compress=powersgd:2]",
+            "diloco[sync_every=64;lr=0.001]",
+            "diloco[sync_every=500;lr=0.001]",
+            "diloco[sync_every=500;lr=0.0004;weight_decay=0.1]",
+            "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1]",
+            "streaming-diloco[sync_every=500;lr=0.001;fragments=4;overlap=1;merge=0]",
+            "hogwild++",
+            "asgd",
+        ),
+        [
+            "--dataset",
+            "fashion-mnist",
+            "--model",
+            f"{MODEL}:WideMLP",
+            "--workers",
+            "2",
+            "--batch-size",
+            "64",
+            "--lr",
+            "0.05",
+            "--momentum",
+            "0.9",
+            "--target-accuracy",
+            "0.85",
+            "--stop-at-target",
+            "--eval-every",
+            "2000",
+            "--threads-per-worker",
+            "1",
+        ],
+        600_000,
+        "85%",
+        "Fashion-MNIST, 352k-parameter MLP, 2 hosts",
+    ),
     # The language model: AdamW (gpt's own defaults: lr 1e-3, decay 0.1 on weights, warm-up 20, clip
     # 1.0) for every configuration, DiLoCo's inner AdamW at the same lr; the target a test loss.
-    "gpt": Suite("gpt", "low_comm_gpt", ("unshaped", "10mbit"), (
-        "allreduce",
-        "allreduce[compress=powersgd:4]",
-        "local-sgd[sync_every=8]",
-        "diloco[sync_every=50;lr=0.001]",
-        "streaming-diloco[sync_every=50;lr=0.001;fragments=2;overlap=1]",
-        "asgd",
-    ), ["--dataset", "python-stdlib", "--model", "gpt[layers=2,heads=4,width=128]", "--context", "64",
-        "--workers", "2", "--batch-size", "16", "--target-loss", "2.0", "--stop-at-target", "--eval-every", "3200",
-        "--eval-batch-size", "500", "--threads-per-worker", "1"], 64_000, "loss 2.0",
-        "Python sources as bytes, GPT 2x128 (0.44M parameters), 2 hosts"),
+    "gpt": Suite(
+        "gpt",
+        "low_comm_gpt",
+        ("unshaped", "10mbit"),
+        (
+            "allreduce",
+            "allreduce[compress=powersgd:4]",
+            "local-sgd[sync_every=8]",
+            "diloco[sync_every=50;lr=0.001]",
+            "streaming-diloco[sync_every=50;lr=0.001;fragments=2;overlap=1]",
+            "asgd",
+        ),
+        [
+            "--dataset",
+            "python-stdlib",
+            "--model",
+            "gpt[layers=2,heads=4,width=128]",
+            "--context",
+            "64",
+            "--workers",
+            "2",
+            "--batch-size",
+            "16",
+            "--target-loss",
+            "2.0",
+            "--stop-at-target",
+            "--eval-every",
+            "3200",
+            "--eval-batch-size",
+            "500",
+            "--threads-per-worker",
+            "1",
+        ],
+        64_000,
+        "loss 2.0",
+        "Python sources as bytes, GPT 2x128 (0.44M parameters), 2 hosts",
+    ),
 }
 SUITE = SUITES["mlp"]
 
@@ -101,8 +167,22 @@ def run(config: str, network: str, max_samples: int, again: bool) -> dict[str, A
     out = SUITE.out / "runs" / name
     done = out / "bench.json"
     if again or not done.exists() or json.loads(done.read_text())["settings"]["max_samples"] != max_samples:
-        cmd = [sys.executable, "-m", "distsgd", "bench", "--algos", config, "--network", network,
-               "--max-samples", str(max_samples), "--out", str(out), "--overwrite", *SUITE.common]
+        cmd = [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "bench",
+            "--algos",
+            config,
+            "--network",
+            network,
+            "--max-samples",
+            str(max_samples),
+            "--out",
+            str(out),
+            "--overwrite",
+            *SUITE.common,
+        ]
         print(f"# {config} on {network}, at most {max_samples} samples", flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -110,13 +190,17 @@ def run(config: str, network: str, max_samples: int, again: bool) -> dict[str, A
     bench = json.loads(done.read_text())
     row = bench["rows"][0]
     largest = [r["summary"].get("largest_transfer_bytes") for r in bench["runs"]]
-    return {"config": config, "network": network, "max_samples": max_samples,
-            "largest_transfer_bytes": max(largest) if largest and None not in largest else None,
-            "samples_per_s": _median(row["samples_per_s"]),
-            "time_to_target_s": _median(row["time_to_target_s"]),
-            "samples_to_target": _median(row["samples_to_target"]),
-            "final_test_accuracy": _median(row["final_test_accuracy"]),
-            "bytes_per_sample": _median(row["bytes_sent_per_sample"])}
+    return {
+        "config": config,
+        "network": network,
+        "max_samples": max_samples,
+        "largest_transfer_bytes": max(largest) if largest and None not in largest else None,
+        "samples_per_s": _median(row["samples_per_s"]),
+        "time_to_target_s": _median(row["time_to_target_s"]),
+        "samples_to_target": _median(row["samples_to_target"]),
+        "final_test_accuracy": _median(row["final_test_accuracy"]),
+        "bytes_per_sample": _median(row["bytes_sent_per_sample"]),
+    }
 
 
 ASYNCHRONOUS = ("asgd", "hogwild++")  # their samples to target depend on the link (staleness, token passes)
@@ -160,24 +244,34 @@ def time_to_target(row: dict[str, Any], base: dict[str, Any]) -> tuple[float | N
 def render(rows: list[dict[str, Any]], facts: str) -> str:
     base = {r["config"]: r for r in rows if r["network"] == "unshaped"}
     ref = base["allreduce"]
-    lines = [f"{facts}", "",
-             f"| configuration | bytes/sample | x fewer than allreduce | largest transfer (bytes) | samples to "
-             f"{SUITE.target} | " + " | ".join(f"{n}: samples/s | {n}: time to {SUITE.target} (s)"
-                                               for n in SUITE.networks) + " |",
-             "|---|---|---|---|---|" + "---|---|" * len(SUITE.networks)]
+    lines = [
+        f"{facts}",
+        "",
+        f"| configuration | bytes/sample | x fewer than allreduce | largest transfer (bytes) | samples to "
+        f"{SUITE.target} | "
+        + " | ".join(f"{n}: samples/s | {n}: time to {SUITE.target} (s)" for n in SUITE.networks)
+        + " |",
+        "|---|---|---|---|---|" + "---|---|" * len(SUITE.networks),
+    ]
     for config in SUITE.configs:
         b = base[config]
-        cells = [config, f"{b['bytes_per_sample']:.0f}" if b["bytes_per_sample"] else "-",
-                 f"{ref['bytes_per_sample'] / b['bytes_per_sample']:.1f}" if b["bytes_per_sample"] else "-",
-                 f"{b['largest_transfer_bytes']:.0f}" if b.get("largest_transfer_bytes") else "-",
-                 str(b["samples_to_target"]) if b["samples_to_target"] else f"not in {SUITE.cap}"]
+        cells = [
+            config,
+            f"{b['bytes_per_sample']:.0f}" if b["bytes_per_sample"] else "-",
+            f"{ref['bytes_per_sample'] / b['bytes_per_sample']:.1f}" if b["bytes_per_sample"] else "-",
+            f"{b['largest_transfer_bytes']:.0f}" if b.get("largest_transfer_bytes") else "-",
+            str(b["samples_to_target"]) if b["samples_to_target"] else f"not in {SUITE.cap}",
+        ]
         for network in SUITE.networks:
             r = next(x for x in rows if x["config"] == config and x["network"] == network)
             t, projected = time_to_target(r, b)
             cells += [f"{r['samples_per_s']:.0f}", "-" if t is None else (f"~{t:.0f}*" if projected else f"{t:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "`~N*`: projected, (unshaped samples to target) / (samples/s on that link); the run was cut "
-              "at its sample cap (about a minute) before the target."]
+    lines += [
+        "",
+        "`~N*`: projected, (unshaped samples to target) / (samples/s on that link); the run was cut "
+        "at its sample cap (about a minute) before the target.",
+    ]
     return "\n".join(lines)
 
 
@@ -202,8 +296,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             colour, marker = colours[(2 * i) % 20 + (2 * i) // 20], "osD^v"[i % 5]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=config)
             hollow = [p for p in pts if p[2]]  # projected: open markers
-            ax.scatter([p[0] for p in hollow], [p[1] for p in hollow], s=60, marker=marker, color="white",
-                       edgecolors=colour, zorder=3)
+            ax.scatter(
+                [p[0] for p in hollow],
+                [p[1] for p in hollow],
+                s=60,
+                marker=marker,
+                color="white",
+                edgecolors=colour,
+                zorder=3,
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link rate, Mbit/s (unshaped veth drawn at 10,000)")
@@ -240,8 +341,10 @@ def main() -> None:
         import datetime
 
         today = datetime.date.today().isoformat()
-        facts = (f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores, torch {m['torch_version']}; "
-                 f"{today}; one run per cell")
+        facts = (
+            f"Machine: {m['host']}, {m['cpu']}, {m['cores']} cores, torch {m['torch_version']}; "
+            f"{today}; one run per cell"
+        )
         if only and data.exists():
             facts = json.loads(data.read_text())["facts"] + f"; re-run on {today}: {', '.join(only)}"
         data.write_text(json.dumps({"facts": facts, "rows": rows}, indent=1))

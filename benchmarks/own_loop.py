@@ -82,8 +82,12 @@ def one(kind: str, algo: str, samples: int) -> dict[str, Any]:
     else:
         result = distsgd.spawn(main, model=mnist_net, train_size=60_000, **settings)
     s = result.summary
-    return {"samples_per_s": s["samples_per_s"], "samples": s["samples"], "train_wall_s": s["train_wall_s"],
-            "threads_per_worker": s.get("threads_per_worker")}
+    return {
+        "samples_per_s": s["samples_per_s"],
+        "samples": s["samples"],
+        "train_wall_s": s["train_wall_s"],
+        "threads_per_worker": s.get("threads_per_worker"),
+    }
 
 
 def measure(kind: str, algo: str, samples: int) -> dict[str, Any]:
@@ -99,16 +103,21 @@ def machine() -> str:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
-    return (f"Machine: {platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()}), "
-            f"{os.cpu_count()} cores ({usable} usable), torch {torch.__version__}, Python {platform.python_version()}; "
-            f"{_dt.date.today().isoformat()}")
+    return (
+        f"Machine: {platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()}), "
+        f"{os.cpu_count()} cores ({usable} usable), torch {torch.__version__}, Python {platform.python_version()}; "
+        f"{_dt.date.today().isoformat()}"
+    )
 
 
 def render(facts: str, rows: list[dict[str, Any]]) -> str:
-    lines = [facts, "",
-             "| algorithm | workers | train: samples/s, median (min-max) | spawn: samples/s, median (min-max) "
-             f"| spawn / train (medians) | target >= {TARGET} |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        facts,
+        "",
+        "| algorithm | workers | train: samples/s, median (min-max) | spawn: samples/s, median (min-max) "
+        f"| spawn / train (medians) | target >= {TARGET} |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         cells = [r["algo"], str(r["workers"])]
         for kind in KINDS:
@@ -121,8 +130,9 @@ def render(facts: str, rows: list[dict[str, Any]]) -> str:
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=60_000, help="training samples per run, all workers; "
-                        "default 60000 (one epoch)")
+    parser.add_argument(
+        "--samples", type=int, default=60_000, help="training samples per run, all workers; default 60000 (one epoch)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="alternating repeats; default 5")
     parser.add_argument("--only", default=",".join(ALGOS), help="comma-separated algorithms; default all four")
     parser.add_argument("--out", help="also write rows.json and own_loop.md into this folder")
@@ -135,8 +145,9 @@ def cli() -> None:
     algos = [a.strip() for a in args.only.split(",") if a.strip()]
     unknown = [a for a in algos if a not in ALGOS]
     if unknown:
-        raise SystemExit(f"error: not an algorithm of this benchmark: {', '.join(unknown)} (choose from "
-                         f"{', '.join(ALGOS)})")
+        raise SystemExit(
+            f"error: not an algorithm of this benchmark: {', '.join(unknown)} (choose from {', '.join(ALGOS)})"
+        )
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {(a, k): [] for a in algos for k in KINDS}
     for r in range(args.repeats):
         order = KINDS if r % 2 == 0 else KINDS[::-1]
@@ -144,24 +155,37 @@ def cli() -> None:
             for kind in order:
                 res = measure(kind, algo, args.samples)
                 runs[algo, kind].append(res)
-                print(f"repeat {r + 1}: {algo} {kind}: {res['samples_per_s']:.0f} samples/s", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"repeat {r + 1}: {algo} {kind}: {res['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True
+                )
     rows = []
     for algo in algos:
         rates = {k: [x["samples_per_s"] for x in runs[algo, k]] for k in KINDS}
         ratio = statistics.median(rates["spawn"]) / statistics.median(rates["train"])
-        rows.append({"algo": algo, "workers": WORKERS[algo], **rates, "ratio": ratio, "met": ratio >= TARGET,
-                     "threads_per_worker": runs[algo, "train"][0]["threads_per_worker"]})
-    facts = (f"{machine()}; mnist_net on Fashion-MNIST, {args.samples} samples a run, every other setting "
-             f"distsgd's default; {args.repeats} alternating repeats, each run a fresh process; samples/s from "
-             f"the training clock")
+        rows.append(
+            {
+                "algo": algo,
+                "workers": WORKERS[algo],
+                **rates,
+                "ratio": ratio,
+                "met": ratio >= TARGET,
+                "threads_per_worker": runs[algo, "train"][0]["threads_per_worker"],
+            }
+        )
+    facts = (
+        f"{machine()}; mnist_net on Fashion-MNIST, {args.samples} samples a run, every other setting "
+        f"distsgd's default; {args.repeats} alternating repeats, each run a fresh process; samples/s from "
+        f"the training clock"
+    )
     table = render(facts, rows)
     print(table)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "rows.json").write_text(json.dumps({"facts": facts, "samples": args.samples, "repeats": args.repeats,
-                                                   "rows": rows}, indent=1) + "\n")
+        (out / "rows.json").write_text(
+            json.dumps({"facts": facts, "samples": args.samples, "repeats": args.repeats, "rows": rows}, indent=1)
+            + "\n"
+        )
         (out / "own_loop.md").write_text(table + "\n")
 
 

@@ -33,10 +33,12 @@ PER_STEP = WORKERS * BATCH  # samples all workers take per step
 # suite -> (common settings, [(H, steps per worker)], seeds). Each length leaves a partial round of
 # steps % H (H = 500 is DiLoCo's default: the whole run is one partial round).
 SUITES: dict[str, tuple[dict[str, Any], list[tuple[int, int]], list[int]]] = {
-    "fashion": ({"model": "mnist_net", "data": "fashion-mnist"},
-                [(100, 310), (100, 350), (100, 390), (500, 300)], [0, 1, 2]),
-    "gpt": ({"model": "gpt", "data": "python-stdlib"},
-            [(20, 45), (20, 55), (500, 47)], [0, 1]),
+    "fashion": (
+        {"model": "mnist_net", "data": "fashion-mnist"},
+        [(100, 310), (100, 350), (100, 390), (500, 300)],
+        [0, 1, 2],
+    ),
+    "gpt": ({"model": "gpt", "data": "python-stdlib"}, [(20, 45), (20, 55), (500, 47)], [0, 1]),
 }
 
 
@@ -44,15 +46,25 @@ def case(suite: str, h: int, steps: int, seed: int, out: Path) -> dict[str, Any]
     common, _, _ = SUITES[suite]
     samples = steps * PER_STEP
     base = out / f"{suite}-h{h}-s{steps}-seed{seed}"
-    settings = dict(algo="diloco", workers=WORKERS, batch_size=BATCH, seed=seed, max_samples=samples,
-                    sync_every=str(h), quiet=True)
-    trained = distsgd.train(**common, **settings, partial_round="step", checkpoint_every=samples,
-                            out=str(base / "trained"), overwrite=True).summary
-    row: dict[str, Any] = {"suite": suite, "H": h, "steps": steps, "partial": steps % h, "seed": seed,
-                           "task": trained.get("task", "classification"), "trained_step": _score(trained)}
+    settings = dict(
+        algo="diloco", workers=WORKERS, batch_size=BATCH, seed=seed, max_samples=samples, sync_every=str(h), quiet=True
+    )
+    trained = distsgd.train(
+        **common, **settings, partial_round="step", checkpoint_every=samples, out=str(base / "trained"), overwrite=True
+    ).summary
+    row: dict[str, Any] = {
+        "suite": suite,
+        "H": h,
+        "steps": steps,
+        "partial": steps % h,
+        "seed": seed,
+        "task": trained.get("task", "classification"),
+        "trained_step": _score(trained),
+    }
     for rule in RULES:
-        s = distsgd.train(resume=str(base / "trained"), partial_round=rule, out=str(base / rule), overwrite=True,
-                          quiet=True).summary
+        s = distsgd.train(
+            resume=str(base / "trained"), partial_round=rule, out=str(base / rule), overwrite=True, quiet=True
+        ).summary
         row[rule] = _score(s)
     return row
 
@@ -63,8 +75,10 @@ def _score(summary: dict[str, Any]) -> float:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = ["| suite | H | steps per worker | partial round | seeds | " + " | ".join(RULES) + " | best |",
-             "|---|---|---|---|---|" + "---|" * len(RULES) + "---|"]
+    lines = [
+        "| suite | H | steps per worker | partial round | seeds | " + " | ".join(RULES) + " | best |",
+        "|---|---|---|---|---|" + "---|" * len(RULES) + "---|",
+    ]
     keys = sorted({(r["suite"], r["H"], r["steps"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for suite, h, steps in keys:
         group = [r for r in rows if (r["suite"], r["H"], r["steps"]) == (suite, h, steps)]
@@ -72,8 +86,10 @@ def render(rows: list[dict[str, Any]]) -> str:
         med = {rule: statistics.median(r[rule] for r in group) for rule in RULES}
         best = (min if lm else max)(RULES, key=lambda rule: med[rule])
         cells = [f"{med[rule]:.4f} ({', '.join(f'{r[rule]:.4f}' for r in group)})" for rule in RULES]
-        lines.append(f"| {suite} ({'test loss' if lm else 'test accuracy'}) | {h} | {steps} | {steps % h} | "
-                     f"{len(group)} | " + " | ".join(cells) + f" | {best} |")
+        lines.append(
+            f"| {suite} ({'test loss' if lm else 'test accuracy'}) | {h} | {steps} | {steps % h} | "
+            f"{len(group)} | " + " | ".join(cells) + f" | {best} |"
+        )
     return "\n".join(lines)
 
 

@@ -29,8 +29,15 @@ TRAIN_BYTES, TEST_BYTES = 192 * 1024, 32 * 1024
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=CONTEXT,
-                        bos_token_id=ord("\n"), eos_token_id=ord("\n"))
+    config = GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        vocab_size=256,
+        n_positions=CONTEXT,
+        bos_token_id=ord("\n"),
+        eos_token_id=ord("\n"),
+    )
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # its class name does not tell transformers which loss (else a warning)
     return model
@@ -42,7 +49,7 @@ class ByteSequences(Dataset):
 
     def __init__(self, data: bytes) -> None:
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-        self.rows = tokens[:len(tokens) // CONTEXT * CONTEXT].view(-1, CONTEXT)
+        self.rows = tokens[: len(tokens) // CONTEXT * CONTEXT].view(-1, CONTEXT)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -62,7 +69,7 @@ def test_loss(model: nn.Module, test_set: ByteSequences) -> float:
     total, tokens = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(test_set), 64):
-            ids = test_set.rows[start:start + 64]
+            ids = test_set.rows[start : start + 64]
             n = ids.numel() - len(ids)  # every position but the first of each row is predicted
             total += model(input_ids=ids, labels=ids).loss.item() * n
             tokens += n
@@ -92,8 +99,20 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     options = {"sync_every": 8} if args.algo in ("diloco", "streaming-diloco", "local-sgd") else {}
-    result = distsgd.spawn(main, model=tiny_gpt2, algo=args.algo, workers=args.workers, optimizer="adamw",
-                           lr=1e-3, epochs=1, train_size=TRAIN_BYTES // CONTEXT, out=args.out, **options)
+    result = distsgd.spawn(
+        main,
+        model=tiny_gpt2,
+        algo=args.algo,
+        workers=args.workers,
+        optimizer="adamw",
+        lr=1e-3,
+        epochs=1,
+        train_size=TRAIN_BYTES // CONTEXT,
+        out=args.out,
+        **options,
+    )
     loss = result.summary["final_test_loss"]
-    print(f"{args.algo}: test loss {loss:.3f} nats per token ({loss / math.log(2):.2f} bits), "
-          f"{result.summary['samples_per_s']:.0f} sequences/s")
+    print(
+        f"{args.algo}: test loss {loss:.3f} nats per token ({loss / math.log(2):.2f} bits), "
+        f"{result.summary['samples_per_s']:.0f} sequences/s"
+    )

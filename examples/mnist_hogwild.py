@@ -53,8 +53,10 @@ class Net(nn.Module):
 
 def datasets(train_size: int) -> tuple[TensorDataset, TensorDataset]:
     fashion = load_dataset("fashion-mnist")
-    return (TensorDataset(fashion.x_train[:train_size], fashion.y_train[:train_size]),
-            TensorDataset(fashion.x_test, fashion.y_test))
+    return (
+        TensorDataset(fashion.x_train[:train_size], fashion.y_train[:train_size]),
+        TensorDataset(fashion.x_test, fashion.y_test),
+    )
 
 
 def train(run: distsgd.Run, args: argparse.Namespace) -> nn.Module:
@@ -66,8 +68,14 @@ def train(run: distsgd.Run, args: argparse.Namespace) -> nn.Module:
     return run.final_model()
 
 
-def train_epoch(epoch: int, args: argparse.Namespace, run: distsgd.Run, model: nn.Module,
-                dataset: TensorDataset, optimizer: torch.optim.Optimizer) -> None:
+def train_epoch(
+    epoch: int,
+    args: argparse.Namespace,
+    run: distsgd.Run,
+    model: nn.Module,
+    dataset: TensorDataset,
+    optimizer: torch.optim.Optimizer,
+) -> None:
     model.train()
     pid = os.getpid()
     per_process = len(dataset) if run.cfg.partition == "replicated" else len(dataset) // run.world
@@ -78,8 +86,11 @@ def train_epoch(epoch: int, args: argparse.Namespace, run: distsgd.Run, model: n
         run.backward(loss)
         optimizer.step()
         if batch_idx % args.log_interval == 0:
-            print(f"{pid}\tTrain Epoch: {epoch} [{batch_idx * len(data)}/{per_process} "
-                  f"({100.0 * batch_idx * len(data) / per_process:.0f}%)]\tLoss: {loss.item():.6f}", flush=True)
+            print(
+                f"{pid}\tTrain Epoch: {epoch} [{batch_idx * len(data)}/{per_process} "
+                f"({100.0 * batch_idx * len(data) / per_process:.0f}%)]\tLoss: {loss.item():.6f}",
+                flush=True,
+            )
 
 
 def test(args: argparse.Namespace, model: nn.Module, dataset: TensorDataset) -> tuple[float, float]:
@@ -91,8 +102,10 @@ def test(args: argparse.Namespace, model: nn.Module, dataset: TensorDataset) -> 
             test_loss += F.nll_loss(output, target, reduction="sum").item()
             correct += (output.argmax(1) == target).sum().item()
     test_loss /= len(dataset)
-    print(f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {correct}/{len(dataset)} "
-          f"({100.0 * correct / len(dataset):.0f}%)\n")
+    print(
+        f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {correct}/{len(dataset)} "
+        f"({100.0 * correct / len(dataset):.0f}%)\n"
+    )
     return test_loss, correct / len(dataset)
 
 
@@ -111,9 +124,18 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None, help="a run directory (summary.json, model.pt)")
     args = parser.parse_args()
 
-    result = distsgd.spawn(partial(train, args=args), model=Net, algo="hogwild", workers=args.num_processes,
-                           partition=args.partition, seed=args.seed, epochs=args.epochs, train_size=args.train_size,
-                           out=args.out, quiet=True)
+    result = distsgd.spawn(
+        partial(train, args=args),
+        model=Net,
+        algo="hogwild",
+        workers=args.num_processes,
+        partition=args.partition,
+        seed=args.seed,
+        epochs=args.epochs,
+        train_size=args.train_size,
+        out=args.out,
+        quiet=True,
+    )
     # Once training is complete, we can test the model
     _, accuracy = test(args, result.model, datasets(args.train_size)[1])
     print(f"hogwild: test accuracy {accuracy:.4f}, {result.summary['samples_per_s']:.0f} samples/s")

@@ -30,8 +30,10 @@ class Net(nn.Module):
 
 def data() -> tuple[TensorDataset, TensorDataset]:
     fashion = load_dataset("fashion-mnist")
-    return (TensorDataset(fashion.x_train[:12000], fashion.y_train[:12000]),
-            TensorDataset(fashion.x_test, fashion.y_test))
+    return (
+        TensorDataset(fashion.x_train[:12000], fashion.y_train[:12000]),
+        TensorDataset(fashion.x_test, fashion.y_test),
+    )
 
 
 def accuracy(model: nn.Module, test_set: TensorDataset) -> float:
@@ -67,5 +69,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     result = distsgd.spawn(main, model=Net, algo=args.algo, workers=args.workers, epochs=1, out=args.out)
     if result.model is not None:  # under torchrun, rank 0 has the run's figures
-        print(f"{args.algo}: test accuracy {result.summary['final_test_accuracy']:.4f}, "
-              f"{result.summary['samples_per_s']:.0f} samples/s")
+        print(
+            f"{args.algo}: test accuracy {result.summary['final_test_accuracy']:.4f}, "
+            f"{result.summary['samples_per_s']:.0f} samples/s"
+        )

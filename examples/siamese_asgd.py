@@ -69,8 +69,10 @@ class Pairs(Dataset):
 
 def pair_datasets() -> tuple[Pairs, Pairs]:
     fashion = load_dataset("fashion-mnist")
-    return (Pairs(fashion.x_train, fashion.y_train, TRAIN_PAIRS, seed=0),
-            Pairs(fashion.x_test, fashion.y_test, TEST_PAIRS, seed=1))
+    return (
+        Pairs(fashion.x_train, fashion.y_train, TRAIN_PAIRS, seed=0),
+        Pairs(fashion.x_test, fashion.y_test, TEST_PAIRS, seed=1),
+    )
 
 
 def pair_accuracy(model: nn.Module, pairs: Pairs) -> float:
@@ -110,7 +112,18 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = distsgd.spawn(main, model=Siamese, algo=args.algo, workers=args.workers, optimizer=make_optimizer,
-                           evaluate=evaluate, epochs=2, train_size=TRAIN_PAIRS, out=args.out)
-    print(f"{args.algo}: pair accuracy {result.summary['final_test_accuracy']:.4f} (the server's model), "
-          f"{result.summary['samples_per_s']:.0f} samples/s")
+    result = distsgd.spawn(
+        main,
+        model=Siamese,
+        algo=args.algo,
+        workers=args.workers,
+        optimizer=make_optimizer,
+        evaluate=evaluate,
+        epochs=2,
+        train_size=TRAIN_PAIRS,
+        out=args.out,
+    )
+    print(
+        f"{args.algo}: pair accuracy {result.summary['final_test_accuracy']:.4f} (the server's model), "
+        f"{result.summary['samples_per_s']:.0f} samples/s"
+    )

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
-needs_fashion = pytest.mark.skipif(not FASHION_DIR.is_dir(),
-                                   reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+needs_fashion = pytest.mark.skipif(
+    not FASHION_DIR.is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)"
+)
 
 
 def write_idx(path: Path, array: np.ndarray, magic: int | None = None, gz: bool = False) -> Path:
@@ -39,11 +40,22 @@ def make_idx_dataset(folder: Path, n_train: int = 60, n_test: int = 20, gz: bool
     return folder
 
 
-def run_cli(*args: str, timeout: float = 120, module: str = "distsgd",
-            env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str,
+    timeout: float = 120,
+    module: str = "distsgd",
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
     """``python -m distsgd ARGS`` (or another module) in a subprocess, with a timeout, in ``cwd``."""
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
 
 
 def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -> None:

@@ -28,8 +28,9 @@ def start_weights() -> torch.Tensor:
 
 def quadratic(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 + rank)
-    return 0.5 + torch.rand(N_PARAMS, generator=g, dtype=torch.float64), torch.randn(N_PARAMS, generator=g,
-                                                                                    dtype=torch.float64)
+    return 0.5 + torch.rand(N_PARAMS, generator=g, dtype=torch.float64), torch.randn(
+        N_PARAMS, generator=g, dtype=torch.float64
+    )
 
 
 def model_and_grad(rank: int) -> tuple[nn.Module, Callable[[], None]]:
@@ -42,7 +43,7 @@ def model_and_grad(rank: int) -> tuple[nn.Module, Callable[[], None]]:
         w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         g, offset = a * (w - b), 0
         for p in model.parameters():
-            p.grad = g[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = g[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
     return model, set_grad
@@ -65,8 +66,9 @@ def context(rank: int, world: int) -> SimpleNamespace:
     return SimpleNamespace(world=world, rank=rank, job=SimpleNamespace(optimizer=None, param_groups=None))
 
 
-def take_step(algo: Any, ctx: Any, model: nn.Module, optimizer: torch.optim.Optimizer, set_grad: Callable,
-              number: int) -> None:
+def take_step(
+    algo: Any, ctx: Any, model: nn.Module, optimizer: torch.optim.Optimizer, set_grad: Callable, number: int
+) -> None:
     """One step as the loop takes it: gradients, after_backward, apply_step, after_step."""
     set_grad()
     step = Step(number=number, samples=0)

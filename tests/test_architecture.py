@@ -40,11 +40,19 @@ def test_no_function_is_longer_than_80_lines() -> None:
 def _code_strings(path: Path) -> list[str]:
     """The string constants of a module that are not docstrings."""
     tree = ast.parse(path.read_text())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
-    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docstrings]
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
 
 
 def test_nothing_outside_an_algorithms_module_names_an_algorithm_or_its_options() -> None:
@@ -66,8 +74,12 @@ def test_nothing_outside_an_algorithms_module_names_an_algorithm_or_its_options(
                 if re.search(rf"--{re.escape(option.replace('_', '-'))}\b", text):
                     found.append(f"{path.relative_to(ROOT)}: option {option!r} in {text[:60]!r}")
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in registry.option_names() \
-                    and isinstance(node.value, ast.Name) and node.value.id == "cfg":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in registry.option_names()
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "cfg"
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: cfg.{node.attr}")
     assert found == []
 
@@ -117,22 +129,35 @@ def layout_paths(block: str) -> set[str]:
 
 def _readme_layout() -> str:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Layout\n"):]
+    section = text[text.index("\n## Layout\n") :]
     return section.split("```")[1]
 
 
 def test_layout_paths_reads_folders_by_indentation() -> None:
-    block = ("top/\n"
-             "  a.py  b.py        two files\n"
-             "  pkg/    c.py      a folder and a file in it\n"
-             "          d.py      carried on: still pkg/\n"
-             "          sub/ e.py a sub-folder of pkg/\n"
-             "                    words carried on, then f.py: not a path\n"
-             "  g.py              back in top/\n"
-             "other/  x/ y/  and prose\n")
-    assert layout_paths(block) == {"top/", "top/a.py", "top/b.py", "top/pkg/", "top/pkg/c.py", "top/pkg/d.py",
-                                   "top/pkg/sub/", "top/pkg/sub/e.py", "top/g.py", "other/", "other/x/",
-                                   "other/y/"}
+    block = (
+        "top/\n"
+        "  a.py  b.py        two files\n"
+        "  pkg/    c.py      a folder and a file in it\n"
+        "          d.py      carried on: still pkg/\n"
+        "          sub/ e.py a sub-folder of pkg/\n"
+        "                    words carried on, then f.py: not a path\n"
+        "  g.py              back in top/\n"
+        "other/  x/ y/  and prose\n"
+    )
+    assert layout_paths(block) == {
+        "top/",
+        "top/a.py",
+        "top/b.py",
+        "top/pkg/",
+        "top/pkg/c.py",
+        "top/pkg/d.py",
+        "top/pkg/sub/",
+        "top/pkg/sub/e.py",
+        "top/g.py",
+        "other/",
+        "other/x/",
+        "other/y/",
+    }
 
 
 def test_the_readme_layout_names_every_module_and_only_what_exists() -> None:

@@ -18,9 +18,28 @@ pytest.importorskip("sklearn")
 @pytest.mark.slow
 def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    res = run_cli("bench", "--algos", "single,local-sgd[sync_every=4]", "--workers", "1,2", "--dataset", "digits",
-                  "--model", "mlp", "--epochs", "1", "--lr", "0.05", "--target-accuracy", "0.3", "--eval-every", "400",
-                  "--out", str(out), timeout=240)
+    res = run_cli(
+        "bench",
+        "--algos",
+        "single,local-sgd[sync_every=4]",
+        "--workers",
+        "1,2",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--lr",
+        "0.05",
+        "--target-accuracy",
+        "0.3",
+        "--eval-every",
+        "400",
+        "--out",
+        str(out),
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr
     assert "skipping single with 2 workers" in res.stderr
     assert "[3/4]" in res.stdout and "wrote" in res.stdout
@@ -42,16 +61,22 @@ def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_bad_input(tmp_path: Path) -> None:
     res = run_cli("bench", "--algos", "single,gossip", "--dataset", "digits", "--out", str(tmp_path / "b"))
-    assert res.returncode == 2 and res.stderr.strip() == "error: unknown algorithm 'gossip' (choose from " + \
-        ", ".join(distsgd.algorithms.registry.names()) + ")"
+    assert (
+        res.returncode == 2
+        and res.stderr.strip()
+        == "error: unknown algorithm 'gossip' (choose from " + ", ".join(distsgd.algorithms.registry.names()) + ")"
+    )
     res = run_cli("bench", "--algos", "local-sgd[sync_every]", "--dataset", "digits", "--out", str(tmp_path / "b"))
     assert res.returncode == 2 and "needs key=value" in res.stderr
 
 
 def test_parse_algos() -> None:
     specs = parse_algos("allreduce,local-sgd[sync_every=8;warmup_steps=100],easgd[easgd_mode=async]")
-    assert [s.label for s in specs] == ["allreduce", "local-sgd[sync_every=8,warmup_steps=100]",
-                                        "easgd[easgd_mode=async]"]
+    assert [s.label for s in specs] == [
+        "allreduce",
+        "local-sgd[sync_every=8,warmup_steps=100]",
+        "easgd[easgd_mode=async]",
+    ]
     assert specs[1].options == (("sync_every", 8), ("warmup_steps", 100))
 
 

@@ -21,14 +21,27 @@ def distsgd(*args: str, timeout: float = 120, cwd: Path | None = None) -> subpro
 @pytest.mark.slow
 def test_train_eval_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = distsgd("train", "--dataset", "digits", "--model", "mlp", "--epochs", "3", "--lr", "0.05",
-                  "--target-accuracy", "0.5", "--out", str(out))
+    res = distsgd(
+        "train",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "3",
+        "--lr",
+        "0.05",
+        "--target-accuracy",
+        "0.5",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr
     assert "test accuracy" in res.stdout and f"run saved in {out}" in res.stdout
     assert res.stderr.count("eval  samples=") == 5  # plain progress lines when not on a terminal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algo"] == "single" and summary["epochs"] == 3 and summary["final_test_accuracy"] > 0.8
-    assert 'lr = 0.05' in (out / "config.toml").read_text()
+    assert "lr = 0.05" in (out / "config.toml").read_text()
     res = distsgd("eval", "--checkpoint", str(out), "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"])
@@ -52,8 +65,20 @@ def test_rerunning_a_runs_config_makes_a_new_run(tmp_path: Path) -> None:
     header says) trains a new run beside runs/x, and never replaces runs/x, even when the file
     holds an older version's ``out`` and ``overwrite``."""
     first = tmp_path / "runs" / "x"
-    res = distsgd("train", "--dataset", "digits", "--model", "mlp", "--epochs", "3", "--out", "runs/x",
-                  "--overwrite", "--quiet", cwd=tmp_path)
+    res = distsgd(
+        "train",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "3",
+        "--out",
+        "runs/x",
+        "--overwrite",
+        "--quiet",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     before = (first / "summary.json").read_text()
     header = (first / "config.toml").read_text().splitlines()[0]
@@ -87,8 +112,22 @@ def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
     """--quiet: nothing but errors, neither distsgd's warnings nor torch's in the workers (DDP's
     grad-stride warning for resnet20's one-channel first convolution, once a worker)."""
     (tmp_path / "data.py").write_text(QUIET_DATA)
-    res = distsgd("train", "--algo", "ddp", "--workers", "2", "--dataset", f"{tmp_path / 'data.py'}:make",
-                  "--model", "resnet20", "--max-samples", "64", "--batch-size", "16", "--quiet")
+    res = distsgd(
+        "train",
+        "--algo",
+        "ddp",
+        "--workers",
+        "2",
+        "--dataset",
+        f"{tmp_path / 'data.py'}:make",
+        "--model",
+        "resnet20",
+        "--max-samples",
+        "64",
+        "--batch-size",
+        "16",
+        "--quiet",
+    )
     assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stderr[-2000:]
 
 
@@ -127,14 +166,20 @@ def _bad_magic_idx(tmp_path: Path) -> str:
 
 BAD = {
     "missing dataset": (lambda t: ["--dataset", "mnist", "--data-dir", str(t / "empty")], "dataset 'mnist' not found"),
-    "truncated idx": (lambda t: ["--dataset", "mnist", "--data-dir", _corrupt_idx(t)],
-                      "train-images-idx3-ubyte is truncated"),
-    "wrong dims idx": (lambda t: ["--dataset", "kmnist", "--data-dir", _bad_magic_idx(t)],
-                       "t10k-labels-idx1-ubyte: expected an IDX file of 1 dimensions"),
+    "truncated idx": (
+        lambda t: ["--dataset", "mnist", "--data-dir", _corrupt_idx(t)],
+        "train-images-idx3-ubyte is truncated",
+    ),
+    "wrong dims idx": (
+        lambda t: ["--dataset", "kmnist", "--data-dir", _bad_magic_idx(t)],
+        "t10k-labels-idx1-ubyte: expected an IDX file of 1 dimensions",
+    ),
     "unknown model": (lambda t: ["--dataset", "digits", "--model", "resnet9"], "unknown model 'resnet9'"),
     "unknown algorithm": (lambda t: ["--algo", "gossip"], "unknown algorithm 'gossip'"),
-    "model does not fit": (lambda t: ["--dataset", "digits", "--model", "mnist_net"],
-                           "model mnist_net cannot take digits's input of shape 1x8x8"),
+    "model does not fit": (
+        lambda t: ["--dataset", "digits", "--model", "mnist_net"],
+        "model mnist_net cannot take digits's input of shape 1x8x8",
+    ),
     "zero workers": (lambda t: ["--workers", "0"], "--workers must be at least 1"),
     "negative workers": (lambda t: ["--workers", "-3"], "--workers must be at least 1"),
     "zero batch": (lambda t: ["--batch-size", "0"], "--batch-size must be at least 1"),
@@ -144,16 +189,24 @@ BAD = {
     "unknown dataset": (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     "missing npz": (lambda t: ["--dataset", f"npz:{t / 'x.npz'}", "--model", "logreg"], "npz file not found"),
     "nan in npz": (lambda t: ["--dataset", f"npz:{_nan_npz(t)}", "--model", "logreg"], "contains NaN"),
-    "labels out of range": (lambda t: ["--dataset", "mnist", "--data-dir", _bad_labels_idx(t)],
-                            "labels must lie in 0..9"),
+    "labels out of range": (
+        lambda t: ["--dataset", "mnist", "--data-dir", _bad_labels_idx(t)],
+        "labels must lie in 0..9",
+    ),
     "mistyped toml key": (lambda t: ["--config", _toml(t, "epohcs = 3\n")], "unknown setting 'epohcs'"),
     "wrong toml type": (lambda t: ["--config", _toml(t, "workers = 'two'\n")], "'workers' must be a whole number"),
-    "nccl without a gpu": (lambda t: ["--algo", "allreduce", "--workers", "2", "--backend", "nccl"],
-                           "--backend nccl needs CUDA GPUs"),
-    "existing run directory": (lambda t: ["--dataset", "digits", "--model", "logreg", "--out", _existing(t)],
-                               "already exists; choose another --out or pass --overwrite"),
-    "bad init method": (lambda t: ["--algo", "allreduce", "--workers", "2", "--init-method", "udp://x:1"],
-                        "--init-method must be"),
+    "nccl without a gpu": (
+        lambda t: ["--algo", "allreduce", "--workers", "2", "--backend", "nccl"],
+        "--backend nccl needs CUDA GPUs",
+    ),
+    "existing run directory": (
+        lambda t: ["--dataset", "digits", "--model", "logreg", "--out", _existing(t)],
+        "already exists; choose another --out or pass --overwrite",
+    ),
+    "bad init method": (
+        lambda t: ["--algo", "allreduce", "--workers", "2", "--init-method", "udp://x:1"],
+        "--init-method must be",
+    ),
     "bad checkpoint interval": (lambda t: ["--checkpoint-every", "abc"], "--checkpoint-every must be"),
 }
 
@@ -208,8 +261,10 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str, capsys: pytest.C
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     res = distsgd("train", "--dataset", "digits", "--model", "mnist_net", "--out", str(tmp_path / "out"))
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip() == "error: model mnist_net cannot take digits's input of shape 1x8x8: " + \
-        res.stderr.strip().split(": ", 2)[2]
+    assert (
+        res.stderr.strip()
+        == "error: model mnist_net cannot take digits's input of shape 1x8x8: " + res.stderr.strip().split(": ", 2)[2]
+    )
 
 
 @pytest.mark.slow

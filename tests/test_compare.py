@@ -20,8 +20,21 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A single-process run and a two-worker all-reduce run of the same job."""
     root = tmp_path_factory.mktemp("runs")
-    common = ["--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--log-every", "5",
-              "--target-accuracy", "0.3", "--quiet"]
+    common = [
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--log-every",
+        "5",
+        "--target-accuracy",
+        "0.3",
+        "--quiet",
+    ]
     for name, algo in (("base", ["--algo", "single"]), ("two", ["--algo", "allreduce", "--workers", "2"])):
         res = run_cli("train", *algo, *common, "--out", str(root / name), timeout=180)
         assert res.returncode == 0, res.stderr
@@ -51,7 +64,8 @@ def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
     report = json.loads((out / "compare.json").read_text())
     assert [r["algo"] for r in report["rows"]] == ["base (single)", "two (allreduce)"]
     assert report["rows"][1]["scaling_efficiency"] == pytest.approx(
-        s_two["samples_per_s"] / (2 * s_base["samples_per_s"]))
+        s_two["samples_per_s"] / (2 * s_base["samples_per_s"])
+    )
     assert report["plots"] == ["accuracy_vs_time.png", "accuracy_vs_samples.png", "throughput_vs_time.png"]
     for png in report["plots"]:
         assert (out / png).read_bytes()[:8] == PNG
@@ -77,8 +91,9 @@ def test_progress_events_carry_all_workers_bytes(two_runs: tuple[Path, Path]) ->
         assert e["bytes_sent"] == pytest.approx(per_step * steps)
 
 
-def test_bad_run_directories_are_one_error_line(two_runs: tuple[Path, Path], tmp_path: Path,
-                                               capsys: pytest.CaptureFixture) -> None:
+def test_bad_run_directories_are_one_error_line(
+    two_runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     base, _ = two_runs
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -88,8 +103,12 @@ def test_bad_run_directories_are_one_error_line(two_runs: tuple[Path, Path], tmp
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "summary.json").write_text('{"algo": "single", "workers": 1}')
-    cases = {str(empty): "has no summary.json", str(tmp_path / "nowhere"): "is not a directory",
-             str(broken): "cannot read", str(partial): "is not a distsgd summary (no samples, samples_per_s"}
+    cases = {
+        str(empty): "has no summary.json",
+        str(tmp_path / "nowhere"): "is not a directory",
+        str(broken): "cannot read",
+        str(partial): "is not a distsgd summary (no samples, samples_per_s",
+    }
     for bad, message in cases.items():
         out = tmp_path / "out"
         code = cli.main(["compare", str(base), bad, "--out", str(out)])
@@ -103,7 +122,8 @@ def test_bad_run_directories_are_one_error_line(two_runs: tuple[Path, Path], tmp
 def test_no_arguments_and_a_subprocess_have_no_traceback(tmp_path: Path) -> None:
     res = run_cli("compare")
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: the following arguments are required: RUN_DIR (see `distsgd compare --help`)"]
+        "error: the following arguments are required: RUN_DIR (see `distsgd compare --help`)"
+    ]
     res = run_cli("compare", str(tmp_path), "--out", str(tmp_path / "cmp"))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr == f"error: {tmp_path} has no summary.json: not a finished distsgd run\n"
@@ -113,7 +133,6 @@ def test_labels_name_each_run_once() -> None:
     def entry(path: str, algo: str) -> dict:
         return {"run_dir": path, "summary": {"algo": algo}}
 
-    assert _labels([entry("runs/20260101-asgd", "asgd"), entry("runs/b", "single")]) == \
-        ["20260101-asgd", "b (single)"]
+    assert _labels([entry("runs/20260101-asgd", "asgd"), entry("runs/b", "single")]) == ["20260101-asgd", "b (single)"]
     assert _labels([entry("x/run", "asgd"), entry("y/run", "asgd")]) == ["x/run (asgd)", "y/run (asgd)"]
     assert _labels([entry("a", "ssp"), entry("a", "ssp")]) == ["a (ssp)", "a (ssp) #2"]

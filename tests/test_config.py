@@ -12,8 +12,15 @@ from distsgd.errors import ConfigError
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
-    cfg = RunConfig(lr=0.05, epochs=3, dataset="digits", stop_at_target=True, target_accuracy=0.9,
-                    checkpoint_every="640", options={"sync_every": "epoch", "tau": 4})
+    cfg = RunConfig(
+        lr=0.05,
+        epochs=3,
+        dataset="digits",
+        stop_at_target=True,
+        target_accuracy=0.9,
+        checkpoint_every="640",
+        options={"sync_every": "epoch", "tau": 4},
+    )
     path = tmp_path / "c.toml"
     path.write_text(config.to_toml(cfg))
     assert config.load_toml(path, option_names={"sync_every", "tau"}) == cfg
@@ -42,8 +49,9 @@ def test_a_python_run_says_what_its_config_cannot_hold(tmp_path: Path) -> None:
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 5)).astype("float32"), rng.integers(0, 3, 64)
-    distsgd.train(model=nn.Linear(5, 3), data=(x, y, x[:16], y[:16]), max_samples=64, out=str(tmp_path / "run"),
-                  quiet=True)
+    distsgd.train(
+        model=nn.Linear(5, 3), data=(x, y, x[:16], y[:16]), max_samples=64, out=str(tmp_path / "run"), quiet=True
+    )
     head = [ln for ln in (tmp_path / "run" / "config.toml").read_text().splitlines() if ln.startswith("#")]
     assert "Re-run with" not in " ".join(head)
     assert "the data (arrays) and the model (Linear) came from Python" in head[0]
@@ -52,18 +60,21 @@ def test_a_python_run_says_what_its_config_cannot_hold(tmp_path: Path) -> None:
 
 def test_train_table_and_dashes(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[train]\nbatch-size = 32\nlr = 1\n')
+    path.write_text("[train]\nbatch-size = 32\nlr = 1\n")
     cfg = config.load_toml(path)
     assert cfg.batch_size == 32 and cfg.lr == 1.0 and isinstance(cfg.lr, float)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("batchsize = 8\n", r"unknown setting 'batchsize' .*did you mean 'batch_size'\?"),
-    ("epochs = 'ten'\n", "'epochs' must be a whole number"),
-    ("quiet = 1\n", "'quiet' must be true or false"),
-    ("lr = [1]\n", "'lr' must be a number"),
-    ("lr = \n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("batchsize = 8\n", r"unknown setting 'batchsize' .*did you mean 'batch_size'\?"),
+        ("epochs = 'ten'\n", "'epochs' must be a whole number"),
+        ("quiet = 1\n", "'quiet' must be true or false"),
+        ("lr = [1]\n", "'lr' must be a number"),
+        ("lr = \n", "not valid TOML"),
+    ],
+)
 def test_bad_toml(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "c.toml"
     path.write_text(text)
@@ -76,22 +87,25 @@ def test_missing_config_file(tmp_path: Path) -> None:
         config.load_toml(tmp_path / "none.toml")
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"workers": 0}, "--workers must be at least 1"),
-    ({"batch_size": -4}, "--batch-size must be at least 1"),
-    ({"lr": 0.0}, "--lr must be a positive number"),
-    ({"momentum": 1.0}, r"--momentum must be in \[0, 1\)"),
-    ({"optimizer": "lbfgs"}, "unknown optimizer 'lbfgs'"),
-    ({"schedule": "linear"}, "unknown schedule"),
-    ({"partition": "random"}, "unknown partition"),
-    ({"stop_at_target": True}, "--stop-at-target needs --target-accuracy"),
-    ({"target_accuracy": 85.0}, r"--target-accuracy must be in \(0, 1\]"),
-    ({"checkpoint_every": "often", "out": "x"}, "--checkpoint-every must be a positive number of samples"),
-    ({"checkpoint_every": "100"}, "--checkpoint-every needs a run directory"),
-    ({"straggler": "1"}, "--straggler must be RANK:FACTOR"),
-    ({"straggler": "3:2"}, "--straggler names worker 3, but there are only 1 workers"),
-    ({"nesterov": True, "momentum": 0.0}, "--nesterov needs a --momentum"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"workers": 0}, "--workers must be at least 1"),
+        ({"batch_size": -4}, "--batch-size must be at least 1"),
+        ({"lr": 0.0}, "--lr must be a positive number"),
+        ({"momentum": 1.0}, r"--momentum must be in \[0, 1\)"),
+        ({"optimizer": "lbfgs"}, "unknown optimizer 'lbfgs'"),
+        ({"schedule": "linear"}, "unknown schedule"),
+        ({"partition": "random"}, "unknown partition"),
+        ({"stop_at_target": True}, "--stop-at-target needs --target-accuracy"),
+        ({"target_accuracy": 85.0}, r"--target-accuracy must be in \(0, 1\]"),
+        ({"checkpoint_every": "often", "out": "x"}, "--checkpoint-every must be a positive number of samples"),
+        ({"checkpoint_every": "100"}, "--checkpoint-every needs a run directory"),
+        ({"straggler": "1"}, "--straggler must be RANK:FACTOR"),
+        ({"straggler": "3:2"}, "--straggler names worker 3, but there are only 1 workers"),
+        ({"nesterov": True, "momentum": 0.0}, "--nesterov needs a --momentum"),
+    ],
+)
 def test_validation(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config.validate(RunConfig(**changes))
@@ -117,8 +131,9 @@ def test_every_setting_and_option_has_its_help_beside_it() -> None:
 
     missing = [f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("help") and f.name != "options"]
     for name in registry.names():
-        missing += [f"{name}: {f.name}" for f in dataclasses.fields(registry.get(name).Options)
-                    if not f.metadata.get("help")]
+        missing += [
+            f"{name}: {f.name}" for f in dataclasses.fields(registry.get(name).Options) if not f.metadata.get("help")
+        ]
     assert missing == []
 
 
@@ -132,11 +147,17 @@ def test_sync_every_parsing() -> None:
             LocalSGDOptions.from_mapping({"sync_every": bad})
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"algo": "local-sgd", "workers": 2, "tau": 4}, "--tau is an option of easgd, not of local-sgd"),
-    ({"algo": "allreduce", "workers": 2, "synch_every": 4}, r"unknown setting 'synch_every'.*did you mean 'sync_every'"),
-    ({"algo": "easgd", "workers": 2, "tau": "often"}, "'tau' must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"algo": "local-sgd", "workers": 2, "tau": 4}, "--tau is an option of easgd, not of local-sgd"),
+        (
+            {"algo": "allreduce", "workers": 2, "synch_every": 4},
+            r"unknown setting 'synch_every'.*did you mean 'sync_every'",
+        ),
+        ({"algo": "easgd", "workers": 2, "tau": "often"}, "'tau' must be a whole number"),
+    ],
+)
 def test_an_option_of_another_algorithm_or_none_is_one_error(settings: dict, message: str) -> None:
     import distsgd
 
@@ -149,8 +170,16 @@ def test_the_resolved_options_are_recorded(tmp_path: Path) -> None:
     re-run run uses the same ones whatever a later version's defaults are."""
     import distsgd
 
-    distsgd.train(model="logreg", data="digits", algo="local-sgd", workers=2, max_samples=256, sync_every=4,
-                  out=str(tmp_path / "run"), quiet=True)
+    distsgd.train(
+        model="logreg",
+        data="digits",
+        algo="local-sgd",
+        workers=2,
+        max_samples=256,
+        sync_every=4,
+        out=str(tmp_path / "run"),
+        quiet=True,
+    )
     text = (tmp_path / "run" / "config.toml").read_text()
     assert "sync_every = 4" in text and "warmup_steps = 0" in text and 'compress = "none"' in text
 

@@ -33,7 +33,9 @@ def test_cpu_and_bf16_train_and_say_where(tmp_path: Path) -> None:
     for s in (fp32, bf16):
         assert s["device"] == "cpu" and s["final_test_accuracy"] > 0.8, s
     assert fp32["precision"] == "fp32" and bf16["precision"] == "bf16"
-    assert bf16["final_test_accuracy"] != fp32["final_test_accuracy"] or bf16["final_test_loss"] != fp32["final_test_loss"]
+    assert (
+        bf16["final_test_accuracy"] != fp32["final_test_accuracy"] or bf16["final_test_loss"] != fp32["final_test_loss"]
+    )
     # the saved model is float32 and scores what was reported (evaluations run in float32: they
     # had run under bf16 autocast, and distsgd eval of model.pt gave another number)
     state = torch.load(tmp_path / "bf16" / "model.pt", weights_only=True)["state_dict"]
@@ -47,8 +49,16 @@ def test_cpu_and_bf16_train_and_say_where(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("algo, workers", [("allreduce", 2), ("hogwild", 2), ("asgd", 2), ("diloco", 2)])
 def test_bf16_under_every_topology(algo: str, workers: int) -> None:
-    s = distsgd.train(model="mlp", data="digits", algo=algo, workers=workers, epochs=2, lr=0.05 if algo != "diloco"
-                      else 0.003, precision="bf16", quiet=True).summary
+    s = distsgd.train(
+        model="mlp",
+        data="digits",
+        algo=algo,
+        workers=workers,
+        epochs=2,
+        lr=0.05 if algo != "diloco" else 0.003,
+        precision="bf16",
+        quiet=True,
+    ).summary
     assert s["precision"] == "bf16" and s["final_test_accuracy"] > 0.5, s
 
 
@@ -60,8 +70,9 @@ def test_shared_memory_results_say_where_their_workers_trained(monkeypatch: pyte
 
     seen: list[list] = []
     where = api._where
-    monkeypatch.setattr(api, "_where", lambda results, cfg: seen.append([r.where for r in results]) or
-                        where(results, cfg))
+    monkeypatch.setattr(
+        api, "_where", lambda results, cfg: seen.append([r.where for r in results]) or where(results, cfg)
+    )
     s = distsgd.train(model="mlp", data="digits", algo=algo, workers=2, epochs=1, precision="bf16", quiet=True).summary
     assert seen[0] == [{"device": "cpu", "precision": "bf16"}] * 2, seen
     assert s["device"] == "cpu" and s["precision"] == "bf16"
@@ -84,27 +95,30 @@ class SeesFloat32(torch.nn.Module):
 @pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2), ("hogwild", 2)])
 def test_fp32_is_ieee_float32_in_training_and_evaluation(algo: str, workers: int) -> None:
     before = torch.backends.cudnn.conv.fp32_precision
-    s = distsgd.train(model=SeesFloat32, data="digits", algo=algo, workers=workers, epochs=1, lr=0.1,
-                      quiet=True).summary
+    s = distsgd.train(
+        model=SeesFloat32, data="digits", algo=algo, workers=workers, epochs=1, lr=0.1, quiet=True
+    ).summary
     assert s["final_test_accuracy"] > 0.5, s
     assert torch.backends.cudnn.conv.fp32_precision == before  # the caller's own setting (single ran here)
 
 
 def test_compile_trains_on_cpu() -> None:
     """torch.compile of the model (inductor: a C compiler builds its kernels on the first steps)."""
-    s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True,
-                      quiet=True).summary
+    s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True, quiet=True).summary
     assert s["compile"] is True and s["final_test_accuracy"] > 0.5, s
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-@pytest.mark.parametrize("args, message", [
-    (["--device", "cuda"], "--device cuda needs a CUDA GPU, and this machine has none"),
-    (["--device", "cuda:1"], "--device cuda:1 needs a CUDA GPU"),
-    (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
-    (["--precision", "fp16"], "--precision fp16 needs a GPU"),
-    (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cuda"], "--device cuda needs a CUDA GPU, and this machine has none"),
+        (["--device", "cuda:1"], "--device cuda:1 needs a CUDA GPU"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+        (["--precision", "fp16"], "--precision fp16 needs a GPU"),
+        (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16"),
+    ],
+)
 @pytest.mark.slow
 def test_impossible_devices_are_one_error_line(tmp_path: Path, args: list[str], message: str) -> None:
     res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--out", str(tmp_path / "r"), *args)
@@ -153,10 +167,11 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus["count"])
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": generators[gpus["current"]])
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: generators[:gpus["count"]])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: generators[: gpus["count"]])
     monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
-                        lambda states: [set_rng_state(s, i) for i, s in enumerate(states)])
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state_all", lambda states: [set_rng_state(s, i) for i, s in enumerate(states)]
+    )
     saved = RngState().state_dict()
     gpus.update(count=1, current=0)
     RngState().load_state_dict(saved)
@@ -204,8 +219,9 @@ def test_workers_unpickle_their_arguments_in_the_launchers_environment(monkeypat
 
     procs.mp_context()  # the fork server runs, with the environment of now
     monkeypatch.setenv("DISTSGD_TEST_MARK", "set after the fork server started")
-    with procs.spawned(RunConfig(), _say, [("worker", 0)],
-                       lambda i, out, again: (_EnvironmentWhenUnpickled(), out)) as team:
+    with procs.spawned(
+        RunConfig(), _say, [("worker", 0)], lambda i, out, again: (_EnvironmentWhenUnpickled(), out)
+    ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, lambda event: None)
         sup.drain_until(lambda: bool(sup.results or sup.failed()), 60)
     assert sup.results == {0: "set after the fork server started"}, sup.said
@@ -224,8 +240,21 @@ def test_auto_is_the_cpu_without_cuda() -> None:
 
 # -- on a GPU ------------------------------------------------------------------------------------
 
-EVERY = ["single", "allreduce", "ddp", "hogwild", "hogwild++", "asgd", "sync-ps", "ssp", "dcasgd", "local-sgd",
-         "easgd", "diloco", "streaming-diloco"]
+EVERY = [
+    "single",
+    "allreduce",
+    "ddp",
+    "hogwild",
+    "hogwild++",
+    "asgd",
+    "sync-ps",
+    "ssp",
+    "dcasgd",
+    "local-sgd",
+    "easgd",
+    "diloco",
+    "streaming-diloco",
+]
 
 
 @pytest.mark.gpu
@@ -238,8 +267,19 @@ def test_every_algorithm_trains_on_cuda_workers(tmp_path: Path, algo: str) -> No
     if algo == "streaming-diloco":
         extra.update(fragments=2, overlap=1)
     run = tmp_path / "run"
-    s = distsgd.train(model="resnet20", data="digits", algo=algo, workers=workers, epochs=2, batch_size=32,
-                      lr=0.003 if "diloco" in algo else 0.05, device="cuda", out=str(run), quiet=True, **extra).summary
+    s = distsgd.train(
+        model="resnet20",
+        data="digits",
+        algo=algo,
+        workers=workers,
+        epochs=2,
+        batch_size=32,
+        lr=0.003 if "diloco" in algo else 0.05,
+        device="cuda",
+        out=str(run),
+        quiet=True,
+        **extra,
+    ).summary
     assert s["device"].startswith("cuda") and s["gpu"], s
     assert s["final_test_accuracy"] > 0.3, s
     saved = evaluate_checkpoint(run / "model.pt")  # loads on the CPU
@@ -249,8 +289,18 @@ def test_every_algorithm_trains_on_cuda_workers(tmp_path: Path, algo: str) -> No
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_on_a_gpu(precision: str) -> None:
-    s = distsgd.train(model="resnet20", data="digits", algo="allreduce", workers=2, epochs=2, batch_size=64,
-                      lr=0.05, device="cuda", precision=precision, quiet=True).summary
+    s = distsgd.train(
+        model="resnet20",
+        data="digits",
+        algo="allreduce",
+        workers=2,
+        epochs=2,
+        batch_size=64,
+        lr=0.05,
+        device="cuda",
+        precision=precision,
+        quiet=True,
+    ).summary
     assert s["precision"] == precision and s["final_test_accuracy"] > 0.5, s
 
 
@@ -264,9 +314,21 @@ def test_a_language_model_on_a_gpu_in_bf16(tmp_path: Path, algo: str) -> None:
 
     corpus = tmp_path / "c.txt"
     corpus.write_bytes(text.stdlib_text(1 << 16))
-    s = distsgd.train(model="gpt[layers=2,heads=2,width=64]", data=f"text:{corpus}", algo=algo, workers=2,
-                      context=64, batch_size=16, max_samples=1024, lr=0.003, lr_warmup_steps=4, device="cuda",
-                      precision="bf16", quiet=True, **({"sync_every": "8"} if algo == "diloco" else {})).summary
+    s = distsgd.train(
+        model="gpt[layers=2,heads=2,width=64]",
+        data=f"text:{corpus}",
+        algo=algo,
+        workers=2,
+        context=64,
+        batch_size=16,
+        max_samples=1024,
+        lr=0.003,
+        lr_warmup_steps=4,
+        device="cuda",
+        precision="bf16",
+        quiet=True,
+        **({"sync_every": "8"} if algo == "diloco" else {}),
+    ).summary
     assert s["device"].startswith("cuda") and s["task"] == "lm", s
     assert s["final_test_loss"] < math.log(256) - 1.0, s
 
@@ -280,15 +342,17 @@ def test_fp16_is_refused_for_a_parameter_server() -> None:
 @pytest.mark.gpu
 def test_nccl_when_every_worker_has_its_gpu() -> None:
     gpus = torch.cuda.device_count()
-    s = distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, epochs=1, device="cuda",
-                      quiet=True).summary
+    s = distsgd.train(
+        model="mlp", data="digits", algo="allreduce", workers=2, epochs=1, device="cuda", quiet=True
+    ).summary
     assert s["backend"] == ("nccl" if gpus >= 2 else "gloo"), (gpus, s["backend"])
 
 
 @pytest.mark.gpu
 def test_hogwild_shares_one_model_in_gpu_memory() -> None:
-    s = distsgd.train(model="mlp", data="digits", algo="hogwild", workers=2, epochs=3, lr=0.05, device="cuda",
-                      quiet=True).summary
+    s = distsgd.train(
+        model="mlp", data="digits", algo="hogwild", workers=2, epochs=3, lr=0.05, device="cuda", quiet=True
+    ).summary
     assert s["model_shared"] is True  # CUDA tensors travel by CUDA IPC: is_shared() is True for them
     assert s["final_test_accuracy"] > 0.8 and sum(s["samples_per_worker"]) == s["samples"]
 
@@ -314,8 +378,16 @@ if __name__ == "__main__":
 
 @pytest.mark.gpu
 def test_a_gpu_checkpoint_resumes_and_model_pt_loads_on_the_cpu(tmp_path: Path) -> None:
-    common = dict(model="mlp", data="digits", algo="allreduce", workers=2, lr=0.05, device="cuda", quiet=True,
-                  checkpoint_every="epoch")
+    common = dict(
+        model="mlp",
+        data="digits",
+        algo="allreduce",
+        workers=2,
+        lr=0.05,
+        device="cuda",
+        quiet=True,
+        checkpoint_every="epoch",
+    )
     full = distsgd.train(epochs=2, out=str(tmp_path / "full"), **common)
     distsgd.train(epochs=1, out=str(tmp_path / "part"), **common)
     resumed = distsgd.train(resume=str(tmp_path / "part"), epochs=2)

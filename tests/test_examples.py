@@ -58,8 +58,20 @@ def test_plain_loop_example() -> None:
 @pytest.mark.slow
 def test_plain_loop_example_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                str(EXAMPLES / "plain_loop.py"), "--out", str(out)], ROOT)
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "plain_loop.py"),
+            "--out",
+            str(out),
+        ],
+        ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
     assert res.stdout.count("test accuracy") == 1  # rank 0 reports

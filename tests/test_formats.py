@@ -30,7 +30,9 @@ def test_idx_bad_magic_names_file(tmp_path: Path) -> None:
 def test_idx_truncated(tmp_path: Path) -> None:
     path = write_idx(tmp_path / "t", np.zeros((4, 5, 5)))
     path.write_bytes(path.read_bytes()[:-7])
-    with pytest.raises(DataError, match=r"t is truncated: its header claims shape \(4, 5, 5\), 100 bytes, but the file holds 93"):
+    with pytest.raises(
+        DataError, match=r"t is truncated: its header claims shape \(4, 5, 5\), 100 bytes, but the file holds 93"
+    ):
         formats.read_idx(path)
 
 
@@ -63,8 +65,11 @@ def test_idx_dataset_loads_from_data_dir_normalised(tmp_path: Path) -> None:
 
 def _cifar_batch(path: Path, n: int, label_max: int = 9) -> None:
     rng = np.random.default_rng(1)
-    batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-             b"labels": list(rng.integers(0, label_max + 1, n).tolist()), b"batch_label": b"x"}
+    batch = {
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        b"labels": list(rng.integers(0, label_max + 1, n).tolist()),
+        b"batch_label": b"x",
+    }
     path.write_bytes(pickle.dumps(batch, protocol=2))
 
 
@@ -103,8 +108,13 @@ def test_cifar_bad_shape_and_labels(tmp_path: Path) -> None:
 def test_npz_user_data(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     path = tmp_path / "d.npz"
-    np.savez(path, x=rng.normal(size=(100, 5)).astype(np.float32), y=rng.integers(0, 3, 100),
-             x_test=rng.normal(size=(20, 5)), y_test=rng.integers(0, 3, 20))
+    np.savez(
+        path,
+        x=rng.normal(size=(100, 5)).astype(np.float32),
+        y=rng.integers(0, 3, 100),
+        x_test=rng.normal(size=(20, 5)),
+        y_test=rng.integers(0, 3, 20),
+    )
     ds = load_dataset(f"npz:{path}")
     assert ds.input_shape == (5,) and len(ds.y_train) == 100 and len(ds.y_test) == 20 and ds.num_classes == 3
 
@@ -116,15 +126,21 @@ def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
     assert len(ds.y_train) == 90 and len(ds.y_test) == 10
 
 
-@pytest.mark.parametrize("arrays, message", [
-    ({"x": np.zeros((3, 2))}, "no array 'y'"),
-    ({"x": np.array([[np.nan, 1.0]]), "y": np.array([0])}, "NaN"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=int)}, "3 rows but 'y' has 2"),
-    ({"x": np.zeros((3, 2)), "y": np.array(["a", "b", "c"])}, "integer labels or float targets"),
-    ({"x": np.zeros((3, 2)), "y": np.array([0.5, np.inf, 1.0])}, "regression targets"),
-    ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, "negative labels"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(3, dtype=int), "x_test": np.zeros((1, 2))}, "both 'x_test' and 'y_test'"),
-])
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        ({"x": np.zeros((3, 2))}, "no array 'y'"),
+        ({"x": np.array([[np.nan, 1.0]]), "y": np.array([0])}, "NaN"),
+        ({"x": np.zeros((3, 2)), "y": np.zeros(2, dtype=int)}, "3 rows but 'y' has 2"),
+        ({"x": np.zeros((3, 2)), "y": np.array(["a", "b", "c"])}, "integer labels or float targets"),
+        ({"x": np.zeros((3, 2)), "y": np.array([0.5, np.inf, 1.0])}, "regression targets"),
+        ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, "negative labels"),
+        (
+            {"x": np.zeros((3, 2)), "y": np.zeros(3, dtype=int), "x_test": np.zeros((1, 2))},
+            "both 'x_test' and 'y_test'",
+        ),
+    ],
+)
 def test_npz_bad_arrays(tmp_path: Path, arrays: dict, message: str) -> None:
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
@@ -148,7 +164,9 @@ def test_image_folder_streams_images(tmp_path: Path) -> None:
         for cls in ("cat", "dog"):
             (tmp_path / split / cls).mkdir(parents=True)
             for i in range(n):
-                Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(tmp_path / split / cls / f"{i}.png")
+                Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(
+                    tmp_path / split / cls / f"{i}.png"
+                )
     ds = load_dataset(f"folder:{tmp_path}")
     assert ds.input_shape == (3, 6, 5) and ds.num_classes == 2 and (ds.n_train, ds.n_test) == (8, 4)
     assert ds.train.labels == [0] * 4 + [1] * 4

@@ -20,17 +20,29 @@ pytest.importorskip("sklearn")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("algo, extra", [
-    ("allreduce", {"compress": "powersgd"}),
-    ("local-sgd", {"compress": "powersgd", "sync_every": "4"}),
-    ("streaming-diloco", {"sync_every": "8", "fragments": 2, "overlap": 2, "lr": 0.003}),
-])
+@pytest.mark.parametrize(
+    "algo, extra",
+    [
+        ("allreduce", {"compress": "powersgd"}),
+        ("local-sgd", {"compress": "powersgd", "sync_every": "4"}),
+        ("streaming-diloco", {"sync_every": "8", "fragments": 2, "overlap": 2, "lr": 0.003}),
+    ],
+)
 def test_algorithm_state_resumes_on_a_gpu(tmp_path: Path, algo: str, extra: dict) -> None:
     """A checkpoint loads on the CPU; PowerSGD's error feedback and Q, local SGD's anchor and a
     Streaming DiLoCo fragment in flight must go back to the GPU. The checkpoint resumed from holds
     them (checkpoints every 3 steps of 2 x 16: the one at step 18 has fragment 0 in flight)."""
-    common = dict(model="mlp", data="digits", algo=algo, workers=2, batch_size=16, lr=0.05, device="cuda",
-                  checkpoint_every="96", quiet=True)
+    common = dict(
+        model="mlp",
+        data="digits",
+        algo=algo,
+        workers=2,
+        batch_size=16,
+        lr=0.05,
+        device="cuda",
+        checkpoint_every="96",
+        quiet=True,
+    )
     common.update(extra)
     full = distsgd.train(max_samples=1440, out=str(tmp_path / "full"), **common)
     distsgd.train(max_samples=600, out=str(tmp_path / "part"), **common)
@@ -73,9 +85,14 @@ def _big_model(where: torch.device) -> torch.nn.Module:
 def _shared_seat(models: list[torch.nn.Module], lock: object, extras: object = None) -> object:
     from distsgd.algorithms.base import SharedSeat
 
-    return SharedSeat(states=[m.state_dict() for m in models], counts=torch.zeros(len(models), dtype=torch.int64),
-                      stop=torch.zeros(1, dtype=torch.int8), lock=lock, extras=extras,
-                      device=str(next(models[0].parameters()).device))
+    return SharedSeat(
+        states=[m.state_dict() for m in models],
+        counts=torch.zeros(len(models), dtype=torch.int64),
+        stop=torch.zeros(1, dtype=torch.int8),
+        lock=lock,
+        extras=extras,
+        device=str(next(models[0].parameters()).device),
+    )
 
 
 def test_the_hogwild_lock_is_held_until_the_gpu_has_stepped() -> None:
@@ -129,8 +146,26 @@ def test_nccl_runs_say_nothing_on_stderr(tmp_path: Path) -> None:
     guesses the barrier's device nor warns that it does; without --quiet, stderr holds the progress
     lines alone."""
     workers = min(2, torch.cuda.device_count())
-    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--algo", "allreduce", "--workers", str(workers),
-                  "--device", "cuda", "--backend", "nccl", "--epochs", "1", "--out", str(tmp_path / "r"), timeout=300)
+    res = run_cli(
+        "train",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--algo",
+        "allreduce",
+        "--workers",
+        str(workers),
+        "--device",
+        "cuda",
+        "--backend",
+        "nccl",
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     others = [line for line in res.stderr.splitlines() if not line.startswith(("train ", "eval "))]
     assert others == [], res.stderr[-2000:]
@@ -138,8 +173,23 @@ def test_nccl_runs_say_nothing_on_stderr(tmp_path: Path) -> None:
 
 def test_nccl_with_two_workers_on_one_gpu_is_one_error_line(tmp_path: Path) -> None:
     workers = torch.cuda.device_count() + 1
-    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--algo", "allreduce", "--workers", str(workers),
-                  "--device", "cuda", "--backend", "nccl", "--out", str(tmp_path / "r"))
+    res = run_cli(
+        "train",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--algo",
+        "allreduce",
+        "--workers",
+        str(workers),
+        "--device",
+        "cuda",
+        "--backend",
+        "nccl",
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --backend nccl needs a GPU for each worker"), res.stderr
@@ -152,8 +202,9 @@ def test_fp32_on_a_gpu_scores_what_the_cpu_scores(tmp_path: Path) -> None:
     from distsgd.api import evaluate_checkpoint
 
     run = tmp_path / "run"
-    s = distsgd.train(model="resnet20", data="digits", epochs=1, batch_size=64, lr=0.05, device="cuda", out=str(run),
-                      quiet=True).summary
+    s = distsgd.train(
+        model="resnet20", data="digits", epochs=1, batch_size=64, lr=0.05, device="cuda", out=str(run), quiet=True
+    ).summary
     saved = evaluate_checkpoint(run / "model.pt")  # on the CPU
     assert s["final_test_loss"] == pytest.approx(saved["test_loss"], rel=1e-4)
     assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1.01 / saved["test_samples"])
@@ -178,8 +229,9 @@ class Wide(torch.nn.Module):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 16384), torch.nn.ReLU(),
-                                       torch.nn.Linear(16384, num_classes))
+        self.net = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(64, 16384), torch.nn.ReLU(), torch.nn.Linear(16384, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -192,8 +244,17 @@ def test_hogwild_keeps_no_gpu_copy_per_evaluation_point() -> None:
 
     def peak(eval_every: int) -> int:
         torch.cuda.reset_peak_memory_stats()
-        s = distsgd.train(model=Wide, data="digits", algo="hogwild", workers=2, epochs=1, lr=0.01,
-                          eval_every=eval_every, device="cuda", quiet=True).summary
+        s = distsgd.train(
+            model=Wide,
+            data="digits",
+            algo="hogwild",
+            workers=2,
+            epochs=1,
+            lr=0.01,
+            eval_every=eval_every,
+            device="cuda",
+            quiet=True,
+        ).summary
         assert s["device"].startswith("cuda"), s
         return torch.cuda.max_memory_allocated()
 
@@ -214,8 +275,9 @@ def test_bf16_on_a_gpu_without_it_is_one_error_line(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2), ("hogwild", 2), ("asgd", 2)])
 def test_the_model_returned_is_on_the_cpu_whatever_the_topology(algo: str, workers: int) -> None:
-    result = distsgd.train(model="mlp", data="digits", algo=algo, workers=workers, epochs=1, lr=0.05, device="cuda",
-                           quiet=True)
+    result = distsgd.train(
+        model="mlp", data="digits", algo=algo, workers=workers, epochs=1, lr=0.05, device="cuda", quiet=True
+    )
     assert result.summary["device"].startswith("cuda")
     assert {t.device.type for t in result.model.state_dict().values()} == {"cpu"}
 
@@ -258,8 +320,18 @@ def test_compile_on_cuda_workers_saves_the_plain_model(tmp_path: Path, algo: str
     from distsgd.api import evaluate_checkpoint
 
     run = tmp_path / "run"
-    s = distsgd.train(model="mlp", data="digits", algo=algo, workers=workers, epochs=2, lr=0.05, device="cuda",
-                      compile=True, out=str(run), quiet=True).summary
+    s = distsgd.train(
+        model="mlp",
+        data="digits",
+        algo=algo,
+        workers=workers,
+        epochs=2,
+        lr=0.05,
+        device="cuda",
+        compile=True,
+        out=str(run),
+        quiet=True,
+    ).summary
     assert s["compile"] is True and s["device"].startswith("cuda") and s["final_test_accuracy"] > 0.5, s
     state = torch.load(run / "model.pt", weights_only=True)["state_dict"]
     assert set(state) == set(distsgd.models.build_model("mlp", (1, 8, 8), 10).state_dict()), sorted(state)
@@ -277,16 +349,28 @@ def test_fp16_with_a_float16_wire_keeps_a_sane_loss_scale(tmp_path: Path) -> Non
 
     def run(compress: str) -> tuple[dict, list[float]]:
         out = tmp_path / compress
-        s = distsgd.train(model="resnet20", data="digits", algo="allreduce", workers=2, epochs=3, batch_size=32,
-                          lr=0.05, device="cuda", precision="fp16", compress=compress, log_every=5, out=str(out),
-                          quiet=True).summary
+        s = distsgd.train(
+            model="resnet20",
+            data="digits",
+            algo="allreduce",
+            workers=2,
+            epochs=3,
+            batch_size=32,
+            lr=0.05,
+            device="cuda",
+            precision="fp16",
+            compress=compress,
+            log_every=5,
+            out=str(out),
+            quiet=True,
+        ).summary
         events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return s, [e["loss_scale"] for e in events if e["event"] == "progress"]
 
     plain, plain_scales = run("none")
     wired, wired_scales = run("fp16")
-    assert wired_scales and min(wired_scales) >= 2.0 ** 10, wired_scales
-    assert min(wired_scales[len(wired_scales) // 2:]) >= min(plain_scales) / 4, (wired_scales, plain_scales)
+    assert wired_scales and min(wired_scales) >= 2.0**10, wired_scales
+    assert min(wired_scales[len(wired_scales) // 2 :]) >= min(plain_scales) / 4, (wired_scales, plain_scales)
     assert wired["final_test_accuracy"] > plain["final_test_accuracy"] - 0.1, (wired, plain)
 
 
@@ -296,8 +380,13 @@ class Dropped(torch.nn.Module):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                       torch.nn.Dropout(0.3), torch.nn.Linear(64, num_classes))
+        self.net = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(64, 64),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(64, num_classes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -306,8 +395,16 @@ class Dropped(torch.nn.Module):
 def test_a_gpu_workers_random_state_resumes_exactly(tmp_path: Path) -> None:
     """Each worker's checkpoint holds its own GPU's random state (dropout draws there), restored
     into the GPU it resumes on."""
-    common = dict(model=Dropped, data="digits", algo="allreduce", workers=2, lr=0.05, device="cuda",
-                  checkpoint_every="epoch", quiet=True)
+    common = dict(
+        model=Dropped,
+        data="digits",
+        algo="allreduce",
+        workers=2,
+        lr=0.05,
+        device="cuda",
+        checkpoint_every="epoch",
+        quiet=True,
+    )
     full = distsgd.train(epochs=2, out=str(tmp_path / "full"), **common)
     distsgd.train(epochs=1, out=str(tmp_path / "part"), **common)
     state = load_worker_state(tmp_path / "part", 1)["rng"]

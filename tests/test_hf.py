@@ -24,8 +24,15 @@ datasets = pytest.importorskip("datasets")
 def tiny_gpt2(num_classes: int, input_shape: tuple[int, ...]) -> torch.nn.Module:
     """GPT-2's architecture at a toy size, from a config: its forward returns an output object
     whose .logits are the scores."""
-    cfg = transformers.GPT2Config(vocab_size=num_classes, n_positions=input_shape[0], n_embd=32, n_layer=1,
-                                  n_head=2, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=num_classes,
+        n_positions=input_shape[0],
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -41,9 +48,22 @@ def tokenised() -> object:
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
 def test_a_transformers_gpt2_trains_on_a_tokenised_dataset(tmp_path: Path, tokenised: object, algo: str) -> None:
-    res = distsgd.train(model=tiny_gpt2, data=tokenised, algo=algo, workers=2, context=32, batch_size=16,
-                        max_samples=768, eval_every=384, optimizer="adamw", lr=0.003, lr_warmup_steps=4,
-                        clip_grad_norm=1.0, out=str(tmp_path / "run"), quiet=True)
+    res = distsgd.train(
+        model=tiny_gpt2,
+        data=tokenised,
+        algo=algo,
+        workers=2,
+        context=32,
+        batch_size=16,
+        max_samples=768,
+        eval_every=384,
+        optimizer="adamw",
+        lr=0.003,
+        lr_warmup_steps=4,
+        clip_grad_norm=1.0,
+        out=str(tmp_path / "run"),
+        quiet=True,
+    )
     s = res.summary
     assert s["task"] == "lm" and s["vocab"] == max(max(r) for r in tokenised["input_ids"]) + 1  # the largest id + 1
     assert s["final_test_loss"] < math.log(256) - 1.0, s["final_test_loss"]
@@ -92,8 +112,16 @@ def test_a_pair_of_datasets_is_the_train_and_test_splits(tokenised: object) -> N
     passes them (it stopped with "a Dataset item must be (input, target); item 0 is dict")."""
     n = len(tokenised)
     train_ds, test_ds = tokenised.select(range(n * 9 // 10)), tokenised.select(range(n * 9 // 10, n))
-    s = distsgd.train(model=tiny_gpt2, data=(train_ds, test_ds), context=32, batch_size=16, max_samples=256,
-                      optimizer="adamw", lr=0.003, quiet=True).summary
+    s = distsgd.train(
+        model=tiny_gpt2,
+        data=(train_ds, test_ds),
+        context=32,
+        batch_size=16,
+        max_samples=256,
+        optimizer="adamw",
+        lr=0.003,
+        quiet=True,
+    ).summary
     splits = distsgd.api._dataset_from(datasets.DatasetDict({"train": train_ds, "test": test_ds}), 32)
     pair = distsgd.api._dataset_from((train_ds, test_ds), 32)
     assert s["task"] == "lm" and s["samples"] >= 256

@@ -65,15 +65,29 @@ def test_gpt_computes_what_gpt2_computes() -> None:
     """The same weights in Hugging Face's GPT-2 (a port of OpenAI's code) give the same scores."""
     transformers = pytest.importorskip("transformers")
     v, t, layers, heads, w = 64, 16, 2, 4, 32
-    hf_cfg = transformers.GPT2Config(vocab_size=v, n_positions=t, n_embd=w, n_layer=layers, n_head=heads,
-                                     activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=0, eos_token_id=0)
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=v,
+        n_positions=t,
+        n_embd=w,
+        n_layer=layers,
+        n_head=heads,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(1)
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     ours = GPT(v, t, layers, heads, w).eval()
     sd = hf.state_dict()
-    mine = {"tok.weight": sd["transformer.wte.weight"], "pos.weight": sd["transformer.wpe.weight"],
-            "ln.weight": sd["transformer.ln_f.weight"], "ln.bias": sd["transformer.ln_f.bias"]}
+    mine = {
+        "tok.weight": sd["transformer.wte.weight"],
+        "pos.weight": sd["transformer.wpe.weight"],
+        "ln.weight": sd["transformer.ln_f.weight"],
+        "ln.bias": sd["transformer.ln_f.bias"],
+    }
     for i in range(layers):
         h = f"transformer.h.{i}."
         pairs = {"ln1": "ln_1", "ln2": "ln_2"}
@@ -91,8 +105,14 @@ def test_gpt_computes_what_gpt2_computes() -> None:
 
 def test_gpt_size_options_are_checked() -> None:
     assert len(build_model("gpt[layers=1;width=16,heads=2]", (8,), 20).blocks) == 1
-    for bad in ("gpt[depth=2]", "gpt[layers=0]", "gpt[layers=x]", "gpt[width=30,heads=4]", "mlp[layers=2]",
-                "gpt[dropout=1.5]"):
+    for bad in (
+        "gpt[depth=2]",
+        "gpt[layers=0]",
+        "gpt[layers=x]",
+        "gpt[width=30,heads=4]",
+        "mlp[layers=2]",
+        "gpt[dropout=1.5]",
+    ):
         with pytest.raises(ModelError):
             build_model(bad, (8,), 20)
     with pytest.raises(ModelError, match="token sequences"):
@@ -112,7 +132,9 @@ def test_text_becomes_next_token_sequences(corpus: Path, tmp_path: Path) -> None
     assert torch.equal(ds.x_train[0], raw[:32]) and torch.equal(ds.y_train[0], raw[1:33])
     # the test set is the last tenth of the text: no training sequence (nor its last target) reaches it
     cut = len(raw) - len(raw) // 10
-    assert torch.equal(ds.x_test[0], raw[cut:cut + 32]) and torch.equal(ds.y_test[-1, -1:], raw[cut + ds.n_test * 32:][:1])
+    assert torch.equal(ds.x_test[0], raw[cut : cut + 32]) and torch.equal(
+        ds.y_test[-1, -1:], raw[cut + ds.n_test * 32 :][:1]
+    )
     assert ds.n_train * 32 + 1 <= cut and ds.n_test == (len(raw) - cut - 1) // 32
     folder = tmp_path / "docs"
     (folder / "sub").mkdir(parents=True)
@@ -130,13 +152,19 @@ def test_text_becomes_next_token_sequences(corpus: Path, tmp_path: Path) -> None
 def test_token_cross_entropy_is_the_mean_over_every_token() -> None:
     torch.manual_seed(0)
     scores, target = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
-    by_hand = -np.mean([math.log(math.exp(scores[b, t, target[b, t]].double()) /
-                                 float(scores[b, t].double().exp().sum())) for b in range(3) for t in range(5)])
+    by_hand = -np.mean(
+        [
+            math.log(math.exp(scores[b, t, target[b, t]].double()) / float(scores[b, t].double().exp().sum()))
+            for b in range(3)
+            for t in range(5)
+        ]
+    )
     loss = loss_function("auto", None, "lm")
     assert float(loss(scores, target)) == pytest.approx(by_hand, rel=1e-6)
 
     class Out:  # a Hugging Face model's output: the scores are its .logits
         logits = scores
+
     assert float(loss(Out(), target)) == pytest.approx(by_hand, rel=1e-6)
     with pytest.raises(ConfigError):
         loss_function("mse", None, "lm")
@@ -185,15 +213,26 @@ def test_clipping_clips_the_synchronised_gradient(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 6)).astype(np.float32), rng.integers(0, 3, 64)
     c, lr = 0.05, 0.5
-    res = distsgd.train(model="logreg", data=(x, y, x[:8], y[:8]), algo="allreduce", workers=2, batch_size=32,
-                        max_samples=64, lr=lr, momentum=0.0, clip_grad_norm=c, quiet=True, partition="sharded")
+    res = distsgd.train(
+        model="logreg",
+        data=(x, y, x[:8], y[:8]),
+        algo="allreduce",
+        workers=2,
+        batch_size=32,
+        max_samples=64,
+        lr=lr,
+        momentum=0.0,
+        clip_grad_norm=c,
+        quiet=True,
+        partition="sharded",
+    )
     start = build_model("logreg", (6,), 3, seed=0).double()
     from distsgd.data import from_arrays
 
     ds = from_arrays("arrays", x, y, x[:8], y[:8])
     loss = F.cross_entropy(start(ds.x_train.double()), ds.y_train)
     grads = torch.autograd.grad(loss, list(start.parameters()))
-    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
     assert norm > c  # the clip acts
     expect = [p - lr * g * (c / norm) for p, g in zip(start.parameters(), grads)]
     for got, want in zip(res.model.parameters(), expect):
@@ -211,8 +250,26 @@ def test_gpt_trains_on_pythons_own_sources_and_eval_agrees(tmp_path: Path) -> No
     """`distsgd train --model gpt` needs no dataset: Python's standard library as text. What it
     reports is what `distsgd eval` measures of model.pt."""
     run = tmp_path / "run"
-    res = run_cli("train", "--model", TINY, "--context", "32", "--max-samples", "512", "--batch-size", "32",
-                  "--eval-every", "256", "--lr", "0.003", "--lr-warmup-steps", "4", "--out", str(run), timeout=300)
+    res = run_cli(
+        "train",
+        "--model",
+        TINY,
+        "--context",
+        "32",
+        "--max-samples",
+        "512",
+        "--batch-size",
+        "32",
+        "--eval-every",
+        "256",
+        "--lr",
+        "0.003",
+        "--lr-warmup-steps",
+        "4",
+        "--out",
+        str(run),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "perplexity" in res.stdout and "unigram entropy" in res.stdout
     s = json.loads((run / "summary.json").read_text())
@@ -240,9 +297,20 @@ def test_bench_and_compare_show_a_language_models_loss_and_perplexity(tmp_path: 
     runs = []
     for algo in ("single", "allreduce"):
         run = tmp_path / algo
-        distsgd.train(model=TINY, data=f"text:{corpus}", algo=algo, workers=1 if algo == "single" else 2,
-                      context=32, batch_size=16, max_samples=256, eval_every=128, target_loss=5.0, lr=0.003,
-                      out=str(run), quiet=True)
+        distsgd.train(
+            model=TINY,
+            data=f"text:{corpus}",
+            algo=algo,
+            workers=1 if algo == "single" else 2,
+            context=32,
+            batch_size=16,
+            max_samples=256,
+            eval_every=128,
+            target_loss=5.0,
+            lr=0.003,
+            out=str(run),
+            quiet=True,
+        )
         runs.append(str(run))
     out = tmp_path / "cmp"
     res = run_cli("compare", *runs, "--out", str(out))
@@ -251,5 +319,6 @@ def test_bench_and_compare_show_a_language_models_loss_and_perplexity(tmp_path: 
     assert "time to loss 5 (s)" in table and "final perplexity" in table
     report = json.loads((out / "compare.json").read_text())
     assert report["rows"][0]["final_test_perplexity"]["median"] == pytest.approx(
-        math.exp(report["rows"][0]["final_test_loss"]["median"]))
+        math.exp(report["rows"][0]["final_test_loss"]["median"])
+    )
     assert {"loss_vs_time.png", "loss_vs_samples.png"} <= set(report["plots"])

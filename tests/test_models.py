@@ -12,12 +12,15 @@ from distsgd.errors import ModelError
 from distsgd.models import build_model, check_fits
 
 
-@pytest.mark.parametrize("name, shape, params", [
-    ("mnist_net", (1, 28, 28), 21840),
-    ("cifar_net", (3, 32, 32), 760 + 5020 + 5010 + 110),  # conv1, conv2, fc1, fc2 (weights + biases)
-    ("mlp", (1, 8, 8), 64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10),
-    ("logreg", (5,), 5 * 10 + 10),
-])
+@pytest.mark.parametrize(
+    "name, shape, params",
+    [
+        ("mnist_net", (1, 28, 28), 21840),
+        ("cifar_net", (3, 32, 32), 760 + 5020 + 5010 + 110),  # conv1, conv2, fc1, fc2 (weights + biases)
+        ("mlp", (1, 8, 8), 64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10),
+        ("logreg", (5,), 5 * 10 + 10),
+    ],
+)
 def test_builtin_shapes_and_sizes(name: str, shape: tuple, params: int) -> None:
     model = build_model(name, shape, 10)
     assert model(torch.zeros(3, *shape)).shape == (3, 10)

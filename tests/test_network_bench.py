@@ -63,9 +63,23 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     why = _cannot()
     if why:
         pytest.skip(f"network namespaces cannot be made here: {why}")
-    args = ("bench", "--algos", "allreduce,asgd,hogwild++,diloco[sync_every=4;lr=0.003],single", "--network",
-            "50mbit", "--dataset", "digits", "--model", "logreg", "--max-samples", "3000",
-            "--out", str(tmp_path / "b"), "--quiet", "--overwrite")
+    args = (
+        "bench",
+        "--algos",
+        "allreduce,asgd,hogwild++,diloco[sync_every=4;lr=0.003],single",
+        "--network",
+        "50mbit",
+        "--dataset",
+        "digits",
+        "--model",
+        "logreg",
+        "--max-samples",
+        "3000",
+        "--out",
+        str(tmp_path / "b"),
+        "--quiet",
+        "--overwrite",
+    )
     res = run_cli(*args, timeout=600)
     if res.returncode != 0 and "on host" in res.stderr:
         # Until __main__ left torchrun workers with os._exit, about one bench in ten failed here: a
@@ -87,11 +101,17 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
         assert own["network"] == "50mbit" and [h["address"] for h in own["hosts"]] == ["10.77.0.1", "10.77.0.2"]
         a, b = own["hosts"]
         assert not set(a["cores"]) & set(b["cores"]) if cores > 1 else a["cores"] == b["cores"]
-        assert own["threads_per_worker"] == a["threads_per_process"] == b["threads_per_process"] == \
-            max(1, min(len(a["cores"]) // a["processes"], len(b["cores"]) // b["processes"]))
+        assert (
+            own["threads_per_worker"]
+            == a["threads_per_process"]
+            == b["threads_per_process"]
+            == max(1, min(len(a["cores"]) // a["processes"], len(b["cores"]) // b["processes"]))
+        )
     md = (tmp_path / "b" / "bench.md").read_text()
-    assert "Network (--network 50mbit): each run as 2 hosts (network namespaces on this machine) joined by a " \
-           "veth pair shaped to 50mbit each way (tc tbf)" in md
+    assert (
+        "Network (--network 50mbit): each run as 2 hosts (network namespaces on this machine) joined by a "
+        "veth pair shaped to 50mbit each way (tc tbf)" in md
+    )
     assert "- asgd: host a (10.77.0.1): 1 process(es) on core(s)" in md
 
 
@@ -113,16 +133,40 @@ def test_an_interrupted_network_bench_leaves_nothing_behind(tmp_path: Path) -> N
         pytest.skip(f"network namespaces cannot be made here: {why}")
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     out = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "bench", "--network", "unshaped", "--algos", "asgd",
-                             "--dataset", "digits", "--model", "mlp", "--epochs", "2000", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "bench",
+            "--network",
+            "unshaped",
+            "--algos",
+            "asgd",
+            "--dataset",
+            "digits",
+            "--model",
+            "mlp",
+            "--epochs",
+            "2000",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not list(out.glob("runs/*/metrics.jsonl")) and time.monotonic() < deadline:  # training
             time.sleep(0.2)
         hosts = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()) - before
-        pids = [int(p) for name in hosts if name.startswith("dsgd-")
-                for p in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
+        pids = [
+            int(p)
+            for name in hosts
+            if name.startswith("dsgd-")
+            for p in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        ]
         assert len(pids) == 5  # each host's torchrun; the server and 2 workers
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)

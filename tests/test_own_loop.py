@@ -86,8 +86,10 @@ def dict_loop(run: distsgd.Run) -> nn.Module:
     if run.rank == 0:
         with torch.no_grad():
             logits = evaluated(data.x_test)["logits"]
-        run.log(test_accuracy=(logits.argmax(1) == data.y_test).float().mean(),
-                test_loss=F.cross_entropy(logits, data.y_test))
+        run.log(
+            test_accuracy=(logits.argmax(1) == data.y_test).float().mean(),
+            test_loss=F.cross_entropy(logits, data.y_test),
+        )
     return run.final_model()
 
 
@@ -96,8 +98,10 @@ def evaluate_dict(model: nn.Module) -> dict:
     data = _digits()
     with torch.no_grad():
         logits = model(data.x_test)["logits"]
-    return {"test_accuracy": (logits.argmax(1) == data.y_test).float().mean().item(),
-            "test_loss": F.cross_entropy(logits, data.y_test).item()}
+    return {
+        "test_accuracy": (logits.argmax(1) == data.y_test).float().mean().item(),
+        "test_loss": F.cross_entropy(logits, data.y_test).item(),
+    }
 
 
 def evaluate_net(model: nn.Module) -> dict:
@@ -106,9 +110,16 @@ def evaluate_net(model: nn.Module) -> dict:
         return {"test_accuracy": (model(data.x_test).argmax(1) == data.y_test).float().mean().item()}
 
 
-SYNCHRONOUS = [("single", 1, {}), ("allreduce", 2, {}), ("ddp", 2, {}), ("local-sgd", 2, {"sync_every": "5"}),
-               ("easgd", 2, {"tau": 4}), ("sync-ps", 2, {}), ("diloco", 2, {"sync_every": "6", "lr": 0.003}),
-               ("streaming-diloco", 2, {"sync_every": "6", "lr": 0.003})]
+SYNCHRONOUS = [
+    ("single", 1, {}),
+    ("allreduce", 2, {}),
+    ("ddp", 2, {}),
+    ("local-sgd", 2, {"sync_every": "5"}),
+    ("easgd", 2, {"tau": 4}),
+    ("sync-ps", 2, {}),
+    ("diloco", 2, {"sync_every": "6", "lr": 0.003}),
+    ("streaming-diloco", 2, {"sync_every": "6", "lr": 0.003}),
+]
 
 
 @pytest.mark.slow
@@ -124,9 +135,17 @@ def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: 
     assert theirs.summary.get("bytes_sent") == ours.summary.get("bytes_sent")
 
 
-DICT_CASES = {"allreduce": {}, "local-sgd": {"sync_every": "8"}, "diloco": {"sync_every": "8", "lr": 0.003},
-              "hogwild": {}, "hogwild++": {"update_delay": 4}, "asgd": {}, "ssp": {"staleness": 1}, "dcasgd": {},
-              "easgd-async": {"easgd_mode": "async", "tau": 4}}
+DICT_CASES = {
+    "allreduce": {},
+    "local-sgd": {"sync_every": "8"},
+    "diloco": {"sync_every": "8", "lr": 0.003},
+    "hogwild": {},
+    "hogwild++": {"update_delay": 4},
+    "asgd": {},
+    "ssp": {"staleness": 1},
+    "dcasgd": {},
+    "easgd-async": {"easgd_mode": "async", "tau": 4},
+}
 
 
 @pytest.mark.slow
@@ -134,8 +153,18 @@ DICT_CASES = {"allreduce": {}, "local-sgd": {"sync_every": "8"}, "diloco": {"syn
 def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
     out = tmp_path / "run"
     settings = {"lr": 0.05, **DICT_CASES[algo]}
-    r = distsgd.spawn(dict_loop, model=DictNet, algo=algo.removesuffix("-async"), workers=2, epochs=3, batch_size=32,
-                      out=str(out), quiet=True, evaluate=evaluate_dict, **settings)
+    r = distsgd.spawn(
+        dict_loop,
+        model=DictNet,
+        algo=algo.removesuffix("-async"),
+        workers=2,
+        epochs=3,
+        batch_size=32,
+        out=str(out),
+        quiet=True,
+        evaluate=evaluate_dict,
+        **settings,
+    )
     assert r.summary["final_test_accuracy"] > 0.8, r.summary
     assert r.summary["final_test_accuracy"] == evaluate_dict(r.model)["test_accuracy"]  # of the model returned
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file() and (out / "metrics.jsonl").is_file()
@@ -161,8 +190,9 @@ def test_asynchronous_algorithms_reach_distsgd_trains_band(algo: str) -> None:
 def test_a_workers_figure_is_not_the_final_one_where_its_model_is_not_returned() -> None:
     """Under Hogwild! a worker's final model is the shared one while others may still train it:
     what rank 0 logged is kept among the evaluations, not reported as the returned model's."""
-    s = distsgd.spawn(tuple_loop, model=Net, algo="hogwild", workers=2, epochs=1, batch_size=32, lr=0.05,
-                      quiet=True).summary
+    s = distsgd.spawn(
+        tuple_loop, model=Net, algo="hogwild", workers=2, epochs=1, batch_size=32, lr=0.05, quiet=True
+    ).summary
     assert s["final_test_accuracy"] is None and s["evals"]
 
 
@@ -192,8 +222,15 @@ def checkpointed_loop(run: distsgd.Run) -> nn.Module:
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["allreduce", "diloco"])
 def test_a_killed_checkpointed_loop_resumes_with_its_own_state(tmp_path, monkeypatch, algo: str) -> None:
-    common = dict(algo=algo, workers=2, epochs=4, batch_size=32, lr=0.05 if algo != "diloco" else 0.003,
-                  quiet=True, **({"sync_every": "7"} if algo == "diloco" else {}))
+    common = dict(
+        algo=algo,
+        workers=2,
+        epochs=4,
+        batch_size=32,
+        lr=0.05 if algo != "diloco" else 0.003,
+        quiet=True,
+        **({"sync_every": "7"} if algo == "diloco" else {}),
+    )
     whole = distsgd.spawn(checkpointed_loop, model=Net, out=str(tmp_path / "whole"), **common)
     out = tmp_path / "killed"
     monkeypatch.setenv("DIE_AFTER", "1")
@@ -243,8 +280,9 @@ def test_mistakes_get_one_line() -> None:
     with pytest.raises(distsgd.ConfigError, match=r"call run.checkpoint\(\*\*state\)"):
         distsgd.spawn(tuple_loop, model=Net, checkpoint_every="100", out="unused", quiet=True)
     with pytest.raises(distsgd.ConfigError, match="but the parameter server's"):
-        distsgd.spawn(tuple_loop, model=Net, algo="asgd", workers=2, stop_at_target=True, target_accuracy=0.5,
-                      quiet=True)
+        distsgd.spawn(
+            tuple_loop, model=Net, algo="asgd", workers=2, stop_at_target=True, target_accuracy=0.5, quiet=True
+        )
     with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
         distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)
 
@@ -270,8 +308,19 @@ def evaluating_loop(run: distsgd.Run) -> nn.Module:
 @pytest.mark.parametrize("algo", ["single", "allreduce", "local-sgd", "hogwild"])
 def test_stop_at_target_ends_a_user_loop_at_its_first_figure_past_the_target(algo: str) -> None:
     workers = 1 if algo == "single" else 2
-    s = distsgd.spawn(evaluating_loop, model=Net, algo=algo, workers=workers, epochs=20, batch_size=32, lr=0.05,
-                      stop_at_target=True, target_accuracy=0.8, quiet=True, evaluate=evaluate_net).summary
+    s = distsgd.spawn(
+        evaluating_loop,
+        model=Net,
+        algo=algo,
+        workers=workers,
+        epochs=20,
+        batch_size=32,
+        lr=0.05,
+        stop_at_target=True,
+        target_accuracy=0.8,
+        quiet=True,
+        evaluate=evaluate_net,
+    ).summary
     logged = [e for e in s["evals"] if e.get("test_accuracy") is not None][:-1]  # the last: evaluate=
     reached = [e for e in logged if e["test_accuracy"] >= 0.8]
     assert reached and reached[0] is logged[-1], logged  # it stopped at the first figure past the target
@@ -304,8 +353,18 @@ def test_a_replacement_worker_rejoins_a_user_loop(tmp_path, monkeypatch, algo: s
     """--restart-workers: the dead worker's replacement calls main(run) again, rejoins the running
     model and goes on from the samples its rank had trained (its loader skips what was done)."""
     monkeypatch.setenv("MARKER", str(tmp_path / "died"))
-    s = distsgd.spawn(dying_loop, model=Net, algo=algo, workers=2, epochs=3, batch_size=32, lr=0.05,
-                      restart_workers=1, quiet=True, evaluate=evaluate_net).summary
+    s = distsgd.spawn(
+        dying_loop,
+        model=Net,
+        algo=algo,
+        workers=2,
+        epochs=3,
+        batch_size=32,
+        lr=0.05,
+        restart_workers=1,
+        quiet=True,
+        evaluate=evaluate_net,
+    ).summary
     assert (tmp_path / "died").exists()
     assert len(s["restarts"]) == 1 and not s["failed_workers"], s
     assert s["final_test_accuracy"] > 0.85
@@ -319,14 +378,15 @@ def test_a_group_restarts_a_user_loop_from_its_last_checkpoint(tmp_path, monkeyp
     common = dict(algo="allreduce", workers=2, epochs=3, batch_size=32, lr=0.05, quiet=True)
     whole = distsgd.spawn(checkpointed_loop, model=Net, out=str(tmp_path / "whole"), **common)
     monkeypatch.setenv("DIE_AFTER", "1")
-    restarted = distsgd.spawn(checkpointed_loop, model=Net, out=str(tmp_path / "restarted"), restart_workers=1,
-                              **common)
+    restarted = distsgd.spawn(
+        checkpointed_loop, model=Net, out=str(tmp_path / "restarted"), restart_workers=1, **common
+    )
     assert len(restarted.summary["restarts"]) == 1
     for (name, a), b in zip(whole.model.state_dict().items(), restarted.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
 
 
-TORCHRUN_SCRIPT = '''
+TORCHRUN_SCRIPT = """
 import sys
 import torch
 import torch.nn.functional as F
@@ -367,7 +427,7 @@ if __name__ == "__main__":
                       out=sys.argv[2], quiet=True)
     if r.model is not None:
         print("accuracy", r.summary["final_test_accuracy"])
-'''
+"""
 
 
 @pytest.mark.slow
@@ -382,9 +442,23 @@ def test_the_server_and_hogwild_plus_plus_run_a_user_loop_under_torchrun(tmp_pat
     script.write_text(TORCHRUN_SCRIPT)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p)}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(procs), str(script), algo, str(out)], capture_output=True, text=True, env=env,
-                         timeout=240)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(procs),
+            str(script),
+            algo,
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("accuracy") == 1, res.stdout  # rank 0 alone has the run's result
     summary = json.loads((out / "summary.json").read_text())

@@ -34,8 +34,8 @@ def test_worker_batches_are_slices_of_the_global_batch() -> None:
     single = epoch_indices(n, 0, 0, 1, seed=3)
     shards = [epoch_indices(n, 0, r, world, seed=3) for r in range(world)]
     for k in range(n // (batch * world)):
-        global_batch = set(single[k * batch * world:(k + 1) * batch * world].tolist())
-        assert set().union(*(set(s[k * batch:(k + 1) * batch].tolist()) for s in shards)) == global_batch
+        global_batch = set(single[k * batch * world : (k + 1) * batch * world].tolist())
+        assert set().union(*(set(s[k * batch : (k + 1) * batch].tolist()) for s in shards)) == global_batch
 
 
 def test_replicated_every_worker_sees_everything_in_its_own_order() -> None:

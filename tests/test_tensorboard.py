@@ -19,8 +19,9 @@ from distsgd.metrics import BarProgress, LineProgress
 from helpers import run_cli
 
 pytest.importorskip("sklearn")
-needs_tensorboard = pytest.mark.skipif(find_spec("tensorboard") is None,
-                                       reason="tensorboard is not installed (pip install 'distsgd[tensorboard]')")
+needs_tensorboard = pytest.mark.skipif(
+    find_spec("tensorboard") is None, reason="tensorboard is not installed (pip install 'distsgd[tensorboard]')"
+)
 
 
 def read_scalars(logdir: Path) -> dict[str, list[Any]]:
@@ -36,13 +37,37 @@ def read_scalars(logdir: Path) -> dict[str, list[Any]]:
 @needs_tensorboard
 def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05",
-                  "--log-every", "5", "--target-accuracy", "0.3", "--out", str(out), "--tensorboard")
+    res = run_cli(
+        "train",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--log-every",
+        "5",
+        "--target-accuracy",
+        "0.3",
+        "--out",
+        str(out),
+        "--tensorboard",
+    )
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     scalars = read_scalars(out / "tb")  # the flag alone: <out>/tb
-    for tag in ("train/loss", "train/lr", "train/samples_per_s", "test/accuracy", "test/loss",
-                "summary/final_test_accuracy", "summary/samples_per_s", "summary/time_to_target_s"):
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "test/accuracy",
+        "test/loss",
+        "summary/final_test_accuracy",
+        "summary/samples_per_s",
+        "summary/time_to_target_s",
+    ):
         assert scalars.get(tag), f"no {tag} in {sorted(scalars)}"
     assert "server/staleness_mean" not in scalars and "comm/bytes_sent" not in scalars  # single: neither
     # against samples: the evaluations' steps and values are summary.json's
@@ -62,9 +87,26 @@ def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
 @needs_tensorboard
 def test_a_parameter_server_run_logs_staleness_and_bytes(tmp_path: Path) -> None:
     out = tmp_path / "ps"
-    res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", "mlp",
-                  "--epochs", "1", "--log-every", "3", "--out", str(out), "--tensorboard", str(tmp_path / "tb"),
-                  timeout=180)
+    res = run_cli(
+        "train",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--log-every",
+        "3",
+        "--out",
+        str(out),
+        "--tensorboard",
+        str(tmp_path / "tb"),
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert not (out / "tb").exists()
@@ -103,31 +145,51 @@ def test_the_flag_takes_an_optional_directory() -> None:
     assert from_mapping({"tensorboard": True}).tensorboard == "{out}/tb"
 
 
-def test_without_the_package_one_error_line_and_nothing_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture) -> None:
+def test_without_the_package_one_error_line_and_nothing_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     out = tmp_path / "run"
     code = cli.main(["train", "--dataset", "digits", "--model", "mlp", "--out", str(out), "--tensorboard"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.strip().splitlines() == ["error: --tensorboard needs the tensorboard package: "
-                                        "pip install 'distsgd[tensorboard]'"]
+    assert err.strip().splitlines() == [
+        "error: --tensorboard needs the tensorboard package: pip install 'distsgd[tensorboard]'"
+    ]
     assert not out.exists()  # raised before the run directory, the data or any process
 
 
 def test_line_progress_shows_bytes_sent_and_staleness() -> None:
     stream = io.StringIO()
     lines = LineProgress(stream, every_s=0.0)
-    progress = {"event": "progress", "samples": 640, "epoch": 0.5, "rank": 0, "loss": 2.0, "lr": 0.01,
-                "train_wall_s": 1.0, "samples_per_s": 640.0}
+    progress = {
+        "event": "progress",
+        "samples": 640,
+        "epoch": 0.5,
+        "rank": 0,
+        "loss": 2.0,
+        "lr": 0.01,
+        "train_wall_s": 1.0,
+        "samples_per_s": 640.0,
+    }
     lines.emit(progress)
     assert "sent=" not in stream.getvalue() and "staleness" not in stream.getvalue()
-    lines.emit({"event": "server", "samples": 640, "train_wall_s": 1.0, "server_updates": 10,
-                "bytes_sent": 2_500_000, "staleness_mean": 0.75, "staleness_max": 2})
+    lines.emit(
+        {
+            "event": "server",
+            "samples": 640,
+            "train_wall_s": 1.0,
+            "server_updates": 10,
+            "bytes_sent": 2_500_000,
+            "staleness_mean": 0.75,
+            "staleness_max": 2,
+        }
+    )
     lines.emit({**progress, "samples": 1280})
-    assert stream.getvalue().splitlines()[-1] == ("train samples=1280 epoch=0.50 loss=2.0000 samples/s=640 "
-                                                  "sent=2.5MB staleness=0.75")
+    assert stream.getvalue().splitlines()[-1] == (
+        "train samples=1280 epoch=0.50 loss=2.0000 samples/s=640 sent=2.5MB staleness=0.75"
+    )
     lines.emit({**progress, "samples": 1920, "bytes_sent": 4_000})  # a group algorithm's own figure
     assert stream.getvalue().splitlines()[-1].endswith("sent=4.0kB staleness=0.75")
 

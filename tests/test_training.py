@@ -49,8 +49,16 @@ def test_a_short_run_evaluates_often_enough_to_draw_a_curve() -> None:
 def test_the_summary_records_what_was_trained() -> None:
     """epochs: those trained (a third of one here), beside the --epochs given; the global batch:
     every worker's micro-batches of a step."""
-    s = distsgd.train(model="logreg", data="digits", algo="allreduce", workers=2, batch_size=16, accumulate=3,
-                      max_samples=480, **QUIET).summary
+    s = distsgd.train(
+        model="logreg",
+        data="digits",
+        algo="allreduce",
+        workers=2,
+        batch_size=16,
+        accumulate=3,
+        max_samples=480,
+        **QUIET,
+    ).summary
     assert s["samples"] == 480 and s["epochs"] == pytest.approx(480 / 1436, abs=1e-4)
     assert (s["configured_epochs"], s["max_samples"], s["accumulate"]) == (1, 480, 3)
     assert s["global_batch_size"] == 16 * 3 * 2
@@ -59,8 +67,9 @@ def test_the_summary_records_what_was_trained() -> None:
 @pytest.mark.slow
 @needs_fashion
 def test_fashion_mnist_net_learns() -> None:
-    summary, _ = distsgd.train(model="mnist_net", data="fashion-mnist", max_samples=12_800, lr=0.05,
-                               eval_every=6400, **QUIET)
+    summary, _ = distsgd.train(
+        model="mnist_net", data="fashion-mnist", max_samples=12_800, lr=0.05, eval_every=6400, **QUIET
+    )
     assert summary["samples"] == 12_800
     assert [e["samples"] for e in summary["evals"]] == [6400, 12_800]
     assert summary["final_test_accuracy"] >= 0.65
@@ -89,7 +98,7 @@ def test_loop_matches_a_hand_written_sgd_loop() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     order = epoch_indices(len(ds.y_train), 0, seed=5)
     for start in range(0, len(order), 100):
-        idx = order[start:start + 100]
+        idx = order[start : start + 100]
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
         opt.step()
@@ -98,8 +107,16 @@ def test_loop_matches_a_hand_written_sgd_loop() -> None:
 
 
 def test_stop_at_target_stops_early() -> None:
-    summary, _ = distsgd.train(model="mlp", data="digits", epochs=20, lr=0.05, eval_every=256,
-                               target_accuracy=0.6, stop_at_target=True, **QUIET)
+    summary, _ = distsgd.train(
+        model="mlp",
+        data="digits",
+        epochs=20,
+        lr=0.05,
+        eval_every=256,
+        target_accuracy=0.6,
+        stop_at_target=True,
+        **QUIET,
+    )
     assert summary["time_to_target_s"] is not None and summary["samples_to_target"] is not None
     assert summary["samples"] == summary["samples_to_target"] < 20 * 1437
     assert summary["final_test_accuracy"] >= 0.6
@@ -126,16 +143,31 @@ def test_api_accepts_tensors_classes_factories_and_instances() -> None:
     for model in (Net, lambda: nn.Linear(6, 2), nn.Linear(6, 2)):
         summary, trained = distsgd.train(model=model, data=(x, y), epochs=5, lr=0.5, **QUIET)
         assert summary["final_test_accuracy"] >= 0.9, model
-    summary, _ = distsgd.train(model="logreg", data={"x": x[:300], "y": y[:300], "x_test": x[300:], "y_test": y[300:]},
-                               epochs=3, lr=0.5, **QUIET)
+    summary, _ = distsgd.train(
+        model="logreg",
+        data={"x": x[:300], "y": y[:300], "x_test": x[300:], "y_test": y[300:]},
+        epochs=3,
+        lr=0.5,
+        **QUIET,
+    )
     assert summary["dataset"] == "arrays" and summary["final_test_accuracy"] >= 0.9
 
 
 @pytest.mark.slow
 def test_optimizers_and_schedules_train() -> None:
     for opt, lr in (("adam", 0.003), ("adamw", 0.003), ("sgd", 0.05)):
-        summary, _ = distsgd.train(model="mlp", data="digits", epochs=3, lr=lr, optimizer=opt, schedule="cosine",
-                                   nesterov=opt == "sgd", momentum=0.9 if opt == "sgd" else 0.5, init="xavier", **QUIET)
+        summary, _ = distsgd.train(
+            model="mlp",
+            data="digits",
+            epochs=3,
+            lr=lr,
+            optimizer=opt,
+            schedule="cosine",
+            nesterov=opt == "sgd",
+            momentum=0.9 if opt == "sgd" else 0.5,
+            init="xavier",
+            **QUIET,
+        )
         assert summary["final_test_accuracy"] >= 0.85, opt
 
 
@@ -152,19 +184,44 @@ def test_schedules() -> None:
 def test_run_directory_and_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = distsgd.train(model="mlp", data="digits", epochs=2, out=str(out), target_accuracy=0.5, **QUIET)
-    assert sorted(p.name for p in out.iterdir()) == [".distsgd", "config.toml", "metrics.jsonl", "model.pt",
-                                                          "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".distsgd",
+        "config.toml",
+        "metrics.jsonl",
+        "model.pt",
+        "summary.json",
+    ]
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("algo", "workers", "dataset", "model", "epochs", "batch_size", "samples", "wall_s", "train_wall_s",
-                "samples_per_s", "final_test_accuracy", "final_test_loss", "target_accuracy", "time_to_target_s",
-                "samples_to_target", "evals", "threads_per_worker", "torch_version", "started_at", "host"):
+    for key in (
+        "algo",
+        "workers",
+        "dataset",
+        "model",
+        "epochs",
+        "batch_size",
+        "samples",
+        "wall_s",
+        "train_wall_s",
+        "samples_per_s",
+        "final_test_accuracy",
+        "final_test_loss",
+        "target_accuracy",
+        "time_to_target_s",
+        "samples_to_target",
+        "evals",
+        "threads_per_worker",
+        "torch_version",
+        "started_at",
+        "host",
+    ):
         assert key in summary, key
     assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_wall_s"])
     assert summary["train_wall_s"] <= summary["wall_s"]
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in events if e["event"] == "eval"]
-    assert [(e["samples"], e["test_accuracy"]) for e in evals] == \
-        [(e["samples"], e["test_accuracy"]) for e in summary["evals"]]
+    assert [(e["samples"], e["test_accuracy"]) for e in evals] == [
+        (e["samples"], e["test_accuracy"]) for e in summary["evals"]
+    ]
     assert len(evals) == 5  # a run shorter than 5 epochs: 5 evaluations
     assert all(math.isfinite(e["loss"]) for e in events if e["event"] == "progress")
     evaluated = evaluate_checkpoint(out / "model.pt")

@@ -19,7 +19,7 @@ pytest.importorskip("sklearn")
 # A user's own Dataset, in a file of theirs (named on the command line as FILE.py:make): digits as
 # tensors, each training sample augmented at random in __getitem__; with DISTSGD_TEST_LOG set,
 # every training index read is appended to a file named after the reading process.
-USER_DATA = '''
+USER_DATA = """
 import os
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ def make():
     x = (torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0 - 0.3) / 0.38  # about mean 0, std 1
     y = torch.tensor(d.target)
     return Digits(x[:1500], y[:1500], True), Digits(x[1500:], y[1500:], False)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +60,31 @@ def user_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"{path}:make"
 
 
-@pytest.mark.parametrize("algo, extra", [
-    ("single", {}), ("allreduce", {}), ("ddp", {"loader_workers": 1}), ("hogwild", {}), ("asgd", {}),
-    ("sync-ps", {}), ("ssp", {}), ("dcasgd", {}), ("local-sgd", {"sync_every": "4"}), ("easgd", {}),
-    ("easgd", {"easgd_mode": "async"}), ("hogwild++", {"update_delay": 4}),
-])
+@pytest.mark.parametrize(
+    "algo, extra",
+    [
+        ("single", {}),
+        ("allreduce", {}),
+        ("ddp", {"loader_workers": 1}),
+        ("hogwild", {}),
+        ("asgd", {}),
+        ("sync-ps", {}),
+        ("ssp", {}),
+        ("dcasgd", {}),
+        ("local-sgd", {"sync_every": "4"}),
+        ("easgd", {}),
+        ("easgd", {"easgd_mode": "async"}),
+        ("hogwild++", {"update_delay": 4}),
+    ],
+)
 @pytest.mark.slow
-def test_a_user_dataset_with_random_augmentation_trains_under_every_algorithm(user_data: str, algo: str,
-                                                                               extra: dict) -> None:
+def test_a_user_dataset_with_random_augmentation_trains_under_every_algorithm(
+    user_data: str, algo: str, extra: dict
+) -> None:
     workers = 1 if algo == "single" else 2
-    s = distsgd.train(model="mlp", data=user_data, algo=algo, workers=workers, epochs=3, lr=0.1, batch_size=32,
-                      quiet=True, **extra).summary
+    s = distsgd.train(
+        model="mlp", data=user_data, algo=algo, workers=workers, epochs=3, lr=0.1, batch_size=32, quiet=True, **extra
+    ).summary
     assert s["dataset"] == user_data and s["samples"] >= 3 * 1472
     assert s["final_test_accuracy"] > 0.5, s["final_test_accuracy"]  # 297 held-out digits; chance is 0.1
     if algo in ("hogwild", "hogwild++"):
@@ -97,8 +111,22 @@ def test_an_npz_of_float_targets_is_a_regression_trained_with_mse(tmp_path: Path
     x = rng.normal(size=(600, 5)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5, 0.0, 3.0]) + 0.05 * rng.normal(size=600)).astype(np.float32)
     np.savez(tmp_path / "reg.npz", x=x, y=y)
-    res = run_cli("train", "--dataset", f"npz:{tmp_path / 'reg.npz'}", "--model", "logreg", "--epochs", "20",
-                  "--lr", "0.05", "--target-loss", "0.1", "--out", str(tmp_path / "run"), "--quiet")
+    res = run_cli(
+        "train",
+        "--dataset",
+        f"npz:{tmp_path / 'reg.npz'}",
+        "--model",
+        "logreg",
+        "--epochs",
+        "20",
+        "--lr",
+        "0.05",
+        "--target-loss",
+        "0.1",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+    )
     assert res.returncode == 0, res.stderr
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["final_test_accuracy"] is None and s["final_test_loss"] < 0.05  # noise variance is 0.0025
@@ -166,7 +194,7 @@ def test_a_corrupt_image_is_one_error_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot read image {tmp_path / 'train' / 'b' / '2.png'}: ")
 
 
-BAD_ITEM = '''
+BAD_ITEM = """
 import torch
 from distsgd.errors import DataError
 
@@ -185,7 +213,7 @@ class Flaky(torch.utils.data.Dataset):
 
 def make():
     return Flaky(), Flaky()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -193,8 +221,18 @@ def make():
 def test_a_bad_sample_found_while_training_is_one_error_line(tmp_path: Path, args: list[str]) -> None:
     path = tmp_path / "flaky.py"
     path.write_text(BAD_ITEM)
-    res = run_cli("train", "--dataset", f"{path}:make", "--model", "logreg", "--batch-size", "8",
-                  "--out", str(tmp_path / "run"), *args)
+    res = run_cli(
+        "train",
+        "--dataset",
+        f"{path}:make",
+        "--model",
+        "logreg",
+        "--batch-size",
+        "8",
+        "--out",
+        str(tmp_path / "run"),
+        *args,
+    )
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()
     assert len(last) == 1 and "cannot read image /data/seven.png: broken" in last[0] and last[0].startswith("error: ")
@@ -204,14 +242,28 @@ def test_a_bad_sample_found_while_training_is_one_error_line(tmp_path: Path, arg
 def test_the_default_job_trains_with_no_network_and_no_system_dataset(tmp_path: Path) -> None:
     """The README's first command on a fresh machine: Fashion-MNIST comes from the copy distsgd
     ships, its contents checked against the published checksums."""
-    res = run_cli("train", "--max-samples", "6400", "--out", str(tmp_path / "run"), "--quiet",
-                  env={"DISTSGD_OFFLINE": "1", "DISTSGD_SYSTEM_DATASETS": "", "DISTSGD_DATA": "",
-                       "XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=180)
+    res = run_cli(
+        "train",
+        "--max-samples",
+        "6400",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        env={
+            "DISTSGD_OFFLINE": "1",
+            "DISTSGD_SYSTEM_DATASETS": "",
+            "DISTSGD_DATA": "",
+            "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        },
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["dataset"] == "fashion-mnist" and s["samples"] == 6400 and s["final_test_accuracy"] > 0.3
-    listed = run_cli("datasets", env={"DISTSGD_OFFLINE": "1", "DISTSGD_SYSTEM_DATASETS": "",
-                                      "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    listed = run_cli(
+        "datasets",
+        env={"DISTSGD_OFFLINE": "1", "DISTSGD_SYSTEM_DATASETS": "", "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )
     assert "bundled" in next(line for line in listed.stdout.splitlines() if line.startswith("fashion-mnist"))
 
 
@@ -226,11 +278,15 @@ def test_augmentation_crops_and_flips_whole_batches() -> None:
     out = crop_flip(x, fill, torch.Generator().manual_seed(1))
     p = padding(8)
     padded = fill.expand(16, 3, 8 + 2 * p, 8 + 2 * p).clone()
-    padded[:, :, p:p + 8, p:p + 8] = x
+    padded[:, :, p : p + 8, p : p + 8] = x
     flips = 0
     for i in range(16):
-        windows = [(padded[i, :, dy:dy + 8, dx:dx + 8], f) for dy in range(2 * p + 1) for dx in range(2 * p + 1)
-                   for f in (False, True)]
+        windows = [
+            (padded[i, :, dy : dy + 8, dx : dx + 8], f)
+            for dy in range(2 * p + 1)
+            for dx in range(2 * p + 1)
+            for f in (False, True)
+        ]
         match = [f for w, f in windows if torch.equal(out[i], w.flip(-1) if f else w)]
         assert match, f"image {i} is no crop of its padded original"
         flips += match[0]

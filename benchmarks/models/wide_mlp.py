@@ -10,5 +10,6 @@ from torch import nn
 class WideMLP(nn.Sequential):
     def __init__(self, input_shape=(1, 28, 28), num_classes=10):
         width = math.prod(input_shape)
-        super().__init__(nn.Flatten(), nn.Linear(width, 384), nn.ReLU(), nn.Linear(384, 128), nn.ReLU(),
-                         nn.Linear(128, num_classes))
+        super().__init__(
+            nn.Flatten(), nn.Linear(width, 384), nn.ReLU(), nn.Linear(384, 128), nn.ReLU(), nn.Linear(128, num_classes)
+        )

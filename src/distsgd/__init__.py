@@ -15,4 +15,14 @@ from distsgd.api import TrainResult, spawn, train
 from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError
 from distsgd.train.own_loop import Run
 
-__all__ = ["train", "spawn", "Run", "TrainResult", "DistsgdError", "ConfigError", "DataError", "ModelError", "__version__"]
+__all__ = [
+    "train",
+    "spawn",
+    "Run",
+    "TrainResult",
+    "DistsgdError",
+    "ConfigError",
+    "DataError",
+    "ModelError",
+    "__version__",
+]

@@ -76,9 +76,17 @@ class _CopyOf:
         return copy.deepcopy(self.module)
 
 
-def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: str | None = None,
-          workers: int | None = None, *, loss: str | Callable | None = None, optimizer: Callable | None = None,
-          param_groups: Callable | None = None, **settings: Any) -> TrainResult:
+def train(
+    model: ModelSpec | nn.Module | None = None,
+    data: Any = None,
+    algo: str | None = None,
+    workers: int | None = None,
+    *,
+    loss: str | Callable | None = None,
+    optimizer: Callable | None = None,
+    param_groups: Callable | None = None,
+    **settings: Any,
+) -> TrainResult:
     """Train ``model`` on ``data`` with ``algo`` and ``workers``; return the summary and the model.
 
     ``model``: a built-in name (``mnist_net``, ``cifar_net``, ``mlp``, ``logreg``, ``resnet20``), a
@@ -104,8 +112,9 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
         given["loss"] = f"python:{describe(loss)}"
     options = registry.option_names()
     if settings.get("resume"):
-        cfg = config_mod.for_resume(settings["resume"], {**given, **settings}, option_names=options,
-                                    options_of=registry.own_options)
+        cfg = config_mod.for_resume(
+            settings["resume"], {**given, **settings}, option_names=options, options_of=registry.own_options
+        )
     else:
         cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="train()", option_names=options)
     model = model if model is not None else cfg.model
@@ -119,9 +128,12 @@ def train(model: ModelSpec | nn.Module | None = None, data: Any = None, algo: st
     if isinstance(model, nn.Module):
         model = _CopyOf(model)
     cfg = cfg.replace(model=model if isinstance(model, str) else describe(model))
-    return run(cfg, model_spec=model, dataset=dataset,
-               code={"loss": None if isinstance(loss, str) else loss, "optimizer": optimizer,
-                     "param_groups": param_groups})
+    return run(
+        cfg,
+        model_spec=model,
+        dataset=dataset,
+        code={"loss": None if isinstance(loss, str) else loss, "optimizer": optimizer, "param_groups": param_groups},
+    )
 
 
 def _dataset_from(data: Any, context: int) -> TrainingData:
@@ -141,8 +153,10 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
         return from_arrays("arrays", *(data.get(k) for k in keys))
     if isinstance(data, (tuple, list)) and len(data) in (2, 4):
         return from_arrays("arrays", *data)
-    raise DataError("data must be a dataset name, (train, test) torch Datasets, a distsgd Dataset, a Hugging Face "
-                    "datasets.Dataset, (x, y), (x, y, x_test, y_test) or a dict of arrays")
+    raise DataError(
+        "data must be a dataset name, (train, test) torch Datasets, a distsgd Dataset, a Hugging Face "
+        "datasets.Dataset, (x, y), (x, y, x_test, y_test) or a dict of arrays"
+    )
 
 
 def prepare_out_dir(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
@@ -157,8 +171,14 @@ def default_out(algo: str, beside: Path | None = None) -> Path:
     return (Path("runs") if beside is None else Path(os.path.relpath(beside.resolve().parent))) / f"{stamp}-{algo}"
 
 
-def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingData | None = None,
-        progress: Any = None, code: dict[str, Any] | None = None, evaluate: Callable | None = None) -> TrainResult:
+def run(
+    cfg: RunConfig,
+    model_spec: ModelSpec | None = None,
+    dataset: TrainingData | None = None,
+    progress: Any = None,
+    code: dict[str, Any] | None = None,
+    evaluate: Callable | None = None,
+) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
     ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
     torchrun = under_torchrun()
@@ -182,14 +202,20 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
     if cfg.out and chief:
         resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
         try:
-            out = Path(cfg.out) if resuming_in_place else \
-                prepare_out_dir(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
+            out = (
+                Path(cfg.out)
+                if resuming_in_place
+                else prepare_out_dir(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
+            )
             atomic_write_bytes(out / "config.toml", settings_text.encode())  # a resumed run's too
         except OSError as exc:
             raise OutputError.of(exc) from None
     if progress is None:
-        planned = cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition) \
-            if dataset.n_train else cfg.max_samples
+        planned = (
+            cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
+            if dataset.n_train
+            else cfg.max_samples
+        )
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
     tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
@@ -207,8 +233,15 @@ def run(cfg: RunConfig, model_spec: ModelSpec | None = None, dataset: TrainingDa
                 sink.close()
     if out is not None:  # the model first: a run whose summary.json exists has its model.pt
         try:
-            save_model(out / "model.pt", results[0].model, model_spec=cfg.model, dataset=dataset.name,
-                       input_shape=dataset.input_shape, num_classes=dataset.num_classes, config=cfg.to_dict())
+            save_model(
+                out / "model.pt",
+                results[0].model,
+                model_spec=cfg.model,
+                dataset=dataset.name,
+                input_shape=dataset.input_shape,
+                num_classes=dataset.num_classes,
+                config=cfg.to_dict(),
+            )
             atomic_write_json(summary, out / "summary.json")
         except OSError as exc:
             raise OutputError.of(exc) from None
@@ -242,8 +275,13 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
     cfg = cfg.replace(options=opts.to_mapping())
-    if torchrun and cfg.out and not cfg.resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
-            and read_manifest(Path(cfg.out)) is not None:
+    if (
+        torchrun
+        and cfg.out
+        and not cfg.resume
+        and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        and read_manifest(Path(cfg.out)) is not None
+    ):
         log.warning("torchrun restarted the group: resuming from the checkpoint in %s", cfg.out)
         cfg = cfg.replace(resume=cfg.out)
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
@@ -255,20 +293,35 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
         if manifest is None:
             raise ConfigError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
         if manifest["world"] != cfg.workers:
-            raise ConfigError(f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
-                              f"--workers {manifest['world']}")
+            raise ConfigError(
+                f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
+                f"--workers {manifest['world']}"
+            )
         if manifest.get("algo", cfg.algo) != cfg.algo:  # another algorithm's state would be misread, or hang
-            raise ConfigError(f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
-                              f"resume it with --algo {manifest['algo']}")
+            raise ConfigError(
+                f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
+                f"resume it with --algo {manifest['algo']}"
+            )
     if torchrun and os.environ.get("RANK") == "0" and os.environ.get("MASTER_ADDR") not in LOCAL_NAMES:
-        log.warning("the process group listens on %s: torch.distributed has no authentication or encryption; "
-                    "use it only on a trusted network", os.environ.get("MASTER_ADDR"))
+        log.warning(
+            "the process group listens on %s: torch.distributed has no authentication or encryption; "
+            "use it only on a trusted network",
+            os.environ.get("MASTER_ADDR"),
+        )
     return cfg, algo_cls
 
 
-def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | None = None,
-           workers: int | None = None, *, optimizer: Callable | None = None, evaluate: Callable | None = None,
-           train_size: int | None = None, **settings: Any) -> TrainResult:
+def spawn(
+    main: Callable[..., Any],
+    model: ModelSpec | nn.Module,
+    algo: str | None = None,
+    workers: int | None = None,
+    *,
+    optimizer: Callable | None = None,
+    evaluate: Callable | None = None,
+    train_size: int | None = None,
+    **settings: Any,
+) -> TrainResult:
     """Run ``main(run)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
     under torchrun, in this one); return the summary and the model ``main`` returned.
 
@@ -292,8 +345,9 @@ def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | No
     if not callable(main):
         raise ConfigError(f"distsgd.spawn needs main, a function main(run); got {type(main).__name__}")
     given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
-    cfg = config_mod.from_mapping({**given, **settings}, RunConfig(), source="spawn()",
-                                  option_names=registry.option_names())
+    cfg = config_mod.from_mapping(
+        {**given, **settings}, RunConfig(), source="spawn()", option_names=registry.option_names()
+    )
     if isinstance(optimizer, str):
         cfg, optimizer = cfg.replace(optimizer=optimizer), None
     if isinstance(model, nn.Module):
@@ -303,8 +357,9 @@ def spawn(main: Callable[..., Any], model: ModelSpec | nn.Module, algo: str | No
     return run(cfg, model_spec=model, dataset=data, code={"main": main, "optimizer": optimizer}, evaluate=evaluate)
 
 
-def _own_final_figures(job: Job, algo_cls: type, results: list[WorkerResult], sink: Any,
-                       evaluate: Callable | None) -> None:
+def _own_final_figures(
+    job: Job, algo_cls: type, results: list[WorkerResult], sink: Any, evaluate: Callable | None
+) -> None:
     """The final figures of a run whose loop is the user's: ``evaluate(model)`` of the model the
     run returns, here, when given (an eval event at the run's end). Without it, what the user's
     first worker logged last, where that was of the returned model (a process group's); under
@@ -313,12 +368,19 @@ def _own_final_figures(job: Job, algo_cls: type, results: list[WorkerResult], si
     if evaluate is not None and chief.model is not None:
         got = evaluate(chief.model)
         if not isinstance(got, dict) or not {"test_accuracy", "test_loss"} & set(got):
-            raise ConfigError("evaluate(model) must return a dict with test_accuracy and/or test_loss, got "
-                              f"{type(got).__name__}")
+            raise ConfigError(
+                f"evaluate(model) must return a dict with test_accuracy and/or test_loss, got {type(got).__name__}"
+            )
         values = {k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in got.items()}
         per_epoch = samples_per_epoch(job.data.n_train, job.cfg.workers, job.cfg.partition) if job.data.n_train else 0
-        event = eval_event(job.data, chief.global_samples, round(chief.global_samples / per_epoch, 4) if per_epoch
-                           else 0.0, chief.train_wall_s, values.get("test_accuracy"), values.get("test_loss"))
+        event = eval_event(
+            job.data,
+            chief.global_samples,
+            round(chief.global_samples / per_epoch, 4) if per_epoch else 0.0,
+            chief.train_wall_s,
+            values.get("test_accuracy"),
+            values.get("test_loss"),
+        )
         event.update({k: v for k, v in values.items() if k not in event})
         chief.evals.append(event)
         sink.emit(event)
@@ -332,11 +394,15 @@ def _check_own(job: Job, algo_cls: type) -> None:
     and code that can travel to worker processes."""
     cfg = job.cfg
     if cfg.checkpoint_every:
-        raise ConfigError("checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
-                          "your loop can save (every worker at the same point)")
+        raise ConfigError(
+            "checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
+            "your loop can save (every worker at the same point)"
+        )
     if cfg.stop_at_target and algo_cls.topology.kind == "server":
-        raise ConfigError(f"stop_at_target with your own loop works under every algorithm but the parameter "
-                          f"server's ({cfg.algo}) yet: stop your loop yourself when your figures reach it")
+        raise ConfigError(
+            f"stop_at_target with your own loop works under every algorithm but the parameter "
+            f"server's ({cfg.algo}) yet: stop your loop yourself when your figures reach it"
+        )
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if algo_cls.topology.kind != "one":
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
@@ -352,9 +418,11 @@ def _check_travels(pieces: Any) -> None:
         try:
             pickle.dumps(obj)
         except Exception as exc:
-            raise ConfigError(f"the {what} ({describe(obj)}) cannot be sent to worker processes "
-                              f"({type(exc).__name__}): define it at module level, not inside a function "
-                              f"or as a lambda") from None
+            raise ConfigError(
+                f"the {what} ({describe(obj)}) cannot be sent to worker processes "
+                f"({type(exc).__name__}): define it at module level, not inside a function "
+                f"or as a lambda"
+            ) from None
 
 
 def _check_job(job: Job, algo_cls: type) -> None:
@@ -366,14 +434,22 @@ def _check_job(job: Job, algo_cls: type) -> None:
     loss_function(cfg.loss, job.loss, data.task)
     if algo_cls.topology.kind != "one":
         datasets = [type(data.train), type(data.test)] if isinstance(data, TorchData) else []
-        _check_travels((("model", spec), ("loss", job.loss), ("optimizer", job.optimizer),
-                        ("param_groups", job.param_groups), *(("dataset", d) for d in datasets)))
+        _check_travels(
+            (
+                ("model", spec),
+                ("loss", job.loss),
+                ("optimizer", job.optimizer),
+                ("param_groups", job.param_groups),
+                *(("dataset", d) for d in datasets),
+            )
+        )
     if data.n_train < cfg.workers:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
 
 
-def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult],
-                  started: float, started_at: str) -> dict[str, Any]:
+def build_summary(
+    cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult], started: float, started_at: str
+) -> dict[str, Any]:
     """summary.json: the keys later tools and the benchmarks read (see the README)."""
     chief = results[0]
     samples = chief.global_samples
@@ -385,7 +461,8 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "model": describe(spec) if not isinstance(spec, str) else spec,
         # what was trained (a run stopped by --max-samples or --stop-at-target trains part of its epochs)
         "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4)
-        if dataset.n_train else None,  # a user's loop: its epochs are its own
+        if dataset.n_train
+        else None,  # a user's loop: its epochs are its own
         "configured_epochs": cfg.epochs,
         "max_samples": cfg.max_samples,
         "batch_size": cfg.batch_size,
@@ -400,8 +477,10 @@ def build_summary(cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, result
         "target_loss": cfg.target_loss,
         "time_to_target_s": hit["train_wall_s"] if hit else None,
         "samples_to_target": hit["samples"] if hit else None,
-        "evals": [{k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss", "test_perplexity")
-                   if k in e} for e in chief.evals],  # a language model's evaluations carry their perplexity
+        "evals": [
+            {k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss", "test_perplexity") if k in e}
+            for e in chief.evals
+        ],  # a language model's evaluations carry their perplexity
         "threads_per_worker": threads_per_worker(cfg),
         **_where(results, cfg),
         "compile": cfg.compile,
@@ -431,9 +510,15 @@ def _lm_summary(dataset: TrainingData, summary: dict[str, Any]) -> dict[str, Any
     tokens = dataset.input_shape[0]
     loss = summary["final_test_loss"]
     figures = lm_figures(loss) if loss is not None else {"test_perplexity": None, "test_bits_per_token": None}
-    out = {"task": "lm", "context": tokens, "vocab": dataset.num_classes, "tokens": summary["samples"] * tokens,
-           "tokens_per_s": summary["samples_per_s"] * tokens,
-           "final_test_perplexity": figures["test_perplexity"], "final_test_bits_per_token": figures["test_bits_per_token"]}
+    out = {
+        "task": "lm",
+        "context": tokens,
+        "vocab": dataset.num_classes,
+        "tokens": summary["samples"] * tokens,
+        "tokens_per_s": summary["samples_per_s"] * tokens,
+        "final_test_perplexity": figures["test_perplexity"],
+        "final_test_bits_per_token": figures["test_bits_per_token"],
+    }
     if isinstance(dataset, Dataset):
         out["unigram_entropy"] = text.unigram_entropy(dataset.y_train, dataset.num_classes)
     return out
@@ -443,14 +528,21 @@ def _where(results: list[WorkerResult], cfg: RunConfig) -> dict[str, Any]:
     """Where the run computed (a GPU worker's device when there is one: a parameter server's chief
     is on the CPU), its precision and its backend."""
     wheres = [r.where for r in results if r.where]
-    found = next((w for w in wheres if w["device"] != "cpu"), wheres[0] if wheres else
-                 {"device": "cpu", "precision": cfg.precision})
+    found = next(
+        (w for w in wheres if w["device"] != "cpu"),
+        wheres[0] if wheres else {"device": "cpu", "precision": cfg.precision},
+    )
     # a process group's backend; None where there is none (one worker, a local server or one machine's Hogwild!)
     return {**found, "backend": cfg.backend if cfg.workers > 1 and cfg.backend != "auto" else None}
 
 
-def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: str | None = None,
-                        batch_size: int = 1000, model: str | None = None) -> dict[str, Any]:
+def evaluate_checkpoint(
+    path: str | Path,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+    batch_size: int = 1000,
+    model: str | None = None,
+) -> dict[str, Any]:
     """Load a saved model (weights only) and measure it on its dataset's test set (``dataset``:
     another). A model or dataset that is a file (``path/file.py:Name``) is imported only when the
     caller names it (``model``, ``dataset``): a checkpoint cannot make eval run code."""
@@ -461,15 +553,21 @@ def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: 
     file = path / "model.pt" if path.is_dir() else path
     ckpt = load_checkpoint(file)
     saved = _recorded_settings(ckpt["config"], file)
-    for what, flag, recorded, given in (("model", "--model", ckpt["model"], model),
-                                        ("dataset", "--dataset", ckpt["dataset"], dataset)):
+    for what, flag, recorded, given in (
+        ("model", "--model", ckpt["model"], model),
+        ("dataset", "--dataset", ckpt["dataset"], dataset),
+    ):
         if given is None and user.names_file(recorded):
-            raise ConfigError(f"{file} was trained with the {what} in {recorded}, and eval runs no file you did not "
-                              f"name: if you trust that file, give {flag} {recorded}")
+            raise ConfigError(
+                f"{file} was trained with the {what} in {recorded}, and eval runs no file you did not "
+                f"name: if you trust that file, give {flag} {recorded}"
+            )
     ds = load_dataset(dataset or ckpt["dataset"], data_dir, context=saved.context)
     if list(ds.input_shape) != list(ckpt["input_shape"]) or ds.num_classes != ckpt["num_classes"]:
-        raise DataError(f"the checkpoint was trained on input {ckpt['input_shape']} with {ckpt['num_classes']} "
-                        f"classes; {ds.name} has {list(ds.input_shape)} and {ds.num_classes}")
+        raise DataError(
+            f"the checkpoint was trained on input {ckpt['input_shape']} with {ckpt['num_classes']} "
+            f"classes; {ds.name} has {list(ds.input_shape)} and {ds.num_classes}"
+        )
     spec = model or ckpt["model"]
     net = build_model(spec, ds.input_shape, ds.num_classes, saved.init)
     try:
@@ -478,15 +576,25 @@ def evaluate_checkpoint(path: str | Path, dataset: str | None = None, data_dir: 
         raise ModelError(f"the checkpoint does not match model {spec}: {str(exc).splitlines()[0]}") from None
     loss_fn = loss_function(saved.loss, None, ds.task)
     acc, loss = evaluate(net, ds, batch_size, loss_fn)
-    return {"checkpoint": str(path), "model": spec, "dataset": ds.name, "test_samples": ds.n_test,
-            "test_accuracy": acc, "test_loss": loss, **(lm_figures(loss) if ds.task == "lm" else {})}
+    return {
+        "checkpoint": str(path),
+        "model": spec,
+        "dataset": ds.name,
+        "test_samples": ds.n_test,
+        "test_accuracy": acc,
+        "test_loss": loss,
+        **(lm_figures(loss) if ds.task == "lm" else {}),
+    }
 
 
 def _recorded_settings(recorded: dict[str, Any], file: Path) -> RunConfig:
     """The settings a checkpoint records that eval reads (context, loss, init), checked as a run's."""
     try:
-        return validate(config_mod.from_mapping({k: recorded[k] for k in ("context", "loss", "init") if k in recorded},
-                                                source=str(file)))
+        return validate(
+            config_mod.from_mapping(
+                {k: recorded[k] for k in ("context", "loss", "init") if k in recorded}, source=str(file)
+            )
+        )
     except ConfigError as exc:
         raise CheckpointError(f"{file} is damaged: the settings it records are not a run's ({exc})") from None
 

@@ -68,18 +68,29 @@ def atomic_write_json(obj: Any, path: Path) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def save_model(path: Path, model: torch.nn.Module, *, model_spec: str, dataset: str,
-               input_shape: tuple[int, ...], num_classes: int, config: dict[str, Any]) -> None:
+def save_model(
+    path: Path,
+    model: torch.nn.Module,
+    *,
+    model_spec: str,
+    dataset: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    config: dict[str, Any],
+) -> None:
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}  # loads without a GPU
-    atomic_save({
-        "format": MODEL_FORMAT,
-        "state_dict": state,
-        "model": model_spec,
-        "dataset": dataset,
-        "input_shape": list(input_shape),
-        "num_classes": int(num_classes),
-        "config": {k: v for k, v in config.items() if v is not None},
-    }, path)
+    atomic_save(
+        {
+            "format": MODEL_FORMAT,
+            "state_dict": state,
+            "model": model_spec,
+            "dataset": dataset,
+            "input_shape": list(input_shape),
+            "num_classes": int(num_classes),
+            "config": {k: v for k, v in config.items() if v is not None},
+        },
+        path,
+    )
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -93,12 +104,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {exc.strerror or exc}") from None
     except Exception:  # torch raises many types for a bad file, and may advise weights_only=False: never here
-        raise CheckpointError(f"cannot load checkpoint {path}: it is not a model.pt distsgd wrote (torch cannot "
-                              f"read it as tensors and plain data: damaged, or another kind of file)") from None
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: it is not a model.pt distsgd wrote (torch cannot "
+            f"read it as tensors and plain data: damaged, or another kind of file)"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path} is not a distsgd model checkpoint")
-    kinds = {"state_dict": dict, "model": str, "dataset": str, "input_shape": (list, tuple), "num_classes": int,
-             "config": dict}
+    kinds = {
+        "state_dict": dict,
+        "model": str,
+        "dataset": str,
+        "input_shape": (list, tuple),
+        "num_classes": int,
+        "config": dict,
+    }
     wrong = [k for k, kind in kinds.items() if not isinstance(data.get(k), kind)]
     state = data.get("state_dict")
     if not wrong and not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
@@ -106,8 +125,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not wrong and not all(isinstance(d, int) and d > 0 for d in data["input_shape"]):
         wrong.append("input_shape")
     if wrong:
-        raise CheckpointError(f"{path} is damaged: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
-                              f"not what distsgd writes")
+        raise CheckpointError(
+            f"{path} is damaged: its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what distsgd writes"
+        )
     return data
 
 
@@ -135,8 +155,14 @@ def save_worker_state(ckpt_dir: Path, seq: int, rank: int | str, state: dict[str
     atomic_save(state, worker_file(ckpt_dir, seq, rank))
 
 
-def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any],
-                      ranks: list[int] | None = None, coordinator: bool = False) -> None:
+def commit_checkpoint(
+    ckpt_dir: Path,
+    seq: int,
+    world: int,
+    meta: dict[str, Any],
+    ranks: list[int] | None = None,
+    coordinator: bool = False,
+) -> None:
     """Point the manifest at checkpoint ``seq`` once the files of ``ranks`` (default: all of
     ``world``), and the coordinator's if ``coordinator``, are written; then drop older ones.
 
@@ -163,7 +189,7 @@ def commit_checkpoint(ckpt_dir: Path, seq: int, world: int, meta: dict[str, Any]
             keep = min(seq, int(before["seq"]))
     atomic_write_json({"seq": seq, "world": world, "ranks": ranks, "coordinator": coordinator, **meta}, current)
     for old in ckpt_dir.glob("ckpt-*-rank*.pt"):  # older than the two kept (not newer: an asynchronous
-        if int(old.name.split("-")[1]) < keep:     # worker may already have written its part of the next)
+        if int(old.name.split("-")[1]) < keep:  # worker may already have written its part of the next)
             old.unlink(missing_ok=True)
     remove_stale_temporaries(ckpt_dir, up_to=seq)
 
@@ -197,8 +223,14 @@ def usable_checkpoint(run_dir: Path) -> dict[str, Any]:
         older = None
     if older is None or manifest_problem(older) or _damage(ckpt_dir, older) is not None:
         raise CheckpointError(f"the checkpoint in {run_dir} is damaged ({damage}) and there is no whole one before it")
-    log.warning("checkpoint %s in %s is damaged (%s); resuming from the one before it (%s, at %s samples)",
-                manifest["seq"], run_dir, damage, older["seq"], older.get("samples", "?"))
+    log.warning(
+        "checkpoint %s in %s is damaged (%s); resuming from the one before it (%s, at %s samples)",
+        manifest["seq"],
+        run_dir,
+        damage,
+        older["seq"],
+        older.get("samples", "?"),
+    )
     atomic_write_json(manifest, ckpt_dir / f"manifest.damaged-{manifest['seq']}.json")  # kept, for the record
     atomic_write_json(older, ckpt_dir / MANIFEST)  # one rename: at every moment the manifest names a checkpoint
     return older
@@ -238,6 +270,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
 
 def manifest_problem(manifest: Any) -> str | None:
     """What makes ``manifest`` unusable (None: its fields have the types and ranges a resume reads)."""
+
     def whole(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
@@ -331,8 +364,7 @@ class Checkpointer:
         assert self.dir is not None, "checkpoints need a run directory"
         save_worker_state(self.dir, seq, self.rank, gather(pieces))
 
-    def commit(self, seq: int, meta: dict[str, Any], ranks: list[int] | None = None,
-               coordinator: bool = False) -> None:
+    def commit(self, seq: int, meta: dict[str, Any], ranks: list[int] | None = None, coordinator: bool = False) -> None:
         """Once every worker has saved: the manifest now names checkpoint ``seq``."""
         assert self.dir is not None
         commit_checkpoint(self.dir, seq, self.world, meta, ranks, coordinator)

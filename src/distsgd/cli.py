@@ -40,7 +40,8 @@ class _Parser(argparse.ArgumentParser):
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:
             self.commands.get(getattr(parsed, "command", None), self).error(
-                f"unrecognized arguments: {' '.join(extra)}")
+                f"unrecognized arguments: {' '.join(extra)}"
+            )
         return parsed
 
 
@@ -102,10 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(train)
     ev = sub.add_parser("eval", help="measure a saved model on its test set")
     ev.add_argument("--checkpoint", required=True, help="model.pt, or a run directory")
-    ev.add_argument("--dataset", help="dataset to evaluate on (default: the one it was trained on; a FILE.py:FUNC "
-                                      "it names runs only when named here)")
-    ev.add_argument("--model", help="the model's path/file.py:ClassName, when the checkpoint names one: eval runs "
-                                    "no file that is not named on its command line")
+    ev.add_argument(
+        "--dataset",
+        help="dataset to evaluate on (default: the one it was trained on; a FILE.py:FUNC "
+        "it names runs only when named here)",
+    )
+    ev.add_argument(
+        "--model",
+        help="the model's path/file.py:ClassName, when the checkpoint names one: eval runs "
+        "no file that is not named on its command line",
+    )
     ev.add_argument("--data-dir")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ds = sub.add_parser("datasets", help="list the built-in datasets and where their files are")
@@ -113,19 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
     algos = sub.add_parser("algorithms", help="list the algorithms and their options")
     algos.add_argument("--markdown", action="store_true", help="as the README's table")
     bench = sub.add_parser("bench", help="run algorithms side by side and report them")
-    bench.add_argument("--algos", required=True,
-                       help="comma-separated algorithms, each optionally with settings of its own: "
-                            "NAME[option=value;option=value]")
+    bench.add_argument(
+        "--algos",
+        required=True,
+        help="comma-separated algorithms, each optionally with settings of its own: NAME[option=value;option=value]",
+    )
     bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
-    bench.add_argument("--network", metavar="RATE[,delay=MS]",
-                       help="run each configuration as 2 hosts (network namespaces, needs root) on a link shaped "
-                            "with tc, e.g. 10mbit,delay=20ms")
+    bench.add_argument(
+        "--network",
+        metavar="RATE[,delay=MS]",
+        help="run each configuration as 2 hosts (network namespaces, needs root) on a link shaped "
+        "with tc, e.g. 10mbit,delay=20ms",
+    )
     _add_run_flags(bench, skip=("algo", "workers"))
     cmp = sub.add_parser("compare", help="the bench's table and plots for runs that already exist")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with its summary.json)")
-    cmp.add_argument("--out", help="where compare.md, compare.json and the plots go (created if need be; other "
-                                   "files there are left alone); default compare-<timestamp>")
+    cmp.add_argument(
+        "--out",
+        help="where compare.md, compare.json and the plots go (created if need be; other "
+        "files there are left alone); default compare-<timestamp>",
+    )
     cmp.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return parser
 
@@ -134,8 +149,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     from distsgd.algorithms import registry
 
     names = registry.option_names()
-    given = {k: v for k, v in vars(args).items()
-             if v is not None and (k in names or k in {f.name for f in dataclasses.fields(RunConfig)})}
+    given = {
+        k: v
+        for k, v in vars(args).items()
+        if v is not None and (k in names or k in {f.name for f in dataclasses.fields(RunConfig)})
+    }
     given.pop("options", None)
     if args.command == "bench":
         given.pop("workers", None)
@@ -159,22 +177,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     s = result.summary
     if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports
         target = ""
-        goal = (f"{s['target_accuracy']:.2%}" if s["target_accuracy"] is not None else
-                f"test loss {s['target_loss']:.4g}" if s.get("target_loss") is not None else None)
+        goal = (
+            f"{s['target_accuracy']:.2%}"
+            if s["target_accuracy"] is not None
+            else f"test loss {s['target_loss']:.4g}"
+            if s.get("target_loss") is not None
+            else None
+        )
         if goal is not None:
             reached = s["time_to_target_s"]
-            target = (f"; reached {goal} after {reached:.1f} s, {s['samples_to_target']} samples"
-                      if reached is not None else f"; did not reach {goal}")
+            target = (
+                f"; reached {goal} after {reached:.1f} s, {s['samples_to_target']} samples"
+                if reached is not None
+                else f"; did not reach {goal}"
+            )
         acc = s["final_test_accuracy"]
         if s.get("task") == "lm":  # per token: loss, perplexity, bits, next-token accuracy; the unigram baseline
-            print(f"{s['algo']} x{s['workers']}: test loss {s['final_test_loss']:.4f} nats/token (perplexity "
-                  f"{s['final_test_perplexity']:.3f}, {s['final_test_bits_per_token']:.3f} bits/token; the corpus's "
-                  f"unigram entropy {s.get('unigram_entropy', float('nan')):.4f} nats/token), next-token accuracy {acc:.4f}, "
-                  f"{s['tokens']} tokens in {s['train_wall_s']:.1f} s ({s['tokens_per_s']:.0f} tokens/s){target}")
+            print(
+                f"{s['algo']} x{s['workers']}: test loss {s['final_test_loss']:.4f} nats/token (perplexity "
+                f"{s['final_test_perplexity']:.3f}, {s['final_test_bits_per_token']:.3f} bits/token; the corpus's "
+                f"unigram entropy {s.get('unigram_entropy', float('nan')):.4f} nats/token), next-token accuracy {acc:.4f}, "
+                f"{s['tokens']} tokens in {s['train_wall_s']:.1f} s ({s['tokens_per_s']:.0f} tokens/s){target}"
+            )
         else:
-            print(f"{s['algo']} x{s['workers']}: " + (f"test accuracy {acc:.4f}, " if acc is not None else "")
-                  + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
-                  f"({s['samples_per_s']:.0f} samples/s){target}")
+            print(
+                f"{s['algo']} x{s['workers']}: "
+                + (f"test accuracy {acc:.4f}, " if acc is not None else "")
+                + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
+                f"({s['samples_per_s']:.0f} samples/s){target}"
+            )
         print(f"run saved in {result.out}")
     return 0
 
@@ -207,8 +238,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         acc = f"accuracy {res['test_accuracy']:.4f}, " if res["test_accuracy"] is not None else ""
         ppl = f" (perplexity {res['test_perplexity']:.3f})" if "test_perplexity" in res else ""
-        print(f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): {acc}loss "
-              f"{res['test_loss']:.4f}{ppl}")
+        print(
+            f"{res['model']} on {res['dataset']} ({res['test_samples']} test samples): {acc}loss "
+            f"{res['test_loss']:.4f}{ppl}"
+        )
     return 0
 
 
@@ -272,14 +305,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return
         s = entry["summary"]
         reached = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}s"
-        print(f"[{done}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}: "
-              f"{s['samples_per_s']:.0f} samples/s, " + (f"test loss {s['final_test_loss']:.4f}" if s.get("task") == "lm"
-                                                         else f"acc {s['final_test_accuracy']:.4f}") +
-              f", to target {reached}",
-              flush=True)
+        print(
+            f"[{done}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}: "
+            f"{s['samples_per_s']:.0f} samples/s, "
+            + (
+                f"test loss {s['final_test_loss']:.4f}"
+                if s.get("task") == "lm"
+                else f"acc {s['final_test_accuracy']:.4f}"
+            )
+            + f", to target {reached}",
+            flush=True,
+        )
 
-    bench = run_bench(base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress,
-                      network=args.network)
+    bench = run_bench(
+        base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress, network=args.network
+    )
     if not base.quiet:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))
     return 0
@@ -312,12 +352,20 @@ def _resume_hint(args: argparse.Namespace) -> str:
         return ""
     if manifest is None:
         return ""
-    return (f"; its last whole checkpoint ({manifest.get('samples', '?')} samples) goes on with "
-            f"distsgd train --resume {out}")
+    return (
+        f"; its last whole checkpoint ({manifest.get('samples', '?')} samples) goes on with "
+        f"distsgd train --resume {out}"
+    )
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "datasets": cmd_datasets, "algorithms": cmd_algorithms,
-            "bench": cmd_bench, "compare": cmd_compare}
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "datasets": cmd_datasets,
+    "algorithms": cmd_algorithms,
+    "bench": cmd_bench,
+    "compare": cmd_compare,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 setting = option  # a RunConfig field with its help text beside it (see distsgd.options)
 EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a GPT's evaluation is costly
-SEEDS = 2 ** 63  # seeds are 0 .. SEEDS - 1: an int64, as torch's generators and JSON readers hold one
+SEEDS = 2**63  # seeds are 0 .. SEEDS - 1: an int64, as torch's generators and JSON readers hold one
 TIMEOUT_MAX_S = 7 * 24 * 3600  # a longer wait is a hang (and far longer ones overflow torch's and sockets' clocks)
 STRAGGLER_MAX = 1000  # --straggler's slow-down factor: beyond it a worker's sleep is a hang
 FLOAT32_MAX = 3.4028234663852886e38  # a learning rate or decay above it overflows the float32 step
@@ -65,91 +65,145 @@ class RunConfig:
     carries its help text. Strings with a structure (``checkpoint_every``, ``straggler``) stay as
     the user wrote them, for the TOML file, and are parsed once into the typed properties below."""
 
-    algo: str | None = setting(None, "training algorithm (see `distsgd algorithms`); default: the baseline, one "
-                                     "process")
+    algo: str | None = setting(
+        None, "training algorithm (see `distsgd algorithms`); default: the baseline, one process"
+    )
     workers: int = setting(1, "number of worker processes; default 1")
-    dataset: str | None = setting(None, "a built-in dataset, npz:PATH, folder:PATH, text:PATH, hf:PATH or FILE.py:FUNC "
-                                        "(see `distsgd datasets`); default fashion-mnist, or python-stdlib (Python's "
-                                        "own sources as text) for --model gpt")
+    dataset: str | None = setting(
+        None,
+        "a built-in dataset, npz:PATH, folder:PATH, text:PATH, hf:PATH or FILE.py:FUNC "
+        "(see `distsgd datasets`); default fashion-mnist, or python-stdlib (Python's "
+        "own sources as text) for --model gpt",
+    )
     data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
-    model: str = setting("mnist_net", "mnist_net, cifar_net, mlp, logreg, resnet20, gpt (a transformer language model; "
-                                      "sized as gpt[layers=4,heads=4,width=128,dropout=0]), or path/file.py:ClassName "
-                                      "(runs that file); default mnist_net")
-    context: int = setting(128, "tokens per training sequence of a token dataset (text:, hf:, python-stdlib); "
-                                "default 128")
+    model: str = setting(
+        "mnist_net",
+        "mnist_net, cifar_net, mlp, logreg, resnet20, gpt (a transformer language model; "
+        "sized as gpt[layers=4,heads=4,width=128,dropout=0]), or path/file.py:ClassName "
+        "(runs that file); default mnist_net",
+    )
+    context: int = setting(
+        128, "tokens per training sequence of a token dataset (text:, hf:, python-stdlib); default 128"
+    )
     epochs: int = setting(1, "passes over the training data; default 1")
-    max_samples: int | None = setting(None, "stop after this many training samples (all workers together); "
-                                            "overrides --epochs")
+    max_samples: int | None = setting(
+        None, "stop after this many training samples (all workers together); overrides --epochs"
+    )
     batch_size: int = setting(64, "samples per micro-batch per worker; default 64")
-    accumulate: int = setting(1, "micro-batches per step (gradient accumulation): a step on K x --batch-size "
-                                 "samples; default 1")
-    loss: str = setting("auto", "cross-entropy, nll or mse; default auto: cross-entropy for class labels, mse for "
-                                "float targets")
-    augment: bool = setting(False, "random crop (with padding) and horizontal flip of training images "
-                                   "(built-in and folder: image datasets)")
-    loader_workers: int = setting(0, "DataLoader processes per worker reading a torch Dataset or folder: images; "
-                                     "default 0 (read on the training thread)")
-    lr: float | None = setting(None, "learning rate; default 0.01, or the algorithm's own where its paper's differs "
-                                     "(see `distsgd algorithms`)")
+    accumulate: int = setting(
+        1, "micro-batches per step (gradient accumulation): a step on K x --batch-size samples; default 1"
+    )
+    loss: str = setting(
+        "auto", "cross-entropy, nll or mse; default auto: cross-entropy for class labels, mse for float targets"
+    )
+    augment: bool = setting(
+        False, "random crop (with padding) and horizontal flip of training images (built-in and folder: image datasets)"
+    )
+    loader_workers: int = setting(
+        0,
+        "DataLoader processes per worker reading a torch Dataset or folder: images; "
+        "default 0 (read on the training thread)",
+    )
+    lr: float | None = setting(
+        None, "learning rate; default 0.01, or the algorithm's own where its paper's differs (see `distsgd algorithms`)"
+    )
     momentum: float = setting(0.5, "SGD momentum; default 0.5")
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
-    optimizer: str | None = setting(None, "sgd, adam or adamw; default sgd, or the model's or algorithm's own "
-                                          "(gpt: adamw)")
-    weight_decay: float | None = setting(None, "weight decay (L2 for sgd and adam, decoupled for adamw); default 0, "
-                                               "or the algorithm's own where its paper's differs")
-    weight_decay_on: str | None = setting(None, "all (every parameter, as torch's optimisers) or weights (not biases "
-                                                "nor LayerNorm/BatchNorm scales: 1-D parameters); default all "
-                                                "(gpt: weights)")
+    optimizer: str | None = setting(
+        None, "sgd, adam or adamw; default sgd, or the model's or algorithm's own (gpt: adamw)"
+    )
+    weight_decay: float | None = setting(
+        None,
+        "weight decay (L2 for sgd and adam, decoupled for adamw); default 0, "
+        "or the algorithm's own where its paper's differs",
+    )
+    weight_decay_on: str | None = setting(
+        None,
+        "all (every parameter, as torch's optimisers) or weights (not biases "
+        "nor LayerNorm/BatchNorm scales: 1-D parameters); default all "
+        "(gpt: weights)",
+    )
     schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
     lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
     lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
-    lr_warmup_steps: int | None = setting(None, "steps of linear learning-rate warm-up from 0, before the schedule; "
-                                                "default 0 (gpt: 20)")
-    clip_grad_norm: float | None = setting(None, "clip each step's gradient to this global L2 norm (after the "
-                                                 "algorithm's gradient sync); default none (gpt: 1.0)")
+    lr_warmup_steps: int | None = setting(
+        None, "steps of linear learning-rate warm-up from 0, before the schedule; default 0 (gpt: 20)"
+    )
+    clip_grad_norm: float | None = setting(
+        None,
+        "clip each step's gradient to this global L2 norm (after the "
+        "algorithm's gradient sync); default none (gpt: 1.0)",
+    )
     init: str = setting("default", "default (PyTorch's) or xavier initialisation")
     seed: int = setting(0, "seed for weights and data order, 0 to 2**63 - 1; default 0")
-    partition: str = setting("sharded", "sharded (disjoint shards) or replicated (every worker sees all data); "
-                                        "default sharded")
-    eval_every: int | None = setting(None, "evaluate on the test set every this many samples (all workers); "
-                                           f"default: each epoch, or, for a run shorter than {EVALS} epochs, "
-                                           f"{EVALS} times evenly (every planned samples / {EVALS})")
+    partition: str = setting(
+        "sharded", "sharded (disjoint shards) or replicated (every worker sees all data); default sharded"
+    )
+    eval_every: int | None = setting(
+        None,
+        "evaluate on the test set every this many samples (all workers); "
+        f"default: each epoch, or, for a run shorter than {EVALS} epochs, "
+        f"{EVALS} times evenly (every planned samples / {EVALS})",
+    )
     eval_batch_size: int = setting(1000, "batch size for evaluation; default 1000")
     target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
     target_loss: float | None = setting(None, "test loss whose time and samples to reach are recorded (regression)")
     stop_at_target: bool = setting(False, "stop once --target-accuracy (or --target-loss) is reached")
-    threads_per_worker: int | None = setting(None, "torch threads per worker, at most the cores; default max(1, "
-                                                   "cores // workers)")
+    threads_per_worker: int | None = setting(
+        None, "torch threads per worker, at most the cores; default max(1, cores // workers)"
+    )
     log_every: int = setting(50, "steps between progress events in metrics.jsonl; default 50")
     out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
     overwrite: bool = setting(False, "replace an existing run directory")
     quiet: bool = setting(False, "print nothing but errors")
-    device: str = setting("auto", "auto, cpu, cuda or cuda:N: where workers train (worker i of a machine: "
-                                  "cuda:(i mod GPUs)); default auto: CUDA where there is one")
-    precision: str = setting("fp32", "fp32, bf16 or fp16: the forward pass under autocast (bf16 on CPU and GPU; fp16 "
-                                     "on GPU, with loss scaling); default fp32")
+    device: str = setting(
+        "auto",
+        "auto, cpu, cuda or cuda:N: where workers train (worker i of a machine: "
+        "cuda:(i mod GPUs)); default auto: CUDA where there is one",
+    )
+    precision: str = setting(
+        "fp32",
+        "fp32, bf16 or fp16: the forward pass under autocast (bf16 on CPU and GPU; fp16 "
+        "on GPU, with loss scaling); default fp32",
+    )
     compile: bool = setting(False, "torch.compile each worker's model (the first steps compile it)")
-    tensorboard: str | None = setting(None, "write TensorBoard event files into DIR ({out} is the run directory); "
-                                            "the flag alone: <out>/tb", const="{out}/tb", metavar="DIR")
+    tensorboard: str | None = setting(
+        None,
+        "write TensorBoard event files into DIR ({out} is the run directory); the flag alone: <out>/tb",
+        const="{out}/tb",
+        metavar="DIR",
+    )
     # Process groups (the multi-process algorithms).
-    backend: str = setting("auto", "torch.distributed backend: gloo, nccl or mpi; default auto: nccl when every "
-                                   "worker of a machine has a GPU of its own, else gloo")
-    init_method: str | None = setting(None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; "
-                                            "default a free port on 127.0.0.1")
-    timeout_s: float = setting(300.0, "seconds before a collective or a silent worker counts as failed, at most a week "
-                                       "(604800); default 300",
-                               flag="--timeout")
+    backend: str = setting(
+        "auto",
+        "torch.distributed backend: gloo, nccl or mpi; default auto: nccl when every "
+        "worker of a machine has a GPU of its own, else gloo",
+    )
+    init_method: str | None = setting(
+        None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; default a free port on 127.0.0.1"
+    )
+    timeout_s: float = setting(
+        300.0,
+        "seconds before a collective or a silent worker counts as failed, at most a week (604800); default 300",
+        flag="--timeout",
+    )
     # Checkpoints.
-    checkpoint_every: str | None = setting(None, "save a checkpoint every N samples (all workers) or 'epoch' into "
-                                                 "<out>/checkpoint", parse=str)
-    resume: str | None = setting(None, "continue the run saved in DIR (up to the --epochs or --max-samples given now), "
-                                       "into DIR or --out")
-    restart_workers: int = setting(0, "local runs: start a dead worker again, up to this many times in all "
-                                      "(asynchronous algorithms: it rejoins; lockstep ones: the group restarts "
-                                      "from the last checkpoint); default 0")
+    checkpoint_every: str | None = setting(
+        None, "save a checkpoint every N samples (all workers) or 'epoch' into <out>/checkpoint", parse=str
+    )
+    resume: str | None = setting(
+        None, "continue the run saved in DIR (up to the --epochs or --max-samples given now), into DIR or --out"
+    )
+    restart_workers: int = setting(
+        0,
+        "local runs: start a dead worker again, up to this many times in all "
+        "(asynchronous algorithms: it rejoins; lockstep ones: the group restarts "
+        "from the last checkpoint); default 0",
+    )
     # Benchmarks.
-    straggler: str | None = setting(None, "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in "
-                                          "proportion to its step time)")
+    straggler: str | None = setting(
+        None, "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in proportion to its step time)"
+    )
     # The algorithm's own options (its Options class in its module), as given; once the run is
     # settled, all of them with their defaults. Not a flag: each option is one (see distsgd.cli).
     options: dict[str, Any] = field(default_factory=dict)
@@ -174,8 +228,10 @@ class RunConfig:
             return None
         if "{out}" in self.tensorboard:
             if self.out is None:
-                raise ConfigError("--tensorboard without a directory writes into the run directory: "
-                                  "give --out (out= in Python) or --tensorboard DIR")
+                raise ConfigError(
+                    "--tensorboard without a directory writes into the run directory: "
+                    "give --out (out= in Python) or --tensorboard DIR"
+                )
             return Path(self.tensorboard.replace("{out}", self.out))
         return Path(self.tensorboard)
 
@@ -187,8 +243,9 @@ class RunConfig:
 _FIELDS = {f.name: f for f in fields(RunConfig) if f.name != "options"}
 
 
-def from_mapping(values: dict[str, Any], base: RunConfig | None = None, source: str = "settings",
-                 option_names: Any = ()) -> RunConfig:
+def from_mapping(
+    values: dict[str, Any], base: RunConfig | None = None, source: str = "settings", option_names: Any = ()
+) -> RunConfig:
     """Build a config from ``values`` (keys may use ``-`` or ``_``) over ``base``. Keys in
     ``option_names`` (every algorithm's options: the caller knows them) go to ``options``, to be
     judged by the run's algorithm; any other key that is no setting is an error."""
@@ -256,13 +313,17 @@ def to_toml(cfg: RunConfig, rerun: str | None = None, from_python: list[str] | t
     came from Python (``from_python``: "the data (arrays)", ...), that the file alone cannot."""
     if from_python:
         pieces = ", ".join(from_python[:-1]) + (" and " if len(from_python) > 1 else "") + from_python[-1]
-        lines = [f"{HEADER} (resolved), of a run made with distsgd.train(): {pieces} came from Python, and this",
-                 "# file records only their names, so it cannot re-run that run by itself: pass them to",
-                 "# distsgd.train() again with these settings."]
+        lines = [
+            f"{HEADER} (resolved), of a run made with distsgd.train(): {pieces} came from Python, and this",
+            "# file records only their names, so it cannot re-run that run by itself: pass them to",
+            "# distsgd.train() again with these settings.",
+        ]
     else:
         where = rerun or "config.toml"
-        lines = [f"{HEADER} (resolved). Re-run with: distsgd train --config {where}",
-                 "# (the new run goes into a new directory beside this run's, or where --out says)"]
+        lines = [
+            f"{HEADER} (resolved). Re-run with: distsgd train --config {where}",
+            "# (the new run goes into a new directory beside this run's, or where --out says)",
+        ]
     for name, value in cfg.to_dict().items():
         if name != "options" and name not in NOT_RECORDED and value is not None:
             lines.append(f"{name} = {_toml_value(shown(_FIELDS[name], value))}")
@@ -316,8 +377,15 @@ def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
 # The generic defaults of the settings an algorithm (its paper's) or a built-in model (gpt's) may give
 # defaults of their own: a setting left unset (None) takes the model's (tuned for that model), else the
 # algorithm's (its paper's, for the models its paper trained), else this.
-GENERIC: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.0, "optimizer": "sgd", "lr_warmup_steps": 0,
-                           "clip_grad_norm": 0.0, "weight_decay_on": "all", "dataset": "fashion-mnist"}
+GENERIC: dict[str, Any] = {
+    "lr": 0.01,
+    "weight_decay": 0.0,
+    "optimizer": "sgd",
+    "lr_warmup_steps": 0,
+    "clip_grad_norm": 0.0,
+    "weight_decay_on": "all",
+    "dataset": "fashion-mnist",
+}
 
 
 def with_defaults(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
@@ -343,8 +411,7 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     for name, f in _FIELDS.items():  # inf and nan mean nothing for any setting (and TOML cannot record them)
         given = getattr(cfg, name)
-        need(not isinstance(given, float) or math.isfinite(given),
-             f"{flag_of(f)} must be a finite number, got {given}")
+        need(not isinstance(given, float) or math.isfinite(given), f"{flag_of(f)} must be a finite number, got {given}")
     need(cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}")
     need(0 <= cfg.seed < SEEDS, f"--seed must be a whole number from 0 to 2**63 - 1, got {cfg.seed}")
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
@@ -354,14 +421,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0 < cfg.lr <= FLOAT32_MAX, f"--lr must be a positive number (at most {FLOAT32_MAX:.4g}), got {cfg.lr}")
     need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")
     need(not cfg.nesterov or cfg.momentum > 0, "--nesterov needs a --momentum above 0")
-    need(0 <= cfg.weight_decay <= FLOAT32_MAX,
-         f"--weight-decay must be >= 0 (at most {FLOAT32_MAX:.4g}), got {cfg.weight_decay}")
+    need(
+        0 <= cfg.weight_decay <= FLOAT32_MAX,
+        f"--weight-decay must be >= 0 (at most {FLOAT32_MAX:.4g}), got {cfg.weight_decay}",
+    )
     need(cfg.context >= 1, f"--context must be at least 1 token, got {cfg.context}")
     need(cfg.lr_warmup_steps >= 0, f"--lr-warmup-steps must be >= 0, got {cfg.lr_warmup_steps}")
-    need(cfg.clip_grad_norm >= 0,
-         f"--clip-grad-norm must be a positive number (0: off), got {cfg.clip_grad_norm}")
-    need(cfg.weight_decay_on in ("all", "weights"),
-         f"--weight-decay-on must be all or weights, got '{cfg.weight_decay_on}'")
+    need(cfg.clip_grad_norm >= 0, f"--clip-grad-norm must be a positive number (0: off), got {cfg.clip_grad_norm}")
+    need(
+        cfg.weight_decay_on in ("all", "weights"),
+        f"--weight-decay-on must be all or weights, got '{cfg.weight_decay_on}'",
+    )
     need(cfg.optimizer in OPTIMIZERS, f"unknown optimizer '{cfg.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
     need(cfg.schedule in SCHEDULES, f"unknown schedule '{cfg.schedule}' (choose from {', '.join(SCHEDULES)})")
     need(cfg.lr_step_epochs >= 1, f"--lr-step-epochs must be at least 1, got {cfg.lr_step_epochs}")
@@ -375,21 +445,29 @@ def validate(cfg: RunConfig) -> RunConfig:
         f"--target-accuracy must be in (0, 1], got {cfg.target_accuracy}",
     )
     need(cfg.target_loss is None or cfg.target_loss >= 0, f"--target-loss must be >= 0, got {cfg.target_loss}")
-    need(not cfg.stop_at_target or cfg.target_accuracy is not None or cfg.target_loss is not None,
-         "--stop-at-target needs --target-accuracy or --target-loss")
-    need(cfg.loss in LOSSES or cfg.loss.startswith("python:"),
-         f"unknown loss '{cfg.loss}' (choose from {', '.join(LOSSES)}, or pass a function as loss= in Python)")
+    need(
+        not cfg.stop_at_target or cfg.target_accuracy is not None or cfg.target_loss is not None,
+        "--stop-at-target needs --target-accuracy or --target-loss",
+    )
+    need(
+        cfg.loss in LOSSES or cfg.loss.startswith("python:"),
+        f"unknown loss '{cfg.loss}' (choose from {', '.join(LOSSES)}, or pass a function as loss= in Python)",
+    )
     need(cfg.accumulate >= 1, f"--accumulate must be at least 1 micro-batch, got {cfg.accumulate}")
     need(cfg.loader_workers >= 0, f"--loader-workers must be >= 0, got {cfg.loader_workers}")
     need(cfg.restart_workers >= 0, f"--restart-workers must be >= 0, got {cfg.restart_workers}")
     # more threads than cores only slows a worker down; torch's pools fail (even crash) with thousands
-    need(cfg.threads_per_worker is None or 1 <= cfg.threads_per_worker <= cores(),
-         f"--threads-per-worker must be from 1 to the {cores()} cores this process may use, got "
-         f"{cfg.threads_per_worker}")
+    need(
+        cfg.threads_per_worker is None or 1 <= cfg.threads_per_worker <= cores(),
+        f"--threads-per-worker must be from 1 to the {cores()} cores this process may use, got "
+        f"{cfg.threads_per_worker}",
+    )
     need(cfg.log_every >= 1, f"--log-every must be at least 1 step, got {cfg.log_every}")
     need(cfg.backend in BACKENDS, f"unknown backend '{cfg.backend}' (choose from {', '.join(BACKENDS)})")
-    need(0 < cfg.timeout_s <= TIMEOUT_MAX_S,
-         f"--timeout must be positive and at most {TIMEOUT_MAX_S} seconds (a week), got {cfg.timeout_s}")
+    need(
+        0 < cfg.timeout_s <= TIMEOUT_MAX_S,
+        f"--timeout must be positive and at most {TIMEOUT_MAX_S} seconds (a week), got {cfg.timeout_s}",
+    )
     check_init_method(cfg.init_method)
     if cfg.checkpoint_period is not None:
         need(cfg.out is not None, "--checkpoint-every needs a run directory (--out)")
@@ -403,7 +481,7 @@ def check_init_method(init_method: str | None) -> None:
     """``--init-method``: env://, file:///PATH, or tcp://HOST:PORT with a port a worker can dial."""
     if init_method is None or init_method.startswith(("env://", "file://")):
         return
-    host, _, port = init_method[len("tcp://"):].rpartition(":")
+    host, _, port = init_method[len("tcp://") :].rpartition(":")
     if not init_method.startswith("tcp://") or not host:
         raise ConfigError(f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -423,8 +501,9 @@ def parse_period(text: str, flag: str, unit: str) -> Period:
     return Period(count)
 
 
-def for_resume(run_dir: str | Path, overrides: dict[str, Any], option_names: Any = (),
-               options_of: Any = None) -> RunConfig:
+def for_resume(
+    run_dir: str | Path, overrides: dict[str, Any], option_names: Any = (), options_of: Any = None
+) -> RunConfig:
     """The configuration of the run saved in ``run_dir``, with ``overrides`` (e.g. a new --epochs) on top.
 
     It writes back into ``run_dir`` unless ``overrides`` names another ``out``.
@@ -450,6 +529,7 @@ def parse_straggler(text: str) -> Straggler:
     except ValueError:
         rank, factor = -1, 0.0
     if not sep or rank < 0 or not 1 <= factor <= STRAGGLER_MAX:  # a nan factor fails the comparison too
-        raise ConfigError(f"--straggler must be RANK:FACTOR with RANK >= 0 and FACTOR from 1 to {STRAGGLER_MAX}, "
-                          f"got '{text}'")
+        raise ConfigError(
+            f"--straggler must be RANK:FACTOR with RANK >= 0 and FACTOR from 1 to {STRAGGLER_MAX}, got '{text}'"
+        )
     return Straggler(rank, factor)

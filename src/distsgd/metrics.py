@@ -103,15 +103,37 @@ class TensorBoardWriter:
     """
 
     TAGS: dict[str, dict[str, str]] = {
-        "progress": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
-                     "bytes_sent": "comm/bytes_sent", "loss_scale": "train/loss_scale"},
-        "eval": {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "test_perplexity": "test/perplexity",
-                 "test_bits_per_token": "test/bits_per_token"},
-        "server": {"staleness_mean": "server/staleness_mean", "staleness_max": "server/staleness_max",
-                   "server_updates": "server/updates", "bytes_sent": "comm/bytes_sent"},
+        "progress": {
+            "loss": "train/loss",
+            "lr": "train/lr",
+            "samples_per_s": "train/samples_per_s",
+            "bytes_sent": "comm/bytes_sent",
+            "loss_scale": "train/loss_scale",
+        },
+        "eval": {
+            "test_accuracy": "test/accuracy",
+            "test_loss": "test/loss",
+            "test_perplexity": "test/perplexity",
+            "test_bits_per_token": "test/bits_per_token",
+        },
+        "server": {
+            "staleness_mean": "server/staleness_mean",
+            "staleness_max": "server/staleness_max",
+            "server_updates": "server/updates",
+            "bytes_sent": "comm/bytes_sent",
+        },
     }
-    SUMMARY = ("final_test_accuracy", "final_test_loss", "final_test_perplexity", "samples_per_s", "tokens_per_s", "time_to_target_s", "samples_to_target",
-               "bytes_sent_per_sample", "server_updates_per_s")
+    SUMMARY = (
+        "final_test_accuracy",
+        "final_test_loss",
+        "final_test_perplexity",
+        "samples_per_s",
+        "tokens_per_s",
+        "time_to_target_s",
+        "samples_to_target",
+        "bytes_sent_per_sample",
+        "server_updates_per_s",
+    )
 
     def __init__(self, logdir: Path, started: float, config_text: str = "") -> None:
         require_tensorboard()
@@ -135,8 +157,9 @@ class TensorBoardWriter:
         stale = summary.get("staleness")
         if isinstance(stale, dict):
             figures.update(staleness_mean=stale.get("mean"), staleness_p99=stale.get("p99"))
-        self._scalars({k: f"summary/{k}" for k in figures}, figures, int(summary["samples"]),
-                      float(summary["train_wall_s"]))
+        self._scalars(
+            {k: f"summary/{k}" for k in figures}, figures, int(summary["samples"]), float(summary["train_wall_s"])
+        )
 
     def _scalars(self, tags: dict[str, str], values: dict[str, Any], step: int, train_s: float) -> None:
         for key, tag in tags.items():
@@ -240,13 +263,17 @@ class LineProgress:
             acc = f"test_acc={event['test_accuracy']:.4f} " if event["test_accuracy"] is not None else ""
             loss = f"test_loss={event['test_loss']:.4f}" if event.get("test_loss") is not None else ""
             ppl = f" ppl={event['test_perplexity']:.3f}" if "test_perplexity" in event else ""
-            self._write(f"eval  samples={event['samples']} epoch={event['epoch']:.2f} "
-                        f"{acc}{loss}{ppl} train_s={event['train_wall_s']:.1f}")
+            self._write(
+                f"eval  samples={event['samples']} epoch={event['epoch']:.2f} "
+                f"{acc}{loss}{ppl} train_s={event['train_wall_s']:.1f}"
+            )
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
-            self._write(f"train samples={event['samples']} epoch={event['epoch']:.2f} loss={event['loss']:.4f} "
-                        f"samples/s={event['samples_per_s']:.0f}{extra}")
+            self._write(
+                f"train samples={event['samples']} epoch={event['epoch']:.2f} loss={event['loss']:.4f} "
+                f"samples/s={event['samples_per_s']:.0f}{extra}"
+            )
 
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
@@ -314,8 +341,9 @@ def reached(event: dict[str, Any], target_accuracy: float | None, target_loss: f
     return target_loss is not None and event.get("test_loss") is not None and event["test_loss"] <= target_loss
 
 
-def first_reaching(evals: list[dict[str, Any]], target_accuracy: float | None,
-                   target_loss: float | None = None) -> dict[str, Any] | None:
+def first_reaching(
+    evals: list[dict[str, Any]], target_accuracy: float | None, target_loss: float | None = None
+) -> dict[str, Any] | None:
     """The first evaluation that reached the target (accuracy, else loss)."""
     for e in evals:
         if reached(e, target_accuracy, target_loss):

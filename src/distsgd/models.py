@@ -113,7 +113,7 @@ class _BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        shortcut = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
+        shortcut = x[:, :, :: self.stride, :: self.stride] if self.stride > 1 else x
         if self.extra:
             shortcut = F.pad(shortcut, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
         return F.relu(out + shortcut)
@@ -190,8 +190,9 @@ class GPT(nn.Module):
     residual projections' scaled by 1/sqrt(2 x layers) (GPT-2's "1/sqrt(N), N the number of residual
     layers"), biases 0. Input: token ids (B, T) with T <= ``context``; output: scores (B, T, vocab)."""
 
-    def __init__(self, vocab: int, context: int, layers: int = 4, heads: int = 4, width: int = 128,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, vocab: int, context: int, layers: int = 4, heads: int = 4, width: int = 128, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         if width % heads:
             raise ModelError(f"gpt: width {width} must be a multiple of heads {heads}")
@@ -224,8 +225,10 @@ GPT_SIZES = {"layers": int, "heads": int, "width": int, "dropout": float}
 def gpt(input_shape: tuple[int, ...], num_classes: int, **size: float) -> nn.Module:
     """``gpt[...]``: the context is the data's sequence length, the vocabulary its classes."""
     if len(input_shape) != 1:
-        raise ModelError(f"gpt takes token sequences (T,), not inputs of shape {tuple(input_shape)}: use a token "
-                         f"dataset (python-stdlib, text:PATH, hf:PATH)")
+        raise ModelError(
+            f"gpt takes token sequences (T,), not inputs of shape {tuple(input_shape)}: use a token "
+            f"dataset (python-stdlib, text:PATH, hf:PATH)"
+        )
     return GPT(num_classes, input_shape[0], **size)  # type: ignore[arg-type]
 
 
@@ -259,8 +262,9 @@ def logits_of(out: object) -> torch.Tensor:
     if logits is None and isinstance(out, dict):
         logits = out.get("logits")
     if not isinstance(logits, torch.Tensor):
-        raise ModelError(f"the model returned {type(out).__name__}: expected a tensor of scores, or an object "
-                         f"with .logits")
+        raise ModelError(
+            f"the model returned {type(out).__name__}: expected a tensor of scores, or an object with .logits"
+        )
     return logits
 
 
@@ -283,8 +287,15 @@ SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
 # Settings a model's users should start from, where they differ from the generic ones: what training
 # a transformer language model from scratch takes (its text, AdamW with weight decay, a warm-up, clipping).
 RECOMMENDED: dict[str, dict[str, object]] = {
-    "gpt": {"dataset": "python-stdlib", "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "weight_decay_on": "weights", "clip_grad_norm": 1.0,
-            "lr_warmup_steps": 20},
+    "gpt": {
+        "dataset": "python-stdlib",
+        "optimizer": "adamw",
+        "lr": 1e-3,
+        "weight_decay": 0.1,
+        "weight_decay_on": "weights",
+        "clip_grad_norm": 1.0,
+        "lr_warmup_steps": 20,
+    },
 }
 
 
@@ -324,8 +335,9 @@ def _call_factory(factory: Callable[..., nn.Module], input_shape: tuple[int, ...
     return model
 
 
-def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, init: str = "default",
-                seed: int | None = None) -> nn.Module:
+def build_model(
+    spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, init: str = "default", seed: int | None = None
+) -> nn.Module:
     """Build the model; with ``seed`` its initial weights are the same in every process."""
     size: dict[str, float] = {}  # a built-in's size options (gpt[layers=2,...])
     if isinstance(spec, str):
@@ -338,8 +350,11 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int,
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        model = factory(input_shape, num_classes, **size) if factory in BUILTIN.values() else \
-            _call_factory(factory, input_shape, num_classes)
+        model = (
+            factory(input_shape, num_classes, **size)
+            if factory in BUILTIN.values()
+            else _call_factory(factory, input_shape, num_classes)
+        )
     except ModelError:
         raise
     except Exception as exc:
@@ -358,8 +373,14 @@ def xavier_init(model: nn.Module) -> None:
                 nn.init.zeros_(module.bias)
 
 
-def check_fits(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, name: str, dataset: str,
-               task: str = "classification") -> None:
+def check_fits(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    name: str,
+    dataset: str,
+    task: str = "classification",
+) -> None:
     """Run a forward pass on zeros: a model that cannot take the data fails here, before training.
     A language model takes token ids (2, T) and must give scores (2, T, V) with V at least the
     data's vocabulary."""
@@ -379,10 +400,14 @@ def check_fits(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
         model.train(was_training)
     if lm:
         if out.dim() != 3 or tuple(out.shape[:2]) != (2, input_shape[0]) or out.shape[2] < num_classes:
-            raise ModelError(f"model {name} gives scores {tuple(out.shape)} for 2 sequences of {input_shape[0]} tokens, "
-                             f"but {dataset} needs (2, {input_shape[0]}, {num_classes}): one score per token of its "
-                             f"vocabulary at every position")
+            raise ModelError(
+                f"model {name} gives scores {tuple(out.shape)} for 2 sequences of {input_shape[0]} tokens, "
+                f"but {dataset} needs (2, {input_shape[0]}, {num_classes}): one score per token of its "
+                f"vocabulary at every position"
+            )
         return
     if tuple(out.shape) != (2, num_classes):
-        raise ModelError(f"model {name} gives output {tuple(out.shape)} for a batch of 2, but {dataset} needs "
-                         f"(2, {num_classes}): one score per class")
+        raise ModelError(
+            f"model {name} gives output {tuple(out.shape)} for a batch of 2, but {dataset} needs "
+            f"(2, {num_classes}): one score per class"
+        )

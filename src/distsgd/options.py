@@ -25,11 +25,21 @@ from distsgd.errors import ConfigError
 T = TypeVar("T", bound="Options")
 
 
-def option(default: Any, help: str, *, flag: str | None = None, const: Any = None, metavar: str | None = None,
-           parse: Callable[[Any], Any] | None = None, show: Callable[[Any], Any] | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    const: Any = None,
+    metavar: str | None = None,
+    parse: Callable[[Any], Any] | None = None,
+    show: Callable[[Any], Any] | None = None,
+) -> Any:
     """A setting: its default and help text (``--help``), and how to read it (see the module)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "const": const, "metavar": metavar,
-                                            "parse": parse, "show": show})
+    return field(
+        default=default,
+        metadata={"help": help, "flag": flag, "const": const, "metavar": metavar, "parse": parse, "show": show},
+    )
 
 
 def kind(f: dataclasses.Field) -> str:

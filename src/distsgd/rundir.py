@@ -84,24 +84,31 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
     if keep is not None:
         a, b = out.resolve(), Path(keep).resolve()
         if a == b or a in b.parents or b in a.parents:
-            raise ConfigError(f"--out {out} would replace the run being resumed ({keep}): resume into it, or give "
-                              f"another --out")
+            raise ConfigError(
+                f"--out {out} would replace the run being resumed ({keep}): resume into it, or give another --out"
+            )
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ConfigError(f"{kind} directory {out} already exists; choose another --out or pass --overwrite")
         if not is_ours(out):
-            raise ConfigError(f"--out {out} holds files distsgd did not write; --overwrite replaces only a distsgd "
-                              f"{kind} directory (or an empty one): choose another --out")
+            raise ConfigError(
+                f"--out {out} holds files distsgd did not write; --overwrite replaces only a distsgd "
+                f"{kind} directory (or an empty one): choose another --out"
+            )
         written = _written(out)
         if written is None:
-            raise ConfigError(f"--out {out} was written by an older distsgd, which did not record its files, and "
-                              f"--overwrite deletes only files distsgd recorded: delete it yourself, or choose "
-                              f"another --out")
+            raise ConfigError(
+                f"--out {out} was written by an older distsgd, which did not record its files, and "
+                f"--overwrite deletes only files distsgd recorded: delete it yourself, or choose "
+                f"another --out"
+            )
         ours, theirs = _sort(out, written)
         if theirs:
             shown = ", ".join(str(p.relative_to(out)) for p in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
-            raise ConfigError(f"--out {out} also holds {shown}, which distsgd did not write, and --overwrite never "
-                              f"deletes those: move them, or choose another --out")
+            raise ConfigError(
+                f"--out {out} also holds {shown}, which distsgd did not write, and --overwrite never "
+                f"deletes those: move them, or choose another --out"
+            )
         for path in ours:
             path.unlink()
         for folder in sorted({d for p in ours for d in p.parents if out in d.parents}, key=lambda d: -len(d.parts)):

@@ -32,7 +32,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         if not fullname.startswith(_PREFIX):
             return None
         try:
-            file = bytes.fromhex(fullname[len(_PREFIX):]).decode()
+            file = bytes.fromhex(fullname[len(_PREFIX) :]).decode()
         except ValueError:
             return None
         return importlib.util.spec_from_file_location(fullname, file)

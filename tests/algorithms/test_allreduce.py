@@ -17,8 +17,17 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def single_reference(digits):
-    result = distsgd.train(model="mlp", data=digits, algo="single", batch_size=2 * B, max_samples=STEPS * 2 * B,
-                           lr=0.1, momentum=0.9, seed=7, quiet=True)
+    result = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo="single",
+        batch_size=2 * B,
+        max_samples=STEPS * 2 * B,
+        lr=0.1,
+        momentum=0.9,
+        seed=7,
+        quiet=True,
+    )
     assert result.summary["samples"] == STEPS * 2 * B
     return flat_params(result.model)
 
@@ -26,8 +35,19 @@ def single_reference(digits):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, bucket_mb", [("allreduce", 25.0), ("allreduce", 0.02), ("ddp", 25.0)])
 def test_two_workers_equal_single_with_the_global_batch(digits, single_reference, algo, bucket_mb) -> None:
-    result = distsgd.train(model="mlp", data=digits, algo=algo, workers=2, batch_size=B, max_samples=STEPS * 2 * B,
-                           lr=0.1, momentum=0.9, seed=7, bucket_mb=bucket_mb, quiet=True)
+    result = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo=algo,
+        workers=2,
+        batch_size=B,
+        max_samples=STEPS * 2 * B,
+        lr=0.1,
+        momentum=0.9,
+        seed=7,
+        bucket_mb=bucket_mb,
+        quiet=True,
+    )
     s = result.summary
     assert s["samples"] == STEPS * 2 * B and s["global_batch_size"] == 2 * B and s["workers"] == 2
     ours = flat_params(result.model)

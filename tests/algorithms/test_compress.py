@@ -73,14 +73,25 @@ def test_our_compression_takes_the_steps_of_torchs_ddp_hook(kind: str) -> None:
     digits = load_dataset("digits")
     # (20 steps: the two agree to rounding, 1e-7; PowerSGD's power iteration and momentum amplify
     # rounding differences, to 5e-5 after 40 steps.)
-    common = dict(model="mlp", data=digits, workers=2, batch_size=16, max_samples=STEPS * 32, lr=0.1, momentum=0.9,
-                  seed=3, compress=kind, quiet=True)
+    common = dict(
+        model="mlp",
+        data=digits,
+        workers=2,
+        batch_size=16,
+        max_samples=STEPS * 32,
+        lr=0.1,
+        momentum=0.9,
+        seed=3,
+        compress=kind,
+        quiet=True,
+    )
     ours = distsgd.train(algo="allreduce", **common)
     torchs = distsgd.train(algo="ddp", **common)
     a = torch.cat([p.detach().reshape(-1) for p in ours.model.parameters()])
     b = torch.cat([p.detach().reshape(-1) for p in torchs.model.parameters()])
-    start = torch.cat([p.detach().reshape(-1) for p in distsgd.models.build_model("mlp", (1, 8, 8), 10, seed=3)
-                       .parameters()])
+    start = torch.cat(
+        [p.detach().reshape(-1) for p in distsgd.models.build_model("mlp", (1, 8, 8), 10, seed=3).parameters()]
+    )
     assert float((a - start).norm()) > 0.1  # it trained
     assert float((a - b).norm() / a.norm()) < 1e-5
     assert ours.summary["bytes_sent"] == torchs.summary["bytes_sent"]
@@ -97,8 +108,18 @@ def test_ddp_powersgd_with_several_buckets_trains_and_resumes(tmp_path: Path) ->
     on gloo, ddp --compress powersgd uses one bucket whatever --bucket-mb says. A resumed run
     starts with start_powerSGD_iter (2) uncompressed steps, as torch requires of a new DDP (its
     buckets are rebuilt after the first step): so it sends more than the uninterrupted run."""
-    common = dict(model="mlp", data="digits", algo="ddp", workers=2, lr=0.05, checkpoint_every="300", quiet=True,
-                  compress="powersgd:1", bucket_mb=0.001, timeout_s=60)
+    common = dict(
+        model="mlp",
+        data="digits",
+        algo="ddp",
+        workers=2,
+        lr=0.05,
+        checkpoint_every="300",
+        quiet=True,
+        compress="powersgd:1",
+        bucket_mb=0.001,
+        timeout_s=60,
+    )
     full = distsgd.train(max_samples=1436, out=str(tmp_path / "full"), **common).summary
     distsgd.train(max_samples=718, out=str(tmp_path / "part"), **common)
     resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=1436).summary
@@ -108,25 +129,29 @@ def test_ddp_powersgd_with_several_buckets_trains_and_resumes(tmp_path: Path) ->
 
 
 def test_compression_is_refused_where_it_does_not_apply() -> None:
-    with pytest.raises(distsgd.ConfigError,
-                       match="--compress is an option of allreduce, ddp, local-sgd, diloco, not of hogwild"):
+    with pytest.raises(
+        distsgd.ConfigError, match="--compress is an option of allreduce, ddp, local-sgd, diloco, not of hogwild"
+    ):
         distsgd.train(model="mlp", data="digits", algo="hogwild", workers=2, compress="fp16", quiet=True)
     with pytest.raises(distsgd.ConfigError, match="--compress must be none, fp16 or powersgd"):
         distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, compress="zip", quiet=True)
-    with pytest.raises(distsgd.ConfigError, match="allreduce --compress fp16 reduces every gradient at once, after "
-                                                  "backward, in no buckets: --bucket-mb does not apply"):
-        distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, compress="fp16", bucket_mb=5,
-                      quiet=True)
+    with pytest.raises(
+        distsgd.ConfigError,
+        match="allreduce --compress fp16 reduces every gradient at once, after "
+        "backward, in no buckets: --bucket-mb does not apply",
+    ):
+        distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, compress="fp16", bucket_mb=5, quiet=True)
 
 
-
-
-@pytest.mark.parametrize("algo, options", [
-    ("local-sgd", {"sync_every": 1, "compress": "powersgd:1"}),
-    ("diloco", {"sync_every": 1, "compress": "powersgd:1"}),
-    ("allreduce", {"compress": "powersgd:1"}),
-    ("streaming-diloco", {"sync_every": 4, "fragments": 2, "overlap": 1}),  # stops with fragment 0 in flight
-])
+@pytest.mark.parametrize(
+    "algo, options",
+    [
+        ("local-sgd", {"sync_every": 1, "compress": "powersgd:1"}),
+        ("diloco", {"sync_every": 1, "compress": "powersgd:1"}),
+        ("allreduce", {"compress": "powersgd:1"}),
+        ("streaming-diloco", {"sync_every": 4, "fragments": 2, "overlap": 1}),  # stops with fragment 0 in flight
+    ],
+)
 @pytest.mark.filterwarnings("ignore:.*to a meta parameter")  # Module.load_state_dict into the meta model
 def test_resumed_state_follows_the_model_to_its_device(group_of_one, algo: str, options: dict) -> None:
     """A checkpoint is loaded on the CPU; every tensor of the algorithm's state (PowerSGD's error

@@ -21,8 +21,13 @@ INNER_LR, DECAY, OUTER_LR, OUTER_MU = 0.05, 0.1, 0.7, 0.9
 def _diloco_worker(rank: int, world: int, rule: str) -> dict:
     from distsgd.algorithms.diloco import DiLoCo
 
-    cfg = config("diloco", world, {"sync_every": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU,
-                                   "partial_round": rule}, lr=INNER_LR, weight_decay=DECAY)
+    cfg = config(
+        "diloco",
+        world,
+        {"sync_every": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU, "partial_round": rule},
+        lr=INNER_LR,
+        weight_decay=DECAY,
+    )
     model, set_grad = model_and_grad(rank)
     algo = DiLoCo(cfg)
     ctx = context(rank, world)
@@ -35,8 +40,13 @@ def _diloco_worker(rank: int, world: int, rule: str) -> dict:
             thetas.append(flat(algo.global_model))
     evaluated = flat(algo.evaluation_model(ctx, model))  # inside the partial round, on copies
     final = algo.finish(ctx, model)
-    return {"thetas": thetas, "final": flat(final), "evaluated": evaluated, "bytes": algo.bytes_sent,
-            "rounds": algo.rounds}
+    return {
+        "thetas": thetas,
+        "final": flat(final),
+        "evaluated": evaluated,
+        "bytes": algo.bytes_sent,
+        "rounds": algo.rounds,
+    }
 
 
 def adamw(state: dict, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -78,7 +88,9 @@ def diloco_reference(world: int, wrong: str = "", rule: str = "average") -> tupl
         if wrong == "average" or (partial and rule == "average"):
             theta = sum(local) / world
         else:
-            delta = sum((lo - theta) if wrong == "sign" else (theta - lo) for lo in local) / (1 if wrong == "sum" else world)
+            delta = sum((lo - theta) if wrong == "sign" else (theta - lo) for lo in local) / (
+                1 if wrong == "sum" else world
+            )
             buf = delta if buf is None else OUTER_MU * buf + delta
             theta = theta - OUTER_LR * (delta + OUTER_MU * buf)
         thetas.append(theta)
@@ -102,8 +114,6 @@ def test_diloco_with_two_workers_follows_the_paper(tmp_path, rule: str) -> None:
         assert far(got[0]["final"], diloco_reference(2, rule=other)[1]), other
 
 
-
-
 def test_diloco_learns_and_sends_a_fraction_of_allreduce() -> None:
     digits = load_dataset("digits")
     common = dict(model="mlp", data=digits, workers=2, epochs=6, batch_size=16, quiet=True)
@@ -120,13 +130,16 @@ def test_the_clock_and_the_bytes_include_the_last_sync(digits) -> None:
     """The run's end is part of training: the partial round's average is inside train_wall_s (the
     final evaluation, of the returned model, is stamped with it) and in bytes_sent; the replica
     check after it (two float64 all-reduces of the state) is in eval_bytes_sent."""
-    common = dict(model="mlp", data=digits, algo="diloco", workers=2, batch_size=16, lr=0.003, sync_every="8",
-                  quiet=True)
+    common = dict(
+        model="mlp", data=digits, algo="diloco", workers=2, batch_size=16, lr=0.003, sync_every="8", quiet=True
+    )
     full = distsgd.train(max_samples=2 * 16 * 16, **common).summary  # 16 steps a worker: 2 rounds
     cut = distsgd.train(max_samples=2 * 16 * 20, **common).summary  # 2 rounds and 4 steps, averaged
     for s in (full, cut):  # the last evaluation is of the returned model, measured at or before its end
         assert s["train_wall_s"] >= s["evals"][-1]["train_wall_s"]
     assert cut["outer_steps"] == full["outer_steps"] == 2
     assert cut["bytes_sent"] == pytest.approx(1.5 * full["bytes_sent"], rel=1e-3)
-    state = sum(p.numel() for p in distsgd.models.build_model("mlp", digits.input_shape, digits.num_classes).parameters())
+    state = sum(
+        p.numel() for p in distsgd.models.build_model("mlp", digits.input_shape, digits.num_classes).parameters()
+    )
     assert cut["eval_bytes_sent"] >= 2 * (2 * 8 * state)  # both workers' share of the two checks

@@ -15,6 +15,7 @@ from quadratics import config, context, far, flat, model_and_grad, quadratic, st
 
 # -- EASGD (Zhang, Choromanska, LeCun, NIPS 2015) ---------------------------------------------
 
+
 def _easgd_worker(rank: int, world: int, steps: int, tau: int) -> dict:
     from distsgd.algorithms.easgd import EASGD
 
@@ -91,8 +92,10 @@ def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
     centre = flat(model)
     centre_bn = model[1].running_mean.detach().double().clone()
     g = torch.Generator().manual_seed(3)
-    xs = {1: centre + torch.randn(centre.shape, generator=g, dtype=torch.float64),
-          2: centre - torch.randn(centre.shape, generator=g, dtype=torch.float64)}
+    xs = {
+        1: centre + torch.randn(centre.shape, generator=g, dtype=torch.float64),
+        2: centre - torch.randn(centre.shape, generator=g, dtype=torch.float64),
+    }
     bn = {1: torch.randn(2, generator=g, dtype=torch.float64), 2: torch.randn(2, generator=g, dtype=torch.float64)}
     wrong_mean = centre.clone()
     for k, rank in enumerate([1, 2, 2, 1, 2]):
@@ -114,12 +117,11 @@ def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
     assert far(centre, wrong_mean)
 
 
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_learns_digits(digits, mode: str) -> None:
-    s = distsgd.train(model="mlp", data=digits, algo="easgd", workers=2, epochs=5, lr=0.05, quiet=True,
-                      easgd_mode=mode, tau=4).summary
+    s = distsgd.train(
+        model="mlp", data=digits, algo="easgd", workers=2, epochs=5, lr=0.05, quiet=True, easgd_mode=mode, tau=4
+    ).summary
     assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]  # asynchronous runs vary; chance is 0.1
     assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
 

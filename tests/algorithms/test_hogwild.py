@@ -56,8 +56,17 @@ def ticker(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("lock", [True, False])
 def test_every_workers_updates_land_in_the_one_shared_model(digits, ticker, lock: bool) -> None:
-    result = distsgd.train(model=ticker, data=digits, algo="hogwild", workers=2, epochs=2, lr=0.5, momentum=0.0,
-                           hogwild_lock=lock, quiet=True)
+    result = distsgd.train(
+        model=ticker,
+        data=digits,
+        algo="hogwild",
+        workers=2,
+        epochs=2,
+        lr=0.5,
+        momentum=0.0,
+        hogwild_lock=lock,
+        quiet=True,
+    )
     s = result.summary
     steps = 2 * -(-718 // 64)  # each worker: 2 epochs of ceil(718 / 64) batches
     assert s["samples_per_worker"] == [1436, 1436] and s["samples"] == 2872
@@ -76,8 +85,9 @@ def test_every_workers_updates_land_in_the_one_shared_model(digits, ticker, lock
 
 @pytest.mark.parametrize("lock", [False, True])
 def test_lock_free_and_locked_both_learn_digits(digits, lock: bool) -> None:
-    s = distsgd.train(model="mlp", data=digits, algo="hogwild", workers=2, epochs=6, lr=0.05,
-                      hogwild_lock=lock, quiet=True).summary
+    s = distsgd.train(
+        model="mlp", data=digits, algo="hogwild", workers=2, epochs=6, lr=0.05, hogwild_lock=lock, quiet=True
+    ).summary
     assert s["final_test_accuracy"] >= 0.9
     assert s["threads_per_worker"] == max(1, distsgd.config.cores() // 2)
     assert len(s["evals"]) >= 2 and s["evals"][-1]["samples"] == s["samples"]
@@ -86,8 +96,18 @@ def test_lock_free_and_locked_both_learn_digits(digits, lock: bool) -> None:
 def test_a_killed_worker_leaves_a_completed_run(digits, ticker, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("KILL_RANK", "1")
     out = tmp_path / "run"
-    result = distsgd.train(model=ticker, data=digits, algo="hogwild", workers=2, epochs=3, lr=0.5, momentum=0.0,
-                           hogwild_lock=True, out=str(out), quiet=True)
+    result = distsgd.train(
+        model=ticker,
+        data=digits,
+        algo="hogwild",
+        workers=2,
+        epochs=3,
+        lr=0.5,
+        momentum=0.0,
+        hogwild_lock=True,
+        out=str(out),
+        quiet=True,
+    )
     s = result.summary
     assert s["failed_workers"] == [1] and s["worker_errors"] == {"1": "killed by SIGKILL"}
     assert s["samples_per_worker"] == [3 * 718, 4 * 64]  # worker 1 finished 4 steps before dying
@@ -97,8 +117,18 @@ def test_a_killed_worker_leaves_a_completed_run(digits, ticker, tmp_path: Path, 
 
 
 def test_stop_at_target(digits) -> None:
-    s = distsgd.train(model="mlp", data=digits, algo="hogwild", workers=2, epochs=50, lr=0.05, eval_every=500,
-                      target_accuracy=0.8, stop_at_target=True, quiet=True).summary
+    s = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo="hogwild",
+        workers=2,
+        epochs=50,
+        lr=0.05,
+        eval_every=500,
+        target_accuracy=0.8,
+        stop_at_target=True,
+        quiet=True,
+    ).summary
     assert s["samples_to_target"] is not None and s["samples"] < 50 * 1436
     # the workers stop within a step or two of the signal; what is returned and saved is the copy
     # that reached the target (the model after those steps could be below it: 0.747 seen once)
@@ -113,12 +143,28 @@ def test_stop_at_target_stops_a_step_past_the_copy_that_reached_it(digits) -> No
     digits' repeated) so that an evaluation takes long enough for free-running workers to go far."""
     from distsgd.data import Dataset
 
-    slow = Dataset("digits-slow-eval", digits.x_train, digits.y_train, digits.x_test.repeat(60, *[1] * (digits.x_test.dim() - 1)),
-                   digits.y_test.repeat(60), digits.num_classes)
+    slow = Dataset(
+        "digits-slow-eval",
+        digits.x_train,
+        digits.y_train,
+        digits.x_test.repeat(60, *[1] * (digits.x_test.dim() - 1)),
+        digits.y_test.repeat(60),
+        digits.num_classes,
+    )
     workers, batch, every = 2, 16, 480
-    s = distsgd.train(model="mlp", data=slow, algo="hogwild", workers=workers, epochs=50, lr=0.05,
-                      batch_size=batch, eval_every=every, target_accuracy=0.85, stop_at_target=True,
-                      quiet=True).summary
+    s = distsgd.train(
+        model="mlp",
+        data=slow,
+        algo="hogwild",
+        workers=workers,
+        epochs=50,
+        lr=0.05,
+        batch_size=batch,
+        eval_every=every,
+        target_accuracy=0.85,
+        stop_at_target=True,
+        quiet=True,
+    ).summary
     step = workers * batch  # each worker at most one step past a point
     assert s["samples_to_target"] is not None and s["final_test_accuracy"] >= 0.85
     assert s["samples"] == s["samples_to_target"] == s["evals"][-1]["samples"]

@@ -16,8 +16,16 @@ from quadratics import config
 
 # -- HogWild++ (Zhang, Hsieh, Akella, ICDM 2016) -------------------------------------------------
 
-def authors_model_update(vals: list[float], old_vals: list[float], next_vals: list[float], beta: float,
-                         lam: float, step_size: float = 1.0, tolerance: float = 0.0) -> None:
+
+def authors_model_update(
+    vals: list[float],
+    old_vals: list[float],
+    next_vals: list[float],
+    beta: float,
+    lam: float,
+    step_size: float = 1.0,
+    tolerance: float = 0.0,
+) -> None:
     """The exchange in the authors' code (huanzhang12/hogwildpp @ 6aaf9ef, src/numasvm/svm_exec.hxx,
     ModelUpdate), coordinate by coordinate, in place on Python floats (float64):
 
@@ -51,7 +59,7 @@ def beta_lambda(n: int) -> tuple[float, float]:
     1 - beta^(n - 1)."""
     beta = 0.6
     for _ in range(60):
-        beta -= (beta ** n + beta - 1) / (n * beta ** (n - 1) + 1)
+        beta -= (beta**n + beta - 1) / (n * beta ** (n - 1) + 1)
     return beta, 1 - beta ** (n - 1)
 
 
@@ -65,8 +73,9 @@ class AuthorsRing:
         self.old = [[0.0] * size for _ in range(n)]
 
     def exchange(self, i: int, step_size: float, tolerance: float = 0.0) -> None:
-        authors_model_update(self.vals[i], self.old[i], self.vals[(i + 1) % self.n], self.beta, self.lam,
-                             step_size, tolerance)
+        authors_model_update(
+            self.vals[i], self.old[i], self.vals[(i + 1) % self.n], self.beta, self.lam, step_size, tolerance
+        )
 
 
 def _ring(n: int, size: int = 1, options: dict | None = None, **settings):
@@ -84,9 +93,12 @@ def _ring(n: int, size: int = 1, options: dict | None = None, **settings):
         nn.init.zeros_(m.weight)
         m.share_memory()
     states = [m.state_dict() for m in models]
-    seat = SharedSeat(states=states, counts=torch.zeros(n, dtype=torch.int64).share_memory_(),
-                      stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
-                      extras=HogwildPP.topology.extras(cfg, mp.get_context("fork"), models))
+    seat = SharedSeat(
+        states=states,
+        counts=torch.zeros(n, dtype=torch.int64).share_memory_(),
+        stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
+        extras=HogwildPP.topology.extras(cfg, mp.get_context("fork"), models),
+    )
     algos, optimizers = [], []
     for rank in range(n):
         algo = HogwildPP(cfg, dataclasses.replace(seat, slot=rank))
@@ -98,8 +110,12 @@ def _ring(n: int, size: int = 1, options: dict | None = None, **settings):
 
 
 def _context(rank: int) -> SimpleNamespace:
-    return SimpleNamespace(rank=rank, dataset=SimpleNamespace(is_shared=lambda: True), device=torch.device("cpu"),
-                           job=SimpleNamespace(optimizer=None, param_groups=None))
+    return SimpleNamespace(
+        rank=rank,
+        dataset=SimpleNamespace(is_shared=lambda: True),
+        device=torch.device("cpu"),
+        job=SimpleNamespace(optimizer=None, param_groups=None),
+    )
 
 
 def _models(weights) -> list[list[float]]:
@@ -109,9 +125,13 @@ def _models(weights) -> list[list[float]]:
 # (n, --ring-scale, the first pass's models, where one update settles): the authors' rule in float64
 # (AuthorsRing) gives these; 1.0 / 0.871 / 0.778 of the update for 2 / 3 / 4 clusters at eta = 1 (never
 # more than the update: it is not amplified), 0.394 / 0.122 at the authors' first step size, 0.05.
-LONE_UPDATE = [(2, 1.0, [0.618034, 0.618034], 1.0), (3, 1.0, [0.682328, 0.682328, 0.0], 0.871157),
-               (4, 1.0, [0.724492, 0.724492, 0.0, 0.0], 0.777941),
-               (2, 0.05, [0.618034, 0.030902], 0.394146), (4, 0.05, [0.397488, 0.036225, 0.0, 0.0], 0.122010)]
+LONE_UPDATE = [
+    (2, 1.0, [0.618034, 0.618034], 1.0),
+    (3, 1.0, [0.682328, 0.682328, 0.0], 0.871157),
+    (4, 1.0, [0.724492, 0.724492, 0.0, 0.0], 0.777941),
+    (2, 0.05, [0.618034, 0.030902], 0.394146),
+    (4, 0.05, [0.397488, 0.036225, 0.0, 0.0], 0.122010),
+]
 
 
 @pytest.mark.parametrize("n, scale, first, settles", LONE_UPDATE)
@@ -160,8 +180,9 @@ def test_ring_scale_lr_decays_with_the_schedule_as_the_authors_step_size(n: int,
     from distsgd.train.optim import schedule_lr
 
     ref = AuthorsRing(n, 1)
-    algos, weights, optimizers = _ring(n, options={"ring_scale": "lr"}, lr=0.05, schedule="step", lr_gamma=0.8,
-                                       lr_step_epochs=1)
+    algos, weights, optimizers = _ring(
+        n, options={"ring_scale": "lr"}, lr=0.05, schedule="step", lr_gamma=0.8, lr_step_epochs=1
+    )
     for epoch, step_size in enumerate([0.05, 0.05 * 0.8]):
         for opt in optimizers:  # as the loop sets it at each step
             schedule_lr(opt, algos[0].cfg, epoch_progress=epoch + 0.5, total_epochs=2)
@@ -176,8 +197,7 @@ def test_ring_scale_lr_decays_with_the_schedule_as_the_authors_step_size(n: int,
 
 
 @pytest.mark.parametrize("n, scale, tolerance", [(2, 0.05, 1e-2), (4, 0.05, 1e-2), (4, 1.0, 0.0), (2, 0.5, 0.2)])
-def test_the_exchange_with_local_updates_and_a_tolerance_is_the_authors(n: int, scale: float,
-                                                                        tolerance: float) -> None:
+def test_the_exchange_with_local_updates_and_a_tolerance_is_the_authors(n: int, scale: float, tolerance: float) -> None:
     """Models of 16 weights; before each exchange the holder makes a random local update (as its
     SGD would), of a size that puts some coordinates' scaled delta above the tolerance and some
     below (the authors' else-branch: not passed on, kept waiting in w_i_old). Every model after
@@ -251,9 +271,12 @@ def test_the_ring_across_machines_counts_steps_and_reads_the_workers_lr() -> Non
     cfg = config("hogwild++", 4, {"cluster_size": 2, "ring_scale": "lr"}, **settings)
     model = nn.Linear(3, 1)
     model.share_memory()
-    seat = SharedSeat(states=[model.state_dict()], counts=torch.zeros(2, dtype=torch.int64).share_memory_(),
-                      stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
-                      extras=ClusterMemory().extras(cfg, None, [model]))
+    seat = SharedSeat(
+        states=[model.state_dict()],
+        counts=torch.zeros(2, dtype=torch.int64).share_memory_(),
+        stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
+        extras=ClusterMemory().extras(cfg, None, [model]),
+    )
     worker = ClusterWorker(config("hogwild++", 2, {}, **settings), dataclasses.replace(seat, slot=1))  # as launched
     bound = worker.setup(_context(1), nn.Linear(3, 1), Start.FRESH)
     optimizer = worker.make_optimizer(_context(1), bound)
@@ -266,12 +289,21 @@ def test_the_ring_across_machines_counts_steps_and_reads_the_workers_lr() -> Non
 
 
 def test_learns_digits(digits) -> None:
-    s = distsgd.train(model="mlp", data=digits, algo="hogwild++", workers=2, epochs=5, lr=0.05, quiet=True,
-                      cluster_size=1, update_delay=4).summary
+    s = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo="hogwild++",
+        workers=2,
+        epochs=5,
+        lr=0.05,
+        quiet=True,
+        cluster_size=1,
+        update_delay=4,
+    ).summary
     assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]
     assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
     assert s["clusters"] == 2 and s["token_passes"] > 0
-    assert s["ring_beta"] == pytest.approx((5 ** 0.5 - 1) / 2)
+    assert s["ring_beta"] == pytest.approx((5**0.5 - 1) / 2)
 
 
 def test_bad_settings() -> None:
@@ -295,10 +327,38 @@ def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path)
 
     from helpers import run_cli
 
-    res = run_cli("--standalone", "--nproc-per-node", "2", "-m", "distsgd", "train", "--algo", "hogwild++",
-                  "--cluster-size", "2", "--update-delay", "4", "--dataset", "digits", "--model", "mlp", "--epochs",
-                  "3", "--lr", "0.05", "--schedule", "cosine", "--log-every", "1", "--out", str(tmp_path / "run"),
-                  "--quiet", module="torch.distributed.run", timeout=180, env={"OMP_NUM_THREADS": "1"})
+    res = run_cli(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "hogwild++",
+        "--cluster-size",
+        "2",
+        "--update-delay",
+        "4",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "3",
+        "--lr",
+        "0.05",
+        "--schedule",
+        "cosine",
+        "--log-every",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        module="torch.distributed.run",
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["workers"] == 4 and s["clusters"] == 2 and s["failed_workers"] == []

@@ -13,6 +13,7 @@ from quadratics import config, context, far, flat, model_and_grad, take_step
 
 # -- local SGD against torch's PeriodicModelAverager -------------------------------------------
 
+
 def _local_sgd_pair(rank: int, world: int, steps: int, every: int, warmup: int) -> dict:
     """Our local-sgd, and the same training with torch.distributed.algorithms.model_averaging."""
     import torch.distributed as dist
@@ -46,8 +47,9 @@ def _local_sgd_pair(rank: int, world: int, steps: int, every: int, warmup: int) 
 
 
 @pytest.mark.parametrize("steps, every, warmup", [(13, 3, 0), (14, 4, 5)])
-def test_local_sgd_takes_the_steps_of_torchs_periodic_model_averager(tmp_path, steps: int, every: int,
-                                                                     warmup: int) -> None:
+def test_local_sgd_takes_the_steps_of_torchs_periodic_model_averager(
+    tmp_path, steps: int, every: int, warmup: int
+) -> None:
     """In the middle of a period the two agree (momentum local to each worker, as in both); a
     wrong phase (torch's warmup_steps = K, which averages right after the first local step) would
     not."""
@@ -78,11 +80,10 @@ def _local_sgd_wrong_phase(rank: int, world: int, steps: int, every: int, warmup
     return flat(theirs)
 
 
-
-
 def test_local_sgd_every_step_equals_allreduce_without_momentum(digits) -> None:
-    common = dict(model="mlp", data=digits, workers=2, batch_size=16, max_samples=640, lr=0.1, momentum=0.0,
-                  seed=2, quiet=True)
+    common = dict(
+        model="mlp", data=digits, workers=2, batch_size=16, max_samples=640, lr=0.1, momentum=0.0, seed=2, quiet=True
+    )
     ar = distsgd.train(algo="allreduce", **common)
     local = distsgd.train(algo="local-sgd", sync_every="1", **common)
     a, b = flat_params(ar.model), flat_params(local.model)
@@ -101,12 +102,11 @@ def test_local_sgd_h8_sends_an_eighth_of_allreduce(digits) -> None:
     assert local["bytes_sent_per_sample"] <= ar["bytes_sent_per_sample"] / 8 * (1 + 8 / steps)
 
 
-
-
 @pytest.mark.parametrize("extra", [{"sync_every": "epoch"}, {"sync_every": "4", "warmup_steps": 10}])
 def test_learns_digits(digits, extra: dict) -> None:
-    s = distsgd.train(model="mlp", data=digits, algo="local-sgd", workers=2, epochs=5, lr=0.05, quiet=True,
-                      **extra).summary
+    s = distsgd.train(
+        model="mlp", data=digits, algo="local-sgd", workers=2, epochs=5, lr=0.05, quiet=True, **extra
+    ).summary
     assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]
     assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
 

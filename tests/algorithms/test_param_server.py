@@ -23,8 +23,9 @@ def make_server(mode: str, workers: int = 2, **settings) -> ParameterServer:
     algo_cls = registry.get(mode)
     names = algo_cls.Options.names()
     options = {k: v for k, v in settings.items() if k in names}
-    cfg = RunConfig(**{"lr": 0.1, "momentum": 0.0, **{k: v for k, v in settings.items() if k not in names}},
-                    options=options)
+    cfg = RunConfig(
+        **{"lr": 0.1, "momentum": 0.0, **{k: v for k, v in settings.items() if k not in names}}, options=options
+    )
     rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping(options))
     return ParameterServer(cfg, model, workers, rule, samples_per_epoch=1000)
 
@@ -105,8 +106,9 @@ class MXNetDCASGD:
 
     def update(self, grad: torch.Tensor) -> torch.Tensor:
         g = grad.double()
-        self.mom = self.momentum * self.mom - self.lr * (g + self.wd * self.weight + self.lamda * g * g
-                                                         * (self.weight - self.previous))
+        self.mom = self.momentum * self.mom - self.lr * (
+            g + self.wd * self.weight + self.lamda * g * g * (self.weight - self.previous)
+        )
         self.previous = self.weight.clone()
         self.weight = self.weight + self.mom
         return self.weight
@@ -163,7 +165,7 @@ def test_dcasgd_adaptive_follows_the_paper() -> None:
     result(ps.push(2, grad(2), 0, 1))  # worker 2 moves the weights on
     w = flatten(list(ps.model.parameters())).double()
     g2, g = grad(2).double(), grad(1).double()
-    meansq = 0.95 * (0.05 * g2 ** 2) + 0.05 * g ** 2
+    meansq = 0.95 * (0.05 * g2**2) + 0.05 * g**2
     lam = 2.0 / torch.sqrt(meansq + 1e-7)
     expected = w - 0.1 * (g + lam * g * g * (w - w_read.double()))
     after, *_ = result(ps.push(1, grad(1), v, 1))
@@ -273,9 +275,11 @@ def _closed_by_server(sock) -> bool:
 SECRET = bytes(range(32))
 
 
-@pytest.mark.parametrize("head", [[0, 3, 0, 0], [0, 0, 0, 0], [0, -1, 0, 0], [1, 0, 0, 0], [99, 0, 0, 0]],
-                         ids=["hello-rank-3-of-2", "hello-rank-0", "hello-rank-minus-1", "pull-before-hello",
-                              "unknown-op"])
+@pytest.mark.parametrize(
+    "head",
+    [[0, 3, 0, 0], [0, 0, 0, 0], [0, -1, 0, 0], [1, 0, 0, 0], [99, 0, 0, 0]],
+    ids=["hello-rank-3-of-2", "hello-rank-0", "hello-rank-minus-1", "pull-before-hello", "unknown-op"],
+)
 def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> None:
     """A HELLO must name a worker rank 1..N, and come first; an unknown request ends the connection.
     (A wrong HELLO used to be taken as rank -1 or an index past the counters.)"""
@@ -358,6 +362,7 @@ def test_a_busy_worker_is_not_silent() -> None:
 # --- A server admits only its own run's workers (issue 27). On 767cbe8 a HELLO carried no secret,
 # a second HELLO for a live rank took its place, sample counts and versions were trusted, NaN was
 # applied, connections were not capped and an accept() error ended the acceptor for good.
+
 
 def _serving(**kwargs):
     from distsgd.algorithms.param_server import transport

@@ -26,8 +26,9 @@ def test_sync_ps_equals_single_with_the_global_batch(digits) -> None:
     assert ps.summary["staleness"]["max"] == 0
 
 
-@pytest.mark.parametrize("algo, extra", [("asgd", {"staleness_lr": True}), ("ssp", {"staleness": 1}),
-                                         ("dcasgd", {"dc_adaptive": True})])
+@pytest.mark.parametrize(
+    "algo, extra", [("asgd", {"staleness_lr": True}), ("ssp", {"staleness": 1}), ("dcasgd", {"dc_adaptive": True})]
+)
 def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra: dict) -> None:
     s = distsgd.train(model="mlp", data=digits, algo=algo, workers=2, epochs=4, lr=0.05, quiet=True, **extra).summary
     assert s["final_test_accuracy"] >= 0.85, s["final_test_accuracy"]
@@ -107,8 +108,24 @@ def test_ssp_does_not_wait_forever_for_a_dead_worker(digits, killer, monkeypatch
 @pytest.mark.slow
 def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
     start = time.monotonic()
-    res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", killer,
-                  "--epochs", "50", "--out", str(tmp_path / "run"), "--quiet", timeout=90, env={"KILL_SERVER": "1"})
+    res = run_cli(
+        "train",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--model",
+        killer,
+        "--epochs",
+        "50",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        timeout=90,
+        env={"KILL_SERVER": "1"},
+    )
     assert time.monotonic() - start < 45
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == "error: the parameter server failed: killed by SIGKILL"
@@ -117,9 +134,29 @@ def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_torchrun_rank_zero_serves(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli("--standalone", "--nproc-per-node", "3", "-m", "distsgd", "train", "--algo", "asgd",
-                  "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--out", str(out),
-                  module="torch.distributed.run", timeout=180, env={"OMP_NUM_THREADS": "1"})
+    res = run_cli(
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "asgd",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--out",
+        str(out),
+        module="torch.distributed.run",
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["workers"] == 2 and s["algo"] == "asgd" and s["samples"] == 2 * 1436

@@ -30,7 +30,9 @@ def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     if dtype.is_floating_point:
         return (torch.randn(n, generator=g) * 1e3).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -2**31), min(info.max, 2**31 - 1) + 1, (n,), generator=g, dtype=torch.int64).to(dtype)
+    return torch.randint(
+        max(info.min, -(2**31)), min(info.max, 2**31 - 1) + 1, (n,), generator=g, dtype=torch.int64
+    ).to(dtype)
 
 
 sizes = st.integers(min_value=0, max_value=37)

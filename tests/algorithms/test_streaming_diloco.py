@@ -30,8 +30,13 @@ INNER_LR, OUTER_LR, OUTER_MU = 0.05, 0.7, 0.9
 def _worker(rank: int, world: int, algo: str, options: dict, steps: int) -> dict:
     from distsgd.algorithms import registry
 
-    cfg = config(algo, world, {"outer_lr": OUTER_LR, "outer_momentum": OUTER_MU, "inner_optimizer": "sgd",
-                               **options}, lr=INNER_LR, momentum=0.0)
+    cfg = config(
+        algo,
+        world,
+        {"outer_lr": OUTER_LR, "outer_momentum": OUTER_MU, "inner_optimizer": "sgd", **options},
+        lr=INNER_LR,
+        momentum=0.0,
+    )
     model, set_grad = model_and_grad(rank)
     algo_obj = registry.get(algo)(cfg)
     ctx = context(rank, world)
@@ -46,8 +51,9 @@ def _worker(rank: int, world: int, algo: str, options: dict, steps: int) -> dict
     return {"locals": seen, "final": flat(final), "evaluated": evaluated, "figures": vars(algo_obj.figures())}
 
 
-def reference(world: int, steps: int, h: int, p: int, tau: int, alpha: float, wrong: str = "",
-              rule: str = "average") -> dict:
+def reference(
+    world: int, steps: int, h: int, p: int, tau: int, alpha: float, wrong: str = "", rule: str = "average"
+) -> dict:
     """The paper's Algorithm 2 in float64 with inner SGD: x_i (each worker's values), theta (the
     global values, per fragment), one Nesterov momentum per fragment (PyTorch's form: b <- mu b +
     Delta, theta <- theta - lr (Delta + mu b)). ``wrong``: "late" takes Delta when the average is
@@ -116,12 +122,20 @@ def reference(world: int, steps: int, h: int, p: int, tau: int, alpha: float, wr
     return {"locals": seen, "final": theta}
 
 
-@pytest.mark.parametrize("p, tau, alpha, rule", [(2, 1, 0.5, "average"), (3, 2, 0.0, "average"), (1, 1, 1.0, "average"),
-                                                (2, 1, 0.5, "step"), (2, 1, 0.5, "theta")])
+@pytest.mark.parametrize(
+    "p, tau, alpha, rule",
+    [(2, 1, 0.5, "average"), (3, 2, 0.0, "average"), (1, 1, 1.0, "average"), (2, 1, 0.5, "step"), (2, 1, 0.5, "theta")],
+)
 def test_two_workers_follow_the_paper(tmp_path, p: int, tau: int, alpha: float, rule: str) -> None:
     steps, h = 23, 6
-    got = in_group(_worker, 2, tmp_path, "streaming-diloco",
-                   {"sync_every": h, "fragments": p, "overlap": tau, "merge": alpha, "partial_round": rule}, steps)
+    got = in_group(
+        _worker,
+        2,
+        tmp_path,
+        "streaming-diloco",
+        {"sync_every": h, "fragments": p, "overlap": tau, "merge": alpha, "partial_round": rule},
+        steps,
+    )
     ref = reference(2, steps, h, p, tau, alpha, rule=rule)
     for r in range(2):
         for t in (4, 11, steps - 1):
@@ -140,8 +154,9 @@ def test_two_workers_follow_the_paper(tmp_path, p: int, tau: int, alpha: float, 
 
 def test_one_fragment_without_overlap_or_merge_is_diloco(tmp_path) -> None:
     steps, h = 17, 5
-    stream = in_group(_worker, 2, tmp_path, "streaming-diloco",
-                      {"sync_every": h, "fragments": 1, "overlap": 0, "merge": 0.0}, steps)
+    stream = in_group(
+        _worker, 2, tmp_path, "streaming-diloco", {"sync_every": h, "fragments": 1, "overlap": 0, "merge": 0.0}, steps
+    )
     diloco = in_group(_worker, 2, tmp_path, "diloco", {"sync_every": h}, steps)
     for r in range(2):
         for a, b in zip(stream[r]["locals"], diloco[r]["locals"]):
@@ -151,8 +166,7 @@ def test_one_fragment_without_overlap_or_merge_is_diloco(tmp_path) -> None:
 
 
 def test_the_peak_transfer_is_a_fragment_and_fp16_halves_the_bytes(digits) -> None:
-    common = dict(model="mlp", data=digits, workers=2, epochs=2, batch_size=16, lr=0.003, sync_every="12",
-                  quiet=True)
+    common = dict(model="mlp", data=digits, workers=2, epochs=2, batch_size=16, lr=0.003, sync_every="12", quiet=True)
     diloco = distsgd.train(algo="diloco", **common).summary
     four = distsgd.train(algo="streaming-diloco", fragments=4, overlap=2, **common).summary
     half = distsgd.train(algo="streaming-diloco", fragments=4, overlap=2, outer_dtype="fp16", **common).summary
@@ -168,8 +182,18 @@ def test_the_peak_transfer_is_a_fragment_and_fp16_halves_the_bytes(digits) -> No
 def test_reported_is_saved_and_resume_is_exact_with_a_fragment_in_flight(tmp_path: Path, digits) -> None:
     """Checkpoints every 96 samples (3 steps of 2 x 16): with H = 8, P = 2, tau = 2 a fragment is
     often in flight then; the resumed run must end with the uninterrupted one's weights."""
-    common = dict(model="mlp", data="digits", algo="streaming-diloco", workers=2, batch_size=16, lr=0.003,
-                  sync_every="8", fragments=2, overlap=2, quiet=True)
+    common = dict(
+        model="mlp",
+        data="digits",
+        algo="streaming-diloco",
+        workers=2,
+        batch_size=16,
+        lr=0.003,
+        sync_every="8",
+        fragments=2,
+        overlap=2,
+        quiet=True,
+    )
     full = distsgd.train(max_samples=1440, out=str(tmp_path / "full"), **common)
     distsgd.train(max_samples=800, checkpoint_every="96", out=str(tmp_path / "part"), **common)
     resumed = distsgd.train(resume=str(tmp_path / "part"), max_samples=1440)
@@ -181,15 +205,18 @@ def test_reported_is_saved_and_resume_is_exact_with_a_fragment_in_flight(tmp_pat
     for run, s in ((tmp_path / "full", full.summary), (tmp_path / "part", resumed.summary)):
         saved = evaluate_checkpoint(run / "model.pt")
         assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1e-6)
-        assert json.loads((run / "summary.json").read_text())["final_test_loss"] == pytest.approx(saved["test_loss"],
-                                                                                                   abs=1e-6)
+        assert json.loads((run / "summary.json").read_text())["final_test_loss"] == pytest.approx(
+            saved["test_loss"], abs=1e-6
+        )
 
 
 def test_bad_settings() -> None:
-    for settings, message in (({"sync_every": "epoch"}, "give --sync-every a number"),
-                              ({"fragments": 0}, "--fragments must be between 1"),
-                              ({"sync_every": "8", "fragments": 2, "overlap": 4}, "--overlap must be"),
-                              ({"merge": 1.5}, r"--merge must be in \[0, 1\]"),
-                              ({"outer_dtype": "int8"}, "--outer-dtype must be one of")):
+    for settings, message in (
+        ({"sync_every": "epoch"}, "give --sync-every a number"),
+        ({"fragments": 0}, "--fragments must be between 1"),
+        ({"sync_every": "8", "fragments": 2, "overlap": 4}, "--overlap must be"),
+        ({"merge": 1.5}, r"--merge must be in \[0, 1\]"),
+        ({"outer_dtype": "int8"}, "--outer-dtype must be one of"),
+    ):
         with pytest.raises(distsgd.ConfigError, match=message):
             distsgd.train(model="mlp", data="digits", algo="streaming-diloco", workers=2, quiet=True, **settings)

@@ -45,8 +45,19 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_every_algorithm_trains_a_gpt(tmp_path: Path, corpus: str, algo: str, workers: int, extra: dict) -> None:
     run = tmp_path / "run"
     settings = {"lr": 0.003, "lr_warmup_steps": 4, **extra}
-    s = distsgd.train(model=MODEL, data=corpus, algo=algo, workers=workers, context=32, batch_size=16,
-                      max_samples=768, eval_every=384, out=str(run), quiet=True, **settings).summary
+    s = distsgd.train(
+        model=MODEL,
+        data=corpus,
+        algo=algo,
+        workers=workers,
+        context=32,
+        batch_size=16,
+        max_samples=768,
+        eval_every=384,
+        out=str(run),
+        quiet=True,
+        **settings,
+    ).summary
     assert s["task"] == "lm" and s["tokens"] == s["samples"] * 32
     assert s["final_test_loss"] < math.log(256) - 1.0, s["final_test_loss"]
     saved = evaluate_checkpoint(run / "model.pt")

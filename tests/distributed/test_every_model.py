@@ -60,9 +60,12 @@ SETTINGS = {
     "hogwild++": [{"update_delay": 4}],
     "diloco": [{"sync_every": "5", "lr": 0.003}],
 }
-CASES = [(name, 1 if name == registry.baseline() else 2, {**extra, "compress": c})
-         for name in registry.names() for extra in SETTINGS.get(name, [{}])
-         for c in (("none", "fp16", "powersgd") if "compress" in registry.get(name).Options.names() else ("none",))]
+CASES = [
+    (name, 1 if name == registry.baseline() else 2, {**extra, "compress": c})
+    for name in registry.names()
+    for extra in SETTINGS.get(name, [{}])
+    for c in (("none", "fp16", "powersgd") if "compress" in registry.get(name).Options.names() else ("none",))
+]
 SYNCHRONOUS = {name for name in registry.names() if registry.get(name).topology.kind == "group"}
 
 
@@ -104,12 +107,22 @@ def _check_reported_is_saved(run: Path, summary: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, workers, extra", CASES, ids=[_id(a, e) for a, _, e in CASES])
-def test_reported_accuracy_is_the_saved_models(tmp_path: Path, model_file: str, five_classes: str, algo: str,
-                                               workers: int, extra: dict) -> None:
+def test_reported_accuracy_is_the_saved_models(
+    tmp_path: Path, model_file: str, five_classes: str, algo: str, workers: int, extra: dict
+) -> None:
     run = tmp_path / "run"
     settings = {"lr": 0.05, **{k: v for k, v in extra.items() if k != "compress" or v != "none"}}
-    s = distsgd.train(model=model_file, data=five_classes, algo=algo, workers=workers, epochs=2, batch_size=32,
-                      out=str(run), quiet=True, **settings).summary
+    s = distsgd.train(
+        model=model_file,
+        data=five_classes,
+        algo=algo,
+        workers=workers,
+        epochs=2,
+        batch_size=32,
+        out=str(run),
+        quiet=True,
+        **settings,
+    ).summary
     assert sum(p.numel() for p in distsgd.models.build_model(model_file, (1, 8, 8), 5).parameters()) % 2 == 1
     assert s["samples"] >= 2 * 704, s["samples"]
     _check_reported_is_saved(run, s)
@@ -125,31 +138,54 @@ def test_reported_accuracy_is_the_saved_models(tmp_path: Path, model_file: str, 
         assert s["replica_max_abs_diff"] == 0.0
 
 
-@pytest.mark.parametrize("algo, extra", [("diloco", {"sync_every": "50", "lr": 0.003}),
-                                         ("local-sgd", {"sync_every": "50", "compress": "powersgd"}),
-                                         ("hogwild", {}), ("asgd", {}),
-                                         ("streaming-diloco", {"sync_every": "20", "fragments": 2, "overlap": 2,
-                                                               "lr": 0.003})],
-                         ids=["diloco", "local-sgd-powersgd", "hogwild", "asgd", "streaming-diloco"])
-def test_the_model_that_reaches_the_target_is_the_one_saved(tmp_path: Path, model_file: str, five_classes: str,
-                                                            algo: str, extra: dict) -> None:
+@pytest.mark.parametrize(
+    "algo, extra",
+    [
+        ("diloco", {"sync_every": "50", "lr": 0.003}),
+        ("local-sgd", {"sync_every": "50", "compress": "powersgd"}),
+        ("hogwild", {}),
+        ("asgd", {}),
+        ("streaming-diloco", {"sync_every": "20", "fragments": 2, "overlap": 2, "lr": 0.003}),
+    ],
+    ids=["diloco", "local-sgd-powersgd", "hogwild", "asgd", "streaming-diloco"],
+)
+def test_the_model_that_reaches_the_target_is_the_one_saved(
+    tmp_path: Path, model_file: str, five_classes: str, algo: str, extra: dict
+) -> None:
     """Evaluated every 96 samples, in the middle of a 50-step period, and stopped at the target:
     what reached it is what was saved (DiLoCo used to save theta after one more outer step;
     Hogwild! and the parameter server, the model after the steps taken before the stop arrived)."""
     run = tmp_path / "run"
-    s = distsgd.train(model=model_file, data=five_classes, algo=algo, workers=2, epochs=3, batch_size=16,
-                      eval_every=96, target_accuracy=0.6, stop_at_target=True, out=str(run), quiet=True,
-                      **extra).summary
+    s = distsgd.train(
+        model=model_file,
+        data=five_classes,
+        algo=algo,
+        workers=2,
+        epochs=3,
+        batch_size=16,
+        eval_every=96,
+        target_accuracy=0.6,
+        stop_at_target=True,
+        out=str(run),
+        quiet=True,
+        **extra,
+    ).summary
     assert s["samples_to_target"] is not None and s["samples"] < 3 * 720  # it stopped early
     assert s["final_test_accuracy"] >= 0.6
     _check_reported_is_saved(run, s)
 
 
-@pytest.mark.parametrize("algo, extra", [("diloco", {"sync_every": "7", "lr": 0.003, "compress": "fp16"}),
-                                         ("local-sgd", {"sync_every": "7", "compress": "powersgd"})],
-                         ids=["diloco-fp16", "local-sgd-powersgd"])
-def test_a_resumed_run_reports_its_saved_model(tmp_path: Path, model_file: str, five_classes: str, algo: str,
-                                               extra: dict) -> None:
+@pytest.mark.parametrize(
+    "algo, extra",
+    [
+        ("diloco", {"sync_every": "7", "lr": 0.003, "compress": "fp16"}),
+        ("local-sgd", {"sync_every": "7", "compress": "powersgd"}),
+    ],
+    ids=["diloco-fp16", "local-sgd-powersgd"],
+)
+def test_a_resumed_run_reports_its_saved_model(
+    tmp_path: Path, model_file: str, five_classes: str, algo: str, extra: dict
+) -> None:
     run = tmp_path / "run"
     common = dict(model=model_file, data=five_classes, algo=algo, workers=2, batch_size=32, lr=0.05, quiet=True)
     distsgd.train(epochs=1, checkpoint_every="epoch", out=str(run), **{**common, **extra})

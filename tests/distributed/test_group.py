@@ -18,8 +18,18 @@ STEPS = 20
 
 
 def test_stop_at_target_is_agreed_by_all_workers(digits) -> None:
-    s = distsgd.train(model="mlp", data=digits, algo="allreduce", workers=2, epochs=30, lr=0.05, eval_every=512,
-                      target_accuracy=0.7, stop_at_target=True, quiet=True).summary
+    s = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo="allreduce",
+        workers=2,
+        epochs=30,
+        lr=0.05,
+        eval_every=512,
+        target_accuracy=0.7,
+        stop_at_target=True,
+        quiet=True,
+    ).summary
     assert s["samples_to_target"] is not None and s["samples"] == s["samples_to_target"] < 30 * 1436
     assert s["final_test_accuracy"] >= 0.7
 
@@ -47,15 +57,35 @@ class Failing(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, message", [("raise", "worker 1 failed: RuntimeError: injected failure at step 5"),
-                                          ("kill", "worker 1 failed: killed by SIGKILL")])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("raise", "worker 1 failed: RuntimeError: injected failure at step 5"),
+        ("kill", "worker 1 failed: killed by SIGKILL"),
+    ],
+)
 def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) -> None:
     model = tmp_path / "failing.py"
     model.write_text(FAILING_MODEL)
     start = time.monotonic()
-    res = run_cli("train", "--algo", "allreduce", "--workers", "2", "--dataset", "digits", "--model",
-                  f"{model}:Failing", "--epochs", "50", "--out", str(tmp_path / "run"), "--quiet",
-                  timeout=60, env={"HOW": how})
+    res = run_cli(
+        "train",
+        "--algo",
+        "allreduce",
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--model",
+        f"{model}:Failing",
+        "--epochs",
+        "50",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        timeout=60,
+        env={"HOW": how},
+    )
     assert time.monotonic() - start < 30
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
@@ -68,9 +98,29 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
 @pytest.mark.slow
 def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli("--standalone", "--nproc-per-node", "2", "-m", "distsgd", "train", "--algo", "allreduce",
-                  "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--out", str(out),
-                  module="torch.distributed.run", timeout=180, env={"OMP_NUM_THREADS": "1"})
+    res = run_cli(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "allreduce",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--out",
+        str(out),
+        module="torch.distributed.run",
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["algo"] == "allreduce" and summary["global_batch_size"] == 128
@@ -86,12 +136,32 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "train", "--algo", "allreduce", "--workers", "2",
-                             "--dataset", "digits", "--model", "mlp", "--epochs", "100000", "--out",
-                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # as from a terminal: a shell without job control starts background jobs (a CI
-                            # script run with &, say) with Ctrl-C ignored, and children inherit that
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "train",
+            "--algo",
+            "allreduce",
+            "--workers",
+            "2",
+            "--dataset",
+            "digits",
+            "--model",
+            "mlp",
+            "--epochs",
+            "100000",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # as from a terminal: a shell without job control starts background jobs (a CI
+        # script run with &, say) with Ctrl-C ignored, and children inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 60
         metrics = tmp_path / "run" / "metrics.jsonl"
@@ -116,9 +186,29 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
     import sys
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2",
-                             "--dataset", "digits", "--model", "mlp", "--epochs", "100000", "--out", str(out),
-                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "train",
+            "--algo",
+            "asgd",
+            "--workers",
+            "2",
+            "--dataset",
+            "digits",
+            "--model",
+            "mlp",
+            "--epochs",
+            "100000",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         metrics = out / "metrics.jsonl"

@@ -18,14 +18,37 @@ from helpers import run_cli
 
 pytest.importorskip("sklearn")
 
-ASYNC = [("hogwild", []), ("hogwild++", ["--update-delay", "4"]), ("asgd", []), ("ssp", ["--staleness", "2"]),
-         ("dcasgd", []), ("easgd", ["--easgd-mode", "async", "--tau", "4"])]
+ASYNC = [
+    ("hogwild", []),
+    ("hogwild++", ["--update-delay", "4"]),
+    ("asgd", []),
+    ("ssp", ["--staleness", "2"]),
+    ("dcasgd", []),
+    ("easgd", ["--easgd-mode", "async", "--tau", "4"]),
+]
 BUDGET, EVERY = 57_440, 4_000  # 40 epochs of digits, 2 workers; a checkpoint every 4,000 samples
 # The lr decays to 0 (cosine) so that the final model is not one noisy iterate: at a constant lr two
 # uninterrupted ssp runs here ended 1.7 points apart (5 runs: 0.967-0.983); with cosine, 0.3 (one
 # of the 360 test digits).
-COMMON = ["--workers", "2", "--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--lr", "0.05",
-          "--schedule", "cosine", "--max-samples", str(BUDGET), "--eval-every", "14360", "--quiet"]
+COMMON = [
+    "--workers",
+    "2",
+    "--dataset",
+    "digits",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--schedule",
+    "cosine",
+    "--max-samples",
+    str(BUDGET),
+    "--eval-every",
+    "14360",
+    "--quiet",
+]
 
 
 def _manifest(run: Path) -> dict | None:
@@ -37,15 +60,17 @@ def _manifest(run: Path) -> dict | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, extra", ASYNC, ids=[a for a, _ in ASYNC])
-def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Path, algo: str,
-                                                                  extra: list[str]) -> None:
+def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Path, algo: str, extra: list[str]) -> None:
     args = ["train", "--algo", algo, *COMMON, *extra]
     whole = run_cli(*args, "--out", str(tmp_path / "whole"), timeout=300)
     assert whole.returncode == 0, whole.stderr
     run = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "distsgd", *args, "--checkpoint-every", str(EVERY),
-                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)  # its own process group: the launcher, fork server, workers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distsgd", *args, "--checkpoint-every", str(EVERY), "--out", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # its own process group: the launcher, fork server, workers
     try:
         deadline = time.monotonic() + 120
         while (_manifest(run) or {}).get("seq", 0) < 3 and time.monotonic() < deadline and proc.poll() is None:
@@ -66,8 +91,10 @@ def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     a = json.loads((tmp_path / "whole" / "summary.json").read_text())
     b = json.loads((run / "summary.json").read_text())
     assert b["samples"] >= BUDGET and a["samples"] >= BUDGET
-    assert abs(a["final_test_accuracy"] - b["final_test_accuracy"]) <= 0.01, (a["final_test_accuracy"],
-                                                                              b["final_test_accuracy"])
+    assert abs(a["final_test_accuracy"] - b["final_test_accuracy"]) <= 0.01, (
+        a["final_test_accuracy"],
+        b["final_test_accuracy"],
+    )
 
 
 KILL_ONCE = '''
@@ -111,9 +138,19 @@ def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, 
     import distsgd
 
     monkeypatch.setenv("KILL_RANK", rank)
-    s = distsgd.train(model=kill_once, data="digits", algo=algo, workers=2, epochs=4, batch_size=16, lr=0.05,
-                      restart_workers=1, out=str(tmp_path / "run"), quiet=True,
-                      **({"staleness": 2} if algo == "ssp" else {})).summary
+    s = distsgd.train(
+        model=kill_once,
+        data="digits",
+        algo=algo,
+        workers=2,
+        epochs=4,
+        batch_size=16,
+        lr=0.05,
+        restart_workers=1,
+        out=str(tmp_path / "run"),
+        quiet=True,
+        **({"staleness": 2} if algo == "ssp" else {}),
+    ).summary
     assert (tmp_path / "killed").exists()  # the worker was killed
     assert len(s["restarts"]) == 1 and s["restarts"][0]["reason"] == "killed by SIGKILL"
     assert s["failed_workers"] == []
@@ -129,8 +166,18 @@ def test_the_only_worker_is_replaced(tmp_path: Path, kill_once: str, monkeypatch
     import distsgd
 
     monkeypatch.setenv("KILL_RANK", "1")
-    s = distsgd.train(model=kill_once, data="digits", algo="asgd", workers=1, epochs=2, batch_size=16, lr=0.05,
-                      restart_workers=1, out=str(tmp_path / "run"), quiet=True).summary
+    s = distsgd.train(
+        model=kill_once,
+        data="digits",
+        algo="asgd",
+        workers=1,
+        epochs=2,
+        batch_size=16,
+        lr=0.05,
+        restart_workers=1,
+        out=str(tmp_path / "run"),
+        quiet=True,
+    ).summary
     assert (tmp_path / "killed").exists() and len(s["restarts"]) == 1 and s["failed_workers"] == []
     assert s["samples_per_worker"][0] >= 2 * 1436 - 16
 
@@ -161,8 +208,16 @@ class Net(nn.Module):
 '''
 
 
-@pytest.mark.parametrize("algo, rank, how", [("asgd", "2", "once"), ("asgd", "2", "always"), ("ssp", "2", "always"),
-                                             ("asgd", "2", "bad-input"), ("hogwild", "1", "bad-input")])
+@pytest.mark.parametrize(
+    "algo, rank, how",
+    [
+        ("asgd", "2", "once"),
+        ("asgd", "2", "always"),
+        ("ssp", "2", "always"),
+        ("asgd", "2", "bad-input"),
+        ("hogwild", "1", "bad-input"),
+    ],
+)
 def test_a_worker_that_dies_before_it_starts(tmp_path: Path, monkeypatch, algo: str, rank: str, how: str) -> None:
     """Worker 1 dies before it connects. Replaced once (``once``): its replacement takes part from the
     start. Dying again (``always``): the launcher gives up after one restart and tells the server,
@@ -173,9 +228,19 @@ def test_a_worker_that_dies_before_it_starts(tmp_path: Path, monkeypatch, algo: 
     path.write_text(DIE_AT_START)
     for k, v in {"KILL_RANK": rank, "DIE_HOW": how, "KILL_MARKER": str(tmp_path / "killed")}.items():
         monkeypatch.setenv(k, v)
-    s = distsgd.train(model=f"{path}:Net", data="digits", algo=algo, workers=2, epochs=2, batch_size=16,
-                      lr=0.05, restart_workers=1, out=str(tmp_path / "run"), quiet=True,
-                      **({"staleness": 2} if algo == "ssp" else {})).summary
+    s = distsgd.train(
+        model=f"{path}:Net",
+        data="digits",
+        algo=algo,
+        workers=2,
+        epochs=2,
+        batch_size=16,
+        lr=0.05,
+        restart_workers=1,
+        out=str(tmp_path / "run"),
+        quiet=True,
+        **({"staleness": 2} if algo == "ssp" else {}),
+    ).summary
     shard = 1436 // 2
     if how == "once":
         assert s["failed_workers"] == [] and len(s["restarts"]) == 1
@@ -192,8 +257,17 @@ def test_a_lockstep_group_restarts_from_its_last_checkpoint(tmp_path: Path, kill
     import distsgd
 
     monkeypatch.setenv("KILL_RANK", "1")
-    common = dict(model=kill_once, data="digits", algo="allreduce", workers=2, epochs=2, batch_size=16, lr=0.05,
-                  quiet=True, seed=1)
+    common = dict(
+        model=kill_once,
+        data="digits",
+        algo="allreduce",
+        workers=2,
+        epochs=2,
+        batch_size=16,
+        lr=0.05,
+        quiet=True,
+        seed=1,
+    )
     s = distsgd.train(restart_workers=1, checkpoint_every="160", out=str(tmp_path / "run"), **common).summary
     assert len(s["restarts"]) == 1 and s["restarts"][0]["from_checkpoint"]
     clean = distsgd.train(out=str(tmp_path / "clean"), **{**common, "model": "mlp"}).summary
@@ -205,7 +279,7 @@ def test_a_dead_server_points_at_resume(tmp_path: Path, monkeypatch) -> None:
     """The server (RANK 0) SIGKILLs itself at its 5th model copy; the run stops with one line naming
     --resume, and the resumed run finishes."""
     path = tmp_path / "killserver.py"
-    path.write_text('''
+    path.write_text("""
 import os, signal
 import torch.nn as nn
 
@@ -227,14 +301,32 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc(x.flatten(1))
-''')
+""")
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
     run = tmp_path / "run"
-    res = run_cli("train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", f"{path}:Net",
-                  "--epochs", "30", "--checkpoint-every", "epoch", "--out", str(run), "--quiet", timeout=120)
+    res = run_cli(
+        "train",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--model",
+        f"{path}:Net",
+        "--epochs",
+        "30",
+        "--checkpoint-every",
+        "epoch",
+        "--out",
+        str(run),
+        "--quiet",
+        timeout=120,
+    )
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines()[-1] == (f"error: the parameter server failed: killed by SIGKILL; "
-                                                  f"continue from the last checkpoint with --resume {run}")
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: the parameter server failed: killed by SIGKILL; continue from the last checkpoint with --resume {run}"
+    )
     resumed = run_cli("train", "--resume", str(run), "--quiet", timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "summary.json").read_text())["samples"] >= 30 * 1436

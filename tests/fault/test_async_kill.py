@@ -18,8 +18,14 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-ALGOS = [("hogwild", []), ("asgd", []), ("ssp", ["--staleness", "2"]), ("dcasgd", []),
-         ("easgd", ["--easgd-mode", "async", "--tau", "4"]), ("hogwild++", ["--update-delay", "8"])]
+ALGOS = [
+    ("hogwild", []),
+    ("asgd", []),
+    ("ssp", ["--staleness", "2"]),
+    ("dcasgd", []),
+    ("easgd", ["--easgd-mode", "async", "--tau", "4"]),
+    ("hogwild++", ["--update-delay", "8"]),
+]
 # Epochs: enough that the kill (within 0.5 s of the first progress line) lands mid-run. Async
 # EASGD's workers talk to the server only every tau steps, so its run is nearly as short as
 # Hogwild!'s (at 8 epochs its worker 1 once finished before the kill).
@@ -31,9 +37,31 @@ EPOCHS = {"hogwild": 20, "hogwild++": 20, "easgd": 20}
 def test_run_finishes_after_a_worker_is_killed(tmp_path: Path, algo: str, extra: list[str]) -> None:
     out = tmp_path / "run"
     epochs = EPOCHS.get(algo, 8)
-    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", algo, "--workers", "2", "--dataset", "digits",
-           "--model", "mlp", "--epochs", str(epochs), "--batch-size", "8", "--lr", "0.02", "--log-every", "20",
-           "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        algo,
+        "--workers",
+        "2",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "8",
+        "--lr",
+        "0.02",
+        "--log-every",
+        "20",
+        "--out",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90

@@ -30,8 +30,14 @@ from helpers import write_idx
 FIELDS = [f for f in RunConfig.__dataclass_fields__]
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 12, 10 ** 12), st.floats(allow_nan=True),
-                    st.text(max_size=12), st.lists(st.integers(), max_size=3))
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.lists(st.integers(), max_size=3),
+)
 
 
 def _cli(tmp: Path, *args: str) -> tuple[int, str, Path]:
@@ -90,8 +96,10 @@ def _npz(tmp: Path, arrays: dict) -> Path:
     return path
 
 
-arrays = hnp.arrays(dtype=st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_, np.int8]),
-                    shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4))  # NaN and inf too
+arrays = hnp.arrays(
+    dtype=st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_, np.int8]),
+    shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+)  # NaN and inf too
 
 
 @FUZZ
@@ -127,7 +135,7 @@ def test_any_idx_header_is_one_error_line(tmp_path_factory, header: bytes, which
     for i, name in enumerate(names):
         shape = (6, 28, 28) if "images" in name else (6,)
         write_idx(tmp / name, rng.integers(0, 10, shape))
-    (tmp / names[which]).write_bytes(header + (tmp / names[which]).read_bytes()[len(header):])
+    (tmp / names[which]).write_bytes(header + (tmp / names[which]).read_bytes()[len(header) :])
     from distsgd.data import load_dataset
 
     try:
@@ -144,26 +152,36 @@ def test_a_header_promising_more_than_the_file_has(tmp_path: Path) -> None:
     from distsgd.errors import DataError
 
     path = tmp_path / "labels"
-    path.write_bytes(struct.pack(">HBB", 0, 0x08, 1) + struct.pack(">I", 10 ** 9) + b"\x00" * 4)
+    path.write_bytes(struct.pack(">HBB", 0, 0x08, 1) + struct.pack(">I", 10**9) + b"\x00" * 4)
     with pytest.raises(DataError, match="truncated"):
         read_idx(path)
 
 
 # --- issue 27: every other reader, and the parameter server's frame decoder --------------------
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=6),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                       max_size=4), max_leaves=12)
-pickled = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) |
-                       st.binary(max_size=8) | arrays,
-                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                           st.sampled_from([b"data", b"labels", b"batch_label", "data"]), inner, max_size=3),
-                       max_leaves=8)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+pickled = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) | st.binary(max_size=8) | arrays,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from([b"data", b"labels", b"batch_label", "data"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=400), pickled,
-                 st.fixed_dictionaries({b"data": arrays | pickled, b"labels": arrays | pickled})))
+@given(
+    st.one_of(
+        st.binary(max_size=400),
+        pickled,
+        st.fixed_dictionaries({b"data": arrays | pickled, b"labels": arrays | pickled}),
+    )
+)
 def test_any_cifar_batch_is_a_data_error_or_reads(tmp_path_factory, obj) -> None:
     """Arbitrary bytes, or any pickle of data and labels (of any type and shape)."""
     import pickle
@@ -189,8 +207,11 @@ def _png(shape: tuple[int, ...], seed: int) -> bytes:
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10 ** 6), st.binary(min_size=1, max_size=8)), max_size=4),
-       st.integers(0, 3), st.one_of(st.none(), st.integers(0, 200)))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6), st.binary(min_size=1, max_size=8)), max_size=4),
+    st.integers(0, 3),
+    st.one_of(st.none(), st.integers(0, 200)),
+)
 def test_any_damaged_image_folder_is_a_data_error_or_reads(tmp_path_factory, edits, which, cut) -> None:
     """Four PNGs in two classes; one is overwritten at random places, or cut short, or has
     another size. Reading the whole set either works or raises one DataError."""
@@ -207,7 +228,7 @@ def test_any_damaged_image_folder_is_a_data_error_or_reads(tmp_path_factory, edi
     data = bytearray(files[which].read_bytes())
     for _, at, patch in edits:
         at %= len(data)
-        data[at:at + len(patch)] = patch
+        data[at : at + len(patch)] = patch
     files[which].write_bytes(bytes(data[:cut]) if cut else bytes(data))
     try:
         ds = load_dataset(f"folder:{tmp}")
@@ -231,17 +252,19 @@ def small_run(tmp_path_factory) -> Path:
 
 @FUZZ
 @pytest.mark.slow
-@given(st.lists(st.tuples(st.integers(0, 10 ** 6), st.binary(min_size=1, max_size=4)), min_size=1, max_size=3),
-       st.one_of(st.none(), st.integers(0, 10 ** 6)))
+@given(
+    st.lists(st.tuples(st.integers(0, 10**6), st.binary(min_size=1, max_size=4)), min_size=1, max_size=3),
+    st.one_of(st.none(), st.integers(0, 10**6)),
+)
 def test_any_damaged_model_file_is_one_error_line_or_evaluates(tmp_path_factory, small_run, edits, cut) -> None:
     """``distsgd eval`` on a model.pt overwritten at random places or cut short."""
     tmp = tmp_path_factory.mktemp("model")
     data = bytearray((small_run / "model.pt").read_bytes())
     for at, patch in edits:
         at %= len(data)
-        data[at:at + len(patch)] = patch
+        data[at : at + len(patch)] = patch
     path = tmp / "model.pt"
-    path.write_bytes(bytes(data[:cut % len(data)]) if cut is not None else bytes(data))
+    path.write_bytes(bytes(data[: cut % len(data)]) if cut is not None else bytes(data))
     err = io.StringIO()
     with redirect_stderr(err), redirect_stdout(io.StringIO()):
         code = cli.main(["eval", "--checkpoint", str(path)])
@@ -251,8 +274,18 @@ def test_any_damaged_model_file_is_one_error_line_or_evaluates(tmp_path_factory,
 
 
 @FUZZ
-@given(st.one_of(json_values, st.fixed_dictionaries({}, optional={
-    k: json_values | st.integers(-3, 3) for k in ("seq", "world", "ranks", "coordinator", "samples", "epoch")})))
+@given(
+    st.one_of(
+        json_values,
+        st.fixed_dictionaries(
+            {},
+            optional={
+                k: json_values | st.integers(-3, 3)
+                for k in ("seq", "world", "ranks", "coordinator", "samples", "epoch")
+            },
+        ),
+    )
+)
 def test_any_manifest_is_one_error_line_or_resumes(tmp_path_factory, small_run, manifest) -> None:
     """``distsgd train --resume`` of a run whose checkpoint manifest says anything at all."""
     tmp = tmp_path_factory.mktemp("manifest")
@@ -286,16 +319,23 @@ def served():
     rule = algo.topology.rule(cfg, algo.Options.from_mapping({}))
     ps = ParameterServer(cfg, torch.nn.Linear(3, 2), 1, rule, samples_per_epoch=1000)
     secret = bytes(range(32))
-    service = transport.Service(ps, _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", silence_s=0.5,
-                                secret=secret)
+    service = transport.Service(ps, _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", silence_s=0.5, secret=secret)
     service.start()
     yield ps, service, secret
     service.close()
 
 
-ops = st.one_of(st.integers(0, 7), st.integers(-2**63, 2**63 - 1))
-frames = st.lists(st.tuples(ops, st.integers(-2**63, 2**63 - 1), st.integers(-2**63, 2**63 - 1) | st.integers(0, 64),
-                            st.integers(-2**63, 2**63 - 1), st.binary(max_size=96)), max_size=4)
+ops = st.one_of(st.integers(0, 7), st.integers(-(2**63), 2**63 - 1))
+frames = st.lists(
+    st.tuples(
+        ops,
+        st.integers(-(2**63), 2**63 - 1),
+        st.integers(-(2**63), 2**63 - 1) | st.integers(0, 64),
+        st.integers(-(2**63), 2**63 - 1),
+        st.binary(max_size=96),
+    ),
+    max_size=4,
+)
 
 
 @pytest.mark.slow

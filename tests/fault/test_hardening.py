@@ -55,6 +55,7 @@ def train_here(capsys: pytest.CaptureFixture, *args: str) -> subprocess.Complete
 
 # --- 1. --overwrite deletes only what distsgd wrote -------------------------------------------
 
+
 def test_overwrite_refuses_a_directory_distsgd_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """On 767cbe8 ``--overwrite`` deleted notes.txt and sub/thesis.tex and wrote a run there."""
     d = tmp_path / "D"
@@ -68,7 +69,9 @@ def test_overwrite_refuses_a_directory_distsgd_did_not_make(tmp_path: Path, caps
     assert sorted(p.name for p in d.iterdir()) == ["notes.txt", "sub"]
 
 
-def test_overwrite_replaces_a_run_directory_but_not_a_file_the_user_put_in_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_overwrite_replaces_a_run_directory_but_not_a_file_the_user_put_in_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A run directory with a user's file in it is refused whole (on 767cbe8 the file was deleted);
     without it, the run is replaced. An empty directory is taken as it is."""
     run = tmp_path / "run"
@@ -102,6 +105,7 @@ def test_overwrite_never_replaces_the_run_being_resumed(tmp_path: Path, capsys: 
 
 # --- 2. SIGTERM is a clean stop -----------------------------------------------------------------
 
+
 def _wait_for(predicate, seconds: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():
@@ -128,8 +132,26 @@ def test_sigterm_stops_a_run_cleanly(tmp_path: Path, whole_group: bool) -> None:
     On 767cbe8: status 143 with no error line, workers.json left listing dead pids, and
     semaphores reported leaked."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", "hogwild", "--workers", "2", *SMALL, "--epochs", "200",
-           "--checkpoint-every", "2000", "--log-every", "20", "--quiet", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "hogwild",
+        "--workers",
+        "2",
+        *SMALL,
+        "--epochs",
+        "200",
+        "--checkpoint-every",
+        "2000",
+        "--log-every",
+        "20",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(lambda: (out / "workers.json").exists() and checkpoint.read_manifest(out) is not None, 120, proc)
@@ -158,12 +180,24 @@ def test_a_finished_run_says_nothing_on_stderr(tmp_path: Path, algo: str) -> Non
     """The launcher stops a worker still leaving its process group once every result is in. Since
     SIGTERM became Ctrl-C for workers, that stop printed a worker's traceback after most runs (4 of 4
     allreduce runs here)."""
-    res = run_cli("train", "--algo", algo, "--workers", "2", *SMALL, "--max-samples", "320", "--quiet",
-                  "--out", str(tmp_path / "run"))
+    res = run_cli(
+        "train",
+        "--algo",
+        algo,
+        "--workers",
+        "2",
+        *SMALL,
+        "--max-samples",
+        "320",
+        "--quiet",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert res.returncode == 0 and res.stderr == "", res.stderr[-2000:]
 
 
 # --- 3. A stranger on the parameter server's port -------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -178,13 +212,33 @@ def test_a_stranger_on_the_server_port_cannot_stop_the_run(tmp_path: Path) -> No
     On 767cbe8 the real worker 0 was dropped and the run never finished. Now every one is refused
     and the run ends as it would have."""
     out, port = tmp_path / "run", _free_port()
-    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2", *SMALL, "--epochs", "40",
-           "--log-every", "20", "--init-method", f"tcp://127.0.0.1:{port}", "--timeout", "20", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        *SMALL,
+        "--epochs",
+        "40",
+        "--log-every",
+        "20",
+        "--init-method",
+        f"tcp://127.0.0.1:{port}",
+        "--timeout",
+        "20",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     held: list[socket.socket] = []
     try:
-        _wait_for(lambda: (out / "metrics.jsonl").exists() and '"progress"' in (out / "metrics.jsonl").read_text(),
-                  120, proc)
+        _wait_for(
+            lambda: (out / "metrics.jsonl").exists() and '"progress"' in (out / "metrics.jsonl").read_text(), 120, proc
+        )
         header = struct.pack("4q", 0, 1, 0, 1)  # HELLO for rank 1 (worker 0), "replacing a dead one", as on 767cbe8
         stranger = socket.create_connection(("127.0.0.1", port))
         stranger.sendall(header + bytes(4096))
@@ -266,11 +320,35 @@ def test_a_worker_killed_holding_a_lock_does_not_stop_the_others(tmp_path: Path,
     inside hogwild++'s token exchange (on 767cbe8 the token never moved again, silently)."""
     model = tmp_path / "killer.py"
     model.write_text(KILLER_MODEL)
-    algo = ["--algo", "hogwild", "--workers", "2", "--hogwild-lock"] if where == "hogwild-lock" else \
-        ["--algo", "hogwild++", "--workers", "4", "--cluster-size", "2", "--update-delay", "4"]
-    cmd = [sys.executable, "-m", "distsgd", "train", *algo, "--dataset", "digits", "--model", f"{model}:Net",
-           "--batch-size", "16", "--lr", "0.05", "--epochs", "6", "--out", str(tmp_path / "run")]  # not --quiet: it
-    env = {**os.environ, "KILL_MARK": str(tmp_path / "victim"), "KILL_IN": "step" if where == "hogwild-lock" else "ring"}
+    algo = (
+        ["--algo", "hogwild", "--workers", "2", "--hogwild-lock"]
+        if where == "hogwild-lock"
+        else ["--algo", "hogwild++", "--workers", "4", "--cluster-size", "2", "--update-delay", "4"]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        *algo,
+        "--dataset",
+        "digits",
+        "--model",
+        f"{model}:Net",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "6",
+        "--out",
+        str(tmp_path / "run"),
+    ]  # not --quiet: it
+    env = {
+        **os.environ,
+        "KILL_MARK": str(tmp_path / "victim"),
+        "KILL_IN": "step" if where == "hogwild-lock" else "ring",
+    }
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "victim").exists()  # a worker died there
@@ -282,6 +360,7 @@ def test_a_worker_killed_holding_a_lock_does_not_stop_the_others(tmp_path: Path,
 
 
 # --- The launcher blames a replacement for nothing its predecessor said --------------------------
+
 
 def _says_then_dies(rank: int, out, replacement: bool) -> None:
     from distsgd.launch import procs
@@ -316,6 +395,7 @@ def test_a_replacement_is_not_blamed_for_its_predecessors_last_words(tmp_path: P
 
 # --- 5. No data lost: checkpoints, a full disk, the order of the files ----------------------------
 
+
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
     """On 767cbe8 only one generation was kept: a damaged newest checkpoint was a clean error and
@@ -332,16 +412,23 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
     stale.write_bytes(b"half a checkpoint")
     r = run_cli("train", "--resume", str(out), "--max-samples", "800", "--out", str(tmp_path / "more"))  # warns
     assert r.returncode == 0, r.stderr
-    assert "damaged" in r.stderr and f"resuming from the one before it ({previous['seq']}, at " \
-        f"{previous['samples']} samples)" in r.stderr
+    assert (
+        "damaged" in r.stderr
+        and f"resuming from the one before it ({previous['seq']}, at {previous['samples']} samples)" in r.stderr
+    )
     assert json.loads((tmp_path / "more" / "summary.json").read_text())["samples"] == 800
     assert not stale.exists()
 
 
 def _tmpfs(path: Path, size: str) -> Path:
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root to mount a small tmpfs (a full disk)")
     return path
 
@@ -382,12 +469,14 @@ def test_a_full_disk_is_one_line_and_loses_no_checkpoint(tmp_path: Path) -> None
 
 # --- 6. Bad input: one line, never a traceback ------------------------------------------------
 
+
 def test_an_idx_header_whose_dimensions_overflow(tmp_path: Path) -> None:
     """Dimensions whose product overflows int64 (a traceback from numpy on 767cbe8)."""
     folder = tmp_path / "data"
     folder.mkdir()
-    (folder / "x.idx").write_bytes(struct.pack(">HBB", 0, 0x08, 3) + struct.pack(">3I", 2**32 - 1, 2**32 - 1, 2**31)
-                                   + bytes(64))
+    (folder / "x.idx").write_bytes(
+        struct.pack(">HBB", 0, 0x08, 3) + struct.pack(">3I", 2**32 - 1, 2**32 - 1, 2**31) + bytes(64)
+    )
     from distsgd.data import formats
 
     with pytest.raises(DataError, match="claims shape"):
@@ -439,8 +528,11 @@ class _Writer:
         self.buf += data
 
 
-@pytest.mark.parametrize("labels", [["a", "b"], [[1, 2], [3]], {"x": 1}, 3.5, [1.5, 2.5]],
-                         ids=["strings", "ragged", "dict", "float", "floats"])
+@pytest.mark.parametrize(
+    "labels",
+    [["a", "b"], [[1, 2], [3]], {"x": 1}, 3.5, [1.5, 2.5]],
+    ids=["strings", "ragged", "dict", "float", "floats"],
+)
 def test_cifar_labels_that_are_not_a_list_of_ints(tmp_path: Path, labels) -> None:
     """A traceback (TypeError/ValueError) on 767cbe8 for several of these."""
     from distsgd.data import formats
@@ -468,7 +560,7 @@ def test_bad_paths_and_files_are_one_line(tmp_path: Path, case: str) -> None:
     one_error_line(r.stderr)
 
 
-MODULE_LEVEL_SCRIPT = '''
+MODULE_LEVEL_SCRIPT = """
 import distsgd
 import numpy as np
 
@@ -477,7 +569,7 @@ x, y = rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 2, 64)
 print("training", flush=True)
 distsgd.train("mlp", (x, y), algo="allreduce", workers=2, max_samples=64, quiet=True)
 print("trained", flush=True)
-'''
+"""
 
 
 @pytest.mark.slow

@@ -61,17 +61,26 @@ class _Role:
 
 
 def _serve(ps: ParameterServer, role=None, silence_s: float | None = 5.0) -> transport.Service:
-    service = transport.Service(ps, role or _Role(), transport.Layout.of(ps.model), "127.0.0.1:0",
-                                silence_s=silence_s, secret=SECRET)
+    service = transport.Service(
+        ps, role or _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", silence_s=silence_s, secret=SECRET
+    )
     service.start()
     return service
 
 
-def _client(ps: ParameterServer, service: transport.Service, rank: int, timeout_s: float = 5.0,
-            rejoining: bool = False) -> transport.Client:
+def _client(
+    ps: ParameterServer, service: transport.Service, rank: int, timeout_s: float = 5.0, rejoining: bool = False
+) -> transport.Client:
     weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-    return transport.Client(rank, weights, transport.Layout.of(ps.model), service.address, timeout_s=timeout_s,
-                            rejoining=rejoining, secret=SECRET)
+    return transport.Client(
+        rank,
+        weights,
+        transport.Layout.of(ps.model),
+        service.address,
+        timeout_s=timeout_s,
+        rejoining=rejoining,
+        secret=SECRET,
+    )
 
 
 def _connect(address: str) -> socket.socket:
@@ -111,6 +120,7 @@ def _progress(out: Path) -> bool:
 
 # --- 1. A thread that cannot start ------------------------------------------------------------
 
+
 def _no_threads_for_connections(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Thread.start`` fails, as at a cgroup's pids.max, for the server's per-connection threads."""
     start = threading.Thread.start
@@ -124,7 +134,8 @@ def _no_threads_for_connections(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_connection_whose_thread_cannot_start_is_closed_and_the_server_goes_on(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """On 43f33af the first failure ended the acceptor thread (the flood's connections then waited
     unanswered, and so would a replacement worker), and ``close()`` raised joining the thread that
     never started: the server process failed with the run's result."""
@@ -150,7 +161,7 @@ def test_a_connection_whose_thread_cannot_start_is_closed_and_the_server_goes_on
     assert len(warned) == 1  # ten failures in a second: one line
 
 
-NO_THREADS_MODEL = '''
+NO_THREADS_MODEL = """
 import os, threading
 import torch.nn as nn
 
@@ -170,7 +181,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.net(x)
-'''
+"""
 
 
 def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path) -> None:
@@ -180,11 +191,30 @@ def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path)
     summary.json, though both workers had trained every sample."""
     model, flag, out, port = tmp_path / "nothreads.py", tmp_path / "no-threads", tmp_path / "run", _free_port()
     model.write_text(NO_THREADS_MODEL)
-    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2", *SMALL, "--model",
-           f"{model}:Net", "--epochs", "30", "--log-every", "20", "--init-method", f"tcp://127.0.0.1:{port}",
-           "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "NO_THREADS": str(flag)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        *SMALL,
+        "--model",
+        f"{model}:Net",
+        "--epochs",
+        "30",
+        "--log-every",
+        "20",
+        "--init-method",
+        f"tcp://127.0.0.1:{port}",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "NO_THREADS": str(flag)}
+    )
     held: list[socket.socket] = []
     try:
         _wait_for(lambda: _progress(out), 120, proc)
@@ -210,6 +240,7 @@ def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path)
 
 
 # --- 9 (the server's part). The acceptor's errors are rate-limited ---------------------------------
+
 
 class _FlakyListener:
     """A listening socket whose next ``failures`` accept() calls fail with EMFILE."""
@@ -250,6 +281,7 @@ def test_accept_errors_are_one_warning_then_a_count(caplog: pytest.LogCaptureFix
 
 
 # --- 2. A HELLO that says "rejoining" cannot take a live worker's place -----------------------------
+
 
 def test_only_a_dead_workers_place_can_be_taken() -> None:
     """A HELLO for a connected rank that says it replaces a dead worker: on 43f33af it took that
@@ -296,6 +328,7 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
 
 # --- 3. A checkpoint number the worker did not save ------------------------------------------------
 
+
 def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
     """Once a run's workers have finished, a connection with the run's secret says HELLO for rank 2
     and CHECKPOINTED 2**40. On 43f33af the server wrote its state as checkpoint 2**40 (a file no
@@ -309,8 +342,14 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
 
     cfg = RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16")
     g = torch.Generator().manual_seed(0)
-    data = Dataset("tiny", torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g),
-                   torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g), 2)
+    data = Dataset(
+        "tiny",
+        torch.randn(32, 4, generator=g),
+        torch.randint(0, 2, (32,), generator=g),
+        torch.randn(8, 4, generator=g),
+        torch.randint(0, 2, (8,), generator=g),
+        2,
+    )
     algo = registry.get("asgd")
     role = ServerRole(Job(cfg, "mlp", data), algo.topology.rule(cfg, algo.Options.from_mapping({})), 2, NullSink())
     layout = transport.Layout.of(role.model)
@@ -338,13 +377,34 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
 
 # --- 7. A worker dropped for silence; a frozen server ------------------------------------------------
 
+
 def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> None:
     """Worker 1 SIGSTOPped for the rest of an asgd run with --timeout 10: the server drops it and
     the run ends, but on 43f33af summary.json said `failed_workers: []` (its process never
     exited, so the launcher saw no failure)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "distsgd", "train", "--algo", "asgd", "--workers", "2", *SMALL, "--model", "mlp",
-           "--epochs", "30", "--log-every", "20", "--timeout", "10", "--quiet", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        *SMALL,
+        "--model",
+        "mlp",
+        "--epochs",
+        "30",
+        "--log-every",
+        "20",
+        "--timeout",
+        "10",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: (out / "workers.json").exists() and _progress(out), 120, proc)

@@ -56,26 +56,35 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- 8. every setting checked before any process starts -------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
-    (["--seed", str(2 ** 64)], "--seed must be a whole number from 0 to 2**63 - 1"),
-    (["--seed", "-1"], "--seed must be a whole number from 0"),
-    (["--threads-per-worker", "100000"], "--threads-per-worker must be from 1 to the"),
-    (["--timeout", "1e308"], "--timeout must be positive and at most 604800 seconds"),
-    (["--timeout", "inf"], "--timeout must be a finite number"),
-    (["--timeout", "nan"], "--timeout must be a finite number"),
-    (["--algo", "allreduce", "--workers", "2", "--init-method", "tcp://127.0.0.1:0"],
-     "the port must be a number from 1 to 65535, got '0'"),
-    (["--algo", "allreduce", "--workers", "2", "--init-method", "tcp://127.0.0.1:99999"],
-     "the port must be a number from 1 to 65535, got '99999'"),
-    (["--algo", "asgd", "--workers", "2", "--init-method", "tcp://127.0.0.1:port"], "got 'port'"),
-    (["--init-method", "tcp://127.0.0.1:0"], "the port must be a number"),  # checked for any algorithm
-    (["--lr", "1e308"], "--lr must be a positive number (at most 3.403e+38)"),
-    (["--weight-decay", "1e308"], "--weight-decay must be >= 0 (at most"),
-    (["--target-loss", "inf"], "--target-loss must be a finite number"),
-    (["--straggler", "0:1e308"], "FACTOR from 1 to 1000"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seed", str(2**64)], "--seed must be a whole number from 0 to 2**63 - 1"),
+        (["--seed", "-1"], "--seed must be a whole number from 0"),
+        (["--threads-per-worker", "100000"], "--threads-per-worker must be from 1 to the"),
+        (["--timeout", "1e308"], "--timeout must be positive and at most 604800 seconds"),
+        (["--timeout", "inf"], "--timeout must be a finite number"),
+        (["--timeout", "nan"], "--timeout must be a finite number"),
+        (
+            ["--algo", "allreduce", "--workers", "2", "--init-method", "tcp://127.0.0.1:0"],
+            "the port must be a number from 1 to 65535, got '0'",
+        ),
+        (
+            ["--algo", "allreduce", "--workers", "2", "--init-method", "tcp://127.0.0.1:99999"],
+            "the port must be a number from 1 to 65535, got '99999'",
+        ),
+        (["--algo", "asgd", "--workers", "2", "--init-method", "tcp://127.0.0.1:port"], "got 'port'"),
+        (["--init-method", "tcp://127.0.0.1:0"], "the port must be a number"),  # checked for any algorithm
+        (["--lr", "1e308"], "--lr must be a positive number (at most 3.403e+38)"),
+        (["--weight-decay", "1e308"], "--weight-decay must be >= 0 (at most"),
+        (["--target-loss", "inf"], "--target-loss must be a finite number"),
+        (["--straggler", "0:1e308"], "FACTOR from 1 to 1000"),
+    ],
+)
 def test_every_setting_is_range_checked_before_any_process_starts(
-        tmp_path: Path, capsys: pytest.CaptureFixture, no_launch: None, args: list[str], message: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture, no_launch: None, args: list[str], message: str
+) -> None:
     """On 43f33af: tracebacks (a seed of 2**64: ValueError; --lr 1e308: RuntimeError in the first
     step; a straggler factor of 1e308: OverflowError), a worker's error once the processes had
     started (--timeout 1e308: OverflowError; a port of 99999), a 15 s wait for port 0 (300 s by
@@ -87,35 +96,53 @@ def test_every_setting_is_range_checked_before_any_process_starts(
 
 # --- 6. a checkpoint resumes under the algorithm that wrote it --------------------------------
 
-def test_a_checkpoint_resumes_only_under_its_own_algorithm(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                            no_launch: None) -> None:
+
+def test_a_checkpoint_resumes_only_under_its_own_algorithm(
+    tmp_path: Path, capsys: pytest.CaptureFixture, no_launch: None
+) -> None:
     """An asgd checkpoint resumed with another --algo: on 43f33af hogwild raised a KeyError
     traceback, allreduce stalled in gloo for --timeout (300 s), and dcasgd, sync-ps and async easgd
     resumed it as their own."""
     from helpers import run_cli
 
     run = tmp_path / "asgd"
-    r = run_cli("train", *SMALL, "--quiet", "--algo", "asgd", "--workers", "2", "--max-samples", "256",
-                "--checkpoint-every", "128", "--out", str(run), timeout=180)
+    r = run_cli(
+        "train",
+        *SMALL,
+        "--quiet",
+        "--algo",
+        "asgd",
+        "--workers",
+        "2",
+        "--max-samples",
+        "256",
+        "--checkpoint-every",
+        "128",
+        "--out",
+        str(run),
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     for other in (["hogwild"], ["allreduce"], ["dcasgd"], ["sync-ps"], ["easgd", "--easgd-mode", "async"]):
         r = main(capsys, "train", "--resume", str(run), "--max-samples", "512", "--quiet", "--algo", *other)
         assert r.returncode == 2
-        assert one_error_line(r.stderr) == f"error: the checkpoint in {run} was written by asgd, not {other[0]}; " \
-                                           f"resume it with --algo asgd"
+        assert (
+            one_error_line(r.stderr) == f"error: the checkpoint in {run} was written by asgd, not {other[0]}; "
+            f"resume it with --algo asgd"
+        )
     with pytest.raises(_Started):  # its own algorithm, named or not, goes on
         cli.main(["train", "--resume", str(run), "--max-samples", "512", "--quiet", "--algo", "asgd"])
 
 
 # --- 4. eval runs no file it was not asked to ----------------------------------------------------
 
-EVIL = '''
+EVIL = """
 import pathlib
 
 def make(*args, **kwargs):
     pathlib.Path(__file__).with_suffix(".ran").write_text("ran")
     raise ValueError("this file ran")
-'''
+"""
 
 
 @pytest.fixture
@@ -128,8 +155,9 @@ def saved(tmp_path: Path, capsys: pytest.CaptureFixture) -> dict:
 
 
 @pytest.mark.parametrize("what", ["model", "dataset"])
-def test_eval_imports_no_file_the_command_does_not_name(tmp_path: Path, capsys: pytest.CaptureFixture, saved: dict,
-                                                        what: str) -> None:
+def test_eval_imports_no_file_the_command_does_not_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture, saved: dict, what: str
+) -> None:
     """A checkpoint whose dataset (or model) is ``evil.py:make``: on 43f33af ``distsgd eval``
     imported and ran it. Now one line says how to allow it; naming the file runs it."""
     import torch
@@ -141,8 +169,10 @@ def test_eval_imports_no_file_the_command_does_not_name(tmp_path: Path, capsys: 
     torch.save({**saved, what: f"{evil}:make"}, ckpt)
     r = main(capsys, "eval", "--checkpoint", str(ckpt))
     assert r.returncode == 2 and not ran.exists()
-    assert one_error_line(r.stderr) == (f"error: {ckpt} was trained with the {what} in {evil}:make, and eval runs "
-                                        f"no file you did not name: if you trust that file, give --{what} {evil}:make")
+    assert one_error_line(r.stderr) == (
+        f"error: {ckpt} was trained with the {what} in {evil}:make, and eval runs "
+        f"no file you did not name: if you trust that file, give --{what} {evil}:make"
+    )
     r = main(capsys, "eval", "--checkpoint", str(ckpt), f"--{what}", f"{evil}:make")
     assert r.returncode == 2 and "this file ran" in one_error_line(r.stderr) and ran.exists()
     other = {"model": "mlp", "dataset": "digits"}[what]  # or a model or dataset that is no file
@@ -150,16 +180,20 @@ def test_eval_imports_no_file_the_command_does_not_name(tmp_path: Path, capsys: 
     assert r.returncode == 0 and r.stdout.startswith("mlp on digits"), r.stderr
 
 
-@pytest.mark.parametrize("recorded, message", [
-    ({"context": "abc"}, "setting 'context' must be a whole number, got 'abc'"),
-    ({"loss": 5}, "setting 'loss' must be a string, got 5"),
-    ({"loss": "hinge"}, "unknown loss 'hinge'"),
-    ({"init": [1]}, "setting 'init' must be a string, got [1]"),
-    ({"init": "orthogonal"}, "unknown init 'orthogonal'"),
-    ({"context": 0}, "--context must be at least 1"),
-])
-def test_eval_of_settings_of_the_wrong_type_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, saved: dict,
-                                                         recorded: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    "recorded, message",
+    [
+        ({"context": "abc"}, "setting 'context' must be a whole number, got 'abc'"),
+        ({"loss": 5}, "setting 'loss' must be a string, got 5"),
+        ({"loss": "hinge"}, "unknown loss 'hinge'"),
+        ({"init": [1]}, "setting 'init' must be a string, got [1]"),
+        ({"init": "orthogonal"}, "unknown init 'orthogonal'"),
+        ({"context": 0}, "--context must be at least 1"),
+    ],
+)
+def test_eval_of_settings_of_the_wrong_type_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, saved: dict, recorded: dict, message: str
+) -> None:
     """On 43f33af ``loss = 5`` was an AttributeError traceback, ``loss = "hinge"`` a KeyError, and
     ``context = "abc"`` went unnoticed (a traceback for a token dataset)."""
     import torch
@@ -173,6 +207,7 @@ def test_eval_of_settings_of_the_wrong_type_is_one_line(tmp_path: Path, capsys: 
 
 
 # --- 5. --overwrite deletes only the files distsgd recorded writing --------------------------------
+
 
 def _tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -205,8 +240,19 @@ def test_overwrite_of_a_bench_keeps_run_folders_it_did_not_make(tmp_path: Path, 
     import shutil
 
     bench = tmp_path / "bench"
-    args = ["bench", "--algos", "single", "--workers", "1", *SMALL, "--max-samples", "64", "--quiet", "--out",
-            str(bench)]
+    args = [
+        "bench",
+        "--algos",
+        "single",
+        "--workers",
+        "1",
+        *SMALL,
+        "--max-samples",
+        "64",
+        "--quiet",
+        "--out",
+        str(bench),
+    ]
     assert main(capsys, *args).returncode == 0
     shutil.copytree(bench / "runs" / "single-w1-r0", bench / "runs" / "mine")
     before = _tree(bench)
@@ -219,8 +265,9 @@ def test_overwrite_of_a_bench_keeps_run_folders_it_did_not_make(tmp_path: Path, 
     assert (bench / "runs" / "single-w1-r0" / "summary.json").read_bytes() != old
 
 
-def test_overwrite_refuses_a_directory_whose_files_are_not_recorded(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
+def test_overwrite_refuses_a_directory_whose_files_are_not_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A run directory of an older distsgd (a marker, or a config.toml, but no record of what it
     wrote) is not guessed at by its names: refused (43f33af replaced it by its names)."""
     run = tmp_path / "run"
@@ -234,19 +281,35 @@ def test_overwrite_refuses_a_directory_whose_files_are_not_recorded(tmp_path: Pa
 
 # --- 9. a repeated warning is said once, with a count; a full disk names its file ------------------
 
-def test_a_diverged_run_says_its_loss_is_nan_once_with_a_count(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+
+def test_a_diverged_run_says_its_loss_is_nan_once_with_a_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
     """--lr 1e30 makes the loss nan within a step or two: on 43f33af "training loss is nan" came at
     every progress report (39 lines here; 94 in the issue's run)."""
     caplog.set_level(logging.WARNING)  # (not --quiet, which says nothing but errors)
-    r = main(capsys, "train", *SMALL, "--lr", "1e30", "--max-samples", "640", "--log-every", "1", "--out",
-             str(tmp_path / "o"))
+    r = main(
+        capsys,
+        "train",
+        *SMALL,
+        "--lr",
+        "1e30",
+        "--max-samples",
+        "640",
+        "--log-every",
+        "1",
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert r.returncode == 0, r.stderr
     said = [rec.getMessage() for rec in caplog.records if "training loss" in rec.getMessage()]
     assert len(said) == 2, said
     assert said[0].startswith("training loss is nan at ") and said[0].endswith(" samples: lower --lr?")
-    count = sum(1 for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()
-                if '"event":"progress"' in line and '"loss":NaN' in line)
+    count = sum(
+        1
+        for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()
+        if '"event":"progress"' in line and '"loss":NaN' in line
+    )
     assert count > 30 and said[1].startswith(f"training loss was nan or inf in {count} progress reports, from ")
 
 

@@ -51,8 +51,25 @@ def two_hosts():
             _ip("-n", names[h], "link", "set", veth[h], "up")
             _ip("-n", names[h], "link", "set", "lo", "up")
             if shutil.which("tc"):
-                subprocess.run(["ip", "netns", "exec", names[h], "tc", "qdisc", "add", "dev", veth[h], "root", "netem",
-                                "delay", "5ms"], capture_output=True, timeout=30)
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        names[h],
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        veth[h],
+                        "root",
+                        "netem",
+                        "delay",
+                        "5ms",
+                    ],
+                    capture_output=True,
+                    timeout=30,
+                )
         yield names, veth
     finally:
         for name in made:
@@ -63,10 +80,42 @@ def _run_on_both(names, veth, algo: str, out: Path, port: int) -> list[subproces
     procs = []
     for node, h in enumerate(HOSTS):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": veth[h], "TP_SOCKET_IFNAME": veth[h], "OMP_NUM_THREADS": "1"}
-        cmd = ["ip", "netns", "exec", names[h], sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", HOSTS["a"],
-               "--master-port", str(port), "-m", "distsgd", "train", "--algo", algo, "--dataset", "digits",
-               "--model", "mlp", "--epochs", "2", "--lr", "0.05", "--out", str(out), "--timeout", "60"]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            names[h],
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            HOSTS["a"],
+            "--master-port",
+            str(port),
+            "-m",
+            "distsgd",
+            "train",
+            "--algo",
+            algo,
+            "--dataset",
+            "digits",
+            "--model",
+            "mlp",
+            "--epochs",
+            "2",
+            "--lr",
+            "0.05",
+            "--out",
+            str(out),
+            "--timeout",
+            "60",
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     results = []
     for p in procs:

@@ -47,17 +47,35 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("algo, workers, every, extra", [
-    ("single", 1, "300", {}), ("allreduce", 2, "epoch", {}), ("local-sgd", 2, "500", {}), ("ddp", 2, "epoch", {}),
-    ("diloco", 2, "500", {"lr": 0.002}), ("allreduce", 2, "500", {"compress": "powersgd:2"}),
-    ("local-sgd", 2, "500", {"compress": "powersgd"}), ("ddp", 2, "epoch", {"compress": "fp16"}),
-])
+@pytest.mark.parametrize(
+    "algo, workers, every, extra",
+    [
+        ("single", 1, "300", {}),
+        ("allreduce", 2, "epoch", {}),
+        ("local-sgd", 2, "500", {}),
+        ("ddp", 2, "epoch", {}),
+        ("diloco", 2, "500", {"lr": 0.002}),
+        ("allreduce", 2, "500", {"compress": "powersgd:2"}),
+        ("local-sgd", 2, "500", {"compress": "powersgd"}),
+        ("ddp", 2, "epoch", {"compress": "fp16"}),
+    ],
+)
 @pytest.mark.slow
-def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_model, algo, workers, every,
-                                                            extra) -> None:
+def test_resumed_run_ends_exactly_like_an_uninterrupted_one(
+    tmp_path, dropout_model, algo, workers, every, extra
+) -> None:
     # --eval-every: by default a run's evaluations spread over its own budget, which the first part's is not
-    common = dict(model=dropout_model, data="digits", algo=algo, workers=workers, lr=0.05, checkpoint_every=every,
-                  eval_every=500, quiet=True, **({"sync_every": "4"} if algo in ("local-sgd", "diloco") else {}))
+    common = dict(
+        model=dropout_model,
+        data="digits",
+        algo=algo,
+        workers=workers,
+        lr=0.05,
+        checkpoint_every=every,
+        eval_every=500,
+        quiet=True,
+        **({"sync_every": "4"} if algo in ("local-sgd", "diloco") else {}),
+    )
     common.update(extra)
     full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
     distsgd.train(max_samples=1436, out=str(tmp_path / "part"), **common)
@@ -68,16 +86,18 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, dropout_mo
     # Evaluations made before the checkpoint come back; one made only because the first run ended there
     # (its final evaluation) does not.
     assert {e["samples"] for e in resumed.summary["evals"]} <= {e["samples"] for e in full.summary["evals"]}
-    assert resumed.summary["evals"][-1] == full.summary["evals"][-1] | {"train_wall_s": resumed.summary["evals"][-1]
-                                                                        ["train_wall_s"]}
+    assert resumed.summary["evals"][-1] == full.summary["evals"][-1] | {
+        "train_wall_s": resumed.summary["evals"][-1]["train_wall_s"]
+    }
     saved = json.loads((tmp_path / "part" / "summary.json").read_text())
     assert saved["samples"] == full.summary["samples"]  # written back into the resumed directory
 
 
 @pytest.mark.slow
 def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_model, monkeypatch) -> None:
-    common = dict(model=dropout_model, data="digits", algo="sync-ps", workers=2, lr=0.05, checkpoint_every="500",
-                  quiet=True)
+    common = dict(
+        model=dropout_model, data="digits", algo="sync-ps", workers=2, lr=0.05, checkpoint_every="500", quiet=True
+    )
     full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
     # Worker 1 (RPC rank 2) is SIGKILLed at its 15th step, after the third checkpoint (about 1500 samples).
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
@@ -118,11 +138,16 @@ def test_previous_checkpoint_stays_until_the_new_one_is_whole(tmp_path) -> None:
     assert not list(tmp_path.glob("checkpoint/*.tmp"))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"algo": "hogwild", "workers": 2, "checkpoint_every": "epoch", "restart_workers": -1},
-     "--restart-workers must be >= 0"),
-    ({"checkpoint_every": "often"}, "--checkpoint-every must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"algo": "hogwild", "workers": 2, "checkpoint_every": "epoch", "restart_workers": -1},
+            "--restart-workers must be >= 0",
+        ),
+        ({"checkpoint_every": "often"}, "--checkpoint-every must be"),
+    ],
+)
 def test_bad_checkpoint_settings(tmp_path, kwargs, message) -> None:
     with pytest.raises(distsgd.ConfigError, match=message):
         distsgd.train(model="mlp", data="digits", out=str(tmp_path / "r"), quiet=True, **kwargs)
@@ -135,24 +160,53 @@ def test_bad_resume(tmp_path) -> None:
     distsgd.train(model="mlp", data="digits", epochs=1, out=str(tmp_path / "plain"), quiet=True)
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         distsgd.train(resume=str(tmp_path / "plain"), epochs=2)
-    distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, epochs=1, checkpoint_every="epoch",
-                  out=str(tmp_path / "two"), quiet=True)
+    distsgd.train(
+        model="mlp",
+        data="digits",
+        algo="allreduce",
+        workers=2,
+        epochs=1,
+        checkpoint_every="epoch",
+        out=str(tmp_path / "two"),
+        quiet=True,
+    )
     with pytest.raises(distsgd.ConfigError, match="has 2 workers; resume it with --workers 2"):
         distsgd.train(resume=str(tmp_path / "two"), workers=1, algo="single", epochs=2)
 
 
 @pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
-    args = ["train", "--algo", "allreduce", "--dataset", "digits", "--model", dropout_model, "--max-samples", "2872",
-            "--lr", "0.05", "--checkpoint-every", "400"]  # not --quiet: it would hide the warning looked for
+    args = [
+        "train",
+        "--algo",
+        "allreduce",
+        "--dataset",
+        "digits",
+        "--model",
+        dropout_model,
+        "--max-samples",
+        "2872",
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        "400",
+    ]  # not --quiet: it would hide the warning looked for
     torchrun = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "distsgd"]
     env = {"OMP_NUM_THREADS": "1", "KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
-    res = run_cli(*torchrun, *args, "--out", str(tmp_path / "restarted"), module="torch.distributed.run",
-                  timeout=240, env=env)
+    res = run_cli(
+        *torchrun, *args, "--out", str(tmp_path / "restarted"), module="torch.distributed.run", timeout=240, env=env
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming from the checkpoint" in res.stderr
-    res = run_cli(*torchrun, *args, "--out", str(tmp_path / "clean"), module="torch.distributed.run", timeout=240,
-                  env={**env, "KILL_RANK": "none"})
+    res = run_cli(
+        *torchrun,
+        *args,
+        "--out",
+        str(tmp_path / "clean"),
+        module="torch.distributed.run",
+        timeout=240,
+        env={**env, "KILL_RANK": "none"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     restarted = json.loads((tmp_path / "restarted" / "summary.json").read_text())
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
@@ -168,11 +222,33 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     scratch) and finish it. (With a 5,744-sample budget the survivor used to finish the whole run
     before torchrun noticed: the test passed without anything being resumed mid-run.)"""
     out = tmp_path / "restarted"
-    res = run_cli("--standalone", "--nproc-per-node", "3", "--max-restarts", "1", "-m", "distsgd", "train",
-                  "--algo", "asgd", "--dataset", "digits", "--model", dropout_model, "--max-samples", "14360",
-                  "--lr", "0.05", "--checkpoint-every", "400", "--out", str(out),  # not --quiet: its warnings are looked for
-                  module="torch.distributed.run", timeout=240,
-                  env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "10"})
+    res = run_cli(
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "asgd",
+        "--dataset",
+        "digits",
+        "--model",
+        dropout_model,
+        "--max-samples",
+        "14360",
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        "400",
+        "--out",
+        str(out),  # not --quiet: its warnings are looked for
+        module="torch.distributed.run",
+        timeout=240,
+        env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "10"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "exitcode: -9" in res.stderr and "resuming from the checkpoint" in res.stderr
     s = json.loads((out / "summary.json").read_text())

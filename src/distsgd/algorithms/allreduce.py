@@ -74,16 +74,21 @@ def _bucket(params: list[nn.Parameter]) -> Bucket:
     for p in params:
         offsets.append(total)
         total += p.numel()
-    return Bucket(params=params, buffer=torch.zeros(total, dtype=params[0].dtype, device=params[0].device),
-                  offsets=offsets)
+    return Bucket(
+        params=params, buffer=torch.zeros(total, dtype=params[0].dtype, device=params[0].device), offsets=offsets
+    )
 
 
 @dataclass(frozen=True)
 class BucketOptions(compress.CompressOptions):
     """allreduce's and ddp's options."""
 
-    bucket_mb: float = option(25.0, "gradient bucket size in MB; default 25 (allreduce --compress refuses it: no "
-                                    "buckets; ddp --compress powersgd on gloo: one bucket)", metavar="MB")
+    bucket_mb: float = option(
+        25.0,
+        "gradient bucket size in MB; default 25 (allreduce --compress refuses it: no "
+        "buckets; ddp --compress powersgd on gloo: one bucket)",
+        metavar="MB",
+    )
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)
@@ -108,8 +113,10 @@ class AllReduce(GroupAlgorithm):
         super().check(cfg)
         opts = cls.Options.from_mapping(cfg.options)
         if opts.compress != "none" and opts.bucket_mb != cls.Options().bucket_mb:
-            raise ConfigError(f"allreduce --compress {opts.compress} reduces every gradient at once, after backward, "
-                              f"in no buckets: --bucket-mb does not apply (leave it out)")
+            raise ConfigError(
+                f"allreduce --compress {opts.compress} reduces every gradient at once, after backward, "
+                f"in no buckets: --bucket-mb does not apply (leave it out)"
+            )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
@@ -151,7 +158,7 @@ class AllReduce(GroupAlgorithm):
             if not force and bucket.ready < len(bucket.params):
                 return
             for p, offset in zip(bucket.params, bucket.offsets):
-                view = bucket.buffer[offset:offset + p.numel()]
+                view = bucket.buffer[offset : offset + p.numel()]
                 if p.grad is None:  # unused in this forward: contributes zero
                     view.zero_()
                 else:
@@ -177,7 +184,7 @@ class AllReduce(GroupAlgorithm):
             bucket.handle.wait()
             bucket.buffer.div_(self.world)
             for p, offset in zip(bucket.params, bucket.offsets):
-                averaged = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                averaged = bucket.buffer[offset : offset + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = averaged.clone()
                 else:
@@ -199,5 +206,6 @@ class AllReduce(GroupAlgorithm):
         return model
 
     def figures(self) -> AllReduceFigures:
-        return AllReduceFigures(**vars(super().figures()),
-                                buckets=len(self.buckets) if self.compressor is None else None)
+        return AllReduceFigures(
+            **vars(super().figures()), buckets=len(self.buckets) if self.compressor is None else None
+        )

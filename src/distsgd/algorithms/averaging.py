@@ -47,7 +47,7 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], add: bool = 
     with torch.no_grad():
         for t in tensors:
             n = t.numel()
-            piece = flat[offset:offset + n].view_as(t)
+            piece = flat[offset : offset + n].view_as(t)
             t.add_(piece) if add else t.copy_(piece)
             offset += n
 
@@ -58,13 +58,15 @@ def flat_view_(tensors: list[torch.Tensor]) -> torch.Tensor:
     dtype (one buffer has one)."""
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        raise ConfigError(f"this algorithm keeps the parameters as one flat tensor, and this model's have several "
-                          f"dtypes ({', '.join(sorted(str(d) for d in dtypes))}): give them one")
+        raise ConfigError(
+            f"this algorithm keeps the parameters as one flat tensor, and this model's have several "
+            f"dtypes ({', '.join(sorted(str(d) for d in dtypes))}): give them one"
+        )
     flat = flatten(tensors).clone()
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.data = flat[offset:offset + n].view_as(t)
+        t.data = flat[offset : offset + n].view_as(t)
         offset += n
     return flat
 
@@ -119,9 +121,14 @@ def elastic_alpha(opts: Any, workers: int) -> float:
 def mean_state(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The average of several state dicts of one architecture: floating-point entries are
     averaged, integer ones (counters) are taken from the first."""
-    return {k: (torch.stack([s[k].detach() for s in states]).mean(dim=0) if v.dtype.is_floating_point
-                else v.detach().clone())
-            for k, v in states[0].items()}
+    return {
+        k: (
+            torch.stack([s[k].detach() for s in states]).mean(dim=0)
+            if v.dtype.is_floating_point
+            else v.detach().clone()
+        )
+        for k, v in states[0].items()
+    }
 
 
 def max_abs_diff(model: nn.Module, world: int) -> float:

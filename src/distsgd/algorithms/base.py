@@ -79,6 +79,7 @@ KINDS = ("baseline", "data parallel", "shared memory", "parameter server", "mode
 
 # -- topologies: how processes are arranged, and what each launcher asks of an algorithm ---------
 
+
 class Topology:
     """How an algorithm's processes are arranged; ``kind`` picks the launcher module."""
 
@@ -182,14 +183,23 @@ class Server(Topology):
     kind = "server"
     exact_checkpoints: bool = False  # every worker saves at the same round (sync-ps): lockstep restarts
 
-    def serve(self, job: "Job", algo_cls: type["Algorithm"], workers: int, address: str, sink: Any,
-              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None,
-              secret: bytes = b"") -> "WorkerResult":
+    def serve(
+        self,
+        job: "Job",
+        algo_cls: type["Algorithm"],
+        workers: int,
+        address: str,
+        sink: Any,
+        publish: Callable[[str], None] | None = None,
+        given_up: torch.Tensor | None = None,
+        secret: bytes = b"",
+    ) -> "WorkerResult":
         """Be the server of ``workers`` workers of ``algo_cls`` at ``address`` until they are all done."""
         raise NotImplementedError
 
 
 # -- the interface --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class NoOptions(Options):
@@ -369,9 +379,29 @@ def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Any:
     return algo_cls.Options.from_mapping(cfg.options)
 
 
-__all__ = ["Algorithm", "Topology", "Single", "Group", "SharedMemory", "SharedSeat", "Server", "ServerSeat",
-           "NoOptions", "KINDS", "register", "get", "resolve", "names", "baseline", "option_owners", "options_of", "flag_of",
-           "GroupAlgorithm", "Start", "Step"]
+__all__ = [
+    "Algorithm",
+    "Topology",
+    "Single",
+    "Group",
+    "SharedMemory",
+    "SharedSeat",
+    "Server",
+    "ServerSeat",
+    "NoOptions",
+    "KINDS",
+    "register",
+    "get",
+    "resolve",
+    "names",
+    "baseline",
+    "option_owners",
+    "options_of",
+    "flag_of",
+    "GroupAlgorithm",
+    "Start",
+    "Step",
+]
 
 
 class GroupAlgorithm(Algorithm):
@@ -419,8 +449,12 @@ class GroupAlgorithm(Algorithm):
         return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sent_alike": self.sent_alike, "eval_share": self.eval_share,
-                "largest": self.largest}
+        return {
+            **super().state_dict(),
+            "sent_alike": self.sent_alike,
+            "eval_share": self.eval_share,
+            "largest": self.largest,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -443,9 +477,12 @@ class GroupAlgorithm(Algorithm):
         return self.unwrap(model)
 
     def figures(self) -> "GroupFigures":
-        return GroupFigures(bytes_sent=self.bytes_sent, eval_bytes_sent=self.eval_share * self.world,
-                            largest_transfer_bytes=self.largest,
-                            replica_max_abs_diff=getattr(self, "replica_max_abs_diff", None))
+        return GroupFigures(
+            bytes_sent=self.bytes_sent,
+            eval_bytes_sent=self.eval_share * self.world,
+            largest_transfer_bytes=self.largest,
+            replica_max_abs_diff=getattr(self, "replica_max_abs_diff", None),
+        )
 
 
 @dataclass

@@ -59,15 +59,22 @@ def _checked(text: Any) -> str:
 class CompressOptions(Options):
     """The option of every algorithm whose all-reduce can be compressed."""
 
-    compress: str = option("none", "none, fp16 or powersgd[:RANK] (PowerSGD with error feedback, rank 2 by "
-                                   "default) for what is all-reduced; default none", parse=_checked, metavar="KIND")
+    compress: str = option(
+        "none",
+        "none, fp16 or powersgd[:RANK] (PowerSGD with error feedback, rank 2 by "
+        "default) for what is all-reduced; default none",
+        parse=_checked,
+        metavar="KIND",
+    )
 
     def check(self, cfg: Any) -> None:
         if parse(self.compress)[0] == "powersgd" and getattr(cfg, "precision", "fp32") == "fp16":
             # fp16's loss scaling overflows on purpose now and then: an inf gradient would enter
             # PowerSGD's error feedback and its warm-started Q, and never leave
-            raise ConfigError("--compress powersgd does not go with --precision fp16 (an overflowed step would "
-                              "poison its error feedback); use --precision bf16")
+            raise ConfigError(
+                "--compress powersgd does not go with --precision fp16 (an overflowed step would "
+                "poison its error feedback); use --precision bf16"
+            )
 
 
 class Compressor:
@@ -170,8 +177,10 @@ class PowerSGD(Compressor):
                 _orthogonalize(q)
             return ps, self.qs
         generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
-        self.qs = [torch.randn(1, m.shape[2], r, generator=generator, dtype=m.dtype).to(m.device)  # the same draws
-                   for m, r in zip(compress, ranks)]  # on any device: made on the CPU
+        self.qs = [
+            torch.randn(1, m.shape[2], r, generator=generator, dtype=m.dtype).to(m.device)  # the same draws
+            for m, r in zip(compress, ranks)
+        ]  # on any device: made on the CPU
         for q in self.qs:
             _orthogonalize(q)
         return ps, self.qs
@@ -189,13 +198,18 @@ class PowerSGD(Compressor):
 def rng_state(rng: np.random.RandomState) -> dict[str, Any]:
     """A numpy RandomState's state as tensors and numbers (a checkpoint holds no numpy objects)."""
     _, keys, pos, has_gauss, gauss = rng.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-            "gauss": float(gauss)}
+    return {
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
 
 
 def set_rng_state(rng: np.random.RandomState, state: dict[str, Any]) -> None:
-    rng.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
-                   state["gauss"]))
+    rng.set_state(
+        ("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"], state["gauss"])
+    )
 
 
 def powersgd_bytes(tensors: list[torch.Tensor], rank: int) -> int:
@@ -232,11 +246,11 @@ def _orthogonalize(m: torch.Tensor) -> None:
         torch.linalg.qr(m, out=(m, torch.empty(1, m.shape[2], m.shape[2], dtype=m.dtype, device=m.device)))
         return
     for i in range(m.shape[2]):
-        col = m[:, :, i:i + 1]
+        col = m[:, :, i : i + 1]
         norm = torch.norm(col, dim=1, keepdim=True)
         col /= torch.where(norm > 0, norm, torch.ones_like(norm))
         if i + 1 < m.shape[2]:
-            rest = m[:, :, i + 1:]
+            rest = m[:, :, i + 1 :]
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
 
 

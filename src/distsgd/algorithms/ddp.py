@@ -49,27 +49,42 @@ class DDP(GroupAlgorithm):
         bucket_mb = self.opts.bucket_mb
         if how == "powersgd" and dist.get_backend() == "gloo":
             bucket_mb = max(bucket_mb, self._grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb,
-                                      device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+        ddp = DistributedDataParallel(
+            model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None
+        )
         self.hook_state: Any = None
         if how == "fp16":
-            ddp.register_comm_hook(None, self._counting(default_hooks.fp16_compress_hook,
-                                                        lambda b: b.buffer().numel() * 2))
+            ddp.register_comm_hook(
+                None, self._counting(default_hooks.fp16_compress_hook, lambda b: b.buffer().numel() * 2)
+            )
         elif how == "powersgd":
             self.hook_state = powerSGD_hook.PowerSGDState(
-                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=compress.START_ITER,
-                min_compression_rate=compress.MIN_COMPRESSION_RATE, use_error_feedback=True, warm_start=True)
+                process_group=None,
+                matrix_approximation_rank=rank,
+                start_powerSGD_iter=compress.START_ITER,
+                min_compression_rate=compress.MIN_COMPRESSION_RATE,
+                use_error_feedback=True,
+                warm_start=True,
+            )
             state = self.hook_state
-            ddp.register_comm_hook(state, self._counting(
-                powerSGD_hook.powerSGD_hook,
-                lambda b: b.buffer().numel() * 4 if state.iter < state.start_powerSGD_iter
-                else compress.powersgd_bytes(b.gradients(), rank)))
+            ddp.register_comm_hook(
+                state,
+                self._counting(
+                    powerSGD_hook.powerSGD_hook,
+                    lambda b: (
+                        b.buffer().numel() * 4
+                        if state.iter < state.start_powerSGD_iter
+                        else compress.powersgd_bytes(b.gradients(), rank)
+                    ),
+                ),
+            )
         self.hooked = how != "none"
         return ddp
 
     def _counting(self, hook: Callable, nbytes: Callable[[Any], int]) -> Callable:
         """torch's ``hook``, and the bytes it all-reduces for each bucket counted first. (No
         annotations: DDP checks a hook's, and under postponed evaluation they would be strings.)"""
+
         def counted(state, bucket):  # type: ignore[no-untyped-def]
             self.sent(nbytes(bucket), self.world)
             return hook(state, bucket)

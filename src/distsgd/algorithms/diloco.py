@@ -61,18 +61,27 @@ PARTIAL_ROUNDS = ("average", "theta", "step")
 class OuterOptions(Options):
     """The inner and outer optimisers of DiLoCo and the algorithms built on it."""
 
-    inner_optimizer: str = option("adamw", "the workers' inner optimiser (sgd, adam, adamw) at --lr and "
-                                           "--weight-decay; default adamw", metavar="NAME")
+    inner_optimizer: str = option(
+        "adamw",
+        "the workers' inner optimiser (sgd, adam, adamw) at --lr and --weight-decay; default adamw",
+        metavar="NAME",
+    )
     outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient; default 0.7")
     outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum; default 0.9", metavar="MU")
-    partial_round: str = option("average", "what a round cut short returns (the run's end, an evaluation inside "
-                                           "a round): average (the workers' models averaged), theta (the last "
-                                           "outer step's model, the round's steps dropped) or step (an outer step "
-                                           "on the partial pseudo-gradient); default average", metavar="RULE")
+    partial_round: str = option(
+        "average",
+        "what a round cut short returns (the run's end, an evaluation inside "
+        "a round): average (the workers' models averaged), theta (the last "
+        "outer step's model, the round's steps dropped) or step (an outer step "
+        "on the partial pseudo-gradient); default average",
+        metavar="RULE",
+    )
 
     def check(self, cfg: RunConfig) -> None:
         if self.inner_optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown --inner-optimizer '{self.inner_optimizer}' (choose from {', '.join(OPTIMIZERS)})")
+            raise ConfigError(
+                f"unknown --inner-optimizer '{self.inner_optimizer}' (choose from {', '.join(OPTIMIZERS)})"
+            )
         if not self.outer_lr > 0:
             raise ConfigError(f"--outer-lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -111,8 +120,9 @@ class InnerOuter(GroupAlgorithm):
 
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
-        return build_optimizer(self.cfg.replace(optimizer=self.opts.inner_optimizer), model, ctx.job.optimizer,
-                               ctx.job.param_groups)
+        return build_optimizer(
+            self.cfg.replace(optimizer=self.opts.inner_optimizer), model, ctx.job.optimizer, ctx.job.param_groups
+        )
 
 
 @register
@@ -136,8 +146,9 @@ class DiLoCo(InnerOuter):
         return model
 
     def _make_outer(self, theta: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(theta, lr=self.opts.outer_lr, momentum=self.opts.outer_momentum,
-                               nesterov=self.opts.outer_momentum > 0)
+        return torch.optim.SGD(
+            theta, lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
+        )
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.period.stepped()
@@ -159,8 +170,9 @@ class DiLoCo(InnerOuter):
         self.rounds += 1
         self.period.synced()
 
-    def _outer_step(self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer | None,
-                    compressor: compress.Compressor) -> int:
+    def _outer_step(
+        self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer | None, compressor: compress.Compressor
+    ) -> int:
         """One outer step of ``target`` (theta) with ``outer`` on the pseudo-gradients of this
         worker's ``model``, averaged through ``compressor`` (``outer`` None: theta <- theta - Delta,
         the workers' models averaged, no momentum); ``target``'s buffers become the average of the
@@ -209,9 +221,14 @@ class DiLoCo(InnerOuter):
         return self.global_model
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rounds": self.rounds, "period": self.period.state_dict(),
-                "global": {k: v.clone() for k, v in self.global_model.state_dict().items()},
-                "outer": self.outer.state_dict(), "compressor": self.compressor.state_dict()}
+        return {
+            **super().state_dict(),
+            "rounds": self.rounds,
+            "period": self.period.state_dict(),
+            "global": {k: v.clone() for k, v in self.global_model.state_dict().items()},
+            "outer": self.outer.state_dict(),
+            "compressor": self.compressor.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -68,8 +68,9 @@ def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: 
 class EASGDOptions(Options):
     tau: int = option(8, "steps between elastic exchanges; default 8")
     alpha: float | None = option(None, "elastic strength; default 0.9 / workers (beta = N alpha = 0.9)")
-    easgd_mode: str = option("sync", "sync (all-reduce) or async (centre on a parameter server); default sync",
-                             metavar="MODE")
+    easgd_mode: str = option(
+        "sync", "sync (all-reduce) or async (centre on a parameter server); default sync", metavar="MODE"
+    )
 
     def check(self, cfg: RunConfig) -> None:
         if self.tau < 1:
@@ -78,7 +79,9 @@ class EASGDOptions(Options):
             raise ConfigError(f"--easgd-mode must be sync or async, got '{self.easgd_mode}'")
         alpha = elastic_alpha(self, cfg.workers)
         if not 0 < alpha * cfg.workers < 2:  # the paper's stability condition on beta = N alpha
-            raise ConfigError(f"--alpha {alpha} gives beta = N alpha = {alpha * cfg.workers:.3g}; it must lie in (0, 2)")
+            raise ConfigError(
+                f"--alpha {alpha} gives beta = N alpha = {alpha * cfg.workers:.3g}; it must lie in (0, 2)"
+            )
 
 
 @dataclass
@@ -165,7 +168,8 @@ class AsyncEASGD(ServerAlgorithm):
         optimiser's step, and local steps between exchanges."""
         if self.period.due(step.number - 1):
             (diff, diffs), self.version, self.total, self.stop = self.client.exchange(
-                self.weights, self.floats, self.ints, self.local)
+                self.weights, self.floats, self.ints, self.local
+            )
             with torch.no_grad():
                 self.weights.sub_(self.alpha * diff)  # x_i <- x_i - alpha d: the parameters are views of weights
                 for b, d in zip(self.floats, diffs):

@@ -234,5 +234,9 @@ class Hogwild(Algorithm):
         return super().finish(ctx, model)
 
     def figures(self) -> Figures:
-        return HogwildFigures(bytes_sent=0, dataset_shared=self.dataset_shared, model_shared=self.model_shared,
-                              hogwild_lock=self.lock is not None)
+        return HogwildFigures(
+            bytes_sent=0,
+            dataset_shared=self.dataset_shared,
+            model_shared=self.model_shared,
+            hogwild_lock=self.lock is not None,
+        )

@@ -96,7 +96,7 @@ def ring_constants(n: int) -> tuple[float, float]:
     lo, hi = 0.0, 1.0
     for _ in range(200):
         mid = (lo + hi) / 2
-        if mid ** n + mid - 1 > 0:
+        if mid**n + mid - 1 > 0:
             hi = mid
         else:
             lo = mid
@@ -104,8 +104,15 @@ def ring_constants(n: int) -> tuple[float, float]:
     return beta, 1 - beta ** (n - 1)
 
 
-def token_pass(w_i: torch.Tensor, w_next: torch.Tensor, w_old: torch.Tensor, beta: float, lam: float,
-               scale: float = 1.0, tolerance: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_pass(
+    w_i: torch.Tensor,
+    w_next: torch.Tensor,
+    w_old: torch.Tensor,
+    beta: float,
+    lam: float,
+    scale: float = 1.0,
+    tolerance: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One exchange on flat tensors, the authors' rule (the module's docstring): returns the new
     (w_i, w_next, w_i_old). w_next is mixed in as it was before receiving beta * delta."""
     delta, sent = split_delta(w_i, w_old, scale, tolerance)
@@ -113,8 +120,9 @@ def token_pass(w_i: torch.Tensor, w_next: torch.Tensor, w_old: torch.Tensor, bet
     return new_i, w_next + beta * sent, new_i - (delta - sent)
 
 
-def split_delta(w_i: torch.Tensor, w_old: torch.Tensor, scale: float,
-                tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+def split_delta(
+    w_i: torch.Tensor, w_old: torch.Tensor, scale: float, tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(delta, sent): delta = scale * (w_i - w_old); sent is delta where |delta| > tolerance and 0
     elsewhere, what the next cluster receives (beta times). The rest waits in w_i_old."""
     delta = (w_i - w_old) * scale
@@ -122,8 +130,9 @@ def split_delta(w_i: torch.Tensor, w_old: torch.Tensor, scale: float,
     return delta, sent
 
 
-def holder_increment(w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tensor, sent: torch.Tensor, beta: float,
-                     lam: float) -> torch.Tensor:
+def holder_increment(
+    w_i: torch.Tensor, w_next: torch.Tensor, delta: torch.Tensor, sent: torch.Tensor, beta: float, lam: float
+) -> torch.Tensor:
     """What the holder adds to w_i: the new w_i minus w_i, where w_next is the next cluster's model
     before it received beta * sent: lambda * (w_next - w_i), plus (beta + lambda - 1) * delta where
     delta is sent and lambda * delta where it is not. Added as an increment, it keeps the local
@@ -164,17 +173,29 @@ class RingState:
 @dataclass(frozen=True)
 class RingOptions(HogwildOptions):
     cluster_size: int = option(1, "worker processes per cluster; default 1", metavar="C")
-    update_delay: int = option(UPDATE_DELAY, "tau0: optimiser steps per worker (each --accumulate micro-batches) the "
-                                             "holding cluster makes after its exchange before passing the token on; "
-                                             f"default {UPDATE_DELAY}", metavar="TAU0")
-    ring_scale: float | str = option(RING_SCALE, "eta, the factor on the delta a token holder passes on: 'lr' (its "
-                                                 "learning rate at the exchange, following the schedule, as the "
-                                                 "authors' code uses its step size) or a fixed number (1: the model's "
-                                                 f"change itself); default {RING_SCALE}", parse=parse_ring_scale,
-                                     metavar="lr|ETA")
-    ring_tolerance: float = option(RING_TOLERANCE, "coordinates whose scaled delta is at most this are not passed "
-                                                   "on but wait in the holder's old model (the authors' code: 1e-2); "
-                                                   f"default {RING_TOLERANCE:g}", metavar="TOL")
+    update_delay: int = option(
+        UPDATE_DELAY,
+        "tau0: optimiser steps per worker (each --accumulate micro-batches) the "
+        "holding cluster makes after its exchange before passing the token on; "
+        f"default {UPDATE_DELAY}",
+        metavar="TAU0",
+    )
+    ring_scale: float | str = option(
+        RING_SCALE,
+        "eta, the factor on the delta a token holder passes on: 'lr' (its "
+        "learning rate at the exchange, following the schedule, as the "
+        "authors' code uses its step size) or a fixed number (1: the model's "
+        f"change itself); default {RING_SCALE}",
+        parse=parse_ring_scale,
+        metavar="lr|ETA",
+    )
+    ring_tolerance: float = option(
+        RING_TOLERANCE,
+        "coordinates whose scaled delta is at most this are not passed "
+        "on but wait in the holder's old model (the authors' code: 1e-2); "
+        f"default {RING_TOLERANCE:g}",
+        metavar="TOL",
+    )
 
     def check(self, cfg: RunConfig) -> None:
         if self.cluster_size < 1:
@@ -206,8 +227,14 @@ class Ring(HogwildMemory):
         def shared_int() -> torch.Tensor:
             return torch.zeros(1, dtype=torch.int64).share_memory_()
 
-        return RingState(old=[flatten(params(m)).share_memory_() for m in models], token=shared_int(),
-                         synced=shared_int(), synced_at=shared_int(), passes=shared_int(), lock=OwnedLock())
+        return RingState(
+            old=[flatten(params(m)).share_memory_() for m in models],
+            token=shared_int(),
+            synced=shared_int(),
+            synced_at=shared_int(),
+            passes=shared_int(),
+            lock=OwnedLock(),
+        )
 
     def combine(self, states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The model returned: the clusters' average (integer buffers from cluster 0)."""
@@ -274,7 +301,9 @@ class HogwildPP(Hogwild):
     kind = "shared memory"
     topology: ClassVar[Topology] = Ring()
     Options = RingOptions
-    summary_line = "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay = tau0)"
+    summary_line = (
+        "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay = tau0)"
+    )
     optimizer: torch.optim.Optimizer  # this worker's, whose lr --ring-scale lr reads
 
     def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
@@ -333,8 +362,9 @@ class HogwildPP(Hogwild):
 
     def _exchange(self) -> None:
         w_i, w_next = flatten(self.mine), flatten(self.next_params)
-        new_i, new_next, new_old = token_pass(w_i, w_next, self.old, self.beta, self.lam, self.scale(),
-                                              self.opts.ring_tolerance)
+        new_i, new_next, new_old = token_pass(
+            w_i, w_next, self.old, self.beta, self.lam, self.scale(), self.opts.ring_tolerance
+        )
         add_into(new_next - w_next, self.next_params)  # increments: updates made meanwhile stay
         add_into(new_i - w_i, self.mine)
         self.old.copy_(new_old)
@@ -347,9 +377,13 @@ class HogwildPP(Hogwild):
         return {"bytes_sent": int(self.ring.passes[0]) * self.exchange_bytes}
 
     def figures(self) -> RingFigures:
-        return RingFigures(**{**vars(super().figures()), "bytes_sent": self.bytes_sent},
-                           token_passes=int(self.ring.passes[0]), clusters=self.n, ring_beta=self.beta,
-                           ring_lambda=self.lam)
+        return RingFigures(
+            **{**vars(super().figures()), "bytes_sent": self.bytes_sent},
+            token_passes=int(self.ring.passes[0]),
+            clusters=self.n,
+            ring_beta=self.beta,
+            ring_lambda=self.lam,
+        )
 
 
 SYNC, TOKEN, STOP = 0, 1, 2  # kinds of ring message
@@ -371,8 +405,16 @@ class TokenRing:
     (the target accuracy was reached) travels with the token and raises each cluster's stop flag.
     """
 
-    def __init__(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, counts: torch.Tensor,
-                 stop_flag: torch.Tensor, lr: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        rank: int,
+        n: int,
+        model: nn.Module,
+        counts: torch.Tensor,
+        stop_flag: torch.Tensor,
+        lr: torch.Tensor,
+    ) -> None:
         self.cfg, self.rank, self.n = cfg, rank, n
         self.opts = RingOptions.from_mapping(cfg.options)
         self.lr = lr  # the cluster's learning rate, as its workers last set it (shared)
@@ -423,9 +465,9 @@ class TokenRing:
     def _read_header(self, header: torch.Tensor) -> tuple[int, int]:
         kind, origin, stop_all = (int(v) for v in header[:3])
         mine = int(self.known[self.rank])
-        self.known = torch.maximum(self.known, header[3:3 + self.n])
+        self.known = torch.maximum(self.known, header[3 : 3 + self.n])
         self.known[self.rank] = mine
-        self.done = torch.maximum(self.done, header[3 + self.n:])
+        self.done = torch.maximum(self.done, header[3 + self.n :])
         if stop_all and not self.stop_all:
             self.request_stop()
         return kind, origin
@@ -444,8 +486,10 @@ class TokenRing:
             if holding:
                 old = self._exchange(old)
                 synced_at = self.steps()
-                while not self.local_done.is_set() and \
-                        self.steps() - synced_at < self.opts.update_delay * self.opts.cluster_size:
+                while (
+                    not self.local_done.is_set()
+                    and self.steps() - synced_at < self.opts.update_delay * self.opts.cluster_size
+                ):
                     time.sleep(0.0005)
                 self.done[self.rank] = int(self.local_done.is_set())
                 if bool(self.done.all()):
@@ -506,5 +550,10 @@ class TokenRing:
 
     def figures(self, workers: Figures) -> RingFigures:
         """This cluster's figures: its workers' (``workers``), the passes it made and the bytes it sent."""
-        return RingFigures(**{**vars(workers), "bytes_sent": self.bytes_sent}, clusters=self.n, ring_beta=self.beta,
-                           ring_lambda=self.lam, token_passes=self.passes)
+        return RingFigures(
+            **{**vars(workers), "bytes_sent": self.bytes_sent},
+            clusters=self.n,
+            ring_beta=self.beta,
+            ring_lambda=self.lam,
+            token_passes=self.passes,
+        )

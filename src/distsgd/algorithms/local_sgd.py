@@ -45,8 +45,9 @@ from distsgd.train.context import Start, Step, WorkerContext
 @dataclass(frozen=True)
 class LocalSGDOptions(compress.CompressOptions):
     sync_every: Period = period_option(8, "average the models every H steps, or at each 'epoch' end")
-    warmup_steps: int = option(0, "synchronous all-reduce steps before going local (post-local SGD); default 0",
-                               metavar="K")
+    warmup_steps: int = option(
+        0, "synchronous all-reduce steps before going local (post-local SGD); default 0", metavar="K"
+    )
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)
@@ -93,6 +94,7 @@ class LocalSGD(GroupAlgorithm):
     def on_epoch_end(self, ctx: WorkerContext, model: nn.Module, epoch: int) -> None:
         if self.period.each_epoch:
             self._average(model)
+
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """What :meth:`final_model` would return now: the models averaged the algorithm's way
         (exactly, or through the compressor from the anchor), made on copies of the model, the
@@ -115,8 +117,9 @@ class LocalSGD(GroupAlgorithm):
         self.averagings += 1
         self.period.synced()
 
-    def _average_into(self, model: nn.Module, anchor: list[torch.Tensor],
-                      compressor: compress.Compressor | None) -> int:
+    def _average_into(
+        self, model: nn.Module, anchor: list[torch.Tensor], compressor: compress.Compressor | None
+    ) -> int:
         """Average ``model`` across the workers, in place: exactly, or (with a compressor) as the
         ``anchor`` plus the compressed mean change since it, the anchor moving there too. Returns
         the bytes all-reduced."""

@@ -31,5 +31,14 @@ def own_options(cfg: RunConfig) -> list[str]:
     return resolve(cfg.algo or baseline(), cfg).Options.names()
 
 
-__all__ = ["Algorithm", "baseline", "get", "names", "resolve", "option_owners", "options_of", "option_names",
-           "own_options"]
+__all__ = [
+    "Algorithm",
+    "baseline",
+    "get",
+    "names",
+    "resolve",
+    "option_owners",
+    "options_of",
+    "option_names",
+    "own_options",
+]

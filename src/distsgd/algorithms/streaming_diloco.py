@@ -68,14 +68,26 @@ DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat1
 @dataclass(frozen=True)
 class StreamingOptions(OuterOptions):
     sync_every: Period = period_option(100, "inner steps H between two outer steps of a fragment (the paper's 100)")
-    fragments: int = option(2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart; "
-                               "default 2", metavar="P")
-    overlap: int = option(1, "tau: inner steps taken while a fragment's all-reduce travels, before its average is "
-                             "used (under H/P; 0: none); default 1", metavar="TAU")
-    merge: float = option(0.5, "alpha: a fragment's local share when its new global values arrive, "
-                               "x <- alpha x + (1 - alpha) theta; default 0.5", metavar="ALPHA")
-    outer_dtype: str = option("float32", "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in "
-                                         "float32); default float32", metavar="DTYPE")
+    fragments: int = option(
+        2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart; default 2", metavar="P"
+    )
+    overlap: int = option(
+        1,
+        "tau: inner steps taken while a fragment's all-reduce travels, before its average is "
+        "used (under H/P; 0: none); default 1",
+        metavar="TAU",
+    )
+    merge: float = option(
+        0.5,
+        "alpha: a fragment's local share when its new global values arrive, "
+        "x <- alpha x + (1 - alpha) theta; default 0.5",
+        metavar="ALPHA",
+    )
+    outer_dtype: str = option(
+        "float32",
+        "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in float32); default float32",
+        metavar="DTYPE",
+    )
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)
@@ -85,8 +97,10 @@ class StreamingOptions(OuterOptions):
         if not 1 <= self.fragments <= h:
             raise ConfigError(f"--fragments must be between 1 and --sync-every ({h}), got {self.fragments}")
         if not 0 <= self.overlap < h // self.fragments:
-            raise ConfigError(f"--overlap must be at least 0 and under H/P = {h // self.fragments} steps (one fragment "
-                              f"in flight at a time), got {self.overlap}")
+            raise ConfigError(
+                f"--overlap must be at least 0 and under H/P = {h // self.fragments} steps (one fragment "
+                f"in flight at a time), got {self.overlap}"
+            )
         if not 0 <= self.merge <= 1:
             raise ConfigError(f"--merge must be in [0, 1], got {self.merge}")
         if self.outer_dtype not in DTYPES:
@@ -136,8 +150,10 @@ class StreamingDiLoCo(InnerOuter):
     name = "streaming-diloco"
     kind = "low communication"
     Options = StreamingOptions
-    summary_line = ("Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "
-                    "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)")
+    summary_line = (
+        "Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "
+        "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)"
+    )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         self.world = ctx.world
@@ -159,10 +175,17 @@ class StreamingDiLoCo(InnerOuter):
         and the global module whose parameters are views of one flat buffer."""
         target = copy.deepcopy(model)
         flat = flat_view_(params(target))  # (a deep copy's parameters are clones, not views: bind anew)
-        thetas = [t.clone() for t in like.thetas] if like is not None else \
-            [self.flat[a:b].detach().clone() for a, b in self.bounds]
-        outers = [torch.optim.SGD([t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum,
-                                  nesterov=self.opts.outer_momentum > 0) for t in thetas]
+        thetas = (
+            [t.clone() for t in like.thetas]
+            if like is not None
+            else [self.flat[a:b].detach().clone() for a, b in self.bounds]
+        )
+        outers = [
+            torch.optim.SGD(
+                [t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
+            )
+            for t in thetas
+        ]
         if like is not None:
             for outer, kept in zip(outers, like.outers):
                 outer.load_state_dict(copy.deepcopy(kept.state_dict()))
@@ -205,8 +228,16 @@ class StreamingDiLoCo(InnerOuter):
             # 2 (W - 1) / W share, so it is given (W / 2) x the piece to count (W - 1) x it
             count(sent.numel() * sent.element_size() * self.world // 2, self.world)
 
-    def _land(self, flight: Flight, g: Globals, local: torch.Tensor, model: nn.Module, count: Any,
-              buffers: bool = True, outer: bool = True) -> None:
+    def _land(
+        self,
+        flight: Flight,
+        g: Globals,
+        local: torch.Tensor,
+        model: nn.Module,
+        count: Any,
+        buffers: bool = True,
+        outer: bool = True,
+    ) -> None:
         """Fragment ``flight.fragment``'s average arrived: the outer step of its theta (``outer``
         False: theta <- theta - Delta, the workers' values averaged), then the merge of the worker's
         values (``local``); fragment 0 also averages the buffers."""
@@ -238,8 +269,9 @@ class StreamingDiLoCo(InnerOuter):
                 mine.copy_(kept)
 
     # -- the end, and what an evaluation measures --------------------------------------------------
-    def _ending(self, g: Globals, local: torch.Tensor, model: nn.Module, flight: Flight | None,
-                pending: list[bool], count: Any) -> nn.Module:
+    def _ending(
+        self, g: Globals, local: torch.Tensor, model: nn.Module, flight: Flight | None, pending: list[bool], count: Any
+    ) -> nn.Module:
         """Land the fragment in flight, then end each fragment with inner steps since its last send
         as ``--partial-round`` says (one fragment at a time: the peak stays 1/P); return the global
         model."""
@@ -286,13 +318,20 @@ class StreamingDiLoCo(InnerOuter):
     def state_dict(self) -> dict[str, Any]:
         flight = None
         if self.flight is not None:  # wait for it: its average is what the resumed run will use
-            flight = {"fragment": self.flight.fragment, "lands": self.flight.lands,
-                      "mean": self.flight.average(self.world).clone()}
-        return {**super().state_dict(), "rounds": self.rounds, "flight": flight,
-                "periods": [p.state_dict() for p in self.periods],
-                "thetas": [t.clone() for t in self.globals.thetas],
-                "outers": [o.state_dict() for o in self.globals.outers],
-                "global": {k: v.clone() for k, v in self.globals.model.state_dict().items()}}
+            flight = {
+                "fragment": self.flight.fragment,
+                "lands": self.flight.lands,
+                "mean": self.flight.average(self.world).clone(),
+            }
+        return {
+            **super().state_dict(),
+            "rounds": self.rounds,
+            "flight": flight,
+            "periods": [p.state_dict() for p in self.periods],
+            "thetas": [t.clone() for t in self.globals.thetas],
+            "outers": [o.state_dict() for o in self.globals.outers],
+            "global": {k: v.clone() for k, v in self.globals.model.state_dict().items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -22,8 +22,17 @@ from distsgd.errors import ConfigError, DistsgdError
 log = logging.getLogger(__name__)
 
 # What the table and the plots read from each summary.json.
-NEEDED = ("algo", "workers", "samples", "samples_per_s", "threads_per_worker", "final_test_accuracy",
-          "time_to_target_s", "samples_to_target", "evals")
+NEEDED = (
+    "algo",
+    "workers",
+    "samples",
+    "samples_per_s",
+    "threads_per_worker",
+    "final_test_accuracy",
+    "time_to_target_s",
+    "samples_to_target",
+    "evals",
+)
 
 
 def compare_runs(run_dirs: list[Path], out: Path) -> dict[str, Any]:
@@ -34,8 +43,14 @@ def compare_runs(run_dirs: list[Path], out: Path) -> dict[str, Any]:
     entries = [load_run(d) for d in run_dirs]
     for entry, label in zip(entries, _labels(entries)):
         entry["algo"] = label
-    result = {"kind": "compare", "date": _dt.date.today().isoformat(), "settings": _shared_settings(entries),
-              "repeats": 1, "rows": report.rows(entries), "runs": entries}
+    result = {
+        "kind": "compare",
+        "date": _dt.date.today().isoformat(),
+        "settings": _shared_settings(entries),
+        "repeats": 1,
+        "rows": report.rows(entries),
+        "runs": entries,
+    }
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -57,16 +72,24 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     missing = [k for k in NEEDED if not isinstance(summary, dict) or k not in summary]
     if missing:
         raise ConfigError(f"{path} is not a distsgd summary (no {', '.join(missing)})")
-    return {"algo": summary["algo"], "workers": summary["workers"], "repeat": 0, "run_dir": str(run_dir),
-            "summary": summary, "settings": _settings(run_dir, summary), "throughput": _throughput(run_dir)}
+    return {
+        "algo": summary["algo"],
+        "workers": summary["workers"],
+        "repeat": 0,
+        "run_dir": str(run_dir),
+        "summary": summary,
+        "settings": _settings(run_dir, summary),
+        "throughput": _throughput(run_dir),
+    }
 
 
 def _settings(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """The run's settings from its config.toml (the summary's few when it has none, or a bad one)."""
     path = run_dir / "config.toml"
     try:
-        values = config_mod.load_toml(path, option_names=registry.option_names()).to_dict() if path.is_file() \
-            else summary
+        values = (
+            config_mod.load_toml(path, option_names=registry.option_names()).to_dict() if path.is_file() else summary
+        )
     except DistsgdError as exc:
         log.warning("%s: %s; using its summary.json", path, exc)
         values = summary
@@ -87,9 +110,12 @@ def _throughput(run_dir: Path) -> list[tuple[float, float]]:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(event, dict) and event.get("event") == "progress" \
-                    and isinstance(event.get("train_wall_s"), (int, float)) \
-                    and isinstance(event.get("samples_per_s"), (int, float)):
+            if (
+                isinstance(event, dict)
+                and event.get("event") == "progress"
+                and isinstance(event.get("train_wall_s"), (int, float))
+                and isinstance(event.get("samples_per_s"), (int, float))
+            ):
                 points.append((float(event["train_wall_s"]), float(event["samples_per_s"])))
     return sorted(points)
 

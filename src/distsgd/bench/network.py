@@ -53,16 +53,20 @@ def parse(text: str) -> tuple[str | None, str | None]:
         return None, None
     m = _SPEC.match(text.strip().lower())
     if not m:
-        raise ConfigError(f"--network must be RATE[,delay=MS] such as 100mbit or 10mbit,delay=20ms, "
-                          f"or unshaped, got '{text}'")
+        raise ConfigError(
+            f"--network must be RATE[,delay=MS] such as 100mbit or 10mbit,delay=20ms, or unshaped, got '{text}'"
+        )
     return m["rate"], m["delay"]
 
 
 def describe(text: str) -> str:
     """The link of ``--network TEXT`` in words, for bench.md."""
     rate, delay = parse(text)
-    shaped = "with no shaping (unshaped)" if rate is None else \
-        f"shaped to {rate} each way (tc tbf)" + (f", delayed {delay} each way (netem)" if delay else "")
+    shaped = (
+        "with no shaping (unshaped)"
+        if rate is None
+        else f"shaped to {rate} each way (tc tbf)" + (f", delayed {delay} each way (netem)" if delay else "")
+    )
     return f"2 hosts (network namespaces on this machine) joined by a veth pair {shaped}"
 
 
@@ -117,8 +121,10 @@ class Network:
             tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", veth]
             bucket = ["tbf", "rate", self.rate, "burst", _burst(self.rate), "latency", "500ms"]
             if self.delay:
-                _run([*tc, "root", "handle", "1:", "netem", "delay", self.delay],
-                     "this kernel has no netem qdisc, so a delay cannot be shaped here (the rate alone can)")
+                _run(
+                    [*tc, "root", "handle", "1:", "netem", "delay", self.delay],
+                    "this kernel has no netem qdisc, so a delay cannot be shaped here (the rate alone can)",
+                )
                 _run([*tc, "parent", "1:1", "handle", "10:", *bucket])
             else:
                 _run([*tc, "root", *bucket])
@@ -152,16 +158,26 @@ class Network:
         self.port += 1
         cpus = split_cores(sorted(os.sched_getaffinity(0)), nprocs)
         threads = cfg.threads_per_worker or max(1, min(len(c) // n for c, n in zip(cpus, nprocs)))
-        hosts = [{"host": "ab"[node], "address": HOSTS[node], "processes": n, "cores": cpus[node],
-                  "threads_per_process": threads} for node, n in enumerate(nprocs)]
+        hosts = [
+            {
+                "host": "ab"[node],
+                "address": HOSTS[node],
+                "processes": n,
+                "cores": cpus[node],
+                "threads_per_process": threads,
+            }
+            for node, n in enumerate(nprocs)
+        ]
         with tempfile.TemporaryDirectory() as tmp:
             settings = Path(tmp) / "config.toml"
             settings.write_text(config_mod.to_toml(cfg.replace(workers=1, quiet=True, threads_per_worker=threads)))
             logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
             procs: list[subprocess.Popen] = []
             try:
-                procs += [self._start(node, n, settings, Path(cfg.out), cpus[node], logs[node])
-                          for node, n in enumerate(nprocs)]
+                procs += [
+                    self._start(node, n, settings, Path(cfg.out), cpus[node], logs[node])
+                    for node, n in enumerate(nprocs)
+                ]
                 codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
             finally:  # Ctrl-C, or any failure here: no host left running
                 for p in procs:
@@ -177,24 +193,54 @@ class Network:
                 kept.write_text(err)
                 lines = [ln for ln in err.strip().splitlines() if ln.strip() and "error_file" not in ln]
                 last = ([ln for ln in lines if "error" in ln.lower()] or lines)[-1:] or ["(no output)"]
-                raise WorkerError(f"{cfg.algo} on host {'ab'[node]} of --network {self.spec} failed "
-                                  f"(exit {code}): {last[0].strip()} (its log: {kept})")
+                raise WorkerError(
+                    f"{cfg.algo} on host {'ab'[node]} of --network {self.spec} failed "
+                    f"(exit {code}): {last[0].strip()} (its log: {kept})"
+                )
         # what the run on host a could not know: the link it crossed and the hosts it ran as
         path = Path(cfg.out) / "summary.json"
         summary = {**json.loads(path.read_text()), "network": self.spec, "hosts": hosts}
         atomic_write_json(summary, path)
         return summary
 
-    def _start(self, node: int, nprocs: int, settings: Path, out: Path, cpus: list[int],
-               log: Path) -> subprocess.Popen:
+    def _start(self, node: int, nprocs: int, settings: Path, out: Path, cpus: list[int], log: Path) -> subprocess.Popen:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": self.veth[node], "OMP_NUM_THREADS": "1"}
-        cmd = ["ip", "netns", "exec", self.names[node], sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", "2", "--nproc-per-node", str(nprocs), "--node-rank", str(node),
-               "--master-addr", HOSTS[0], "--master-port", str(self.port), "-m", "distsgd", "train",
-               "--config", str(settings), "--out", str(out), "--overwrite"]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.names[node],
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            str(nprocs),
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            HOSTS[0],
+            "--master-port",
+            str(self.port),
+            "-m",
+            "distsgd",
+            "train",
+            "--config",
+            str(settings),
+            "--out",
+            str(out),
+            "--overwrite",
+        ]
         with log.open("w") as err:
-            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
-                                    preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+            return subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+                preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+            )
 
 
 def split_cores(cpus: list[int], nprocs: tuple[int, int]) -> tuple[list[int], list[int]]:

@@ -23,16 +23,37 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-SETTINGS = ("dataset", "model", "epochs", "max_samples", "batch_size", "lr", "momentum", "optimizer", "eval_every",
-            "target_accuracy", "target_loss", "context", "threads_per_worker", "partition", "straggler",
-            "seed")  # shown above a table
+SETTINGS = (
+    "dataset",
+    "model",
+    "epochs",
+    "max_samples",
+    "batch_size",
+    "lr",
+    "momentum",
+    "optimizer",
+    "eval_every",
+    "target_accuracy",
+    "target_loss",
+    "context",
+    "threads_per_worker",
+    "partition",
+    "straggler",
+    "seed",
+)  # shown above a table
 
 
 def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig, repeats: int) -> dict[str, Any]:
     """A bench's report: its runs grouped by (algorithm, workers), medians with min-max over repeats."""
     settings = {k: v for k, v in base.to_dict().items() if k in SETTINGS}
-    return {"date": _dt.date.today().isoformat(), "machine": machine, "settings": settings, "repeats": repeats,
-            "rows": rows(runs), "runs": runs}
+    return {
+        "date": _dt.date.today().isoformat(),
+        "machine": machine,
+        "settings": settings,
+        "repeats": repeats,
+        "rows": rows(runs),
+        "runs": runs,
+    }
 
 
 def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,27 +69,36 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         baseline = statistics.median(single) if single else (statistics.median(own_one) if own_one else None)
         throughput = _stats([s["samples_per_s"] for s in summaries])
         reached = [s for s in summaries if s["time_to_target_s"] is not None]
-        stale = [s["staleness"] for s in summaries if isinstance(s.get("staleness"), dict)
-                 and s["staleness"].get("mean") is not None]
-        out.append({
-            "algo": algo, "workers": workers, "repeats": len(summaries),
-            "threads_per_worker": summaries[0]["threads_per_worker"],
-            "samples_per_s": throughput,
-            "scaling_efficiency": (throughput["median"] / (workers * baseline)) if baseline and throughput else None,
-            "time_to_target_s": _stats([s["time_to_target_s"] for s in reached]),
-            "samples_to_target": _stats([s["samples_to_target"] for s in reached]),
-            "reached_target": f"{len(reached)}/{len(summaries)}",
-            "final_test_accuracy": _stats([s["final_test_accuracy"] for s in summaries]),
-            "final_test_loss": _stats([s.get("final_test_loss") for s in summaries]),
-            "final_test_perplexity": _stats([s.get("final_test_perplexity") for s in summaries]),
-            "lm": any(s.get("task") == "lm" for s in summaries),
-            "samples": _stats([s["samples"] for s in summaries]),
-            "bytes_sent_per_sample": _stats([s.get("bytes_sent_per_sample") for s in summaries]),
-            "staleness_mean": _stats([st["mean"] for st in stale]),
-            "staleness_p99": _stats([st["p99"] for st in stale]),
-            "staleness_max": _stats([st["max"] for st in stale]),
-            "failed_workers": sorted({w for s in summaries for w in s.get("failed_workers", [])}),
-        })
+        stale = [
+            s["staleness"]
+            for s in summaries
+            if isinstance(s.get("staleness"), dict) and s["staleness"].get("mean") is not None
+        ]
+        out.append(
+            {
+                "algo": algo,
+                "workers": workers,
+                "repeats": len(summaries),
+                "threads_per_worker": summaries[0]["threads_per_worker"],
+                "samples_per_s": throughput,
+                "scaling_efficiency": (throughput["median"] / (workers * baseline))
+                if baseline and throughput
+                else None,
+                "time_to_target_s": _stats([s["time_to_target_s"] for s in reached]),
+                "samples_to_target": _stats([s["samples_to_target"] for s in reached]),
+                "reached_target": f"{len(reached)}/{len(summaries)}",
+                "final_test_accuracy": _stats([s["final_test_accuracy"] for s in summaries]),
+                "final_test_loss": _stats([s.get("final_test_loss") for s in summaries]),
+                "final_test_perplexity": _stats([s.get("final_test_perplexity") for s in summaries]),
+                "lm": any(s.get("task") == "lm" for s in summaries),
+                "samples": _stats([s["samples"] for s in summaries]),
+                "bytes_sent_per_sample": _stats([s.get("bytes_sent_per_sample") for s in summaries]),
+                "staleness_mean": _stats([st["mean"] for st in stale]),
+                "staleness_p99": _stats([st["p99"] for st in stale]),
+                "staleness_max": _stats([st["max"] for st in stale]),
+                "failed_workers": sorted({w for s in summaries for w in s.get("failed_workers", [])}),
+            }
+        )
     return out
 
 
@@ -96,20 +126,48 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The table's header and rows as text cells (the markdown table, and compare's terminal table)."""
     goal = _goal(report["settings"])
     lm = any(r.get("lm") for r in report["rows"])  # language models: the loss per token and its perplexity too
-    header = ["run" if report.get("kind") == "compare" else "algorithm", "workers", "threads/worker", "samples/s",
-              "scaling eff.", f"time to {goal} (s)", f"samples to {goal}", "reached", "final acc",
-              *(["final loss", "final perplexity"] if lm else []), "bytes/sample", "staleness mean / p99"]
+    header = [
+        "run" if report.get("kind") == "compare" else "algorithm",
+        "workers",
+        "threads/worker",
+        "samples/s",
+        "scaling eff.",
+        f"time to {goal} (s)",
+        f"samples to {goal}",
+        "reached",
+        "final acc",
+        *(["final loss", "final perplexity"] if lm else []),
+        "bytes/sample",
+        "staleness mean / p99",
+    ]
     cells = []
     for r in report["rows"]:
-        stale = "-" if r["staleness_mean"] is None else \
-            f"{r['staleness_mean']['median']:.2f} / {r['staleness_p99']['median']:.0f}"
+        stale = (
+            "-"
+            if r["staleness_mean"] is None
+            else f"{r['staleness_mean']['median']:.2f} / {r['staleness_p99']['median']:.0f}"
+        )
         eff = "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency']:.2f}"
-        cells.append([r["algo"], str(r["workers"]), str(r["threads_per_worker"]), _fmt(r["samples_per_s"]), eff,
-                      _fmt(r["time_to_target_s"], "{:.1f}"), _fmt(r["samples_to_target"], "{:.0f}", False),
-                      r["reached_target"], _fmt(r["final_test_accuracy"], "{:.4f}"),
-                      *([_fmt(r.get("final_test_loss"), "{:.4f}"), _fmt(r.get("final_test_perplexity"), "{:.3f}")]
-                        if lm else []),
-                      _fmt(r["bytes_sent_per_sample"], "{:.0f}", False), stale])
+        cells.append(
+            [
+                r["algo"],
+                str(r["workers"]),
+                str(r["threads_per_worker"]),
+                _fmt(r["samples_per_s"]),
+                eff,
+                _fmt(r["time_to_target_s"], "{:.1f}"),
+                _fmt(r["samples_to_target"], "{:.0f}", False),
+                r["reached_target"],
+                _fmt(r["final_test_accuracy"], "{:.4f}"),
+                *(
+                    [_fmt(r.get("final_test_loss"), "{:.4f}"), _fmt(r.get("final_test_perplexity"), "{:.3f}")]
+                    if lm
+                    else []
+                ),
+                _fmt(r["bytes_sent_per_sample"], "{:.0f}", False),
+                stale,
+            ]
+        )
     return header, cells
 
 
@@ -122,20 +180,32 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         if r["failed_workers"]:
             lines.append(f"\n{r['algo']} x{r['workers']}: failed workers {r['failed_workers']}")
-    hosts = [(e["algo"], e["summary"]["hosts"]) for e in report["runs"]
-             if e["repeat"] == 0 and e["summary"].get("hosts")]
+    hosts = [
+        (e["algo"], e["summary"]["hosts"]) for e in report["runs"] if e["repeat"] == 0 and e["summary"].get("hosts")
+    ]
     if hosts:
         lines.append("\nHosts (cores of this machine each host ran on; threads per process):")
-        lines += [f"- {algo}: " + "; ".join(f"host {h['host']} ({h['address']}): {h['processes']} process(es) on "
-                                            f"core(s) {','.join(map(str, h['cores']))}, {h['threads_per_process']} "
-                                            f"thread(s) each" for h in each) for algo, each in hosts]
+        lines += [
+            f"- {algo}: "
+            + "; ".join(
+                f"host {h['host']} ({h['address']}): {h['processes']} process(es) on "
+                f"core(s) {','.join(map(str, h['cores']))}, {h['threads_per_process']} "
+                f"thread(s) each"
+                for h in each
+            )
+            for algo, each in hosts
+        ]
     lines.append("")
     if report.get("kind") == "compare":
-        lines.append(f"Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker {baseline_name()} run among "
-                     "those compared; - without one).")
+        lines.append(
+            f"Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker {baseline_name()} run among "
+            "those compared; - without one)."
+        )
     else:
-        lines.append(f"Scaling efficiency: samples/s over (workers x the 1-worker {baseline_name()} samples/s, or the "
-                     f"algorithm's own 1-worker run when {baseline_name()} is not in the bench).")
+        lines.append(
+            f"Scaling efficiency: samples/s over (workers x the 1-worker {baseline_name()} samples/s, or the "
+            f"algorithm's own 1-worker run when {baseline_name()} is not in the bench)."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -148,8 +218,14 @@ def _bench_heading(bench: dict[str, Any]) -> list[str]:
         "Settings: " + ", ".join(_setting(k, v, bench["repeats"]) for k, v in s.items() if v is not None) + ".",
         f"Medians over {bench['repeats']} repeat(s), with (min-max) where they differ. Configurations ran one "
         "after another.",
-        *([f"Network (--network {bench['network']}): each run as {bench['link']}; the hosts are listed below "
-           "the table."] if bench.get("network") else []),
+        *(
+            [
+                f"Network (--network {bench['network']}): each run as {bench['link']}; the hosts are listed below "
+                "the table."
+            ]
+            if bench.get("network")
+            else []
+        ),
         "",
     ]
 
@@ -164,8 +240,10 @@ def _setting(name: str, value: Any, repeats: int) -> str:
 def _compare_heading(report: dict[str, Any]) -> list[str]:
     hosts = sorted({e["summary"].get("host", "?") for e in report["runs"]})
     lines = [f"# distsgd compare, {report['date']}", "", "| run | directory | started | host |", "|---|---|---|---|"]
-    lines += [f"| {e['algo']} | {e['run_dir']} | {e['summary'].get('started_at', '-')} | "
-              f"{e['summary'].get('host', '-')} |" for e in report["runs"]]
+    lines += [
+        f"| {e['algo']} | {e['run_dir']} | {e['summary'].get('started_at', '-')} | {e['summary'].get('host', '-')} |"
+        for e in report["runs"]
+    ]
     shared = ", ".join(f"{k}={v}" for k, v in report["settings"].items() if v is not None)
     lines += ["", f"Settings all runs share: {shared or 'none'}."]
     if len(hosts) > 1:
@@ -201,16 +279,26 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     written = []
     # a language model's curves are of its test loss per token (lower is better), the others' of accuracy
     lm = any(e["summary"].get("task") == "lm" for e in firsts)
-    what, key, ylabel, target = ("loss", "test_loss", "test loss (nats per token)",
-                                 report["settings"].get("target_loss")) if lm else \
-        ("accuracy", "test_accuracy", "test accuracy", report["settings"].get("target_accuracy"))
-    for x_key, name, xlabel in (("train_wall_s", f"{what}_vs_time.png", "training time (s)"),
-                                ("samples", f"{what}_vs_samples.png", "training samples (all workers)")):
+    what, key, ylabel, target = (
+        ("loss", "test_loss", "test loss (nats per token)", report["settings"].get("target_loss"))
+        if lm
+        else ("accuracy", "test_accuracy", "test accuracy", report["settings"].get("target_accuracy"))
+    )
+    for x_key, name, xlabel in (
+        ("train_wall_s", f"{what}_vs_time.png", "training time (s)"),
+        ("samples", f"{what}_vs_samples.png", "training samples (all workers)"),
+    ):
         fig, ax = plt.subplots(figsize=(8, 5))
         for i, e in enumerate(firsts):
             evals = e["summary"]["evals"]
-            ax.plot([v[x_key] for v in evals], [v[key] for v in evals], marker=".", markersize=3,
-                    label=f"{e['algo']} x{e['workers']}", **_style(plt, i))
+            ax.plot(
+                [v[x_key] for v in evals],
+                [v[key] for v in evals],
+                marker=".",
+                markersize=3,
+                label=f"{e['algo']} x{e['workers']}",
+                **_style(plt, i),
+            )
         if target:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
         _save(plt, fig, ax, xlabel, ylabel, out / name)
@@ -225,8 +313,10 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
 def _style(plt: Any, i: int) -> dict[str, Any]:
     """Line i's colour and dash: 20 colours, then other dashes."""
     colors = plt.get_cmap("tab20").colors
-    return {"color": colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
-            "linestyle": ["-", "--", "-.", ":"][i // 5 % 4]}
+    return {
+        "color": colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
+        "linestyle": ["-", "--", "-.", ":"][i // 5 % 4],
+    }
 
 
 def _save(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, path: Path, legend_cols: int = 2) -> None:

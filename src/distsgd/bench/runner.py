@@ -90,8 +90,10 @@ def _check_shared_options(base: RunConfig, algos: list[AlgoSpec]) -> None:
     for key in base.options:
         if key not in taken:
             owners = registry.option_owners().get(key, [])
-            raise ConfigError(f"--{key.replace('_', '-')} is an option of {', '.join(owners) or 'no algorithm'}, "
-                              f"and the bench runs none of them")
+            raise ConfigError(
+                f"--{key.replace('_', '-')} is an option of {', '.join(owners) or 'no algorithm'}, "
+                f"and the bench runs none of them"
+            )
 
 
 def machine_facts() -> dict[str, Any]:
@@ -103,13 +105,26 @@ def machine_facts() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"host": platform.node(), "cpu": cpu or platform.processor(), "cores": config_mod.cores(),
-            "torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "host": platform.node(),
+        "cpu": cpu or platform.processor(),
+        "cores": config_mod.cores(),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
-def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeats: int, out: Path,
-              overwrite: bool = False, on_run: Callable[[dict[str, Any]], None] | None = None,
-              network: str | None = None) -> dict[str, Any]:
+def run_bench(
+    base: RunConfig,
+    algos: list[AlgoSpec],
+    workers: list[int],
+    repeats: int,
+    out: Path,
+    overwrite: bool = False,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+    network: str | None = None,
+) -> dict[str, Any]:
     """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With
     ``network`` (``RATE[,delay=D]``), each run crosses a shaped link between two namespaces."""
     from distsgd.bench import report
@@ -131,8 +146,12 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
         mine = {k: v for k, v in base.options.items() if k in registry.get(spec.name).Options.names()}
         for w in workers:
             # an algorithm's own options may fix its worker count: single[workers=1]
-            cfg = config_mod.from_mapping(dict(spec.options), base.replace(algo=spec.name, workers=w, options=mine),
-                                          spec.label, option_names=registry.option_names())
+            cfg = config_mod.from_mapping(
+                dict(spec.options),
+                base.replace(algo=spec.name, workers=w, options=mine),
+                spec.label,
+                option_names=registry.option_names(),
+            )
             try:
                 config_mod.validate(cfg)
                 algo_cls = registry.resolve(cfg.algo, cfg)
@@ -157,8 +176,13 @@ def run_bench(base: RunConfig, algos: list[AlgoSpec], workers: list[int], repeat
                 run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
                 cfg_r = cfg.replace(seed=base.seed + r, out=str(run_dir.resolve()), overwrite=True, quiet=True)
                 summary = net.run(cfg_r) if net is not None else run(cfg_r).summary
-                entry = {"algo": spec.label, "workers": w, "repeat": r, "run_dir": str(run_dir.relative_to(out)),
-                         "summary": summary}
+                entry = {
+                    "algo": spec.label,
+                    "workers": w,
+                    "repeat": r,
+                    "run_dir": str(run_dir.relative_to(out)),
+                    "summary": summary,
+                }
                 runs.append(entry)
                 if on_run is not None:
                     on_run(entry)

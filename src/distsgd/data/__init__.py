@@ -136,13 +136,13 @@ class Dataset:
         """The training batches of ``order`` (sample indices) from position ``start``: tensor indexing."""
         order = order.to(self.x_train.device)
         for first in range(start, len(order), batch_size):
-            idx = order[first:first + batch_size]
+            idx = order[first : first + batch_size]
             x = self.x_train[idx]
             yield (crop_flip(x, self.fill) if self.augment else x), self.y_train[idx]
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for first in range(0, len(self.y_test), batch_size):
-            yield self.x_test[first:first + batch_size], self.y_test[first:first + batch_size]
+            yield self.x_test[first : first + batch_size], self.y_test[first : first + batch_size]
 
     def share_memory_(self) -> "Dataset":
         for t in (self.x_train, self.y_train, self.x_test, self.y_test):
@@ -154,8 +154,10 @@ class Dataset:
         return all(t.is_shared() for t in (self.x_train, self.y_train, self.x_test, self.y_test))
 
     def __repr__(self) -> str:
-        return (f"Dataset({self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
-                f"input={self.input_shape}, classes={self.num_classes})")
+        return (
+            f"Dataset({self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
+            f"input={self.input_shape}, classes={self.num_classes})"
+        )
 
 
 @dataclass(frozen=True)
@@ -176,17 +178,37 @@ def _prefixed(prefix: str) -> Callable[[str], bool]:
 # Every format a --dataset may name besides the built-ins, in the order they are tried: help texts,
 # `distsgd datasets` and the error for an unknown dataset are made from this table.
 FORMATS = (
-    Format("npz:PATH", "arrays x, y (optional x_test, y_test) in a NumPy .npz file", _prefixed("npz:"),
-           lambda spec, _, __: _load_npz(Path(spec[4:]))),
-    Format("folder:PATH", "PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., streamed",
-           _prefixed("folder:"), lambda spec, _, __: _load_folder(Path(spec[7:]))),
-    Format("text:PATH", "a text file or a folder of them, byte-level tokens, cut into --context sequences "
-           "(language models)", _prefixed("text:"), lambda spec, _, context: _load_text(Path(spec[5:]), context)),
-    Format("hf:PATH", "a Hugging Face dataset (save_to_disk folder, or parquet/arrow/jsonl files) with input_ids or "
-           "text (language models; pip install 'distsgd[hf]')", _prefixed("hf:"),
-           lambda spec, _, context: from_hf(text.read_hf(spec[3:]), context, spec, spec[3:])),
-    Format("FILE.py:FUNC", "a function returning (train, test) torch Datasets (runs that file)",
-           user.names_file, lambda spec, _, __: _load_user(spec)),
+    Format(
+        "npz:PATH",
+        "arrays x, y (optional x_test, y_test) in a NumPy .npz file",
+        _prefixed("npz:"),
+        lambda spec, _, __: _load_npz(Path(spec[4:])),
+    ),
+    Format(
+        "folder:PATH",
+        "PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., streamed",
+        _prefixed("folder:"),
+        lambda spec, _, __: _load_folder(Path(spec[7:])),
+    ),
+    Format(
+        "text:PATH",
+        "a text file or a folder of them, byte-level tokens, cut into --context sequences (language models)",
+        _prefixed("text:"),
+        lambda spec, _, context: _load_text(Path(spec[5:]), context),
+    ),
+    Format(
+        "hf:PATH",
+        "a Hugging Face dataset (save_to_disk folder, or parquet/arrow/jsonl files) with input_ids or "
+        "text (language models; pip install 'distsgd[hf]')",
+        _prefixed("hf:"),
+        lambda spec, _, context: from_hf(text.read_hf(spec[3:]), context, spec, spec[3:]),
+    ),
+    Format(
+        "FILE.py:FUNC",
+        "a function returning (train, test) torch Datasets (runs that file)",
+        user.names_file,
+        lambda spec, _, __: _load_user(spec),
+    ),
 )
 
 
@@ -195,8 +217,9 @@ def dataset_help() -> str:
     return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist"
 
 
-def load_dataset(spec: str, data_dir: str | None = None, download: bool | None = None,
-                 context: int | None = None) -> TrainingData:
+def load_dataset(
+    spec: str, data_dir: str | None = None, download: bool | None = None, context: int | None = None
+) -> TrainingData:
     """A built-in dataset by name, or any of :data:`FORMATS` (``npz:PATH``, ``folder:PATH``,
     ``text:PATH``, ``hf:PATH``, ``path/file.py:function``). ``context``: the sequence length of
     token data (``--context``)."""
@@ -205,8 +228,13 @@ def load_dataset(spec: str, data_dir: str | None = None, download: bool | None =
         if fmt.matches(spec):
             return fmt.load(spec, data_dir, context)
     if spec == "python-stdlib":
-        return token_dataset("python-stdlib", text.byte_tokens(text.stdlib_text()), context, text.BYTE_VOCAB,
-                             f"{text.stdlib_folder()} (Python {sys.version.split()[0]}, PSF License)")
+        return token_dataset(
+            "python-stdlib",
+            text.byte_tokens(text.stdlib_text()),
+            context,
+            text.BYTE_VOCAB,
+            f"{text.stdlib_folder()} (Python {sys.version.split()[0]}, PSF License)",
+        )
     if spec == "digits":
         return _load_digits()
     if spec in ("mnist", "fashion-mnist", "kmnist"):
@@ -221,8 +249,9 @@ def load_dataset(spec: str, data_dir: str | None = None, download: bool | None =
         x_train = np.concatenate([p[0] for p in parts[:5]])
         y_train = np.concatenate([p[1] for p in parts[:5]])
         return from_arrays(spec, x_train, y_train, parts[5][0], parts[5][1], num_classes=10, where=str(folder))
-    raise DataError(f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, "
-                    f"{', '.join(f.usage for f in FORMATS)})")
+    raise DataError(
+        f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, {', '.join(f.usage for f in FORMATS)})"
+    )
 
 
 def from_torch(result: Any, name: str, where: str = "") -> TrainingData:
@@ -233,8 +262,10 @@ def from_torch(result: Any, name: str, where: str = "") -> TrainingData:
     if isinstance(result, dict):
         unknown = set(result) - {"train", "test", "num_classes"}
         if unknown or not {"train", "test"} <= set(result):
-            raise DataError(f"{name} must return (train, test) Datasets or a dict with 'train', 'test' "
-                            f"(and 'num_classes'); got keys {sorted(result)}")
+            raise DataError(
+                f"{name} must return (train, test) Datasets or a dict with 'train', 'test' "
+                f"(and 'num_classes'); got keys {sorted(result)}"
+            )
         return TorchData(result["train"], result["test"], name, where, result.get("num_classes"))
     if isinstance(result, (tuple, list)) and len(result) in (2, 3) and all(is_map_dataset(r) for r in result[:2]):
         return TorchData(result[0], result[1], name, where, result[2] if len(result) == 3 else None)
@@ -273,13 +304,16 @@ def from_arrays(
         x_test = _as_float(x_test, name, "x_test")
         y_test = _as_targets(y_test, name, "y_test")
         if y_test.dtype != y_train.dtype or y_test.shape[1:] != y_train.shape[1:]:
-            raise DataError(f"{name}: test targets are {y_test.dtype} {tuple(y_test.shape[1:])}, training targets "
-                            f"{y_train.dtype} {tuple(y_train.shape[1:])}")
+            raise DataError(
+                f"{name}: test targets are {y_test.dtype} {tuple(y_test.shape[1:])}, training targets "
+                f"{y_train.dtype} {tuple(y_train.shape[1:])}"
+            )
         if len(x_test) != len(y_test):
             raise DataError(f"{name}: {len(x_test)} test inputs but {len(y_test)} labels")
         if x_test.shape[1:] != x_train.shape[1:]:
-            raise DataError(f"{name}: test inputs have shape {tuple(x_test.shape[1:])}, "
-                            f"training inputs {tuple(x_train.shape[1:])}")
+            raise DataError(
+                f"{name}: test inputs have shape {tuple(x_test.shape[1:])}, training inputs {tuple(x_train.shape[1:])}"
+            )
     if len(x_train) == 0:
         raise DataError(f"{name}: the training set is empty")
     if y_train.dtype.is_floating_point:
@@ -292,8 +326,11 @@ def from_arrays(
             raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {inferred - 1}")
     dims = [0] + ([2, 3] if x_train.dim() == 4 else [])
     mean = x_train.mean(dim=dims, keepdim=True, dtype=torch.float64).float()
-    std = x_train.double().std(dim=dims, keepdim=True).float().clamp_min(1e-6) if len(x_train) > 1 \
+    std = (
+        x_train.double().std(dim=dims, keepdim=True).float().clamp_min(1e-6)
+        if len(x_train) > 1
         else torch.ones_like(mean)
+    )
     x_train = (x_train - mean) / std
     x_test = (x_test - mean) / std
     fill = (-mean / std) if x_train.dim() == 4 else None  # a black pixel, normalised
@@ -314,8 +351,10 @@ def _as_float(x: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tensor
     elif t.dim() == 4 and t.shape[-1] in (1, 3) and t.shape[1] not in (1, 3):  # (N, H, W, C)
         t = t.permute(0, 3, 1, 2)
     elif t.dim() not in (2, 4):
-        raise DataError(f"{name}: '{key}' must have 2 (N, D), 3 (N, H, W) or 4 (N, C, H, W) dimensions, "
-                        f"found shape {tuple(t.shape)}")
+        raise DataError(
+            f"{name}: '{key}' must have 2 (N, D), 3 (N, H, W) or 4 (N, C, H, W) dimensions, "
+            f"found shape {tuple(t.shape)}"
+        )
     t = t.float()
     if not torch.isfinite(t).all():
         raise DataError(f"{name}: '{key}' contains NaN or infinite values")
@@ -327,19 +366,24 @@ def _as_targets(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tens
     t = _tensor(y)
     if t.dtype.is_floating_point:
         if t.dim() not in (1, 2) or not torch.isfinite(t).all():
-            raise DataError(f"{name}: '{key}' (float: regression targets) must be finite, of shape (N,) or (N, D), "
-                            f"found {tuple(t.shape)}")
+            raise DataError(
+                f"{name}: '{key}' (float: regression targets) must be finite, of shape (N,) or (N, D), "
+                f"found {tuple(t.shape)}"
+            )
         return (t[:, None] if t.dim() == 1 else t).float()
     if t.dim() != 1 or t.dtype == torch.bool:
-        raise DataError(f"{name}: '{key}' must be a 1-D tensor of integer class labels, found {t.dtype} {tuple(t.shape)}")
+        raise DataError(
+            f"{name}: '{key}' must be a 1-D tensor of integer class labels, found {t.dtype} {tuple(t.shape)}"
+        )
     t = t.long()
     if len(t) and int(t.min()) < 0:
         raise DataError(f"{name}: '{key}' has negative labels")
     return t
 
 
-def token_dataset(name: str, tokens: torch.Tensor, context: int, vocab: int, where: str = "",
-                  test_tokens: torch.Tensor | None = None) -> Dataset:
+def token_dataset(
+    name: str, tokens: torch.Tensor, context: int, vocab: int, where: str = "", test_tokens: torch.Tensor | None = None
+) -> Dataset:
     """A language model's Dataset: sequences of ``context`` tokens and their next tokens, from a
     stream (:func:`distsgd.data.text.token_arrays`: its end is the test set unless ``test_tokens``)."""
     return Dataset(name, *text.token_arrays(name, tokens, context, vocab, test_tokens), vocab, where)
@@ -358,8 +402,9 @@ def _load_text(path: Path, context: int) -> Dataset:
 
 def _load_npz(path: Path) -> Dataset:
     arrays = formats.read_npz(path)
-    return from_arrays(f"npz:{path}", arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"),
-                       where=str(path))
+    return from_arrays(
+        f"npz:{path}", arrays["x"], arrays["y"], arrays.get("x_test"), arrays.get("y_test"), where=str(path)
+    )
 
 
 def _load_folder(path: Path) -> TorchData:
@@ -422,5 +467,16 @@ def available(data_dir: str | None = None) -> list[tuple[str, str, str]]:
     return rows
 
 
-__all__ = ["Dataset", "TrainingData", "Format", "FORMATS", "load_dataset", "from_arrays", "token_dataset", "from_hf",
-           "available", "BUILTIN", "dataset_help"]
+__all__ = [
+    "Dataset",
+    "TrainingData",
+    "Format",
+    "FORMATS",
+    "load_dataset",
+    "from_arrays",
+    "token_dataset",
+    "from_hf",
+    "available",
+    "BUILTIN",
+    "dataset_help",
+]

@@ -21,8 +21,14 @@ import numpy as np
 from distsgd.errors import DataError
 
 # IDX: magic = 0x00 0x00 <type code> <number of dimensions>; 0x08 is unsigned byte.
-_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_TYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 
 
 MAX_BYTES = 1 << 36  # 64 GiB: an array whose header claims more is refused, not allocated
@@ -60,13 +66,17 @@ def read_idx(path: str | Path, expect_dims: int | None = None) -> np.ndarray:
             dtype = np.dtype(_IDX_TYPES[type_code])
             expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
             if expected > MAX_BYTES:
-                raise DataError(f"{path}: its header claims shape {tuple(shape)}, {expected} bytes; refusing to read "
-                                f"more than {MAX_BYTES} bytes")
+                raise DataError(
+                    f"{path}: its header claims shape {tuple(shape)}, {expected} bytes; refusing to read "
+                    f"more than {MAX_BYTES} bytes"
+                )
             size = path.stat().st_size
             most = size * DEFLATE_MAX_RATIO if path.suffix == ".gz" else size - 4 - 4 * ndim
             if expected > most:  # a gzip bomb, or a header claiming more than the file can hold: not read
-                raise DataError(f"{path} is truncated: its header claims shape {tuple(shape)}, {expected} bytes, but "
-                                f"the file {'can hold at most' if path.suffix == '.gz' else 'holds'} {max(most, 0)}")
+                raise DataError(
+                    f"{path} is truncated: its header claims shape {tuple(shape)}, {expected} bytes, but "
+                    f"the file {'can hold at most' if path.suffix == '.gz' else 'holds'} {max(most, 0)}"
+                )
             body = fh.read(expected + 1)  # one byte more: a file longer than its header says
     except DataError:
         raise
@@ -74,8 +84,10 @@ def read_idx(path: str | Path, expect_dims: int | None = None) -> np.ndarray:
         raise _corrupt(path, exc) from None
     if len(body) != expected:
         kind = "truncated" if len(body) < expected else "longer than its header says"
-        raise DataError(f"{path} is {kind}: {'at least ' if len(body) > expected else ''}{len(body)} bytes of data "
-                        f"for shape {tuple(shape)}, expected {expected}")
+        raise DataError(
+            f"{path} is {kind}: {'at least ' if len(body) > expected else ''}{len(body)} bytes of data "
+            f"for shape {tuple(shape)}, expected {expected}"
+        )
     return np.frombuffer(body, dtype=dtype).reshape(shape)
 
 
@@ -154,13 +166,18 @@ def _check_npz_headers(path: Path) -> set[str]:
                 found.add(info.filename[:-4])
                 with zf.open(info) as fh:
                     version = np.lib.format.read_magic(fh)
-                    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                        np.lib.format.read_array_header_2_0
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
                     shape, _, dtype = read(fh)
                     claimed = math.prod(shape) * dtype.itemsize
                     if claimed > MAX_BYTES or claimed > info.file_size:
-                        raise DataError(f"{path}: array '{info.filename[:-4]}' claims shape {shape} ({claimed} "
-                                        f"bytes) but holds {info.file_size} bytes")
+                        raise DataError(
+                            f"{path}: array '{info.filename[:-4]}' claims shape {shape} ({claimed} "
+                            f"bytes) but holds {info.file_size} bytes"
+                        )
     except DataError:
         raise
     except (OSError, ValueError, zlib.error, EOFError, zipfile.BadZipFile, MemoryError, KeyError) as exc:
@@ -202,12 +219,12 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
                 raise DataError(f"{path}: '{y_key}' has negative labels")
         elif y.dtype.kind == "f":  # regression targets
             if y.ndim not in (1, 2) or not np.isfinite(y).all():
-                raise DataError(f"{path}: '{y_key}' (float: regression targets) must be finite, of shape (N,) or "
-                                f"(N, D), found {y.shape}")
+                raise DataError(
+                    f"{path}: '{y_key}' (float: regression targets) must be finite, of shape (N,) or "
+                    f"(N, D), found {y.shape}"
+                )
         else:
             raise DataError(f"{path}: '{y_key}' must hold integer labels or float targets, found dtype {y.dtype}")
         if len(x) != len(y):
             raise DataError(f"{path}: '{x_key}' has {len(x)} rows but '{y_key}' has {len(y)}")
     return arrays
-
-

@@ -67,16 +67,19 @@ def read_image(file: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         raise DataError(f"cannot read image {file}: {first}") from None
     arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
     if shape is not None and arr.shape != shape:
-        raise DataError(f"{file} is {arr.shape[1]}x{arr.shape[2]}, but the first image is {shape[1]}x{shape[2]}: "
-                        f"all images must have one size")
+        raise DataError(
+            f"{file} is {arr.shape[1]}x{arr.shape[2]}, but the first image is {shape[1]}x{shape[2]}: "
+            f"all images must have one size"
+        )
     return arr
 
 
 class ImageFolder(torch.utils.data.Dataset):
     """One split of a ``folder:`` dataset, each image read when it is asked for."""
 
-    def __init__(self, split_dir: Path, classes: list[str] | None = None, stats: tuple | None = None,
-                 augment: bool = False) -> None:
+    def __init__(
+        self, split_dir: Path, classes: list[str] | None = None, stats: tuple | None = None, augment: bool = False
+    ) -> None:
         self.files, self.labels, self.classes = list_images(split_dir, classes)
         self.shape = read_image(self.files[0]).shape
         self.mean, self.std = stats if stats is not None else self._stats()

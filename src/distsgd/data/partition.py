@@ -18,8 +18,9 @@ import torch
 MODES = ("sharded", "replicated")
 
 
-def epoch_indices(n: int, epoch: int, rank: int = 0, world: int = 1, seed: int = 0,
-                  mode: str = "sharded") -> torch.Tensor:
+def epoch_indices(
+    n: int, epoch: int, rank: int = 0, world: int = 1, seed: int = 0, mode: str = "sharded"
+) -> torch.Tensor:
     """The sample indices worker ``rank`` visits in ``epoch``, in order."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")

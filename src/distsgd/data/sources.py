@@ -63,31 +63,57 @@ def _idx_remotes(mirrors: tuple[str, ...], md5s: tuple[str, str, str, str]) -> t
 
 SOURCES: dict[str, Source] = {
     "mnist": Source(
-        "mnist", _IDX_FILES,
-        _idx_remotes(("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
-                     ("f68b3c2dcbeaaa9fbdd348bbdeb94873", "d53e105ee54ea40749a09fcbcd1e9432",
-                      "9fb629c4189551a2d022fa330f9573f3", "ec29112dd5afa0611ce80d1b7f02629c")),
+        "mnist",
+        _IDX_FILES,
+        _idx_remotes(
+            ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
+            (
+                "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+                "d53e105ee54ea40749a09fcbcd1e9432",
+                "9fb629c4189551a2d022fa330f9573f3",
+                "ec29112dd5afa0611ce80d1b7f02629c",
+            ),
+        ),
         homepage="http://yann.lecun.com/exdb/mnist/",
     ),
     "fashion-mnist": Source(
-        "fashion-mnist", _IDX_FILES,
-        _idx_remotes(("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
-                     ("8d4fb7e6c68d591d4c3dfef9ec88bf0d", "25c81989df183df01b3e8a0aad5dffbe",
-                      "bef4ecab320f06d8554ea6380940ec79", "bb300cfdad3c16e7a12a480ee83cd310")),
+        "fashion-mnist",
+        _IDX_FILES,
+        _idx_remotes(
+            ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
+            (
+                "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+                "25c81989df183df01b3e8a0aad5dffbe",
+                "bef4ecab320f06d8554ea6380940ec79",
+                "bb300cfdad3c16e7a12a480ee83cd310",
+            ),
+        ),
         system_names=("fashion-mnist",),
         homepage="https://github.com/zalandoresearch/fashion-mnist (Debian: apt-get install dataset-fashion-mnist)",
-        content_md5=("f4a8712d7a061bf5bd6d2ca38dc4d50a", "9018921c3c673c538a1fc5bad174d6f9",
-                     "8181f5470baa50b63fa0f6fddb340f0a", "15d484375f8d13e6eb1aabb0c3f46965"),
+        content_md5=(
+            "f4a8712d7a061bf5bd6d2ca38dc4d50a",
+            "9018921c3c673c538a1fc5bad174d6f9",
+            "8181f5470baa50b63fa0f6fddb340f0a",
+            "15d484375f8d13e6eb1aabb0c3f46965",
+        ),
     ),
     "kmnist": Source(
-        "kmnist", _IDX_FILES,
-        _idx_remotes(("http://codh.rois.ac.jp/kmnist/dataset/kmnist/",),
-                     ("bdb82020997e1d708af4cf47b453dcf7", "e144d726b3acfaa3e44228e80efcd344",
-                      "5c965bf0a639b31b8f53240b1b52f4d7", "7320c461ea6c1c855c0b718fb2a4b134")),
+        "kmnist",
+        _IDX_FILES,
+        _idx_remotes(
+            ("http://codh.rois.ac.jp/kmnist/dataset/kmnist/",),
+            (
+                "bdb82020997e1d708af4cf47b453dcf7",
+                "e144d726b3acfaa3e44228e80efcd344",
+                "5c965bf0a639b31b8f53240b1b52f4d7",
+                "7320c461ea6c1c855c0b718fb2a4b134",
+            ),
+        ),
         homepage="https://github.com/rois-codh/kmnist",
     ),
     "cifar10": Source(
-        "cifar10", CIFAR_BATCHES,
+        "cifar10",
+        CIFAR_BATCHES,
         (Remote("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a", ("https://www.cs.toronto.edu/~kriz/",)),),
         archive_dir="cifar-10-batches-py",
         homepage="https://www.cs.toronto.edu/~kriz/cifar.html",
@@ -184,12 +210,14 @@ def _check_bundled(folder: Path, source: Source) -> None:
         path = resolve_file(folder, name)
         assert path is not None
         digest = hashlib.md5()  # noqa: S324 - the published checksums are MD5s
-        with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as fh:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
         if digest.hexdigest() != expected:
-            raise DataError(f"the copy of {source.name} shipped with distsgd is damaged ({path}: md5 "
-                            f"{digest.hexdigest()}, published {expected}); reinstall distsgd")
+            raise DataError(
+                f"the copy of {source.name} shipped with distsgd is damaged ({path}: md5 "
+                f"{digest.hexdigest()}, published {expected}); reinstall distsgd"
+            )
 
 
 def md5sum(path: Path) -> str:
@@ -235,8 +263,10 @@ def _download(url: str, dest: Path) -> None:
         total = int(response.headers.get("Content-Length") or 0) or None
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
         try:
-            with os.fdopen(fd, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=dest.name,
-                                                   disable=None, leave=False) as bar:
+            with (
+                os.fdopen(fd, "wb") as out,
+                tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=None, leave=False) as bar,
+            ):
                 for block in iter(lambda: response.read(1 << 16), b""):
                     out.write(block)
                     bar.update(len(block))
@@ -261,4 +291,6 @@ def describe(name: str, data_dir: str | None = None) -> tuple[str, str]:
     for folder in candidate_dirs(source, data_dir):
         if has_all(folder, source):
             return "available", str(folder)
-    return "downloadable", ", ".join(r.mirrors[0] + r.name for r in source.remotes[:1]) + (" ..." if len(source.remotes) > 1 else "")
+    return "downloadable", ", ".join(r.mirrors[0] + r.name for r in source.remotes[:1]) + (
+        " ..." if len(source.remotes) > 1 else ""
+    )

@@ -55,8 +55,11 @@ def _files(path: Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise DataError(f"text dataset {path}: no such file or folder")
-    files = sorted(p for p in path.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     if not files:
         raise DataError(f"text dataset {path}: the folder holds no files")
     return files
@@ -86,8 +89,10 @@ def stdlib_text(limit: int = STDLIB_BYTES) -> bytes:
     root = stdlib_folder()
     files = sorted(root.glob("*.py"))
     if not files:
-        raise DataError(f"python-stdlib: no Python source files in {root} (a Python installed without its "
-                        f"sources?); use --dataset text:PATH")
+        raise DataError(
+            f"python-stdlib: no Python source files in {root} (a Python installed without its "
+            f"sources?); use --dataset text:PATH"
+        )
     out = bytearray()
     for f in files:
         try:
@@ -103,15 +108,18 @@ def sequences(tokens: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.T
     """Inputs and next-token targets ``(N, context)`` from a stream: pieces of ``context + 1``."""
     n = (len(tokens) - 1) // context
     if n < 1:
-        raise DataError(f"{len(tokens)} tokens make no sequence of --context {context} (+1 for its last "
-                        f"target): give more text or a shorter --context")
-    x = tokens[:n * context].view(n, context)
-    y = tokens[1:n * context + 1].view(n, context)
+        raise DataError(
+            f"{len(tokens)} tokens make no sequence of --context {context} (+1 for its last "
+            f"target): give more text or a shorter --context"
+        )
+    x = tokens[: n * context].view(n, context)
+    y = tokens[1 : n * context + 1].view(n, context)
     return x.contiguous(), y.contiguous()
 
 
-def token_arrays(name: str, tokens: torch.Tensor, context: int, vocab: int,
-                 test_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def token_arrays(
+    name: str, tokens: torch.Tensor, context: int, vocab: int, test_tokens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """``(x, y, x_test, y_test)``, each ``(N, context)``, from a token stream (its last
     :data:`TEST_FRACTION` the test set, unless ``test_tokens`` are given); ids checked against ``vocab``."""
     if context < 1:
@@ -122,8 +130,9 @@ def token_arrays(name: str, tokens: torch.Tensor, context: int, vocab: int,
     if test_tokens is None:
         cut = len(tokens) - max(context + 1, int(len(tokens) * TEST_FRACTION))
         if cut < context + 1:
-            raise DataError(f"{name}: {len(tokens)} tokens are too few for a training and a test sequence of "
-                            f"--context {context}")
+            raise DataError(
+                f"{name}: {len(tokens)} tokens are too few for a training and a test sequence of --context {context}"
+            )
         tokens, test_tokens = tokens[:cut], tokens[cut:]
     return (*sequences(tokens, context), *sequences(test_tokens.long(), context))
 
@@ -149,8 +158,9 @@ def _require_datasets() -> Any:
 
 def is_hf_dataset(obj: Any) -> bool:
     """A ``datasets.Dataset`` or ``DatasetDict`` (told by its class, without importing datasets)."""
-    return any(c.__module__.split(".")[0] == "datasets" and c.__name__ in ("Dataset", "DatasetDict")
-               for c in type(obj).__mro__)
+    return any(
+        c.__module__.split(".")[0] == "datasets" and c.__name__ in ("Dataset", "DatasetDict") for c in type(obj).__mro__
+    )
 
 
 def _stream(split: Any, name: str) -> tuple[torch.Tensor, int | None]:
@@ -159,15 +169,20 @@ def _stream(split: Any, name: str) -> tuple[torch.Tensor, int | None]:
     if "input_ids" in columns:
         rows = split["input_ids"]
         try:
-            flat = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]) if len(rows) else \
-                np.zeros(0, dtype=np.int64)
+            flat = (
+                np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in rows])
+                if len(rows)
+                else np.zeros(0, dtype=np.int64)
+            )
         except (TypeError, ValueError) as exc:
             raise DataError(f"{name}: 'input_ids' must hold lists of integer token ids ({exc})") from None
         return torch.from_numpy(flat), None
     if "text" in columns:
         return byte_tokens("\n".join(str(t) for t in split["text"]).encode()), BYTE_VOCAB
-    raise DataError(f"{name}: a language-model dataset needs an 'input_ids' (token ids) or a 'text' column; it has "
-                    f"{', '.join(columns) or 'none'}")
+    raise DataError(
+        f"{name}: a language-model dataset needs an 'input_ids' (token ids) or a 'text' column; it has "
+        f"{', '.join(columns) or 'none'}"
+    )
 
 
 def _splits(obj: Any) -> dict[str, Any] | None:
@@ -192,8 +207,11 @@ def hf_tokens(obj: Any, name: str = "hf-dataset") -> tuple[torch.Tensor, torch.T
         train_tokens, vocab = _stream(splits["train"], name)
         test_tokens = _stream(test, name)[0] if test is not None else None
     if vocab is None:
-        vocab = 1 + max(int(t.max()) for t in (train_tokens, test_tokens) if t is not None and len(t)) \
-            if len(train_tokens) else 1
+        vocab = (
+            1 + max(int(t.max()) for t in (train_tokens, test_tokens) if t is not None and len(t))
+            if len(train_tokens)
+            else 1
+        )
     return train_tokens, test_tokens, vocab
 
 
@@ -217,11 +235,14 @@ def read_hf(path: str | Path) -> Any:
             kinds = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
             found = {kinds[p.suffix] for p in files if p.suffix in kinds}
             if len(found) != 1:
-                raise DataError(f"{name}: expected a save_to_disk folder or parquet, arrow or jsonl files "
-                                f"(of one kind), found {', '.join(sorted(found)) or 'none'}")
+                raise DataError(
+                    f"{name}: expected a save_to_disk folder or parquet, arrow or jsonl files "
+                    f"(of one kind), found {', '.join(sorted(found)) or 'none'}"
+                )
             kind = found.pop()
-            obj = datasets.load_dataset(kind, data_files=[str(p) for p in files if kinds.get(p.suffix) == kind],
-                                        split="train")
+            obj = datasets.load_dataset(
+                kind, data_files=[str(p) for p in files if kinds.get(p.suffix) == kind], split="train"
+            )
     except DataError:
         raise
     except Exception as exc:  # the datasets library's own errors: one line
@@ -230,5 +251,18 @@ def read_hf(path: str | Path) -> Any:
     return obj
 
 
-__all__ = ["byte_tokens", "read_text", "stdlib_folder", "stdlib_text", "sequences", "token_arrays", "unigram_entropy",
-           "is_hf_dataset", "hf_tokens", "read_hf", "TEST_FRACTION", "BYTE_VOCAB", "DEFAULT_CONTEXT"]
+__all__ = [
+    "byte_tokens",
+    "read_text",
+    "stdlib_folder",
+    "stdlib_text",
+    "sequences",
+    "token_arrays",
+    "unigram_entropy",
+    "is_hf_dataset",
+    "hf_tokens",
+    "read_hf",
+    "TEST_FRACTION",
+    "BYTE_VOCAB",
+    "DEFAULT_CONTEXT",
+]

@@ -31,7 +31,7 @@ class _Chunks:
 
     def __iter__(self) -> Iterator[list[int]]:
         for first in range(self.start, len(self.order), self.batch_size):
-            yield self.order[first:first + self.batch_size].tolist()
+            yield self.order[first : first + self.batch_size].tolist()
 
     def __len__(self) -> int:
         return max(0, -(-(len(self.order) - self.start) // self.batch_size))
@@ -50,12 +50,21 @@ def is_map_dataset(obj: Any) -> bool:
 class TorchData:
     """A train and a test map-style Dataset, each item ``(input, target)``."""
 
-    def __init__(self, train: Any, test: Any, name: str = "dataset", where: str = "",
-                 num_classes: int | None = None, loader_workers: int = 0) -> None:
+    def __init__(
+        self,
+        train: Any,
+        test: Any,
+        name: str = "dataset",
+        where: str = "",
+        num_classes: int | None = None,
+        loader_workers: int = 0,
+    ) -> None:
         for split, ds in (("train", train), ("test", test)):
             if not is_map_dataset(ds):
-                raise DataError(f"{name}: the {split} set must be a map-style torch Dataset "
-                                f"(__getitem__ and __len__), got {type(ds).__name__}")
+                raise DataError(
+                    f"{name}: the {split} set must be a map-style torch Dataset "
+                    f"(__getitem__ and __len__), got {type(ds).__name__}"
+                )
             if len(ds) == 0:
                 raise DataError(f"{name}: the {split} set is empty")
         self.train, self.test, self.name, self.where = train, test, name, where
@@ -67,17 +76,21 @@ class TorchData:
         lm = not y0.dtype.is_floating_point and y0.dim() == 1 and x0.dim() == 1 and not x0.dtype.is_floating_point
         self.task = "regression" if y0.dtype.is_floating_point else "lm" if lm else "classification"
         if self.task == "lm" and num_classes is None and not isinstance(getattr(train, "num_classes", None), int):
-            raise DataError(f"{name}: token sequences need the vocabulary size: give num_classes (the Dataset's "
-                            f"attribute, or a third item / 'num_classes' key)")
+            raise DataError(
+                f"{name}: token sequences need the vocabulary size: give num_classes (the Dataset's "
+                f"attribute, or a third item / 'num_classes' key)"
+            )
         self.num_classes = num_classes or (max(1, y0.numel()) if self.task == "regression" else self._classes())
 
     @staticmethod
     def _item(ds: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         item = ds[i]
         if isinstance(item, dict):
-            raise DataError(f"item {i} of the Dataset is a dict (keys {', '.join(map(str, list(item)[:6]))}): distsgd's "
-                            f"loop takes (input, target) items; a model fed dicts trains in your own loop "
-                            f"(distsgd.spawn; README: Bring your own loop)")
+            raise DataError(
+                f"item {i} of the Dataset is a dict (keys {', '.join(map(str, list(item)[:6]))}): distsgd's "
+                f"loop takes (input, target) items; a model fed dicts trains in your own loop "
+                f"(distsgd.spawn; README: Bring your own loop)"
+            )
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise DataError(f"a Dataset item must be (input, target); item {i} is {type(item).__name__}")
         return torch.as_tensor(item[0]), torch.as_tensor(item[1])
@@ -91,8 +104,11 @@ class TorchData:
             return len(ds.classes)
         targets = getattr(ds, "targets", None)
         if targets is None:
-            log.warning("%s: reading every training label to count the classes (give the Dataset a "
-                        "num_classes attribute to skip this)", self.name)
+            log.warning(
+                "%s: reading every training label to count the classes (give the Dataset a "
+                "num_classes attribute to skip this)",
+                self.name,
+            )
             targets = [self._item(ds, i)[1] for i in range(len(ds))]
         return int(torch.as_tensor(targets).max()) + 1
 
@@ -108,8 +124,10 @@ class TorchData:
         """``--augment`` (datasets that offer it: ``folder:``) and ``--loader-workers``."""
         if augment:
             if not hasattr(self.train, "augment"):
-                raise ConfigError(f"--augment is for built-in and folder: image datasets; augment inside your own "
-                                  f"Dataset's __getitem__ for {self.name}")
+                raise ConfigError(
+                    f"--augment is for built-in and folder: image datasets; augment inside your own "
+                    f"Dataset's __getitem__ for {self.name}"
+                )
             self.train.augment = True
         self.loader_workers = loader_workers
         return self

@@ -65,8 +65,14 @@ def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, ou
     def body() -> WorkerResult:
         where = device.use(cfg.device, rank)
         init_group(cfg, rank, world, init_method)
-        ctx = WorkerContext(job, rank=rank, world=world, sink=procs.QueueSink(q) if rank == 0 else NullSink(),
-                            reports=rank == 0, device=where)
+        ctx = WorkerContext(
+            job,
+            rank=rank,
+            world=world,
+            sink=procs.QueueSink(q) if rank == 0 else NullSink(),
+            reports=rank == 0,
+            device=where,
+        )
         return run_worker(ctx, algo_cls(cfg))
 
     try:
@@ -80,8 +86,12 @@ def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
     world = cfg.workers
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     job.data.share_memory_()  # every worker reads one copy
-    with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
-                       lambda r, out, _: (r, world, job, algo_cls, init_method, out)) as team:
+    with procs.spawned(
+        cfg,
+        _entry,
+        [("worker", r) for r in range(world)],
+        lambda r, out, _: (r, world, job, algo_cls, init_method, out),
+    ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
         while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker
             sup.poll(0.2)
@@ -95,8 +105,9 @@ def _run_torchrun(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
     where = device.use(job.cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     init_torchrun_group(job.cfg, rank, world)
     try:
-        ctx = WorkerContext(job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0,
-                            device=where)
+        ctx = WorkerContext(
+            job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0, device=where
+        )
         mine = run_worker(ctx, algo_cls(job.cfg))
         gathered = gather_results([mine], rank, world)
     finally:

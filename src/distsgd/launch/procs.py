@@ -58,8 +58,10 @@ def child_env(**values: str) -> Iterator[None]:
 # ``__mp_main__``. A script that trains at module level, without ``if __name__ == "__main__":``,
 # would then train again inside each worker; such a worker exits at once with this status.
 MAIN_GUARD_STATUS = 86
-MAIN_GUARD = ('this script calls distsgd at module level, and each worker process imports the script again: '
-              'put the call under  if __name__ == "__main__":')
+MAIN_GUARD = (
+    "this script calls distsgd at module level, and each worker process imports the script again: "
+    'put the call under  if __name__ == "__main__":'
+)
 
 
 def refuse_if_importing_main() -> None:
@@ -182,7 +184,9 @@ def _exit_with_launcher() -> None:
 def begin_worker(label: str, rank: int, world: int, quiet: bool = False) -> None:
     """A worker process's logging prefix and torchrun-style environment. ``quiet`` (--quiet): it
     says nothing but errors, neither warnings logged nor Python's (torch's) warnings."""
-    logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING, format=f"{label}: %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=logging.ERROR if quiet else logging.WARNING, format=f"{label}: %(levelname)s: %(message)s"
+    )
     if quiet:
         warnings.simplefilter("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
@@ -197,8 +201,10 @@ def record_workers(cfg: RunConfig, procs: list[Any], roles: list[tuple[str, int]
 
     from distsgd.checkpoint import atomic_write_bytes
 
-    entries = [{"role": role, "rank": rank, "pid": p.pid, "host": socket.gethostname()}
-               for (role, rank), p in zip(roles, procs)]
+    entries = [
+        {"role": role, "rank": rank, "pid": p.pid, "host": socket.gethostname()}
+        for (role, rank), p in zip(roles, procs)
+    ]
     entries.insert(0, {"role": "launcher", "rank": None, "pid": os.getpid(), "host": socket.gethostname()})
     atomic_write_bytes(Path(cfg.out) / "workers.json", (json.dumps(entries, indent=2) + "\n").encode())
 
@@ -342,8 +348,11 @@ class Team:
                 self.mpc = mp_context()
             read, write = self.mpc.Pipe(duplex=False)
             self.inbox.add(read)
-            p = self.mpc.Process(target=_bootstrap, name=f"distsgd-{role}-{rank}",
-                                 args=(dict(os.environ), self.target, _Later(self.args(i, write, replacement))))
+            p = self.mpc.Process(
+                target=_bootstrap,
+                name=f"distsgd-{role}-{rank}",
+                args=(dict(os.environ), self.target, _Later(self.args(i, write, replacement))),
+            )
             p.start()
             write.close()  # the worker holds it now
         if i < len(self.procs):
@@ -371,8 +380,12 @@ def with_restarts(job: Job, sink: Any, attempt: Callable[[Job], list[WorkerResul
                 raise
             out = job.cfg.out
             resume = out if out and read_manifest(Path(out)) is not None else None
-            record = {"worker": str(exc).split(" failed")[0], "reason": str(exc), "at": time.time(),
-                      "from_checkpoint": resume is not None}
+            record = {
+                "worker": str(exc).split(" failed")[0],
+                "reason": str(exc),
+                "at": time.time(),
+                "from_checkpoint": resume is not None,
+            }
             log.warning("%s; restarting the group from %s", exc, "the last checkpoint" if resume else "the start")
             sink.emit({"event": "restart", **record})
             restarts.append(record)
@@ -434,8 +447,15 @@ def _main_only_if_readable() -> Iterator[None]:
 
 
 # What a worker says when a peer, not itself, went wrong.
-_PEER_SYMPTOMS = ("Connection reset by peer", "Connection closed by peer", "Socket closed", "Broken pipe",
-                  "Timed out", "timed out", "NCCL communicator was aborted")
+_PEER_SYMPTOMS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Socket closed",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "NCCL communicator was aborted",
+)
 
 
 class Supervisor:

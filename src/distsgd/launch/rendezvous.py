@@ -58,8 +58,10 @@ def check_backend(cfg: RunConfig, local_workers: int = 1) -> None:
         if device.kind(cfg.device) == "cpu":
             raise ConfigError("--backend nccl needs the workers on GPUs: use --device cuda, or --backend gloo")
         if local_workers > _gpus(cfg):
-            raise ConfigError(f"--backend nccl needs a GPU for each worker of a machine: {local_workers} workers, "
-                              f"{_gpus(cfg)} GPU(s) for --device {cfg.device}; use --backend gloo (or auto)")
+            raise ConfigError(
+                f"--backend nccl needs a GPU for each worker of a machine: {local_workers} workers, "
+                f"{_gpus(cfg)} GPU(s) for --device {cfg.device}; use --backend gloo (or auto)"
+            )
     if cfg.backend == "mpi" and not dist.is_mpi_available():
         raise ConfigError("--backend mpi is not available in this torch build; use --backend gloo")
     if cfg.backend == "gloo" and not dist.is_gloo_available():
@@ -69,16 +71,25 @@ def check_backend(cfg: RunConfig, local_workers: int = 1) -> None:
 def check_init_method(init_method: str | None) -> None:
     """Warn when the rendezvous (checked by ``config.validate``) listens beyond this machine."""
     if init_method is not None and init_method.startswith("tcp://"):
-        host = init_method[len("tcp://"):].rsplit(":", 1)[0]
+        host = init_method[len("tcp://") :].rsplit(":", 1)[0]
         if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-            log.warning("the rendezvous listens on %s: torch.distributed has no authentication or encryption; "
-                        "use it only on a trusted network", host)
+            log.warning(
+                "the rendezvous listens on %s: torch.distributed has no authentication or encryption; "
+                "use it only on a trusted network",
+                host,
+            )
 
 
 def init_group(cfg: RunConfig, rank: int, world: int, init_method: str) -> None:
     """Join the default process group with the run's backend and collective timeout."""
-    dist.init_process_group(backend=cfg.backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s), **_bound(cfg))
+    dist.init_process_group(
+        backend=cfg.backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        **_bound(cfg),
+    )
 
 
 def _bound(cfg: RunConfig) -> dict[str, torch.device]:
@@ -96,10 +107,21 @@ def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
         return
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    dist.init_process_group(backend=cfg.backend, store=dist.PrefixStore(f"distsgd/attempt-{restart}", store),
-                            rank=rank, world_size=world, timeout=timeout, **_bound(cfg))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        backend=cfg.backend,
+        store=dist.PrefixStore(f"distsgd/attempt-{restart}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **_bound(cfg),
+    )
 
 
 def leave_group() -> None:

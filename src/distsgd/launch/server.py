@@ -59,8 +59,9 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
             address = f"{os.environ['MASTER_ADDR']}:0"
             secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
             store.set(f"{key}/secret", secret)
-            chief = topology.serve(job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a),
-                                   secret=secret)
+            chief = topology.serve(
+                job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a), secret=secret
+            )
             chief.attendance = chief.attendance or Attendance(failed_workers=[])  # those the server dropped
             return [chief]
         store.wait([key])
@@ -70,26 +71,43 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         leave_group()
 
 
-def _work(job: Job, algo_cls: Any, rank: int, world: int, seat: ServerSeat, sink: Sink,
-          replacement: bool = False) -> WorkerResult:
+def _work(
+    job: Job, algo_cls: Any, rank: int, world: int, seat: ServerSeat, sink: Sink, replacement: bool = False
+) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N; its device, by its index on its
     machine (the server computes on the CPU: what it sends and receives are host bytes)."""
     local = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else rank - 1
-    ctx = WorkerContext(job, rank=rank - 1, world=world - 1, sink=sink, reports=True, evaluates=False,
-                        device=device.use(job.cfg.device, local))
+    ctx = WorkerContext(
+        job,
+        rank=rank - 1,
+        world=world - 1,
+        sink=sink,
+        reports=True,
+        evaluates=False,
+        device=device.use(job.cfg.device, local),
+    )
     return run_worker(ctx, algo_cls(job.cfg, seat), replacement=replacement)
 
 
-def _entry(rank: int, world: int, job: Job, algo_cls: Any, seat: ServerSeat, given_up: torch.Tensor, out: Any,
-           replacement: bool = False) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    job: Job,
+    algo_cls: Any,
+    seat: ServerSeat,
+    given_up: torch.Tensor,
+    out: Any,
+    replacement: bool = False,
+) -> None:
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
     procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world, job.cfg.quiet)
 
     def body() -> WorkerResult:
         if rank == 0:
-            return algo_cls.topology.serve(job, algo_cls, world - 1, seat.address, procs.QueueSink(q, 0),
-                                           given_up=given_up, secret=seat.secret)
+            return algo_cls.topology.serve(
+                job, algo_cls, world - 1, seat.address, procs.QueueSink(q, 0), given_up=given_up, secret=seat.secret
+            )
         return _work(job, algo_cls, rank, world, seat, procs.QueueSink(q, rank), replacement)
 
     procs.report(q, rank, body)
@@ -106,7 +124,7 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     that is not coming nor for a worker that died before it connected."""
     cfg = job.cfg
     workers, world = cfg.workers, cfg.workers + 1
-    address = cfg.init_method[len("tcp://"):] if cfg.init_method else f"{LOOPBACK}:{free_port()}"
+    address = cfg.init_method[len("tcp://") :] if cfg.init_method else f"{LOOPBACK}:{free_port()}"
     seat = ServerSeat(address, secrets.token_bytes(32))  # the run's secret: the server admits no one else
     job.data.share_memory_()
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
@@ -114,8 +132,9 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     lockstep = algo_cls.topology.exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
     given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
-    with procs.spawned(cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, seat, given_up,
-                                                                  out, again)) as team:
+    with procs.spawned(
+        cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, seat, given_up, out, again)
+    ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
         gone: set[int] = set()  # failed workers the run carries on without
         while 0 not in sup.results:
@@ -139,9 +158,12 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     chief = procs.unpack(sup.results[0], job)
     seen = chief.attendance or Attendance()  # the server's: the workers it dropped (one frozen is alive, not failed)
     errors = {**(seen.worker_errors or {}), **{str(r - 1): sup.reason(r) for r in failed}}
-    chief.attendance = Attendance(samples_per_worker=seen.samples_per_worker, restarts=restarts,
-                                  failed_workers=sorted({r - 1 for r in failed} | set(seen.failed_workers or [])),
-                                  worker_errors=errors or None)
+    chief.attendance = Attendance(
+        samples_per_worker=seen.samples_per_worker,
+        restarts=restarts,
+        failed_workers=sorted({r - 1 for r in failed} | set(seen.failed_workers or [])),
+        worker_errors=errors or None,
+    )
     others = [procs.unpack(sup.results[r], job) for r in range(1, world) if r in sup.results]
     if job.main is not None and others:  # the user's loop: what its first worker logged
         chief.evals = others[0].evals

@@ -45,14 +45,17 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
         return cfg
     per_process = algo_cls.topology.local_workers(cfg)
     if per_process is None:
-        raise ConfigError(f"{cfg.algo} shares memory between the processes of one machine; run it without "
-                          f"torchrun, with --workers N")
+        raise ConfigError(
+            f"{cfg.algo} shares memory between the processes of one machine; run it without torchrun, with --workers N"
+        )
     if cfg.backend not in ("auto", "gloo"):
         raise ConfigError(f"{cfg.algo} passes its token between machines with gloo: use --backend gloo (or auto)")
     cfg = cfg.replace(backend="gloo")
     if cfg.checkpoint_period is not None or cfg.resume:
-        raise ConfigError(f"checkpoints of {cfg.algo} across machines are not supported yet: checkpoint it on one "
-                          f"machine (--workers N), or let torchrun restart it from scratch")
+        raise ConfigError(
+            f"checkpoints of {cfg.algo} across machines are not supported yet: checkpoint it on one "
+            f"machine (--workers N), or let torchrun restart it from scratch"
+        )
     return cfg.replace(workers=int(os.environ["WORLD_SIZE"]) * per_process)
 
 
@@ -62,8 +65,18 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
     return Machine(job, algo_cls, sink).run()
 
 
-def _entry(slot: int, world: int, job: Job, algo_cls: Any, seat: SharedSeat, go: Any, out: Any,
-           first_rank: int, data_world: int, replacement: bool = False) -> None:
+def _entry(
+    slot: int,
+    world: int,
+    job: Job,
+    algo_cls: Any,
+    seat: SharedSeat,
+    go: Any,
+    out: Any,
+    first_rank: int,
+    data_world: int,
+    replacement: bool = False,
+) -> None:
     """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
     this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
     q = procs.Outbox(out)
@@ -78,8 +91,15 @@ def _entry(slot: int, world: int, job: Job, algo_cls: Any, seat: SharedSeat, go:
         q.put(("checkpointed", slot, (seq, samples)))
 
     mine = dataclasses.replace(seat, slot=slot, start_together=start_together, checkpointed=checkpointed)
-    ctx = WorkerContext(job, rank=first_rank + slot, world=data_world, sink=procs.QueueSink(q, slot), reports=True,
-                        evaluates=False, device=device.use(seat.device))
+    ctx = WorkerContext(
+        job,
+        rank=first_rank + slot,
+        world=data_world,
+        sink=procs.QueueSink(q, slot),
+        reports=True,
+        evaluates=False,
+        device=device.use(seat.device),
+    )
     procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg, mine), replacement=replacement))
 
 
@@ -88,8 +108,18 @@ class Machine:
     torchrun) it is one cluster among several: its workers read shards ``first_rank ..`` of
     ``data_world``, and the link joins its model to the other machines'."""
 
-    def __init__(self, job: Job, algo_cls: Any, sink: Sink, *, first_rank: int = 0, data_world: int | None = None,
-                 link: Any = None, evaluates: bool = True, machines: int = 1) -> None:
+    def __init__(
+        self,
+        job: Job,
+        algo_cls: Any,
+        sink: Sink,
+        *,
+        first_rank: int = 0,
+        data_world: int | None = None,
+        link: Any = None,
+        evaluates: bool = True,
+        machines: int = 1,
+    ) -> None:
         cfg, dataset = job.cfg, job.data
         self.job, self.cfg, self.algo_cls, self.dataset, self.sink = job, cfg, algo_cls, dataset, sink
         self.topology = topology = algo_cls.topology
@@ -102,8 +132,10 @@ class Machine:
         dataset = dataset.to(self.device).share_memory_()
         self.job = job = job.replace(data=dataset)
         self.dataset = dataset
-        self.models = [build_model(job.model, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed)
-                       .to(self.device) for _ in range(topology.models(cfg))]
+        self.models = [
+            build_model(job.model, dataset.input_shape, dataset.num_classes, cfg.init, seed=cfg.seed).to(self.device)
+            for _ in range(topology.models(cfg))
+        ]
         self.counts = torch.zeros(cfg.workers, dtype=torch.int64)
         saved = load_worker_state(Path(cfg.resume), COORDINATOR) if cfg.resume else None
         if saved is not None:  # the shared models and counters of the checkpoint
@@ -115,12 +147,18 @@ class Machine:
         self.states = [m.state_dict() for m in self.models]
         mpc = procs.mp_context()
         self.go = mpc.Event()
-        self.handles = SharedSeat(states=self.states, counts=self.counts.share_memory_(),
-                                  stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
-                                  hold=torch.full((1 + cfg.workers,), -1, dtype=torch.int64).share_memory_()
-                                  if cfg.stop_at_target and link is None and self.evaluates else None,
-                                  lock=topology.lock(cfg, mpc), machines=machines, device=str(self.device),
-                                  extras=topology.extras(cfg, mpc, self.models))
+        self.handles = SharedSeat(
+            states=self.states,
+            counts=self.counts.share_memory_(),
+            stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
+            hold=torch.full((1 + cfg.workers,), -1, dtype=torch.int64).share_memory_()
+            if cfg.stop_at_target and link is None and self.evaluates
+            else None,
+            lock=topology.lock(cfg, mpc),
+            machines=machines,
+            device=str(self.device),
+            extras=topology.extras(cfg, mpc, self.models),
+        )
         self.link = link(self.models[0], self.handles) if link is not None else None
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self.current_state, device=self.device)
@@ -146,16 +184,36 @@ class Machine:
         """A worker's progress line, with all workers' samples and the launcher's clock."""
         if event.get("event") == "progress":
             done, elapsed = self.samples(), self.watcher.clock.elapsed()
-            self.sink.emit({**event, "samples": done, "train_wall_s": elapsed,
-                            "samples_per_s": done / elapsed if elapsed > 0 else 0.0})
+            self.sink.emit(
+                {
+                    **event,
+                    "samples": done,
+                    "train_wall_s": elapsed,
+                    "samples_per_s": done / elapsed if elapsed > 0 else 0.0,
+                }
+            )
         else:  # what a user's loop logged
             self.sink.emit(event)
 
     def run(self) -> list[WorkerResult]:
         cfg, world = self.cfg, self.cfg.workers
-        with procs.spawned(cfg, _entry, [("worker", r) for r in range(world)],
-                           lambda r, out, again: (r, world, self.job, self.algo_cls, self.handles, self.go, out,
-                                                  self.first_rank, self.data_world, again)) as team:
+        with procs.spawned(
+            cfg,
+            _entry,
+            [("worker", r) for r in range(world)],
+            lambda r, out, again: (
+                r,
+                world,
+                self.job,
+                self.algo_cls,
+                self.handles,
+                self.go,
+                out,
+                self.first_rank,
+                self.data_world,
+                again,
+            ),
+        ) as team:
             sup = self.supervisor = procs.Supervisor(team.procs, team.inbox, self.relay)
             self._start_together(sup)
             self._watch(sup, team)
@@ -164,8 +222,11 @@ class Machine:
                 first = min(failed)
                 raise WorkerError(f"all {world} workers failed; worker {self.first_rank + first}: {sup.reason(first)}")
             total = self.link.finish() if self.link is not None else int(self.handles.counts.sum())
-            train_wall_s, evals, final, total = self.watcher.finish(total) if self.evaluates else \
-                (self.watcher.clock.elapsed(), [], self.current_state(), total)
+            train_wall_s, evals, final, total = (
+                self.watcher.finish(total)
+                if self.evaluates
+                else (self.watcher.clock.elapsed(), [], self.current_state(), total)
+            )
         return self._results(sup, total, train_wall_s, evals, final)
 
     def _start_together(self, sup: procs.Supervisor) -> None:
@@ -193,8 +254,9 @@ class Machine:
             while len(sup.results) + len(sup.failed()) < self.cfg.workers:
                 self._handle(sup, sup.poll(0.01))
                 for slot in sorted(sup.failed() - self.gone):
-                    if self.handles.stop[0] or not procs.replace(team, sup, slot, f"worker {self.first_rank + slot}",
-                                                                  self.sink, self.restarts):
+                    if self.handles.stop[0] or not procs.replace(
+                        team, sup, slot, f"worker {self.first_rank + slot}", self.sink, self.restarts
+                    ):
                         self.gone.add(slot)
                         self._commit_whole(sup)
                 if self.evaluates and self.watcher.observe(self.samples()):
@@ -247,43 +309,80 @@ class Machine:
         counts = self.handles.counts.clone()
         for slot, samples in self.saved[seq].items():  # what each worker had when it saved its part
             counts[slot] = samples
-        state = {"models": [{k: v.detach().clone() for k, v in st.items()} for st in self.states],
-                 "counts": counts, "watcher": self.watcher.state_dict()}
+        state = {
+            "models": [{k: v.detach().clone() for k, v in st.items()} for st in self.states],
+            "counts": counts,
+            "watcher": self.watcher.state_dict(),
+        }
         save_worker_state(ckpt_dir, seq, COORDINATOR, state)
         samples = self.samples()
-        commit_checkpoint(ckpt_dir, seq, self.cfg.workers, {"samples": samples, "algo": self.cfg.algo},
-                          ranks=sorted(self.first_rank + s for s in self.saved[seq]), coordinator=True)
+        commit_checkpoint(
+            ckpt_dir,
+            seq,
+            self.cfg.workers,
+            {"samples": samples, "algo": self.cfg.algo},
+            ranks=sorted(self.first_rank + s for s in self.saved[seq]),
+            coordinator=True,
+        )
         self.saved = {s: slots for s, slots in self.saved.items() if s > seq}
-        self.sink.emit({"event": "checkpoint", "seq": seq, "samples": samples,
-                        "train_wall_s": self.watcher.clock.elapsed()})
+        self.sink.emit(
+            {"event": "checkpoint", "seq": seq, "samples": samples, "train_wall_s": self.watcher.clock.elapsed()}
+        )
 
-    def _results(self, sup: procs.Supervisor, total: int, train_wall_s: float, evals: list[dict[str, Any]],
-                 final: dict[str, torch.Tensor]) -> list[WorkerResult]:
+    def _results(
+        self,
+        sup: procs.Supervisor,
+        total: int,
+        train_wall_s: float,
+        evals: list[dict[str, Any]],
+        final: dict[str, torch.Tensor],
+    ) -> list[WorkerResult]:
         counts, first, failed = self.handles.counts, self.first_rank, sorted(sup.failed())
         model = build_model(self.job.model, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
         model.load_state_dict(final)  # what was evaluated last: the models now, or the copy that reached the target
-        figures = self.topology.figures([sup.results[r]["figures"] for r in sorted(sup.results)],
-                                        self.handles.extras)
+        figures = self.topology.figures([sup.results[r]["figures"] for r in sorted(sup.results)], self.handles.extras)
         if self.link is not None:
             figures = self.link.figures(figures)
-        attendance = Attendance(samples_per_worker=[int(c) for c in counts], failed_workers=[first + r for r in failed],
-                                restarts=self.restarts,
-                                worker_errors={str(first + r): sup.reason(r) for r in failed} if failed else None)
+        attendance = Attendance(
+            samples_per_worker=[int(c) for c in counts],
+            failed_workers=[first + r for r in failed],
+            restarts=self.restarts,
+            worker_errors={str(first + r): sup.reason(r) for r in failed} if failed else None,
+        )
         if self.own and sup.results:  # the user's loop: what its lowest worker logged
             evals = sup.results[min(sup.results)]["evals"]
         final = evals[-1] if evals else {}
         final = {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss")}
         # where each worker trained (its device, its GPU): this process only holds the shared models
         where = {r: sup.results[r].get("where") for r in sup.results}
-        chief = WorkerResult(rank=first, samples=int(counts[0]), global_samples=total, train_wall_s=train_wall_s,
-                             evals=evals, final_test_accuracy=final["test_accuracy"],
-                             final_test_loss=final["test_loss"], model=model, figures=figures, attendance=attendance,
-                             where=where.get(0) or next(iter(where.values()), None))
-        others = [WorkerResult(rank=first + r, samples=int(counts[r]), global_samples=total,
-                               train_wall_s=train_wall_s, evals=[], final_test_accuracy=None, final_test_loss=None,
-                               model=None, figures=sup.results.get(r, {}).get("figures", Figures()),
-                               where=where.get(r))
-                  for r in range(1, self.cfg.workers)]
+        chief = WorkerResult(
+            rank=first,
+            samples=int(counts[0]),
+            global_samples=total,
+            train_wall_s=train_wall_s,
+            evals=evals,
+            final_test_accuracy=final["test_accuracy"],
+            final_test_loss=final["test_loss"],
+            model=model,
+            figures=figures,
+            attendance=attendance,
+            where=where.get(0) or next(iter(where.values()), None),
+        )
+        others = [
+            WorkerResult(
+                rank=first + r,
+                samples=int(counts[r]),
+                global_samples=total,
+                train_wall_s=train_wall_s,
+                evals=[],
+                final_test_accuracy=None,
+                final_test_loss=None,
+                model=None,
+                figures=sup.results.get(r, {}).get("figures", Figures()),
+                where=where.get(r),
+            )
+            for r in range(1, self.cfg.workers)
+        ]
         return [chief] + others
 
 
@@ -306,9 +405,16 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
 
     init_torchrun_group(cfg, rank, n)
     try:
-        mine = Machine(job.replace(cfg=local), node, sink if rank == 0 else NullSink(),
-                       first_rank=rank * size, data_world=n * size, link=link, evaluates=rank == 0,
-                       machines=n).run()
+        mine = Machine(
+            job.replace(cfg=local),
+            node,
+            sink if rank == 0 else NullSink(),
+            first_rank=rank * size,
+            data_world=n * size,
+            link=link,
+            evaluates=rank == 0,
+            machines=n,
+        ).run()
         gathered = gather_results(mine, rank, n)
     finally:
         leave_group()
@@ -323,5 +429,7 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     results[0].attendance = Attendance(
         samples_per_worker=[c for a in attendances for c in (a.samples_per_worker or [])],
         failed_workers=sorted(r for a in attendances for r in (a.failed_workers or [])),
-        restarts=[r for a in attendances for r in (a.restarts or [])], worker_errors=errors or None)
+        restarts=[r for a in attendances for r in (a.restarts or [])],
+        worker_errors=errors or None,
+    )
     return results

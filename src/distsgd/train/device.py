@@ -56,13 +56,16 @@ def check(device: str, precision: str) -> None:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
     count = cuda_count()
     if device.startswith("cuda") and count == 0:
-        raise ConfigError(f"--device {device} needs a CUDA GPU, and this machine has none that torch can use "
-                          f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
+        raise ConfigError(
+            f"--device {device} needs a CUDA GPU, and this machine has none that torch can use "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use --device cpu"
+        )
     if device.startswith("cuda:") and int(device[5:]) >= count:
         raise ConfigError(f"--device {device}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}")
     if precision == "fp16" and kind(device) == "cpu":
-        raise ConfigError("--precision fp16 needs a GPU (float16 autocast with loss scaling); on the CPU use "
-                          "--precision bf16")
+        raise ConfigError(
+            "--precision fp16 needs a GPU (float16 autocast with loss scaling); on the CPU use --precision bf16"
+        )
 
 
 def resolve(spec: str, local_index: int = 0) -> torch.device:
@@ -90,8 +93,10 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"--precision bf16: this GPU ({torch.cuda.get_device_name(device)}) does not support "
-                          f"bfloat16; use --precision fp16 or fp32")
+        raise ConfigError(
+            f"--precision bf16: this GPU ({torch.cuda.get_device_name(device)}) does not support "
+            f"bfloat16; use --precision fp16 or fp32"
+        )
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
@@ -151,5 +156,16 @@ def describe(device: torch.device, precision: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["PRECISIONS", "cuda_count", "kind", "check", "resolve", "use", "autocast", "float32_exact", "synchronizer",
-           "ScaledOptimizer", "describe"]
+__all__ = [
+    "PRECISIONS",
+    "cuda_count",
+    "kind",
+    "check",
+    "resolve",
+    "use",
+    "autocast",
+    "float32_exact",
+    "synchronizer",
+    "ScaledOptimizer",
+    "describe",
+]

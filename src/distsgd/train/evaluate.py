@@ -20,7 +20,9 @@ from distsgd.train.objective import loss_function
 
 @torch.no_grad()
 @device.float32_exact()  # what distsgd eval measures on the CPU: float32, not TF32
-def evaluate(model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy) -> tuple[float | None, float]:
+def evaluate(
+    model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy
+) -> tuple[float | None, float]:
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
     model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
     Always in float32, whatever ``--precision`` trained with: the number describes the saved
@@ -58,8 +60,15 @@ class Watcher:
     lock), so the clock stops meanwhile. Each evaluation is emitted to ``sink`` as an ``eval`` event.
     """
 
-    def __init__(self, job: Any, per_epoch: int, sink: Any, state: Callable[[], dict[str, torch.Tensor]],
-                 pause_to_copy: bool = False, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        job: Any,
+        per_epoch: int,
+        sink: Any,
+        state: Callable[[], dict[str, torch.Tensor]],
+        pause_to_copy: bool = False,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = job.cfg, job.model, job.data, per_epoch, sink
         self.device = device  # where the data is, and the copies are evaluated
         self.loss_fn = loss_function(job.cfg.loss, job.loss, job.data.task)
@@ -139,8 +148,12 @@ class Watcher:
         return train_s, self.evals, final, samples
 
     def state_dict(self) -> dict[str, Any]:
-        return {"evals_at": self.at.state_dict(), "evals": list(self.evals), "train_wall_s": self.clock.elapsed(),
-                "snapshots": [{"samples": n, "train_s": t, "state": st} for n, t, st in self.pending]}
+        return {
+            "evals_at": self.at.state_dict(),
+            "evals": list(self.evals),
+            "train_wall_s": self.clock.elapsed(),
+            "snapshots": [{"samples": n, "train_s": t, "state": st} for n, t, st in self.pending],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.at.load_state_dict(state["evals_at"])
@@ -150,11 +163,18 @@ class Watcher:
         self.earlier_s = state["train_wall_s"]
 
 
-def eval_event(data: Any, samples: int, epoch: float, train_s: float, accuracy: float | None,
-               loss: float) -> dict[str, Any]:
+def eval_event(
+    data: Any, samples: int, epoch: float, train_s: float, accuracy: float | None, loss: float
+) -> dict[str, Any]:
     """The ``eval`` event of one evaluation (a language model's with its perplexity and bits per token)."""
-    event = {"event": "eval", "samples": samples, "epoch": epoch, "train_wall_s": train_s, "test_accuracy": accuracy,
-             "test_loss": loss}
+    event = {
+        "event": "eval",
+        "samples": samples,
+        "epoch": epoch,
+        "train_wall_s": train_s,
+        "test_accuracy": accuracy,
+        "test_loss": loss,
+    }
     if data.task == "lm":
         event.update(lm_figures(loss))
     return event

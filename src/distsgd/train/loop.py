@@ -107,8 +107,13 @@ class _Worker:
         # a worker its launcher started again rejoins the running model (what it saved, if it did, is
         # loaded below but the running model is newer); so does, in a resumed asynchronous run, a rank
         # that had no part in the checkpoint (its worker had died); the others resume from their part
-        start = Start.REPLACEMENT if replacement or (cfg.resume and saved is None) else \
-            Start.RESUMED if saved is not None else Start.FRESH
+        start = (
+            Start.REPLACEMENT
+            if replacement or (cfg.resume and saved is None)
+            else Start.RESUMED
+            if saved is not None
+            else Start.FRESH
+        )
         self.model = run.build(saved["model"] if saved is not None else None, start)
         self.pieces = run.pieces()
         if saved is not None:

@@ -33,8 +33,10 @@ def token_cross_entropy(out: object, target: torch.Tensor) -> torch.Tensor:
 
 def _scores(loss: Callable) -> Callable:
     """``loss`` on the scores of a model whose output is an object with ``.logits``."""
+
     def on_scores(out: object, target: torch.Tensor) -> torch.Tensor:
         return loss(logits_of(out), target)
+
     on_scores.__name__ = getattr(loss, "__name__", "loss")
     return on_scores
 
@@ -53,6 +55,8 @@ def loss_function(name: str, custom: Callable | None, task: str) -> Callable:
         name = "mse" if task == "regression" else "cross-entropy"
     if (name == "mse") != (task == "regression"):
         kind = "float targets (regression)" if task == "regression" else "class labels"
-        raise ConfigError(f"--loss {name} does not fit a dataset of {kind}: use "
-                          f"{'mse' if task == 'regression' else 'cross-entropy or nll'}")
+        raise ConfigError(
+            f"--loss {name} does not fit a dataset of {kind}: use "
+            f"{'mse' if task == 'regression' else 'cross-entropy or nll'}"
+        )
     return _scores(LOSSES[name])

@@ -11,8 +11,9 @@ from distsgd.config import RunConfig, value
 from distsgd.errors import ConfigError
 
 
-def build_optimizer(cfg: RunConfig, model: torch.nn.Module, custom: Callable | None = None,
-                    groups: Callable | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: RunConfig, model: torch.nn.Module, custom: Callable | None = None, groups: Callable | None = None
+) -> torch.optim.Optimizer:
     """``custom(model)`` if given; else ``--optimizer`` (``sgd`` with momentum, nesterov and weight
     decay, ``adam``, ``adamw``) at ``cfg.lr`` over ``groups(model)`` (per-group options such as
     their own lr) or all parameters. With ``--weight-decay-on weights`` only the weights of layers
@@ -26,12 +27,15 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, custom: Callable | N
     else:
         kind = value(cfg, "optimizer")
         lr, decay = value(cfg, "lr"), value(cfg, "weight_decay")
-        params: Any = groups(model) if groups is not None else \
-            decay_groups(model, decay) if value(cfg, "weight_decay_on") == "weights" and decay > 0 else \
-            list(model.parameters())
+        params: Any = (
+            groups(model)
+            if groups is not None
+            else decay_groups(model, decay)
+            if value(cfg, "weight_decay_on") == "weights" and decay > 0
+            else list(model.parameters())
+        )
         if kind == "sgd":
-            optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                                        weight_decay=decay)
+            optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=decay)
         elif kind == "adam":
             optimizer = torch.optim.Adam(params, lr=lr, weight_decay=decay)
         elif kind == "adamw":
@@ -48,8 +52,10 @@ def decay_groups(model: torch.nn.Module, decay: float) -> list[dict[str, Any]]:
     weight decay, biases and normalisation scales (1 dimension) without it (as GPT-2's and BERT's
     training code do: decaying a LayerNorm's scale towards 0 only fights the normalisation)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -81,8 +87,13 @@ def scheduled(cfg: RunConfig) -> bool:
     return cfg.schedule != "constant" or bool(value(cfg, "lr_warmup_steps"))
 
 
-def schedule_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, epoch_progress: float, total_epochs: float,
-                step: int | None = None) -> None:
+def schedule_lr(
+    optimizer: torch.optim.Optimizer,
+    cfg: RunConfig,
+    epoch_progress: float,
+    total_epochs: float,
+    step: int | None = None,
+) -> None:
     """Every group's lr at this point of the schedule: its own ``base_lr`` times lr_at / lr, times
     the warm-up's factor at update ``step`` (from 1; None: no warm-up)."""
     factor = lr_at(cfg, epoch_progress, total_epochs) / value(cfg, "lr")

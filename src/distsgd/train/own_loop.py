@@ -65,8 +65,10 @@ class OwnData:
 
     def options(self, augment: bool = False, loader_workers: int = 0) -> "OwnData":
         if augment or loader_workers:
-            raise ConfigError("--augment and --loader-workers apply to distsgd's own loop: in your loop, give "
-                              "run.loader() your transforms and num_workers")
+            raise ConfigError(
+                "--augment and --loader-workers apply to distsgd's own loop: in your loop, give "
+                "run.loader() your transforms and num_workers"
+            )
         return self
 
     def to(self, device: torch.device) -> "OwnData":
@@ -95,8 +97,11 @@ class LoopState:
     _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
 
     def state_dict(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in self._COUNTERS}, "evals_at": self.evals_at.state_dict(),
-                "checkpoints_at": self.checkpoints_at.state_dict()}
+        return {
+            **{k: getattr(self, k) for k in self._COUNTERS},
+            "evals_at": self.evals_at.state_dict(),
+            "checkpoints_at": self.checkpoints_at.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self._COUNTERS:
@@ -138,21 +143,27 @@ class Run:
         self.per_epoch = shard_size(n, ctx.world, self.cfg.partition)  # this worker's samples an epoch (0: unknown)
         self.global_per_epoch = self.per_epoch * ctx.world
         cfg = self.cfg
-        self.total_epochs = cfg.epochs if cfg.max_samples is None or not self.global_per_epoch else \
-            cfg.max_samples / self.global_per_epoch
+        self.total_epochs = (
+            cfg.epochs
+            if cfg.max_samples is None or not self.global_per_epoch
+            else cfg.max_samples / self.global_per_epoch
+        )
         torch.set_num_threads(threads_per_worker(self.cfg))
 
     # -- setting up ------------------------------------------------------------------------------
-    def setup(self, optimizer: Callable[[nn.Module], torch.optim.Optimizer] | str | None = None
-              ) -> tuple[nn.Module, "Optimizer"]:
+    def setup(
+        self, optimizer: Callable[[nn.Module], torch.optim.Optimizer] | str | None = None
+    ) -> tuple[nn.Module, "Optimizer"]:
         """The model, joined to the algorithm, and its optimiser. ``optimizer``: a function
         ``optimizer(model) -> torch.optim.Optimizer``, or None for the run's settings (``--optimizer``,
         ``--lr``, ...; DiLoCo's inner optimiser; ``distsgd.spawn(optimizer=...)``)."""
         if self._model is not None:
             raise ConfigError("run.setup() was called twice: set up one model and one optimiser per run")
         if optimizer is not None and self._algo.topology.kind == "server":
-            raise ConfigError(f"under {self.cfg.algo} the parameter server steps, with its own optimiser: give "
-                              f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup()")
+            raise ConfigError(
+                f"under {self.cfg.algo} the parameter server steps, with its own optimiser: give "
+                f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup()"
+            )
         if isinstance(optimizer, str):
             self.cfg = self._algo.cfg = self.cfg.replace(optimizer=optimizer)
         elif optimizer is not None:
@@ -162,8 +173,13 @@ class Run:
         saved = self._checkpointer.load()
         # as in distsgd's loop: a replacement (or, resumed, a rank with no part in the checkpoint)
         # rejoins the running model and goes on from the samples its rank had trained
-        start = Start.REPLACEMENT if self._replacement or (cfg.resume and saved is None) else \
-            Start.RESUMED if saved is not None else Start.FRESH
+        start = (
+            Start.REPLACEMENT
+            if self._replacement or (cfg.resume and saved is None)
+            else Start.RESUMED
+            if saved is not None
+            else Start.FRESH
+        )
         model = self.build(saved["model"] if saved is not None else None, start)
         if saved is not None:
             scatter({k: v for k, v in self.pieces().items() if k != "model"}, saved)
@@ -178,8 +194,13 @@ class Run:
     def pieces(self) -> dict[str, Any]:
         """What a checkpoint holds of this worker: the model, the optimiser, the algorithm's state,
         the counters, the random state, --precision's scaler and (a user's loop) its own state."""
-        pieces = {"model": self._algo.unwrap(self._need_setup("run.checkpoint()")), "optimizer": self._optimizer,
-                  "algo": self._algo, "loop": self.state, "rng": RngState()}
+        pieces = {
+            "model": self._algo.unwrap(self._need_setup("run.checkpoint()")),
+            "optimizer": self._optimizer,
+            "algo": self._algo,
+            "loop": self.state,
+            "rng": RngState(),
+        }
         if self.scaler is not None:
             pieces["scaler"] = self.scaler
         if self._ctx.job.main is not None:
@@ -254,8 +275,14 @@ class Run:
         return self._optimizer
 
     # -- data ------------------------------------------------------------------------------------
-    def loader(self, dataset: Any, batch_size: int | None = None, epoch: int = 0,
-               collate_fn: Callable | None = None, num_workers: int = 0) -> "_Shard":
+    def loader(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        epoch: int = 0,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+    ) -> "_Shard":
         """This worker's batches of ``dataset`` (map-style: ``len`` and ``dataset[i]``) in ``epoch``:
         the indices ``distsgd train`` gives this worker (``--partition``, ``--seed``), ``batch_size``
         (default ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...)
@@ -284,7 +311,7 @@ class Run:
             # tensors in memory: index them a batch at a time, as distsgd's loop does (a DataLoader
             # fetches and stacks sample by sample)
             return _Shard(self, _TensorBatches(dataset.tensors, order, size))
-        batches = [order[i:i + size].tolist() for i in range(0, len(order), size)]
+        batches = [order[i : i + size].tolist() for i in range(0, len(order), size)]
         return _Shard(self, DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers))
 
     def count(self, samples: int) -> None:
@@ -328,8 +355,10 @@ class Run:
         model = self._need_setup("optimizer.step()")
         n = self._batch_samples
         if n == 0:
-            raise ConfigError("optimizer.step() with no batch from run.loader() since the last step: take batches "
-                              "from run.loader() (or run.count(len(batch))) so that the run counts its samples")
+            raise ConfigError(
+                "optimizer.step() with no batch from run.loader() since the last step: take batches "
+                "from run.loader() (or run.count(len(batch))) so that the run counts its samples"
+            )
         if cfg.schedule != "constant" or self.steps < self._warmup:
             # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
             progress = self.global_samples() / self.global_per_epoch if self.global_per_epoch else 0.0
@@ -365,8 +394,14 @@ class Run:
             reached = False
             with self.paused():
                 if writes:
-                    event = eval_event(ctx.dataset, self.global_samples(), self.epoch(), self.clock.elapsed(),
-                                       values.get("test_accuracy"), values.get("test_loss"))
+                    event = eval_event(
+                        ctx.dataset,
+                        self.global_samples(),
+                        self.epoch(),
+                        self.clock.elapsed(),
+                        values.get("test_accuracy"),
+                        values.get("test_loss"),
+                    )
                     event.update({k: v for k, v in values.items() if k not in event})
                     self.record(event)
                     reached = target_reached(event, cfg.target_accuracy, cfg.target_loss)
@@ -375,8 +410,15 @@ class Run:
                 if cfg.stop_at_target and self._algo.agree(ctx, reached):
                     self._stopped = True
         elif writes:
-            ctx.sink.emit({"event": "log", "samples": self.global_samples(), "rank": self.rank,
-                           "train_wall_s": self.clock.elapsed(), **values})
+            ctx.sink.emit(
+                {
+                    "event": "log",
+                    "samples": self.global_samples(),
+                    "rank": self.rank,
+                    "train_wall_s": self.clock.elapsed(),
+                    **values,
+                }
+            )
 
     def record(self, event: dict[str, Any]) -> None:
         """An evaluation: kept for the summary and emitted."""
@@ -395,11 +437,20 @@ class Run:
             if not count:
                 log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
             self._nonfinite = (count + 1, first if count else gs, gs)
-        self._ctx.sink.emit({"event": "progress", "samples": gs, "epoch": self.epoch(), "rank": self.rank,
-                             "loss": mean_loss, "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
-                             "train_wall_s": elapsed, "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
-                             **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
-                             **self._algo.progress_figures(self._ctx)})
+        self._ctx.sink.emit(
+            {
+                "event": "progress",
+                "samples": gs,
+                "epoch": self.epoch(),
+                "rank": self.rank,
+                "loss": mean_loss,
+                "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
+                "train_wall_s": elapsed,
+                "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
+                **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
+                **self._algo.progress_figures(self._ctx),
+            }
+        )
         self._loss_sum.zero_()
         self._loss_n = 0
 
@@ -431,15 +482,16 @@ class Run:
             return self._returned
         model = self._need_setup("run.final_model()")
         if self.steps == 0 and self._batch_samples > 0:
-            raise ConfigError("batches were taken but the optimiser run.setup() returned never stepped: call its "
-                              "step(), not another optimiser's (the algorithm acts in it)")
+            raise ConfigError(
+                "batches were taken but the optimiser run.setup() returned never stepped: call its "
+                "step(), not another optimiser's (the algorithm acts in it)"
+            )
         self._returned = self._algo.finish(self._ctx, model)
         self.clock.pause()
         self._train_wall_s = self.clock.elapsed()
         self._algo.verify(self._ctx, self._returned)
         if self._nonfinite[0] > 1:
-            log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples",
-                        *self._nonfinite)
+            log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
         return self._returned
 
     @property
@@ -458,16 +510,23 @@ class Run:
         if returned is not None and returned is not final:
             unwrapped = self._algo.unwrap(self._model) if self._model is not None else None
             if returned is not unwrapped and returned is not self._model:
-                raise ConfigError("main(run) returned a model that is not run.final_model(): return "
-                                  "run.final_model() (or nothing)")
+                raise ConfigError(
+                    "main(run) returned a model that is not run.final_model(): return run.final_model() (or nothing)"
+                )
         evals = self.state.evals
         last = evals[-1] if evals else None
-        return WorkerResult(rank=self.rank, samples=self.samples, global_samples=self.global_samples(),
-                            train_wall_s=self.train_wall_s, evals=evals,
-                            final_test_accuracy=last.get("test_accuracy") if last else None,
-                            final_test_loss=last.get("test_loss") if last else None,
-                            model=final if self._ctx.evaluates else None, figures=self._algo.figures(),
-                            where=device.describe(self._ctx.device, self.cfg.precision))
+        return WorkerResult(
+            rank=self.rank,
+            samples=self.samples,
+            global_samples=self.global_samples(),
+            train_wall_s=self.train_wall_s,
+            evals=evals,
+            final_test_accuracy=last.get("test_accuracy") if last else None,
+            final_test_loss=last.get("test_loss") if last else None,
+            model=final if self._ctx.evaluates else None,
+            figures=self._algo.figures(),
+            where=device.describe(self._ctx.device, self.cfg.precision),
+        )
 
 
 class _UserState:
@@ -494,7 +553,7 @@ class _TensorBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         for i in range(0, len(self.order), self.size):
-            idx = self.order[i:i + self.size]
+            idx = self.order[i : i + self.size]
             yield tuple(t[idx] for t in self.tensors)
 
 
@@ -525,8 +584,10 @@ class Optimizer:
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
-            raise ConfigError("optimizer.step(closure) is not supported under distsgd: compute the loss, "
-                              "run.backward(loss), then optimizer.step()")
+            raise ConfigError(
+                "optimizer.step(closure) is not supported under distsgd: compute the loss, "
+                "run.backward(loss), then optimizer.step()"
+            )
         self._run.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

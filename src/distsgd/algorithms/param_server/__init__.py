@@ -26,5 +26,14 @@ from distsgd.algorithms.param_server.core import ParameterServer, staleness_stat
 from distsgd.algorithms.param_server.rules import dc_lambda
 from distsgd.algorithms.param_server.worker import ASGD, DCASGD, SSP, ServerAlgorithm, ServerTopology, SyncPS
 
-__all__ = ["ParameterServer", "staleness_stats", "dc_lambda", "ServerAlgorithm", "ServerTopology", "ASGD", "SyncPS",
-           "SSP", "DCASGD"]
+__all__ = [
+    "ParameterServer",
+    "staleness_stats",
+    "dc_lambda",
+    "ServerAlgorithm",
+    "ServerTopology",
+    "ASGD",
+    "SyncPS",
+    "SSP",
+    "DCASGD",
+]

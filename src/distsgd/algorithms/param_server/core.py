@@ -37,10 +37,18 @@ class ParameterServer:
     version_read, local_samples, buffers)`` returns a Future of an :data:`Answer`; ``exchange``
     is async EASGD's elastic exchange. Worker ranks are 1..N."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, workers: int, rule: "Rule",
-                 samples_per_epoch: int, on_update: Callable[[int], None] | None = None,
-                 on_start: Callable[[], None] | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 accept_nonfinite: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model: nn.Module,
+        workers: int,
+        rule: "Rule",
+        samples_per_epoch: int,
+        on_update: Callable[[int], None] | None = None,
+        on_start: Callable[[], None] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        accept_nonfinite: bool = False,
+    ) -> None:
         self.cfg, self.model, self.workers = cfg, model, workers
         self.accept_nonfinite = accept_nonfinite
         self.nonfinite = 0  # gradients (or exchanges) with NaN or inf, not applied
@@ -52,8 +60,9 @@ class ParameterServer:
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
         self.scheduled = scheduled(cfg)
         self.samples_per_epoch = samples_per_epoch
-        self.total_epochs = cfg.epochs if cfg.max_samples is None or not samples_per_epoch else \
-            cfg.max_samples / samples_per_epoch
+        self.total_epochs = (
+            cfg.epochs if cfg.max_samples is None or not samples_per_epoch else cfg.max_samples / samples_per_epoch
+        )
         self.on_update, self.on_start = on_update, on_start
         self.lock = threading.Lock()
         self.version = 0
@@ -99,8 +108,9 @@ class ParameterServer:
         with self.lock:
             before = self.counts[rank]
         if not before <= samples <= before + self.max_step:
-            raise ConnectionError(f"worker {rank - 1} claimed {samples} samples after {before}: at most "
-                                  f"{self.max_step} more a message")
+            raise ConnectionError(
+                f"worker {rank - 1} claimed {samples} samples after {before}: at most {self.max_step} more a message"
+            )
 
     def _finite(self, *tensors: torch.Tensor) -> bool:
         """Whether ``tensors`` may be applied: finite, or the user accepts NaN and inf."""
@@ -108,12 +118,20 @@ class ParameterServer:
             return True
         self.nonfinite += 1
         if self.nonfinite == 1:
-            log.warning("a worker sent NaN or inf; the server does not apply such gradients (see nonfinite_pushes "
-                        "in summary.json; lower --lr?)")
+            log.warning(
+                "a worker sent NaN or inf; the server does not apply such gradients (see nonfinite_pushes "
+                "in summary.json; lower --lr?)"
+            )
         return False
 
-    def push(self, rank: int, grad: torch.Tensor, version_read: int, local_samples: int,
-             buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> Future:
+    def push(
+        self,
+        rank: int,
+        grad: torch.Tensor,
+        version_read: int,
+        local_samples: int,
+        buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    ) -> Future:
         """Worker ``rank``'s flat gradient and its (floating-point, other) buffers, each flat, in
         the model's order. A gradient with NaN or inf is taken as zero (the rule's rounds stay in
         step), unless ``accept_nonfinite``."""
@@ -132,15 +150,20 @@ class ParameterServer:
         _complete(done)
         return fut
 
-    def exchange(self, rank: int, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor],
-                 local_samples: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
+    def exchange(
+        self, rank: int, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor], local_samples: int
+    ) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
         """Async EASGD's elastic exchange (:class:`.rules.Elastic`) of the flat parameters ``x`` and
         the floating-point buffers: returns ((d of both), version, samples, stop)."""
         if not self._finite(x, *floats):  # not moved, nor moving the centre
             with self.lock:
                 self.counts[rank] = local_samples
-                return ((torch.zeros_like(x), [torch.zeros_like(f) for f in floats]), self.version,
-                        self.total_samples(), self.stop)
+                return (
+                    (torch.zeros_like(x), [torch.zeros_like(f) for f in floats]),
+                    self.version,
+                    self.total_samples(),
+                    self.stop,
+                )
         with self.lock:
             self.counts[rank] = local_samples
             diff = self.rule.exchange(self, rank, x, floats, ints)
@@ -185,11 +208,16 @@ class ParameterServer:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = grad[offset:offset + n].view_as(p)  # views: grad is this update's own tensor
+            p.grad = grad[offset : offset + n].view_as(p)  # views: grad is this update's own tensor
             offset += n
         if self.scheduled:  # the warm-up counts the server's own updates
-            schedule_lr(self.optimizer, self.cfg, self.total_samples() / self.samples_per_epoch, self.total_epochs,
-                        self.version + 1)
+            schedule_lr(
+                self.optimizer,
+                self.cfg,
+                self.total_samples() / self.samples_per_epoch,
+                self.total_epochs,
+                self.version + 1,
+            )
         self.optimizer.step()
         self.version += 1
         if self.on_update is not None:
@@ -237,12 +265,18 @@ class ParameterServer:
     def state_dict(self) -> dict[str, Any]:
         """The server's state (call with the lock held)."""
         self.sync_buffers()
-        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "version": self.version, "counts": list(self.counts),
-                "clocks": list(self.clocks), "staleness": {str(k): v for k, v in self.staleness.items()},
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "buffers": {str(r): [b.clone() for b in bs] for r, bs in self._buffers.items()},
-                "ints": None if self._ints is None else [b.clone() for b in self._ints]}
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "counts": list(self.counts),
+            "clocks": list(self.clocks),
+            "staleness": {str(k): v for k, v in self.staleness.items()},
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "buffers": {str(r): [b.clone() for b in bs] for r, bs in self._buffers.items()},
+            "ints": None if self._ints is None else [b.clone() for b in self._ints],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -275,7 +309,7 @@ def _pieces(saved: torch.Tensor | list[torch.Tensor], like: list[torch.Tensor]) 
         return saved
     pieces, offset = [], 0
     for b in like:
-        pieces.append(saved[offset:offset + b.numel()].to(b.dtype))
+        pieces.append(saved[offset : offset + b.numel()].to(b.dtype))
         offset += b.numel()
     return pieces
 
@@ -302,5 +336,10 @@ def staleness_stats(hist: Counter[int]) -> dict[str, Any]:
                 return value
         return ordered[-1][0]
 
-    return {"mean": sum(v * c for v, c in ordered) / n, "p50": quantile(0.5), "p99": quantile(0.99),
-            "max": ordered[-1][0], "histogram": {str(v): c for v, c in ordered}}
+    return {
+        "mean": sum(v * c for v, c in ordered) / n,
+        "p50": quantile(0.5),
+        "p99": quantile(0.99),
+        "max": ordered[-1][0],
+        "histogram": {str(v): c for v, c in ordered},
+    }

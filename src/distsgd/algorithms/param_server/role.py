@@ -70,8 +70,16 @@ class ServerRole:
     carries versions applied while it waited), and it has the run's sink under torchrun too.
     """
 
-    def __init__(self, job: Job, rule: Rule, workers: int, sink: Any, exact: bool = False,
-                 given_up: torch.Tensor | None = None, accept_nonfinite: bool = False) -> None:
+    def __init__(
+        self,
+        job: Job,
+        rule: Rule,
+        workers: int,
+        sink: Any,
+        exact: bool = False,
+        given_up: torch.Tensor | None = None,
+        accept_nonfinite: bool = False,
+    ) -> None:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
         self.cfg, self.sink = cfg, sink
@@ -81,9 +89,17 @@ class ServerRole:
         self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
         self.own = job.main is not None  # the user's loop evaluates what it wants (its first worker logs it)
         optimizer = build_optimizer(cfg, self.model, job.optimizer, job.param_groups)
-        self.server = ParameterServer(cfg, self.model, workers, rule, per_epoch, self._on_update,
-                                      on_start=self.watcher.start, optimizer=optimizer,
-                                      accept_nonfinite=accept_nonfinite)
+        self.server = ParameterServer(
+            cfg,
+            self.model,
+            workers,
+            rule,
+            per_epoch,
+            self._on_update,
+            on_start=self.watcher.start,
+            optimizer=optimizer,
+            accept_nonfinite=accept_nonfinite,
+        )
         self.pieces = {"server": self.server, "watcher": self.watcher}
         self.workers = workers
         self.exact = exact  # a checkpoint needs every worker's part (sync-ps), not only the live ones
@@ -112,8 +128,10 @@ class ServerRole:
         written for it."""
         part = worker_file(Path(self.cfg.out) / CHECKPOINT_DIR, seq, rank - 1) if self.cfg.out else None
         if part is None or not part.is_file():
-            raise ConnectionError(f"worker {rank - 1} said it saved its part of checkpoint {seq}, and there is no "
-                                  f"{part or 'run directory'}")
+            raise ConnectionError(
+                f"worker {rank - 1} said it saved its part of checkpoint {seq}, and there is no "
+                f"{part or 'run directory'}"
+            )
         with self.server.lock:
             self.saved.setdefault(seq, {})[rank] = samples
             taken = self._take_whole()
@@ -146,16 +164,23 @@ class ServerRole:
                 return
             try:
                 save_worker_state(ckpt_dir, seq, COORDINATOR, state)
-                commit_checkpoint(ckpt_dir, seq, self.workers, {"samples": total, "algo": self.cfg.algo},
-                                  ranks=ranks, coordinator=True)
+                commit_checkpoint(
+                    ckpt_dir,
+                    seq,
+                    self.workers,
+                    {"samples": total, "algo": self.cfg.algo},
+                    ranks=ranks,
+                    coordinator=True,
+                )
             except OSError as exc:
                 self.failure = OutputError.of(exc)
                 self.server.stop = True  # the workers stop at their next push
                 log.error("%s; stopping the run", self.failure)
                 return
             self.committed = seq
-        self.sink.emit({"event": "checkpoint", "seq": seq, "samples": total,
-                        "train_wall_s": self.watcher.clock.elapsed()})
+        self.sink.emit(
+            {"event": "checkpoint", "seq": seq, "samples": total, "train_wall_s": self.watcher.clock.elapsed()}
+        )
 
     def worker_hello(self, rank: int, rejoining: bool) -> None:
         """Worker ``rank`` connected; with ``rejoining``, it replaces one that died."""
@@ -247,15 +272,31 @@ class ServerRole:
         else:
             train_wall_s, evals, final, total = self.watcher.finish(total)
         self.model.load_state_dict(final)  # the copy that reached the target, if the run stopped there
-        figures = ServerFigures(bytes_sent=server.bytes_sent, staleness=server.staleness_summary(),
-                                server_updates=server.version,
-                                server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
-                                server_bytes_sent=server.bytes_sent, server_bytes_received=server.bytes_received,
-                                nonfinite_pushes=server.nonfinite)
+        figures = ServerFigures(
+            bytes_sent=server.bytes_sent,
+            staleness=server.staleness_summary(),
+            server_updates=server.version,
+            server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
+            server_bytes_sent=server.bytes_sent,
+            server_bytes_received=server.bytes_received,
+            nonfinite_pushes=server.nonfinite,
+        )
         final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
         dropped = {str(r - 1): f"dropped by the server: {why}" for r, why in sorted(self.dropped.items())}
-        attendance = Attendance(samples_per_worker=server.counts[1:], failed_workers=[int(r) for r in dropped],
-                                worker_errors=dropped or None)
-        return WorkerResult(rank=0, samples=0, global_samples=total, train_wall_s=train_wall_s, evals=evals,
-                            final_test_accuracy=final["test_accuracy"], final_test_loss=final["test_loss"],
-                            model=self.model, figures=figures, attendance=attendance)
+        attendance = Attendance(
+            samples_per_worker=server.counts[1:],
+            failed_workers=[int(r) for r in dropped],
+            worker_errors=dropped or None,
+        )
+        return WorkerResult(
+            rank=0,
+            samples=0,
+            global_samples=total,
+            train_wall_s=train_wall_s,
+            evals=evals,
+            final_test_accuracy=final["test_accuracy"],
+            final_test_loss=final["test_loss"],
+            model=self.model,
+            figures=figures,
+            attendance=attendance,
+        )

@@ -68,8 +68,9 @@ class Rule:
     def release(self, ps: "ParameterServer") -> None:
         """After every push or departure: answer workers that may now go on."""
 
-    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor],
-                 ints: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def exchange(
+        self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__} makes no elastic exchanges")
 
 
@@ -189,8 +190,9 @@ class Elastic(Rule):
     def steps_per_message(self) -> int:
         return self.opts.tau
 
-    def exchange(self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor],
-                 ints: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def exchange(
+        self, ps: "ParameterServer", rank: int, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """d = x_i - x~ (the flat parameters, and each floating-point buffer); x~ <- x~ + alpha d."""
         alpha = elastic_alpha(self.opts, ps.workers)
         diff = x - ps.flat
@@ -206,5 +208,4 @@ class Elastic(Rule):
         return diff, diffs
 
 
-__all__ = ["Rule", "Asynchronous", "SyncRound", "BoundedStaleness", "DelayCompensated", "Elastic",
-           "dc_lambda"]
+__all__ = ["Rule", "Asynchronous", "SyncRound", "BoundedStaleness", "DelayCompensated", "Elastic", "dc_lambda"]

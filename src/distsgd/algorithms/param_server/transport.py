@@ -187,7 +187,7 @@ class Packing:
             flat = frame.section(s).clone() if clone else frame.section(s)
             offset = 0
             for i in s.members:
-                out[i] = flat[offset:offset + self.numels[i]]
+                out[i] = flat[offset : offset + self.numels[i]]
                 offset += self.numels[i]
         return out
 
@@ -203,11 +203,17 @@ class Layout:
     each part in aligned sections. A request holds all three; an answer the first two (weights, or
     an exchange's difference). The server and each worker build it from the same architecture."""
 
-    def __init__(self, params: list[tuple[torch.dtype, int]], floats: list[tuple[torch.dtype, int]],
-                 ints: list[tuple[torch.dtype, int]]) -> None:
+    def __init__(
+        self,
+        params: list[tuple[torch.dtype, int]],
+        floats: list[tuple[torch.dtype, int]],
+        ints: list[tuple[torch.dtype, int]],
+    ) -> None:
         if len({dtype for dtype, _ in params}) > 1:
-            raise ConfigError(f"the parameter server keeps the weights as one flat tensor; this model's parameters "
-                              f"have several dtypes ({', '.join(sorted({str(d) for d, _ in params}))}): give them one")
+            raise ConfigError(
+                f"the parameter server keeps the weights as one flat tensor; this model's parameters "
+                f"have several dtypes ({', '.join(sorted({str(d) for d, _ in params}))}): give them one"
+            )
         self.params = Packing(params, 0)
         self.floats = Packing(floats, self.params.end)
         self.ints = Packing(ints, self.floats.end)
@@ -217,9 +223,11 @@ class Layout:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "Layout":
         buffers = list(model.buffers())
-        return cls([(p.dtype, p.numel()) for p in model.parameters()],
-                   [(b.dtype, b.numel()) for b in buffers if b.dtype.is_floating_point],
-                   [(b.dtype, b.numel()) for b in buffers if not b.dtype.is_floating_point])
+        return cls(
+            [(p.dtype, p.numel()) for p in model.parameters()],
+            [(b.dtype, b.numel()) for b in buffers if b.dtype.is_floating_point],
+            [(b.dtype, b.numel()) for b in buffers if not b.dtype.is_floating_point],
+        )
 
 
 class Frame:
@@ -237,7 +245,7 @@ class Frame:
 
     def section(self, s: Section) -> torch.Tensor:
         """A view of section ``s`` of the payload, in its dtype."""
-        return self.buffer[_HEAD + s.offset:_HEAD + s.offset + s.nbytes].view(s.dtype)
+        return self.buffer[_HEAD + s.offset : _HEAD + s.offset + s.nbytes].view(s.dtype)
 
     def send(self, channel: Channel, *head: int) -> int:
         self.head.copy_(torch.tensor(head, dtype=torch.int64))
@@ -291,8 +299,16 @@ class Service:
     that connection is closed and counted refused), is logged at most every
     :data:`ACCEPT_WARNING_EVERY_S` and the server keeps listening."""
 
-    def __init__(self, server: Any, role: Any, layout: Layout, address: str, silence_s: float | None = None,
-                 secret: bytes = b"", max_pending: int | None = None) -> None:
+    def __init__(
+        self,
+        server: Any,
+        role: Any,
+        layout: Layout,
+        address: str,
+        silence_s: float | None = None,
+        secret: bytes = b"",
+        max_pending: int | None = None,
+    ) -> None:
         self.server, self.role, self.layout, self.silence_s = server, role, layout, silence_s
         self.secret = secret.ljust(SECRET_BYTES, b"\0")[:SECRET_BYTES]
         host, _, port = address.rpartition(":")
@@ -438,9 +454,13 @@ class Service:
                     self.refused += 1
                     n = self.refused
                 if n <= REFUSALS_SHOWN:
-                    log.warning("refused a connection that did not say which of this run's workers it is (%s)%s",
-                                why, "; further refusals are only counted (refused_connections in the summary)"
-                                if n == REFUSALS_SHOWN else "")
+                    log.warning(
+                        "refused a connection that did not say which of this run's workers it is (%s)%s",
+                        why,
+                        "; further refusals are only counted (refused_connections in the summary)"
+                        if n == REFUSALS_SHOWN
+                        else "",
+                    )
         finally:
             with self.membership:
                 self.serving.discard(connection)
@@ -464,12 +484,20 @@ class _Connection:
         self.request, self.answer = Frame(self.layout.request_bytes), Frame(self.layout.answer_bytes)
         self.sending = threading.Lock()  # answers and BEATs, one message at a time
         self.waiting: float | None = None  # since when the worker has heard nothing while it waits for an answer
-        self.reply(self.server.version, self.server.total_samples(), self.server.stop,
-                   nbytes=self.server.counts[rank])  # HELLO: answered with that rank's samples so far
+        self.reply(
+            self.server.version, self.server.total_samples(), self.server.stop, nbytes=self.server.counts[rank]
+        )  # HELLO: answered with that rank's samples so far
         self.server.count(received=_HEAD + SECRET_BYTES)
 
-    def reply(self, version: int, total: int, stop: bool, data: torch.Tensor | None = None, nbytes: int = 0,
-              floats: list[torch.Tensor] | None = None) -> None:
+    def reply(
+        self,
+        version: int,
+        total: int,
+        stop: bool,
+        data: torch.Tensor | None = None,
+        nbytes: int = 0,
+        floats: list[torch.Tensor] | None = None,
+    ) -> None:
         if data is not None:
             self.layout.params.whole(self.answer).copy_(data)
         if floats is not None:
@@ -515,8 +543,11 @@ class _Connection:
                 if not 0 <= version <= server.version:
                     raise Refused(f"a gradient computed on version {version}, which the server has not made")
                 grad = layout.params.whole(request).clone()
-                buffers = (layout.floats.unpack(request, clone=True),
-                           layout.ints.unpack(request, clone=True)) if flag else None
+                buffers = (
+                    (layout.floats.unpack(request, clone=True), layout.ints.unpack(request, clone=True))
+                    if flag
+                    else None
+                )
                 flat, v, total, stop = server.push(rank, grad, version, samples, buffers).wait()
                 self.reply(v, total, stop, flat)
             elif op == EXCHANGE:
@@ -564,8 +595,16 @@ class Client:
     nothing for ``timeout_s`` while an answer is due (it sends BEATs while one waits: a round, the
     start) is frozen or gone: the call fails with one line, instead of waiting for ever."""
 
-    def __init__(self, me: int, weights: torch.Tensor, layout: Layout, address: str,
-                 timeout_s: float, rejoining: bool = False, secret: bytes = b"") -> None:
+    def __init__(
+        self,
+        me: int,
+        weights: torch.Tensor,
+        layout: Layout,
+        address: str,
+        timeout_s: float,
+        rejoining: bool = False,
+        secret: bytes = b"",
+    ) -> None:
         self.me, self.weights, self.layout = me, weights, layout
         pinned = weights.device.type == "cuda"
         self.request, self.answer = Frame(layout.request_bytes, pinned), Frame(layout.answer_bytes, pinned)
@@ -615,8 +654,10 @@ class Client:
         return head
 
     def _frozen(self) -> ConnectionError:
-        return ConnectionError(f"the parameter server at {self.address} sent nothing for {self.timeout_s:g} s "
-                               f"(--timeout): it is frozen, or its machine is gone")
+        return ConnectionError(
+            f"the parameter server at {self.address} sent nothing for {self.timeout_s:g} s "
+            f"(--timeout): it is frozen, or its machine is gone"
+        )
 
     def _beat(self) -> None:
         ping = struct.pack("4q", PING, 0, 0, 0)  # a header, in the int64s the server reads
@@ -636,8 +677,13 @@ class Client:
         self.weights.copy_(self.layout.params.whole(self.answer))
         return version
 
-    def push(self, grad: list[torch.Tensor], version: int, samples: int,
-             buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> tuple[int, int, bool]:
+    def push(
+        self,
+        grad: list[torch.Tensor],
+        version: int,
+        samples: int,
+        buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+    ) -> tuple[int, int, bool]:
         """A gradient (the parameters' gradients, in order) computed on ``version``, and the
         (floating-point, other) buffers; the new weights land in ``weights``."""
         layout = self.layout
@@ -649,8 +695,9 @@ class Client:
         self.weights.copy_(layout.params.whole(self.answer))
         return version, total, stop
 
-    def exchange(self, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor],
-                 samples: int) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
+    def exchange(
+        self, x: torch.Tensor, floats: list[torch.Tensor], ints: list[torch.Tensor], samples: int
+    ) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], int, int, bool]:
         """Async EASGD: send x (the flat parameters and the floating-point buffers) and the other
         buffers; get the difference d of both from the centre (on x's device)."""
         layout = self.layout
@@ -659,8 +706,10 @@ class Client:
         layout.ints.pack(self.request, ints)
         version, total, stop, _ = self._call(EXCHANGE, 0, samples)
         where = x.device
-        diff = (layout.params.whole(self.answer).to(where, copy=True),
-                [d.to(where) for d in layout.floats.unpack(self.answer, clone=True)])
+        diff = (
+            layout.params.whole(self.answer).to(where, copy=True),
+            [d.to(where) for d in layout.floats.unpack(self.answer, clone=True)],
+        )
         return diff, version, total, stop
 
     def barrier(self) -> None:

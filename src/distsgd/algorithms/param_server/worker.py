@@ -28,19 +28,35 @@ class ServerTopology(Server):
     def __init__(self, rule: type[Rule], exact_checkpoints: bool = False) -> None:
         self.rule, self.exact_checkpoints = rule, exact_checkpoints
 
-    def serve(self, job: Job, algo_cls: type[Algorithm], workers: int, address: str, sink: Sink,
-              publish: Callable[[str], None] | None = None, given_up: torch.Tensor | None = None,
-              secret: bytes = b"") -> WorkerResult:
+    def serve(
+        self,
+        job: Job,
+        algo_cls: type[Algorithm],
+        workers: int,
+        address: str,
+        sink: Sink,
+        publish: Callable[[str], None] | None = None,
+        given_up: torch.Tensor | None = None,
+        secret: bytes = b"",
+    ) -> WorkerResult:
         """Be the server of ``workers`` workers at ``address`` (``host:port``; port 0: any free one,
         told to ``publish``) until they are all done, admitting only those that know ``secret``.
         ``given_up[rank]``: the local launcher will start no replacement for that rank
         (:class:`.role.ServerRole`)."""
         opts = algo_cls.Options.from_mapping(job.cfg.options)
         rule = self.rule(job.cfg, opts)
-        role = ServerRole(job, rule, workers, sink, exact=self.exact_checkpoints, given_up=given_up,
-                          accept_nonfinite=getattr(opts, "accept_nonfinite", False))
-        service = transport.Service(role.server, role, transport.Layout.of(role.model), address,
-                                    silence_s=job.cfg.timeout_s, secret=secret)
+        role = ServerRole(
+            job,
+            rule,
+            workers,
+            sink,
+            exact=self.exact_checkpoints,
+            given_up=given_up,
+            accept_nonfinite=getattr(opts, "accept_nonfinite", False),
+        )
+        service = transport.Service(
+            role.server, role, transport.Layout.of(role.model), address, silence_s=job.cfg.timeout_s, secret=secret
+        )
         if publish is not None:
             publish(service.address)
         service.start()
@@ -54,8 +70,11 @@ class ServerTopology(Server):
 
 @dataclass(frozen=True)
 class ServerOptions(Options):
-    accept_nonfinite: bool = option(False, "apply gradients with NaN or inf too (by default the server takes them "
-                                           "as zero and counts them: nonfinite_pushes)")
+    accept_nonfinite: bool = option(
+        False,
+        "apply gradients with NaN or inf too (by default the server takes them "
+        "as zero and counts them: nonfinite_pushes)",
+    )
 
 
 @dataclass(frozen=True)
@@ -74,8 +93,11 @@ class SSPOptions(StalenessOptions):
 
 @dataclass(frozen=True)
 class DCASGDOptions(StalenessOptions):
-    dc_lambda: float | None = option(None, "the compensation strength lambda (lambda0 with --dc-adaptive); "
-                                           "default 0.04, adaptive 2", metavar="LAMBDA")
+    dc_lambda: float | None = option(
+        None,
+        "the compensation strength lambda (lambda0 with --dc-adaptive); default 0.04, adaptive 2",
+        metavar="LAMBDA",
+    )
     dc_adaptive: bool = option(False, "adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)")
 
     def check(self, cfg: RunConfig) -> None:
@@ -96,8 +118,10 @@ class ServerAlgorithm(Algorithm):
     def check(cls, cfg: RunConfig) -> None:
         super().check(cfg)
         if cfg.precision == "fp16":
-            raise ConfigError(f"{cfg.algo} sends gradients to a server that steps with them, and fp16's loss scaling "
-                              f"would leave them scaled and unchecked for overflow there: use --precision bf16")
+            raise ConfigError(
+                f"{cfg.algo} sends gradients to a server that steps with them, and fp16's loss scaling "
+                f"would leave them scaled and unchecked for overflow there: use --precision bf16"
+            )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         seat: ServerSeat = self.seat
@@ -105,9 +129,15 @@ class ServerAlgorithm(Algorithm):
         self.params = params(model)
         self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
         self.floats, self.ints = float_buffers(model), int_buffers(model)
-        self.client = transport.Client(ctx.rank + 1, self.weights, layout, seat.address, self.cfg.timeout_s,
-                                       rejoining=start is Start.REPLACEMENT,  # data rank r is rank r + 1
-                                       secret=seat.secret)
+        self.client = transport.Client(
+            ctx.rank + 1,
+            self.weights,
+            layout,
+            seat.address,
+            self.cfg.timeout_s,
+            rejoining=start is Start.REPLACEMENT,  # data rank r is rank r + 1
+            secret=seat.secret,
+        )
         self.local = 0
         self.version = self.client.pull()
         self.total = 0
@@ -161,8 +191,10 @@ class ServerAlgorithm(Algorithm):
 @register
 class ASGD(ServerAlgorithm):
     name = "asgd"
-    summary_line = ("parameter server (one TCP connection per worker), gradients applied as they arrive "
-                    "(--staleness-lr divides each by its staleness)")
+    summary_line = (
+        "parameter server (one TCP connection per worker), gradients applied as they arrive "
+        "(--staleness-lr divides each by its staleness)"
+    )
 
 
 @register
@@ -190,8 +222,7 @@ class DCASGD(ServerAlgorithm):
     name = "dcasgd"
     topology = ServerTopology(DelayCompensated)
     Options = DCASGDOptions
-    summary_line = ("delay-compensated ASGD: g + lambda g*g*(w - w_read) (--dc-lambda, --dc-adaptive for "
-                    "DC-ASGD-a)")
+    summary_line = "delay-compensated ASGD: g + lambda g*g*(w - w_read) (--dc-lambda, --dc-adaptive for DC-ASGD-a)"
 
 
 __all__ = ["ServerTopology", "ServerAlgorithm", "ASGD", "SyncPS", "SSP", "DCASGD", "StalenessOptions"]
