@@ -12,8 +12,9 @@ if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PO
     # the whole run. Everything the run writes is closed by now.
     from multiprocessing import util
 
-    util._run_finalizers(0)  # Python's own clean-ups that os._exit would skip: the semaphores of the
-    util._run_finalizers()  # run's locks and events (else reported leaked), temporary folders
+    run_finalizers = util._run_finalizers  # type: ignore[attr-defined]  # private: typeshed leaves it out
+    run_finalizers(0)  # Python's own clean-ups that os._exit would skip: the semaphores of the
+    run_finalizers()  # run's locks and events (else reported leaked), temporary folders
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

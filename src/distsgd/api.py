@@ -24,6 +24,7 @@ from torch import nn
 from distsgd import config as config_mod
 from distsgd import launch, rundir, user
 from distsgd.algorithms import registry
+from distsgd.algorithms.base import Algorithm
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
 from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
@@ -150,7 +151,7 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
         unknown = set(data) - set(keys)
         if unknown:
             raise DataError(f"unknown data keys {sorted(unknown)} (use x, y, x_test, y_test)")
-        return from_arrays("arrays", *(data.get(k) for k in keys))
+        return from_arrays("arrays", data["x"], data["y"], data.get("x_test"), data.get("y_test"))
     if isinstance(data, (tuple, list)) and len(data) in (2, 4):
         return from_arrays("arrays", *data)
     raise DataError(
@@ -192,6 +193,7 @@ def run(
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     dataset_given = dataset is not None
     if dataset is None:
+        assert cfg.dataset is not None  # settle's with_defaults set it
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
@@ -232,10 +234,12 @@ def run(
             if hasattr(sink, "close"):
                 sink.close()
     if out is not None:  # the model first: a run whose summary.json exists has its model.pt
+        model = results[0].model
+        assert model is not None  # the chief's result (out is the chief's) holds the model it returns
         try:
             save_model(
                 out / "model.pt",
-                results[0].model,
+                model,
                 model_spec=cfg.model,
                 dataset=dataset.name,
                 input_shape=dataset.input_shape,
@@ -260,14 +264,14 @@ def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, 
     return pieces
 
 
-def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type]:
+def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     """The settings a run will use, and its algorithm class: its options (none of another
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
-    if cfg.algo is None:
-        cfg = cfg.replace(algo=registry.baseline())
-    algo_cls = registry.resolve(cfg.algo, cfg)
+    algo = cfg.algo if cfg.algo is not None else registry.baseline()
+    cfg = cfg.replace(algo=algo)
+    algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the generic ones
     cfg = validate(with_defaults(cfg, {**algo_cls.default_settings(cfg), **recommended_settings(cfg.model)}))
@@ -358,7 +362,7 @@ def spawn(
 
 
 def _own_final_figures(
-    job: Job, algo_cls: type, results: list[WorkerResult], sink: Any, evaluate: Callable | None
+    job: Job, algo_cls: type[Algorithm], results: list[WorkerResult], sink: Any, evaluate: Callable | None
 ) -> None:
     """The final figures of a run whose loop is the user's: ``evaluate(model)`` of the model the
     run returns, here, when given (an eval event at the run's end). Without it, what the user's
@@ -389,7 +393,7 @@ def _own_final_figures(
         chief.final_test_accuracy = chief.final_test_loss = None
 
 
-def _check_own(job: Job, algo_cls: type) -> None:
+def _check_own(job: Job, algo_cls: type[Algorithm]) -> None:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
     and code that can travel to worker processes."""
     cfg = job.cfg
@@ -425,7 +429,7 @@ def _check_travels(pieces: Any) -> None:
             ) from None
 
 
-def _check_job(job: Job, algo_cls: type) -> None:
+def _check_job(job: Job, algo_cls: type[Algorithm]) -> None:
     """Before any process starts: the model takes the data, the loss fits the targets, and the
     user's code can travel to worker processes."""
     cfg, spec, data = job.cfg, job.model, job.data

@@ -110,7 +110,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path} is not a distsgd model checkpoint")
-    kinds = {
+    kinds: dict[str, type | tuple[type, ...]] = {
         "state_dict": dict,
         "model": str,
         "dataset": str,
@@ -119,8 +119,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         "config": dict,
     }
     wrong = [k for k, kind in kinds.items() if not isinstance(data.get(k), kind)]
-    state = data.get("state_dict")
-    if not wrong and not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+    if not wrong and not all(  # the state_dict is a dict once nothing is wrong
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data["state_dict"].items()
+    ):
         wrong.append("state_dict")
     if not wrong and not all(isinstance(d, int) and d > 0 for d in data["input_shape"]):
         wrong.append("input_shape")

@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,17 +36,20 @@ class _Parser(argparse.ArgumentParser):
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
 
-    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+    # argparse's overloads also take a namespace to fill and return; distsgd never gives one
+    def parse_args(  # type: ignore[override]
+        self, args: Iterable[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace:
         """As argparse's, but a flag no parser knows is the sub-command's error, naming its help."""
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:
-            self.commands.get(getattr(parsed, "command", None), self).error(
-                f"unrecognized arguments: {' '.join(extra)}"
-            )
+            command: str | None = getattr(parsed, "command", None)
+            named = self.commands.get(command, self) if command is not None else self
+            named.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
 
 
-def _add_flag(parser: Any, f: dataclasses.Field, help_text: str) -> None:
+def _add_flag(parser: Any, f: dataclasses.Field, help_text: str | None) -> None:
     """The flag of a setting (a RunConfig field or an algorithm's option): its type from the field."""
     flag, how = options.flag_of(f), options.kind(f)
     if how == "bool":
@@ -169,10 +173,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     _hush(cfg.quiet)
-    if cfg.algo is None:
-        cfg = cfg.replace(algo=registry.baseline())
+    algo = cfg.algo if cfg.algo is not None else registry.baseline()
+    cfg = cfg.replace(algo=algo)
     if cfg.out is None:
-        cfg = cfg.replace(out=str(default_out(cfg.algo, beside=_saved_run(args))))
+        cfg = cfg.replace(out=str(default_out(algo, beside=_saved_run(args))))
     result = run(cfg)
     s = result.summary
     if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports

@@ -417,6 +417,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
     need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
     cfg = with_defaults(cfg)
+    # with_defaults has filled every setting of GENERIC: these are set now (narrowed for the type checker)
+    assert cfg.lr is not None and cfg.weight_decay is not None
+    assert cfg.lr_warmup_steps is not None and cfg.clip_grad_norm is not None
     need(cfg.max_samples is None or cfg.max_samples >= 1, f"--max-samples must be at least 1, got {cfg.max_samples}")
     need(0 < cfg.lr <= FLOAT32_MAX, f"--lr must be a positive number (at most {FLOAT32_MAX:.4g}), got {cfg.lr}")
     need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Union
 
 import torch
@@ -321,10 +321,10 @@ def _call_factory(factory: Callable[..., nn.Module], input_shape: tuple[int, ...
     if factory in BUILTIN.values():
         return factory(input_shape, num_classes)
     try:
-        params = inspect.signature(factory).parameters
+        params: Mapping[str, inspect.Parameter] = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    kwargs = {}
+    kwargs: dict[str, int | tuple[int, ...]] = {}
     if "num_classes" in params:
         kwargs["num_classes"] = num_classes
     if "input_shape" in params:

@@ -197,7 +197,9 @@ class PowerSGD(Compressor):
 
 def rng_state(rng: np.random.RandomState) -> dict[str, Any]:
     """A numpy RandomState's state as tensors and numbers (a checkpoint holds no numpy objects)."""
-    _, keys, pos, has_gauss, gauss = rng.get_state()
+    state = rng.get_state(legacy=True)  # legacy (the default): a tuple, for a RandomState of MT19937 as ours
+    assert isinstance(state, tuple)
+    _, keys, pos, has_gauss, gauss = state
     return {
         "keys": torch.from_numpy(keys.astype(np.int64)),
         "pos": int(pos),

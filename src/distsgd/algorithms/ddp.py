@@ -85,13 +85,14 @@ class DDP(GroupAlgorithm):
         """torch's ``hook``, and the bytes it all-reduces for each bucket counted first. (No
         annotations: DDP checks a hook's, and under postponed evaluation they would be strings.)"""
 
-        def counted(state, bucket):  # type: ignore[no-untyped-def]
+        def counted(state, bucket):
             self.sent(nbytes(bucket), self.world)
             return hook(state, bucket)
 
         return counted
 
     def no_sync(self, ctx: WorkerContext, model: nn.Module) -> contextlib.AbstractContextManager:
+        assert isinstance(model, DistributedDataParallel)  # the model setup returned
         return model.no_sync()  # DDP's own: accumulate, reduce at the last micro-batch
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -113,6 +113,8 @@ def paper_inner_defaults(inner_optimizer: str) -> dict[str, Any]:
 class InnerOuter(GroupAlgorithm):
     """What DiLoCo and its streaming variant share: the inner optimiser (--inner-optimizer, at the
     paper's defaults for AdamW)."""
+
+    Options: ClassVar[type[OuterOptions]]  # each subclass's: DiLoCo's, Streaming DiLoCo's
 
     @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:

@@ -257,7 +257,9 @@ class Ring(HogwildMemory):
         return TokenRing(cfg, rank, n, model, seat.counts, seat.stop, seat.extras)
 
     def merge_nodes(self, chiefs: list[Figures]) -> Figures:
-        return dataclasses.replace(chiefs[0], token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in chiefs))
+        first = chiefs[0]
+        assert isinstance(first, RingFigures)  # every node's TokenRing made its figures
+        return dataclasses.replace(first, token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in chiefs))
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -180,7 +180,7 @@ class StreamingDiLoCo(InnerOuter):
             if like is not None
             else [self.flat[a:b].detach().clone() for a, b in self.bounds]
         )
-        outers = [
+        outers: list[torch.optim.Optimizer] = [
             torch.optim.SGD(
                 [t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
             )

@@ -38,6 +38,7 @@ from typing import Any
 
 from distsgd import config as config_mod
 from distsgd.algorithms import registry
+from distsgd.algorithms.base import SharedMemory
 from distsgd.checkpoint import atomic_write_json
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
@@ -72,12 +73,13 @@ def describe(text: str) -> str:
 
 def layout(cfg: RunConfig) -> tuple[int, int] | None:
     """(processes on host a, on host b) for a 2-worker run of ``cfg.algo``; None: one machine only."""
+    assert cfg.algo is not None  # the bench names the algorithm of every run
     topology = registry.resolve(cfg.algo, cfg).topology
     if topology.kind == "group":
         return 1, 1
     if topology.kind == "server":
         return 1, 2
-    if topology.kind == "shared" and topology.per_machine(cfg, 1) is not None:
+    if isinstance(topology, SharedMemory) and topology.per_machine(cfg, 1) is not None:
         return 1, 1
     return None
 
@@ -149,12 +151,16 @@ class Network:
 
     def run(self, cfg: RunConfig) -> dict[str, Any]:
         """Train ``cfg`` across the two hosts; its summary.json (written on host a into cfg.out)."""
+        assert cfg.algo is not None and cfg.out is not None  # the bench names both for every run
+        out = Path(cfg.out)
         nprocs = layout(cfg)
         if nprocs is None:
             raise ConfigError(f"{cfg.algo} runs on one machine only")
         topology = registry.resolve(cfg.algo, cfg).topology
-        if topology.kind == "shared":  # one worker on each host
-            cfg = topology.per_machine(cfg, 1)
+        if isinstance(topology, SharedMemory):  # one worker on each host
+            one = topology.per_machine(cfg, 1)
+            assert one is not None  # layout found it runs across machines
+            cfg = one
         self.port += 1
         cpus = split_cores(sorted(os.sched_getaffinity(0)), nprocs)
         threads = cfg.threads_per_worker or max(1, min(len(c) // n for c, n in zip(cpus, nprocs)))
@@ -174,10 +180,7 @@ class Network:
             logs = [Path(tmp) / f"host{node}.err" for node in range(2)]  # files: a full pipe would stall a host
             procs: list[subprocess.Popen] = []
             try:
-                procs += [
-                    self._start(node, n, settings, Path(cfg.out), cpus[node], logs[node])
-                    for node, n in enumerate(nprocs)
-                ]
+                procs += [self._start(node, n, settings, out, cpus[node], logs[node]) for node, n in enumerate(nprocs)]
                 codes, stopped = _wait_all(procs, cfg.timeout_s + 600)
             finally:  # Ctrl-C, or any failure here: no host left running
                 for p in procs:
@@ -187,8 +190,8 @@ class Network:
         for node in sorted(range(2), key=lambda n: n in stopped):
             code, err = results[node]
             if code != 0:
-                Path(cfg.out).mkdir(parents=True, exist_ok=True)
-                kept = Path(cfg.out) / f"host-{'ab'[node]}.log"
+                out.mkdir(parents=True, exist_ok=True)
+                kept = out / f"host-{'ab'[node]}.log"
                 record(kept)
                 kept.write_text(err)
                 lines = [ln for ln in err.strip().splitlines() if ln.strip() and "error_file" not in ln]
@@ -198,7 +201,7 @@ class Network:
                     f"(exit {code}): {last[0].strip()} (its log: {kept})"
                 )
         # what the run on host a could not know: the link it crossed and the hosts it ran as
-        path = Path(cfg.out) / "summary.json"
+        path = out / "summary.json"
         summary = {**json.loads(path.read_text()), "network": self.spec, "hosts": hosts}
         atomic_write_json(summary, path)
         return summary

@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import logging
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,12 @@ from distsgd.rundir import record
 log = logging.getLogger(__name__)
 
 
-def _stats(values: list[float]) -> dict[str, float] | None:
-    values = [v for v in values if v is not None]
-    if not values:
+def _stats(values: Sequence[float | None]) -> dict[str, float] | None:
+    """Median, min and max of the values given (None: not measured, left out)."""
+    present = [v for v in values if v is not None]
+    if not present:
         return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {"median": statistics.median(present), "min": min(present), "max": max(present)}
 
 
 SETTINGS = (

@@ -154,6 +154,7 @@ def run_bench(
             )
             try:
                 config_mod.validate(cfg)
+                assert cfg.algo is not None  # set just above, to the spec's
                 algo_cls = registry.resolve(cfg.algo, cfg)
                 registry.options_of(cfg, algo_cls)
                 algo_cls.check(cfg)

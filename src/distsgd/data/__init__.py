@@ -138,7 +138,10 @@ class Dataset:
         for first in range(start, len(order), batch_size):
             idx = order[first : first + batch_size]
             x = self.x_train[idx]
-            yield (crop_flip(x, self.fill) if self.augment else x), self.y_train[idx]
+            if self.augment:
+                assert self.fill is not None  # options turns augment on only for images, which have a fill
+                x = crop_flip(x, self.fill)
+            yield x, self.y_train[idx]
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for first in range(0, len(self.y_test), batch_size):
@@ -239,7 +242,7 @@ def load_dataset(
         return _load_digits()
     if spec in ("mnist", "fashion-mnist", "kmnist"):
         folder = sources.locate(spec, data_dir, download)
-        files = [sources.resolve_file(folder, n) for n in sources.SOURCES[spec].needed]
+        files = [sources.found_file(folder, n) for n in sources.SOURCES[spec].needed]
         x_train, y_train = formats.read_idx_pair(files[0], files[1])
         x_test, y_test = formats.read_idx_pair(files[2], files[3])
         return from_arrays(spec, x_train, y_train, x_test, y_test, num_classes=10, where=str(folder))

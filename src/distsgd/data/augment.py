@@ -25,13 +25,13 @@ def crop_flip(x: torch.Tensor, fill: torch.Tensor, generator: torch.Generator | 
     dev = x.device  # on a GPU, the whole augmentation runs there (the draws too, unless a generator is given)
     padded = fill.to(dev, x.dtype).expand(b, c, h + 2 * p, w + 2 * p).clone()
     padded[:, :, p : p + h, p : p + w] = x
-    where = {} if generator is not None else {"device": dev}
-    dy = torch.randint(0, 2 * p + 1, (b,), generator=generator, **where).to(dev)
-    dx = torch.randint(0, 2 * p + 1, (b,), generator=generator, **where).to(dev)
+    draw_on = None if generator is not None else dev  # None: the default device, the generator's
+    dy = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=draw_on).to(dev)
+    dx = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=draw_on).to(dev)
     rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]  # (B, 1, H, 1)
     cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]  # (B, 1, 1, W)
     out = padded[
         torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None], rows, cols
     ]
-    flip = (torch.rand(b, generator=generator, **where) < 0.5).to(dev)
+    flip = (torch.rand(b, generator=generator, device=draw_on) < 0.5).to(dev)
     return torch.where(flip[:, None, None, None], out.flip(-1), out)  # a mask's indexing would wait for the GPU

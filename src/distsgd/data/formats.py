@@ -21,9 +21,9 @@ import numpy as np
 from distsgd.errors import DataError
 
 # IDX: magic = 0x00 0x00 <type code> <number of dimensions>; 0x08 is unsigned byte.
-_IDX_TYPES = {
-    0x08: np.uint8,
-    0x09: np.int8,
+_IDX_TYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
     0x0C: np.dtype(">i4"),
     0x0D: np.dtype(">f4"),
@@ -63,7 +63,7 @@ def read_idx(path: str | Path, expect_dims: int | None = None) -> np.ndarray:
             if len(dims) < 4 * ndim:
                 raise DataError(f"{path} is truncated: its header is incomplete")
             shape = struct.unpack(f">{ndim}I", dims)
-            dtype = np.dtype(_IDX_TYPES[type_code])
+            dtype = _IDX_TYPES[type_code]
             expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
             if expected > MAX_BYTES:
                 raise DataError(

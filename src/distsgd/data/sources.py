@@ -166,6 +166,13 @@ def resolve_file(folder: Path, name: str) -> Path | None:
     return None
 
 
+def found_file(folder: Path, name: str) -> Path:
+    """The path of a file :func:`locate` has found in ``folder``: ``name``, plain or gzipped."""
+    path = resolve_file(folder, name)
+    assert path is not None, f"{folder / name} vanished after locate found it"
+    return path
+
+
 def has_all(folder: Path, source: Source) -> bool:
     return all(resolve_file(folder, n) is not None for n in source.needed)
 

@@ -119,7 +119,7 @@ def sequences(tokens: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.T
 
 def token_arrays(
     name: str, tokens: torch.Tensor, context: int, vocab: int, test_tokens: torch.Tensor | None = None
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, y, x_test, y_test)``, each ``(N, context)``, from a token stream (its last
     :data:`TEST_FRACTION` the test set, unless ``test_tokens`` are given); ids checked against ``vocab``."""
     if context < 1:

@@ -21,9 +21,10 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -47,11 +48,11 @@ def child_env(**values: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
+        for k, old in saved.items():
+            if old is None:
                 os.environ.pop(k, None)
             else:
-                os.environ[k] = v
+                os.environ[k] = old
 
 
 # A worker started by the fork server (or spawn) imports the launcher's main script again, as
@@ -233,9 +234,9 @@ class Inbox:
     next message from any worker or raises ``queue.Empty``. A pipe whose worker died is dropped."""
 
     def __init__(self) -> None:
-        self.conns: list[Any] = []
+        self.conns: list[Connection] = []
 
-    def add(self, conn: Any) -> None:
+    def add(self, conn: Connection) -> None:
         self.conns.append(conn)
 
     def get(self, timeout: float) -> Any:
@@ -244,7 +245,7 @@ class Inbox:
         if not self.conns:
             time.sleep(timeout)
             raise queue.Empty
-        for conn in wait(self.conns, timeout):
+        for conn in cast("list[Connection]", wait(self.conns, timeout)):  # the very objects it was given
             try:
                 return conn.recv()
             except Exception:  # EOF or a message cut short: its writer is gone
@@ -252,7 +253,7 @@ class Inbox:
                 conn.close()
         raise queue.Empty
 
-    def finish(self, conn: Any, timeout: float) -> list[Any]:
+    def finish(self, conn: Connection, timeout: float) -> list[Any]:
         """Every message still in ``conn``'s pipe (its writer is dead), up to its end or ``timeout``;
         the pipe is then dropped."""
         messages: list[Any] = []
@@ -336,7 +337,7 @@ class Team:
         self.cfg, self.target, self.roles, self.args = cfg, target, roles, args
         self.inbox = Inbox()
         self.procs: list[Any] = []
-        self.pipes: list[Any] = []  # pipes[i]: the reading end of procs[i]'s pipe
+        self.pipes: list[Connection] = []  # pipes[i]: the reading end of procs[i]'s pipe
         self.mpc: Any = None
 
     def start(self, i: int, replacement: bool = False) -> Any:

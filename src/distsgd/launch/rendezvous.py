@@ -88,14 +88,14 @@ def init_group(cfg: RunConfig, rank: int, world: int, init_method: str) -> None:
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=cfg.timeout_s),
-        **_bound(cfg),
+        device_id=_bound(cfg),
     )
 
 
-def _bound(cfg: RunConfig) -> dict[str, torch.device]:
+def _bound(cfg: RunConfig) -> torch.device | None:
     """NCCL's group is bound to this worker's GPU (the current device, which ``device.use`` set):
-    its barrier and communicators use that one rather than guess (and warn)."""
-    return {"device_id": torch.device("cuda", torch.cuda.current_device())} if cfg.backend == "nccl" else {}
+    its barrier and communicators use that one rather than guess (and warn). None: unbound."""
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" else None
 
 
 def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
@@ -120,7 +120,7 @@ def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
         rank=rank,
         world_size=world,
         timeout=timeout,
-        **_bound(cfg),
+        device_id=_bound(cfg),
     )
 
 

@@ -58,7 +58,8 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         if rank == 0:
             address = f"{os.environ['MASTER_ADDR']}:0"
             secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
-            store.set(f"{key}/secret", secret)
+            # torch's stub types the value str; Store.set takes bytes as they are (the secret is raw bytes)
+            store.set(f"{key}/secret", secret)  # type: ignore[arg-type]
             chief = topology.serve(
                 job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a), secret=secret
             )
@@ -154,14 +155,14 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
                     cause = type(cause)(f"all {workers} workers failed; {cause}")
                 raise type(cause)(f"{cause}{resume}")
         sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
-    failed = sorted(sup.failed())
+    dead = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)
     seen = chief.attendance or Attendance()  # the server's: the workers it dropped (one frozen is alive, not failed)
-    errors = {**(seen.worker_errors or {}), **{str(r - 1): sup.reason(r) for r in failed}}
+    errors = {**(seen.worker_errors or {}), **{str(r - 1): sup.reason(r) for r in dead}}
     chief.attendance = Attendance(
         samples_per_worker=seen.samples_per_worker,
         restarts=restarts,
-        failed_workers=sorted({r - 1 for r in failed} | set(seen.failed_workers or [])),
+        failed_workers=sorted({r - 1 for r in dead} | set(seen.failed_workers or [])),
         worker_errors=errors or None,
     )
     others = [procs.unpack(sup.results[r], job) for r in range(1, world) if r in sup.results]

@@ -351,8 +351,7 @@ class Machine:
         )
         if self.own and sup.results:  # the user's loop: what its lowest worker logged
             evals = sup.results[min(sup.results)]["evals"]
-        final = evals[-1] if evals else {}
-        final = {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss")}
+        last = evals[-1] if evals else {}
         # where each worker trained (its device, its GPU): this process only holds the shared models
         where = {r: sup.results[r].get("where") for r in sup.results}
         chief = WorkerResult(
@@ -361,8 +360,8 @@ class Machine:
             global_samples=total,
             train_wall_s=train_wall_s,
             evals=evals,
-            final_test_accuracy=final["test_accuracy"],
-            final_test_loss=final["test_loss"],
+            final_test_accuracy=last.get("test_accuracy"),
+            final_test_loss=last.get("test_loss"),
             model=model,
             figures=figures,
             attendance=attendance,
@@ -423,7 +422,10 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     results = mine + [r for node in gathered[1:] for r in node]
     chiefs = [node[0] for node in gathered]
     results[0].figures = topology.merge_nodes([c.figures for c in chiefs])
-    results[0].figures.dataset_shared = all(getattr(c.figures, "dataset_shared", False) for c in chiefs)
+    # the shared-memory topologies' figures (HogwildFigures) have this field; the launcher knows no algorithm
+    results[0].figures.dataset_shared = all(  # type: ignore[attr-defined]
+        getattr(c.figures, "dataset_shared", False) for c in chiefs
+    )
     attendances = [c.attendance or Attendance() for c in chiefs]
     errors = {k: v for a in attendances for k, v in (a.worker_errors or {}).items()}
     results[0].attendance = Attendance(

@@ -145,7 +145,7 @@ class Every:
         self.next = period
 
     def due(self, count: int) -> bool:
-        if self.next is None or count < self.next:
+        if self.period is None or self.next is None or count < self.next:  # next is None when period is
             return False
         self.next = (count // self.period + 1) * self.period  # the next multiple, however far count jumped
         return True

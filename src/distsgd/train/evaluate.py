@@ -164,7 +164,7 @@ class Watcher:
 
 
 def eval_event(
-    data: Any, samples: int, epoch: float, train_s: float, accuracy: float | None, loss: float
+    data: Any, samples: int, epoch: float, train_s: float, accuracy: float | None, loss: float | None
 ) -> dict[str, Any]:
     """The ``eval`` event of one evaluation (a language model's with its perplexity and bits per token)."""
     event = {
@@ -175,7 +175,7 @@ def eval_event(
         "test_accuracy": accuracy,
         "test_loss": loss,
     }
-    if data.task == "lm":
+    if data.task == "lm" and loss is not None:  # a user's run.log may give an accuracy alone
         event.update(lm_figures(loss))
     return event
 

@@ -183,7 +183,7 @@ class _Worker:
         st = self.state
         with self.run.paused():
             period = self.cfg.checkpoint_period
-            st.seq = st.epoch if period is None or period.each_epoch else self.gs // period.count
+            st.seq = st.epoch if period is None or period.count is None else self.gs // period.count
             st.train_wall_s = self.clock.elapsed()
             self.checkpointer.save(st.seq, self.pieces)
             where = {"samples": self.gs, "epoch": st.epoch}

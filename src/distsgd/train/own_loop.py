@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from distsgd.checkpoint import Checkpointer, RngState, scatter
+from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
 from distsgd.config import threads_per_worker, value
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
@@ -70,6 +70,12 @@ class OwnData:
                 "run.loader() your transforms and num_workers"
             )
         return self
+
+    def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        raise ConfigError("distsgd reads no data of a run whose loop is the user's: main reads it")
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        raise ConfigError("distsgd reads no data of a run whose loop is the user's: main reads it")
 
     def to(self, device: torch.device) -> "OwnData":
         return self
@@ -189,14 +195,14 @@ class Run:
         elif start is Start.REPLACEMENT:
             self.state.local = self._rejoined = self._algo.starting_samples(ctx)
         self.begin(self.state.train_wall_s)
-        return model, Optimizer(self, self._optimizer)
+        return model, Optimizer(self, self.optimizer)
 
-    def pieces(self) -> dict[str, Any]:
+    def pieces(self) -> dict[str, Stateful]:
         """What a checkpoint holds of this worker: the model, the optimiser, the algorithm's state,
         the counters, the random state, --precision's scaler and (a user's loop) its own state."""
-        pieces = {
+        pieces: dict[str, Stateful] = {
             "model": self._algo.unwrap(self._need_setup("run.checkpoint()")),
-            "optimizer": self._optimizer,
+            "optimizer": self.optimizer,
             "algo": self._algo,
             "loop": self.state,
             "rng": RngState(),
@@ -217,16 +223,18 @@ class Run:
         cfg, st = self.cfg, self.state
         if not cfg.out:
             raise ConfigError("run.checkpoint() needs out= (the run directory it saves into)")
+        checkpointer = self._checkpointer
+        assert checkpointer is not None  # setup made it, with the model
         with self.paused():
             st.seq += 1
             st.train_wall_s = self.clock.elapsed()
             self._user.value = state
-            self._checkpointer.save(st.seq, self.pieces())
+            checkpointer.save(st.seq, self.pieces())
             where = {"samples": self.global_samples(), "epoch": st.epoch}
             seq = st.seq
 
             def commit() -> None:
-                self._checkpointer.commit(seq, {**where, "algo": cfg.algo})
+                checkpointer.commit(seq, {**where, "algo": cfg.algo})
                 self._ctx.sink.emit({"event": "checkpoint", "seq": seq, **where, "train_wall_s": st.train_wall_s})
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)
@@ -362,11 +370,11 @@ class Run:
         if cfg.schedule != "constant" or self.steps < self._warmup:
             # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
             progress = self.global_samples() / self.global_per_epoch if self.global_per_epoch else 0.0
-            schedule_lr(self._optimizer, cfg, progress, self.total_epochs, self.steps + 1)
+            schedule_lr(self.optimizer, cfg, progress, self.total_epochs, self.steps + 1)
         step = Step(number=self.steps + 1, samples=self.samples + n)
         algo.after_backward(ctx, model, step)
         if self.scaler is not None:  # once the gradients are synchronised: every worker finds the same overflow
-            self.scaler.unscale_(self._optimizer)
+            self.scaler.unscale_(self.optimizer)
         if self._clip:  # the synchronised gradient (every replica clips alike), before the update
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
         algo.apply_step(ctx, self._stepper, step)

@@ -17,6 +17,7 @@ from distsgd.algorithms.param_server.rules import Rule
 from distsgd.checkpoint import (
     CHECKPOINT_DIR,
     COORDINATOR,
+    Stateful,
     commit_checkpoint,
     gather,
     load_worker_state,
@@ -100,7 +101,7 @@ class ServerRole:
             optimizer=optimizer,
             accept_nonfinite=accept_nonfinite,
         )
-        self.pieces = {"server": self.server, "watcher": self.watcher}
+        self.pieces: dict[str, Stateful] = {"server": self.server, "watcher": self.watcher}
         self.workers = workers
         self.exact = exact  # a checkpoint needs every worker's part (sync-ps), not only the live ones
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {worker rank: its samples then}
@@ -158,6 +159,7 @@ class ServerRole:
         if taken is None:
             return
         seq, state, total, ranks = taken
+        assert self.cfg.out  # _take_whole takes none without a run directory
         ckpt_dir = Path(self.cfg.out) / CHECKPOINT_DIR
         with self.writing:
             if seq <= self.committed:  # a newer one was written meanwhile, by another connection's thread
@@ -267,6 +269,7 @@ class ServerRole:
         self._report(final=True)
         total = server.total_samples()
         server.sync_buffers()  # the model returned carries the workers' statistics
+        evals: list[dict[str, Any]]
         if self.own:
             train_wall_s, evals, final = self.watcher.clock.elapsed(), [], self._state()
         else:
@@ -281,7 +284,7 @@ class ServerRole:
             server_bytes_received=server.bytes_received,
             nonfinite_pushes=server.nonfinite,
         )
-        final = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
+        last = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
         dropped = {str(r - 1): f"dropped by the server: {why}" for r, why in sorted(self.dropped.items())}
         attendance = Attendance(
             samples_per_worker=server.counts[1:],
@@ -294,8 +297,8 @@ class ServerRole:
             global_samples=total,
             train_wall_s=train_wall_s,
             evals=evals,
-            final_test_accuracy=final["test_accuracy"],
-            final_test_loss=final["test_loss"],
+            final_test_accuracy=last["test_accuracy"],
+            final_test_loss=last["test_loss"],
             model=self.model,
             figures=figures,
             attendance=attendance,

@@ -241,7 +241,7 @@ class Frame:
         # pinned (a GPU worker's): a gradient comes off the GPU, and weights go onto it, in one copy each
         self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.head = self.buffer[:_HEAD].view(torch.int64)
-        self.view = memoryview(self.buffer.numpy())  # what the socket reads into and writes from
+        self.view = self.buffer.numpy().data  # a memoryview: what the socket reads into and writes from
 
     def section(self, s: Section) -> torch.Tensor:
         """A view of section ``s`` of the payload, in its dtype."""
@@ -385,6 +385,7 @@ class Service:
     def _beat(self) -> None:
         """A worker's deadline for hearing from the server is ``--timeout``, as the server's for it;
         a worker that waits for its answer is sent a BEAT every quarter of that."""
+        assert self.silence_s is not None  # start runs the heart only with a --timeout
         quiet = self.silence_s / 4
         while not self.stopped.wait(quiet / 2):
             with self.membership:

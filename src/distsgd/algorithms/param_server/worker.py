@@ -12,7 +12,7 @@ from torch import nn
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport
-from distsgd.algorithms.param_server.role import ServerRole
+from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
@@ -64,6 +64,7 @@ class ServerTopology(Server):
             result = role.run()
         finally:
             service.close()
+        assert isinstance(result.figures, ServerFigures)  # the role's run made them
         result.figures.refused_connections = service.refused
         return result
 
