@@ -279,10 +279,6 @@ def test_mistakes_get_one_line() -> None:
         distsgd.spawn(own_optimizer, model=Net, algo="asgd", workers=2, quiet=True)
     with pytest.raises(distsgd.ConfigError, match=r"call run.checkpoint\(\*\*state\)"):
         distsgd.spawn(tuple_loop, model=Net, checkpoint_every="100", out="unused", quiet=True)
-    with pytest.raises(distsgd.ConfigError, match="but the parameter server's"):
-        distsgd.spawn(
-            tuple_loop, model=Net, algo="asgd", workers=2, stop_at_target=True, target_accuracy=0.5, quiet=True
-        )
     with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
         distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)
 
@@ -305,7 +301,7 @@ def evaluating_loop(run: distsgd.Run) -> nn.Module:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["single", "allreduce", "local-sgd", "hogwild"])
+@pytest.mark.parametrize("algo", ["single", "allreduce", "local-sgd", "hogwild", "asgd", "sync-ps"])
 def test_stop_at_target_ends_a_user_loop_at_its_first_figure_past_the_target(algo: str) -> None:
     workers = 1 if algo == "single" else 2
     s = distsgd.spawn(
@@ -323,9 +319,12 @@ def test_stop_at_target_ends_a_user_loop_at_its_first_figure_past_the_target(alg
     ).summary
     logged = [e for e in s["evals"] if e.get("test_accuracy") is not None][:-1]  # the last: evaluate=
     reached = [e for e in logged if e["test_accuracy"] >= 0.8]
-    assert reached and reached[0] is logged[-1], logged  # it stopped at the first figure past the target
     full = 20 * 1437  # 20 epochs of the digits' 1,437 training samples
     assert s["samples"] < full / 4, s["samples"]
+    if algo == "asgd":  # worker 0's figures are kept; worker 1's may have stopped the run first
+        assert s["final_test_accuracy"] > 0.7, s
+        return
+    assert reached and reached[0] is logged[-1], logged  # it stopped at the first figure past the target
     if algo != "hogwild":  # the returned model is the one evaluated at the target
         assert s["final_test_accuracy"] == pytest.approx(logged[-1]["test_accuracy"], abs=1e-6)
 

@@ -402,11 +402,6 @@ def _check_own(job: Job, algo_cls: type[Algorithm]) -> None:
             "checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
             "your loop can save (every worker at the same point)"
         )
-    if cfg.stop_at_target and algo_cls.topology.kind == "server":
-        raise ConfigError(
-            f"stop_at_target with your own loop works under every algorithm but the parameter "
-            f"server's ({cfg.algo}) yet: stop your loop yourself when your figures reach it"
-        )
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if algo_cls.topology.kind != "one":
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))

@@ -482,3 +482,49 @@ def test_a_worker_waiting_for_a_round_hears_the_server_live() -> None:
         two.done(8)
     finally:
         service.close()
+
+
+# --- A worker's STOP (a user's loop reached --stop-at-target) ---------------------------------------
+
+
+def _role(tmp_path: Path, own: bool, stop_at_target: bool):
+    from distsgd.algorithms import registry
+    from distsgd.algorithms.param_server.role import ServerRole
+    from distsgd.data import Dataset
+    from distsgd.metrics import NullSink
+    from distsgd.train.context import Job
+
+    cfg = RunConfig(algo="asgd", lr=0.1, batch_size=8, stop_at_target=stop_at_target, target_accuracy=0.5)
+    g = torch.Generator().manual_seed(0)
+    data = Dataset(
+        "tiny",
+        torch.randn(32, 4, generator=g),
+        torch.randint(0, 2, (32,), generator=g),
+        torch.randn(8, 4, generator=g),
+        torch.randint(0, 2, (8,), generator=g),
+        2,
+    )
+    job = Job(cfg, "mlp", data, main=(lambda run: None) if own else None)
+    algo = registry.get("asgd")
+    return ServerRole(job, algo.topology.rule(cfg, algo.Options.from_mapping({})), 2, NullSink())
+
+
+@pytest.mark.parametrize("own, stop_at_target", [(True, True), (True, False), (False, True)])
+def test_a_workers_stop_is_heard_only_where_its_loop_decides(tmp_path: Path, own: bool, stop_at_target: bool) -> None:
+    """A user's loop evaluates in its workers: with --stop-at-target a worker that measured the
+    target stops every worker through the server. Elsewhere (distsgd's loop: the server evaluates;
+    no target) a STOP is refused and the connection dropped: the run goes on."""
+    role = _role(tmp_path, own, stop_at_target)
+    service = _serve(role.server, role)
+    try:
+        stopper, other = _client(role.server, service, 1), _client(role.server, service, 2)
+        if own and stop_at_target:
+            stopper.reached()
+            assert other.pull() >= 0 and role.server.stop
+        else:
+            with pytest.raises((ConnectionError, OSError)):
+                stopper.reached()
+            assert other.pull() >= 0 and not role.server.stop
+        other.done(0)
+    finally:
+        service.close()

@@ -193,6 +193,15 @@ class ServerRole:
             self.lost.pop(rank, None)
             self.dropped.pop(rank, None)
 
+    def reached(self, rank: int) -> None:
+        """Worker ``rank``'s loop (a user's: it evaluates) measured --stop-at-target's target: every
+        worker stops at its next request. Refused where the server decides (distsgd's loop: it
+        evaluates) or the run does not stop at a target."""
+        if not (self.own and self.cfg.stop_at_target):
+            raise ConnectionError(f"worker {rank - 1} asked to stop the run, which stops at no target of its workers'")
+        log.info("worker %d measured the target; stopping the run", rank - 1)
+        self.server.stop = True
+
     def worker_done(self, rank: int, samples: int) -> None:
         """Worker ``rank`` finished its training."""
         with self.server.lock:

@@ -40,7 +40,7 @@ from distsgd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED, PING = range(8)
+HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED, PING, STOP = range(9)
 _HEAD = 4 * 8  # bytes of a header: four int64 (a PING is a header alone, and gets no answer)
 BEAT = -1  # an answer's header [BEAT, 0, 0, 0], alone: no answer yet, the server lives (a version is >= 0)
 _BEAT_MESSAGE = struct.pack("4q", BEAT, 0, 0, 0)
@@ -526,7 +526,7 @@ class _Connection:
         silence = self.service.silence_s
         while True:
             op, version, samples, flag = request.recv_head(self.channel)
-            if op not in (PING, PULL, PUSH, EXCHANGE, BARRIER, CHECKPOINTED, DONE):
+            if op not in (PING, PULL, PUSH, EXCHANGE, BARRIER, CHECKPOINTED, STOP, DONE):
                 raise Refused(f"unknown request {op}")
             if op != PING:
                 request.recv_payload(self.channel, None if silence is None else time.monotonic() + silence)
@@ -561,6 +561,9 @@ class _Connection:
                 self.reply(server.version, server.total_samples(), server.stop)
             elif op == CHECKPOINTED:  # [CHECKPOINTED, seq, samples, 0]: this worker saved its part
                 self.role.checkpointed(rank, version, samples)
+                self.reply(server.version, server.total_samples(), server.stop)
+            elif op == STOP:  # [STOP, 0, 0, 0]: a user's loop measured the target (--stop-at-target)
+                self.role.reached(rank)
                 self.reply(server.version, server.total_samples(), server.stop)
             else:  # DONE
                 self.role.worker_done(rank, samples)
@@ -723,3 +726,7 @@ class Client:
     def checkpointed(self, seq: int, samples: int) -> None:
         """This worker saved its part of checkpoint ``seq``: the server commits once all live have."""
         self._call(CHECKPOINTED, seq, samples)
+
+    def reached(self) -> None:
+        """This worker's own evaluation reached --stop-at-target's target: every worker stops."""
+        self._call(STOP)

@@ -160,6 +160,14 @@ class ServerAlgorithm(Algorithm):
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)
 
+    def agree(self, ctx: WorkerContext, flag: bool) -> bool:
+        """A worker whose own evaluation (a user's loop) reached the target tells the server, which
+        stops every worker at its next request."""
+        if flag:
+            self.client.reached()
+            self.stop = True
+        return flag
+
     def keep_going(self, ctx: WorkerContext) -> bool:
         return not self.stop
 
