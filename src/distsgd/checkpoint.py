@@ -173,9 +173,9 @@ def commit_checkpoint(
     Temporary files of writers that were killed are removed.
     """
     ranks = list(range(world)) if ranks is None else sorted(ranks)
-    missing = [r for r in ranks if not worker_file(ckpt_dir, seq, r).is_file()]
+    missing: list[int | str] = [r for r in ranks if not worker_file(ckpt_dir, seq, r).is_file()]
     if coordinator and not worker_file(ckpt_dir, seq, COORDINATOR).is_file():
-        missing.append(COORDINATOR)  # type: ignore[arg-type]
+        missing.append(COORDINATOR)
     if missing:
         raise CheckpointError(f"checkpoint {seq} is missing the files of workers {missing}")
     keep = seq

@@ -229,7 +229,7 @@ def gpt(input_shape: tuple[int, ...], num_classes: int, **size: float) -> nn.Mod
             f"gpt takes token sequences (T,), not inputs of shape {tuple(input_shape)}: use a token "
             f"dataset (python-stdlib, text:PATH, hf:PATH)"
         )
-    return GPT(num_classes, input_shape[0], **size)  # type: ignore[arg-type]
+    return GPT(num_classes, input_shape[0], **size)  # type: ignore[arg-type]  # gpt[...]'s sizes, parsed as numbers
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, float]]:

@@ -58,7 +58,7 @@ def read_image(file: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """One image as uint8 (C, H, W); ``shape``: the size every image must have."""
     Image = _pil()
     try:
-        with Image.open(file) as img:  # type: ignore[attr-defined]
+        with Image.open(file) as img:  # type: ignore[attr-defined]  # _pil() imports PIL.Image lazily: a ModuleType
             gray = img.mode in ("1", "L", "I;16", "I") if shape is None else shape[0] == 1
             arr = np.array(img.convert("L" if gray else "RGB"), dtype=np.uint8)
     except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError (a bad PNG chunk),

@@ -609,7 +609,9 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     """Call the user's ``main(run)`` in this worker (``replacement``: in place of one that died)
     and return what it measured."""
     run = Run(ctx, algo, replacement)
-    returned = ctx.job.main(run)  # type: ignore[misc]
+    main = ctx.job.main
+    assert main is not None, "run_worker calls this for a user's loop only"
+    returned = main(run)
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run.result(returned)
