@@ -387,43 +387,13 @@ def test_a_group_restarts_a_user_loop_from_its_last_checkpoint(tmp_path, monkeyp
 
 TORCHRUN_SCRIPT = """
 import sys
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
+
 import distsgd
-from distsgd.data import load_dataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def evaluate(model):
-    d = load_dataset("digits")
-    with torch.no_grad():
-        return {"test_accuracy": (model(d.x_test).argmax(1) == d.y_test).float().mean().item()}
-
-
-def main(run):
-    d = load_dataset("digits")
-    model, opt = run.setup()
-    for epoch in range(run.cfg.epochs):
-        for x, y in run.loader(TensorDataset(d.x_train, d.y_train), epoch=epoch):
-            opt.zero_grad()
-            run.backward(F.cross_entropy(model(x), y))
-            opt.step()
-    return run.final_model()
-
+from test_own_loop import Net, evaluate_net, tuple_loop  # this file's loop, model and evaluation
 
 if __name__ == "__main__":
-    r = distsgd.spawn(main, model=Net, algo=sys.argv[1], epochs=3, lr=0.05, batch_size=32, evaluate=evaluate,
-                      out=sys.argv[2], quiet=True)
+    r = distsgd.spawn(tuple_loop, model=Net, algo=sys.argv[1], epochs=3, lr=0.05, batch_size=32,
+                      evaluate=evaluate_net, out=sys.argv[2], quiet=True)
     if r.model is not None:
         print("accuracy", r.summary["final_test_accuracy"])
 """
@@ -440,7 +410,9 @@ def test_the_server_and_hogwild_plus_plus_run_a_user_loop_under_torchrun(tmp_pat
     script = tmp_path / "loop.py"
     script.write_text(TORCHRUN_SCRIPT)
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p)}
+    here = os.path.dirname(os.path.abspath(__file__))  # the script imports this file's loop
+    path = (os.environ.get("PYTHONPATH"), "src", here)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     res = subprocess.run(
         [
             sys.executable,

@@ -329,18 +329,14 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
 # --- 3. A checkpoint number the worker did not save ------------------------------------------------
 
 
-def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
-    """Once a run's workers have finished, a connection with the run's secret says HELLO for rank 2
-    and CHECKPOINTED 2**40. On 43f33af the server wrote its state as checkpoint 2**40 (a file no
-    clean-up ever removes: every later one has a lower number), then failed to commit it and
-    dropped the connection. Now the claim is refused: no worker file, nothing written."""
+def _role(cfg: RunConfig, own: bool = False):
+    """A real server role (asgd, two workers) for an mlp on a tiny dataset; ``own``: a user's loop."""
     from distsgd.algorithms import registry
     from distsgd.algorithms.param_server.role import ServerRole
     from distsgd.data import Dataset
     from distsgd.metrics import NullSink
     from distsgd.train.context import Job
 
-    cfg = RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16")
     g = torch.Generator().manual_seed(0)
     data = Dataset(
         "tiny",
@@ -350,8 +346,17 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
         torch.randint(0, 2, (8,), generator=g),
         2,
     )
+    job = Job(cfg, "mlp", data, main=(lambda run: None) if own else None)
     algo = registry.get("asgd")
-    role = ServerRole(Job(cfg, "mlp", data), algo.topology.rule(cfg, algo.Options.from_mapping({})), 2, NullSink())
+    return ServerRole(job, algo.topology.rule(cfg, algo.Options.from_mapping({})), 2, NullSink())
+
+
+def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
+    """Once a run's workers have finished, a connection with the run's secret says HELLO for rank 2
+    and CHECKPOINTED 2**40. On 43f33af the server wrote its state as checkpoint 2**40 (a file no
+    clean-up ever removes: every later one has a lower number), then failed to commit it and
+    dropped the connection. Now the claim is refused: no worker file, nothing written."""
+    role = _role(RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16"))
     layout = transport.Layout.of(role.model)
     service = _serve(role.server, role)
     ckpt = tmp_path / checkpoint.CHECKPOINT_DIR
@@ -487,34 +492,12 @@ def test_a_worker_waiting_for_a_round_hears_the_server_live() -> None:
 # --- A worker's STOP (a user's loop reached --stop-at-target) ---------------------------------------
 
 
-def _role(tmp_path: Path, own: bool, stop_at_target: bool):
-    from distsgd.algorithms import registry
-    from distsgd.algorithms.param_server.role import ServerRole
-    from distsgd.data import Dataset
-    from distsgd.metrics import NullSink
-    from distsgd.train.context import Job
-
-    cfg = RunConfig(algo="asgd", lr=0.1, batch_size=8, stop_at_target=stop_at_target, target_accuracy=0.5)
-    g = torch.Generator().manual_seed(0)
-    data = Dataset(
-        "tiny",
-        torch.randn(32, 4, generator=g),
-        torch.randint(0, 2, (32,), generator=g),
-        torch.randn(8, 4, generator=g),
-        torch.randint(0, 2, (8,), generator=g),
-        2,
-    )
-    job = Job(cfg, "mlp", data, main=(lambda run: None) if own else None)
-    algo = registry.get("asgd")
-    return ServerRole(job, algo.topology.rule(cfg, algo.Options.from_mapping({})), 2, NullSink())
-
-
 @pytest.mark.parametrize("own, stop_at_target", [(True, True), (True, False), (False, True)])
 def test_a_workers_stop_is_heard_only_where_its_loop_decides(tmp_path: Path, own: bool, stop_at_target: bool) -> None:
     """A user's loop evaluates in its workers: with --stop-at-target a worker that measured the
     target stops every worker through the server. Elsewhere (distsgd's loop: the server evaluates;
     no target) a STOP is refused and the connection dropped: the run goes on."""
-    role = _role(tmp_path, own, stop_at_target)
+    role = _role(RunConfig(algo="asgd", lr=0.1, batch_size=8, stop_at_target=stop_at_target, target_accuracy=0.5), own)
     service = _serve(role.server, role)
     try:
         stopper, other = _client(role.server, service, 1), _client(role.server, service, 2)
