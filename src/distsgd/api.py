@@ -90,7 +90,7 @@ def train(
 ) -> TrainResult:
     """Train ``model`` on ``data`` with ``algo`` and ``workers``; return the summary and the model.
 
-    ``model``: a built-in name (``mnist_net``, ``cifar_net``, ``mlp``, ``logreg``, ``resnet20``), a
+    ``model``: a built-in name (see :data:`distsgd.models.BUILTIN`: ``mnist_net``, ``gpt``, ...), a
     ``path/file.py:Class`` string, an ``nn.Module`` class or factory, or a module instance (copied).
     ``data``: a dataset name (see ``distsgd datasets``), ``(train, test)`` torch Datasets, a
     :class:`~distsgd.data.Dataset`, or arrays ``(x, y)`` / ``(x, y, x_test, y_test)`` / a dict.
@@ -160,12 +160,6 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
     )
 
 
-def prepare_out_dir(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
-    """Create the run directory (see :func:`distsgd.rundir.prepare`: ``--overwrite`` replaces only a
-    distsgd run directory, never ``keep``, the run being resumed)."""
-    return rundir.prepare(out, overwrite, keep, kind)
-
-
 def default_out(algo: str, beside: Path | None = None) -> Path:
     """``runs/<timestamp>-<algo>``; with ``beside`` (a run directory), in the folder that holds it."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -207,7 +201,7 @@ def run(
             out = (
                 Path(cfg.out)
                 if resuming_in_place
-                else prepare_out_dir(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
+                else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
             )
             atomic_write_bytes(out / "config.toml", settings_text.encode())  # a resumed run's too
         except OSError as exc:

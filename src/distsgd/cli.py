@@ -65,11 +65,13 @@ def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
     """One flag per RunConfig field, with the help text the field carries; then one per option of
     any algorithm, its help naming the algorithms that take it (made from their Options)."""
     from distsgd.data import dataset_help
+    from distsgd.models import model_help
 
+    listed = {"dataset": dataset_help, "model": model_help}  # help made from the registries
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
         if f.name not in skip and f.name != "options":
-            _add_flag(parser, f, dataset_help() if f.name == "dataset" else f.metadata.get("help"))
+            _add_flag(parser, f, listed[f.name]() if f.name in listed else f.metadata.get("help"))
     group = parser.add_argument_group("the algorithms' own options (each applies to the algorithms it names)")
     for name, (f, text) in algorithm_options().items():
         _add_flag(group, f, text)

@@ -70,17 +70,11 @@ class RunConfig:
     )
     workers: int = setting(1, "number of worker processes; default 1")
     dataset: str | None = setting(
-        None,
-        "a built-in dataset, npz:PATH, folder:PATH, text:PATH, hf:PATH or FILE.py:FUNC "
-        "(see `distsgd datasets`); default fashion-mnist, or python-stdlib (Python's "
-        "own sources as text) for --model gpt",
+        None, "a built-in dataset or a format (--help lists them from data.BUILTIN and data.FORMATS)"
     )
     data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
     model: str = setting(
-        "mnist_net",
-        "mnist_net, cifar_net, mlp, logreg, resnet20, gpt (a transformer language model; "
-        "sized as gpt[layers=4,heads=4,width=128,dropout=0]), or path/file.py:ClassName "
-        "(runs that file); default mnist_net",
+        "mnist_net", "a built-in model or path/file.py:ClassName (--help lists them from models.BUILTIN)"
     )
     context: int = setting(
         128, "tokens per training sequence of a token dataset (text:, hf:, python-stdlib); default 128"

@@ -284,6 +284,13 @@ BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
 }
 SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
 
+
+def model_help() -> str:
+    """``--model``'s help: every built-in (the sized ones with their size options), or a file's class."""
+    names = [f"{name}[{','.join(f'{k}=...' for k in SIZED[name])}]" if name in SIZED else name for name in BUILTIN]
+    return f"{', '.join(names)}, or path/file.py:ClassName (runs that file); default mnist_net"
+
+
 # Settings a model's users should start from, where they differ from the generic ones: what training
 # a transformer language model from scratch takes (its text, AdamW with weight decay, a warm-up, clipping).
 RECOMMENDED: dict[str, dict[str, object]] = {

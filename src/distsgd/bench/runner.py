@@ -13,8 +13,9 @@ from typing import Any, Callable
 import torch
 
 from distsgd import config as config_mod
+from distsgd import rundir
 from distsgd.algorithms import registry
-from distsgd.api import prepare_out_dir, run
+from distsgd.api import run
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 
@@ -171,7 +172,7 @@ def run_bench(
     runs: list[dict[str, Any]] = []
     # the hosts and their link first: a network that cannot be made leaves no bench directory behind
     with Network(network) if network is not None else contextlib.nullcontext() as net:
-        out = prepare_out_dir(out, overwrite, kind="bench")
+        out = rundir.prepare(out, overwrite, None, "bench")
         for spec, w, cfg in plan:
             for r in range(repeats):
                 run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")

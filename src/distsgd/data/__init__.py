@@ -38,8 +38,6 @@ from distsgd.errors import DataError
 
 log = logging.getLogger(__name__)
 
-BUILTIN = ("mnist", "fashion-mnist", "kmnist", "cifar10", "digits", "python-stdlib")
-TASKS = ("classification", "regression", "lm")
 HOLDOUT_FRACTION = 0.1  # test share carved from the training arrays when no test set is given
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -217,7 +215,7 @@ FORMATS = (
 
 def dataset_help() -> str:
     """``--dataset``'s help: the built-ins and every format."""
-    return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist"
+    return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist (python-stdlib for --model gpt)"
 
 
 def load_dataset(
@@ -230,28 +228,8 @@ def load_dataset(
     for fmt in FORMATS:
         if fmt.matches(spec):
             return fmt.load(spec, data_dir, context)
-    if spec == "python-stdlib":
-        return token_dataset(
-            "python-stdlib",
-            text.byte_tokens(text.stdlib_text()),
-            context,
-            text.BYTE_VOCAB,
-            f"{text.stdlib_folder()} (Python {sys.version.split()[0]}, PSF License)",
-        )
-    if spec == "digits":
-        return _load_digits()
-    if spec in ("mnist", "fashion-mnist", "kmnist"):
-        folder = sources.locate(spec, data_dir, download)
-        files = [sources.found_file(folder, n) for n in sources.SOURCES[spec].needed]
-        x_train, y_train = formats.read_idx_pair(files[0], files[1])
-        x_test, y_test = formats.read_idx_pair(files[2], files[3])
-        return from_arrays(spec, x_train, y_train, x_test, y_test, num_classes=10, where=str(folder))
-    if spec == "cifar10":
-        folder = sources.locate(spec, data_dir, download)
-        parts = [formats.read_cifar_batch(folder / n) for n in sources.CIFAR_BATCHES]
-        x_train = np.concatenate([p[0] for p in parts[:5]])
-        y_train = np.concatenate([p[1] for p in parts[:5]])
-        return from_arrays(spec, x_train, y_train, parts[5][0], parts[5][1], num_classes=10, where=str(folder))
+    if spec in BUILTIN:
+        return BUILTIN[spec].load(spec, data_dir, download, context)
     raise DataError(
         f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, {', '.join(f.usage for f in FORMATS)})"
     )
@@ -452,22 +430,61 @@ def _load_digits() -> Dataset:
 
 def available(data_dir: str | None = None) -> list[tuple[str, str, str]]:
     """(name, status, where) for every built-in dataset; never downloads."""
-    rows = []
-    for name in BUILTIN:
-        if name == "python-stdlib":
-            rows.append((name, "available", f"{text.stdlib_folder()} (a language model's text, byte tokens)"))
-            continue
-        if name == "digits":
-            try:
-                import sklearn  # noqa: F401
+    return [(name, *builtin.status(name, data_dir)) for name, builtin in BUILTIN.items()]
 
-                rows.append((name, "available", "bundled with scikit-learn"))
-            except ImportError:
-                rows.append((name, "missing", "pip install 'distsgd[digits]'"))
-            continue
-        status, where = sources.describe(name, data_dir)
-        rows.append((name, status, where))
-    return rows
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in dataset: how to load it (``load(name, data_dir, download, context)``) and what
+    ``distsgd datasets`` says of it (``status(name, data_dir) -> (status, where)``, never
+    downloading). The downloadable ones' files and mirrors are in :data:`sources.SOURCES`."""
+
+    load: Callable[[str, str | None, bool | None, int], TrainingData]
+    status: Callable[[str, str | None], tuple[str, str]]
+
+
+def _load_idx(name: str, data_dir: str | None, download: bool | None, _context: int) -> Dataset:
+    folder = sources.locate(name, data_dir, download)
+    files = [sources.found_file(folder, n) for n in sources.SOURCES[name].needed]
+    x_train, y_train = formats.read_idx_pair(files[0], files[1])
+    x_test, y_test = formats.read_idx_pair(files[2], files[3])
+    return from_arrays(name, x_train, y_train, x_test, y_test, num_classes=10, where=str(folder))
+
+
+def _load_cifar10(name: str, data_dir: str | None, download: bool | None, _context: int) -> Dataset:
+    folder = sources.locate(name, data_dir, download)
+    parts = [formats.read_cifar_batch(folder / n) for n in sources.CIFAR_BATCHES]
+    x_train = np.concatenate([p[0] for p in parts[:5]])
+    y_train = np.concatenate([p[1] for p in parts[:5]])
+    return from_arrays(name, x_train, y_train, parts[5][0], parts[5][1], num_classes=10, where=str(folder))
+
+
+def _load_stdlib(name: str, _data_dir: str | None, _download: bool | None, context: int) -> Dataset:
+    where = f"{text.stdlib_folder()} (Python {sys.version.split()[0]}, PSF License)"
+    return token_dataset(name, text.byte_tokens(text.stdlib_text()), context, text.BYTE_VOCAB, where)
+
+
+def _stdlib_status(_name: str, _data_dir: str | None) -> tuple[str, str]:
+    return "available", f"{text.stdlib_folder()} (a language model's text, byte tokens)"
+
+
+def _digits_status(_name: str, _data_dir: str | None) -> tuple[str, str]:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        return "missing", "pip install 'distsgd[digits]'"
+    return "available", "bundled with scikit-learn"
+
+
+# Every built-in --dataset name, in the order `distsgd datasets` and the help list them.
+BUILTIN: dict[str, Builtin] = {
+    "mnist": Builtin(_load_idx, sources.describe),
+    "fashion-mnist": Builtin(_load_idx, sources.describe),
+    "kmnist": Builtin(_load_idx, sources.describe),
+    "cifar10": Builtin(_load_cifar10, sources.describe),
+    "digits": Builtin(lambda *_: _load_digits(), _digits_status),
+    "python-stdlib": Builtin(_load_stdlib, _stdlib_status),
+}
 
 
 __all__ = [
@@ -481,5 +498,6 @@ __all__ = [
     "from_hf",
     "available",
     "BUILTIN",
+    "Builtin",
     "dataset_help",
 ]
