@@ -233,20 +233,23 @@ def parse_compress(text: str) -> tuple[str, int]:
     return compress.parse(text)
 
 
-def options(spec: str) -> tuple[str, Any]:
-    """``local-sgd[sync_every=64]`` -> (local-sgd, its options with those set, the others its defaults)."""
+def algorithms(text: str) -> list[tuple[str, str, Any]]:
+    """``allreduce,local-sgd[sync_every=64]`` -> (label, name, its options: those given, the others
+    its defaults) for each."""
     from distsgd.algorithms import registry
     from distsgd.bench import parse_algos
 
-    (algo,) = parse_algos(spec)
-    if algo.name not in MODEL:
-        raise SystemExit(f"error: {algo.name} runs on one machine: no model of it here")
-    return algo.name, registry.get(algo.name).Options.from_mapping(dict(algo.options))
+    out = []
+    for algo in parse_algos(text):
+        if algo.name not in MODEL:
+            raise SystemExit(f"error: {algo.name} runs on one machine: no model of it here")
+        out.append((algo.label, algo.name, registry.get(algo.name).Options.from_mapping(dict(algo.options))))
+    return out
 
 
 def step_time(spec: str, job: Job, n: int, link: Link, steps: float | None = None) -> float:
     """Seconds per step of one of ``n`` workers; ``steps``: over a run that long, else in the long run."""
-    name, opts = options(spec)
+    ((_, name, opts),) = algorithms(spec)
     return MODEL[name](job, n, link, opts, steps)
 
 
@@ -369,7 +372,7 @@ def efficiency_table(
     for spec in algos:
         cells = [" / ".join(f"{job.step / step_time(spec, job, n, link):.2f}" for link in links) for n in workers]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
-    _, opts = options("hogwild++")
+    ((_, _, opts),) = algorithms("hogwild++")
     laps = [" / ".join(_short(token_lap(job, n, link, opts)) for link in links) for n in workers]
     lines.append("| (hogwild++'s token lap, s) | " + " | ".join(laps) + " |")
     return lines
@@ -518,8 +521,6 @@ def main() -> None:
 
 def yours(args: argparse.Namespace) -> None:
     """The table for one model and link: samples/s and efficiency at each N."""
-    from distsgd.bench.runner import _split_top
-
     if args.model:
         if not args.input:
             raise SystemExit("error: --model needs --input, one sample's shape, e.g. 3,224,224")
@@ -534,18 +535,21 @@ def yours(args: argparse.Namespace) -> None:
         raise SystemExit("error: give --bandwidth, one machine's link each way, e.g. 25gbit")
     link = Link(args.bandwidth, args.latency)
     workers = [int(n) for n in args.workers.split(",")]
-    algos = [a.strip() for a in _split_top(args.algos)]
+    algos = algorithms(args.algos)
     print(
         f"{job.params:,} parameters, {job.compute * 1e3:.4g} ms a sample, batch {job.batch}; "
         f"{link.bandwidth * 8 / 1e9:g} Gbit/s, {link.latency * 1e6:g} us a message\n"
     )
     print("| algorithm | " + " | ".join(f"N={n}: samples/s (efficiency)" for n in workers) + " |")
     print("|---|" + "---|" * len(workers))
-    for spec in algos:
-        cells = [
-            f"{samples_per_s(spec, job, n, link):.4g} ({job.step / step_time(spec, job, n, link):.2f})" for n in workers
-        ]
-        print(f"| {spec} | " + " | ".join(cells) + " |")
+    for label, name, opts in algos:
+        times = [MODEL[name](job, n, link, opts, None) for n in workers]
+        cells = [f"{_count(n * job.batch / t)} ({job.step / t:.2f})" for n, t in zip(workers, times)]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def _count(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 if __name__ == "__main__":
