@@ -56,6 +56,101 @@ def test_the_hosts_split_this_machines_cores() -> None:
     assert split_cores([3], (1, 1)) == ([3], [3])  # one core: shared
 
 
+def test_many_hosts_split_this_machines_cores() -> None:
+    """More hosts than cores: one core each, in turn; otherwise each its own, in proportion."""
+    from distsgd.bench.network import split_cores
+
+    assert split_cores([0, 1], (1, 1, 1, 1)) == ([0], [1], [0], [1])
+    assert split_cores([0, 1], (1, 1, 1, 1, 1)) == ([0], [1], [0], [1], [0])  # a server and 4 workers
+    assert split_cores(list(range(8)), (1, 1, 1, 1)) == ([0, 1], [2, 3], [4, 5], [6, 7])
+    assert split_cores(list(range(6)), (1, 2, 2, 1)) == ([0], [1, 2], [3, 4], [5])
+
+
+def test_hosts_needs_a_network(tmp_path: Path) -> None:
+    from distsgd.bench import parse_algos, run_bench
+    from distsgd.config import RunConfig
+
+    base = RunConfig(dataset="digits", model="logreg", max_samples=64)
+    with pytest.raises(distsgd.ConfigError, match="--hosts needs --network"):
+        run_bench(base, parse_algos("allreduce"), [2], 1, tmp_path / "b", hosts=4)
+    with pytest.raises(distsgd.ConfigError, match="--hosts must be from 2 to 25, got 1"):
+        run_bench(base, parse_algos("allreduce"), [2], 1, tmp_path / "b", network="10mbit", hosts=1)
+    assert not (tmp_path / "b").exists()
+
+
+def test_four_hosts_on_a_bridge_shape_every_link_both_ways() -> None:
+    """Each host's veth is shaped (what it sends) and so is its port on the bridge (what it
+    receives: a server's link carries every worker's push at the rate, not 4 times it); on leaving,
+    no namespace is left."""
+    import subprocess
+
+    from distsgd.bench.network import Network, _cannot
+
+    why = _cannot()
+    if why:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+
+    def qdiscs(namespace: str) -> str:
+        return subprocess.run(
+            ["ip", "netns", "exec", namespace, "tc", "qdisc", "show"], capture_output=True, text=True
+        ).stdout
+
+    with Network("50mbit", hosts=4) as net:
+        assert len(net.names) == 5 and net.switch is not None  # a parameter server's run takes a fifth host
+        for name, veth in zip(net.names, net.veth):
+            assert [ln for ln in qdiscs(name).splitlines() if "tbf" in ln and f"dev {veth} " in ln and "50Mbit" in ln]
+        ports = [ln for ln in qdiscs(net.switch).splitlines() if "tbf" in ln and "rate 50Mbit" in ln]
+        assert len(ports) == 5
+        made = [*net.names, net.switch]
+    left = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not left & set(made)
+
+
+@pytest.mark.slow
+def test_bench_across_four_shaped_hosts(tmp_path: Path) -> None:
+    """4 hosts, one worker each: a process group, a parameter server (on a host of its own) and
+    hogwild++ (one cluster a host) train across them."""
+    from distsgd.bench.network import _cannot
+
+    why = _cannot()
+    if why:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    res = run_cli(
+        "bench",
+        "--algos",
+        "allreduce,asgd,hogwild++",
+        "--network",
+        "50mbit",
+        "--hosts",
+        "4",
+        "--dataset",
+        "digits",
+        "--model",
+        "logreg",
+        "--batch-size",
+        "16",
+        "--max-samples",
+        "3000",
+        "--out",
+        str(tmp_path / "b"),
+        "--quiet",
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert bench["network"] == "50mbit" and bench["hosts"] == 4
+    addresses = [f"10.77.0.{i}" for i in range(1, 6)]
+    for entry in bench["runs"]:
+        s = entry["summary"]
+        assert s["workers"] == 4 and s["samples"] >= 3000 and s["bytes_sent"] > 0
+        assert s["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+        server = entry["algo"] == "asgd"
+        assert [h["address"] for h in s["hosts"]] == addresses[: 5 if server else 4]
+        assert [h["processes"] for h in s["hosts"]] == [1] * (5 if server else 4)
+    md = (tmp_path / "b" / "bench.md").read_text()
+    assert "each run as 4 hosts (network namespaces on this machine; a parameter server on one more)" in md
+
+
 @pytest.mark.slow
 def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     from distsgd.bench.network import _cannot

@@ -136,8 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--network",
         metavar="RATE[,delay=MS]",
-        help="run each configuration as 2 hosts (network namespaces, needs root) on a link shaped "
+        help="run each configuration as hosts (network namespaces, needs root) on links shaped "
         "with tc, e.g. 10mbit,delay=20ms",
+    )
+    bench.add_argument(
+        "--hosts",
+        type=int,
+        help="with --network: hosts, one worker each (a parameter server on one more); default 2",
     )
     _add_run_flags(bench, skip=("algo", "workers"))
     cmp = sub.add_parser("compare", help="the bench's table and plots for runs that already exist")
@@ -324,7 +329,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
 
     bench = run_bench(
-        base, algos, workers, args.repeats, out, overwrite=base.overwrite, on_run=progress, network=args.network
+        base,
+        algos,
+        workers,
+        args.repeats,
+        out,
+        overwrite=base.overwrite,
+        on_run=progress,
+        network=args.network,
+        hosts=args.hosts,
     )
     if not base.quiet:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))

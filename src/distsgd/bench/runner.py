@@ -125,15 +125,16 @@ def run_bench(
     overwrite: bool = False,
     on_run: Callable[[dict[str, Any]], None] | None = None,
     network: str | None = None,
+    hosts: int | None = None,
 ) -> dict[str, Any]:
-    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With
-    ``network`` (``RATE[,delay=D]``), each run crosses a shaped link between two namespaces."""
+    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With ``network``
+    (``RATE[,delay=D]``), each run crosses the shaped links of ``hosts`` (default 2) namespaces, a worker each."""
     from distsgd.bench import report
-    from distsgd.bench.network import Network, describe, layout, parse
+    from distsgd.bench.network import Network, describe, layout, settle_hosts
 
+    hosts = settle_hosts(network, hosts)
     if network is not None:
-        parse(network)
-        workers = [2]  # two hosts: see distsgd.bench.network
+        workers = [hosts]  # one worker a host: see distsgd.bench.network
 
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {repeats}")
@@ -159,7 +160,7 @@ def run_bench(
                 algo_cls = registry.resolve(cfg.algo, cfg)
                 registry.options_of(cfg, algo_cls)
                 algo_cls.check(cfg)
-                if network is not None and layout(cfg) is None:
+                if network is not None and layout(cfg, hosts) is None:
                     raise ConfigError(f"{cfg.algo} runs on one machine only, not across --network")
             except ConfigError as exc:
                 log.warning("skipping %s with %d workers: %s", spec.label, w, exc)
@@ -171,7 +172,7 @@ def run_bench(
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
     runs: list[dict[str, Any]] = []
     # the hosts and their link first: a network that cannot be made leaves no bench directory behind
-    with Network(network) if network is not None else contextlib.nullcontext() as net:
+    with Network(network, hosts) if network is not None else contextlib.nullcontext() as net:
         out = rundir.prepare(out, overwrite, None, "bench")
         for spec, w, cfg in plan:
             for r in range(repeats):
@@ -191,6 +192,7 @@ def run_bench(
     bench = report.derive(runs, machine_facts(), base, repeats)
     if network is not None:
         bench["network"] = network
-        bench["link"] = describe(network)
+        bench["hosts"] = hosts
+        bench["link"] = describe(network, hosts)
     report.write(bench, out, "bench")
     return bench
