@@ -82,14 +82,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.fixture(autouse=True)
-def reap_children():
-    """Fail a test that leaves processes behind, and kill them so the next test starts clean."""
-    yield
+def reap(grace_s: float = 5) -> list[int]:
+    """This process's live descendants after ``grace_s`` seconds to end, killed so the next test
+    starts clean (none off Linux)."""
     if not sys.platform.startswith("linux"):
-        return
+        return []
     _reap_zombies()
-    deadline = time.time() + 5
+    deadline = time.time() + grace_s
     left = [p for p in descendants(os.getpid()) if _alive(p)]
     while left and time.time() < deadline:
         time.sleep(0.1)
@@ -101,6 +100,14 @@ def reap_children():
         except ProcessLookupError:
             pass
     _reap_zombies()
+    return left
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """Fail a test that leaves processes behind, and kill them so the next test starts clean."""
+    yield
+    left = reap()
     assert not left, f"processes left behind: {left}"
 
 

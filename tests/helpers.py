@@ -70,9 +70,10 @@ def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -
         dist.destroy_process_group()
 
 
-def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120):
+def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120, init: str | None = None):
     """``fn(rank, world, *args)`` in each of ``world`` forked processes joined in a gloo process
-    group (so its collectives are real); returns each rank's result (saved with torch.save)."""
+    group (so its collectives are real), over ``init`` (default: a file of its own); returns each
+    rank's result (saved with torch.save)."""
     import multiprocessing as mp
     import tempfile
 
@@ -80,7 +81,7 @@ def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120):
     # a folder of its own per call: a second group in one test must not meet the first one's
     # rendezvous file (its stale addresses: "connection refused", then a hang)
     here = Path(tempfile.mkdtemp(prefix="group-", dir=tmp_path))
-    init, out = f"file://{here / 'group'}", str(here / "result")
+    init, out = init or f"file://{here / 'group'}", str(here / "result")
     procs = [ctx.Process(target=_group_member, args=(r, world, init, fn, args, out)) for r in range(world)]
     for p in procs:
         p.start()

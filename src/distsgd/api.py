@@ -32,7 +32,7 @@ from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, ModelError, OutputError
 from distsgd.launch import procs
-from distsgd.launch.rendezvous import under_torchrun
+from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import (
     Fanout,
     JsonlWriter,
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainResult:
     """What a run returns: ``summary`` (the summary.json dict), the trained ``model``, ``out``.
-    Under torchrun the run's model is rank 0's; the other ranks get None."""
+    Under torchrun or Ray Train the run's model is rank 0's; the other ranks get None."""
 
     summary: dict[str, Any]
     model: nn.Module | None
@@ -176,9 +176,9 @@ def run(
 ) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
     ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
-    torchrun = under_torchrun()
+    torchrun = launched()  # one rank of a group torchrun or Ray Train formed
     cfg, algo_cls = settle(cfg, torchrun)
-    chief = not torchrun or os.environ.get("RANK") == "0"
+    chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     if tb_dir is not None:
         require_tensorboard()  # before any data is read or any process starts
@@ -191,7 +191,7 @@ def run(
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
-    _check_own(job, algo_cls) if job.main is not None else _check_job(job, algo_cls)
+    _check_own(job, algo_cls, torchrun) if job.main is not None else _check_job(job, algo_cls, torchrun)
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = None
@@ -243,7 +243,7 @@ def run(
             atomic_write_json(summary, out / "summary.json")
         except OSError as exc:
             raise OutputError.of(exc) from None
-    return TrainResult(summary, results[0].model if chief else None, out)  # under torchrun: rank 0's
+    return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
 
 
 def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, Any] | None) -> list[str]:
@@ -300,11 +300,12 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
                 f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
                 f"resume it with --algo {manifest['algo']}"
             )
-    if torchrun and os.environ.get("RANK") == "0" and os.environ.get("MASTER_ADDR") not in LOCAL_NAMES:
+    host = group_host() if torchrun and place()[0] == 0 else None
+    if host is not None and host not in LOCAL_NAMES:
         log.warning(
             "the process group listens on %s: torch.distributed has no authentication or encryption; "
             "use it only on a trusted network",
-            os.environ.get("MASTER_ADDR"),
+            host,
         )
     return cfg, algo_cls
 
@@ -321,7 +322,8 @@ def spawn(
     **settings: Any,
 ) -> TrainResult:
     """Run ``main(run)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
-    under torchrun, in this one); return the summary and the model ``main`` returned.
+    under torchrun or in a Ray Train worker, in this one); return the summary and the model ``main``
+    returned.
 
     ``model``: as for :func:`train` (a built-in name, a class or factory, or a module instance,
     copied); ``run.setup()`` builds it in each worker, seeded alike. ``main`` must be defined at
@@ -387,7 +389,16 @@ def _own_final_figures(
         chief.final_test_accuracy = chief.final_test_loss = None
 
 
-def _check_own(job: Job, algo_cls: type[Algorithm]) -> None:
+def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:
+    """Whether the run starts worker processes, which the user's code must travel to: not in a
+    launcher's group, whose ranks are the workers (or the server), but for its Hogwild! clusters.
+    (Ray Train sends the functions of the driver's script by value: pickled again by reference
+    here, they would not be found.)"""
+    kind = algo_cls.topology.kind
+    return kind == "shared" or (kind != "one" and not torchrun)
+
+
+def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
     and code that can travel to worker processes."""
     cfg = job.cfg
@@ -397,7 +408,7 @@ def _check_own(job: Job, algo_cls: type[Algorithm]) -> None:
             "your loop can save (every worker at the same point)"
         )
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
-    if algo_cls.topology.kind != "one":
+    if _spawns(algo_cls, torchrun):
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
 
 
@@ -418,14 +429,14 @@ def _check_travels(pieces: Any) -> None:
             ) from None
 
 
-def _check_job(job: Job, algo_cls: type[Algorithm]) -> None:
+def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
     """Before any process starts: the model takes the data, the loss fits the targets, and the
     user's code can travel to worker processes."""
     cfg, spec, data = job.cfg, job.model, job.data
     probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name, data.task)
     loss_function(cfg.loss, job.loss, data.task)
-    if algo_cls.topology.kind != "one":
+    if _spawns(algo_cls, torchrun):
         datasets = [type(data.train), type(data.test)] if isinstance(data, TorchData) else []
         _check_travels(
             (

@@ -7,7 +7,8 @@
 
 Each topology module has a ``plan`` (its rules about settings: how many workers torchrun's group
 means, which backend) and a ``run``. Locally (``--workers N``) the launcher starts the processes;
-under torchrun this process is one of them and there is no launcher. The algorithm declares its
+under torchrun (or in a Ray Train worker, whose group exists already) this process is one of them
+and there is no launcher. The algorithm declares its
 topology (``algo_cls.topology``, an object from :mod:`distsgd.algorithms.base`); what the launcher
 asks of it (the server's rule, the shared models, hogwild++'s ring) is reached through that
 object, never by importing an algorithm.

@@ -5,8 +5,8 @@ lockstep.
   127.0.0.1 (or ``--init-method``), train, and send their results back, each on its own pipe;
   rank 0 also sends its metrics events, which the launching process writes. If a worker raises
   or dies, the others are stopped at once and the run fails with one line naming that worker.
-- **torchrun**: this process *is* one worker. It joins the group torchrun formed (``env://``);
-  rank 0 gathers the others' figures.
+- **torchrun, Ray Train**: this process *is* one worker. It joins the group its launcher formed
+  (torchrun's ``env://``; Ray Train's, which exists already); rank 0 gathers the others' figures.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from distsgd.launch.rendezvous import (
     check_init_method,
     free_port,
     init_group,
-    init_torchrun_group,
+    launcher_group,
     leave_group,
     loopback_only,
+    place,
     resolve_backend,
 )
 from distsgd.metrics import NullSink, Sink
@@ -36,9 +37,10 @@ from distsgd.train.loop import run_worker
 
 
 def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
-    """Under torchrun the group's size is the number of workers; the backend and rendezvous must work here."""
+    """Under torchrun (or Ray Train) the group's size is the number of workers; the backend and
+    rendezvous must work here."""
     if torchrun:
-        cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]))
+        cfg = cfg.replace(workers=place()[1])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers)) if torchrun else cfg.workers
     cfg = resolve_backend(cfg, local)
     check_backend(cfg, local)
@@ -101,17 +103,13 @@ def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
 
 
 def _run_torchrun(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     where = device.use(job.cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-    init_torchrun_group(job.cfg, rank, world)
-    try:
+    with launcher_group(job.cfg) as (rank, world):
         ctx = WorkerContext(
             job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0, device=where
         )
         mine = run_worker(ctx, algo_cls(job.cfg))
         gathered = gather_results([mine], rank, world)
-    finally:
-        leave_group()
     return [mine] + [r for node in gathered[1:] for r in node] if rank == 0 else [mine]
 
 

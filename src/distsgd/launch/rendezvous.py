@@ -1,15 +1,23 @@
 """Rendezvous: joining a process group, free ports, torchrun's environment, loopback only.
 
+A launcher makes this process one rank of a run in one of two ways: torchrun sets its variables
+and distsgd forms the group; Ray Train's ``TorchTrainer`` (or any code that calls
+``init_process_group`` first) forms the default group before distsgd runs, and distsgd joins it
+as it is and leaves it so (:func:`launcher_group`).
+
 Servers bind to 127.0.0.1 unless the user names another address; torch.distributed has no
 authentication or encryption, so distsgd warns when it is asked to listen elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
+import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,10 +42,95 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def formed_group() -> bool:
+    """True when this process is a rank of a default process group formed before distsgd ran (Ray
+    Train's ``TorchTrainer`` forms one in each worker before ``train_loop_per_worker``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def launched() -> bool:
+    """True when a launcher made this process one rank of a run: torchrun's variables, or a process
+    group that exists already. A Ray Train worker in no torch group is one ConfigError line: each
+    worker would otherwise train a run of its own."""
+    if under_torchrun() or formed_group():
+        return True
+    if _ray_train_worker():
+        raise ConfigError(
+            "this Ray Train worker is in no torch process group: run distsgd in the train_loop_per_worker "
+            "of a ray.train.torch.TorchTrainer, which forms the group distsgd joins"
+        )
+    return False
+
+
+def _ray_train_worker() -> bool:
+    """Inside a Ray Train training function (whose process has imported ray.train: distsgd never does)."""
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return False
+    try:
+        train.get_context()  # raises outside a training function
+    except Exception:
+        return False
+    return True
+
+
+def place() -> tuple[int, int]:
+    """This process's rank and the size of its launcher's group (the group's own once it exists)."""
+    if formed_group():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def group_host() -> str | None:
+    """Rank 0's host, where the launcher's group keeps its store: ``MASTER_ADDR`` (torchrun's, Ray
+    Train's), else the TCP store of a group formed with ``tcp://``; None where neither says."""
+    if "MASTER_ADDR" in os.environ:
+        return os.environ["MASTER_ADDR"]
+    if formed_group():
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        if isinstance(store, dist.TCPStore):
+            return store.host
+    return None
+
+
+@contextlib.contextmanager
+def launcher_group(cfg: RunConfig) -> Iterator[tuple[int, int]]:
+    """This process's rank and the group's size, inside the group its launcher formed: one that
+    exists already is used as it is and left for the caller's code after the run (its backend and
+    timeout are its own); torchrun's is joined here and left on the way out."""
+    if formed_group():
+        yield place()
+        return
+    rank, world = place()
+    init_torchrun_group(cfg, rank, world)
+    try:
+        yield rank, world
+    finally:
+        leave_group()
+
+
+def formed_backend(cfg: RunConfig) -> RunConfig:
+    """The backend of a run in a group formed before it: the group's (``--backend auto``), or one
+    ConfigError line for another."""
+    have = str(dist.get_backend())
+    if cfg.backend not in ("auto", have):
+        raise ConfigError(
+            f"the process group this process is in uses {have}, not --backend {cfg.backend}: leave --backend "
+            f"auto, or form the group with {cfg.backend} (Ray Train: TorchConfig(backend=...))"
+        )
+    return cfg.replace(backend=have)
+
+
 def resolve_backend(cfg: RunConfig, local_workers: int) -> RunConfig:
     """``--backend auto``: nccl when the workers train on GPUs and every one of this machine's
     ``local_workers`` has a GPU of its own (and torch has NCCL), else gloo (which takes CUDA tensors
-    too, for the collectives the algorithms use)."""
+    too, for the collectives the algorithms use). In a group formed before the run: its own."""
+    if formed_group():
+        return formed_backend(cfg)
     if cfg.backend != "auto":
         return cfg
     own_gpus = device.kind(cfg.device) == "cuda" and local_workers <= _gpus(cfg)

@@ -2,7 +2,8 @@
 over a TCP connection of its own. What the server does is the algorithm's (its topology's
 ``serve``); this module starts, joins and supervises
 the processes, and tells the workers where the server listens: a free port on 127.0.0.1
-locally (or ``--init-method tcp://HOST:PORT``), or the address it publishes in torchrun's store.
+locally (or ``--init-method tcp://HOST:PORT``), or the address it publishes in the store of the
+group torchrun (or Ray Train) formed, where rank 0 serves: N workers are N + 1 ranks.
 
 Locally, a worker that dies is recorded in ``failed_workers`` and the server carries on without
 it (unless the run checkpoints: then it stops, pointing at ``--resume``); if the server dies, the
@@ -11,6 +12,7 @@ run fails at once with one line.
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 from typing import Any
@@ -21,24 +23,33 @@ from distsgd.algorithms.base import ServerSeat
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.launch import procs
-from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, init_torchrun_group, leave_group
+from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, group_host, launcher_group, place
 from distsgd.metrics import NullSink, Sink
 from distsgd.train import device
 from distsgd.train.context import Attendance, Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
+_RUNS = itertools.count()  # runs in one group (a Ray worker may call train twice): each its own keys
+
 
 def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
-    """Under torchrun rank 0 serves, so the workers are the group's size less one. The server's
-    address may be given as ``--init-method tcp://HOST:PORT``."""
+    """Under torchrun (or Ray Train) rank 0 serves, so the workers are the group's size less one.
+    The server's address may be given as ``--init-method tcp://HOST:PORT``."""
     if cfg.init_method is not None and not cfg.init_method.startswith("tcp://"):
         raise ConfigError(f"{cfg.algo}'s server listens on a TCP address: give --init-method tcp://HOST:PORT")
     check_init_method(cfg.init_method)
     if not torchrun:
         return cfg
-    cfg = cfg.replace(workers=int(os.environ["WORLD_SIZE"]) - 1)
+    cfg = cfg.replace(workers=place()[1] - 1)
     if cfg.workers < 1:
-        raise ConfigError(f"{cfg.algo} needs a server and at least one worker: torchrun --nproc-per-node 2 or more")
+        raise ConfigError(
+            f"{cfg.algo} needs a server and at least one worker: a group of 2 or more processes "
+            f"(torchrun --nproc-per-node 2, Ray Train ScalingConfig(num_workers=2))"
+        )
+    if group_host() is None:
+        raise ConfigError(
+            f"{cfg.algo}'s server listens on rank 0's host, which this group does not name: set MASTER_ADDR"
+        )
     return cfg
 
 
@@ -48,15 +59,13 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         if topology.exact_checkpoints and job.cfg.checkpoint_period is not None:  # lockstep: restart the group
             return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
         return _run_local(job, algo_cls, sink)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_torchrun_group(job.cfg.replace(backend="gloo"), rank, world)  # its store: where the server says its address
     from torch.distributed import distributed_c10d
 
-    store = distributed_c10d._get_default_store()
-    key = f"distsgd/server/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    try:
+    key = f"distsgd/server/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_RUNS)}"
+    with launcher_group(job.cfg.replace(backend="gloo")) as (rank, world):  # its store: where the server listens
+        store = distributed_c10d._get_default_store()
         if rank == 0:
-            address = f"{os.environ['MASTER_ADDR']}:0"
+            address = f"{group_host()}:0"
             secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
             # torch's stub types the value str; Store.set takes bytes as they are (the secret is raw bytes)
             store.set(f"{key}/secret", secret)  # type: ignore[arg-type]
@@ -68,8 +77,6 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         store.wait([key])
         seat = ServerSeat(store.get(key).decode(), store.get(f"{key}/secret"))
         return [_work(job, algo_cls, rank, world, seat, NullSink())]
-    finally:
-        leave_group()
 
 
 def _work(

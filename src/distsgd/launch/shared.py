@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.group import gather_results
-from distsgd.launch.rendezvous import init_torchrun_group, leave_group
+from distsgd.launch.rendezvous import formed_backend, formed_group, launcher_group, place
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import build_model
 from distsgd.train import device
@@ -46,8 +45,11 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     per_process = algo_cls.topology.local_workers(cfg)
     if per_process is None:
         raise ConfigError(
-            f"{cfg.algo} shares memory between the processes of one machine; run it without torchrun, with --workers N"
+            f"{cfg.algo} shares memory between the processes of one machine; run it in one process with "
+            f"--workers N, not under torchrun or Ray Train"
         )
+    if formed_group():
+        cfg = formed_backend(cfg)
     if cfg.backend not in ("auto", "gloo"):
         raise ConfigError(f"{cfg.algo} passes its token between machines with gloo: use --backend gloo (or auto)")
     cfg = cfg.replace(backend="gloo")
@@ -56,7 +58,7 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
             f"checkpoints of {cfg.algo} across machines are not supported yet: checkpoint it on one "
             f"machine (--workers N), or let torchrun restart it from scratch"
         )
-    return cfg.replace(workers=int(os.environ["WORLD_SIZE"]) * per_process)
+    return cfg.replace(workers=place()[1] * per_process)
 
 
 def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
@@ -391,7 +393,7 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     (its own cluster's model during training, the average of all at the end) and gets every
     worker's figures."""
     cfg, topology = job.cfg, algo_cls.topology
-    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, n = place()
     size = topology.local_workers(cfg)
     node = topology.node_algorithm(algo_cls)
     # --max-samples stays the run's: workers count every cluster's samples
@@ -402,8 +404,7 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     def link(model: torch.nn.Module, seat: SharedSeat) -> Any:
         return topology.link(cfg, rank, n, model, seat)
 
-    init_torchrun_group(cfg, rank, n)
-    try:
+    with launcher_group(cfg):
         mine = Machine(
             job.replace(cfg=local),
             node,
@@ -415,8 +416,6 @@ def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
             machines=n,
         ).run()
         gathered = gather_results(mine, rank, n)
-    finally:
-        leave_group()
     if rank != 0:
         return mine
     results = mine + [r for node in gathered[1:] for r in node]

@@ -1,0 +1,179 @@
+"""distsgd inside Ray Train: a ``TorchTrainer`` forms the torch process group in each of its workers
+before ``train_loop_per_worker`` runs, and distsgd joins that group (``distsgd.train`` trains this
+rank; ``distsgd.spawn`` runs the user's loop here) and leaves it as it found it. Each test trains
+two workers (asgd: a server and two workers, three ranks) on one local Ray cluster that the module
+shares (it takes seconds to start on 2 cores); what each rank saw comes back in files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")  # the one reason to skip: no Ray (pip install 'distsgd[ray]')
+
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+import torch  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # noqa: E402
+
+import distsgd  # noqa: E402
+from distsgd import cli  # noqa: E402
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of 2 CPUs (a worker takes half of one), its workers able to import this
+    file (Ray sends the training functions by reference) and distsgd."""
+    from conftest import reap
+
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(HERE.parent / "src"), str(HERE)) if p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    left = reap(30)
+    assert not left, f"processes left behind by the Ray cluster: {left}"
+
+
+@pytest.fixture(autouse=True)
+def reap_children(cluster):
+    """conftest's reaper after each test, less the cluster's processes: they live as long as the
+    module, and its fixture reaps them at the end."""
+    yield
+
+
+def _fit(trainer_cls, loop, ranks: int, config: dict, tmp_path: Path) -> None:
+    trainer_cls(
+        loop,
+        train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(num_workers=ranks, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray"), name="run"),
+    ).fit()
+
+
+def _record(config: dict, seen: dict) -> None:
+    rank = ray.train.get_context().get_world_rank()
+    Path(config["seen"], f"{rank}.json").write_text(json.dumps(seen))
+
+
+def _seen(tmp_path: Path, ranks: int) -> list[dict]:
+    return [json.loads((tmp_path / "seen" / f"{r}.json").read_text()) for r in range(ranks)]
+
+
+def train_rank(config: dict) -> None:
+    """A train_loop_per_worker: distsgd trains this rank in Ray's group, which is still there after."""
+    import torch.distributed as dist
+
+    result = distsgd.train(model="mlp", data="digits", out=config["out"], quiet=True, **config["settings"])
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    _record(config, {"model": result.model is not None, "after": after.item()})
+
+
+def own_loop_rank(config: dict) -> None:
+    """A train_loop_per_worker: the user's own loop (test_own_loop's) on distsgd.spawn."""
+    from test_own_loop import Net, evaluate_net, tuple_loop
+
+    result = distsgd.spawn(
+        tuple_loop, model=Net, evaluate=evaluate_net, out=config["out"], quiet=True, **config["settings"]
+    )
+    _record(config, {"model": result.model is not None})
+
+
+def refused_rank(config: dict) -> None:
+    """A train_loop_per_worker: what distsgd.train raises, and what the CLI says, for the settings."""
+    try:
+        distsgd.train(model="mlp", data="digits", quiet=True, **config["settings"])
+        raised = None
+    except distsgd.DistsgdError as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = cli.main(["train", "--model", "mlp", "--dataset", "digits", "--quiet", *config["argv"]])
+    _record(config, {"raised": raised, "code": code, "stderr": stderr.getvalue()})
+
+
+DIGITS_TRAIN = 1437
+
+
+@pytest.mark.parametrize(
+    "algo, settings",
+    [
+        ("allreduce", {"epochs": 4, "batch_size": 32, "lr": 0.05}),
+        ("diloco", {"epochs": 6, "batch_size": 16, "lr": 0.003, "sync_every": "16"}),
+        ("hogwild++", {"epochs": 4, "batch_size": 32, "lr": 0.05, "cluster_size": 1}),
+    ],
+)
+def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path, algo: str, settings: dict) -> None:
+    """Each Ray worker is one rank (hogwild++: one cluster of the ring); rank 0 writes the run and
+    gets the model; Ray's group still works after the run."""
+    (tmp_path / "seen").mkdir()
+    config = {"out": str(tmp_path / "run"), "seen": str(tmp_path / "seen"), "settings": {"algo": algo, **settings}}
+    _fit(TorchTrainer, train_rank, 2, config, tmp_path)
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["algo"] == algo and s["workers"] == 2 and s["backend"] == "gloo"
+    assert s["final_test_accuracy"] > 0.85, s["final_test_accuracy"]
+    assert s["samples"] == pytest.approx(settings["epochs"] * DIGITS_TRAIN, rel=0.01)
+    assert s["bytes_sent"] > 0
+    if algo == "hogwild++":
+        assert s["clusters"] == 2 and s["token_passes"] > 0
+    else:
+        assert len(s["bytes_sent_per_worker"]) == 2 and min(s["bytes_sent_per_worker"]) > 0
+    seen = _seen(tmp_path, 2)
+    assert [r["model"] for r in seen] == [True, False]
+    assert [r["after"] for r in seen] == [2.0, 2.0]
+
+
+def test_a_parameter_server_under_ray_serves_from_rank_0(cluster, tmp_path: Path) -> None:
+    """asgd with three Ray workers: rank 0 serves, ranks 1 and 2 run the user's loop (distsgd.spawn)."""
+    (tmp_path / "seen").mkdir()
+    settings = {"algo": "asgd", "epochs": 3, "batch_size": 32, "lr": 0.05}
+    config = {"out": str(tmp_path / "run"), "seen": str(tmp_path / "seen"), "settings": settings}
+    _fit(TorchTrainer, own_loop_rank, 3, config, tmp_path)
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["algo"] == "asgd" and s["workers"] == 2
+    assert s["final_test_accuracy"] > 0.85, s["final_test_accuracy"]
+    assert s["samples"] == pytest.approx(3 * DIGITS_TRAIN, rel=0.02)
+    assert s["server_bytes_received"] > s["server_bytes_sent"] > 0 and s["failed_workers"] == []
+    assert [r["model"] for r in _seen(tmp_path, 3)] == [True, False, False]
+
+
+def test_hogwild_under_ray_is_one_line(cluster, tmp_path: Path) -> None:
+    """Hogwild!'s workers share one model in memory; Ray's are separate processes with none between
+    them: the API raises, the CLI says one error line and exits 2."""
+    (tmp_path / "seen").mkdir()
+    config = {"seen": str(tmp_path / "seen"), "settings": {"algo": "hogwild"}, "argv": ["--algo", "hogwild"]}
+    _fit(TorchTrainer, refused_rank, 2, config, tmp_path)
+    for seen in _seen(tmp_path, 2):
+        assert seen["raised"].startswith("ConfigError: hogwild shares memory") and "Ray Train" in seen["raised"]
+        assert seen["code"] == 2 and seen["stderr"].startswith("error: hogwild shares memory")
+        assert seen["stderr"].count("\n") == 1, seen["stderr"]
+
+
+def test_a_ray_worker_without_a_group_is_one_line(cluster, tmp_path: Path) -> None:
+    """A Ray Train trainer that forms no torch group (not a TorchTrainer): each worker would train a
+    run of its own, so distsgd refuses it in one line."""
+    (tmp_path / "seen").mkdir()
+    config = {
+        "seen": str(tmp_path / "seen"),
+        "settings": {"algo": "allreduce", "workers": 2},
+        "argv": ["--algo", "allreduce", "--workers", "2"],
+    }
+    _fit(DataParallelTrainer, refused_rank, 1, config, tmp_path)
+    seen = _seen(tmp_path, 1)[0]
+    assert seen["raised"].startswith("ConfigError: this Ray Train worker is in no torch process group")
+    assert seen["code"] == 2 and seen["stderr"].count("\n") == 1
+    assert seen["stderr"].startswith("error: this Ray Train worker is in no torch process group"), seen["stderr"]
