@@ -458,9 +458,9 @@ class GroupAlgorithm(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.sent_alike = state.get("sent_alike", 0)  # checkpoints written before it was counted
-        self.eval_share = state.get("eval_share", 0)
-        self.largest = state.get("largest", 0)
+        self.sent_alike = state["sent_alike"]
+        self.eval_share = state["eval_share"]
+        self.largest = state["largest"]
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return self.final_model(ctx, model)

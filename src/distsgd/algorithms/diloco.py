@@ -235,7 +235,7 @@ class DiLoCo(InnerOuter):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.rounds = state["rounds"]
-        self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
+        self.period.load_state_dict(state["period"])
         self.global_model.load_state_dict(state["global"])
         self.outer.load_state_dict(state["outer"])
         self.compressor.load_state_dict(state["compressor"], self.params[0].device)

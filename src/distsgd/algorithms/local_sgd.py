@@ -143,7 +143,7 @@ class LocalSGD(GroupAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.averagings = state["averagings"]
-        self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
+        self.period.load_state_dict(state["period"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"], self.params[0].device)
             with torch.no_grad():  # into the anchor made by setup: on the parameters' device
