@@ -4,9 +4,16 @@ An algorithm is one module of this package (found by :mod:`.registry`, which imp
 a subclass of :class:`Algorithm` registered with :func:`register`, declaring
 
 - ``name``, ``kind`` (its family, for listings) and ``summary_line``;
-- ``Options``: its own options, a frozen dataclass of :func:`distsgd.options.option` fields with
-  help texts and a ``check``. The command line's flags, TOML keys, ``distsgd.train`` keywords and
-  bench's ``NAME[key=value]`` come from it; nothing else in the package names its options;
+- its options: a frozen dataclass of :func:`distsgd.options.option` fields with help texts and a
+  ``check``, given as the type argument of its base (``class LocalSGD(GroupAlgorithm[LocalSGDOptions])``),
+  which makes it the class's ``Options`` and types ``self.opts``. The command line's flags, TOML
+  keys, ``distsgd.train`` keywords and bench's ``NAME[key=value]`` come from it; nothing else in the
+  package names its options;
+- its state, in its class body: each attribute annotated with its type and what it holds. What
+  the settings give is set in ``__init__``; what is built from the model (parameters, copies,
+  compressors' buffers) is declared under "built by setup" and set there; ``state_dict`` saves,
+  each under its own key, what a resumed run needs, and ``load_state_dict`` reads those keys and
+  no others;
 - ``topology``: a small object saying how its processes are arranged, which picks the launcher
   (:mod:`distsgd.launch`) and holds what that launcher asks of the algorithm: :class:`Single`,
   :class:`Group`, :class:`SharedMemory` or :class:`Server`. A worker of a topology that hands
@@ -57,7 +64,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, TypeVar, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -66,6 +73,7 @@ from torch import nn
 from distsgd.algorithms.averaging import max_abs_diff
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
+from distsgd.metrics import Sink
 from distsgd.options import Options, flag_of
 from distsgd.train.context import Figures, Start, Step
 from distsgd.train.optim import build_optimizer
@@ -189,7 +197,7 @@ class Server(Topology):
         algo_cls: type["Algorithm"],
         workers: int,
         address: str,
-        sink: Any,
+        sink: Sink,
         publish: Callable[[str], None] | None = None,
         given_up: torch.Tensor | None = None,
         secret: bytes = b"",
@@ -206,26 +214,47 @@ class NoOptions(Options):
     """An algorithm without options of its own."""
 
 
-class Algorithm:
-    """Base class: a single process with no synchronisation at all."""
+OptionsT = TypeVar("OptionsT", bound=Options)
+
+
+class Algorithm(Generic[OptionsT]):
+    """Base class: a single process with no synchronisation at all, generic in its options' class."""
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "baseline"  # one of KINDS
     summary_line: ClassVar[str] = ""
     topology: ClassVar[Topology] = Single()
-    Options: ClassVar[type[Options]] = NoOptions
+    Options: ClassVar[type[Options]] = NoOptions  # the type argument (see __init_subclass__)
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
+
+    cfg: RunConfig
+    opts: OptionsT  # its options, from cfg.options
+    seat: Any  # what its topology hands each worker (a SharedSeat, a ServerSeat; None: nothing)
+    bytes_sent: int  # what this worker sent (checkpointed)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):  # class Mine(GroupAlgorithm[MyOptions]) -> MyOptions
+            for arg in get_args(base):
+                if isinstance(arg, type) and issubclass(arg, Options):
+                    cls.Options = arg
 
     def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
         self.cfg = cfg
-        self.opts: Any = self.Options.from_mapping(cfg.options)
+        self.opts = self.parse_options(cfg)
         self.seat = seat
         self.bytes_sent = 0
 
     @classmethod
+    def parse_options(cls, cfg: RunConfig) -> OptionsT:
+        """Its options, from ``cfg.options``."""
+        # a ClassVar cannot be typed with OptionsT; __init_subclass__ made Options the type argument
+        return cast(OptionsT, cls.Options.from_mapping(cfg.options))
+
+    @classmethod
     def check(cls, cfg: RunConfig) -> None:
         """Reject settings this algorithm cannot honour (raise ConfigError)."""
-        cls.Options.from_mapping(cfg.options).check(cfg)
+        cls.parse_options(cfg).check(cfg)
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type["Algorithm"]:
@@ -311,7 +340,7 @@ class Algorithm:
         """This worker's figures for summary.json (none: it does not communicate)."""
         return Figures()
 
-    def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
+    def progress_figures(self, ctx: "WorkerContext") -> dict[str, float]:
         """Figures for this worker's next progress event (none: it does not communicate). A
         parameter server's staleness and bytes come from the server's own ``server`` events."""
         return {}
@@ -366,7 +395,7 @@ def option_owners() -> dict[str, list[str]]:
     return owners
 
 
-def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Any:
+def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Options:
     """``algo_cls``'s options from ``cfg.options``, with a clear line for an option of another
     algorithm (``--tau is easgd's option, not local-sgd's``)."""
     mine = set(algo_cls.Options.names())
@@ -376,7 +405,7 @@ def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Any:
             whose = owners.get(key, [])
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {cfg.algo}")
-    return algo_cls.Options.from_mapping(cfg.options)
+    return algo_cls.parse_options(cfg)
 
 
 __all__ = [
@@ -404,18 +433,27 @@ __all__ = [
 ]
 
 
-class GroupAlgorithm(Algorithm):
+class GroupAlgorithm(Algorithm[OptionsT]):
     """Symmetric workers in a torch.distributed process group, stepping in lockstep."""
 
     topology: ClassVar[Topology] = Group()
     kind: ClassVar[str] = "data parallel"
 
-    def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
+    world: int  # the group's size (1 until setup knows it)
+    sent_alike: int  # the part of bytes_sent that every worker sends alike (collectives; checkpointed)
+    eval_share: int  # what this worker sent for evaluations, not for the algorithm (checkpointed)
+    largest: int  # the largest single collective's share, for the peak a link must carry (checkpointed)
+    replica_max_abs_diff: float | None  # how far the returned model's replicas are apart, once verify measured it
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
-        self.sent_alike = 0  # the part of bytes_sent that every worker sends alike (collectives)
-        self.eval_share = 0  # what this worker sent for evaluations, not for the algorithm
-        self.largest = 0  # the largest single collective's share, for the peak a link must carry
-        self.world = 1  # the group's size, once ``setup`` knows it
+        self.world = 1
+        self.sent_alike = self.eval_share = self.largest = 0
+        self.replica_max_abs_diff = None
+
+    def setup(self, ctx: "WorkerContext", model: nn.Module, start: Start) -> nn.Module:
+        self.world = ctx.world
+        return model
 
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
@@ -443,7 +481,7 @@ class GroupAlgorithm(Algorithm):
         ``bytes_sent``; summary.json has it as ``eval_bytes_sent`` (all workers')."""
         self.eval_share += int(2 * (world - 1) * nbytes / world)
 
-    def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
+    def progress_figures(self, ctx: "WorkerContext") -> dict[str, float]:
         """All workers' bytes so far, without asking them: every worker sends what ``sent`` counts
         alike, and only this reporting worker (rank 0) sends anything else (DDP's broadcasts)."""
         return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
@@ -481,7 +519,7 @@ class GroupAlgorithm(Algorithm):
             bytes_sent=self.bytes_sent,
             eval_bytes_sent=self.eval_share * self.world,
             largest_transfer_bytes=self.largest,
-            replica_max_abs_diff=getattr(self, "replica_max_abs_diff", None),
+            replica_max_abs_diff=self.replica_max_abs_diff,
         )
 
 
