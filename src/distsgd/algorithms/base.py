@@ -63,8 +63,10 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, TypeVar, cast, get_args
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -118,8 +120,8 @@ class SharedSeat:
     # the model; hold[1 + slot] = 1 says that worker waits (or is done). None: never held
     hold: torch.Tensor | None = None
     slot: int = 0  # this worker's slot in ``counts``
-    lock: Any = None  # --hogwild-lock: one lock around every update
-    extras: Any = None  # the topology's own shared state (its ``extras``)
+    lock: AbstractContextManager[object] | None = None  # --hogwild-lock: one lock around every update
+    extras: object = None  # the topology's own shared state (its ``extras``)
     start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go
     checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
     machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
@@ -136,11 +138,11 @@ class SharedMemory(Topology):
         """How many models the launcher keeps in shared memory."""
         return 1
 
-    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> Any:
+    def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> object:
         """More shared state the workers need (handed over in their seat, opaque to the launcher)."""
         return None
 
-    def lock(self, cfg: RunConfig, mpc: Any) -> Any:
+    def lock(self, cfg: RunConfig, mpc: BaseContext) -> AbstractContextManager[object] | None:
         """A lock the workers take round every update (``SharedSeat.lock``); None: lock-free."""
         return None
 
@@ -148,7 +150,7 @@ class SharedMemory(Topology):
         """The one model to evaluate and save, from the shared models."""
         return states[0]
 
-    def figures(self, workers: list[Figures], extras: Any) -> Figures:
+    def figures(self, workers: list[Figures], extras: object) -> Figures:
         """The run's figures, from its workers' (lowest slot first) and the shared state at the end."""
         return workers[0] if workers else Figures()
 
@@ -166,14 +168,35 @@ class SharedMemory(Topology):
         """Under torchrun: the algorithm each process's local workers run on its one model."""
         return algo_cls
 
-    def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> Any:
-        """Under torchrun: what joins this process's model to the others' (start, global_samples,
-        request_stop, finish, figures)."""
+    def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> "Link":
+        """Under torchrun: what joins this process's model to the others'."""
         raise NotImplementedError
 
     def merge_nodes(self, chiefs: list[Figures]) -> Figures:
         """Under torchrun: the run's figures from every process's own (rank 0's first)."""
         return chiefs[0]
+
+
+class Link(Protocol):
+    """Under torchrun, what joins one process's shared model to the other processes' (hogwild++'s
+    token ring), run beside its local workers."""
+
+    def start(self) -> None: ...
+
+    def global_samples(self) -> int:
+        """Every process's samples, as this one knows them."""
+        ...
+
+    def request_stop(self) -> None:
+        """Stop every process (the target was reached)."""
+
+    def finish(self) -> int:
+        """This process's workers are done: wait for the others, join the models; the run's samples."""
+        ...
+
+    def figures(self, workers: Figures) -> Figures:
+        """This process's figures, from its workers' (``workers``)."""
+        ...
 
 
 @dataclass
@@ -229,7 +252,7 @@ class Algorithm(Generic[OptionsT]):
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options
-    seat: Any  # what its topology hands each worker (a SharedSeat, a ServerSeat; None: nothing)
+    seat: object  # what its topology hands each worker (a SharedSeat, a ServerSeat; None: nothing)
     bytes_sent: int  # what this worker sent (checkpointed)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -239,7 +262,7 @@ class Algorithm(Generic[OptionsT]):
                 if isinstance(arg, type) and issubclass(arg, Options):
                     cls.Options = arg
 
-    def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         self.cfg = cfg
         self.opts = self.parse_options(cfg)
         self.seat = seat
@@ -415,6 +438,7 @@ __all__ = [
     "Group",
     "SharedMemory",
     "SharedSeat",
+    "Link",
     "Server",
     "ServerSeat",
     "NoOptions",
