@@ -343,9 +343,17 @@ def gather(pieces: dict[str, Stateful]) -> dict[str, Any]:
 
 
 def scatter(pieces: dict[str, Stateful], state: dict[str, Any]) -> None:
-    """Give every piece its saved state back."""
+    """Give every piece its saved state back. Each piece reads the keys its ``state_dict`` writes,
+    with no fallback for the layouts of older versions: a key it lacks is one CheckpointError."""
     for name, piece in pieces.items():
-        piece.load_state_dict(state[name])
+        try:
+            piece.load_state_dict(state[name])
+        except KeyError as exc:
+            what = f"'{name}' part" if name not in state else f"{exc} in its '{name}' part"
+            raise CheckpointError(
+                f"the checkpoint has no {what}: it was written by an older distsgd, whose checkpoints this "
+                f"version does not resume (train afresh, or resume with the version that wrote it)"
+            ) from None
 
 
 class Checkpointer:

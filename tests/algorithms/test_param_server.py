@@ -548,3 +548,28 @@ def test_the_acceptor_survives_accept_errors() -> None:
         client.done(0)
     finally:
         service.close()
+
+
+def test_saved_buffers_that_do_not_fit_the_model_are_a_checkpoint_error() -> None:
+    """The server saves each worker's buffers as one flat tensor per buffer. Saved otherwise (one
+    flat tensor of them all, as before 192b611), they are refused with a CheckpointError, not cut
+    up or indexed as if they fitted."""
+    from distsgd.algorithms import registry
+    from distsgd.errors import CheckpointError
+
+    cfg = RunConfig(lr=0.1)
+    rule = registry.get("asgd").topology.rule(cfg, registry.get("asgd").Options())
+
+    def server() -> ParameterServer:
+        torch.manual_seed(0)
+        return ParameterServer(cfg, nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)), 2, rule, 1000)
+
+    ps = server()
+    floats = [torch.full((2,), 0.5), torch.full((2,), 2.0)]  # running mean and var
+    _, version = ps.pull(1)
+    result(ps.push(1, grad(1, n=12), version, 10, (floats, [torch.tensor([3])])))
+    state = ps.state_dict()
+    server().load_state_dict(state)  # as saved: loads
+    state["buffers"]["1"] = torch.cat(state["buffers"]["1"])
+    with pytest.raises(CheckpointError, match="saved buffers do not fit its model"):
+        server().load_state_dict(state)

@@ -138,6 +138,39 @@ def test_previous_checkpoint_stays_until_the_new_one_is_whole(tmp_path) -> None:
     assert not list(tmp_path.glob("checkpoint/*.tmp"))
 
 
+def test_a_saved_piece_without_a_key_it_reads_is_one_checkpoint_error() -> None:
+    """A checkpoint whose pieces lack what this version reads (an older version's layout: local-sgd's
+    "dirty" before its "period") is one CheckpointError naming what is missing, not a KeyError."""
+    from distsgd.algorithms.periodic import Periodic
+
+    with pytest.raises(CheckpointError, match=r"no 'pending' in its 'period' part: it was written by an older"):
+        checkpoint.scatter({"period": Periodic(4)}, {"period": {"dirty": True}})
+    with pytest.raises(CheckpointError, match=r"no 'period' part: it was written by an older distsgd"):
+        checkpoint.scatter({"period": Periodic(4)}, {})
+
+
+@pytest.mark.slow
+def test_resuming_a_checkpoint_of_an_older_layout_is_one_error_line(tmp_path) -> None:
+    """local-sgd's checkpoints of an older version kept "dirty" where they now keep "period"; this
+    version does not read that layout: the resume stops with one error line and exit 2, and leaves
+    the checkpoint's files as they were. (Before, a fallback read "dirty".)"""
+    run = tmp_path / "old"
+    small = ["--dataset", "digits", "--model", "mlp", "--algo", "local-sgd", "--workers", "2", "--quiet"]
+    r = run_cli("train", *small, "--max-samples", "256", "--checkpoint-every", "128", "--out", str(run), timeout=180)
+    assert r.returncode == 0, r.stderr
+    files = sorted((run / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rank*.pt"))
+    for path in files:
+        state = torch.load(path, weights_only=True)
+        state["algo"]["dirty"] = state["algo"].pop("period")["pending"]
+        torch.save(state, path)
+    before = {path: path.read_bytes() for path in files}
+    r = run_cli("train", "--resume", str(run), "--max-samples", "512", "--quiet", timeout=180)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-3000:]
+    assert "the checkpoint has no 'period' in its 'algo' part: it was written by an older distsgd" in lines[0]
+    assert {path: path.read_bytes() for path in files} == before
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -48,7 +48,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     ready: int = 0
-    handle: Any = None
+    handle: dist.Work | None = None  # its all-reduce, while in flight
     offsets: list[int] = field(default_factory=list)
 
 
@@ -102,34 +102,45 @@ class AllReduceFigures(GroupFigures):
 
 
 @register
-class AllReduce(GroupAlgorithm):
+class AllReduce(GroupAlgorithm[BucketOptions]):
     name = "allreduce"
     kind = "data parallel"
-    Options = BucketOptions
     summary_line = "synchronous data parallel: gradients averaged by our bucketed all-reduce, overlapped with backward"
+
+    compressor: compress.Compressor | None  # --compress: averages every gradient at once, after backward
+    accumulating: bool  # inside no_sync: a micro-batch's gradients stay local
+    next_bucket: int  # the next bucket to start, in order (every rank starts them in the same order)
+    # built by setup:
+    params: list[nn.Parameter]  # those that take gradients
+    float_buffers: list[torch.Tensor]  # averaged after every step
+    buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
+    bucket_of: dict[int, Bucket]  # id(param) -> its bucket
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
+        self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
+        self.accumulating = False
+        self.next_bucket = 0
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
         super().check(cfg)
-        opts = cls.Options.from_mapping(cfg.options)
-        if opts.compress != "none" and opts.bucket_mb != cls.Options().bucket_mb:
+        opts = cls.parse_options(cfg)
+        if opts.compress != "none" and opts.bucket_mb != BucketOptions().bucket_mb:
             raise ConfigError(
                 f"allreduce --compress {opts.compress} reduces every gradient at once, after backward, "
                 f"in no buckets: --bucket-mb does not apply (leave it out)"
             )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        self.world = ctx.world
+        model = super().setup(ctx, model, start)
         params = [p for p in model.parameters() if p.requires_grad]
         # Start from rank 0's weights and buffers, whatever the model's constructor did.
         broadcast_(params + list(model.buffers()))
-        self.buckets = make_buckets(list(reversed(params)), int(self.opts.bucket_mb * 1024 * 1024))
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next = 0
-        self._accumulating = False
-        self.float_buffers = float_buffers(model)
         self.params = params
-        self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
+        self.float_buffers = float_buffers(model)
+        self.buckets = make_buckets(list(reversed(params)), int(self.opts.bucket_mb * 1024 * 1024))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if self.compressor is None:  # compressed gradients are reduced after backward, all at once
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -138,23 +149,23 @@ class AllReduce(GroupAlgorithm):
     @contextlib.contextmanager
     def no_sync(self, ctx: WorkerContext, model: nn.Module) -> Iterator[None]:
         """A micro-batch that is not the step's last: its gradients stay local."""
-        self._accumulating = True
+        self.accumulating = True
         try:
             yield
         finally:
-            self._accumulating = False
+            self.accumulating = False
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if self._accumulating:
+        if self.accumulating:
             return
-        bucket = self._bucket_of[id(p)]
+        bucket = self.bucket_of[id(p)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch_in_order()
 
     def _launch_in_order(self, force: bool = False) -> None:
-        while self._next < len(self.buckets):
-            bucket = self.buckets[self._next]
+        while self.next_bucket < len(self.buckets):
+            bucket = self.buckets[self.next_bucket]
             if not force and bucket.ready < len(bucket.params):
                 return
             for p, offset in zip(bucket.params, bucket.offsets):
@@ -165,7 +176,7 @@ class AllReduce(GroupAlgorithm):
                     view.copy_(p.grad.reshape(-1))
             bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
             self.sent(bucket.buffer.numel() * bucket.buffer.element_size(), self.world)
-            self._next += 1
+            self.next_bucket += 1
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if self.compressor is not None:
@@ -181,6 +192,7 @@ class AllReduce(GroupAlgorithm):
     def _reduce_buckets(self) -> None:
         self._launch_in_order(force=True)
         for bucket in self.buckets:
+            assert bucket.handle is not None  # every bucket was started above
             bucket.handle.wait()
             bucket.buffer.div_(self.world)
             for p, offset in zip(bucket.params, bucket.offsets):
@@ -191,7 +203,7 @@ class AllReduce(GroupAlgorithm):
                     p.grad.copy_(averaged)
             bucket.ready = 0
             bucket.handle = None
-        self._next = 0
+        self.next_bucket = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **({"compressor": self.compressor.state_dict()} if self.compressor else {})}

@@ -8,13 +8,16 @@ average the first two and *copy* the integer ones (the mean of two counters is n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distsgd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distsgd.algorithms.easgd import EASGDOptions
 
 
 def params(model: nn.Module) -> list[torch.Tensor]:
@@ -113,7 +116,7 @@ def average_model_(model: nn.Module, world: int) -> int:
     return sent
 
 
-def elastic_alpha(opts: Any, workers: int) -> float:
+def elastic_alpha(opts: EASGDOptions, workers: int) -> float:
     """EASGD's elastic strength: ``--alpha`` (``opts.alpha``), by default beta / N with beta = N alpha = 0.9."""
     return opts.alpha if opts.alpha is not None else 0.9 / workers
 

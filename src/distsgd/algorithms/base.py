@@ -4,9 +4,16 @@ An algorithm is one module of this package (found by :mod:`.registry`, which imp
 a subclass of :class:`Algorithm` registered with :func:`register`, declaring
 
 - ``name``, ``kind`` (its family, for listings) and ``summary_line``;
-- ``Options``: its own options, a frozen dataclass of :func:`distsgd.options.option` fields with
-  help texts and a ``check``. The command line's flags, TOML keys, ``distsgd.train`` keywords and
-  bench's ``NAME[key=value]`` come from it; nothing else in the package names its options;
+- its options: a frozen dataclass of :func:`distsgd.options.option` fields with help texts and a
+  ``check``, given as the type argument of its base (``class LocalSGD(GroupAlgorithm[LocalSGDOptions])``),
+  which makes it the class's ``Options`` and types ``self.opts``. The command line's flags, TOML
+  keys, ``distsgd.train`` keywords and bench's ``NAME[key=value]`` come from it; nothing else in the
+  package names its options;
+- its state, in its class body: each attribute annotated with its type and what it holds. What
+  the settings give is set in ``__init__``; what is built from the model (parameters, copies,
+  compressors' buffers) is declared under "built by setup" and set there; ``state_dict`` saves,
+  each under its own key, what a resumed run needs, and ``load_state_dict`` reads those keys and
+  no others;
 - ``topology``: a small object saying how its processes are arranged, which picks the launcher
   (:mod:`distsgd.launch`) and holds what that launcher asks of the algorithm: :class:`Single`,
   :class:`Group`, :class:`SharedMemory` or :class:`Server`. A worker of a topology that hands
@@ -56,8 +63,10 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Protocol, TypeVar, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -66,6 +75,7 @@ from torch import nn
 from distsgd.algorithms.averaging import max_abs_diff
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
+from distsgd.metrics import Sink
 from distsgd.options import Options, flag_of
 from distsgd.train.context import Figures, Start, Step
 from distsgd.train.optim import build_optimizer
@@ -110,8 +120,8 @@ class SharedSeat:
     # the model; hold[1 + slot] = 1 says that worker waits (or is done). None: never held
     hold: torch.Tensor | None = None
     slot: int = 0  # this worker's slot in ``counts``
-    lock: Any = None  # --hogwild-lock: one lock around every update
-    extras: Any = None  # the topology's own shared state (its ``extras``)
+    lock: AbstractContextManager[object] | None = None  # --hogwild-lock: one lock around every update
+    extras: object = None  # the topology's own shared state (its ``extras``)
     start_together: Callable[[], None] | None = None  # set in the worker: say ready, wait for the go
     checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
     machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
@@ -128,11 +138,11 @@ class SharedMemory(Topology):
         """How many models the launcher keeps in shared memory."""
         return 1
 
-    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> Any:
+    def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> object:
         """More shared state the workers need (handed over in their seat, opaque to the launcher)."""
         return None
 
-    def lock(self, cfg: RunConfig, mpc: Any) -> Any:
+    def lock(self, cfg: RunConfig, mpc: BaseContext) -> AbstractContextManager[object] | None:
         """A lock the workers take round every update (``SharedSeat.lock``); None: lock-free."""
         return None
 
@@ -140,7 +150,7 @@ class SharedMemory(Topology):
         """The one model to evaluate and save, from the shared models."""
         return states[0]
 
-    def figures(self, workers: list[Figures], extras: Any) -> Figures:
+    def figures(self, workers: list[Figures], extras: object) -> Figures:
         """The run's figures, from its workers' (lowest slot first) and the shared state at the end."""
         return workers[0] if workers else Figures()
 
@@ -158,14 +168,35 @@ class SharedMemory(Topology):
         """Under torchrun: the algorithm each process's local workers run on its one model."""
         return algo_cls
 
-    def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> Any:
-        """Under torchrun: what joins this process's model to the others' (start, global_samples,
-        request_stop, finish, figures)."""
+    def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> "Link":
+        """Under torchrun: what joins this process's model to the others'."""
         raise NotImplementedError
 
     def merge_nodes(self, chiefs: list[Figures]) -> Figures:
         """Under torchrun: the run's figures from every process's own (rank 0's first)."""
         return chiefs[0]
+
+
+class Link(Protocol):
+    """Under torchrun, what joins one process's shared model to the other processes' (hogwild++'s
+    token ring), run beside its local workers."""
+
+    def start(self) -> None: ...
+
+    def global_samples(self) -> int:
+        """Every process's samples, as this one knows them."""
+        ...
+
+    def request_stop(self) -> None:
+        """Stop every process (the target was reached)."""
+
+    def finish(self) -> int:
+        """This process's workers are done: wait for the others, join the models; the run's samples."""
+        ...
+
+    def figures(self, workers: Figures) -> Figures:
+        """This process's figures, from its workers' (``workers``)."""
+        ...
 
 
 @dataclass
@@ -189,7 +220,7 @@ class Server(Topology):
         algo_cls: type["Algorithm"],
         workers: int,
         address: str,
-        sink: Any,
+        sink: Sink,
         publish: Callable[[str], None] | None = None,
         given_up: torch.Tensor | None = None,
         secret: bytes = b"",
@@ -206,26 +237,47 @@ class NoOptions(Options):
     """An algorithm without options of its own."""
 
 
-class Algorithm:
-    """Base class: a single process with no synchronisation at all."""
+OptionsT = TypeVar("OptionsT", bound=Options)
+
+
+class Algorithm(Generic[OptionsT]):
+    """Base class: a single process with no synchronisation at all, generic in its options' class."""
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "baseline"  # one of KINDS
     summary_line: ClassVar[str] = ""
     topology: ClassVar[Topology] = Single()
-    Options: ClassVar[type[Options]] = NoOptions
+    Options: ClassVar[type[Options]] = NoOptions  # the type argument (see __init_subclass__)
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
 
-    def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
+    cfg: RunConfig
+    opts: OptionsT  # its options, from cfg.options
+    seat: object  # what its topology hands each worker (a SharedSeat, a ServerSeat; None: nothing)
+    bytes_sent: int  # what this worker sent (checkpointed)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):  # class Mine(GroupAlgorithm[MyOptions]) -> MyOptions
+            for arg in get_args(base):
+                if isinstance(arg, type) and issubclass(arg, Options):
+                    cls.Options = arg
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         self.cfg = cfg
-        self.opts: Any = self.Options.from_mapping(cfg.options)
+        self.opts = self.parse_options(cfg)
         self.seat = seat
         self.bytes_sent = 0
 
     @classmethod
+    def parse_options(cls, cfg: RunConfig) -> OptionsT:
+        """Its options, from ``cfg.options``."""
+        # a ClassVar cannot be typed with OptionsT; __init_subclass__ made Options the type argument
+        return cast(OptionsT, cls.Options.from_mapping(cfg.options))
+
+    @classmethod
     def check(cls, cfg: RunConfig) -> None:
         """Reject settings this algorithm cannot honour (raise ConfigError)."""
-        cls.Options.from_mapping(cfg.options).check(cfg)
+        cls.parse_options(cfg).check(cfg)
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type["Algorithm"]:
@@ -311,7 +363,7 @@ class Algorithm:
         """This worker's figures for summary.json (none: it does not communicate)."""
         return Figures()
 
-    def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
+    def progress_figures(self, ctx: "WorkerContext") -> dict[str, float]:
         """Figures for this worker's next progress event (none: it does not communicate). A
         parameter server's staleness and bytes come from the server's own ``server`` events."""
         return {}
@@ -366,7 +418,7 @@ def option_owners() -> dict[str, list[str]]:
     return owners
 
 
-def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Any:
+def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Options:
     """``algo_cls``'s options from ``cfg.options``, with a clear line for an option of another
     algorithm (``--tau is easgd's option, not local-sgd's``)."""
     mine = set(algo_cls.Options.names())
@@ -376,7 +428,7 @@ def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Any:
             whose = owners.get(key, [])
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {cfg.algo}")
-    return algo_cls.Options.from_mapping(cfg.options)
+    return algo_cls.parse_options(cfg)
 
 
 __all__ = [
@@ -386,6 +438,7 @@ __all__ = [
     "Group",
     "SharedMemory",
     "SharedSeat",
+    "Link",
     "Server",
     "ServerSeat",
     "NoOptions",
@@ -404,18 +457,27 @@ __all__ = [
 ]
 
 
-class GroupAlgorithm(Algorithm):
+class GroupAlgorithm(Algorithm[OptionsT]):
     """Symmetric workers in a torch.distributed process group, stepping in lockstep."""
 
     topology: ClassVar[Topology] = Group()
     kind: ClassVar[str] = "data parallel"
 
-    def __init__(self, cfg: RunConfig, seat: Any = None) -> None:
+    world: int  # the group's size (1 until setup knows it)
+    sent_alike: int  # the part of bytes_sent that every worker sends alike (collectives; checkpointed)
+    eval_share: int  # what this worker sent for evaluations, not for the algorithm (checkpointed)
+    largest: int  # the largest single collective's share, for the peak a link must carry (checkpointed)
+    replica_max_abs_diff: float | None  # how far the returned model's replicas are apart, once verify measured it
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
-        self.sent_alike = 0  # the part of bytes_sent that every worker sends alike (collectives)
-        self.eval_share = 0  # what this worker sent for evaluations, not for the algorithm
-        self.largest = 0  # the largest single collective's share, for the peak a link must carry
-        self.world = 1  # the group's size, once ``setup`` knows it
+        self.world = 1
+        self.sent_alike = self.eval_share = self.largest = 0
+        self.replica_max_abs_diff = None
+
+    def setup(self, ctx: "WorkerContext", model: nn.Module, start: Start) -> nn.Module:
+        self.world = ctx.world
+        return model
 
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
@@ -443,7 +505,7 @@ class GroupAlgorithm(Algorithm):
         ``bytes_sent``; summary.json has it as ``eval_bytes_sent`` (all workers')."""
         self.eval_share += int(2 * (world - 1) * nbytes / world)
 
-    def progress_figures(self, ctx: "WorkerContext") -> dict[str, Any]:
+    def progress_figures(self, ctx: "WorkerContext") -> dict[str, float]:
         """All workers' bytes so far, without asking them: every worker sends what ``sent`` counts
         alike, and only this reporting worker (rank 0) sends anything else (DDP's broadcasts)."""
         return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
@@ -458,9 +520,9 @@ class GroupAlgorithm(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.sent_alike = state.get("sent_alike", 0)  # checkpoints written before it was counted
-        self.eval_share = state.get("eval_share", 0)
-        self.largest = state.get("largest", 0)
+        self.sent_alike = state["sent_alike"]
+        self.eval_share = state["eval_share"]
+        self.largest = state["largest"]
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return self.final_model(ctx, model)
@@ -481,7 +543,7 @@ class GroupAlgorithm(Algorithm):
             bytes_sent=self.bytes_sent,
             eval_bytes_sent=self.eval_share * self.world,
             largest_transfer_bytes=self.largest,
-            replica_max_abs_diff=getattr(self, "replica_max_abs_diff", None),
+            replica_max_abs_diff=self.replica_max_abs_diff,
         )
 
 

@@ -31,34 +31,42 @@ from distsgd.algorithms import compress
 from distsgd.algorithms.allreduce import BucketOptions
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
+from distsgd.config import RunConfig
 from distsgd.train.context import Start, Step, WorkerContext
 
 
 @register
-class DDP(GroupAlgorithm):
+class DDP(GroupAlgorithm[BucketOptions]):
     name = "ddp"
     kind = "data parallel"
-    Options = BucketOptions
     summary_line = "the same through PyTorch's DistributedDataParallel, the reference"
 
+    hooked: bool  # --compress: a communication hook of torch's counts what it sends
+    # built by setup:
+    grad_bytes: int  # what DDP all-reduces a step without a hook
+    buffer_bytes: int  # what rank 0 broadcasts before every forward
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
+        self.hooked = self.opts.compress != "none"
+
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        self.world = ctx.world
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        model = super().setup(ctx, model, start)
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         how, rank = compress.parse(self.opts.compress)
         bucket_mb = self.opts.bucket_mb
         if how == "powersgd" and dist.get_backend() == "gloo":
-            bucket_mb = max(bucket_mb, self._grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
+            bucket_mb = max(bucket_mb, self.grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
         ddp = DistributedDataParallel(
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None
         )
-        self.hook_state: Any = None
         if how == "fp16":
             ddp.register_comm_hook(
                 None, self._counting(default_hooks.fp16_compress_hook, lambda b: b.buffer().numel() * 2)
             )
         elif how == "powersgd":
-            self.hook_state = powerSGD_hook.PowerSGDState(
+            state = powerSGD_hook.PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=rank,
                 start_powerSGD_iter=compress.START_ITER,
@@ -66,7 +74,6 @@ class DDP(GroupAlgorithm):
                 use_error_feedback=True,
                 warm_start=True,
             )
-            state = self.hook_state
             ddp.register_comm_hook(
                 state,
                 self._counting(
@@ -78,10 +85,9 @@ class DDP(GroupAlgorithm):
                     ),
                 ),
             )
-        self.hooked = how != "none"
         return ddp
 
-    def _counting(self, hook: Callable, nbytes: Callable[[Any], int]) -> Callable:
+    def _counting(self, hook: Callable, nbytes: Callable[[dist.GradBucket], int]) -> Callable:
         """torch's ``hook``, and the bytes it all-reduces for each bucket counted first. (No
         annotations: DDP checks a hook's, and under postponed evaluation they would be strings.)"""
 
@@ -99,9 +105,9 @@ class DDP(GroupAlgorithm):
         # DDP has already averaged the gradients during backward; count what it sent (a hook counts
         # its own), and, on rank 0, the buffers it broadcast before the forward.
         if not self.hooked:
-            self.sent(self._grad_bytes, self.world)
+            self.sent(self.grad_bytes, self.world)
         if ctx.rank == 0:
-            self.bytes_sent += self._buffer_bytes * (self.world - 1)
+            self.bytes_sent += self.buffer_bytes * (self.world - 1)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         # Evaluating through the wrapper would run DDP's forward (and its collectives) on rank 0 alone.

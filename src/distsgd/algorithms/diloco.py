@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -110,15 +110,16 @@ def paper_inner_defaults(inner_optimizer: str) -> dict[str, Any]:
     return {"lr": 4e-4, "weight_decay": 0.1} if inner_optimizer == "adamw" else {}
 
 
-class InnerOuter(GroupAlgorithm):
+OuterOptionsT = TypeVar("OuterOptionsT", bound=OuterOptions)
+
+
+class InnerOuter(GroupAlgorithm[OuterOptionsT]):
     """What DiLoCo and its streaming variant share: the inner optimiser (--inner-optimizer, at the
     paper's defaults for AdamW)."""
 
-    Options: ClassVar[type[OuterOptions]]  # each subclass's: DiLoCo's, Streaming DiLoCo's
-
     @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        return paper_inner_defaults(cls.Options.from_mapping(cfg.options).inner_optimizer)
+        return paper_inner_defaults(cls.parse_options(cfg).inner_optimizer)
 
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
@@ -128,23 +129,34 @@ class InnerOuter(GroupAlgorithm):
 
 
 @register
-class DiLoCo(InnerOuter):
+class DiLoCo(InnerOuter[DiLoCoOptions]):
     name = "diloco"
     kind = "low communication"
-    Options = DiLoCoOptions
     summary_line = "DiLoCo: H inner AdamW steps, then outer Nesterov SGD on the averaged pseudo-gradient"
 
-    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        self.world = ctx.world
+    period: Periodic  # an outer step every H inner steps; whether one is owed (checkpointed)
+    rounds: int  # outer steps taken (checkpointed)
+    compressor: compress.Compressor  # how the pseudo-gradients are averaged (checkpointed)
+    # built by setup:
+    params: list[torch.Tensor]  # this worker's, theta_r
+    global_model: nn.Module  # theta and the buffers of the last outer step (checkpointed)
+    theta: list[torch.Tensor]  # global_model's parameters
+    outer: torch.optim.Optimizer  # the outer Nesterov SGD on theta (checkpointed)
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
         self.period = Periodic.of(self.opts.sync_every)
+        self.rounds = 0
+        self.compressor = compress.make(self.opts.compress)
+
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        model = super().setup(ctx, model, start)
         self.params = params(model)
         if start is Start.FRESH:  # one starting point (a resumed worker restores theta below)
             broadcast_(self.params + list(model.buffers()))
-        self.global_model = copy.deepcopy(model)  # theta and the buffers of the last outer step
+        self.global_model = copy.deepcopy(model)
         self.theta = params(self.global_model)
         self.outer = self._make_outer(self.theta)
-        self.compressor = compress.make(self.opts.compress)
-        self.rounds = 0
         return model
 
     def _make_outer(self, theta: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -235,7 +247,7 @@ class DiLoCo(InnerOuter):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.rounds = state["rounds"]
-        self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
+        self.period.load_state_dict(state["period"])
         self.global_model.load_state_dict(state["global"])
         self.outer.load_state_dict(state["outer"])
         self.compressor.load_state_dict(state["compressor"], self.params[0].device)

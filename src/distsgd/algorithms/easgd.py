@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
-from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, Topology, register
+from distsgd.algorithms.base import Algorithm, GroupAlgorithm, GroupFigures, Topology, register
 from distsgd.algorithms.param_server.rules import Elastic
 from distsgd.algorithms.param_server.worker import ServerAlgorithm, ServerTopology
 from distsgd.algorithms.periodic import Periodic
@@ -99,21 +99,32 @@ class AsyncEASGDFigures(Figures):
 
 
 @register
-class EASGD(GroupAlgorithm):
+class EASGD(GroupAlgorithm[EASGDOptions]):
     name = "easgd"
     kind = "model averaging"
-    Options = EASGDOptions
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
+    period: Periodic  # exchanges at steps tau divides, counting the steps taken before: 0, tau, 2 tau, ...
+    # built by setup:
+    alpha: float  # the elastic strength (its default depends on the workers)
+    center_model: nn.Module  # x~, the centre: what is evaluated and returned
+    center: list[torch.Tensor]  # x~'s parameters and floating-point buffers (checkpointed, flat)
+    x: list[torch.Tensor]  # x_i, this worker's (the same parts)
+    x_ints: list[torch.Tensor]  # this worker's integer buffers, which the centre copies
+    center_ints: list[torch.Tensor]
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
+        self.period = Periodic(self.opts.tau, first=0)
+
     @classmethod
-    def variant(cls, cfg: RunConfig) -> type:
+    def variant(cls, cfg: RunConfig) -> type[Algorithm]:
         """``--easgd-mode async`` runs on the parameter server."""
         return AsyncEASGD if EASGDOptions.pick(cfg.options).easgd_mode == "async" else cls
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        self.world = ctx.world
+        model = super().setup(ctx, model, start)
         self.alpha = elastic_alpha(self.opts, ctx.world)
-        self.period = Periodic(self.opts.tau, first=0)  # counting the steps taken before this one: 0, tau, ...
         if start is Start.FRESH:
             for p in model.parameters():  # one starting point for workers and centre
                 dist.broadcast(p.data, src=0)
@@ -148,18 +159,23 @@ class EASGD(GroupAlgorithm):
         return EASGDFigures(**vars(super().figures()), alpha=self.alpha, tau=self.opts.tau, easgd_mode="sync")
 
 
-class AsyncEASGD(ServerAlgorithm):
+class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     """The worker side of asynchronous EASGD: exchange elastic differences with the server."""
 
     name = "easgd"
     kind = "model averaging"
     topology: ClassVar[Topology] = ServerTopology(Elastic)
-    Options = EASGDOptions
+
+    period: Periodic  # exchanges at steps tau divides, as in sync mode
+    alpha: float  # built by setup: the elastic strength
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
+        self.period = Periodic(self.opts.tau, first=0)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)  # pulls the centre as the starting point
         self.alpha = elastic_alpha(self.opts, ctx.world)
-        self.period = Periodic(self.opts.tau, first=0)
         return model
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:

@@ -35,9 +35,12 @@ import os
 import tempfile
 import time
 import weakref
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from multiprocessing.context import BaseContext
+from typing import Any, Callable, ClassVar, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -139,37 +142,52 @@ class HogwildFigures(Figures):
 class HogwildMemory(SharedMemory):
     """Hogwild!'s: one model in shared memory, and with --hogwild-lock one lock round every update."""
 
-    def lock(self, cfg: RunConfig, mpc: Any) -> Any:
+    def lock(self, cfg: RunConfig, mpc: BaseContext) -> OwnedLock | None:
         return OwnedLock() if HogwildOptions.pick(cfg.options).hogwild_lock else None
 
-    def figures(self, workers: list[Figures], extras: Any) -> Figures:
+    def figures(self, workers: list[Figures], extras: object) -> Figures:
         """The lowest slot's figures; the data counts as shared only if every worker found it so."""
         first = workers[0] if workers else HogwildFigures(bytes_sent=0)
         shared = all(getattr(f, "dataset_shared", False) for f in workers)
         return type(first)(**{**vars(first), "dataset_shared": shared})
 
 
-@register
-class Hogwild(Algorithm):
-    name = "hogwild"
+HogwildOptionsT = TypeVar("HogwildOptionsT", bound=HogwildOptions)
+
+
+class SharedModel(Algorithm[HogwildOptionsT]):
+    """Workers that train a model in shared memory with no lock (with --hogwild-lock, one lock round
+    every update): Hogwild!, and what hogwild++'s clusters do between their exchanges."""
+
     kind = "shared memory"
     topology: ClassVar[Topology] = HogwildMemory()
-    Options = HogwildOptions
-    summary_line = "Hogwild!: lock-free updates to one model in shared memory (--hogwild-lock to compare)"
+
+    seat: SharedSeat
+    # numpy views of the shared counters: a read or write is a memory access, not a tensor op
+    counts: np.ndarray  # samples done by each worker of this machine
+    slot: int  # this worker's slot in counts
+    stop: np.ndarray  # one byte: 1 stops every worker (read every step with no lock)
+    hold: np.ndarray | None  # --stop-at-target's hold (SharedSeat.hold), read every step with no lock
+    lock: AbstractContextManager[object] | None  # --hogwild-lock: taken round every update
+    machines: int  # under torchrun, the processes (clusters) of the run
+    # built by setup:
+    synchronize: Callable[[], None]  # waits until the device has done what was queued
+    dataset_shared: bool  # this worker reads the one copy of the data in shared memory
+    model_shared: bool
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        assert isinstance(seat, SharedSeat), f"{cfg.algo} runs under the shared-memory launcher"
+        super().__init__(cfg, seat)
+        self.counts, self.slot, self.stop = seat.counts.numpy(), seat.slot, seat.stop.numpy()
+        self.hold = seat.hold.numpy() if seat.hold is not None else None
+        self.lock, self.machines = seat.lock, seat.machines
 
     def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
         """The shared model this worker trains."""
         return self.seat.states[0]
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        seat: SharedSeat = self.seat
-        assert seat is not None, "hogwild runs under the shared-memory launcher"
         shared = bind_to_shared(model, self.shared_state(ctx))
-        # numpy views of the shared counters: a read or write is a memory access, not a tensor op
-        self.counts, self.slot, self.lock = seat.counts.numpy(), seat.slot, seat.lock
-        self.stop = seat.stop.numpy()  # one shared byte, read every step with no lock
-        self.hold = seat.hold.numpy() if seat.hold is not None else None  # read every step with no lock
-        self.machines = seat.machines
         # a CUDA step is queued, not done, when step() returns: a lock is held until the device is done
         self.synchronize = device.synchronizer(ctx.device) or (lambda: None)
         self.dataset_shared = ctx.dataset.is_shared()
@@ -240,3 +258,9 @@ class Hogwild(Algorithm):
             model_shared=self.model_shared,
             hogwild_lock=self.lock is not None,
         )
+
+
+@register
+class Hogwild(SharedModel[HogwildOptions]):
+    name = "hogwild"
+    summary_line = "Hogwild!: lock-free updates to one model in shared memory (--hogwild-lock to compare)"

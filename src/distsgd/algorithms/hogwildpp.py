@@ -76,15 +76,24 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from multiprocessing.context import BaseContext
+from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import add_into, average_model_, flatten, mean_state, params
 from distsgd.algorithms.base import Algorithm, SharedSeat, Topology, register
-from distsgd.algorithms.hogwild import Hogwild, HogwildFigures, HogwildMemory, HogwildOptions, OwnedLock, bind_to_shared
+from distsgd.algorithms.hogwild import (
+    HogwildFigures,
+    HogwildMemory,
+    HogwildOptions,
+    OwnedLock,
+    SharedModel,
+    bind_to_shared,
+)
 from distsgd.config import RunConfig, value
 from distsgd.errors import ConfigError
 from distsgd.options import option
@@ -145,7 +154,7 @@ RING_TOLERANCE = 0.0
 UPDATE_DELAY = 16
 
 
-def parse_ring_scale(given: Any) -> float | str:
+def parse_ring_scale(given: str | float) -> float | str:
     """``--ring-scale``: 'lr' (the holder's learning rate at the exchange) or a positive number."""
     if given == "lr":
         return "lr"
@@ -167,7 +176,7 @@ class RingState:
     synced: torch.Tensor  # whether the holder has made its exchange yet
     synced_at: torch.Tensor  # the holding cluster's steps at that exchange
     passes: torch.Tensor  # exchanges made
-    lock: Any  # one exchange at a time (an OwnedLock: a holder that dies in it does not stop the ring)
+    lock: OwnedLock  # one exchange at a time (a holder that dies in it does not stop the ring)
 
 
 @dataclass(frozen=True)
@@ -223,7 +232,7 @@ class Ring(HogwildMemory):
     def models(self, cfg: RunConfig) -> int:
         return cfg.workers // RingOptions.from_mapping(cfg.options).cluster_size
 
-    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> RingState:
+    def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> RingState:
         def shared_int() -> torch.Tensor:
             return torch.zeros(1, dtype=torch.int64).share_memory_()
 
@@ -240,7 +249,8 @@ class Ring(HogwildMemory):
         """The model returned: the clusters' average (integer buffers from cluster 0)."""
         return mean_state(states)
 
-    def figures(self, workers: list[Figures], extras: RingState) -> Figures:
+    def figures(self, workers: list[Figures], extras: object) -> Figures:
+        assert isinstance(extras, RingState)  # made by extras() above
         merged = vars(super().figures(workers, extras))  # a RingFigures' fields, or a HogwildFigures' (none left)
         return RingFigures(**{**merged, "token_passes": int(extras.passes[0])})  # the final count
 
@@ -254,6 +264,7 @@ class Ring(HogwildMemory):
         return ClusterWorker  # each process is one cluster: Hogwild! on its model, linked by the ring
 
     def link(self, cfg: RunConfig, rank: int, n: int, model: nn.Module, seat: SharedSeat) -> "TokenRing":
+        assert isinstance(seat.extras, torch.Tensor)  # ClusterMemory's, the cluster's learning rate
         return TokenRing(cfg, rank, n, model, seat.counts, seat.stop, seat.extras)
 
     def merge_nodes(self, chiefs: list[Figures]) -> Figures:
@@ -272,21 +283,23 @@ class ClusterMemory(HogwildMemory):
     """Under torchrun, one cluster's shared memory: Hogwild!'s, and its extras, one float64 that its
     workers set to their learning rate after every step, for the :class:`TokenRing` to read."""
 
-    def extras(self, cfg: RunConfig, mpc: Any, models: list[nn.Module]) -> torch.Tensor:
+    def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> torch.Tensor:
         return torch.full((1,), float(value(cfg, "lr")), dtype=torch.float64).share_memory_()
 
 
-class ClusterWorker(Hogwild):
+class ClusterWorker(SharedModel[HogwildOptions]):
     """Under torchrun, a worker of one cluster (one process): Hogwild! on the cluster's model, and
     it tells the ring its learning rate (the shared float of :class:`ClusterMemory`)."""
 
     topology: ClassVar[Topology] = ClusterMemory()
-    optimizer: torch.optim.Optimizer
-    lr_now: Any  # a numpy view of the shared float
 
-    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+    lr_now: np.ndarray  # a numpy view of the shared float
+    optimizer: torch.optim.Optimizer  # set by make_optimizer: whose lr it tells
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
+        assert isinstance(self.seat.extras, torch.Tensor)  # ClusterMemory's
         self.lr_now = self.seat.extras.numpy()
-        return super().setup(ctx, model, start)
 
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         self.optimizer = super().make_optimizer(ctx, model)
@@ -298,36 +311,51 @@ class ClusterWorker(Hogwild):
 
 
 @register
-class HogwildPP(Hogwild):
+class HogwildPP(SharedModel[RingOptions]):
     name = "hogwild++"
-    kind = "shared memory"
     topology: ClassVar[Topology] = Ring()
-    Options = RingOptions
     summary_line = (
         "HogWild++: clusters of Hogwild! workers synced by a token ring (--cluster-size, --update-delay = tau0)"
     )
-    optimizer: torch.optim.Optimizer  # this worker's, whose lr --ring-scale lr reads
+
+    ring: RingState  # the ring's state in shared memory: the token, every cluster's w_i_old, the passes
+    n: int  # clusters
+    beta: float  # the ring's constants for n clusters
+    lam: float
+    hold_steps: int  # the holding cluster's steps between its exchange and passing the token (tau0 per worker)
+    step_samples: int  # the samples of one optimiser step (--accumulate micro-batches)
+    optimizer: torch.optim.Optimizer  # set by make_optimizer: whose lr --ring-scale lr reads
+    # built by setup:
+    cluster: int  # this worker's cluster
+    members: slice  # its cluster's slots in counts
+    mine: list[torch.Tensor]  # the cluster's model's parameters, w_i
+    next_params: list[torch.Tensor]  # the next cluster's, w_next (none with one cluster)
+    old: torch.Tensor  # this cluster's w_i_old, flat (in the ring's state)
+    exchange_bytes: int  # what one exchange hands the next cluster
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
+        assert isinstance(self.seat.extras, RingState)  # the Ring topology's
+        self.ring = self.seat.extras
+        self.n = len(self.seat.states)
+        self.beta, self.lam = ring_constants(self.n)
+        self.hold_steps = self.opts.update_delay * self.opts.cluster_size
+        self.step_samples = cfg.batch_size * cfg.accumulate
 
     def shared_state(self, ctx: WorkerContext) -> dict[str, torch.Tensor]:
         return self.seat.states[ctx.rank // self.opts.cluster_size]
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        seat: SharedSeat = self.seat
-        states, ring = seat.states, seat.extras
-        self.n = len(states)
         size = self.opts.cluster_size
         self.cluster = ctx.rank // size
         self.members = slice(self.cluster * size, (self.cluster + 1) * size)
         model = super().setup(ctx, model, start)
         self.mine = params(model)
+        states = self.seat.states
         nxt = bind_to_shared(copy.deepcopy(model), states[(self.cluster + 1) % self.n]) if self.n > 1 else None
         self.next_params = params(nxt) if nxt is not None else []
-        self.beta, self.lam = ring_constants(self.n)
-        self.ring: RingState = ring
-        self.old = ring.old[self.cluster]
-        self.hold_steps = self.opts.update_delay * size  # tau0 steps per worker of the cluster
-        self.step_samples = self.cfg.batch_size * self.cfg.accumulate
-        self.exchange_bytes = sum(p.numel() * p.element_size() for p in self.mine)  # what _exchange counts
+        self.old = self.ring.old[self.cluster]
+        self.exchange_bytes = sum(p.numel() * p.element_size() for p in self.mine)
         return model
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
@@ -374,7 +402,7 @@ class HogwildPP(Hogwild):
         self.bytes_sent += w_i.numel() * w_i.element_size()
         self.ring.passes += 1
 
-    def progress_figures(self, ctx: WorkerContext) -> dict[str, Any]:
+    def progress_figures(self, ctx: WorkerContext) -> dict[str, float]:
         """Every cluster's exchanges so far (counted in shared memory), each one model's weights."""
         return {"bytes_sent": int(self.ring.passes[0]) * self.exchange_bytes}
 

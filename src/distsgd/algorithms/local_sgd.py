@@ -61,23 +61,31 @@ class LocalSGDFigures(GroupFigures):
 
 
 @register
-class LocalSGD(GroupAlgorithm):
+class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
     name = "local-sgd"
     kind = "model averaging"
-    Options = LocalSGDOptions
     summary_line = "H local steps, then average the models (--sync-every H|epoch, --warmup-steps for post-local SGD)"
 
-    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        self.world = ctx.world
-        warmup = self.opts.warmup_steps
+    period: Periodic  # after steps K + H, K + 2H, ... (K warm-up steps); whether an averaging is owed (checkpointed)
+    averagings: int  # averagings made (checkpointed)
+    compressor: compress.Compressor | None  # --compress: averages the change since the anchor (checkpointed)
+    # built by setup:
+    params: list[torch.Tensor]
+    anchor: list[torch.Tensor]  # x_last, with a compressor: the parameters at the last averaging (checkpointed)
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
         every = self.opts.sync_every.count
-        self.period = Periodic(every, None if every is None else warmup + every)  # after step K + H, K + 2H...
-        self.params = params(model)
+        self.period = Periodic(every, None if every is None else self.opts.warmup_steps + every)
         self.averagings = 0
+        self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
+
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        model = super().setup(ctx, model, start)
+        self.params = params(model)
         if start is Start.FRESH:  # start from one model (a resumed worker keeps its own)
             average_model_(model, self.world)
-        self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
-        self.anchor = [p.detach().clone() for p in self.params] if self.compressor else []  # x_last
+        self.anchor = [p.detach().clone() for p in self.params] if self.compressor else []
         return model
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
@@ -143,7 +151,7 @@ class LocalSGD(GroupAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.averagings = state["averagings"]
-        self.period.load_state_dict(state["period"] if "period" in state else {"pending": state["dirty"]})
+        self.period.load_state_dict(state["period"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"], self.params[0].device)
             with torch.no_grad():  # into the anchor made by setup: on the parameters' device

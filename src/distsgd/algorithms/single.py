@@ -5,13 +5,13 @@ Update rule: w <- w - lr * grad L(w; batch) (with the chosen optimiser's momentu
 
 from __future__ import annotations
 
-from distsgd.algorithms.base import Algorithm, register
+from distsgd.algorithms.base import Algorithm, NoOptions, register
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 
 
 @register
-class SingleProcess(Algorithm):
+class SingleProcess(Algorithm[NoOptions]):
     name = "single"
     kind = "baseline"
     summary_line = "one process; the baseline every other algorithm is measured against"

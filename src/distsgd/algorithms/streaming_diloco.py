@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,8 @@ from distsgd.options import option
 from distsgd.train.context import Start, Step, WorkerContext
 
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+Count = Callable[[int, int], None]  # counts a collective's bytes: the algorithm's own sent, or sent_to_evaluate
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,13 @@ class Flight:
 
     fragment: int
     lands: int
-    handle: Any = None
-    payload: Any = None  # what was all-reduced (float32) or the gathered list (fp16, bf16)
+    handle: dist.Work | None = None
+    payload: torch.Tensor | list[torch.Tensor] | None = None  # what was all-reduced (float32), or gathered (fp16, bf16)
     mean: torch.Tensor | None = None  # the average, once waited for
 
     def average(self, world: int) -> torch.Tensor:
         if self.mean is None:
+            assert self.handle is not None and self.payload is not None  # started, not yet waited for
             self.handle.wait()
             if isinstance(self.payload, list):
                 self.mean = torch.stack([g.float() for g in self.payload]).sum(dim=0) / world
@@ -146,28 +149,40 @@ class Globals:
 
 
 @register
-class StreamingDiLoCo(InnerOuter):
+class StreamingDiLoCo(InnerOuter[StreamingOptions]):
     name = "streaming-diloco"
     kind = "low communication"
-    Options = StreamingOptions
     summary_line = (
         "Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "
         "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)"
     )
 
-    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        self.world = ctx.world
-        if start is Start.FRESH:  # one starting point (a resumed worker restores theta below)
-            broadcast_(params(model) + list(model.buffers()))
-        self.flat = flat_view_(params(model))  # x: the parameters are views of it, so a fragment is a slice
+    periods: list[Periodic]  # fragment p sends at steps o_p - tau + k H; whether it owes one (checkpointed)
+    dtype: torch.dtype  # what outer gradients travel in
+    flight: Flight | None  # the fragment on its way, if one is (checkpointed, its average waited for)
+    rounds: int  # fragments' outer steps taken (checkpointed)
+    # built by setup:
+    flat: torch.Tensor  # x: this worker's parameters, one buffer they are views of (a fragment is a slice)
+    bounds: list[tuple[int, int]]  # each fragment's slice of flat
+    globals: Globals  # theta, the outer optimisers and the global model (checkpointed)
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        super().__init__(cfg, seat)
         h, p = self.opts.sync_every.count, self.opts.fragments
-        n = self.flat.numel()
-        self.bounds = [(n * i // p, n * (i + 1) // p) for i in range(p)]
+        assert h is not None  # StreamingOptions.check: a number of steps
         self.periods = [Periodic(h, (i + 1) * h // p - self.opts.overlap) for i in range(p)]
         self.dtype = DTYPES[self.opts.outer_dtype]
-        self.globals = self._make_globals(model)
-        self.flight: Flight | None = None
+        self.flight = None
         self.rounds = 0
+
+    def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
+        model = super().setup(ctx, model, start)
+        if start is Start.FRESH:  # one starting point (a resumed worker restores theta below)
+            broadcast_(params(model) + list(model.buffers()))
+        self.flat = flat_view_(params(model))
+        n, p = self.flat.numel(), self.opts.fragments
+        self.bounds = [(n * i // p, n * (i + 1) // p) for i in range(p)]
+        self.globals = self._make_globals(model)
         return model
 
     def _make_globals(self, model: nn.Module, like: Globals | None = None) -> Globals:
@@ -214,7 +229,7 @@ class StreamingDiLoCo(InnerOuter):
         self._start(flight, delta, count=self.sent)
         return flight
 
-    def _start(self, flight: Flight, delta: torch.Tensor, count: Any) -> None:
+    def _start(self, flight: Flight, delta: torch.Tensor, count: Count) -> None:
         """All-reduce ``delta`` (float32), or all-gather it in fp16 / bf16, asynchronously."""
         if self.dtype == torch.float32:
             flight.payload = delta.clone()
@@ -234,7 +249,7 @@ class StreamingDiLoCo(InnerOuter):
         g: Globals,
         local: torch.Tensor,
         model: nn.Module,
-        count: Any,
+        count: Count,
         buffers: bool = True,
         outer: bool = True,
     ) -> None:
@@ -258,7 +273,7 @@ class StreamingDiLoCo(InnerOuter):
         if count == self.sent and outer:  # the algorithm's own outer steps, not an evaluation's copies
             self.rounds += 1
 
-    def _average_buffers(self, model: nn.Module, g: Globals, count: Any) -> None:
+    def _average_buffers(self, model: nn.Module, g: Globals, count: Count) -> None:
         """The workers' buffers averaged (integer ones rank 0's), into the global model and back."""
         with torch.no_grad():
             for mine, kept in zip(model.buffers(), g.model.buffers()):
@@ -270,7 +285,13 @@ class StreamingDiLoCo(InnerOuter):
 
     # -- the end, and what an evaluation measures --------------------------------------------------
     def _ending(
-        self, g: Globals, local: torch.Tensor, model: nn.Module, flight: Flight | None, pending: list[bool], count: Any
+        self,
+        g: Globals,
+        local: torch.Tensor,
+        model: nn.Module,
+        flight: Flight | None,
+        pending: list[bool],
+        count: Count,
     ) -> nn.Module:
         """Land the fragment in flight, then end each fragment with inner steps since its last send
         as ``--partial-round`` says (one fragment at a time: the peak stays 1/P); return the global

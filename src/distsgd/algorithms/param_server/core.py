@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.config import RunConfig
+from distsgd.errors import CheckpointError
 from distsgd.train.optim import build_optimizer, schedule_lr, scheduled
 
 if TYPE_CHECKING:
@@ -281,12 +282,12 @@ class ParameterServer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.version, self.bytes_sent = state["version"], state["bytes_sent"]
-        self.bytes_received = state.get("bytes_received", 0)  # checkpoints written before it was counted
+        self.version = state["version"]
+        self.bytes_sent, self.bytes_received = state["bytes_sent"], state["bytes_received"]
         self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
         self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
-        self._buffers = {int(r): _pieces(b, float_buffers(self.model)) for r, b in state["buffers"].items()}
-        self._ints = None if state["ints"] is None else _pieces(state["ints"], int_buffers(self.model))
+        self._buffers = {int(r): _fitting(b, float_buffers(self.model)) for r, b in state["buffers"].items()}
+        self._ints = None if state["ints"] is None else _fitting(state["ints"], int_buffers(self.model))
 
     def staleness_summary(self) -> dict[str, Any]:
         return staleness_stats(self.staleness)
@@ -302,16 +303,11 @@ class ParameterServer:
         return out
 
 
-def _pieces(saved: torch.Tensor | list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Buffers as saved: a list of flat tensors, or (checkpoints written before 2026-11-23) one
-    flat tensor of them all, cut into pieces the sizes of ``like``."""
-    if isinstance(saved, list):
-        return saved
-    pieces, offset = [], 0
-    for b in like:
-        pieces.append(saved[offset : offset + b.numel()].to(b.dtype))
-        offset += b.numel()
-    return pieces
+def _fitting(saved: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Saved buffers, one flat tensor per buffer of ``like`` (the model's), each of its size."""
+    if not isinstance(saved, list) or [t.numel() for t in saved] != [b.numel() for b in like]:
+        raise CheckpointError("the server's saved buffers do not fit its model (one flat tensor per buffer)")
+    return saved
 
 
 def _complete(done: list[tuple[Future, Any]]) -> None:

@@ -30,19 +30,22 @@ server's lock (:class:`~.core.ParameterServer` takes it) and answers workers thr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.futures import Future
 
 from distsgd.algorithms.averaging import elastic_alpha, float_buffers, int_buffers
 from distsgd.config import RunConfig
+from distsgd.options import Options
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the algorithms' options, in the modules that import these rules
+    from distsgd.algorithms.easgd import EASGDOptions
     from distsgd.algorithms.param_server.core import ParameterServer
+    from distsgd.algorithms.param_server.worker import DCASGDOptions, SSPOptions, StalenessOptions
 
 
-def dc_lambda(opts: Any) -> float:
+def dc_lambda(opts: DCASGDOptions) -> float:
     """lambda (DC-ASGD-c) or lambda0 (DC-ASGD-a): ``--dc-lambda``, else the paper's 0.04 or 2."""
     if opts.dc_lambda is not None:
         return opts.dc_lambda
@@ -51,9 +54,12 @@ def dc_lambda(opts: Any) -> float:
 
 class Rule:
     """What the server does with what workers send (the base: nothing). ``opts``: the
-    algorithm's options (each rule reads its own)."""
+    algorithm's options (each rule declares the class it reads)."""
 
-    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+    cfg: RunConfig
+    opts: Options
+
+    def __init__(self, cfg: RunConfig, opts: Options) -> None:
         self.cfg, self.opts = cfg, opts
 
     def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
@@ -76,6 +82,8 @@ class Rule:
 
 class Asynchronous(Rule):
     """asgd: every gradient applied on arrival."""
+
+    opts: StalenessOptions
 
     def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
         tau = ps.version - version_read
@@ -102,9 +110,12 @@ class Asynchronous(Rule):
 class BoundedStaleness(Asynchronous):
     """ssp: no worker more than ``--staleness`` pushes ahead of the slowest live one."""
 
-    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+    opts: SSPOptions
+    held: list[tuple[int, Future]]  # workers kept waiting, answered once they may go on
+
+    def __init__(self, cfg: RunConfig, opts: Options) -> None:
         super().__init__(cfg, opts)
-        self.held: list[tuple[int, Future]] = []
+        self.held = []
 
     def _ahead(self, ps: "ParameterServer", rank: int) -> bool:
         others = [ps.clocks[r] for r in ps.active if r != rank]
@@ -130,10 +141,14 @@ class BoundedStaleness(Asynchronous):
 class DelayCompensated(Asynchronous):
     """dcasgd: the stale gradient corrected towards the current weights."""
 
-    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+    opts: DCASGDOptions
+    read: dict[int, torch.Tensor]  # the weights each worker read
+    meansq: torch.Tensor | None  # DC-ASGD-a's MeanSquare, from the first gradient on
+
+    def __init__(self, cfg: RunConfig, opts: Options) -> None:
         super().__init__(cfg, opts)
-        self.read: dict[int, torch.Tensor] = {}  # the weights each worker read
-        self.meansq: torch.Tensor | None = None  # DC-ASGD-a's MeanSquare
+        self.read = {}
+        self.meansq = None
 
     def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
         self.read[rank] = weights
@@ -156,9 +171,11 @@ class DelayCompensated(Asynchronous):
 class SyncRound(Rule):
     """sync-ps: one step with the mean of every live worker's gradient."""
 
-    def __init__(self, cfg: RunConfig, opts: Any) -> None:
+    gathered: dict[int, tuple[torch.Tensor, Future]]  # this round's gradients so far, by rank
+
+    def __init__(self, cfg: RunConfig, opts: Options) -> None:
         super().__init__(cfg, opts)
-        self.gathered: dict[int, tuple[torch.Tensor, Future]] = {}
+        self.gathered = {}
 
     def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
         self.gathered[rank] = (grad, fut)
@@ -185,6 +202,8 @@ class SyncRound(Rule):
 class Elastic(Rule):
     """Async easgd's centre: x and the centre include floating-point buffers; the centre copies the
     exchanging worker's integer buffers. A worker exchanges every ``tau`` steps."""
+
+    opts: EASGDOptions
 
     @property
     def steps_per_message(self) -> int:

@@ -4,7 +4,7 @@ sync-ps, ssp and dcasgd (their rules: :mod:`.rules`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class ServerTopology(Server):
         told to ``publish``) until they are all done, admitting only those that know ``secret``.
         ``given_up[rank]``: the local launcher will start no replacement for that rank
         (:class:`.role.ServerRole`)."""
-        opts = algo_cls.Options.from_mapping(job.cfg.options)
+        opts = algo_cls.parse_options(job.cfg)
         rule = self.rule(job.cfg, opts)
         role = ServerRole(
             job,
@@ -106,14 +106,34 @@ class DCASGDOptions(StalenessOptions):
             raise ConfigError(f"--dc-lambda must be >= 0, got {self.dc_lambda}")
 
 
-class ServerAlgorithm(Algorithm):
+ServerOptionsT = TypeVar("ServerOptionsT", bound=Options)
+
+
+class ServerAlgorithm(Algorithm[ServerOptionsT]):
     """The worker side of every parameter-server rule: push the gradient, take the new weights.
     Its seat is the server's address; a replacement worker rejoins under its rank. Workers may
     compute on GPUs; the server steps on the CPU (what it sends and receives are host bytes)."""
 
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
-    Options: ClassVar[type[Options]] = StalenessOptions
+
+    seat: ServerSeat
+    local: int  # this worker's samples, as it last told the server
+    version: int  # the version of the weights it holds (checkpointed)
+    total: int  # every worker's samples, as the server last told it (checkpointed)
+    stop: bool  # the server said stop
+    # built by setup:
+    params: list[torch.Tensor]
+    weights: torch.Tensor  # the parameters, one buffer they are views of: the server's answers land here
+    floats: list[torch.Tensor]  # the buffers each push carries: floating-point ones
+    ints: list[torch.Tensor]  # and the others (integer, bool)
+    client: transport.Client  # the connection to the server
+
+    def __init__(self, cfg: RunConfig, seat: object = None) -> None:
+        assert isinstance(seat, ServerSeat), "a parameter-server worker runs under the server launcher"
+        super().__init__(cfg, seat)
+        self.local = self.version = self.total = 0
+        self.stop = False
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -125,24 +145,20 @@ class ServerAlgorithm(Algorithm):
             )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        seat: ServerSeat = self.seat
         layout = transport.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
         self.params = params(model)
-        self.weights = flat_view_(self.params)  # the server's answers land here, in the model itself
+        self.weights = flat_view_(self.params)
         self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.client = transport.Client(
             ctx.rank + 1,
             self.weights,
             layout,
-            seat.address,
+            self.seat.address,
             self.cfg.timeout_s,
             rejoining=start is Start.REPLACEMENT,  # data rank r is rank r + 1
-            secret=seat.secret,
+            secret=self.seat.secret,
         )
-        self.local = 0
         self.version = self.client.pull()
-        self.total = 0
-        self.stop = False
         return model
 
     def before_training(self, ctx: WorkerContext) -> None:
@@ -198,7 +214,7 @@ class ServerAlgorithm(Algorithm):
 
 
 @register
-class ASGD(ServerAlgorithm):
+class ASGD(ServerAlgorithm[StalenessOptions]):
     name = "asgd"
     summary_line = (
         "parameter server (one TCP connection per worker), gradients applied as they arrive "
@@ -207,30 +223,27 @@ class ASGD(ServerAlgorithm):
 
 
 @register
-class SyncPS(ServerAlgorithm):
+class SyncPS(ServerAlgorithm[ServerOptions]):
     """sync-ps's checkpoints are exact: every worker saves its loop state at the same round, and
     the server, once all have told it (before the next round can start), saves its own state
     (weights, optimiser, counters, evaluations) as of that round."""
 
     name = "sync-ps"
     topology = ServerTopology(SyncRound, exact_checkpoints=True)
-    Options = ServerOptions
     summary_line = "the same server waiting for all N gradients, then one step (the seeds' scheme)"
 
 
 @register
-class SSP(ServerAlgorithm):
+class SSP(ServerAlgorithm[SSPOptions]):
     name = "ssp"
     topology = ServerTopology(BoundedStaleness)
-    Options = SSPOptions
     summary_line = "stale synchronous parallel: no worker more than --staleness S pushes ahead of the slowest"
 
 
 @register
-class DCASGD(ServerAlgorithm):
+class DCASGD(ServerAlgorithm[DCASGDOptions]):
     name = "dcasgd"
     topology = ServerTopology(DelayCompensated)
-    Options = DCASGDOptions
     summary_line = "delay-compensated ASGD: g + lambda g*g*(w - w_read) (--dc-lambda, --dc-adaptive for DC-ASGD-a)"
 
 
