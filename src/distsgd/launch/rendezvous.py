@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -50,28 +51,32 @@ def formed_group() -> bool:
 
 def launched() -> bool:
     """True when a launcher made this process one rank of a run: torchrun's variables, or a process
-    group that exists already. A Ray Train worker in no torch group is one ConfigError line: each
-    worker would otherwise train a run of its own."""
+    group that exists already. One of several Ray Train workers in no torch group is one
+    ConfigError line: each would otherwise train a run of its own."""
     if under_torchrun() or formed_group():
         return True
-    if _ray_train_worker():
+    workers = _ray_train_workers()
+    if workers > 1:
         raise ConfigError(
-            "this Ray Train worker is in no torch process group: run distsgd in the train_loop_per_worker "
-            "of a ray.train.torch.TorchTrainer, which forms the group distsgd joins"
+            f"this Ray Train worker is one of {workers} in no torch process group, each of which would train a run "
+            f"of its own: run distsgd in the train_loop_per_worker of a ray.train.torch.TorchTrainer, which forms "
+            f"the group distsgd joins"
         )
     return False
 
 
-def _ray_train_worker() -> bool:
-    """Inside a Ray Train training function (whose process has imported ray.train: distsgd never does)."""
+def _ray_train_workers() -> int:
+    """The workers of the Ray Train run whose training function this process is in; 0 outside one.
+    (A process Ray Train runs a function in has imported ray.train: distsgd never imports it.)"""
     train = sys.modules.get("ray.train")
     if train is None:
-        return False
+        return 0
     try:
-        train.get_context()  # raises outside a training function
-    except Exception:
-        return False
-    return True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray Train V1 answers 1 outside a training function, with a warning
+            return int(train.get_context().get_world_size())
+    except Exception:  # V2 raises outside a training function (and in a Tune trial)
+        return 0
 
 
 def place() -> tuple[int, int]:
