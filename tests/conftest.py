@@ -136,3 +136,13 @@ def digits():
     from distsgd.data import load_dataset
 
     return load_dataset("digits")
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path):
+    """A real process group of one process (gloo): every collective is the identity."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

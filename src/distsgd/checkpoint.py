@@ -57,14 +57,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         pass
 
 
-def atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: object, path: Path) -> None:
     """``torch.save`` to ``path`` atomically."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def atomic_write_json(obj: Any, path: Path) -> None:
+def atomic_write_json(obj: object, path: Path) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
@@ -269,10 +269,10 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def manifest_problem(manifest: Any) -> str | None:
+def manifest_problem(manifest: object) -> str | None:
     """What makes ``manifest`` unusable (None: its fields have the types and ranges a resume reads)."""
 
-    def whole(v: Any) -> bool:
+    def whole(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     if not isinstance(manifest, dict):

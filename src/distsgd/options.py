@@ -18,24 +18,29 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 from distsgd.errors import ConfigError
 
+if TYPE_CHECKING:
+    from distsgd.config import RunConfig
+
 T = TypeVar("T", bound="Options")
+V = TypeVar("V")
 
 
 def option(
-    default: Any,
+    default: V,
     help: str,
     *,
     flag: str | None = None,
-    const: Any = None,
+    const: V | None = None,
     metavar: str | None = None,
-    parse: Callable[[Any], Any] | None = None,
-    show: Callable[[Any], Any] | None = None,
-) -> Any:
-    """A setting: its default and help text (``--help``), and how to read it (see the module)."""
+    parse: Callable[[str | int | float], V] | None = None,
+    show: Callable[[V], object] | None = None,
+) -> V:
+    """A setting: its default and help text (``--help``), and how to read it (see the module). Typed
+    as its value, which is what the dataclass field holds."""
     return field(
         default=default,
         metadata={"help": help, "flag": flag, "const": const, "metavar": metavar, "parse": parse, "show": show},
@@ -139,7 +144,7 @@ class Options:
         """Every option, as a TOML file or ``RunConfig.options`` holds it."""
         return {f.name: shown(f, getattr(self, f.name)) for f in fields(self)}
 
-    def check(self, cfg: Any) -> None:
+    def check(self, cfg: RunConfig) -> None:
         """Reject option values this algorithm cannot honour with these common settings ``cfg``."""
 
 

@@ -7,21 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import distsgd
 from distsgd.algorithms import compress
 from distsgd.data import load_dataset
 
 pytest.importorskip("sklearn")
-
-
-@pytest.fixture
-def group_of_one(tmp_path: Path):
-    """A real process group of one process (gloo): every collective is the identity."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_powersgd_error_feedback_sends_later_what_it_did_not_send(group_of_one) -> None:

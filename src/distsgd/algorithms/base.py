@@ -10,10 +10,10 @@ a subclass of :class:`Algorithm` registered with :func:`register`, declaring
   keys, ``distsgd.train`` keywords and bench's ``NAME[key=value]`` come from it; nothing else in the
   package names its options;
 - its state, in its class body: each attribute annotated with its type and what it holds. What
-  the settings give is set in ``__init__``; what is built from the model (parameters, copies,
-  compressors' buffers) is declared under "built by setup" and set there; ``state_dict`` saves,
-  each under its own key, what a resumed run needs, and ``load_state_dict`` reads those keys and
-  no others;
+  the settings and the seat give is set in ``__init__``; what needs the model or the worker's
+  context (its parameters, copies of it) is declared under "built by setup" and set there;
+  ``state_dict`` saves, each under its own key, what a resumed run needs, and ``load_state_dict``
+  reads those keys and no others;
 - ``topology``: a small object saying how its processes are arranged, which picks the launcher
   (:mod:`distsgd.launch`) and holds what that launcher asks of the algorithm: :class:`Single`,
   :class:`Group`, :class:`SharedMemory` or :class:`Server`. A worker of a topology that hands
@@ -255,7 +255,7 @@ class Algorithm(Generic[OptionsT]):
     seat: object  # what its topology hands each worker (a SharedSeat, a ServerSeat; None: nothing)
     bytes_sent: int  # what this worker sent (checkpointed)
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         for base in cls.__dict__.get("__orig_bases__", ()):  # class Mine(GroupAlgorithm[MyOptions]) -> MyOptions
             for arg in get_args(base):

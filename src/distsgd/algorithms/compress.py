@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from distsgd.algorithms.averaging import flatten, unflatten_into
+from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
 
@@ -50,7 +51,7 @@ def parse(text: str) -> tuple[str, int]:
     return kind, rank
 
 
-def _checked(text: Any) -> str:
+def _checked(text: str | int | float) -> str:
     parse(str(text))
     return str(text)
 
@@ -67,8 +68,8 @@ class CompressOptions(Options):
         metavar="KIND",
     )
 
-    def check(self, cfg: Any) -> None:
-        if parse(self.compress)[0] == "powersgd" and getattr(cfg, "precision", "fp32") == "fp16":
+    def check(self, cfg: RunConfig) -> None:
+        if parse(self.compress)[0] == "powersgd" and cfg.precision == "fp16":
             # fp16's loss scaling overflows on purpose now and then: an inf gradient would enter
             # PowerSGD's error feedback and its warm-started Q, and never leave
             raise ConfigError(

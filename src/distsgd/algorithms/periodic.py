@@ -17,7 +17,7 @@ from distsgd.errors import ConfigError
 from distsgd.options import option
 
 
-def period_option(default: int | None, help: str) -> Any:
+def period_option(default: int | None, help: str) -> Period:
     """An option ``--sync-every H|epoch``: a :class:`~distsgd.config.Period` of steps."""
     return option(
         Period(default),

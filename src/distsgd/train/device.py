@@ -137,7 +137,7 @@ class ScaledOptimizer:
     step whose gradients overflowed and adapts the scale. The loop unscales the gradients once the
     algorithm has synchronised them (so every worker decides alike) and before the step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
         self.optimizer, self.scaler = optimizer, scaler
 
     def step(self) -> None:

@@ -10,18 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from distsgd.config import eval_period
-from distsgd.metrics import TrainClock, lm_figures
+from distsgd.data import TrainingData
+from distsgd.metrics import Sink, TrainClock, lm_figures
 from distsgd.metrics import reached as target_reached
 from distsgd.models import logits_of
 from distsgd.train import device
-from distsgd.train.context import Every
+from distsgd.train.context import Every, Job
 from distsgd.train.objective import loss_function
 
 
 @torch.no_grad()
 @device.float32_exact()  # what distsgd eval measures on the CPU: float32, not TF32
 def evaluate(
-    model: nn.Module, data: Any, batch_size: int, loss_fn: Callable = F.cross_entropy
+    model: nn.Module, data: TrainingData, batch_size: int, loss_fn: Callable = F.cross_entropy
 ) -> tuple[float | None, float]:
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
     model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
@@ -62,9 +63,9 @@ class Watcher:
 
     def __init__(
         self,
-        job: Any,
+        job: Job,
         per_epoch: int,
-        sink: Any,
+        sink: Sink,
         state: Callable[[], dict[str, torch.Tensor]],
         pause_to_copy: bool = False,
         device: torch.device = torch.device("cpu"),
@@ -164,7 +165,7 @@ class Watcher:
 
 
 def eval_event(
-    data: Any, samples: int, epoch: float, train_s: float, accuracy: float | None, loss: float | None
+    data: TrainingData, samples: int, epoch: float, train_s: float, accuracy: float | None, loss: float | None
 ) -> dict[str, Any]:
     """The ``eval`` event of one evaluation (a language model's with its perplexity and bits per token)."""
     event = {

@@ -78,7 +78,7 @@ class ParameterServer:
         self._started = False
         self._buffers: dict[int, list[torch.Tensor]] = {}  # every worker's latest floating-point buffers
         self._ints: list[torch.Tensor] | None = None  # the latest other (integer, bool) buffers
-        self._done: list[tuple[Future, Any]] = []  # futures to complete once the lock is released
+        self._done: list[tuple[Future, Answer | None]] = []  # futures to complete once the lock is released
 
     # -- what the workers call (each takes the lock, then completes futures outside it) ----------
     def barrier(self) -> Future:
@@ -228,7 +228,7 @@ class ParameterServer:
         flat = self.flat.clone()  # this version's weights
         return flat, self.version, self.total_samples(), self.stop
 
-    def reply(self, fut: Future, value: Any) -> None:
+    def reply(self, fut: Future, value: Answer) -> None:
         """Complete ``fut`` with ``value`` once the lock is released."""
         self._done.append((fut, value))
 
@@ -248,7 +248,7 @@ class ParameterServer:
                 for b, v in zip(int_buffers(self.model), self._ints):
                     b.copy_(v.view_as(b))
 
-    def _take_done(self) -> list[tuple[Future, Any]]:
+    def _take_done(self) -> list[tuple[Future, Answer | None]]:
         done, self._done = self._done, []
         return done
 
@@ -292,10 +292,10 @@ class ParameterServer:
     def staleness_summary(self) -> dict[str, Any]:
         return staleness_stats(self.staleness)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, float]:
         """The server's figures so far, for a ``server`` event (call with the lock held): updates,
         every byte sent by the server and its workers, and the staleness of applied gradients."""
-        out: dict[str, Any] = {"server_updates": self.version, "bytes_sent": self.bytes_sent + self.bytes_received}
+        out: dict[str, float] = {"server_updates": self.version, "bytes_sent": self.bytes_sent + self.bytes_received}
         n = sum(self.staleness.values())
         if n:
             out["staleness_mean"] = sum(v * c for v, c in self.staleness.items()) / n
@@ -310,7 +310,7 @@ def _fitting(saved: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.
     return saved
 
 
-def _complete(done: list[tuple[Future, Any]]) -> None:
+def _complete(done: list[tuple[Future, Answer | None]]) -> None:
     """Resolve futures (and so let replies be sent) outside the server's lock."""
     for fut, value in done:
         fut.set_result(value)

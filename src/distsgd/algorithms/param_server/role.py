@@ -27,12 +27,15 @@ from distsgd.checkpoint import (
 )
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError
+from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Every, Figures, Job, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.optim import build_optimizer
 
 log = logging.getLogger(__name__)
+
+Taken = tuple[int, dict[str, Any], int, list[int]]  # a checkpoint to write: seq, the server's state, samples, ranks
 
 
 @dataclass
@@ -76,7 +79,7 @@ class ServerRole:
         job: Job,
         rule: Rule,
         workers: int,
-        sink: Any,
+        sink: Sink,
         exact: bool = False,
         given_up: torch.Tensor | None = None,
         accept_nonfinite: bool = False,
@@ -138,7 +141,7 @@ class ServerRole:
             taken = self._take_whole()
         self._commit(taken)
 
-    def _take_whole(self) -> tuple[int, dict[str, Any], int, list[int]] | None:
+    def _take_whole(self) -> Taken | None:
         """The newest checkpoint every live worker has saved, with a copy of the server's state as
         of now (call with the lock held; the writing happens after it is released)."""
         needed = set(range(1, self.workers + 1)) if self.exact else self.server.active
@@ -153,7 +156,7 @@ class ServerRole:
         self.saved = {s: r for s, r in self.saved.items() if s > seq}
         return seq, state, self.server.total_samples(), ranks
 
-    def _commit(self, taken: tuple[int, dict[str, Any], int, list[int]] | None) -> None:
+    def _commit(self, taken: Taken | None) -> None:
         """Write and commit a checkpoint taken by :meth:`_take_whole`, outside the server's lock. A
         write that fails (a full disk) stops the run with that error, not as a dead worker."""
         if taken is None:
@@ -214,7 +217,7 @@ class ServerRole:
         passes), wait for one. Unless one comes, the summary lists it in ``failed_workers``."""
         self.commit_after(self.leave(rank, why))
 
-    def leave(self, rank: int, why: str) -> Any:
+    def leave(self, rank: int, why: str) -> Taken | None:
         """The bookkeeping of :meth:`worker_gone`, quick (the transport calls it while it holds its
         membership lock); returns the checkpoint this completes, for :meth:`commit_after`."""
         with self.server.lock:
@@ -225,7 +228,7 @@ class ServerRole:
         with self.server.lock:
             return self._take_whole()
 
-    def commit_after(self, taken: Any) -> None:
+    def commit_after(self, taken: Taken | None) -> None:
         """Write a checkpoint that :meth:`leave` completed (slow: never under a lock)."""
         self._commit(taken)
 

@@ -32,11 +32,15 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from distsgd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distsgd.algorithms.param_server.core import ParameterServer
+    from distsgd.algorithms.param_server.role import ServerRole
 
 log = logging.getLogger(__name__)
 
@@ -301,8 +305,8 @@ class Service:
 
     def __init__(
         self,
-        server: Any,
-        role: Any,
+        server: ParameterServer,
+        role: ServerRole,
         layout: Layout,
         address: str,
         silence_s: float | None = None,
