@@ -10,8 +10,9 @@ repeat 2, ...), medians reported:
 - ``probe``: two plain ``torch.multiprocessing`` processes of one thread each stepping one model
   in shared memory with no lock, each on its half of the data (Hogwild! with no framework).
 - distsgd ``single`` (1 thread), ``hogwild`` (2 x 1), ``asgd`` (server + 2 workers of 1
-  thread), ``allreduce`` and ``ddp`` (2 x 1), through the CLI; their figure is ``samples_per_s``
-  from summary.json (the training clock: start-up and evaluation excluded).
+  thread), ``allreduce``, ``ddp`` and ``diloco`` (2 x 1, its defaults), through the CLI; their
+  figure is ``samples_per_s`` from summary.json (the training clock: start-up and evaluation
+  excluded).
 
 The bare loops read Fashion-MNIST through distsgd's loader (data only) and time the training
 loop alone, as distsgd's training clock does. Nothing else should run on the machine meanwhile.
@@ -31,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("bare", "probe", "single", "hogwild", "asgd", "allreduce", "ddp")
-WORKERS = {"single": 1, "hogwild": 2, "asgd": 2, "allreduce": 2, "ddp": 2}
+CONFIGS = ("bare", "probe", "single", "hogwild", "asgd", "allreduce", "ddp", "diloco")
+WORKERS = {"single": 1, "hogwild": 2, "asgd": 2, "allreduce": 2, "ddp": 2, "diloco": 2}
 TARGETS = [  # (numerator, denominator, at least)
     ("single", "bare", 0.98),
     ("hogwild", "probe", 0.95),
