@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,8 @@ from torch.utils.data import DataLoader
 from distsgd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
+
+_FORK = sys.platform.startswith("linux")  # elsewhere forking after system frameworks load is unsafe
 
 
 class _Chunks:
@@ -143,6 +146,11 @@ class TorchData:
 
     def _loader(self, ds: Any, **kwargs: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gpu = self.device.type == "cuda"
+        if self.loader_workers and _FORK:
+            # A distsgd worker was started by a fork server (or spawned), and its multiprocessing
+            # default is that method: each epoch's loader processes would start a fork server of
+            # their own and import torch again (seconds an epoch). Fork them, as PyTorch does by default.
+            kwargs["multiprocessing_context"] = "fork"
         loader = DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs)
         try:
             for x, y in loader:
