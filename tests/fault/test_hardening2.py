@@ -383,6 +383,7 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
 # --- 7. A worker dropped for silence; a frozen server ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> None:
     """Worker 1 SIGSTOPped for the rest of an asgd run with --timeout 5: the server drops it and
     the run ends, but on 43f33af summary.json said `failed_workers: []` (its process never
