@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -98,8 +99,9 @@ def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120, init: 
     procs = [ctx.Process(target=target, args=(r, world, init, fn, args, out)) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout  # for them all: a hung group fails after ``timeout``, not world times it
     for p in procs:
-        p.join(timeout)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
