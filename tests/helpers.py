@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,23 +71,37 @@ def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -
         dist.destroy_process_group()
 
 
-def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120, init: str | None = None):
-    """``fn(rank, world, *args)`` in each of ``world`` forked processes joined in a gloo process
-    group (so its collectives are real), over ``init`` (default: a file of its own); returns each
-    rank's result (saved with torch.save)."""
+def _fresh_group_member(*args) -> None:
+    """``_group_member`` in a spawned interpreter, left as distsgd's ``__main__`` leaves a worker: with
+    ``os._exit``, as a gloo thread still joinable at interpreter exit may abort a finished process
+    ("terminate called without an active exception"). (A forked one leaves so already.)"""
+    _group_member(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def in_group(fn, world: int, tmp_path: Path, *args, timeout: float = 120, init: str | None = None, start: str = "fork"):
+    """``fn(rank, world, *args)`` in each of ``world`` processes joined in a gloo process group (so
+    its collectives are real), over ``init`` (default: a file of its own); returns each rank's result
+    (saved with torch.save). ``start="spawn"``: each a fresh interpreter, for ``fn`` that starts
+    processes or threads of its own (a fork of a pytest process that has run torch may hang in
+    them); ``fn`` must then be importable, a module's top-level function."""
     import multiprocessing as mp
     import tempfile
 
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start)
     # a folder of its own per call: a second group in one test must not meet the first one's
     # rendezvous file (its stale addresses: "connection refused", then a hang)
     here = Path(tempfile.mkdtemp(prefix="group-", dir=tmp_path))
     init, out = init or f"file://{here / 'group'}", str(here / "result")
-    procs = [ctx.Process(target=_group_member, args=(r, world, init, fn, args, out)) for r in range(world)]
+    target = _group_member if start == "fork" else _fresh_group_member
+    procs = [ctx.Process(target=target, args=(r, world, init, fn, args, out)) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout  # for them all: a hung group fails after ``timeout``, not world times it
     for p in procs:
-        p.join(timeout)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()

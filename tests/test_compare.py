@@ -18,26 +18,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A single-process run and a two-worker all-reduce run of the same job."""
+    """A single-process run and a two-worker all-reduce run of the same job (through the API: the
+    run directories are what compare reads, and no interpreter starts for them)."""
+    import distsgd
+
     root = tmp_path_factory.mktemp("runs")
-    common = [
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "2",
-        "--lr",
-        "0.05",
-        "--log-every",
-        "5",
-        "--target-accuracy",
-        "0.3",
-        "--quiet",
-    ]
-    for name, algo in (("base", ["--algo", "single"]), ("two", ["--algo", "allreduce", "--workers", "2"])):
-        res = run_cli("train", *algo, *common, "--out", str(root / name), timeout=180)
-        assert res.returncode == 0, res.stderr
+    common = dict(data="digits", model="mlp", epochs=2, lr=0.05, log_every=5, target_accuracy=0.3, quiet=True)
+    distsgd.train(algo="single", out=str(root / "base"), **common)
+    distsgd.train(algo="allreduce", workers=2, out=str(root / "two"), **common)
     return root / "base", root / "two"
 
 

@@ -135,6 +135,8 @@ def test_a_user_loop_ends_with_the_weights_of_distsgd_train(algo: str, workers: 
     assert theirs.summary.get("bytes_sent") == ours.summary.get("bytes_sent")
 
 
+# Every algorithm's worker hooks once: ssp's and dcasgd's workers are asgd's (ServerAlgorithm's
+# hooks; their rules run in the server, which never sees a batch).
 DICT_CASES = {
     "allreduce": {},
     "local-sgd": {"sync_every": "8"},
@@ -142,8 +144,6 @@ DICT_CASES = {
     "hogwild": {},
     "hogwild++": {"update_delay": 4},
     "asgd": {},
-    "ssp": {"staleness": 1},
-    "dcasgd": {},
     "easgd-async": {"easgd_mode": "async", "tau": 4},
 }
 

@@ -60,6 +60,11 @@ def user_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"{path}:make"
 
 
+# One algorithm per way its workers meet the data: alone; in a process group (allreduce; local-sgd
+# and sync easgd read their batches as it does and differ only in how they average parameters); ddp
+# with DataLoader processes; Hogwild!'s shared memory and hogwild++'s clusters; a parameter server's
+# worker (asgd; ssp and dcasgd run the very same worker, their rules being the server's), sync-ps's
+# rounds and async easgd's elastic exchange.
 @pytest.mark.parametrize(
     "algo, extra",
     [
@@ -69,16 +74,12 @@ def user_data(tmp_path_factory: pytest.TempPathFactory) -> str:
         ("hogwild", {}),
         ("asgd", {}),
         ("sync-ps", {}),
-        ("ssp", {}),
-        ("dcasgd", {}),
-        ("local-sgd", {"sync_every": "4"}),
-        ("easgd", {}),
         ("easgd", {"easgd_mode": "async"}),
         ("hogwild++", {"update_delay": 4}),
     ],
 )
 @pytest.mark.slow
-def test_a_user_dataset_with_random_augmentation_trains_under_every_algorithm(
+def test_a_user_dataset_with_random_augmentation_trains_under_every_topology(
     user_data: str, algo: str, extra: dict
 ) -> None:
     workers = 1 if algo == "single" else 2

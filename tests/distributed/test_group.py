@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import distsgd
-from helpers import run_cli
+from helpers import in_group, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -232,3 +232,38 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
     while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if running(p)], "workers outlived their launcher"
+
+
+def _asgd_twice(rank: int, world: int) -> dict:
+    """Two parameter-server runs, one after the other, in a group formed before distsgd ran (as Ray
+    Train forms one), with no MASTER_ADDR: the server listens on the host of the group's store."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.pop("MASTER_ADDR", None)
+    runs = [
+        distsgd.train(model="mlp", data="digits", algo="asgd", max_samples=960, batch_size=32, quiet=True)
+        for _ in range(2)
+    ]
+    after = torch.ones(1)
+    dist.all_reduce(after)  # the group is left as distsgd found it
+    return {
+        "workers": [r.summary["workers"] for r in runs],
+        "models": [r.model is not None for r in runs],
+        "after": after,
+    }
+
+
+@pytest.mark.slow
+def test_a_group_formed_before_the_run_is_joined_and_left_as_it_was(tmp_path: Path) -> None:
+    """Rank 0 serves each run from the address it publishes under that run's own key (a second run
+    must not find the first one's server), and both ranks go on in their group. Each rank is a
+    fresh interpreter: forked from this test process, both hung in a run of the whole suite."""
+    from distsgd.launch.rendezvous import free_port
+
+    got = in_group(_asgd_twice, 2, tmp_path, init=f"tcp://127.0.0.1:{free_port()}", start="spawn", timeout=60)
+    assert [g["workers"] for g in got] == [[1, 1], [1, 1]]
+    assert [g["models"] for g in got] == [[True, True], [False, False]]
+    assert [g["after"].item() for g in got] == [2.0, 2.0]

@@ -18,12 +18,14 @@ from helpers import run_cli
 
 pytest.importorskip("sklearn")
 
+# One run per distinct checkpoint path: hogwild's shared model; hogwild++'s clusters; the parameter
+# server's (asgd, ssp and dcasgd save and restore exactly the same state, the server's core and each
+# worker's part, and every worker pulls the weights before its first push; ssp stands for the three,
+# being the one whose rule reads restored state, the workers' clocks); async easgd's elastic exchange.
 ASYNC = [
     ("hogwild", []),
     ("hogwild++", ["--update-delay", "4"]),
-    ("asgd", []),
     ("ssp", ["--staleness", "2"]),
-    ("dcasgd", []),
     ("easgd", ["--easgd-mode", "async", "--tau", "4"]),
 ]
 BUDGET, EVERY = 57_440, 4_000  # 40 epochs of digits, 2 workers; a checkpoint every 4,000 samples
