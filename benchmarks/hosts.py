@@ -26,7 +26,7 @@ below, the link. Two ``single`` runs (1 worker, 1 thread, no network; SGD, and A
 inner steps) give the compute time per sample that benchmarks/scaling.py's check starts from.
 
     sudo python benchmarks/hosts.py                     # every cell (67 runs), about 35 minutes on 2 cores
-    sudo python benchmarks/hosts.py --only asgd,diloco  # those again, the other rows kept
+    sudo python benchmarks/hosts.py --only asgd,diloco  # those again, the other rows (and single's) kept
     python benchmarks/hosts.py --render                 # the table from results/hosts/rows.json
 """
 
@@ -161,8 +161,10 @@ def measure(
     out: Path, budget: float, cap: int, again: bool, only: list[str], kept: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     todo = [c for c in CONFIGS if not only or c in only]
-    rows = [r for r in kept if r["config"] not in todo and r["hosts"] is not None]
-    rows += [run(out, single, None, None, 64_000, again) for single in SINGLE.values()]
+    # an --only run keeps the other rows, the single runs' too: scaling.py's check of every row starts from them
+    rows = [r for r in kept if r["config"] not in todo]
+    if not any(r["hosts"] is None for r in rows):
+        rows += [run(out, single, None, None, 64_000, again) for single in SINGLE.values()]
     for hosts in HOSTS:
         base = {}
         for config in todo:

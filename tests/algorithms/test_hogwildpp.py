@@ -376,3 +376,86 @@ def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path)
     lrs = [e["lr"] for e in events if e["event"] == "progress"]
     # cosine: 0.05 * (1 + cos(pi * progress)) / 2, 0 at the end; at half the run (the old bug) 0.025.
     assert lrs[-1] < 0.1 * 0.05, lrs[-5:]
+
+
+SLOW_MODEL = '''
+import math
+import os
+import time
+
+from torch import nn
+
+STEP_S, EVAL_S = {step_s}, {eval_s}
+
+
+class Slow(nn.Module):
+    """Linear, but a training step takes at least STEP_S and an evaluation batch EVAL_S, and rank
+    0's workers take START_S to build theirs: rank 0's launcher notes its pid at its first model,
+    and the workers it starts inherit it (their RANK is their slot: 0 on both machines)."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(math.prod(input_shape), num_classes)
+        if os.environ.get("RANK") == "0":
+            os.environ.setdefault("SLOW_LAUNCHER", str(os.getpid()))
+            if os.environ["SLOW_LAUNCHER"] != str(os.getpid()):
+                time.sleep({start_s})
+
+    def forward(self, x):
+        time.sleep(STEP_S if self.training else EVAL_S)
+        return self.fc(x.flatten(1))
+'''
+
+
+@pytest.mark.slow
+def test_the_training_clock_across_machines_covers_every_clusters_samples(tmp_path) -> None:
+    """Under torchrun with --stop-at-target, rank 0 measures a copy while every cluster trains on
+    (nothing holds another machine's), and rank 1 is ready before rank 0: the run's clock must
+    count that time, and start when every cluster does. Each step of a worker sleeps STEP_S for
+    its batch, so no run of 2 workers trains faster than 2 * batch / STEP_S samples a second; a
+    clock that pauses for evaluations, or starts after a cluster that started early, reports more."""
+    import json
+
+    from helpers import run_cli
+
+    step_s, batch = 0.02, 32
+    (tmp_path / "slow.py").write_text(SLOW_MODEL.format(step_s=step_s, eval_s=0.3, start_s=2.0))
+    res = run_cli(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "distsgd",
+        "train",
+        "--algo",
+        "hogwild++",
+        "--dataset",
+        "digits",
+        "--model",
+        f"{tmp_path / 'slow.py'}:Slow",
+        "--batch-size",
+        str(batch),
+        "--max-samples",
+        "2872",
+        "--eval-every",
+        "256",
+        "--target-accuracy",
+        "1.0",
+        "--stop-at-target",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        module="torch.distributed.run",
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    fastest = 2 * batch / step_s  # samples/s
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["workers"] == 2 and s["samples"] >= 2872
+    assert s["train_wall_s"] >= s["samples"] / fastest, (s["samples"], s["train_wall_s"])
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert len(evals) >= 2
+    for e in evals:  # the copies measured while the clusters trained on
+        assert e["train_wall_s"] >= e["samples"] / fastest, e

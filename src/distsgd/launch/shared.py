@@ -3,8 +3,10 @@ process watches and evaluates them.
 
 The workers do not pause for evaluations: this process copies the shared weights every
 ``eval_every`` samples and evaluates the copies after training. With ``stop_at_target`` each copy
-is evaluated at once, and the workers wait between two steps while it is taken and measured, so
-the run stops at most one step per worker past the copy that reached the target. A worker that dies is
+is evaluated at once, and the workers wait between two steps while it is taken and measured (the
+training clock stops meanwhile), so the run stops at most one step per worker past the copy that
+reached the target; under torchrun nothing holds the other machines' clusters, so every cluster
+trains on, and the clock runs on, while rank 0 measures a copy. A worker that dies is
 recorded in ``failed_workers``; the others carry on. Under torchrun (a topology with
 ``local_workers``) each process is one machine's cluster of local workers, and what links the
 clusters (a token ring, say) comes from the topology's ``link``.
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from distsgd.algorithms.base import SharedSeat
 from distsgd.checkpoint import CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, load_worker_state, save_worker_state
@@ -232,7 +235,8 @@ class Machine:
         return self._results(sup, total, train_wall_s, evals, final)
 
     def _start_together(self, sup: procs.Supervisor) -> None:
-        """Wait until every worker has built its model and optimiser (or failed), then say go."""
+        """Wait until every worker has built its model and optimiser (or failed), and under torchrun
+        every other machine's too, then say go."""
         ready: set[int] = set()
         deadline = time.monotonic() + self.cfg.timeout_s
         while len(ready | sup.failed()) < self.cfg.workers:
@@ -242,6 +246,8 @@ class Machine:
             message = sup.poll(0.1)
             if message is not None and message[0] == "ready":
                 ready.add(message[1])
+        if self.link is not None:  # every machine's clusters start together, on the chief's clock
+            dist.barrier()
         self.go.set()
         self.watcher.start()
         if self.link is not None:

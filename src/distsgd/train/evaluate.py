@@ -58,7 +58,9 @@ class Watcher:
     :func:`~distsgd.config.eval_period`) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
     evaluation takes no CPU from the workers; with ``stop_at_target`` the copy is evaluated at once,
     to know when to stop. ``pause_to_copy``: the trainers wait while the copy is taken (the server's
-    lock), so the clock stops meanwhile. Each evaluation is emitted to ``sink`` as an ``eval`` event.
+    lock), so the clock stops meanwhile; so it does while ``hold`` holds them. Trainers that nothing
+    holds (other machines' clusters under torchrun) train on while a copy is measured, and the clock
+    runs on with them. Each evaluation is emitted to ``sink`` as an ``eval`` event.
     """
 
     def __init__(
@@ -82,9 +84,10 @@ class Watcher:
         self.last: dict[str, torch.Tensor] | None = None  # the last copy filed or evaluated
         self.reached: dict[str, torch.Tensor] | None = None  # the copy that reached the target (stop_at_target)
         self.reached_at: tuple[int, float] | None = None  # its samples and training time
-        # what holds the trainers while a copy that may stop the run is taken and measured, and
-        # the samples trained then (None: those ``observe`` is given)
-        self.hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        # what holds the trainers while a copy that may stop the run is taken and measured (None:
+        # nothing does, they train on, as other machines' do), and the samples trained then (None:
+        # those ``observe`` is given)
+        self.hold: Callable[[], contextlib.AbstractContextManager] | None = None
         self.count: Callable[[], int] | None = None
 
     def start(self) -> None:
@@ -107,8 +110,11 @@ class Watcher:
             self.pending.append((samples, self.clock.elapsed(), self.last))
             self.clock.resume()
             return False
-        with self.hold():
-            self.clock.pause()
+        # the clock stops only while the trainers wait: time they train on while a copy is measured is theirs
+        stops = self.pause_to_copy or self.hold is not None
+        with self.hold() if self.hold is not None else contextlib.nullcontext():
+            if stops:
+                self.clock.pause()
             copy = self.state()
             samples = self.count() if self.count is not None else samples
             self.last = copy
