@@ -288,7 +288,7 @@ SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
 def model_help() -> str:
     """``--model``'s help: every built-in (the sized ones with their size options), or a file's class."""
     names = [f"{name}[{','.join(f'{k}=...' for k in SIZED[name])}]" if name in SIZED else name for name in BUILTIN]
-    return f"{', '.join(names)}, or path/file.py:ClassName (runs that file); default mnist_net"
+    return f"{', '.join(names)}, or path/file.py:ClassName (runs that file)"
 
 
 # Settings a model's users should start from, where they differ from the generic ones: what training

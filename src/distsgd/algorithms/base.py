@@ -286,7 +286,7 @@ class Algorithm(Generic[OptionsT]):
 
     @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        """Defaults of its own for settings of ``config.GENERIC`` that the user left unset."""
+        """Defaults of its own for settings of ``config.SETTLED`` that the user left unset."""
         return {}
 
     def setup(self, ctx: "WorkerContext", model: nn.Module, start: Start) -> nn.Module:

@@ -63,17 +63,17 @@ class OuterOptions(Options):
 
     inner_optimizer: str = option(
         "adamw",
-        "the workers' inner optimiser (sgd, adam, adamw) at --lr and --weight-decay; default adamw",
+        "the workers' inner optimiser (sgd, adam, adamw) at --lr and --weight-decay",
         metavar="NAME",
     )
-    outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient; default 0.7")
-    outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum; default 0.9", metavar="MU")
+    outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient")
+    outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum", metavar="MU")
     partial_round: str = option(
         "average",
         "what a round cut short returns (the run's end, an evaluation inside "
         "a round): average (the workers' models averaged), theta (the last "
         "outer step's model, the round's steps dropped) or step (an outer step "
-        "on the partial pseudo-gradient); default average",
+        "on the partial pseudo-gradient)",
         metavar="RULE",
     )
 

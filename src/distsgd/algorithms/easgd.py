@@ -66,11 +66,9 @@ def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: 
 
 @dataclass(frozen=True)
 class EASGDOptions(Options):
-    tau: int = option(8, "steps between elastic exchanges; default 8")
-    alpha: float | None = option(None, "elastic strength; default 0.9 / workers (beta = N alpha = 0.9)")
-    easgd_mode: str = option(
-        "sync", "sync (all-reduce) or async (centre on a parameter server); default sync", metavar="MODE"
-    )
+    tau: int = option(8, "steps between elastic exchanges")
+    alpha: float | None = option(None, "elastic strength", default_help="0.9 / workers (beta = N alpha = 0.9)")
+    easgd_mode: str = option("sync", "sync (all-reduce) or async (centre on a parameter server)", metavar="MODE")
 
     def check(self, cfg: RunConfig) -> None:
         if self.tau < 1:

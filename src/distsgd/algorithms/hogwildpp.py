@@ -94,10 +94,11 @@ from distsgd.algorithms.hogwild import (
     SharedModel,
     bind_to_shared,
 )
-from distsgd.config import RunConfig, value
+from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.train.context import Figures, Start, Step, WorkerContext
+from distsgd.train.optim import settled_lr
 
 
 def ring_constants(n: int) -> tuple[float, float]:
@@ -181,12 +182,11 @@ class RingState:
 
 @dataclass(frozen=True)
 class RingOptions(HogwildOptions):
-    cluster_size: int = option(1, "worker processes per cluster; default 1", metavar="C")
+    cluster_size: int = option(1, "worker processes per cluster", metavar="C")
     update_delay: int = option(
         UPDATE_DELAY,
         "tau0: optimiser steps per worker (each --accumulate micro-batches) the "
-        "holding cluster makes after its exchange before passing the token on; "
-        f"default {UPDATE_DELAY}",
+        "holding cluster makes after its exchange before passing the token on",
         metavar="TAU0",
     )
     ring_scale: float | str = option(
@@ -194,15 +194,14 @@ class RingOptions(HogwildOptions):
         "eta, the factor on the delta a token holder passes on: 'lr' (its "
         "learning rate at the exchange, following the schedule, as the "
         "authors' code uses its step size) or a fixed number (1: the model's "
-        f"change itself); default {RING_SCALE}",
+        "change itself)",
         parse=parse_ring_scale,
         metavar="lr|ETA",
     )
     ring_tolerance: float = option(
         RING_TOLERANCE,
         "coordinates whose scaled delta is at most this are not passed "
-        "on but wait in the holder's old model (the authors' code: 1e-2); "
-        f"default {RING_TOLERANCE:g}",
+        "on but wait in the holder's old model (the authors' code: 1e-2)",
         metavar="TOL",
     )
 
@@ -284,7 +283,7 @@ class ClusterMemory(HogwildMemory):
     workers set to their learning rate after every step, for the :class:`TokenRing` to read."""
 
     def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> torch.Tensor:
-        return torch.full((1,), float(value(cfg, "lr")), dtype=torch.float64).share_memory_()
+        return torch.full((1,), float(settled_lr(cfg)), dtype=torch.float64).share_memory_()
 
 
 class ClusterWorker(SharedModel[HogwildOptions]):

@@ -45,9 +45,7 @@ from distsgd.train.context import Start, Step, WorkerContext
 @dataclass(frozen=True)
 class LocalSGDOptions(compress.CompressOptions):
     sync_every: Period = period_option(8, "average the models every H steps, or at each 'epoch' end")
-    warmup_steps: int = option(
-        0, "synchronous all-reduce steps before going local (post-local SGD); default 0", metavar="K"
-    )
+    warmup_steps: int = option(0, "synchronous all-reduce steps before going local (post-local SGD)", metavar="K")
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)

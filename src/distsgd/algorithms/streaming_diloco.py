@@ -71,23 +71,21 @@ Count = Callable[[int, int], None]  # counts a collective's bytes: the algorithm
 class StreamingOptions(OuterOptions):
     sync_every: Period = period_option(100, "inner steps H between two outer steps of a fragment (the paper's 100)")
     fragments: int = option(
-        2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart; default 2", metavar="P"
+        2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart", metavar="P"
     )
     overlap: int = option(
         1,
-        "tau: inner steps taken while a fragment's all-reduce travels, before its average is "
-        "used (under H/P; 0: none); default 1",
+        "tau: inner steps taken while a fragment's all-reduce travels, before its average is used (under H/P; 0: none)",
         metavar="TAU",
     )
     merge: float = option(
         0.5,
-        "alpha: a fragment's local share when its new global values arrive, "
-        "x <- alpha x + (1 - alpha) theta; default 0.5",
+        "alpha: a fragment's local share when its new global values arrive, x <- alpha x + (1 - alpha) theta",
         metavar="ALPHA",
     )
     outer_dtype: str = option(
         "float32",
-        "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in float32); default float32",
+        "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in float32)",
         metavar="DTYPE",
     )
 

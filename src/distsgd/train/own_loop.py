@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
-from distsgd.config import threads_per_worker, value
+from distsgd.config import threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
@@ -144,7 +144,9 @@ class Run:
         self._nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
         self.scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         self.autocast = device.autocast(ctx.device, self.cfg.precision)
-        self._warmup, self._clip = value(self.cfg, "lr_warmup_steps"), value(self.cfg, "clip_grad_norm")
+        warmup, clip = self.cfg.lr_warmup_steps, self.cfg.clip_grad_norm
+        assert warmup is not None and clip is not None, "a settled configuration"
+        self._warmup, self._clip = warmup, clip
         n = getattr(ctx.dataset, "n_train", 0) or 0
         self.per_epoch = shard_size(n, ctx.world, self.cfg.partition)  # this worker's samples an epoch (0: unknown)
         self.global_per_epoch = self.per_epoch * ctx.world
