@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"error: interrupted{_resume_hint(args)}\n")
         return 130
-    except OSError as exc:  # a path the user
+    except OSError as exc:  # a path the user gave that cannot be read or written: their mistake
         where = f" {exc.filename}" if exc.filename else ""
         sys.stderr.write(f"error: cannot write or read{where}: {exc.strerror or exc}\n")
         return 2

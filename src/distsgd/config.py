@@ -514,9 +514,9 @@ def for_resume(
     changes = {k: v for k, v in overrides.items() if k != "resume"}
     cfg = from_mapping(changes, base, source="the resumed run's settings", option_names=option_names)
     if options_of is not None:  # the saved options the run's algorithm takes (older versions recorded every
-        mine = set(options_of(cfg))  # algorithm's); those given now are all kept, to be judged
+        taken = set(options_of(cfg))  # algorithm's); those given now are all kept, to be judged
         given = {k.replace("-", "_") for k in changes}
-        cfg = cfg.replace(options={k: v for k, v in cfg.options.items() if k in mine or k in given})
+        cfg = cfg.replace(options={k: v for k, v in cfg.options.items() if k in taken or k in given})
     return cfg.replace(resume=str(run_dir), out=cfg.out if "out" in changes else str(run_dir))
 
 

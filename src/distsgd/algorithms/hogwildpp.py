@@ -30,10 +30,8 @@ update settles in every model at 1.0 of itself for n = 2, 0.87 for n = 3 and 0.7
 eta = 1, and at 0.39 (n = 2) and 0.12 (n = 4) with eta = 0.05. A small eta passes little of an
 update on and spends the rest pulling the holder towards its neighbour: the ring acts more as a
 gossip average than as a relay of updates, and the run learns as with a smaller learning rate.
-The default is 1.0, not the authors' ``lr``, by measurement (docs/BENCHMARKS.md, "HogWild++'s
-ring factor"): on the default job (one epoch, lr 0.01) ``lr`` ended 3.2 points of test accuracy
-below 1.0 with 2 clusters and 5.3 below with 4 (medians of 3 seeds, every seed below), and 2.2
-below at lr 0.05, the authors' own first step size. tol is ``--ring-tolerance``; the authors'
+The default is 1.0, not the authors' ``lr``, which trained worse on the default job
+(docs/BENCHMARKS.md, "HogWild++'s ring factor"). tol is ``--ring-tolerance``; the authors'
 driver uses 1e-2 (l. 232), ours defaults to 0, where the else-branch only meets coordinates whose
 delta is exactly 0, and changes nothing there.
 
@@ -266,10 +264,10 @@ class Ring(HogwildMemory):
         assert isinstance(seat.extras, torch.Tensor)  # ClusterMemory's, the cluster's learning rate
         return TokenRing(cfg, rank, n, model, seat.counts, seat.stop, seat.extras)
 
-    def merge_nodes(self, chiefs: list[Figures]) -> Figures:
-        first = chiefs[0]
+    def merge_nodes(self, per_node: list[Figures]) -> Figures:
+        first = per_node[0]
         assert isinstance(first, RingFigures)  # every node's TokenRing made its figures
-        return dataclasses.replace(first, token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in chiefs))
+        return dataclasses.replace(first, token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in per_node))
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

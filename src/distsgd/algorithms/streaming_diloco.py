@@ -200,8 +200,8 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
             for t in thetas
         ]
         if like is not None:
-            for outer, kept in zip(outers, like.outers):
-                outer.load_state_dict(copy.deepcopy(kept.state_dict()))
+            for outer, saved in zip(outers, like.outers):
+                outer.load_state_dict(copy.deepcopy(saved.state_dict()))
         return Globals(thetas, outers, target, flat)
 
     # -- the schedule ----------------------------------------------------------------------------
@@ -274,12 +274,12 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
     def _average_buffers(self, model: nn.Module, g: Globals, count: Count) -> None:
         """The workers' buffers averaged (integer ones rank 0's), into the global model and back."""
         with torch.no_grad():
-            for mine, kept in zip(model.buffers(), g.model.buffers()):
-                kept.copy_(mine)
+            for local, global_ in zip(model.buffers(), g.model.buffers()):
+                global_.copy_(local)
         count(average_buffers_(g.model, self.world), self.world)
         with torch.no_grad():
-            for mine, kept in zip(model.buffers(), g.model.buffers()):
-                mine.copy_(kept)
+            for local, global_ in zip(model.buffers(), g.model.buffers()):
+                local.copy_(global_)
 
     # -- the end, and what an evaluation measures --------------------------------------------------
     def _ending(

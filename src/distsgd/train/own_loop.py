@@ -440,23 +440,23 @@ class Run:
 
     def _progress(self) -> None:
         elapsed = self.clock.elapsed()
-        gs = self.global_samples()
+        samples = self.global_samples()
         mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
         if not math.isfinite(mean_loss):  # said once, and how often at the end: a diverged run says it every report
             count, first, _ = self._nonfinite
             if not count:
-                log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
-            self._nonfinite = (count + 1, first if count else gs, gs)
+                log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, samples)
+            self._nonfinite = (count + 1, first if count else samples, samples)
         self._ctx.sink.emit(
             {
                 "event": "progress",
-                "samples": gs,
+                "samples": samples,
                 "epoch": self.epoch(),
                 "rank": self.rank,
                 "loss": mean_loss,
                 "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
                 "train_wall_s": elapsed,
-                "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
+                "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
                 **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
                 **self._algo.progress_figures(self._ctx),
             }

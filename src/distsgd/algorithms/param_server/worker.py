@@ -231,7 +231,7 @@ class SyncPS(ServerAlgorithm[ServerOptions]):
 
     name = "sync-ps"
     topology = ServerTopology(SyncRound, exact_checkpoints=True)
-    summary_line = "the same server waiting for all N gradients, then one step (the seeds' scheme)"
+    summary_line = "the same server waiting for all N gradients, then one step"
 
 
 @register
