@@ -129,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="comma-separated algorithms, each optionally with settings of its own: NAME[option=value;option=value]",
     )
-    bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
-    bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
+    bench.add_argument(
+        "--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default %(default)s"
+    )
+    bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default %(default)s")
     bench.add_argument(
         "--network",
         metavar="RATE[,delay=MS]",

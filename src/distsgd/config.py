@@ -173,7 +173,12 @@ class RunConfig:
         default_help="{default}: none (gpt: 1.0)",
         check=lambda flag, v: None if v >= 0 else f"{flag} must be a positive number (0: off), got {v}",
     )
-    init: str = setting("default", "default (PyTorch's) or xavier initialisation", check=one_of(INITS, "init"))
+    init: str = setting(
+        "default",
+        "default or xavier initialisation",
+        default_help="{default} (PyTorch's own)",
+        check=one_of(INITS, "init"),
+    )
     seed: int = setting(
         0,
         "seed for weights and data order, 0 to 2**63 - 1",
