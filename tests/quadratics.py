@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, resolve
 from distsgd.train.context import Step
 
 N_PARAMS = 2 * 3 + 2  # nn.Linear(3, 2)
@@ -58,7 +58,7 @@ def far(a: torch.Tensor, b: torch.Tensor, by: float = 1e-3) -> bool:
 
 
 def config(algo: str, world: int, options: dict[str, Any] | None = None, **settings: Any) -> RunConfig:
-    return RunConfig(algo=algo, workers=world, options=options or {}, **settings)
+    return resolve(RunConfig(algo=algo, workers=world, options=options or {}, **settings))
 
 
 def context(rank: int, world: int) -> SimpleNamespace:

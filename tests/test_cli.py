@@ -286,3 +286,30 @@ def test_an_unknown_flag_points_at_its_commands_help() -> None:
     assert res.stderr == "error: unrecognized arguments: --bogus 1 (see `distsgd train --help`)\n"
     res = distsgd("--bogus")
     assert res.returncode == 2 and res.stderr.endswith("(see `distsgd --help`)\n")
+
+
+def test_every_flags_help_names_its_true_default() -> None:
+    """``--help`` names each setting's default as the value a run takes when it is not given: a
+    RunConfig field's once the run is settled, each algorithm's own for its options."""
+    import dataclasses
+    import re
+
+    from distsgd.algorithms import registry
+    from distsgd.config import RunConfig, resolve
+    from distsgd.options import shown
+
+    train = cli.build_parser()._subparsers._group_actions[0].choices["train"]
+    helps = {a.dest: a.help or "" for a in train._actions}
+    settled = resolve(RunConfig())
+    named = [(f, shown(f, getattr(settled, f.name)), "") for f in dataclasses.fields(RunConfig) if f.name != "options"]
+    for name in registry.names():
+        opts = registry.get(name).Options()
+        named += [(f, shown(f, getattr(opts, f.name)), name) for f in dataclasses.fields(opts)]
+    wrong = []
+    for f, value, algo in named:
+        if value is None or value is False:  # off unless given: no default to name
+            continue
+        said = re.escape(str(value))
+        if not re.search(rf"default {said}(?![\w.])|(default |, ){said} \({re.escape(algo)}\)", helps[f.name]):
+            wrong.append(f"{f.name} {algo}: {helps[f.name]!r} does not name {value}")
+    assert wrong == []

@@ -189,3 +189,16 @@ def test_an_unknown_algorithm_is_one_error() -> None:
 
     with pytest.raises(ConfigError, match="unknown algorithm 'sgd9000'"):
         distsgd.train(model="mlp", data="digits", algo="sgd9000", quiet=True)
+
+
+def test_settle_resolves_every_setting_once() -> None:
+    """After settle no setting whose default is settled with the run is None: the user's value,
+    else the model's, else the algorithm's (diloco: its paper's weight decay), else the field's."""
+    from distsgd.api import settle
+
+    cfg, _ = settle(RunConfig(algo="diloco", workers=2, lr=0.2), torchrun=False)
+    assert [name for name in config.SETTLED if getattr(cfg, name) is None] == []
+    assert (cfg.lr, cfg.optimizer, cfg.weight_decay, cfg.clip_grad_norm) == (0.2, "sgd", 0.1, 0.0)
+    gpt, _ = settle(RunConfig(model="gpt"), torchrun=False)
+    assert (gpt.dataset, gpt.optimizer, gpt.weight_decay_on) == ("python-stdlib", "adamw", "weights")
+    assert config.resolve(RunConfig()).lr == 0.01 and RunConfig().lr is None  # unset until settled

@@ -26,7 +26,7 @@ from distsgd import launch, rundir, user
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
-from distsgd.config import RunConfig, threads_per_worker, validate, with_defaults
+from distsgd.config import RunConfig, resolve, threads_per_worker, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
@@ -187,7 +187,7 @@ def run(
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     dataset_given = dataset is not None
     if dataset is None:
-        assert cfg.dataset is not None  # settle's with_defaults set it
+        assert cfg.dataset is not None  # settle resolved it
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
@@ -267,8 +267,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     cfg = cfg.replace(algo=algo)
     algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
-    # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the generic ones
-    cfg = validate(with_defaults(cfg, {**algo_cls.default_settings(cfg), **recommended_settings(cfg.model)}))
+    # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's
+    cfg = resolve(cfg, {**algo_cls.default_settings(cfg), **recommended_settings(cfg.model)})
+    validate(cfg)
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
@@ -594,11 +595,11 @@ def evaluate_checkpoint(
 def _recorded_settings(recorded: dict[str, Any], file: Path) -> RunConfig:
     """The settings a checkpoint records that eval reads (context, loss, init), checked as a run's."""
     try:
-        return validate(
-            config_mod.from_mapping(
-                {k: recorded[k] for k in ("context", "loss", "init") if k in recorded}, source=str(file)
-            )
+        cfg = config_mod.from_mapping(
+            {k: recorded[k] for k in ("context", "loss", "init") if k in recorded}, source=str(file)
         )
+        validate(cfg)
+        return cfg
     except ConfigError as exc:
         raise CheckpointError(f"{file} is damaged: the settings it records are not a run's ({exc})") from None
 

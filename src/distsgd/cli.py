@@ -71,7 +71,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
         if f.name not in skip and f.name != "options":
-            _add_flag(parser, f, listed[f.name]() if f.name in listed else f.metadata.get("help"))
+            _add_flag(parser, f, options.help_text(f, listed[f.name]() if f.name in listed else None))
     group = parser.add_argument_group("the algorithms' own options (each applies to the algorithms it names)")
     for name, (f, text) in algorithm_options().items():
         _add_flag(group, f, text)
@@ -84,18 +84,16 @@ def algorithm_options() -> dict[str, tuple[dataclasses.Field, str]]:
 
     out: dict[str, tuple[dataclasses.Field, str]] = {}
     for name, owners in registry.option_owners().items():
-        decls = [(o, {f.name: f for f in dataclasses.fields(registry.get(o).Options)}[name]) for o in owners]
-        first = decls[0][1]
-        texts = [f.metadata.get("help", "").split("; default")[0] for _, f in decls]
-        defaults = [options.shown(f, f.default) for _, f in decls]
-        if len(set(texts)) == 1:
-            text = f"{', '.join(owners)}: {first.metadata.get('help', '')}"
-        else:  # each algorithm's own words
-            text = "; ".join(f"{o}: {t}" for o, t in zip(owners, texts))
-        if len(set(defaults)) > 1 or len(set(texts)) > 1:
-            text = text.split("; default")[0] if len(set(texts)) == 1 else text
+        decls = [{f.name: f for f in dataclasses.fields(registry.get(o).Options)}[name] for o in owners]
+        texts = [f.metadata.get("help", "") for f in decls]
+        defaults = [options.default_words(f) for f in decls]
+        if len(set(texts)) == 1 and len(set(defaults)) == 1:
+            text = f"{', '.join(owners)}: {options.help_text(decls[0])}"
+        else:  # each algorithm's own words, or its own default
+            same = len(set(texts)) == 1
+            text = f"{', '.join(owners)}: {texts[0]}" if same else "; ".join(f"{o}: {t}" for o, t in zip(owners, texts))
             text += "; default " + ", ".join(f"{d} ({o})" for o, d in zip(owners, defaults))
-        out[name] = (first, text)
+        out[name] = (decls[0], text)
     return out
 
 
@@ -131,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="comma-separated algorithms, each optionally with settings of its own: NAME[option=value;option=value]",
     )
-    bench.add_argument("--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default 2")
-    bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default 1")
+    bench.add_argument(
+        "--workers", dest="bench_workers", default="2", help="comma-separated worker counts; default %(default)s"
+    )
+    bench.add_argument("--repeats", type=int, default=1, help="runs of each configuration; default %(default)s")
     bench.add_argument(
         "--network",
         metavar="RATE[,delay=MS]",
@@ -290,7 +290,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
         cls = registry.get(name)
         print(f"{name:<17} {cls.kind:<18} {cls.topology.kind:<7} {cls.summary_line}")
         for f in dataclasses.fields(cls.Options):
-            print(f"{'':<19}{options.flag_of(f)}: {f.metadata.get('help', '')}")
+            print(f"{'':<19}{options.flag_of(f)}: {options.help_text(f)}")
     return 0
 
 
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"error: interrupted{_resume_hint(args)}\n")
         return 130
-    except OSError as exc:  # a path the user
+    except OSError as exc:  # a path the user gave that cannot be read or written: their mistake
         where = f" {exc.filename}" if exc.filename else ""
         sys.stderr.write(f"error: cannot write or read{where}: {exc.strerror or exc}\n")
         return 2

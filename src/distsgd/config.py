@@ -1,7 +1,9 @@
 """The run configuration: one dataclass, filled from defaults, a TOML file and CLI flags.
 
 Precedence is the usual one: a flag on the command line beats the TOML file, which beats the
-defaults below. ``validate`` turns every impossible setting into a one-line ``ConfigError``.
+defaults below. Each field carries its help and its check; ``resolve`` settles the settings whose
+default is the model's or the algorithm's, and ``validate`` turns every impossible setting into a
+one-line ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.errors import ConfigError
-from distsgd.options import close_match, coerce, flag_of, option, shown
+from distsgd.options import at_least, check_value, close_match, coerce, flag_of, not_negative, one_of, option, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,99 +68,165 @@ class RunConfig:
     the user wrote them, for the TOML file, and are parsed once into the typed properties below."""
 
     algo: str | None = setting(
-        None, "training algorithm (see `distsgd algorithms`); default: the baseline, one process"
+        None, "training algorithm (see `distsgd algorithms`)", default_help="the baseline, one process"
     )
-    workers: int = setting(1, "number of worker processes; default 1")
+    workers: int = setting(1, "number of worker processes", check=at_least(1))
     dataset: str | None = setting(
-        None, "a built-in dataset or a format (--help lists them from data.BUILTIN and data.FORMATS)"
+        None,
+        "a built-in dataset or a format (--help lists them from data.BUILTIN and data.FORMATS)",
+        unset="fashion-mnist",
+        default_help="{default} (python-stdlib for --model gpt)",
     )
     data_dir: str | None = setting(None, "folder holding the dataset's files (searched first)")
     model: str = setting(
         "mnist_net", "a built-in model or path/file.py:ClassName (--help lists them from models.BUILTIN)"
     )
     context: int = setting(
-        128, "tokens per training sequence of a token dataset (text:, hf:, python-stdlib); default 128"
+        128, "tokens per training sequence of a token dataset (text:, hf:, python-stdlib)", check=at_least(1, " token")
     )
-    epochs: int = setting(1, "passes over the training data; default 1")
+    epochs: int = setting(1, "passes over the training data", check=at_least(1))
     max_samples: int | None = setting(
-        None, "stop after this many training samples (all workers together); overrides --epochs"
+        None, "stop after this many training samples (all workers together); overrides --epochs", check=at_least(1)
     )
-    batch_size: int = setting(64, "samples per micro-batch per worker; default 64")
+    batch_size: int = setting(64, "samples per micro-batch per worker", check=at_least(1))
     accumulate: int = setting(
-        1, "micro-batches per step (gradient accumulation): a step on K x --batch-size samples; default 1"
+        1,
+        "micro-batches per step (gradient accumulation): a step on K x --batch-size samples",
+        check=at_least(1, " micro-batch"),
     )
     loss: str = setting(
-        "auto", "cross-entropy, nll or mse; default auto: cross-entropy for class labels, mse for float targets"
+        "auto",
+        "cross-entropy, nll or mse",
+        default_help="{default}: cross-entropy for class labels, mse for float targets",
+        check=lambda flag, v: (
+            None
+            if v in LOSSES or v.startswith("python:")
+            else f"unknown loss '{v}' (choose from {', '.join(LOSSES)}, or pass a function as loss= in Python)"
+        ),
     )
     augment: bool = setting(
         False, "random crop (with padding) and horizontal flip of training images (built-in and folder: image datasets)"
     )
     loader_workers: int = setting(
         0,
-        "DataLoader processes per worker reading a torch Dataset or folder: images; "
-        "default 0 (read on the training thread)",
+        "DataLoader processes per worker reading a torch Dataset or folder: images",
+        default_help="{default} (read on the training thread)",
+        check=not_negative,
     )
     lr: float | None = setting(
-        None, "learning rate; default 0.01, or the algorithm's own where its paper's differs (see `distsgd algorithms`)"
+        None,
+        "learning rate",
+        unset=0.01,
+        default_help="{default}, or the algorithm's own where its paper's differs (see `distsgd algorithms`)",
+        check=lambda flag, v: (
+            None if 0 < v <= FLOAT32_MAX else f"{flag} must be a positive number (at most {FLOAT32_MAX:.4g}), got {v}"
+        ),
     )
-    momentum: float = setting(0.5, "SGD momentum; default 0.5")
+    momentum: float = setting(
+        0.5, "SGD momentum", check=lambda flag, v: None if 0 <= v < 1 else f"{flag} must be in [0, 1), got {v}"
+    )
     nesterov: bool = setting(False, "use Nesterov momentum (sgd)")
     optimizer: str | None = setting(
-        None, "sgd, adam or adamw; default sgd, or the model's or algorithm's own (gpt: adamw)"
+        None,
+        "sgd, adam or adamw",
+        unset="sgd",
+        default_help="{default}, or the model's or algorithm's own (gpt: adamw)",
+        check=one_of(OPTIMIZERS, "optimizer"),
     )
     weight_decay: float | None = setting(
         None,
-        "weight decay (L2 for sgd and adam, decoupled for adamw); default 0, "
-        "or the algorithm's own where its paper's differs",
+        "weight decay (L2 for sgd and adam, decoupled for adamw)",
+        unset=0.0,
+        default_help="{default}, or the algorithm's own where its paper's differs",
+        check=lambda flag, v: (
+            None if 0 <= v <= FLOAT32_MAX else f"{flag} must be >= 0 (at most {FLOAT32_MAX:.4g}), got {v}"
+        ),
     )
     weight_decay_on: str | None = setting(
         None,
         "all (every parameter, as torch's optimisers) or weights (not biases "
-        "nor LayerNorm/BatchNorm scales: 1-D parameters); default all "
-        "(gpt: weights)",
+        "nor LayerNorm/BatchNorm scales: 1-D parameters)",
+        unset="all",
+        default_help="{default} (gpt: weights)",
+        check=lambda flag, v: None if v in ("all", "weights") else f"{flag} must be all or weights, got '{v}'",
     )
-    schedule: str = setting("constant", "learning-rate schedule: constant, step or cosine; default constant")
-    lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs; default 1")
-    lr_gamma: float = setting(0.1, "step schedule: multiply the rate by this; default 0.1")
+    schedule: str = setting(
+        "constant", "learning-rate schedule: constant, step or cosine", check=one_of(SCHEDULES, "schedule")
+    )
+    lr_step_epochs: int = setting(1, "step schedule: decay every this many epochs", check=at_least(1))
+    lr_gamma: float = setting(
+        0.1,
+        "step schedule: multiply the rate by this",
+        check=lambda flag, v: None if 0 < v <= 1 else f"{flag} must be in (0, 1], got {v}",
+    )
     lr_warmup_steps: int | None = setting(
-        None, "steps of linear learning-rate warm-up from 0, before the schedule; default 0 (gpt: 20)"
+        None,
+        "steps of linear learning-rate warm-up from 0, before the schedule",
+        unset=0,
+        default_help="{default} (gpt: 20)",
+        check=not_negative,
     )
     clip_grad_norm: float | None = setting(
         None,
-        "clip each step's gradient to this global L2 norm (after the "
-        "algorithm's gradient sync); default none (gpt: 1.0)",
+        "clip each step's gradient to this global L2 norm (after the algorithm's gradient sync)",
+        unset=0.0,
+        default_help="{default}: none (gpt: 1.0)",
+        check=lambda flag, v: None if v >= 0 else f"{flag} must be a positive number (0: off), got {v}",
     )
-    init: str = setting("default", "default (PyTorch's) or xavier initialisation")
-    seed: int = setting(0, "seed for weights and data order, 0 to 2**63 - 1; default 0")
+    init: str = setting(
+        "default",
+        "default or xavier initialisation",
+        default_help="{default} (PyTorch's own)",
+        check=one_of(INITS, "init"),
+    )
+    seed: int = setting(
+        0,
+        "seed for weights and data order, 0 to 2**63 - 1",
+        check=lambda flag, v: None if 0 <= v < SEEDS else f"{flag} must be a whole number from 0 to 2**63 - 1, got {v}",
+    )
     partition: str = setting(
-        "sharded", "sharded (disjoint shards) or replicated (every worker sees all data); default sharded"
+        "sharded",
+        "sharded (disjoint shards) or replicated (every worker sees all data)",
+        check=one_of(PARTITIONS, "partition"),
     )
     eval_every: int | None = setting(
         None,
-        "evaluate on the test set every this many samples (all workers); "
-        f"default: each epoch, or, for a run shorter than {EVALS} epochs, "
+        "evaluate on the test set every this many samples (all workers)",
+        default_help=f"each epoch, or, for a run shorter than {EVALS} epochs, "
         f"{EVALS} times evenly (every planned samples / {EVALS})",
+        check=at_least(1, " sample"),
     )
-    eval_batch_size: int = setting(1000, "batch size for evaluation; default 1000")
-    target_accuracy: float | None = setting(None, "test accuracy (0..1) whose time and samples to reach are recorded")
-    target_loss: float | None = setting(None, "test loss whose time and samples to reach are recorded (regression)")
+    eval_batch_size: int = setting(1000, "batch size for evaluation", check=at_least(1))
+    target_accuracy: float | None = setting(
+        None,
+        "test accuracy (0..1) whose time and samples to reach are recorded",
+        check=lambda flag, v: None if 0 < v <= 1 else f"{flag} must be in (0, 1], got {v}",
+    )
+    target_loss: float | None = setting(
+        None, "test loss whose time and samples to reach are recorded (regression)", check=not_negative
+    )
     stop_at_target: bool = setting(False, "stop once --target-accuracy (or --target-loss) is reached")
+    # more threads than cores only slows a worker down; torch's pools fail (even crash) with thousands
     threads_per_worker: int | None = setting(
-        None, "torch threads per worker, at most the cores; default max(1, cores // workers)"
+        None,
+        "torch threads per worker, at most the cores",
+        default_help="max(1, cores // workers)",
+        check=lambda flag, v: (
+            None if 1 <= v <= cores() else f"{flag} must be from 1 to the {cores()} cores this process may use, got {v}"
+        ),
     )
-    log_every: int = setting(50, "steps between progress events in metrics.jsonl; default 50")
-    out: str | None = setting(None, "run directory; default runs/<timestamp>-<algo>")
+    log_every: int = setting(50, "steps between progress events in metrics.jsonl", check=at_least(1, " step"))
+    out: str | None = setting(None, "run directory", default_help="runs/<timestamp>-<algo>")
     overwrite: bool = setting(False, "replace an existing run directory")
     quiet: bool = setting(False, "print nothing but errors")
     device: str = setting(
         "auto",
-        "auto, cpu, cuda or cuda:N: where workers train (worker i of a machine: "
-        "cuda:(i mod GPUs)); default auto: CUDA where there is one",
+        "auto, cpu, cuda or cuda:N: where workers train (worker i of a machine: cuda:(i mod GPUs))",
+        default_help="{default}: CUDA where there is one",
     )
     precision: str = setting(
         "fp32",
-        "fp32, bf16 or fp16: the forward pass under autocast (bf16 on CPU and GPU; fp16 "
-        "on GPU, with loss scaling); default fp32",
+        "fp32, bf16 or fp16: the forward pass under autocast (bf16 on CPU and GPU; fp16 on GPU, with loss scaling)",
     )
     compile: bool = setting(False, "torch.compile each worker's model (the first steps compile it)")
     tensorboard: str | None = setting(
@@ -170,16 +238,25 @@ class RunConfig:
     # Process groups (the multi-process algorithms).
     backend: str = setting(
         "auto",
-        "torch.distributed backend: gloo, nccl or mpi; default auto: nccl when every "
-        "worker of a machine has a GPU of its own, else gloo",
+        "torch.distributed backend: gloo, nccl or mpi",
+        default_help="{default}: nccl when every worker of a machine has a GPU of its own, else gloo",
+        check=one_of(BACKENDS, "backend"),
     )
     init_method: str | None = setting(
-        None, "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH; default a free port on 127.0.0.1"
+        None,
+        "process-group rendezvous: env://, tcp://HOST:PORT or file:///PATH",
+        default_help="a free port on 127.0.0.1",
+        check=lambda flag, v: init_method_error(v),
     )
     timeout_s: float = setting(
         300.0,
-        "seconds before a collective or a silent worker counts as failed, at most a week (604800); default 300",
+        "seconds before a collective or a silent worker counts as failed, at most a week (604800)",
         flag="--timeout",
+        check=lambda flag, v: (
+            None
+            if 0 < v <= TIMEOUT_MAX_S
+            else f"{flag} must be positive and at most {TIMEOUT_MAX_S} seconds (a week), got {v}"
+        ),
     )
     # Checkpoints.
     checkpoint_every: str | None = setting(
@@ -192,7 +269,8 @@ class RunConfig:
         0,
         "local runs: start a dead worker again, up to this many times in all "
         "(asynchronous algorithms: it rejoins; lockstep ones: the group restarts "
-        "from the last checkpoint); default 0",
+        "from the last checkpoint)",
+        check=not_negative,
     )
     # Benchmarks.
     straggler: str | None = setting(
@@ -368,121 +446,50 @@ def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
     return None if planned >= EVALS * per_epoch else max(1, math.ceil(planned / EVALS))
 
 
-# The generic defaults of the settings an algorithm (its paper's) or a built-in model (gpt's) may give
-# defaults of their own: a setting left unset (None) takes the model's (tuned for that model), else the
-# algorithm's (its paper's, for the models its paper trained), else this.
-GENERIC: dict[str, Any] = {
-    "lr": 0.01,
-    "weight_decay": 0.0,
-    "optimizer": "sgd",
-    "lr_warmup_steps": 0,
-    "clip_grad_norm": 0.0,
-    "weight_decay_on": "all",
-    "dataset": "fashion-mnist",
-}
+SETTLED = tuple(f.name for f in fields(RunConfig) if f.metadata.get("unset") is not None)
 
 
-def with_defaults(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
-    """``cfg`` with every unset setting of :data:`GENERIC` set: to ``own[name]`` (the algorithm's
-    default) if given, else the generic default. What the user set is never changed."""
-    changes = {k: (own or {}).get(k, v) for k, v in GENERIC.items() if getattr(cfg, k) is None}
+def resolve(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
+    """``cfg`` with every setting of :data:`SETTLED` that was left unset (None) set: to ``own[name]``
+    (the model's own, tuned for it, or the algorithm's, its paper's) if given, else the field's
+    ``unset`` value. What the user set is never changed. ``api.settle`` calls it once per run."""
+    changes = {k: (own or {}).get(k, _FIELDS[k].metadata["unset"]) for k in SETTLED if getattr(cfg, k) is None}
     return cfg.replace(**changes) if changes else cfg
 
 
-def value(cfg: RunConfig, name: str) -> Any:
-    """A setting of :data:`GENERIC`, its generic default if unset (a config built in code)."""
-    given = getattr(cfg, name)
-    return GENERIC[name] if given is None else given
-
-
-def validate(cfg: RunConfig) -> RunConfig:
-    """Reject impossible settings with one clear line each. The algorithm's own settings are its
+def validate(cfg: RunConfig) -> None:
+    """Reject impossible settings with one clear line each: each field's own check (beside it in
+    :class:`RunConfig`), then those between settings. The algorithm's own settings are its
     ``check``'s to judge; this knows no algorithm."""
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
     for name, f in _FIELDS.items():  # inf and nan mean nothing for any setting (and TOML cannot record them)
         given = getattr(cfg, name)
-        need(not isinstance(given, float) or math.isfinite(given), f"{flag_of(f)} must be a finite number, got {given}")
-    need(cfg.workers >= 1, f"--workers must be at least 1, got {cfg.workers}")
-    need(0 <= cfg.seed < SEEDS, f"--seed must be a whole number from 0 to 2**63 - 1, got {cfg.seed}")
-    need(cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}")
-    need(cfg.epochs >= 1, f"--epochs must be at least 1, got {cfg.epochs}")
-    cfg = with_defaults(cfg)
-    # with_defaults has filled every setting of GENERIC: these are set now (narrowed for the type checker)
-    assert cfg.lr is not None and cfg.weight_decay is not None
-    assert cfg.lr_warmup_steps is not None and cfg.clip_grad_norm is not None
-    need(cfg.max_samples is None or cfg.max_samples >= 1, f"--max-samples must be at least 1, got {cfg.max_samples}")
-    need(0 < cfg.lr <= FLOAT32_MAX, f"--lr must be a positive number (at most {FLOAT32_MAX:.4g}), got {cfg.lr}")
-    need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}")
-    need(not cfg.nesterov or cfg.momentum > 0, "--nesterov needs a --momentum above 0")
-    need(
-        0 <= cfg.weight_decay <= FLOAT32_MAX,
-        f"--weight-decay must be >= 0 (at most {FLOAT32_MAX:.4g}), got {cfg.weight_decay}",
-    )
-    need(cfg.context >= 1, f"--context must be at least 1 token, got {cfg.context}")
-    need(cfg.lr_warmup_steps >= 0, f"--lr-warmup-steps must be >= 0, got {cfg.lr_warmup_steps}")
-    need(cfg.clip_grad_norm >= 0, f"--clip-grad-norm must be a positive number (0: off), got {cfg.clip_grad_norm}")
-    need(
-        cfg.weight_decay_on in ("all", "weights"),
-        f"--weight-decay-on must be all or weights, got '{cfg.weight_decay_on}'",
-    )
-    need(cfg.optimizer in OPTIMIZERS, f"unknown optimizer '{cfg.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
-    need(cfg.schedule in SCHEDULES, f"unknown schedule '{cfg.schedule}' (choose from {', '.join(SCHEDULES)})")
-    need(cfg.lr_step_epochs >= 1, f"--lr-step-epochs must be at least 1, got {cfg.lr_step_epochs}")
-    need(0 < cfg.lr_gamma <= 1, f"--lr-gamma must be in (0, 1], got {cfg.lr_gamma}")
-    need(cfg.init in INITS, f"unknown init '{cfg.init}' (choose from {', '.join(INITS)})")
-    need(cfg.partition in PARTITIONS, f"unknown partition '{cfg.partition}' (choose from {', '.join(PARTITIONS)})")
-    need(cfg.eval_every is None or cfg.eval_every >= 1, f"--eval-every must be at least 1 sample, got {cfg.eval_every}")
-    need(cfg.eval_batch_size >= 1, f"--eval-batch-size must be at least 1, got {cfg.eval_batch_size}")
-    need(
-        cfg.target_accuracy is None or 0 < cfg.target_accuracy <= 1,
-        f"--target-accuracy must be in (0, 1], got {cfg.target_accuracy}",
-    )
-    need(cfg.target_loss is None or cfg.target_loss >= 0, f"--target-loss must be >= 0, got {cfg.target_loss}")
-    need(
-        not cfg.stop_at_target or cfg.target_accuracy is not None or cfg.target_loss is not None,
-        "--stop-at-target needs --target-accuracy or --target-loss",
-    )
-    need(
-        cfg.loss in LOSSES or cfg.loss.startswith("python:"),
-        f"unknown loss '{cfg.loss}' (choose from {', '.join(LOSSES)}, or pass a function as loss= in Python)",
-    )
-    need(cfg.accumulate >= 1, f"--accumulate must be at least 1 micro-batch, got {cfg.accumulate}")
-    need(cfg.loader_workers >= 0, f"--loader-workers must be >= 0, got {cfg.loader_workers}")
-    need(cfg.restart_workers >= 0, f"--restart-workers must be >= 0, got {cfg.restart_workers}")
-    # more threads than cores only slows a worker down; torch's pools fail (even crash) with thousands
-    need(
-        cfg.threads_per_worker is None or 1 <= cfg.threads_per_worker <= cores(),
-        f"--threads-per-worker must be from 1 to the {cores()} cores this process may use, got "
-        f"{cfg.threads_per_worker}",
-    )
-    need(cfg.log_every >= 1, f"--log-every must be at least 1 step, got {cfg.log_every}")
-    need(cfg.backend in BACKENDS, f"unknown backend '{cfg.backend}' (choose from {', '.join(BACKENDS)})")
-    need(
-        0 < cfg.timeout_s <= TIMEOUT_MAX_S,
-        f"--timeout must be positive and at most {TIMEOUT_MAX_S} seconds (a week), got {cfg.timeout_s}",
-    )
-    check_init_method(cfg.init_method)
-    if cfg.checkpoint_period is not None:
-        need(cfg.out is not None, "--checkpoint-every needs a run directory (--out)")
-    if cfg.straggler_spec is not None:
-        rank = cfg.straggler_spec.rank
-        need(rank < cfg.workers, f"--straggler names worker {rank}, but there are only {cfg.workers} workers")
-    return cfg
+        if isinstance(given, float) and not math.isfinite(given):
+            raise ConfigError(f"{flag_of(f)} must be a finite number, got {given}")
+    for name, f in _FIELDS.items():
+        check_value(f, getattr(cfg, name))
+    if cfg.nesterov and cfg.momentum <= 0:
+        raise ConfigError("--nesterov needs a --momentum above 0")
+    if cfg.stop_at_target and cfg.target_accuracy is None and cfg.target_loss is None:
+        raise ConfigError("--stop-at-target needs --target-accuracy or --target-loss")
+    if cfg.checkpoint_period is not None and cfg.out is None:
+        raise ConfigError("--checkpoint-every needs a run directory (--out)")
+    if cfg.straggler_spec is not None and cfg.straggler_spec.rank >= cfg.workers:
+        raise ConfigError(
+            f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"
+        )
 
 
-def check_init_method(init_method: str | None) -> None:
-    """``--init-method``: env://, file:///PATH, or tcp://HOST:PORT with a port a worker can dial."""
-    if init_method is None or init_method.startswith(("env://", "file://")):
-        return
+def init_method_error(init_method: str) -> str | None:
+    """What is wrong with an ``--init-method`` (env://, file:///PATH, or tcp://HOST:PORT with a port
+    a worker can dial), or None."""
+    if init_method.startswith(("env://", "file://")):
+        return None
     host, _, port = init_method[len("tcp://") :].rpartition(":")
     if not init_method.startswith("tcp://") or not host:
-        raise ConfigError(f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'")
+        return f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'"
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"--init-method {init_method}: the port must be a number from 1 to 65535, got '{port}'")
+        return f"--init-method {init_method}: the port must be a number from 1 to 65535, got '{port}'"
+    return None
 
 
 def parse_period(text: str, flag: str, unit: str) -> Period:
@@ -512,9 +519,9 @@ def for_resume(
     changes = {k: v for k, v in overrides.items() if k != "resume"}
     cfg = from_mapping(changes, base, source="the resumed run's settings", option_names=option_names)
     if options_of is not None:  # the saved options the run's algorithm takes (older versions recorded every
-        mine = set(options_of(cfg))  # algorithm's); those given now are all kept, to be judged
+        taken = set(options_of(cfg))  # algorithm's); those given now are all kept, to be judged
         given = {k.replace("-", "_") for k in changes}
-        cfg = cfg.replace(options={k: v for k, v in cfg.options.items() if k in mine or k in given})
+        cfg = cfg.replace(options={k: v for k, v in cfg.options.items() if k in taken or k in given})
     return cfg.replace(resume=str(run_dir), out=cfg.out if "out" in changes else str(run_dir))
 
 

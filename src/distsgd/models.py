@@ -1,7 +1,7 @@
 """Built-in models, user models from ``file.py:ClassName``, and the fit check.
 
 Built-ins are built by ``factory(input_shape, num_classes)``. ``mnist_net`` and ``cifar_net`` are
-the seeds' networks; ``mlp`` and ``logreg`` have no dropout, which makes them the models of choice
+small CNNs (conv-pool-relu twice, dropout, two linear layers); ``mlp`` and ``logreg`` have no dropout, which makes them the models of choice
 for exact-equivalence checks between algorithms. ``gpt`` is a decoder-only transformer language
 model; its size is part of its name: ``gpt[layers=4,heads=4,width=128,dropout=0]`` (any subset).
 
@@ -32,7 +32,7 @@ ModelSpec = Union[str, Callable[..., nn.Module]]
 
 
 class MnistNet(nn.Module):
-    """The seeds' MNIST CNN (pytorch/examples' mnist_hogwild net): 21,840 parameters."""
+    """pytorch/examples' mnist_hogwild CNN: 21,840 parameters."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1) -> None:
         super().__init__()
@@ -52,7 +52,7 @@ class MnistNet(nn.Module):
 
 
 class CifarNet(nn.Module):
-    """The seeds' CIFAR-10 CNN: conv 3->10 k5, conv 10->20 k5 + Dropout2d, fc 500->10, fc 10->10."""
+    """A small CIFAR-10 CNN: conv 3->10 k5, conv 10->20 k5 + Dropout2d, fc 500->10, fc 10->10."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
         super().__init__()
@@ -288,7 +288,7 @@ SIZED = {"gpt": GPT_SIZES}  # built-ins whose name may carry size options
 def model_help() -> str:
     """``--model``'s help: every built-in (the sized ones with their size options), or a file's class."""
     names = [f"{name}[{','.join(f'{k}=...' for k in SIZED[name])}]" if name in SIZED else name for name in BUILTIN]
-    return f"{', '.join(names)}, or path/file.py:ClassName (runs that file); default mnist_net"
+    return f"{', '.join(names)}, or path/file.py:ClassName (runs that file)"
 
 
 # Settings a model's users should start from, where they differ from the generic ones: what training

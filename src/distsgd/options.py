@@ -6,10 +6,13 @@ From these declarations come the command line's flags and ``--help``, the TOML k
 of ``distsgd.train`` and bench's ``NAME[key=value]``: a value from any of them is checked against
 the field's type here (:func:`coerce`), then by the options' own :meth:`Options.check`.
 
-A field's metadata (set by :func:`option`): ``help``; ``flag`` (when not ``--`` plus its name);
-``const`` (the flag's value is optional, and the flag alone means ``const``); ``metavar``;
-``parse`` (a string or number as given -> the field's value, raising ``ConfigError``) and
-``show`` (the value -> what a TOML file holds), for fields whose type is not a plain one.
+A field's metadata (set by :func:`option`): ``help`` (what it is, without its default: ``--help``
+adds that, :func:`help_text`); ``flag`` (when not ``--`` plus its name); ``const`` (the flag's
+value is optional, and the flag alone means ``const``); ``metavar``; ``parse`` (a string or number
+as given -> the field's value, raising ``ConfigError``) and ``show`` (the value -> what a TOML file
+holds), for fields whose type is not a plain one; ``unset`` (what a setting left unset, None,
+becomes when the run is settled, unless the model or the algorithm has its own); ``default``
+(how ``--help`` words a default its value alone does not say); ``check`` (the field's own check).
 """
 
 from __future__ import annotations
@@ -38,13 +41,59 @@ def option(
     metavar: str | None = None,
     parse: Callable[[str | int | float], V] | None = None,
     show: Callable[[V], object] | None = None,
+    unset: object = None,
+    default_help: str | None = None,
+    check: Callable[[str, Any], str | None] | None = None,
 ) -> V:
     """A setting: its default and help text (``--help``), and how to read it (see the module). Typed
-    as its value, which is what the dataclass field holds."""
-    return field(
-        default=default,
-        metadata={"help": help, "flag": flag, "const": const, "metavar": metavar, "parse": parse, "show": show},
-    )
+    as its value, which is what the dataclass field holds. ``check(flag, value)``: what is wrong
+    with a value that is not None, in one line, or None."""
+    metadata = {"help": help, "flag": flag, "const": const, "metavar": metavar, "parse": parse, "show": show}
+    return field(default=default, metadata={**metadata, "unset": unset, "default": default_help, "check": check})
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """The value a field takes when it is not given, as a TOML file holds it (its ``unset`` value
+    for a setting whose default is settled with the run)."""
+    given = f.metadata.get("unset")
+    return shown(f, f.default if given is None else given)
+
+
+def default_words(f: dataclasses.Field) -> str | None:
+    """How ``--help`` names the field's default: its value, or its ``default`` wording; None for an
+    off switch or a setting that is off unless given."""
+    wording, default = f.metadata.get("default"), default_of(f)
+    if wording is not None:
+        return wording.format(default=default)
+    return None if default is None or default is False else str(default)
+
+
+def help_text(f: dataclasses.Field, help: str | None = None) -> str:
+    """The field's help (or ``help``, made elsewhere), with its default (:func:`default_words`)."""
+    words = default_words(f)
+    return (help or f.metadata.get("help", "")) + ("" if words is None else f"; default {words}")
+
+
+def check_value(f: dataclasses.Field, value: Any) -> None:
+    """A ``ConfigError`` when ``value`` fails the field's own check."""
+    judge = f.metadata.get("check")
+    wrong = judge(flag_of(f), value) if judge is not None and value is not None else None
+    if wrong is not None:
+        raise ConfigError(wrong)
+
+
+def at_least(low: int, unit: str = "") -> Callable[[str, Any], str | None]:
+    """A check: a whole number of at least ``low`` (``unit``: what it counts, for the message)."""
+    return lambda flag, v: None if v >= low else f"{flag} must be at least {low}{unit}, got {v}"
+
+
+def not_negative(flag: str, value: float) -> str | None:
+    return None if value >= 0 else f"{flag} must be >= 0, got {value}"
+
+
+def one_of(choices: tuple[str, ...], what: str) -> Callable[[str, Any], str | None]:
+    """A check: one of ``choices`` (``what``: the setting's name in the message)."""
+    return lambda flag, v: None if v in choices else f"unknown {what} '{v}' (choose from {', '.join(choices)})"
 
 
 def kind(f: dataclasses.Field) -> str:
@@ -152,4 +201,20 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-__all__ = ["option", "Options", "coerce", "shown", "kind", "optional", "close_match", "flag_of"]
+__all__ = [
+    "option",
+    "Options",
+    "coerce",
+    "shown",
+    "kind",
+    "optional",
+    "close_match",
+    "flag_of",
+    "default_of",
+    "default_words",
+    "help_text",
+    "check_value",
+    "at_least",
+    "not_negative",
+    "one_of",
+]

@@ -149,11 +149,11 @@ def test_resumed_state_follows_the_model_to_its_device(group_of_one, algo: str, 
     feedback and Q, local SGD's anchor, Streaming DiLoCo's average in flight) must then live where
     the model does (a GPU: here the meta device, which the CPU allows)."""
     from distsgd.algorithms import registry
-    from distsgd.config import RunConfig
+    from distsgd.config import RunConfig, resolve
     from distsgd.train.context import Start, Step
     from quadratics import context
 
-    cfg = RunConfig(algo=algo, workers=1, options=options)
+    cfg = resolve(RunConfig(algo=algo, workers=1, options=options))
     cls = registry.resolve(algo, cfg)
     ctx = context(0, 1)
     torch.manual_seed(0)

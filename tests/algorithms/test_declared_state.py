@@ -90,10 +90,10 @@ def test_a_checkpoint_holds_the_keys_it_always_held(group_of_one, algo: str, opt
     bodies (and still read back into a fresh worker): a checkpoint of an earlier run resumes."""
     from types import SimpleNamespace
 
-    from distsgd.config import RunConfig
+    from distsgd.config import RunConfig, resolve
     from distsgd.train.context import Start, Step
 
-    cfg = RunConfig(algo=algo, workers=1, options=options)
+    cfg = resolve(RunConfig(algo=algo, workers=1, options=options))
     cls = registry.resolve(algo, cfg)
     ctx = SimpleNamespace(
         world=1, rank=0, device=torch.device("cpu"), job=SimpleNamespace(optimizer=None, param_groups=None)

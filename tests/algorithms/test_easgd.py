@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import distsgd
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, resolve
 from distsgd.train.context import Start
 from helpers import in_group
 from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
@@ -87,7 +87,7 @@ def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    cfg = RunConfig(lr=0.1)
+    cfg = resolve(RunConfig(lr=0.1))
     ps = ParameterServer(cfg, model, 2, Elastic(cfg, EASGDOptions(alpha=0.25)), samples_per_epoch=100)
     centre = flat(model)
     centre_bn = model[1].running_mean.detach().double().clone()

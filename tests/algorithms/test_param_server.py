@@ -11,7 +11,7 @@ from torch import nn
 
 from distsgd.algorithms.averaging import flatten
 from distsgd.algorithms.param_server import ParameterServer, staleness_stats
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, resolve
 
 
 def make_server(mode: str, workers: int = 2, **settings) -> ParameterServer:
@@ -23,8 +23,10 @@ def make_server(mode: str, workers: int = 2, **settings) -> ParameterServer:
     algo_cls = registry.get(mode)
     names = algo_cls.Options.names()
     options = {k: v for k, v in settings.items() if k in names}
-    cfg = RunConfig(
-        **{"lr": 0.1, "momentum": 0.0, **{k: v for k, v in settings.items() if k not in names}}, options=options
+    cfg = resolve(
+        RunConfig(
+            **{"lr": 0.1, "momentum": 0.0, **{k: v for k, v in settings.items() if k not in names}}, options=options
+        )
     )
     rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping(options))
     return ParameterServer(cfg, model, workers, rule, samples_per_epoch=1000)
@@ -557,7 +559,7 @@ def test_saved_buffers_that_do_not_fit_the_model_are_a_checkpoint_error() -> Non
     from distsgd.algorithms import registry
     from distsgd.errors import CheckpointError
 
-    cfg = RunConfig(lr=0.1)
+    cfg = resolve(RunConfig(lr=0.1))
     rule = registry.get("asgd").topology.rule(cfg, registry.get("asgd").Options())
 
     def server() -> ParameterServer:

@@ -314,7 +314,7 @@ def served():
     from distsgd.algorithms import registry
     from distsgd.algorithms.param_server import ParameterServer, transport
 
-    cfg = RunConfig(lr=0.1, batch_size=8)
+    cfg = config.resolve(RunConfig(lr=0.1, batch_size=8))
     algo = registry.get("asgd")
     rule = algo.topology.rule(cfg, algo.Options.from_mapping({}))
     ps = ParameterServer(cfg, torch.nn.Linear(3, 2), 1, rule, samples_per_epoch=1000)

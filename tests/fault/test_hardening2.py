@@ -23,7 +23,7 @@ import torch
 
 from distsgd import checkpoint
 from distsgd.algorithms.param_server import ParameterServer, transport
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, resolve
 
 pytest.importorskip("sklearn")
 
@@ -35,7 +35,7 @@ def _core(algo: str, workers: int = 2) -> ParameterServer:
     from distsgd.algorithms import registry
 
     torch.manual_seed(0)
-    cfg = RunConfig(lr=0.1, batch_size=8)
+    cfg = resolve(RunConfig(lr=0.1, batch_size=8))
     algo_cls = registry.get(algo)
     rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping({}))
     return ParameterServer(cfg, torch.nn.Linear(3, 2), workers, rule, samples_per_epoch=1000)
@@ -356,7 +356,7 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
     and CHECKPOINTED 2**40. On 43f33af the server wrote its state as checkpoint 2**40 (a file no
     clean-up ever removes: every later one has a lower number), then failed to commit it and
     dropped the connection. Now the claim is refused: no worker file, nothing written."""
-    role = _role(RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16"))
+    role = _role(resolve(RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16")))
     layout = transport.Layout.of(role.model)
     service = _serve(role.server, role)
     ckpt = tmp_path / checkpoint.CHECKPOINT_DIR
@@ -498,7 +498,9 @@ def test_a_workers_stop_is_heard_only_where_its_loop_decides(tmp_path: Path, own
     """A user's loop evaluates in its workers: with --stop-at-target a worker that measured the
     target stops every worker through the server. Elsewhere (distsgd's loop: the server evaluates;
     no target) a STOP is refused and the connection dropped: the run goes on."""
-    role = _role(RunConfig(algo="asgd", lr=0.1, batch_size=8, stop_at_target=stop_at_target, target_accuracy=0.5), own)
+    role = _role(
+        resolve(RunConfig(algo="asgd", lr=0.1, batch_size=8, stop_at_target=stop_at_target, target_accuracy=0.5)), own
+    )
     service = _serve(role.server, role)
     try:
         stopper, other = _client(role.server, service, 1), _client(role.server, service, 2)

@@ -85,8 +85,8 @@ class BucketOptions(compress.CompressOptions):
 
     bucket_mb: float = option(
         25.0,
-        "gradient bucket size in MB; default 25 (allreduce --compress refuses it: no "
-        "buckets; ddp --compress powersgd on gloo: one bucket)",
+        "gradient bucket size in MB",
+        default_help="{default} (allreduce --compress refuses it: no buckets; ddp --compress powersgd on gloo: one bucket)",
         metavar="MB",
     )
 

@@ -172,9 +172,9 @@ class SharedMemory(Topology):
         """Under torchrun: what joins this process's model to the others'."""
         raise NotImplementedError
 
-    def merge_nodes(self, chiefs: list[Figures]) -> Figures:
+    def merge_nodes(self, per_node: list[Figures]) -> Figures:
         """Under torchrun: the run's figures from every process's own (rank 0's first)."""
-        return chiefs[0]
+        return per_node[0]
 
 
 class Link(Protocol):
@@ -286,7 +286,7 @@ class Algorithm(Generic[OptionsT]):
 
     @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        """Defaults of its own for settings of ``config.GENERIC`` that the user left unset."""
+        """Defaults of its own for settings of ``config.SETTLED`` that the user left unset."""
         return {}
 
     def setup(self, ctx: "WorkerContext", model: nn.Module, start: Start) -> nn.Module:
@@ -421,10 +421,10 @@ def option_owners() -> dict[str, list[str]]:
 def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Options:
     """``algo_cls``'s options from ``cfg.options``, with a clear line for an option of another
     algorithm (``--tau is easgd's option, not local-sgd's``)."""
-    mine = set(algo_cls.Options.names())
+    own = set(algo_cls.Options.names())
     owners = option_owners()
     for key in cfg.options:
-        if key not in mine:
+        if key not in own:
             whose = owners.get(key, [])
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {cfg.algo}")

@@ -62,8 +62,7 @@ class CompressOptions(Options):
 
     compress: str = option(
         "none",
-        "none, fp16 or powersgd[:RANK] (PowerSGD with error feedback, rank 2 by "
-        "default) for what is all-reduced; default none",
+        "none, fp16 or powersgd[:RANK] (PowerSGD with error feedback, rank 2 by default) for what is all-reduced",
         parse=_checked,
         metavar="KIND",
     )

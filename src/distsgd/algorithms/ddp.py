@@ -8,8 +8,8 @@ averages the gradients with bucketed all-reduces during backward (``--bucket-mb`
 ``powerSGD_hook`` with error feedback, warm start and rank R, compressing from the 3rd step:
 ``start_powerSGD_iter`` 2); ``bytes_sent`` counts what each hook all-reduces, bucket by bucket.
 On gloo (CPU), ``--compress powersgd`` puts every gradient in one bucket, whatever ``--bucket-mb``:
-with two or more, torch 2.13's hook aborts the process (``gloo::EnforceNotMet``, measured on this
-project's 2-core VM with 2 processes: any model over 25 MB at the default bucket size).
+with two or more, torch's hook aborts the process (``gloo::EnforceNotMet``: any model over 25 MB at
+the default bucket size; docs/BENCHMARKS.md).
 
 Buffers (BatchNorm statistics): DDP's own rule, ``broadcast_buffers=True``: before every forward
 rank 0's buffers are broadcast to the others, so each step's statistics are rank 0's. After the

@@ -26,9 +26,9 @@ says: ``average`` (the default) returns the workers' models averaged, theta - De
 compressor, with no outer step and no momentum; ``step`` takes the outer step as on a full round
 (with momentum 0.9 it moves ~1.3x the partial pseudo-gradient even after one inner step);
 ``theta`` returns the last full round's theta, dropping the round's steps. Measured on the same
-workers' models (benchmarks/partial_round.py; docs/BENCHMARKS.md, "DiLoCo's partial round"):
-``average`` was best or within the seeds' spread in every case, ``step`` lost up to 0.075 nats on the GPT,
-``theta`` returned an untrained model for runs shorter than H. An evaluation inside a round makes
+workers' models (benchmarks/partial_round.py; docs/BENCHMARKS.md, "DiLoCo's partial round"),
+``average`` is the default: ``step`` overshoots, and ``theta`` returns an untrained model for runs
+shorter than H. An evaluation inside a round makes
 that same ending on copies of theta, the outer momentum and the compressor's state (its bytes are
 ``eval_bytes_sent``), so the model that reaches a target is the model saved.
 Checkpoints hold theta, the outer momentum and the inner optimiser's state: a resumed run ends
@@ -63,17 +63,17 @@ class OuterOptions(Options):
 
     inner_optimizer: str = option(
         "adamw",
-        "the workers' inner optimiser (sgd, adam, adamw) at --lr and --weight-decay; default adamw",
+        "the workers' inner optimiser (sgd, adam, adamw) at --lr and --weight-decay",
         metavar="NAME",
     )
-    outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient; default 0.7")
-    outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum; default 0.9", metavar="MU")
+    outer_lr: float = option(0.7, "the outer SGD's learning rate on the averaged pseudo-gradient")
+    outer_momentum: float = option(0.9, "the outer SGD's Nesterov momentum", metavar="MU")
     partial_round: str = option(
         "average",
         "what a round cut short returns (the run's end, an evaluation inside "
         "a round): average (the workers' models averaged), theta (the last "
         "outer step's model, the round's steps dropped) or step (an outer step "
-        "on the partial pseudo-gradient); default average",
+        "on the partial pseudo-gradient)",
         metavar="RULE",
     )
 
@@ -175,16 +175,16 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
 
     def outer_step(self, model: nn.Module) -> None:
         """Average the pseudo-gradients, step theta, and start the next round from it."""
-        self.sent(self._outer_step(model, self.global_model, self.outer, self.compressor), self.world)
+        self.sent(self._outer_step_on(model, self.global_model, self.outer, self.compressor), self.world)
         with torch.no_grad():
             for p, t in zip(self.params, self.theta):
                 p.copy_(t)
-            for mine, kept in zip(model.buffers(), self.global_model.buffers()):
-                mine.copy_(kept)
+            for local, global_ in zip(model.buffers(), self.global_model.buffers()):
+                local.copy_(global_)
         self.rounds += 1
         self.period.synced()
 
-    def _outer_step(
+    def _outer_step_on(
         self, model: nn.Module, target: nn.Module, outer: torch.optim.Optimizer | None, compressor: compress.Compressor
     ) -> int:
         """One outer step of ``target`` (theta) with ``outer`` on the pseudo-gradients of this
@@ -204,8 +204,8 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
                 t.grad = d
             outer.step()
         with torch.no_grad():
-            for mine, kept in zip(model.buffers(), target.buffers()):
-                kept.copy_(mine)
+            for local, global_ in zip(model.buffers(), target.buffers()):
+                global_.copy_(local)
         return sent + average_buffers_(target, self.world)
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
@@ -221,7 +221,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         if rule == "step":
             outer = self._make_outer(params(target))
             outer.load_state_dict(copy.deepcopy(self.outer.state_dict()))
-        self.sent_to_evaluate(self._outer_step(model, target, outer, copy.deepcopy(self.compressor)), self.world)
+        self.sent_to_evaluate(self._outer_step_on(model, target, outer, copy.deepcopy(self.compressor)), self.world)
         return target
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
@@ -230,7 +230,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         if self.period.pending and rule == "step":
             self.outer_step(model)
         elif self.period.pending and rule == "average":
-            self.sent(self._outer_step(model, self.global_model, None, self.compressor), self.world)
+            self.sent(self._outer_step_on(model, self.global_model, None, self.compressor), self.world)
             self.period.synced()
         return self.global_model
 

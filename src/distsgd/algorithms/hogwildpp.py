@@ -30,10 +30,8 @@ update settles in every model at 1.0 of itself for n = 2, 0.87 for n = 3 and 0.7
 eta = 1, and at 0.39 (n = 2) and 0.12 (n = 4) with eta = 0.05. A small eta passes little of an
 update on and spends the rest pulling the holder towards its neighbour: the ring acts more as a
 gossip average than as a relay of updates, and the run learns as with a smaller learning rate.
-The default is 1.0, not the authors' ``lr``, by measurement (docs/BENCHMARKS.md, "HogWild++'s
-ring factor"): on the default job (one epoch, lr 0.01) ``lr`` ended 3.2 points of test accuracy
-below 1.0 with 2 clusters and 5.3 below with 4 (medians of 3 seeds, every seed below), and 2.2
-below at lr 0.05, the authors' own first step size. tol is ``--ring-tolerance``; the authors'
+The default is 1.0, not the authors' ``lr``, which trained worse on the default job
+(docs/BENCHMARKS.md, "HogWild++'s ring factor"). tol is ``--ring-tolerance``; the authors'
 driver uses 1e-2 (l. 232), ours defaults to 0, where the else-branch only meets coordinates whose
 delta is exactly 0, and changes nothing there.
 
@@ -94,10 +92,11 @@ from distsgd.algorithms.hogwild import (
     SharedModel,
     bind_to_shared,
 )
-from distsgd.config import RunConfig, value
+from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.train.context import Figures, Start, Step, WorkerContext
+from distsgd.train.optim import settled_lr
 
 
 def ring_constants(n: int) -> tuple[float, float]:
@@ -181,12 +180,11 @@ class RingState:
 
 @dataclass(frozen=True)
 class RingOptions(HogwildOptions):
-    cluster_size: int = option(1, "worker processes per cluster; default 1", metavar="C")
+    cluster_size: int = option(1, "worker processes per cluster", metavar="C")
     update_delay: int = option(
         UPDATE_DELAY,
         "tau0: optimiser steps per worker (each --accumulate micro-batches) the "
-        "holding cluster makes after its exchange before passing the token on; "
-        f"default {UPDATE_DELAY}",
+        "holding cluster makes after its exchange before passing the token on",
         metavar="TAU0",
     )
     ring_scale: float | str = option(
@@ -194,15 +192,14 @@ class RingOptions(HogwildOptions):
         "eta, the factor on the delta a token holder passes on: 'lr' (its "
         "learning rate at the exchange, following the schedule, as the "
         "authors' code uses its step size) or a fixed number (1: the model's "
-        f"change itself); default {RING_SCALE}",
+        "change itself)",
         parse=parse_ring_scale,
         metavar="lr|ETA",
     )
     ring_tolerance: float = option(
         RING_TOLERANCE,
         "coordinates whose scaled delta is at most this are not passed "
-        "on but wait in the holder's old model (the authors' code: 1e-2); "
-        f"default {RING_TOLERANCE:g}",
+        "on but wait in the holder's old model (the authors' code: 1e-2)",
         metavar="TOL",
     )
 
@@ -267,10 +264,10 @@ class Ring(HogwildMemory):
         assert isinstance(seat.extras, torch.Tensor)  # ClusterMemory's, the cluster's learning rate
         return TokenRing(cfg, rank, n, model, seat.counts, seat.stop, seat.extras)
 
-    def merge_nodes(self, chiefs: list[Figures]) -> Figures:
-        first = chiefs[0]
+    def merge_nodes(self, per_node: list[Figures]) -> Figures:
+        first = per_node[0]
         assert isinstance(first, RingFigures)  # every node's TokenRing made its figures
-        return dataclasses.replace(first, token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in chiefs))
+        return dataclasses.replace(first, token_passes=sum(getattr(c, "token_passes", 0) or 0 for c in per_node))
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -284,7 +281,7 @@ class ClusterMemory(HogwildMemory):
     workers set to their learning rate after every step, for the :class:`TokenRing` to read."""
 
     def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> torch.Tensor:
-        return torch.full((1,), float(value(cfg, "lr")), dtype=torch.float64).share_memory_()
+        return torch.full((1,), float(settled_lr(cfg)), dtype=torch.float64).share_memory_()
 
 
 class ClusterWorker(SharedModel[HogwildOptions]):

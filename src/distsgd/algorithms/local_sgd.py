@@ -4,7 +4,7 @@ Large Mini-Batches, Use Local SGD", ICLR 2020).
 Update rule: every worker takes H plain SGD steps on its own shard,
 x_r <- x_r - lr * grad L(x_r; batch_r), then all workers average their parameters,
 x_r <- (1/W) sum_s x_s, with one all-reduce. ``--sync-every H`` sets H; ``--sync-every epoch`` is
-the seeds' per-epoch model averaging. ``--warmup-steps K`` first runs K steps of synchronous
+per-epoch model averaging. ``--warmup-steps K`` first runs K steps of synchronous
 all-reduce SGD (gradients averaged every step) before going local: post-local SGD.
 
 Communication: one model's worth every H steps instead of one gradient's worth every step, so
@@ -45,9 +45,7 @@ from distsgd.train.context import Start, Step, WorkerContext
 @dataclass(frozen=True)
 class LocalSGDOptions(compress.CompressOptions):
     sync_every: Period = period_option(8, "average the models every H steps, or at each 'epoch' end")
-    warmup_steps: int = option(
-        0, "synchronous all-reduce steps before going local (post-local SGD); default 0", metavar="K"
-    )
+    warmup_steps: int = option(0, "synchronous all-reduce steps before going local (post-local SGD)", metavar="K")
 
     def check(self, cfg: RunConfig) -> None:
         super().check(cfg)
@@ -133,11 +131,11 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
         the bytes all-reduced."""
         if compressor is None:
             return average_model_(model, self.world)
-        mine = params(model)
-        change = [p.detach() - a for p, a in zip(mine, anchor)]
+        current = params(model)
+        change = [p.detach() - a for p, a in zip(current, anchor)]
         sent = compressor.allreduce_mean_(change, self.world)
         with torch.no_grad():
-            for p, a, c in zip(mine, anchor, change):
+            for p, a, c in zip(current, anchor, change):
                 a.add_(c)
                 p.copy_(a)
         return sent + average_buffers_(model, self.world)

@@ -21,7 +21,7 @@ def period_option(default: int | None, help: str) -> Period:
     """An option ``--sync-every H|epoch``: a :class:`~distsgd.config.Period` of steps."""
     return option(
         Period(default),
-        help + f"; default {default if default is not None else 'epoch'}",
+        help,
         parse=lambda v: parse_period(str(v), "--sync-every", "steps"),
         show=lambda p: "epoch" if p.count is None else p.count,
     )

@@ -71,23 +71,21 @@ Count = Callable[[int, int], None]  # counts a collective's bytes: the algorithm
 class StreamingOptions(OuterOptions):
     sync_every: Period = period_option(100, "inner steps H between two outer steps of a fragment (the paper's 100)")
     fragments: int = option(
-        2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart; default 2", metavar="P"
+        2, "P: fragments the parameters are split into, synchronised in turn H/P steps apart", metavar="P"
     )
     overlap: int = option(
         1,
-        "tau: inner steps taken while a fragment's all-reduce travels, before its average is "
-        "used (under H/P; 0: none); default 1",
+        "tau: inner steps taken while a fragment's all-reduce travels, before its average is used (under H/P; 0: none)",
         metavar="TAU",
     )
     merge: float = option(
         0.5,
-        "alpha: a fragment's local share when its new global values arrive, "
-        "x <- alpha x + (1 - alpha) theta; default 0.5",
+        "alpha: a fragment's local share when its new global values arrive, x <- alpha x + (1 - alpha) theta",
         metavar="ALPHA",
     )
     outer_dtype: str = option(
         "float32",
-        "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in float32); default float32",
+        "float32, fp16 or bf16: the dtype outer gradients travel in (averaged in float32)",
         metavar="DTYPE",
     )
 
@@ -202,8 +200,8 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
             for t in thetas
         ]
         if like is not None:
-            for outer, kept in zip(outers, like.outers):
-                outer.load_state_dict(copy.deepcopy(kept.state_dict()))
+            for outer, saved in zip(outers, like.outers):
+                outer.load_state_dict(copy.deepcopy(saved.state_dict()))
         return Globals(thetas, outers, target, flat)
 
     # -- the schedule ----------------------------------------------------------------------------
@@ -276,12 +274,12 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
     def _average_buffers(self, model: nn.Module, g: Globals, count: Count) -> None:
         """The workers' buffers averaged (integer ones rank 0's), into the global model and back."""
         with torch.no_grad():
-            for mine, kept in zip(model.buffers(), g.model.buffers()):
-                kept.copy_(mine)
+            for local, global_ in zip(model.buffers(), g.model.buffers()):
+                global_.copy_(local)
         count(average_buffers_(g.model, self.world), self.world)
         with torch.no_grad():
-            for mine, kept in zip(model.buffers(), g.model.buffers()):
-                mine.copy_(kept)
+            for local, global_ in zip(model.buffers(), g.model.buffers()):
+                local.copy_(global_)
 
     # -- the end, and what an evaluation measures --------------------------------------------------
     def _ending(

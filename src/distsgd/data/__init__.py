@@ -215,7 +215,7 @@ FORMATS = (
 
 def dataset_help() -> str:
     """``--dataset``'s help: the built-ins and every format."""
-    return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}; default fashion-mnist (python-stdlib for --model gpt)"
+    return f"{', '.join(BUILTIN)}, or {', '.join(f.usage for f in FORMATS)}"
 
 
 def load_dataset(

@@ -57,10 +57,10 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
                 stop = True
                 break
             w.step(micro)
-            if w.state.evals_at.due(w.gs) and w.evaluate():
+            if w.state.evals_at.due(w.all_samples) and w.evaluate():
                 stop = True
                 break
-            if w.state.checkpoints_at.due(w.gs):
+            if w.state.checkpoints_at.due(w.all_samples):
                 w.checkpoint()
         if stop:
             break
@@ -126,13 +126,13 @@ class _Worker:
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.clock = run.clock
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
-        self.gs = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
+        self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
     def more_epochs(self) -> bool:
         return self.cfg.max_samples is not None or self.state.epoch < self.cfg.epochs
 
     def out_of_samples(self) -> bool:
-        return self.cfg.max_samples is not None and self.gs >= self.cfg.max_samples
+        return self.cfg.max_samples is not None and self.all_samples >= self.cfg.max_samples
 
     def epoch_order(self) -> torch.Tensor:
         ctx, cfg = self.ctx, self.cfg
@@ -155,7 +155,7 @@ class _Worker:
         run.step()
         if self.slowdown:
             time.sleep(self.slowdown * (time.perf_counter() - started))
-        self.gs = self.algo.global_samples(self.ctx, self.state.local)
+        self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
 
     def evaluate(self) -> bool:
         """Measure the model the algorithm would return now (clock paused); True: every worker stops."""
@@ -171,7 +171,7 @@ class _Worker:
     def measure(self, model: torch.nn.Module) -> dict[str, Any]:
         """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
         acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
-        event = eval_event(self.ctx.dataset, self.gs, self.run.epoch(), self.clock.elapsed(), acc, loss)
+        event = eval_event(self.ctx.dataset, self.all_samples, self.run.epoch(), self.clock.elapsed(), acc, loss)
         self.run.record(event)
         self.evaluated = snapshot(model)
         return event
@@ -183,10 +183,10 @@ class _Worker:
         st = self.state
         with self.run.paused():
             period = self.cfg.checkpoint_period
-            st.seq = st.epoch if period is None or period.count is None else self.gs // period.count
+            st.seq = st.epoch if period is None or period.count is None else self.all_samples // period.count
             st.train_wall_s = self.clock.elapsed()
             self.checkpointer.save(st.seq, self.pieces)
-            where = {"samples": self.gs, "epoch": st.epoch}
+            where = {"samples": self.all_samples, "epoch": st.epoch}
 
             def commit() -> None:
                 self.checkpointer.commit(st.seq, {**where, "algo": self.cfg.algo})
@@ -198,7 +198,7 @@ class _Worker:
         self.algo.on_epoch_end(self.ctx, self.model, self.state.epoch)
         self.state.epoch += 1
         self.state.start = 0
-        self.gs = self.algo.global_samples(self.ctx, self.state.local)
+        self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
 
     def finish(self) -> WorkerResult:
         """The model the algorithm returns (``run.final_model``: its last synchronisation inside
@@ -206,7 +206,7 @@ class _Worker:
         exactly this model (the same values in every parameter and buffer): the final figures
         always describe the model returned and saved, and nothing changes it afterwards."""
         self.model = self.run.final_model()
-        self.gs = self.algo.global_samples(self.ctx, self.state.local)
+        self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
         if self.ctx.evaluates and not equal_states(self.model.state_dict(), self.evaluated):
             self.measure(self.model)
         return self.run.result()

@@ -1,4 +1,6 @@
-"""Optimisers and learning-rate schedules, built from the run configuration."""
+"""Optimisers and learning-rate schedules, built from the run's settled configuration (``api.settle``
+has set ``lr``, ``optimizer``, ``weight_decay``, ... : a config built in code goes through
+``config.resolve`` first)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from distsgd.config import RunConfig, value
+from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 
 
@@ -25,13 +27,13 @@ def build_optimizer(
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer= returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     else:
-        kind = value(cfg, "optimizer")
-        lr, decay = value(cfg, "lr"), value(cfg, "weight_decay")
+        kind, lr, decay = cfg.optimizer, settled_lr(cfg), cfg.weight_decay
+        assert decay is not None, "a settled configuration"
         params: Any = (
             groups(model)
             if groups is not None
             else decay_groups(model, decay)
-            if value(cfg, "weight_decay_on") == "weights" and decay > 0
+            if cfg.weight_decay_on == "weights" and decay > 0
             else list(model.parameters())
         )
         if kind == "sgd":
@@ -45,6 +47,12 @@ def build_optimizer(
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     return optimizer
+
+
+def settled_lr(cfg: RunConfig) -> float:
+    """The run's --lr (the schedule scales it), which ``api.settle`` (or ``config.resolve``) set."""
+    assert cfg.lr is not None, "a settled configuration"
+    return cfg.lr
 
 
 def decay_groups(model: torch.nn.Module, decay: float) -> list[dict[str, Any]]:
@@ -61,7 +69,7 @@ def decay_groups(model: torch.nn.Module, decay: float) -> list[dict[str, Any]]:
 
 def warmup_factor(cfg: RunConfig, step: int) -> float:
     """``--lr-warmup-steps W``: the lr of step ``step`` (from 1) is scaled by step / W up to W."""
-    warm = value(cfg, "lr_warmup_steps")
+    warm = cfg.lr_warmup_steps
     return min(1.0, max(step, 1) / warm) if warm else 1.0
 
 
@@ -71,7 +79,7 @@ def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
     ``constant``: lr. ``step``: lr * gamma^floor(epoch / lr_step_epochs).
     ``cosine``: lr * (1 + cos(pi * epoch / total_epochs)) / 2, annealed to 0 at the end.
     """
-    lr = value(cfg, "lr")
+    lr = settled_lr(cfg)
     if cfg.schedule == "constant":
         return lr
     if cfg.schedule == "step":
@@ -84,7 +92,7 @@ def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
 
 def scheduled(cfg: RunConfig) -> bool:
     """Whether the lr changes during the run (a schedule or a warm-up)."""
-    return cfg.schedule != "constant" or bool(value(cfg, "lr_warmup_steps"))
+    return cfg.schedule != "constant" or bool(cfg.lr_warmup_steps)
 
 
 def schedule_lr(
@@ -96,7 +104,7 @@ def schedule_lr(
 ) -> None:
     """Every group's lr at this point of the schedule: its own ``base_lr`` times lr_at / lr, times
     the warm-up's factor at update ``step`` (from 1; None: no warm-up)."""
-    factor = lr_at(cfg, epoch_progress, total_epochs) / value(cfg, "lr")
+    factor = lr_at(cfg, epoch_progress, total_epochs) / settled_lr(cfg)
     if step is not None:
         factor *= warmup_factor(cfg, step)
     for group in optimizer.param_groups:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
-from distsgd.config import threads_per_worker, value
+from distsgd.config import threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
@@ -144,7 +144,9 @@ class Run:
         self._nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
         self.scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         self.autocast = device.autocast(ctx.device, self.cfg.precision)
-        self._warmup, self._clip = value(self.cfg, "lr_warmup_steps"), value(self.cfg, "clip_grad_norm")
+        warmup, clip = self.cfg.lr_warmup_steps, self.cfg.clip_grad_norm
+        assert warmup is not None and clip is not None, "a settled configuration"
+        self._warmup, self._clip = warmup, clip
         n = getattr(ctx.dataset, "n_train", 0) or 0
         self.per_epoch = shard_size(n, ctx.world, self.cfg.partition)  # this worker's samples an epoch (0: unknown)
         self.global_per_epoch = self.per_epoch * ctx.world
@@ -438,23 +440,23 @@ class Run:
 
     def _progress(self) -> None:
         elapsed = self.clock.elapsed()
-        gs = self.global_samples()
+        samples = self.global_samples()
         mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
         if not math.isfinite(mean_loss):  # said once, and how often at the end: a diverged run says it every report
             count, first, _ = self._nonfinite
             if not count:
-                log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, gs)
-            self._nonfinite = (count + 1, first if count else gs, gs)
+                log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, samples)
+            self._nonfinite = (count + 1, first if count else samples, samples)
         self._ctx.sink.emit(
             {
                 "event": "progress",
-                "samples": gs,
+                "samples": samples,
                 "epoch": self.epoch(),
                 "rank": self.rank,
                 "loss": mean_loss,
                 "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
                 "train_wall_s": elapsed,
-                "samples_per_s": gs / elapsed if elapsed > 0 else 0.0,
+                "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
                 **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
                 **self._algo.progress_figures(self._ctx),
             }

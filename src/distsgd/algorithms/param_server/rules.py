@@ -8,7 +8,7 @@ server's lock (:class:`~.core.ParameterServer` takes it) and answers workers thr
   gradient by max(1, tau) before the optimiser sees it (Zhang, Gupta, Lian, Liu,
   "Staleness-aware Async-SGD", IJCAI 2016: the gradient is scaled, so momentum history and weight
   decay are not).
-- :class:`SyncRound` (``sync-ps``, the seeds' scheme): wait for the gradients of all N live
+- :class:`SyncRound` (``sync-ps``): wait for the gradients of all N live
   workers, step once with their mean (summed in rank order, so a run is deterministic); equal to
   one process taking the global batch.
 - :class:`BoundedStaleness` (``ssp``, stale synchronous parallel, Ho et al., NIPS 2013): apply

@@ -85,7 +85,7 @@ class StalenessOptions(ServerOptions):
 
 @dataclass(frozen=True)
 class SSPOptions(StalenessOptions):
-    staleness: int = option(2, "how many pushes a worker may run ahead of the slowest; default 2", metavar="S")
+    staleness: int = option(2, "how many pushes a worker may run ahead of the slowest", metavar="S")
 
     def check(self, cfg: RunConfig) -> None:
         if self.staleness < 0:
@@ -96,7 +96,8 @@ class SSPOptions(StalenessOptions):
 class DCASGDOptions(StalenessOptions):
     dc_lambda: float | None = option(
         None,
-        "the compensation strength lambda (lambda0 with --dc-adaptive); default 0.04, adaptive 2",
+        "the compensation strength lambda (lambda0 with --dc-adaptive)",
+        default_help="0.04, adaptive 2",
         metavar="LAMBDA",
     )
     dc_adaptive: bool = option(False, "adaptive lambda0 / sqrt(mean square of gradients) (DC-ASGD-a)")
@@ -230,7 +231,7 @@ class SyncPS(ServerAlgorithm[ServerOptions]):
 
     name = "sync-ps"
     topology = ServerTopology(SyncRound, exact_checkpoints=True)
-    summary_line = "the same server waiting for all N gradients, then one step (the seeds' scheme)"
+    summary_line = "the same server waiting for all N gradients, then one step"
 
 
 @register
