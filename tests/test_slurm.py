@@ -1,0 +1,686 @@
+"""SLURM (``launch/slurm.py``): the tasks of an srun step form the run's group, with no torchrun in
+between.
+
+Three layers: SLURM's host lists and variables as its documentation writes them; local processes
+given exactly the environment srun gives the tasks of a step on one node (:func:`srun_env`, captured
+from srun 22.05, Debian's slurm-wlm), running the command and the Python API; and, where slurmctld,
+slurmd and munged are installed (CI installs them), a real SLURM that the test starts in a temporary
+folder (munge with a fresh key, a controller, two node daemons: two nodes on one machine), with
+srun and sbatch against it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distsgd.errors import ConfigError
+from distsgd.launch import slurm
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+
+# What srun 22.05 gave task 0 of `srun -n2` on a one-node cluster whose node is `localhost`
+# (`env | grep ^SLURM`), less what srun_env sets per task or per task count.
+SRUN_ENV = {
+    "SLURMD_NODENAME": "localhost",
+    "SLURM_CLUSTER_NAME": "distsgd",
+    "SLURM_CONF": "/tmp/slurm/slurm.conf",
+    "SLURM_CPUS_ON_NODE": "2",
+    "SLURM_JOB_CPUS_PER_NODE": "2",
+    "SLURM_JOB_GID": "0",
+    "SLURM_JOB_NAME": "sh",
+    "SLURM_JOB_NODELIST": "localhost",
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_JOB_PARTITION": "debug",
+    "SLURM_JOB_UID": "0",
+    "SLURM_JOB_USER": "root",
+    "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1",
+    "SLURM_NNODES": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "localhost",
+    "SLURM_PRIO_PROCESS": "0",
+    "SLURM_SRUN_COMM_HOST": "127.0.0.1",
+    "SLURM_SRUN_COMM_PORT": "38237",
+    "SLURM_STEPID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_LAUNCHER_PORT": "38237",
+    "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_SUBMIT_DIR": "/tmp/slurm",
+    "SLURM_SUBMIT_HOST": "vm",
+    "SLURM_TOPOLOGY_ADDR": "localhost",
+    "SLURM_TOPOLOGY_ADDR_PATTERN": "node",
+    "SLURM_UMASK": "0022",
+    "SLURM_WORKING_CLUSTER": "distsgd:localhost:37101:9728:109",
+}
+
+# What the batch script of `sbatch --ntasks=2` had (no step: srun's tasks have SLURM_STEP_ID)
+BATCH_ENV = {
+    **{k: v for k, v in SRUN_ENV.items() if not k.startswith(("SLURM_STEP", "SLURM_SRUN", "SLURM_LAUNCH"))},
+    "SLURM_GTIDS": "0",
+    "SLURM_JOB_ID": "2",
+    "SLURM_JOBID": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODE_ALIASES": "(null)",
+    "SLURM_NPROCS": "2",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_TASK_PID": "12573",
+}
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def srun_env(task: int, tasks: int = 2, job: int = 5, **changes: str) -> dict[str, str]:
+    """Task ``task`` of ``srun -n{tasks}`` on the one node (``-O`` for more tasks than its 2 CPUs)."""
+    env = {
+        **SRUN_ENV,
+        "SLURM_GTIDS": ",".join(str(t) for t in range(tasks)),
+        "SLURM_JOB_ID": str(job),
+        "SLURM_JOBID": str(job),
+        "SLURM_LOCALID": str(task),
+        "SLURM_NPROCS": str(tasks),
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_PROCID": str(task),
+        "SLURM_STEP_NUM_TASKS": str(tasks),
+        "SLURM_STEP_TASKS_PER_NODE": str(tasks),
+        "SLURM_TASKS_PER_NODE": str(tasks),
+        "SLURM_TASK_PID": str(20679 + task),
+    }
+    if tasks > 2:  # what srun -O changed
+        env.update(SLURM_CPUS_ON_NODE="1", SLURM_JOB_CPUS_PER_NODE="1", SLURM_OVERCOMMIT="1")
+    env.update(changes)
+    return env
+
+
+@pytest.mark.parametrize(
+    "nodelist, expected",
+    [
+        ("localhost", ["localhost"]),
+        ("linux[0-3]", ["linux0", "linux1", "linux2", "linux3"]),
+        ("lx[15,18,32-33]", ["lx15", "lx18", "lx32", "lx33"]),
+        ("node[01-03,7],gpu-a[1-2]", ["node01", "node02", "node03", "node7", "gpu-a1", "gpu-a2"]),
+        ("tux[008-010],login", ["tux008", "tux009", "tux010", "login"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("a,b.example.org,c[5]", ["a", "b.example.org", "c5"]),
+    ],
+)
+def test_host_lists_expand_as_slurm_writes_them(nodelist: str, expected: list[str]) -> None:
+    assert slurm.hosts(nodelist) == expected
+
+
+@pytest.mark.parametrize("nodelist", ["", "node[1-", "node1-3]", "node[3-1]", "node[a-b]", "node[]", "n[[1]]", "a,,b"])
+def test_a_host_list_slurm_would_not_write_is_one_error(nodelist: str) -> None:
+    with pytest.raises(ConfigError, match="is not a SLURM host list"):
+        slurm.hosts(nodelist)
+
+
+def test_tasks_per_node() -> None:
+    assert slurm.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert slurm.tasks_per_node("4") == [4]
+    with pytest.raises(ConfigError, match="not a count list"):
+        slurm.tasks_per_node("2(x),1")
+
+
+def test_two_tasks_on_one_node_become_torchrun_ranks() -> None:
+    contracts = [slurm.torchrun_contract(srun_env(task)) for task in (0, 1)]
+    port = contracts[0]["MASTER_PORT"]
+    assert contracts == [
+        {"RANK": str(t), "WORLD_SIZE": "2", "LOCAL_RANK": str(t), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}
+        | {"MASTER_PORT": port}
+        for t in (0, 1)
+    ]
+    assert slurm.PORTS[0] <= int(port) < slurm.PORTS[1]
+    # another step of the job, or another job, meets on another port
+    assert slurm.torchrun_contract(srun_env(0, SLURM_STEP_ID="1"))["MASTER_PORT"] != port
+    assert slurm.torchrun_contract(srun_env(0, job=6))["MASTER_PORT"] != port
+
+
+def test_a_task_of_a_step_over_two_nodes() -> None:
+    """Task 3 of `srun -N2 --ntasks-per-node=2` on node08: the second task of the step's second node."""
+    env = srun_env(
+        3,
+        tasks=4,
+        SLURM_STEP_NODELIST="node[07-08]",
+        SLURM_JOB_NODELIST="node[07-08]",
+        SLURM_STEP_TASKS_PER_NODE="2(x2)",
+        SLURM_NODEID="1",
+        SLURM_LOCALID="1",
+        SLURMD_NODENAME="node08",
+    )
+    contract = slurm.torchrun_contract(env)
+    assert contract is not None
+    assert {k: contract[k] for k in slurm.CONTRACT} == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    assert contract["MASTER_ADDR"] == "node07"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        BATCH_ENV,  # the batch script itself: task 0 of 2, but not an srun task
+        {k: v for k, v in SRUN_ENV.items() if "STEP" not in k},  # an salloc shell: no step, no task
+        srun_env(0, tasks=1),  # srun --pty bash, srun -n1 distsgd train --workers 4: a machine
+        srun_env(0, SLURM_STEP_ID="4294967290", SLURM_STEPID="4294967290"),  # salloc's interactive step
+        srun_env(1, TORCHELASTIC_RUN_ID="none", RANK="5", WORLD_SIZE="8"),  # srun torchrun ...: torchrun's
+    ],
+    ids=["batch script", "salloc shell", "one task", "interactive step", "torchrun under srun"],
+)
+def test_only_a_task_of_several_under_srun_is_adopted(env: dict[str, str]) -> None:
+    env = dict(env)
+    before = dict(env)
+    assert slurm.adopt(env) is False
+    assert env == before
+
+
+def test_adopt_fills_torchruns_variables_and_keeps_the_users_address() -> None:
+    env = srun_env(1, MASTER_ADDR="10.0.0.7", MASTER_PORT="29500", RANK="1")
+    assert slurm.adopt(env) is True
+    assert {k: env[k] for k in TORCHRUN if k in env} == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+    }
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (srun_env(2), "SLURM_PROCID=2 is not one of SLURM_STEP_NUM_TASKS=2 tasks (0 to 1)"),
+        (srun_env(1, SLURM_LOCALID="2"), "SLURM_LOCALID=2 is not one of the 2 tasks that SLURM_STEP_TASKS_PER_NODE"),
+        (
+            srun_env(1, SLURM_STEP_TASKS_PER_NODE="3"),
+            "SLURM_STEP_TASKS_PER_NODE=3 makes 3 tasks, SLURM_STEP_NUM_TASKS=2",
+        ),
+        (srun_env(1, SLURM_NODEID="1"), "SLURM_NODEID=1 is not one of the 1 nodes"),
+        (srun_env(1, SLURM_STEP_NODELIST="node[1-"), "'node[1-' is not a SLURM host list"),
+        (srun_env(1, SLURM_PROCID="one"), "SLURM_PROCID=one is not a number"),
+        (srun_env(1, SLURM_STEP_NODELIST=""), "SLURM_STEP_NODELIST is not set in this srun task"),
+        (srun_env(0, SLURMD_NODENAME="node2"), "task 0 runs on node2, not on the step's first node localhost"),
+        (srun_env(1, RANK="0"), "RANK=0 disagrees with SLURM_PROCID (1) in this srun task"),
+        (srun_env(1, WORLD_SIZE="4"), "WORLD_SIZE=4 disagrees with SLURM's world size (2)"),
+        (srun_env(1, MASTER_PORT="http"), "MASTER_PORT=http is not a port"),
+    ],
+)
+def test_slurm_variables_that_disagree_are_one_error(env: dict[str, str], message: str) -> None:
+    before = dict(env)
+    with pytest.raises(ConfigError) as info:
+        slurm.adopt(env)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert env == before  # nothing half-written
+
+
+def test_requeue_and_run_names() -> None:
+    assert slurm.restarted({"SLURM_RESTART_COUNT": "1"}) and not slurm.restarted({"SLURM_RESTART_COUNT": "0"})
+    assert not slurm.restarted({})
+    assert slurm.run_name(srun_env(1, job=1234)) == "slurm-1234.0"  # the same in every task and attempt
+    assert slurm.run_name(BATCH_ENV) is None and slurm.run_name({}) is None
+    assert slurm.run_name(srun_env(0, tasks=1)) is None  # srun --pty bash: one run after another
+
+
+# -- local processes with srun's environment --------------------------------------------------
+
+
+def _job_with_a_free_port() -> int:
+    """A job id whose derived MASTER_PORT is free here (tests and runs share this machine)."""
+    while True:
+        job = random.randrange(10_000, 10_000_000)
+        port = int(slurm.torchrun_contract(srun_env(0, job=job))["MASTER_PORT"])
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return job
+            except OSError:
+                continue
+
+
+def _task_env(task: int, tasks: int, job: int, **changes: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables, and srun's for the task."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "TORCHELASTIC")) and k not in TORCHRUN}
+    path = (env.get("PYTHONPATH"), str(ROOT / "src"), str(HERE))  # scripts import this file's helpers
+    env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), OMP_NUM_THREADS="1")
+    return {**env, **srun_env(task, tasks, job), **changes}
+
+
+def _run_tasks(
+    argv: list[str], tasks: int, cwd: Path, timeout: float = 240, **changes: str
+) -> list[subprocess.CompletedProcess]:
+    """``argv`` in ``tasks`` processes, each with srun's environment for its task; their outcomes."""
+    job = _job_with_a_free_port()
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=_task_env(t, tasks, job, **changes),
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for t in range(tasks)
+    ]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return results
+
+
+TRAIN = ["-m", "distsgd", "train", "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, tasks, workers", [("allreduce", 2, 2), ("asgd", 3, 2)])
+def test_srun_tasks_train_with_the_command(tmp_path: Path, algo: str, tasks: int, workers: int) -> None:
+    """`srun -n2 distsgd train --algo allreduce` (asgd: -n3, task 0 serves) with no torchrun: the
+    tasks form the group from SLURM's variables alone and train to the torchrun runs' band."""
+    pytest.importorskip("sklearn")
+    results = _run_tasks([sys.executable, *TRAIN, "--algo", algo], tasks, tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    (out,) = (tmp_path / "runs").iterdir()  # every task wrote into one: the job's and step's, not a timestamp's
+    assert re.fullmatch(rf"slurm-\d+\.0-{algo}", out.name)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == workers and s["algo"] == algo and s["samples"] == 2 * 1436
+    assert s["final_test_accuracy"] > 0.6
+    assert sum("run saved in" in r.stdout for r in results) == 1  # task 0 alone reports
+
+
+API_SCRIPT = """
+import sys
+
+import distsgd
+from test_own_loop import Net, evaluate_net, tuple_loop  # a user's loop, model and evaluation
+
+if __name__ == "__main__":
+    algo, out = sys.argv[1], sys.argv[2]
+    if algo == "allreduce":  # distsgd's loop
+        r = distsgd.train("mlp", "digits", algo, epochs=2, lr=0.05, out=out, quiet=True)
+    else:  # the user's loop, in this process: task 0 serves
+        r = distsgd.spawn(tuple_loop, model=Net, algo=algo, epochs=3, lr=0.05, batch_size=32,
+                          evaluate=evaluate_net, out=out, quiet=True)
+    if r.model is not None:
+        print("accuracy", r.summary["final_test_accuracy"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, tasks, band", [("allreduce", 2, 0.6), ("asgd", 3, 0.85)])
+def test_srun_tasks_run_a_script_on_the_python_api(tmp_path: Path, algo: str, tasks: int, band: float) -> None:
+    """`srun -n2 python script.py`: distsgd.train; `srun -n3`: distsgd.spawn with the user's loop
+    under asgd. Task 0 alone gets the model and writes the run."""
+    pytest.importorskip("sklearn")
+    script = tmp_path / "script.py"
+    script.write_text(API_SCRIPT)
+    results = _run_tasks([sys.executable, str(script), algo, str(tmp_path / "run")], tasks, tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert [r.stdout.count("accuracy") for r in results] == [1] + [0] * (tasks - 1)
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["workers"] == 2 and s["algo"] == algo and s["final_test_accuracy"] > band
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "task, changes, flags, message",
+    [
+        (2, {}, [], "SLURM_PROCID=2 is not one of SLURM_STEP_NUM_TASKS=2 tasks (0 to 1)"),
+        (1, {"RANK": "0", "WORLD_SIZE": "2"}, [], "RANK=0 disagrees with SLURM_PROCID (1) in this srun task"),
+        (1, {"SLURM_STEP_NODELIST": "node[01-02"}, [], "'node[01-02' is not a SLURM host list"),
+        (1, {}, ["--algo", "asgd", "--workers", "2"], "--workers 2, but the group's 2 processes make 1 asgd workers"),
+    ],
+    ids=["procid", "rank", "nodelist", "workers"],
+)
+def test_a_bad_slurm_setup_is_one_line(tmp_path: Path, task: int, changes: dict, flags: list, message: str) -> None:
+    """Each stops before any group forms: one `error:` line, exit 2, no run directory."""
+    job = _job_with_a_free_port()
+    res = subprocess.run(
+        [sys.executable, *TRAIN, *flags, "--out", str(tmp_path / "run")],
+        env=_task_env(task, 2, job, **changes),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), res.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_task_that_dies_leaves_its_peer_one_line(tmp_path: Path) -> None:
+    """Task 1 SIGKILLed at its 15th step, with no srun to stop task 0: task 0's collective fails,
+    and it says so in one line (exit 2), not with a traceback, and does not hang."""
+    pytest.importorskip("sklearn")
+    (tmp_path / "dying.py").write_text(DYING_MODEL)
+    argv = [sys.executable, *TRAIN, "--algo", "allreduce", "--model", f"{tmp_path / 'dying.py'}:Net", "--quiet"]
+    task0, task1 = _run_tasks(argv, 2, tmp_path, timeout=120, KILL_MARKER=str(tmp_path / "killed"))
+    assert task1.returncode == -9
+    lines = task0.stderr.strip().splitlines()
+    assert task0.returncode == 2 and len(lines) == 1, task0.stderr[-3000:]
+    assert lines[0].startswith("error: process 0 stopped: another process of the group failed or cannot be reached")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "task, nodelist, message",
+    [
+        (1, "192.0.2.1", "the process group at 192.0.2.1:"),  # TEST-NET-1: routed nowhere
+        (1, "nosuchnode.invalid", "the process group at nosuchnode.invalid:"),  # a name no resolver knows
+        (0, "localhost", "the process group at localhost:"),  # task 1 never comes
+    ],
+    ids=["unroutable first host", "unknown first host", "a task that never comes"],
+)
+def test_a_group_that_cannot_form_fails_within_the_timeout(
+    tmp_path: Path, task: int, nodelist: str, message: str
+) -> None:
+    """One task of two alone: task 1 cannot reach the first host, task 0 waits for a peer that
+    never comes. Each gives up after --timeout (3 s) with one line, not a traceback or a hang."""
+    job = _job_with_a_free_port()
+    env = _task_env(task, 2, job, SLURM_STEP_NODELIST=nodelist, SLURM_JOB_NODELIST=nodelist, SLURM_NODELIST=nodelist)
+    if task == 0:
+        env["SLURMD_NODENAME"] = nodelist
+    started = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, *TRAIN, "--algo", "allreduce", "--timeout", "3", "--out", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert lines[0].startswith(f"error: {message}") and "within --timeout 3 s" in lines[0], lines
+    assert time.monotonic() - started < 60  # the start (imports, data), then 3 s, not torch's 30 minutes
+
+
+# -- a real SLURM ----------------------------------------------------------------------------
+
+SLURM_CONF = """\
+ClusterName=distsgd
+SlurmctldHost=localhost
+SlurmUser={user}
+SlurmdUser={user}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={dir}/munge.sock,cred_expire=10
+SlurmctldPort={ctld_port}
+StateSaveLocation={dir}/ctld
+SlurmdSpoolDir={dir}/%n
+SlurmctldPidFile={dir}/ctld.pid
+SlurmdPidFile={dir}/%n.pid
+SlurmctldLogFile={dir}/ctld.log
+SlurmdLogFile={dir}/%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+JobRequeue=1
+NodeName=127.0.0.1 Port={port1} CPUs={cpus} State=UNKNOWN
+NodeName=127.0.0.2 Port={port2} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=127.0.0.[1-2] Default=YES MaxTime=INFINITE State=UP
+"""
+NODES = ("127.0.0.1", "127.0.0.2")  # two nodes on this machine: names that need no resolver, both loopback
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol")
+
+
+# A requeued job may start again cred_expire seconds later (SLURM's default: 120), when the
+# scheduler next looks (sched_interval: 60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def real_slurm():
+    """A SLURM cluster of two nodes on this machine, started here: munged with a fresh key, slurmctld
+    and one slurmd a node (``-N``), in the foreground, every file in a temporary folder (short:
+    munge's socket path must fit a socket's name). Each node claims this machine's CPUs. Yields the environment for srun and sbatch (the
+    test's python first on PATH, this checkout's distsgd on PYTHONPATH); stops the daemons after."""
+    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    if missing:
+        pytest.skip(
+            f"SLURM is not installed (no {', '.join(missing)}): apt-get install slurmctld slurmd slurm-client munge"
+        )
+    import getpass
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="slurm-"))
+    for sub in ("munge", "ctld"):
+        (folder / sub).mkdir(mode=0o700)
+    conf = folder / "slurm.conf"
+    conf.write_text(
+        SLURM_CONF.format(
+            user=getpass.getuser(),
+            dir=folder,
+            ctld_port=_free_port(),
+            port1=_free_port(),
+            port2=_free_port(),
+            cpus=os.cpu_count() or 1,
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM") and k not in TORCHRUN}
+    path = (env.get("PYTHONPATH"), str(ROOT / "src"), str(HERE))
+    env.update(
+        SLURM_CONF=str(conf),
+        PATH=os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", ""))),
+        PYTHONPATH=os.pathsep.join(p for p in path if p),
+        OMP_NUM_THREADS="1",
+    )
+    subprocess.run(["mungekey", "--create", f"--keyfile={folder}/munge/munge.key"], check=True, timeout=30)
+    daemons = []
+    log = open(folder / "daemons.log", "w")
+    try:
+        for argv in (
+            ["munged", "--foreground", "--force", f"--socket={folder}/munge.sock"]
+            + [f"--{k}-file={folder}/munge/{k}" for k in ("pid", "seed", "log")]
+            + [f"--key-file={folder}/munge/munge.key"],
+            ["slurmctld", "-D", "-f", str(conf)],
+            *(["slurmd", "-D", "-f", str(conf), "-N", node] for node in NODES),
+        ):
+            daemons.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+            if argv[0] == "munged":
+                _wait_for(lambda: (folder / "munge.sock").exists(), 20, "munged's socket", folder)
+        sinfo = ["sinfo", "-h", "-N", "-o", "%T"]
+        _wait_for(
+            lambda: subprocess.run(sinfo, env=env, capture_output=True, text=True).stdout.split() == ["idle"] * 2,
+            60,
+            "two idle nodes",
+            folder,
+        )
+        yield env
+    finally:
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+        if jobs:
+            subprocess.run(["scancel", *jobs], env=env, capture_output=True)
+            time.sleep(2)
+        for p in reversed(daemons):
+            p.terminate()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_for(ready, seconds: float, what: str, folder: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if time.monotonic() > deadline:
+            logs = "".join(p.read_text()[-1500:] for p in sorted(folder.glob("*.log")))
+            pytest.fail(f"SLURM did not start: no {what} after {seconds} s; logs:\n{logs}")
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_real_srun_trains_two_workers(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """`srun -N1 -n2 python -m distsgd train --algo allreduce` on a real slurmctld and slurmd."""
+    pytest.importorskip("sklearn")
+    out = tmp_path / "run"
+    res = subprocess.run(
+        ["srun", "-N1", "-n2", "-O", "--kill-on-bad-exit=1", sys.executable, *TRAIN, "--algo", "allreduce"]
+        + ["--out", str(out)],
+        env=real_slurm,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 2 and s["samples"] == 2 * 1436 and s["backend"] == "gloo"
+    assert s["final_test_accuracy"] > 0.6
+    assert len(s["bytes_sent_per_worker"]) == 2 and min(s["bytes_sent_per_worker"]) > 0
+
+
+DYING_MODEL = '''
+import os, signal
+import torch.nn as nn
+
+class Net(nn.Module):
+    """An MLP whose process of RANK 1 SIGKILLs itself at its 15th step, once (KILL_MARKER)."""
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and os.environ["RANK"] == "1" and not os.path.exists(os.environ["KILL_MARKER"]):
+            self.calls += 1
+            if self.calls == 15:
+                open(os.environ["KILL_MARKER"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+
+@pytest.mark.slow
+def test_a_sbatch_job_whose_task_died_goes_on_from_its_checkpoint(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """examples/slurm_nodes.sbatch on the two nodes, one task each: task 1 is SIGKILLed mid-run;
+    srun --kill-on-bad-exit stops task 0 (which says so in one line), and the script runs the step
+    again with --resume, which finishes the budget."""
+    pytest.importorskip("sklearn")
+    (tmp_path / "dying.py").write_text(DYING_MODEL)
+    flags = ["--dataset", "digits", "--model", f"{tmp_path / 'dying.py'}:Net", "--max-samples", "2872"]
+    res = subprocess.run(
+        ["sbatch", "--wait", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "-O"]
+        + ["--output=job.out", str(ROOT / "examples" / "slurm_nodes.sbatch"), *flags, "--lr", "0.05"]
+        + ["--checkpoint-every", "400"],
+        env={**real_slurm, "KILL_MARKER": str(tmp_path / "killed")},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert res.returncode == 0, res.stderr[-2000:] + log[-3000:]
+    assert (tmp_path / "killed").exists() and "restarting from the last checkpoint" in log, log[-3000:]
+    survivor = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert survivor and survivor[0].startswith("error: process 0 stopped: another process of the group failed")
+    assert "Traceback" not in log
+    s = json.loads((tmp_path / "runs" / f"slurm-{res.stdout.strip().split(';')[0]}" / "summary.json").read_text())
+    assert s["samples"] == 2872 and s["final_test_accuracy"] > 0.6
+
+
+@pytest.mark.slow
+def test_a_real_srun_over_two_nodes_serves_from_the_first(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """`srun -N2 --ntasks-per-node=2 ... --algo asgd`: SLURM writes the nodes as `127.0.0.[1-2]`;
+    task 0 serves on the first, the other three train, two of them on the second node."""
+    pytest.importorskip("sklearn")
+    out = tmp_path / "run"
+    res = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=2", "-O", "--kill-on-bad-exit=1", sys.executable, *TRAIN, "--algo", "asgd"]
+        + ["--out", str(out)],
+        env=real_slurm,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 3 and s["failed_workers"] == [] and s["final_test_accuracy"] > 0.6
+    assert len(s["samples_per_worker"]) == 3 and min(s["samples_per_worker"]) > 0
+
+
+REQUEUING_MODEL = '''
+import os, subprocess
+import torch.nn as nn
+
+class Net(nn.Module):
+    """An MLP whose task 0 requeues its own job at its 15th step of the first attempt (a preemption)."""
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and os.environ["RANK"] == "0":
+            self.calls += 1
+            if self.calls == 15:
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+        return self.net(x)
+'''
+
+
+@pytest.mark.slow
+def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """examples/slurm_one_node.sbatch, its job requeued mid-run (as a preemption would): SLURM runs
+    it again and distsgd goes on from the newest checkpoint of the first attempt, to the budget."""
+    pytest.importorskip("sklearn")
+    (tmp_path / "requeuing.py").write_text(REQUEUING_MODEL)
+    flags = ["--dataset", "digits", "--model", f"{tmp_path / 'requeuing.py'}:Net", "--max-samples", "2872"]
+    res = subprocess.run(
+        ["sbatch", "--wait", "--parsable", "--cpus-per-task=1", "-O", "--output=job.out"]
+        + [str(ROOT / "examples" / "slurm_one_node.sbatch"), *flags, "--lr", "0.05", "--checkpoint-every", "400"],
+        env=real_slurm,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert res.returncode == 0, res.stderr[-2000:] + log[-3000:]
+    job = res.stdout.strip().split(";")[0]
+    shown = subprocess.run(["scontrol", "show", "job", job], env=real_slurm, capture_output=True, text=True).stdout
+    assert "Restarts=1" in shown, shown
+    assert "SLURM requeued the job: resuming from the checkpoint" in log, log[-3000:]
+    out = tmp_path / "runs" / f"slurm-{job}"
+    s = json.loads((out / "summary.json").read_text())
+    assert s["samples"] == 2872 and s["final_test_accuracy"] > 0.6
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    seqs = [e["seq"] for e in events if e["event"] == "checkpoint"]
+    assert seqs == sorted(set(seqs))  # the second attempt went on from the first one's last, not from 1
