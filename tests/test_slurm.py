@@ -188,6 +188,21 @@ def test_only_a_task_of_several_under_srun_is_adopted(env: dict[str, str]) -> No
     assert env == before
 
 
+def test_a_process_in_a_group_formed_before_the_run_keeps_it() -> None:
+    """A Ray Train worker on nodes that srun started inherits a task's SLURM variables, and Ray set
+    its LOCAL_RANK: its group is Ray's, and nothing of SLURM's is written over it."""
+    import torch.distributed as dist
+
+    env = srun_env(1, LOCAL_RANK="0")
+    before = dict(env)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert slurm.adopt(env) is False
+    finally:
+        dist.destroy_process_group()
+    assert env == before
+
+
 def test_adopt_fills_torchruns_variables_and_keeps_the_users_address() -> None:
     env = srun_env(1, MASTER_ADDR="10.0.0.7", MASTER_PORT="29500", RANK="1")
     assert slurm.adopt(env) is True

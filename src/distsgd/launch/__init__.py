@@ -16,12 +16,12 @@ object, never by importing an algorithm.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
+from distsgd.launch.rendezvous import place
 from distsgd.metrics import Sink
 from distsgd.train.context import Job, WorkerContext, WorkerResult
 
@@ -41,7 +41,7 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     planned = _topology(algo_cls).plan(cfg, algo_cls, torchrun)
     if torchrun and cfg.workers not in (1, planned.workers):
         raise ConfigError(
-            f"--workers {cfg.workers}, but the group's {os.environ['WORLD_SIZE']} processes make "
+            f"--workers {cfg.workers}, but the group's {place()[1]} processes make "
             f"{planned.workers} {cfg.algo} workers: give --workers {planned.workers}, or leave it out"
         )
     return planned
@@ -64,7 +64,7 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         if not (torchrun and procs.peer_symptom(str(exc))):
             raise
         raise WorkerError(
-            f"process {os.environ['RANK']} stopped: another process of the group failed or cannot be "
+            f"process {place()[0]} stopped: another process of the group failed or cannot be "
             f"reached ({procs.error_text(exc)})"
         ) from None
 

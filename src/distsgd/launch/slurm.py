@@ -10,7 +10,7 @@ torchrun path runs unchanged, with no torchrun in between.
 Only the tasks of a step of several tasks are adopted: a batch script, an ``salloc`` shell and a
 one-task step (``srun --pty bash``, ``srun -n1 distsgd train --workers 4``) are a machine like any
 other, where distsgd starts its own workers. Processes that torchrun started (``srun torchrun
-...``) are torchrun's.
+...``) are torchrun's, and a process already in a group (Ray Train's, on nodes srun started) keeps it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import re
 from collections.abc import MutableMapping
 
 from distsgd.errors import ConfigError
+from distsgd.launch.rendezvous import formed_group
 
 FIRST_SPECIAL_STEP = 0xFFFFFFF0  # step ids from here up are SLURM's own (batch, extern, interactive), not srun's
 PORTS = (15000, 32000)  # MASTER_PORT's range: unprivileged, below Linux's ephemeral ports (32768 and up)
@@ -134,6 +135,8 @@ def adopt(env: MutableMapping[str, str] = os.environ) -> bool:
     """Under srun, a task of several: write torchrun's variables into ``env`` (the user's
     ``MASTER_ADDR`` and ``MASTER_PORT`` win; a ``RANK`` or ``WORLD_SIZE`` already there must be
     SLURM's). True when it did."""
+    if formed_group():  # its launcher's ranks, not SLURM's tasks (Ray's workers inherit srun's variables)
+        return False
     contract = torchrun_contract(env)
     if contract is None:
         return False
