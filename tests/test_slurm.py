@@ -3,19 +3,21 @@ between.
 
 Three layers: SLURM's host lists and variables as its documentation writes them; local processes
 given exactly the environment srun gives the tasks of a step on one node (:func:`srun_env`, captured
-from srun 22.05, Debian's slurm-wlm), running the command and the Python API; and, where slurmctld,
-slurmd and munged are installed (CI installs them), a real SLURM that the test starts in a temporary
-folder (munge with a fresh key, a controller, two node daemons: two nodes on one machine), with
-srun and sbatch against it.
+from srun 22.05, Debian's slurm-wlm), for the set-ups that must fail in one line; and a real SLURM
+that the module starts once in a temporary folder (munge with a fresh key, a controller, two node
+daemons: two nodes on one machine), with srun and sbatch against it, where slurmctld, slurmd and
+munged are installed (CI installs them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import reap
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
 
@@ -275,159 +278,67 @@ def _task_env(task: int, tasks: int, job: int, **changes: str) -> dict[str, str]
     return {**env, **srun_env(task, tasks, job), **changes}
 
 
-def _run_tasks(
-    argv: list[str], tasks: int, cwd: Path, timeout: float = 240, **changes: str
-) -> list[subprocess.CompletedProcess]:
-    """``argv`` in ``tasks`` processes, each with srun's environment for its task; their outcomes."""
-    job = _job_with_a_free_port()
-    procs = [
-        subprocess.Popen(
-            argv,
-            env=_task_env(t, tasks, job, **changes),
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for t in range(tasks)
-    ]
-    results = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    return results
-
-
 TRAIN = ["-m", "distsgd", "train", "--dataset", "digits", "--model", "mlp", "--epochs", "2", "--lr", "0.05"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("algo, tasks, workers", [("allreduce", 2, 2), ("asgd", 3, 2)])
-def test_srun_tasks_train_with_the_command(tmp_path: Path, algo: str, tasks: int, workers: int) -> None:
-    """`srun -n2 distsgd train --algo allreduce` (asgd: -n3, task 0 serves) with no torchrun: the
-    tasks form the group from SLURM's variables alone and train to the torchrun runs' band."""
-    pytest.importorskip("sklearn")
-    results = _run_tasks([sys.executable, *TRAIN, "--algo", algo], tasks, tmp_path)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    (out,) = (tmp_path / "runs").iterdir()  # every task wrote into one: the job's and step's, not a timestamp's
-    assert re.fullmatch(rf"slurm-\d+\.0-{algo}", out.name)
-    s = json.loads((out / "summary.json").read_text())
-    assert s["workers"] == workers and s["algo"] == algo and s["samples"] == 2 * 1436
-    assert s["final_test_accuracy"] > 0.6
-    assert sum("run saved in" in r.stdout for r in results) == 1  # task 0 alone reports
+def _alone(argv: list[str], task: int, **changes: str) -> subprocess.Popen:
+    """``argv`` in one process with srun's environment for task ``task`` of 2, and no other task."""
+    env = _task_env(task, 2, _job_with_a_free_port(), **changes)
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-API_SCRIPT = """
-import sys
-
-import distsgd
-from test_own_loop import Net, evaluate_net, tuple_loop  # a user's loop, model and evaluation
-
-if __name__ == "__main__":
-    algo, out = sys.argv[1], sys.argv[2]
-    if algo == "allreduce":  # distsgd's loop
-        r = distsgd.train("mlp", "digits", algo, epochs=2, lr=0.05, out=out, quiet=True)
-    else:  # the user's loop, in this process: task 0 serves
-        r = distsgd.spawn(tuple_loop, model=Net, algo=algo, epochs=3, lr=0.05, batch_size=32,
-                          evaluate=evaluate_net, out=out, quiet=True)
-    if r.model is not None:
-        print("accuracy", r.summary["final_test_accuracy"])
-"""
+def _one_line(p: subprocess.Popen) -> str:
+    """The one `error:` line a process that exited 2 said, and nothing else."""
+    _, stderr = p.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
+    return lines[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, tasks, band", [("allreduce", 2, 0.6), ("asgd", 3, 0.85)])
-def test_srun_tasks_run_a_script_on_the_python_api(tmp_path: Path, algo: str, tasks: int, band: float) -> None:
-    """`srun -n2 python script.py`: distsgd.train; `srun -n3`: distsgd.spawn with the user's loop
-    under asgd. Task 0 alone gets the model and writes the run."""
-    pytest.importorskip("sklearn")
-    script = tmp_path / "script.py"
-    script.write_text(API_SCRIPT)
-    results = _run_tasks([sys.executable, str(script), algo, str(tmp_path / "run")], tasks, tmp_path)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    assert [r.stdout.count("accuracy") for r in results] == [1] + [0] * (tasks - 1)
-    s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["workers"] == 2 and s["algo"] == algo and s["final_test_accuracy"] > band
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "task, changes, flags, message",
-    [
+def test_a_bad_slurm_setup_is_one_line(tmp_path: Path) -> None:
+    """Each stops before any group forms: one `error:` line, exit 2, no run directory. (The cases
+    run side by side.)"""
+    cases = [
         (2, {}, [], "SLURM_PROCID=2 is not one of SLURM_STEP_NUM_TASKS=2 tasks (0 to 1)"),
         (1, {"RANK": "0", "WORLD_SIZE": "2"}, [], "RANK=0 disagrees with SLURM_PROCID (1) in this srun task"),
-        (1, {"SLURM_STEP_NODELIST": "node[01-02"}, [], "'node[01-02' is not a SLURM host list"),
         (1, {}, ["--algo", "asgd", "--workers", "2"], "--workers 2, but the group's 2 processes make 1 asgd workers"),
-    ],
-    ids=["procid", "rank", "nodelist", "workers"],
-)
-def test_a_bad_slurm_setup_is_one_line(tmp_path: Path, task: int, changes: dict, flags: list, message: str) -> None:
-    """Each stops before any group forms: one `error:` line, exit 2, no run directory."""
-    job = _job_with_a_free_port()
-    res = subprocess.run(
-        [sys.executable, *TRAIN, *flags, "--out", str(tmp_path / "run")],
-        env=_task_env(task, 2, job, **changes),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), res.stderr[-3000:]
-    assert not (tmp_path / "run").exists()
+    ]
+    procs = [
+        _alone([sys.executable, *TRAIN, *flags, "--out", str(tmp_path / f"run{i}")], task, **changes)
+        for i, (task, changes, flags, _) in enumerate(cases)
+    ]
+    for i, (p, (_, _, _, message)) in enumerate(zip(procs, cases)):
+        assert _one_line(p).startswith(f"error: {message}")
+        assert not (tmp_path / f"run{i}").exists()
 
 
 @pytest.mark.slow
-def test_a_task_that_dies_leaves_its_peer_one_line(tmp_path: Path) -> None:
-    """Task 1 SIGKILLed at its 15th step, with no srun to stop task 0: task 0's collective fails,
-    and it says so in one line (exit 2), not with a traceback, and does not hang."""
-    pytest.importorskip("sklearn")
-    (tmp_path / "dying.py").write_text(DYING_MODEL)
-    argv = [sys.executable, *TRAIN, "--algo", "allreduce", "--model", f"{tmp_path / 'dying.py'}:Net", "--quiet"]
-    task0, task1 = _run_tasks(argv, 2, tmp_path, timeout=120, KILL_MARKER=str(tmp_path / "killed"))
-    assert task1.returncode == -9
-    lines = task0.stderr.strip().splitlines()
-    assert task0.returncode == 2 and len(lines) == 1, task0.stderr[-3000:]
-    assert lines[0].startswith("error: process 0 stopped: another process of the group failed or cannot be reached")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "task, nodelist, message",
-    [
-        (1, "192.0.2.1", "the process group at 192.0.2.1:"),  # TEST-NET-1: routed nowhere
-        (1, "nosuchnode.invalid", "the process group at nosuchnode.invalid:"),  # a name no resolver knows
-        (0, "localhost", "the process group at localhost:"),  # task 1 never comes
-    ],
-    ids=["unroutable first host", "unknown first host", "a task that never comes"],
-)
-def test_a_group_that_cannot_form_fails_within_the_timeout(
-    tmp_path: Path, task: int, nodelist: str, message: str
-) -> None:
-    """One task of two alone: task 1 cannot reach the first host, task 0 waits for a peer that
-    never comes. Each gives up after --timeout (3 s) with one line, not a traceback or a hang."""
-    job = _job_with_a_free_port()
-    env = _task_env(task, 2, job, SLURM_STEP_NODELIST=nodelist, SLURM_JOB_NODELIST=nodelist, SLURM_NODELIST=nodelist)
-    if task == 0:
-        env["SLURMD_NODENAME"] = nodelist
+def test_a_group_that_cannot_form_fails_within_the_timeout(tmp_path: Path) -> None:
+    """One task of two alone, with --timeout 3: task 1 cannot reach the first host (an address
+    routed nowhere, a name no resolver knows); task 0 waits for a peer that never comes. Each gives
+    up after the timeout with one line, not a traceback or torch's 30 minutes. (Side by side.)"""
+    cases = [
+        (1, "192.0.2.1"),  # TEST-NET-1: routed nowhere
+        (1, "nosuchnode.invalid"),
+        (0, "localhost"),  # task 1 never comes
+    ]
     started = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, *TRAIN, "--algo", "allreduce", "--timeout", "3", "--out", str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
-    assert lines[0].startswith(f"error: {message}") and "within --timeout 3 s" in lines[0], lines
-    assert time.monotonic() - started < 60  # the start (imports, data), then 3 s, not torch's 30 minutes
+    procs = [
+        _alone(
+            [sys.executable, *TRAIN, "--algo", "allreduce", "--timeout", "3", "--out", str(tmp_path / f"run{i}")],
+            task,
+            **{
+                name: host
+                for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURMD_NODENAME")
+            },
+        )
+        for i, (task, host) in enumerate(cases)
+    ]
+    for p, (_, host) in zip(procs, cases):
+        line = _one_line(p)
+        assert line.startswith(f"error: the process group at {host}:") and "within --timeout 3 s" in line, line
+    assert time.monotonic() - started < 60  # the start (imports, data), then 3 s, not a hang
 
 
 # -- a real SLURM ----------------------------------------------------------------------------
@@ -439,7 +350,7 @@ SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge.sock,cred_expire=10
+AuthInfo=socket={dir}/munge.sock,cred_expire=5
 SlurmctldPort={ctld_port}
 StateSaveLocation={dir}/ctld
 SlurmdSpoolDir={dir}/%n
@@ -463,12 +374,11 @@ NodeName=127.0.0.1 Port={port1} CPUs={cpus} State=UNKNOWN
 NodeName=127.0.0.2 Port={port2} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=127.0.0.[1-2] Default=YES MaxTime=INFINITE State=UP
 """
+# cred_expire and sched_interval: a requeued job starts again cred_expire seconds after the requeue
+# (SLURM's default: 120), when the scheduler next looks (its default: every 60 s)
 NODES = ("127.0.0.1", "127.0.0.2")  # two nodes on this machine: names that need no resolver, both loopback
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol")
-
-
-# A requeued job may start again cred_expire seconds later (SLURM's default: 120), when the
-# scheduler next looks (sched_interval: 60)
+SPARED: list[int] = []  # the real cluster's daemons: they live as long as the module
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scontrol", "scancel")
 
 
 def _free_port() -> int:
@@ -477,17 +387,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def real_slurm():
-    """A SLURM cluster of two nodes on this machine, started here: munged with a fresh key, slurmctld
-    and one slurmd a node (``-N``), in the foreground, every file in a temporary folder (short:
-    munge's socket path must fit a socket's name). Each node claims this machine's CPUs. Yields the environment for srun and sbatch (the
-    test's python first on PATH, this checkout's distsgd on PYTHONPATH); stops the daemons after."""
+@pytest.fixture(autouse=True)
+def reap_children():
+    """conftest's reaper after each test, less the real cluster's daemons (and the steps they run:
+    a step a test left running is found when real_slurm stops the cluster)."""
+    yield
+    left = reap(spare=SPARED)
+    assert not left, f"processes left behind: {left}"
+
+
+def _processes_of(conf: Path) -> list[int]:
+    """The live processes whose environment names ``conf`` as SLURM's: the cluster's daemons, the
+    slurmstepd of each step and the tasks they run."""
+    mark = f"SLURM_CONF={conf}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def real_slurm(tmp_path_factory):
+    """A SLURM cluster of two nodes on this machine, started here once for the module: munged with
+    a fresh key, slurmctld and one slurmd a node (``-N``), in the foreground, every file in a
+    temporary folder (short: munge's socket path must fit a socket's name). Each node claims this
+    machine's CPUs. Yields the environment for srun and sbatch (the test's python first on PATH,
+    this checkout's distsgd on PYTHONPATH). After the module, or a failed start, the jobs are
+    cancelled and the daemons stopped, and no process of the cluster may be left."""
     missing = [d for d in DAEMONS if shutil.which(d) is None]
     if missing:
-        pytest.skip(
-            f"SLURM is not installed (no {', '.join(missing)}): apt-get install slurmctld slurmd slurm-client munge"
-        )
+        pytest.skip(f"SLURM is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge")
     import getpass
     import tempfile
 
@@ -525,6 +458,7 @@ def real_slurm():
             *(["slurmd", "-D", "-f", str(conf), "-N", node] for node in NODES),
         ):
             daemons.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+            SPARED.append(daemons[-1].pid)
             if argv[0] == "munged":
                 _wait_for(lambda: (folder / "munge.sock").exists(), 20, "munged's socket", folder)
         sinfo = ["sinfo", "-h", "-N", "-o", "%T"]
@@ -538,8 +472,8 @@ def real_slurm():
     finally:
         jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
         if jobs:
-            subprocess.run(["scancel", *jobs], env=env, capture_output=True)
-            time.sleep(2)
+            subprocess.run(["scancel", *jobs], env=env, capture_output=True, timeout=30)
+            _settle(lambda: not [p for p in _processes_of(conf) if p not in {d.pid for d in daemons}], 20)
         for p in reversed(daemons):
             p.terminate()
             try:
@@ -548,7 +482,20 @@ def real_slurm():
                 p.kill()
                 p.wait()
         log.close()
+        SPARED.clear()
+        _settle(lambda: not _processes_of(conf), 10)  # a slurmstepd leaves after its step
+        left = sorted(set(_processes_of(conf) + reap()))
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(folder, ignore_errors=True)
+        assert not left, f"processes of the test's SLURM outlived it: {left}"
+
+
+def _settle(done, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _wait_for(ready, seconds: float, what: str, folder: Path) -> None:
@@ -560,25 +507,104 @@ def _wait_for(ready, seconds: float, what: str, folder: Path) -> None:
         time.sleep(0.5)
 
 
+def _srun(env: dict[str, str], cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["srun", "-O", "--kill-on-bad-exit=1", *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=240
+    )
+
+
+def _sbatch(env: dict[str, str], cwd: Path, *argv: str, timeout: float = 240) -> tuple[str, str, str]:
+    """Submit a batch job and wait for its end (polled: ``sbatch --wait`` looks every 2 to 10 s);
+    its id, what ``scontrol show job`` last said of it, and its output (``job.out``)."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--output=job.out", *argv], env=env, cwd=cwd, capture_output=True, text=True
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        if re.search(
+            r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) ", shown
+        ):
+            break
+        assert time.monotonic() < deadline, f"job {job} did not end within {timeout} s: {shown}"
+        time.sleep(0.3)
+    out = cwd / "job.out"
+    return job, shown, out.read_text() if out.exists() else ""
+
+
 @pytest.mark.slow
 def test_a_real_srun_trains_two_workers(real_slurm: dict[str, str], tmp_path: Path) -> None:
-    """`srun -N1 -n2 python -m distsgd train --algo allreduce` on a real slurmctld and slurmd."""
+    """`srun -N1 -n2 python -m distsgd train --algo allreduce` on a real slurmctld and slurmd;
+    without --out every task writes into the one directory named by the job and step."""
     pytest.importorskip("sklearn")
-    out = tmp_path / "run"
-    res = subprocess.run(
-        ["srun", "-N1", "-n2", "-O", "--kill-on-bad-exit=1", sys.executable, *TRAIN, "--algo", "allreduce"]
-        + ["--out", str(out)],
-        env=real_slurm,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    res = _srun(real_slurm, tmp_path, "-N1", "-n2", sys.executable, *TRAIN, "--algo", "allreduce")
     assert res.returncode == 0, res.stderr[-3000:]
+    (out,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"slurm-\d+\.0-allreduce", out.name)
     s = json.loads((out / "summary.json").read_text())
     assert s["workers"] == 2 and s["samples"] == 2 * 1436 and s["backend"] == "gloo"
     assert s["final_test_accuracy"] > 0.6
     assert len(s["bytes_sent_per_worker"]) == 2 and min(s["bytes_sent_per_worker"]) > 0
+    assert res.stdout.count("run saved in") == 1  # task 0 alone reports
+
+
+@pytest.mark.slow
+def test_a_real_srun_over_two_nodes_serves_from_the_first(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """`srun -N2 -n3 ... --algo asgd`: SLURM writes the nodes as `127.0.0.[1-2]` and the tasks per
+    node as 2,1; task 0 serves on the first node, the other two train, one on each node."""
+    pytest.importorskip("sklearn")
+    out = tmp_path / "run"
+    res = _srun(real_slurm, tmp_path, "-N2", "-n3", sys.executable, *TRAIN, "--algo", "asgd", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["algo"] == "asgd" and s["workers"] == 2 and s["failed_workers"] == []
+    assert s["final_test_accuracy"] > 0.6
+    assert len(s["samples_per_worker"]) == 2 and min(s["samples_per_worker"]) > 0
+
+
+API_SCRIPT = """
+import sys
+
+import distsgd
+
+if __name__ == "__main__":
+    r = distsgd.train("mlp", "digits", "allreduce", epochs=2, lr=0.05, out=sys.argv[1], quiet=True)
+    if r.model is not None:
+        print("accuracy", r.summary["final_test_accuracy"])
+"""
+
+
+@pytest.mark.slow
+def test_a_real_srun_runs_a_script_on_the_python_api(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """`srun -n2 python script.py`, the script calling distsgd.train: task 0 alone gets the model."""
+    pytest.importorskip("sklearn")
+    script = tmp_path / "script.py"
+    script.write_text(API_SCRIPT)
+    res = _srun(real_slurm, tmp_path, "-N1", "-n2", sys.executable, str(script), str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("accuracy") == 1
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["workers"] == 2 and s["algo"] == "allreduce" and s["final_test_accuracy"] > 0.6
+
+
+WHO = "import os; from distsgd.launch import slurm; print('{}', slurm.adopt(), os.environ.get('RANK'))"
+
+
+@pytest.mark.slow
+def test_only_the_steps_tasks_are_taken_for_a_group(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """In a real `sbatch -n2` job: its script's own shell (a job id, task 0 of 2, no step) and a
+    one-task step are left alone; the tasks of `srun -n2` become ranks 0 and 1."""
+    script = tmp_path / "who.sbatch"
+    script.write_text(
+        f'#!/bin/bash\npython -c "{WHO.format("script")}"\nsrun -n1 python -c "{WHO.format("one")}"\n'
+        f'srun -n2 python -c "{WHO.format("task")}"\n'
+    )
+    _, shown, log = _sbatch(real_slurm, tmp_path, "-n2", "-O", str(script), timeout=120)
+    assert "JobState=COMPLETED" in shown, shown + log
+    said = sorted(line for line in log.splitlines() if line.startswith(("script ", "one ", "task ")))
+    assert said == ["one False None", "script False None", "task True 0", "task True 1"], log
 
 
 DYING_MODEL = '''
@@ -610,45 +636,19 @@ def test_a_sbatch_job_whose_task_died_goes_on_from_its_checkpoint(real_slurm: di
     pytest.importorskip("sklearn")
     (tmp_path / "dying.py").write_text(DYING_MODEL)
     flags = ["--dataset", "digits", "--model", f"{tmp_path / 'dying.py'}:Net", "--max-samples", "2872"]
-    res = subprocess.run(
-        ["sbatch", "--wait", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "-O"]
-        + ["--output=job.out", str(ROOT / "examples" / "slurm_nodes.sbatch"), *flags, "--lr", "0.05"]
-        + ["--checkpoint-every", "400"],
-        env={**real_slurm, "KILL_MARKER": str(tmp_path / "killed")},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    job, shown, log = _sbatch(
+        {**real_slurm, "KILL_MARKER": str(tmp_path / "killed")},
+        tmp_path,
+        *["--ntasks-per-node=1", "--cpus-per-task=1", "-O", str(ROOT / "examples" / "slurm_nodes.sbatch")],
+        *[*flags, "--lr", "0.05", "--checkpoint-every", "400"],
     )
-    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert res.returncode == 0, res.stderr[-2000:] + log[-3000:]
+    assert "JobState=COMPLETED" in shown, shown + log[-3000:]
     assert (tmp_path / "killed").exists() and "restarting from the last checkpoint" in log, log[-3000:]
     survivor = [line for line in log.splitlines() if line.startswith("error: ")]
     assert survivor and survivor[0].startswith("error: process 0 stopped: another process of the group failed")
     assert "Traceback" not in log
-    s = json.loads((tmp_path / "runs" / f"slurm-{res.stdout.strip().split(';')[0]}" / "summary.json").read_text())
+    s = json.loads((tmp_path / "runs" / f"slurm-{job}" / "summary.json").read_text())
     assert s["samples"] == 2872 and s["final_test_accuracy"] > 0.6
-
-
-@pytest.mark.slow
-def test_a_real_srun_over_two_nodes_serves_from_the_first(real_slurm: dict[str, str], tmp_path: Path) -> None:
-    """`srun -N2 --ntasks-per-node=2 ... --algo asgd`: SLURM writes the nodes as `127.0.0.[1-2]`;
-    task 0 serves on the first, the other three train, two of them on the second node."""
-    pytest.importorskip("sklearn")
-    out = tmp_path / "run"
-    res = subprocess.run(
-        ["srun", "-N2", "--ntasks-per-node=2", "-O", "--kill-on-bad-exit=1", sys.executable, *TRAIN, "--algo", "asgd"]
-        + ["--out", str(out)],
-        env=real_slurm,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["workers"] == 3 and s["failed_workers"] == [] and s["final_test_accuracy"] > 0.6
-    assert len(s["samples_per_worker"]) == 3 and min(s["samples_per_worker"]) > 0
 
 
 REQUEUING_MODEL = '''
@@ -678,19 +678,13 @@ def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(real_slurm: dict[str,
     pytest.importorskip("sklearn")
     (tmp_path / "requeuing.py").write_text(REQUEUING_MODEL)
     flags = ["--dataset", "digits", "--model", f"{tmp_path / 'requeuing.py'}:Net", "--max-samples", "2872"]
-    res = subprocess.run(
-        ["sbatch", "--wait", "--parsable", "--cpus-per-task=1", "-O", "--output=job.out"]
-        + [str(ROOT / "examples" / "slurm_one_node.sbatch"), *flags, "--lr", "0.05", "--checkpoint-every", "400"],
-        env=real_slurm,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    job, shown, log = _sbatch(
+        real_slurm,
+        tmp_path,
+        *["--cpus-per-task=1", "-O", str(ROOT / "examples" / "slurm_one_node.sbatch")],
+        *[*flags, "--lr", "0.05", "--checkpoint-every", "400"],
     )
-    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert res.returncode == 0, res.stderr[-2000:] + log[-3000:]
-    job = res.stdout.strip().split(";")[0]
-    shown = subprocess.run(["scontrol", "show", "job", job], env=real_slurm, capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in shown, shown + log[-3000:]
     assert "Restarts=1" in shown, shown
     assert "SLURM requeued the job: resuming from the checkpoint" in log, log[-3000:]
     out = tmp_path / "runs" / f"slurm-{job}"
