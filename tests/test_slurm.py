@@ -589,22 +589,31 @@ def test_a_real_srun_runs_a_script_on_the_python_api(real_slurm: dict[str, str],
     assert s["workers"] == 2 and s["algo"] == "allreduce" and s["final_test_accuracy"] > 0.6
 
 
-WHO = "import os; from distsgd.launch import slurm; print('{}', slurm.adopt(), os.environ.get('RANK'))"
+WHO = "import os, sys\nfrom distsgd.launch import slurm\nprint(sys.argv[1], slurm.adopt(), os.environ.get('RANK'))\n"
 
 
 @pytest.mark.slow
 def test_only_the_steps_tasks_are_taken_for_a_group(real_slurm: dict[str, str], tmp_path: Path) -> None:
-    """In a real `sbatch -n2` job: its script's own shell (a job id, task 0 of 2, no step) and a
-    one-task step are left alone; the tasks of `srun -n2` become ranks 0 and 1."""
+    """In a real `sbatch -n2` job: its script's own shell (a job id, task 0 of 2, no step), a
+    one-task step and the processes torchrun starts in each task of `srun -n2 torchrun` are left
+    alone (torchrun's ranks win); the tasks of `srun -n2 python` become ranks 0 and 1."""
+    (tmp_path / "who.py").write_text(WHO)
     script = tmp_path / "who.sbatch"
     script.write_text(
-        f'#!/bin/bash\npython -c "{WHO.format("script")}"\nsrun -n1 python -c "{WHO.format("one")}"\n'
-        f'srun -n2 python -c "{WHO.format("task")}"\n'
+        "#!/bin/bash\npython who.py script\nsrun -n1 python who.py one\nsrun -n2 python who.py task\n"
+        "srun -n2 python -m torch.distributed.run --standalone --nproc-per-node 1 who.py torchrun\n"
     )
     _, shown, log = _sbatch(real_slurm, tmp_path, "-n2", "-O", str(script), timeout=120)
     assert "JobState=COMPLETED" in shown, shown + log
-    said = sorted(line for line in log.splitlines() if line.startswith(("script ", "one ", "task ")))
-    assert said == ["one False None", "script False None", "task True 0", "task True 1"], log
+    said = sorted(line for line in log.splitlines() if line.startswith(("script ", "one ", "task ", "torchrun ")))
+    assert said == [
+        "one False None",
+        "script False None",
+        "task True 0",
+        "task True 1",
+        "torchrun False 0",
+        "torchrun False 0",
+    ], log
 
 
 DYING_MODEL = '''
