@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -82,18 +83,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def reap(grace_s: float = 5) -> list[int]:
+def reap(grace_s: float = 5, spare: Collection[int] = ()) -> list[int]:
     """This process's live descendants after ``grace_s`` seconds to end, killed so the next test
-    starts clean (none off Linux)."""
+    starts clean (none off Linux); ``spare``: processes that outlive a test by design, with theirs."""
     if not sys.platform.startswith("linux"):
         return []
+
+    def live() -> list[int]:
+        spared = set(spare).union(*(descendants(p) for p in spare))
+        return [p for p in descendants(os.getpid()) if p not in spared and _alive(p)]
+
     _reap_zombies()
     deadline = time.time() + grace_s
-    left = [p for p in descendants(os.getpid()) if _alive(p)]
+    left = live()
     while left and time.time() < deadline:
         time.sleep(0.1)
         _reap_zombies()
-        left = [p for p in descendants(os.getpid()) if _alive(p)]
+        left = live()
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

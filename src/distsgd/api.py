@@ -31,7 +31,7 @@ from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_datas
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, ModelError, OutputError
-from distsgd.launch import procs
+from distsgd.launch import procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import (
     Fanout,
@@ -161,8 +161,9 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
 
 
 def default_out(algo: str, beside: Path | None = None) -> Path:
-    """``runs/<timestamp>-<algo>``; with ``beside`` (a run directory), in the folder that holds it."""
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """``runs/<timestamp>-<algo>`` (in an srun step, ``runs/slurm-<job>.<step>-<algo>``, the same in
+    every task and when the job is requeued); with ``beside`` (a run directory), in the folder that holds it."""
+    stamp = slurm.run_name() or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return (Path("runs") if beside is None else Path(os.path.relpath(beside.resolve().parent))) / f"{stamp}-{algo}"
 
 
@@ -176,6 +177,7 @@ def run(
 ) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
     ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
+    slurm.adopt()  # a task of an srun step of several joins the group as a torchrun process does
     torchrun = launched()  # one rank of a group torchrun or Ray Train formed
     cfg, algo_cls = settle(cfg, torchrun)
     chief = not torchrun or place()[0] == 0
@@ -274,14 +276,15 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
     cfg = cfg.replace(options=opts.to_mapping())
-    if (
-        torchrun
-        and cfg.out
-        and not cfg.resume
-        and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        and read_manifest(Path(cfg.out)) is not None
-    ):
-        log.warning("torchrun restarted the group: resuming from the checkpoint in %s", cfg.out)
+    again = (
+        "torchrun restarted the group"
+        if torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        else "SLURM requeued the job"
+        if slurm.restarted()
+        else None
+    )
+    if again and cfg.out and not cfg.resume and read_manifest(Path(cfg.out)) is not None:
+        log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         cfg = cfg.replace(resume=cfg.out)
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")

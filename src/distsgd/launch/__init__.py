@@ -19,6 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from distsgd.config import RunConfig
+from distsgd.errors import ConfigError, WorkerError
+from distsgd.launch import procs
+from distsgd.launch.rendezvous import place
 from distsgd.metrics import Sink
 from distsgd.train.context import Job, WorkerContext, WorkerResult
 
@@ -30,10 +33,18 @@ def _topology(algo_cls: Any) -> Any:
 
 
 def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
-    """The settings this algorithm's topology runs with (raises ConfigError for impossible ones)."""
+    """The settings this algorithm's topology runs with (raises ConfigError for impossible ones).
+    Under torchrun (or srun) the group's processes say how many workers there are; a ``--workers``
+    other than 1 that says otherwise is a mistake (asgd's server takes one process)."""
     if algo_cls.topology.kind == "one":
         return cfg
-    return _topology(algo_cls).plan(cfg, algo_cls, torchrun)
+    planned = _topology(algo_cls).plan(cfg, algo_cls, torchrun)
+    if torchrun and cfg.workers not in (1, planned.workers):
+        raise ConfigError(
+            f"--workers {cfg.workers}, but the group's {place()[1]} processes make "
+            f"{planned.workers} {cfg.algo} workers: give --workers {planned.workers}, or leave it out"
+        )
+    return planned
 
 
 def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
@@ -47,7 +58,15 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
         if result.model is not None:  # on the CPU, as every other topology returns it
             result.model.cpu()
         return [result]
-    return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
+    try:
+        return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
+    except RuntimeError as exc:  # under torchrun or srun no launcher blames the process that died: say it here
+        if not (torchrun and procs.peer_symptom(str(exc))):
+            raise
+        raise WorkerError(
+            f"process {place()[0]} stopped: another process of the group failed or cannot be "
+            f"reached ({procs.error_text(exc)})"
+        ) from None
 
 
 __all__ = ["plan", "run"]

@@ -285,7 +285,7 @@ class QueueSink:
         self.q.put(("event", self.rank, event))
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
@@ -324,7 +324,7 @@ def report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
         q.put(("user-error", rank, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         raise SystemExit(1) from None
     except BaseException as exc:  # report anything, in one line, then exit non-zero
-        q.put(("error", rank, _error_text(exc)))
+        q.put(("error", rank, error_text(exc)))
         raise SystemExit(1) from None
 
 
@@ -459,6 +459,11 @@ _PEER_SYMPTOMS = (
 )
 
 
+def peer_symptom(text: str) -> bool:
+    """``text`` (an error) is what a worker says when a peer, not itself, went wrong."""
+    return any(s in text for s in _PEER_SYMPTOMS)
+
+
 class Supervisor:
     """Watches worker processes through their pipes: files each one's result, the first error it
     said and its events (to ``on_event``), and notices a process that ended without a result."""
@@ -530,7 +535,7 @@ class Supervisor:
         """
         self.drain(1.0)
         silent = sorted(r for r in self.ended - set(self.said) if self.procs[r].exitcode != 0)
-        causes = [r for r, text in self.said.items() if not any(s in text for s in _PEER_SYMPTOMS)]
+        causes = [r for r, text in self.said.items() if not peer_symptom(text)]
         rank = (silent or causes or list(self.said) or sorted(self.failed()))[0]
         error = WorkerInputError if rank in self.users else WorkerError
         return error(f"{name(rank)} failed: {self.reason(rank)}")

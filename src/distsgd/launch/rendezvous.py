@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 
@@ -197,8 +198,42 @@ def _bound(cfg: RunConfig) -> torch.device | None:
 
 
 def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
-    """Join the group torchrun formed. After a restart, the store may still hold the previous
-    attempt's addresses under the default keys, so each attempt uses keys of its own."""
+    """Join the group torchrun (or srun) formed, within ``--timeout``: a first host that cannot be
+    reached, a peer that never comes or a port already taken is one ConfigError line."""
+    try:
+        with _native_stderr_held():
+            _join_torchrun_group(cfg, rank, world)
+    except dist.DistError as exc:  # DistNetworkError, DistStoreError: the rendezvous, not a collective
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"the process group at {where} (MASTER_ADDR:MASTER_PORT) did not form within --timeout "
+            f"{cfg.timeout_s:g} s: {cause}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _native_stderr_held() -> Iterator[None]:
+    """While the group forms, what torch's C++ side writes to stderr itself (each failed try to
+    reach the store, with a stack of native frames) is held: written out once the group formed,
+    dropped when it did not (the one error line says why)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+            sys.stderr.flush()
+            held.seek(0)
+            os.write(saved, held.read())
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _join_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
+    """After a torchrun restart, the store may still hold the previous attempt's addresses under
+    the default keys, so each attempt uses keys of its own."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0":
         init_group(cfg, rank, world, "env://")
