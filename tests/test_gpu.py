@@ -285,7 +285,7 @@ def test_the_model_returned_is_on_the_cpu_whatever_the_topology(algo: str, worke
 def test_a_parameter_server_worker_sends_its_gradient_off_the_gpu_in_one_copy() -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from distsgd.algorithms.param_server.transport import Frame, Layout
+    from distsgd.algorithms.param_server.wire import Frame, Layout
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]).cuda()  # 16 tensors
     layout = Layout.of(model)

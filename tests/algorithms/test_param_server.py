@@ -288,19 +288,19 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
     import socket
     import struct
 
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = transport.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             if head[0] == 99:  # a proper HELLO first
-                sock.sendall(transport.hello_message(1, SECRET))
-                transport.Frame(layout.answer_bytes).recv(transport.Channel(sock))
-                transport.Frame(layout.request_bytes).send(transport.Channel(sock), *head)
+                sock.sendall(wire.hello_message(1, SECRET))
+                wire.Frame(layout.answer_bytes).recv(transport.Channel(sock))
+                wire.Frame(layout.request_bytes).send(transport.Channel(sock), *head)
             else:
                 sock.sendall(struct.pack("4q", *head) + SECRET)
             assert _closed_by_server(sock)
@@ -316,10 +316,10 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
     import socket
     import time
 
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = transport.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.5, secret=SECRET)
     service.start()
     try:
@@ -327,8 +327,8 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
         with socket.create_connection((host, int(port))) as sock:
             channel = transport.Channel(sock)
             start = time.monotonic()  # before the server can start counting
-            channel.send(transport.hello_message(2, SECRET))
-            transport.Frame(layout.answer_bytes).recv(channel)
+            channel.send(wire.hello_message(2, SECRET))
+            wire.Frame(layout.answer_bytes).recv(channel)
             assert _closed_by_server(sock)  # then nothing more is said
             assert time.monotonic() - start >= 0.45
         assert role.said == [("hello", 2), ("gone", 2)]
@@ -342,10 +342,10 @@ def test_a_busy_worker_is_not_silent() -> None:
     server used to drop it.)"""
     import time
 
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = transport.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.4, secret=SECRET)
     service.start()
     try:
@@ -354,7 +354,7 @@ def test_a_busy_worker_is_not_silent() -> None:
         time.sleep(1.5)  # busy, silent in its own thread
         assert client.pull() == ps.version and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
-        hello, pull = len(transport.hello_message(1, SECRET)), 32 + layout.request_bytes
+        hello, pull = len(wire.hello_message(1, SECRET)), 32 + layout.request_bytes
         assert client.bytes_sent >= hello + pull + 32  # a HELLO, a pull, and at least one 32-byte PING
         client.done(0)
     finally:
@@ -367,10 +367,10 @@ def test_a_busy_worker_is_not_silent() -> None:
 
 
 def _serving(**kwargs):
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd", batch_size=8), _Role()
-    layout = transport.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET, **kwargs)
     return ps, role, layout, service
 
@@ -390,13 +390,13 @@ def _connect(service):
 
 
 def test_a_hello_without_the_run_secret_is_refused() -> None:
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import wire
 
     ps, role, layout, service = _serving()
     service.start()
     try:
         with _connect(service) as sock:
-            sock.sendall(transport.hello_message(1, b"not the secret"))
+            sock.sendall(wire.hello_message(1, b"not the secret"))
             assert _closed_by_server(sock)
         assert role.said == [] and service.refused == 1
         client, _ = _client(ps, layout, service)  # the real worker still gets in
@@ -407,14 +407,14 @@ def test_a_hello_without_the_run_secret_is_refused() -> None:
 
 
 def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None:
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import wire
 
     ps, role, layout, service = _serving()
     service.start()
     try:
         client, weights = _client(ps, layout, service)
         with _connect(service) as sock:
-            sock.sendall(transport.hello_message(1, SECRET))
+            sock.sendall(wire.hello_message(1, SECRET))
             assert _closed_by_server(sock)
         assert client.pull() == 0 and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
@@ -448,12 +448,12 @@ def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> 
 
 @pytest.mark.parametrize("accept", [False, True])
 def test_a_nan_gradient_is_not_applied_unless_the_user_accepts_it(accept: bool) -> None:
-    from distsgd.algorithms.param_server import transport
+    from distsgd.algorithms.param_server import transport, wire
     from distsgd.algorithms.param_server.core import ParameterServer
 
     base = make_server("asgd", batch_size=8)
     ps = ParameterServer(base.cfg, base.model, 2, base.rule, 1000, accept_nonfinite=accept)
-    role, layout = _Role(), transport.Layout.of(ps.model)
+    role, layout = _Role(), wire.Layout.of(ps.model)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:

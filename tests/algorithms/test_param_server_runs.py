@@ -35,7 +35,7 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     st = s["staleness"]
     assert sum(st["histogram"].values()) == s["server_updates"]
     assert st["max"] >= st["p99"] >= st["p50"] >= 0
-    from distsgd.algorithms.param_server.transport import Layout
+    from distsgd.algorithms.param_server.wire import Layout
 
     model = distsgd.models.build_model("mlp", (1, 8, 8), 10)
     layout = Layout.of(model)

@@ -8,11 +8,14 @@ would, and read back: every value must come back bit for bit, in its own dtype."
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from torch import nn
 
-from distsgd.algorithms.param_server.transport import ALIGN, Frame, Layout
+from distsgd.algorithms.param_server import wire
+from distsgd.algorithms.param_server.wire import ALIGN, Frame, Layout
 from distsgd.errors import ConfigError
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -119,3 +122,49 @@ def test_parameters_of_several_dtypes_are_refused_in_one_line() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
     with pytest.raises(ConfigError, match="several dtypes"):
         Layout.of(model)
+
+
+class _Recorder:
+    """A stream that keeps what is sent on it (the bytes a socket would carry)."""
+
+    def __init__(self) -> None:
+        self.sent = b""
+
+    def send(self, data: memoryview | bytes) -> int:
+        self.sent += bytes(data)
+        return len(data)
+
+    def recv_into(self, view: memoryview, deadline: float | None = None) -> None:
+        raise AssertionError("nothing is read here")
+
+
+def test_the_bytes_of_each_message_are_pinned() -> None:
+    """The format written out by hand, little-endian as every supported machine is: a push of a
+    Linear(2, 1) (3 float32 values, padded to 16 bytes) with a BatchNorm1d(1)'s running mean and
+    variance (2 float32 at 16, padded to 32) and num_batches_tracked (an int64 at 32, padded to 48); the HELLO,
+    the PING and the BEAT. A change here breaks every worker and server of another version."""
+    assert (wire.HELLO, wire.PULL, wire.PUSH, wire.EXCHANGE, wire.DONE, wire.BARRIER) == (0, 1, 2, 3, 4, 5)
+    assert (wire.CHECKPOINTED, wire.PING, wire.STOP, wire.BEAT) == (6, 7, 8, -1)
+    f32 = torch.float32
+    layout = wire.Layout([(f32, 2), (f32, 1)], [(f32, 1), (f32, 1)], [(torch.int64, 1)])
+    assert (layout.request_bytes, layout.answer_bytes) == (48, 32)
+    push = wire.Frame(layout.request_bytes)
+    layout.params.pack(push, [torch.tensor([1.5, -2.0]), torch.tensor([0.25])])
+    layout.floats.pack(push, [torch.tensor([3.0]), torch.tensor([0.5])])
+    layout.ints.pack(push, [torch.tensor([7])])
+    stream = _Recorder()
+    assert push.send(stream, wire.PUSH, 5, 64, 1) == 32 + 48
+    assert stream.sent == (
+        struct.pack("<4q", 2, 5, 64, 1)
+        + struct.pack("<3f", 1.5, -2.0, 0.25)
+        + bytes(4)
+        + struct.pack("<2f", 3.0, 0.5)
+        + bytes(8)
+        + struct.pack("<q", 7)
+        + bytes(8)
+    )
+    assert wire.hello_message(3, b"run", rejoining=True) == struct.pack("<4q", 0, 3, 0, 1) + b"run" + bytes(29)
+    assert wire.hello_message(1, bytes(range(40)))[32:] == bytes(range(32))  # a longer secret is cut
+    assert wire.read_hello(wire.hello_message(3, b"run", rejoining=True)) == (0, 3, True, b"run" + bytes(29))
+    assert wire.PING_MESSAGE == struct.pack("<4q", 7, 0, 0, 0)
+    assert wire.BEAT_MESSAGE == struct.pack("<4q", -1, 0, 0, 0)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from distsgd import checkpoint
-from distsgd.algorithms.param_server import ParameterServer, transport
+from distsgd.algorithms.param_server import ParameterServer, transport, wire
 from distsgd.config import RunConfig, resolve
 
 pytest.importorskip("sklearn")
@@ -62,7 +62,7 @@ class _Role:
 
 def _serve(ps: ParameterServer, role=None, silence_s: float | None = 5.0) -> transport.Service:
     service = transport.Service(
-        ps, role or _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", silence_s=silence_s, secret=SECRET
+        ps, role or _Role(), wire.Layout.of(ps.model), "127.0.0.1:0", silence_s=silence_s, secret=SECRET
     )
     service.start()
     return service
@@ -75,7 +75,7 @@ def _client(
     return transport.Client(
         rank,
         weights,
-        transport.Layout.of(ps.model),
+        wire.Layout.of(ps.model),
         service.address,
         timeout_s=timeout_s,
         rejoining=rejoining,
@@ -264,7 +264,7 @@ def test_accept_errors_are_one_warning_then_a_count(caplog: pytest.LogCaptureFix
     """On 43f33af every failed accept() was a warning: 10 lines a second for as long as it lasted."""
     caplog.set_level(logging.WARNING)
     ps = _core("asgd")
-    service = transport.Service(ps, _Role(), transport.Layout.of(ps.model), "127.0.0.1:0", secret=SECRET)
+    service = transport.Service(ps, _Role(), wire.Layout.of(ps.model), "127.0.0.1:0", secret=SECRET)
     service.listener = _FlakyListener(service.listener, failures=20)
     service.start()
     try:
@@ -294,7 +294,7 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
     try:
         one, two = _client(ps, service, 1), _client(ps, service, 2)
         impostor = _connect(service.address)
-        impostor.sendall(transport.hello_message(1, SECRET, rejoining=True))
+        impostor.sendall(wire.hello_message(1, SECRET, rejoining=True))
         assert _closed_by_server(impostor)
         impostor.close()
         assert role.said == [("hello", 1), ("hello", 2)]
@@ -357,7 +357,7 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
     clean-up ever removes: every later one has a lower number), then failed to commit it and
     dropped the connection. Now the claim is refused: no worker file, nothing written."""
     role = _role(resolve(RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16")))
-    layout = transport.Layout.of(role.model)
+    layout = wire.Layout.of(role.model)
     service = _serve(role.server, role)
     ckpt = tmp_path / checkpoint.CHECKPOINT_DIR
     try:
@@ -369,9 +369,9 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
         for client in clients:
             client.done(0)
         forger = _connect(service.address)
-        forger.sendall(transport.hello_message(2, SECRET, rejoining=True))  # rank 2's worker has left
-        transport.Frame(layout.answer_bytes).recv(transport.Channel(forger))
-        transport.Frame(layout.request_bytes).send(transport.Channel(forger), transport.CHECKPOINTED, 2**40, 0, 0)
+        forger.sendall(wire.hello_message(2, SECRET, rejoining=True))  # rank 2's worker has left
+        wire.Frame(layout.answer_bytes).recv(transport.Channel(forger))
+        wire.Frame(layout.request_bytes).send(transport.Channel(forger), wire.CHECKPOINTED, 2**40, 0, 0)
         assert _closed_by_server(forger)
         forger.close()
     finally:
@@ -435,7 +435,7 @@ def test_a_worker_gives_up_on_a_frozen_server(frozen_at: str) -> None:
     """A server that takes the connection and then says nothing (SIGSTOPped: its kernel still
     accepts and buffers). On 43f33af the worker waited for ever, for the answer to its HELLO or to
     any later request; now it fails after --timeout with one line."""
-    layout = transport.Layout.of(torch.nn.Linear(3, 2))
+    layout = wire.Layout.of(torch.nn.Linear(3, 2))
     frozen = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{frozen.getsockname()[1]}"
     outcome: dict[str, object] = {}
@@ -452,8 +452,8 @@ def test_a_worker_gives_up_on_a_frozen_server(frozen_at: str) -> None:
     peer, _ = frozen.accept()
     try:
         if frozen_at == "pull":  # the HELLO is answered; then nothing
-            peer.recv(len(transport.hello_message(1, SECRET)), socket.MSG_WAITALL)
-            transport.Frame(layout.answer_bytes).send(transport.Channel(peer), 0, 0, 0, 0)
+            peer.recv(len(wire.hello_message(1, SECRET)), socket.MSG_WAITALL)
+            wire.Frame(layout.answer_bytes).send(transport.Channel(peer), 0, 0, 0, 0)
         thread.join(10)
         gave_up = not thread.is_alive()
     finally:

@@ -10,7 +10,8 @@ The package, by part:
 - :mod:`.core`: the server's mechanics (one lock, versions, sample counts, barriers, the workers'
   buffers, futures completed outside the lock), whatever the rule;
 - :mod:`.rules`: the update rules, one small class each, with their papers;
-- :mod:`.transport`: how workers reach the server (TCP sockets, a wire format of aligned sections);
+- :mod:`.wire`: the wire format (the messages, their headers and their payloads' aligned sections);
+- :mod:`.transport`: how workers reach the server (TCP sockets, the server's threads, the client);
 - :mod:`.role`: the server process: the core, a watcher that evaluates its model, checkpoints;
 - :mod:`.worker`: the topology (what the launcher asks: serve), the workers' side, and the
   registered algorithms.

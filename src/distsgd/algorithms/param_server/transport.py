@@ -1,25 +1,13 @@
-"""How workers reach the server: one TCP connection per worker, carrying fixed-size frames.
+"""How workers reach the server: one TCP connection per worker, carrying the messages of :mod:`.wire`.
 
 The server (rank 0) listens on an address (``127.0.0.1`` and a free port for a local run; under
 torchrun, its own address, published through torchrun's store) and serves each worker's
-connection in a thread of its own, one request at a time. A request is one message, a
-:class:`Frame`: an int64 header ``[op, version, samples, flag]`` and the op's payload (a push's
-flat gradient and buffers); the answer is one message too (``[version, all workers' samples,
-stop, nbytes]`` and the new flat weights). Everything on the wire is raw tensor bytes: nothing
-is unpickled. A push that must wait (a sync-ps
-round, an ssp bound) blocks only its own worker's thread. A worker whose connection closes (it
-died) is dropped and the server carries on; a replacement may connect later under the same rank
-(``--restart-workers``), which a process group's fixed membership would not allow.
-
-The transport was chosen by measurement on the 2-core VM on 2026-11-22 (docs/BENCHMARKS.md).
-``torch.distributed.rpc``, what distsgd used first: with TensorPipe's default transports its
-shared-memory reactor thread busy-polls about a fifth of a core in each of the three processes
-of a 2-worker run, and asgd reached 0.56x Hogwild!'s samples/s; with its uv transport 11.2k
-samples/s. gloo point-to-point messages, two each way: 11.1k; one each way: 13.1k (limits.py
-A/B, 3 alternating repeats). These sockets against that gloo transport: 1.017x (5 alternating
-repeats, benchmarks/results/transport_ab.txt), as fast within noise, and a worker may join a
-running server, which a process group's fixed membership does not allow. TensorPipe, RPC's only
-backend, has also been in maintenance mode since December 2025.
+connection in a thread of its own, one request at a time: a request is one message, and so is its
+answer. A push that must wait (a sync-ps round, an ssp bound) blocks only its own worker's thread.
+A worker whose connection closes (it died) is dropped and the server carries on; a replacement may
+connect later under the same rank (``--restart-workers``), which a process group's fixed membership
+would not allow. Why sockets rather than ``torch.distributed.rpc`` or gloo point-to-point messages:
+docs/BENCHMARKS.md ("The parameter server's transport").
 """
 
 from __future__ import annotations
@@ -31,23 +19,37 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from distsgd.errors import ConfigError
+from distsgd.algorithms.param_server.wire import (
+    BARRIER,
+    BEAT,
+    BEAT_MESSAGE,
+    CHECKPOINTED,
+    DONE,
+    EXCHANGE,
+    HEAD,
+    HELLO,
+    HELLO_BYTES,
+    PING,
+    PING_MESSAGE,
+    PULL,
+    PUSH,
+    STOP,
+    Frame,
+    Layout,
+    hello_message,
+    padded_secret,
+    read_hello,
+)
 
 if TYPE_CHECKING:
     from distsgd.algorithms.param_server.core import ParameterServer
     from distsgd.algorithms.param_server.role import ServerRole
 
 log = logging.getLogger(__name__)
-
-HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED, PING, STOP = range(9)
-_HEAD = 4 * 8  # bytes of a header: four int64 (a PING is a header alone, and gets no answer)
-BEAT = -1  # an answer's header [BEAT, 0, 0, 0], alone: no answer yet, the server lives (a version is >= 0)
-_BEAT_MESSAGE = struct.pack("4q", BEAT, 0, 0, 0)
 
 
 class Channel:
@@ -128,155 +130,9 @@ class Channel:
             pass
 
 
-ALIGN = 16  # every section of a payload starts at a multiple of this: a view of any dtype is aligned
-
-
-def _align(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True)
-class Section:
-    """``numel`` values of ``dtype`` at byte ``offset`` of a payload: the tensors ``members``
-    (indices into the list the section was made for), flat, one after another."""
-
-    dtype: torch.dtype
-    offset: int
-    numel: int
-    members: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
-
-
-class Packing:
-    """Where a list of tensors lies in a payload from byte ``start``: one section per dtype (in the
-    order the dtypes first appear), each tensor's values in its dtype's section, in list order.
-    Every section starts at a multiple of :data:`ALIGN` bytes, whatever the sizes before it (an
-    odd number of float32 values before an int64 section used to make its view impossible)."""
-
-    def __init__(self, tensors: list[tuple[torch.dtype, int]], start: int) -> None:
-        groups: dict[torch.dtype, list[int]] = {}
-        for i, (dtype, _) in enumerate(tensors):
-            groups.setdefault(dtype, []).append(i)
-        self.numels = [n for _, n in tensors]
-        self.sections: list[Section] = []
-        offset = _align(start)
-        for dtype, members in groups.items():
-            section = Section(dtype, offset, sum(self.numels[i] for i in members), tuple(members))
-            self.sections.append(section)
-            offset = _align(offset + section.nbytes)
-        self.end = offset
-
-    def pack(self, frame: "Frame", tensors: list[torch.Tensor]) -> None:
-        """Write ``tensors`` (of the sizes and dtypes this packing was made for) into ``frame``: one
-        concatenation on the CPU, or from a GPU a concatenation there and one copy into the (pinned)
-        frame, done when ``copy_`` returns (before the socket reads the bytes)."""
-        for s in self.sections:
-            if not s.numel:
-                continue
-            out = frame.section(s)
-            parts = [tensors[i].detach().reshape(-1) for i in s.members]
-            if parts[0].device.type == "cpu":
-                torch.cat(parts, out=out)
-            else:
-                out.copy_(torch.cat(parts))
-
-    def unpack(self, frame: "Frame", clone: bool = False) -> list[torch.Tensor]:
-        """The tensors in ``frame``, flat, in list order: views of the frame, or (``clone``) of one
-        copy of each section."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(self.numels)
-        for s in self.sections:
-            flat = frame.section(s).clone() if clone else frame.section(s)
-            offset = 0
-            for i in s.members:
-                out[i] = flat[offset : offset + self.numels[i]]
-                offset += self.numels[i]
-        return out
-
-    def whole(self, frame: "Frame") -> torch.Tensor:
-        """A view of the one section of a packing of one dtype (the parameters: flat weights)."""
-        assert len(self.sections) <= 1
-        return frame.section(self.sections[0]) if self.sections else torch.empty(0)
-
-
-class Layout:
-    """What a message of a model holds, and where: its parameters (one dtype: the flat weights, a
-    gradient or an exchange's x), its floating-point buffers and its other buffers (integer, bool),
-    each part in aligned sections. A request holds all three; an answer the first two (weights, or
-    an exchange's difference). The server and each worker build it from the same architecture."""
-
-    def __init__(
-        self,
-        params: list[tuple[torch.dtype, int]],
-        floats: list[tuple[torch.dtype, int]],
-        ints: list[tuple[torch.dtype, int]],
-    ) -> None:
-        if len({dtype for dtype, _ in params}) > 1:
-            raise ConfigError(
-                f"the parameter server keeps the weights as one flat tensor; this model's parameters "
-                f"have several dtypes ({', '.join(sorted({str(d) for d, _ in params}))}): give them one"
-            )
-        self.params = Packing(params, 0)
-        self.floats = Packing(floats, self.params.end)
-        self.ints = Packing(ints, self.floats.end)
-        self.request_bytes = self.ints.end
-        self.answer_bytes = self.floats.end
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "Layout":
-        buffers = list(model.buffers())
-        return cls(
-            [(p.dtype, p.numel()) for p in model.parameters()],
-            [(b.dtype, b.numel()) for b in buffers if b.dtype.is_floating_point],
-            [(b.dtype, b.numel()) for b in buffers if not b.dtype.is_floating_point],
-        )
-
-
-class Frame:
-    """One message: an int64 header ``[a, b, c, d]`` and a payload, in one byte buffer, so that a
-    request or an answer is one send. Every request (and every answer) has the same size: the
-    largest any op needs (a push's gradient and buffers, an exchange's x); the few control
-    messages (pull, barrier, done) carry an unused payload. The payload's parts are the sections
-    of a :class:`Layout`."""
-
-    def __init__(self, nbytes: int, pinned: bool = False) -> None:
-        # pinned (a GPU worker's): a gradient comes off the GPU, and weights go onto it, in one copy each
-        self.buffer = torch.zeros(_HEAD + nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.head = self.buffer[:_HEAD].view(torch.int64)
-        self.view = self.buffer.numpy().data  # a memoryview: what the socket reads into and writes from
-
-    def section(self, s: Section) -> torch.Tensor:
-        """A view of section ``s`` of the payload, in its dtype."""
-        return self.buffer[_HEAD + s.offset : _HEAD + s.offset + s.nbytes].view(s.dtype)
-
-    def send(self, channel: Channel, *head: int) -> int:
-        self.head.copy_(torch.tensor(head, dtype=torch.int64))
-        return channel.send(self.view)
-
-    def recv(self, channel: Channel) -> list[int]:
-        channel.recv_into(self.view)
-        return self.head.tolist()
-
-    def recv_head(self, channel: Channel) -> list[int]:
-        """The header alone (the server: a PING has nothing more); then :meth:`recv_payload`."""
-        channel.recv_into(self.view[:_HEAD])
-        return self.head.tolist()
-
-    def recv_payload(self, channel: Channel, deadline: float | None = None) -> None:
-        channel.recv_into(self.view[_HEAD:], deadline)
-
-
-SECRET_BYTES = 32  # the run's secret, which a HELLO carries after its header
 HELLO_DEADLINE_S = 10.0  # a connection says HELLO, with the secret, within this or is dropped
 REFUSALS_SHOWN = 3  # refused connections warned of one by one; the rest are counted (a flood is not a log)
 ACCEPT_WARNING_EVERY_S = 10.0  # the acceptor's errors (too many files, no thread to spare): warned of at most so often
-
-
-def hello_message(rank: int, secret: bytes, rejoining: bool = False) -> bytes:
-    """What a worker sends first: the header [HELLO, rank, 0, rejoining] and the run's secret."""
-    return struct.pack("4q", HELLO, rank, 0, int(rejoining)) + secret.ljust(SECRET_BYTES, b"\0")[:SECRET_BYTES]
 
 
 class Refused(ConnectionError):
@@ -314,7 +170,7 @@ class Service:
         max_pending: int | None = None,
     ) -> None:
         self.server, self.role, self.layout, self.silence_s = server, role, layout, silence_s
-        self.secret = secret.ljust(SECRET_BYTES, b"\0")[:SECRET_BYTES]
+        self.secret = padded_secret(secret)
         host, _, port = address.rpartition(":")
         self.listener = socket.create_server((host, int(port)), backlog=64)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -410,12 +266,12 @@ class Service:
 
     def _handshake(self, channel: Channel) -> int:
         """The rank of a connection that said a valid HELLO with the run's secret, in time."""
-        head = bytearray(_HEAD + SECRET_BYTES)
-        channel.recv_into(memoryview(head), deadline=time.monotonic() + HELLO_DEADLINE_S)
-        op, rank, _, rejoining = struct.unpack("4q", head[:_HEAD])
+        hello = bytearray(HELLO_BYTES)
+        channel.recv_into(memoryview(hello), deadline=time.monotonic() + HELLO_DEADLINE_S)
+        op, rank, rejoining, secret = read_hello(hello)
         if op != HELLO:
             raise Refused(f"request {op} before HELLO")
-        if not hmac.compare_digest(bytes(head[_HEAD:]), self.secret):
+        if not hmac.compare_digest(secret, self.secret):
             raise Refused("a HELLO without the run's secret")
         if not 1 <= rank <= self.server.workers:
             raise Refused(f"a HELLO for rank {rank} (this server has ranks 1..{self.server.workers})")
@@ -427,7 +283,7 @@ class Service:
                 raise Refused(f"a second HELLO for worker {rank - 1}, which is connected")
             self.pending.remove(channel)
             self.current[rank] = channel
-            self.role.worker_hello(rank, bool(rejoining))
+            self.role.worker_hello(rank, rejoining)
         return rank
 
     def _serve(self, channel: Channel) -> None:
@@ -492,7 +348,7 @@ class _Connection:
         self.reply(
             self.server.version, self.server.total_samples(), self.server.stop, nbytes=self.server.counts[rank]
         )  # HELLO: answered with that rank's samples so far
-        self.server.count(received=_HEAD + SECRET_BYTES)
+        self.server.count(received=HELLO_BYTES)
 
     def reply(
         self,
@@ -518,7 +374,7 @@ class _Connection:
             return
         try:
             if self.waiting is not None:
-                self.server.count(sent=self.channel.send(_BEAT_MESSAGE))
+                self.server.count(sent=self.channel.send(BEAT_MESSAGE))
                 self.waiting = time.monotonic()
         except OSError:
             pass  # the connection broke: its own thread finds out
@@ -534,7 +390,7 @@ class _Connection:
                 raise Refused(f"unknown request {op}")
             if op != PING:
                 request.recv_payload(self.channel, None if silence is None else time.monotonic() + silence)
-            server.count(received=_HEAD if op == PING else request.buffer.numel())
+            server.count(received=HEAD if op == PING else request.buffer.numel())
             if op not in (PING, DONE):
                 self.waiting = time.monotonic()
             if op in (PUSH, EXCHANGE, DONE, CHECKPOINTED):
@@ -668,13 +524,12 @@ class Client:
         )
 
     def _beat(self) -> None:
-        ping = struct.pack("4q", PING, 0, 0, 0)  # a header, in the int64s the server reads
         while not self.closed.wait(self.quiet_s / 2):
             with self.lock:
                 if self.closed.is_set() or time.monotonic() - self.last < self.quiet_s:
                     continue
                 try:
-                    self.bytes_sent += self.channel.send(ping)
+                    self.bytes_sent += self.channel.send(PING_MESSAGE)
                 except OSError:  # the server is gone: the next request says so
                     return
                 self.last = time.monotonic()

@@ -11,7 +11,7 @@ from torch import nn
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
-from distsgd.algorithms.param_server import transport
+from distsgd.algorithms.param_server import transport, wire
 from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
 from distsgd.config import RunConfig
@@ -55,7 +55,7 @@ class ServerTopology(Server):
             accept_nonfinite=getattr(opts, "accept_nonfinite", False),
         )
         service = transport.Service(
-            role.server, role, transport.Layout.of(role.model), address, silence_s=job.cfg.timeout_s, secret=secret
+            role.server, role, wire.Layout.of(role.model), address, silence_s=job.cfg.timeout_s, secret=secret
         )
         if publish is not None:
             publish(service.address)
@@ -146,7 +146,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
             )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        layout = transport.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
+        layout = wire.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
         self.params = params(model)
         self.weights = flat_view_(self.params)
         self.floats, self.ints = float_buffers(model), int_buffers(model)
