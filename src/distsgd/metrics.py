@@ -31,7 +31,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -175,7 +175,7 @@ class TrainClock:
     """Wall time spent training: ``pause()`` around evaluation so it does not count. ``sync``: what
     to call before a reading (a GPU's synchronize: work queued on it counts when it is done)."""
 
-    def __init__(self, sync: Any = None) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.sync = sync
         self.restart()
 
@@ -320,7 +320,7 @@ class BarProgress:
         self.bar.close()
 
 
-def make_progress(quiet: bool, total: int | None, desc: str) -> Any:
+def make_progress(quiet: bool, total: int | None, desc: str) -> Sink:
     """The display that fits: nothing with ``quiet``, a bar on a terminal, plain lines otherwise."""
     if quiet:
         return NullSink()

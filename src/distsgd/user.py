@@ -13,7 +13,10 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 __path__: list[str] = []  # a package: its submodules are user files, found by _Finder
@@ -28,7 +31,9 @@ def module_name(path: Path) -> str:
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds ``distsgd.user.m<hex>`` at the path the name encodes."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if not fullname.startswith(_PREFIX):
             return None
         try:

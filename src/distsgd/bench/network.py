@@ -41,6 +41,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from distsgd import config as config_mod
@@ -190,7 +191,7 @@ class Network:
         else:
             _run([*tc, "root", *bucket])
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short: held until it is done.
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if _main_thread() else None
         try:
@@ -325,7 +326,7 @@ def split_cores(cpus: list[int], nprocs: tuple[int, ...]) -> tuple[list[int], ..
     return tuple(cpus[lo:hi] for lo, hi in zip(bounds, bounds[1:]))
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 

@@ -16,7 +16,8 @@ object, never by importing an algorithm.
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
@@ -25,14 +26,17 @@ from distsgd.launch.rendezvous import place
 from distsgd.metrics import Sink
 from distsgd.train.context import Job, WorkerContext, WorkerResult
 
+if TYPE_CHECKING:
+    from distsgd.algorithms.base import Algorithm
 
-def _topology(algo_cls: Any) -> Any:
+
+def _topology(algo_cls: type[Algorithm]) -> ModuleType:
     from distsgd.launch import group, server, shared
 
     return {"group": group, "shared": shared, "server": server}[algo_cls.topology.kind]
 
 
-def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
+def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig:
     """The settings this algorithm's topology runs with (raises ConfigError for impossible ones).
     Under torchrun (or srun) the group's processes say how many workers there are; a ``--workers``
     other than 1 that says otherwise is a mistake (asgd's server takes one process)."""
@@ -47,7 +51,7 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     return planned
 
 
-def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
     if algo_cls.topology.kind == "one":
         from distsgd.train import device

@@ -12,10 +12,12 @@ lockstep.
 from __future__ import annotations
 
 import os
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
 
+from distsgd.algorithms.base import Algorithm
 from distsgd.config import RunConfig
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import (
@@ -36,7 +38,7 @@ from distsgd.train.context import Job, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
 
-def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
+def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig:
     """Under torchrun (or Ray Train) the group's size is the number of workers; the backend and
     rendezvous must work here."""
     if torchrun:
@@ -48,7 +50,7 @@ def plan(cfg: RunConfig, algo_cls: type, torchrun: bool) -> RunConfig:
     return cfg
 
 
-def run(job: Job, algo_cls: type, sink: Sink, torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Every worker's result, rank 0 first (under torchrun, a rank > 0 gets only its own). A local
     group that loses a worker restarts from its last checkpoint, ``--restart-workers`` times."""
     if torchrun:
@@ -56,7 +58,7 @@ def run(job: Job, algo_cls: type, sink: Sink, torchrun: bool) -> list[WorkerResu
     return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
 
 
-def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, out: Any) -> None:
+def _entry(rank: int, world: int, job: Job, algo_cls: type[Algorithm], init_method: str, out: Connection) -> None:
     """The body of a worker process."""
     q = procs.Outbox(out)
     procs.begin_worker(f"worker {rank}", rank, world, job.cfg.quiet)
@@ -83,7 +85,7 @@ def _entry(rank: int, world: int, job: Job, algo_cls: type, init_method: str, ou
         leave_group()
 
 
-def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
+def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     cfg = job.cfg
     world = cfg.workers
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
@@ -102,7 +104,7 @@ def _run_local(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
     return [procs.unpack(sup.results[r], job) for r in range(world)]
 
 
-def _run_torchrun(job: Job, algo_cls: type, sink: Sink) -> list[WorkerResult]:
+def _run_torchrun(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     where = device.use(job.cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     with launcher_group(job.cfg) as (rank, world):
         ctx = WorkerContext(

@@ -22,6 +22,8 @@ import time
 import warnings
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, cast
@@ -31,6 +33,7 @@ import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, DistsgdError, Terminated, WorkerError, WorkerInputError, on_sigterm
+from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Job, WorkerResult
 
@@ -72,7 +75,7 @@ def refuse_if_importing_main() -> None:
         os._exit(MAIN_GUARD_STATUS)
 
 
-def mp_context() -> Any:
+def mp_context() -> SpawnContext | ForkServerContext:
     """How worker processes start: forked from a fork server on Linux, spawned elsewhere.
 
     The fork server (one per launching process, started on first use and kept until it exits)
@@ -147,7 +150,7 @@ class _Later:
         return self.args
 
 
-def _bootstrap(env: dict[str, str], target: Any, args: _Later) -> None:
+def _bootstrap(env: dict[str, str], target: Callable[..., None], args: _Later) -> None:
     """A worker's first step: take the launcher's environment as of now and Python's usual Ctrl-C
     handler (the fork server ignores Ctrl-C), then unpickle its arguments and run ``target``."""
     import signal
@@ -193,7 +196,7 @@ def begin_worker(label: str, rank: int, world: int, quiet: bool = False) -> None
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
 
 
-def record_workers(cfg: RunConfig, procs: list[Any], roles: list[tuple[str, int]]) -> None:
+def record_workers(cfg: RunConfig, procs: list[BaseProcess], roles: list[tuple[str, int]]) -> None:
     """While the run is live, ``<out>/workers.json`` lists every process: {role, rank, pid, host}."""
     if not cfg.out:
         return
@@ -218,13 +221,13 @@ class Outbox:
     A pipe per worker breaks only the dead worker's own channel.
     """
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Connection) -> None:
         import threading
 
         self.conn = conn
         self.lock = threading.Lock()  # threads of this process (the server's serving threads) take turns
 
-    def put(self, message: Any) -> None:
+    def put(self, message: tuple[str, int, object]) -> None:  # (kind, the sender's rank, body)
         with self.lock:
             self.conn.send(message)
 
@@ -239,7 +242,7 @@ class Inbox:
     def add(self, conn: Connection) -> None:
         self.conns.append(conn)
 
-    def get(self, timeout: float) -> Any:
+    def get(self, timeout: float) -> tuple[str, int, Any]:
         from multiprocessing.connection import wait
 
         if not self.conns:
@@ -253,10 +256,10 @@ class Inbox:
                 conn.close()
         raise queue.Empty
 
-    def finish(self, conn: Connection, timeout: float) -> list[Any]:
+    def finish(self, conn: Connection, timeout: float) -> list[tuple[str, int, Any]]:
         """Every message still in ``conn``'s pipe (its writer is dead), up to its end or ``timeout``;
         the pipe is then dropped."""
-        messages: list[Any] = []
+        messages: list[tuple[str, int, Any]] = []
         deadline = time.monotonic() + timeout
         while conn in self.conns and conn.poll(max(0.0, deadline - time.monotonic())):
             try:
@@ -277,7 +280,7 @@ class Inbox:
 class QueueSink:
     """Forwards a worker's metrics events to the collector in the launching process."""
 
-    def __init__(self, q: Any, rank: int = 0) -> None:
+    def __init__(self, q: Outbox, rank: int = 0) -> None:
         self.q = q
         self.rank = rank
 
@@ -333,14 +336,16 @@ class Team:
     one has a pipe into ``inbox``. ``args(i, out, replacement)`` gives role i's arguments, ``out``
     the writing end of its pipe."""
 
-    def __init__(self, cfg: RunConfig, target: Any, roles: list[tuple[str, int]], args: Callable[..., tuple]) -> None:
+    def __init__(
+        self, cfg: RunConfig, target: Callable[..., None], roles: list[tuple[str, int]], args: Callable[..., tuple]
+    ) -> None:
         self.cfg, self.target, self.roles, self.args = cfg, target, roles, args
         self.inbox = Inbox()
-        self.procs: list[Any] = []
+        self.procs: list[BaseProcess] = []
         self.pipes: list[Connection] = []  # pipes[i]: the reading end of procs[i]'s pipe
-        self.mpc: Any = None
+        self.mpc: SpawnContext | ForkServerContext | None = None
 
-    def start(self, i: int, replacement: bool = False) -> Any:
+    def start(self, i: int, replacement: bool = False) -> BaseProcess:
         """Start role i's process (again, with ``replacement``, after the last one died)."""
         role, rank = self.roles[i]
         refuse_if_importing_main()
@@ -365,7 +370,7 @@ class Team:
         return p
 
 
-def with_restarts(job: Job, sink: Any, attempt: Callable[[Job], list[WorkerResult]]) -> list[WorkerResult]:
+def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResult]]) -> list[WorkerResult]:
     """Run ``attempt``; when a worker fails, up to ``--restart-workers`` times start the whole group
     again, from the last checkpoint in ``--out`` if there is one (else from the start), the way
     torchrun's ``--max-restarts`` does. Each restart is a ``restart`` event and is listed in the
@@ -397,7 +402,7 @@ def with_restarts(job: Job, sink: Any, attempt: Callable[[Job], list[WorkerResul
         return results
 
 
-def replace(team: Team, sup: "Supervisor", rank: int, name: str, sink: Any, restarts: list[dict[str, Any]]) -> bool:
+def replace(team: Team, sup: Supervisor, rank: int, name: str, sink: Sink, restarts: list[dict[str, Any]]) -> bool:
     """Start role ``rank`` again after its process died, if ``--restart-workers`` has a restart
     left (``restarts``: those made so far) and it did not fail on the user's input (its
     replacement would fail again). The restart is a ``restart`` event and joins ``restarts``.
@@ -416,7 +421,9 @@ def replace(team: Team, sup: "Supervisor", rank: int, name: str, sink: Any, rest
 
 
 @contextlib.contextmanager
-def spawned(cfg: RunConfig, target: Any, roles: list[tuple[str, int]], args: Callable[..., tuple]) -> Iterator[Team]:
+def spawned(
+    cfg: RunConfig, target: Callable[..., None], roles: list[tuple[str, int]], args: Callable[..., tuple]
+) -> Iterator[Team]:
     """Start one process per role; yield the :class:`Team`; reap every process on the way out."""
     team = Team(cfg, target, roles, args)
     try:
@@ -468,7 +475,7 @@ class Supervisor:
     """Watches worker processes through their pipes: files each one's result, the first error it
     said and its events (to ``on_event``), and notices a process that ended without a result."""
 
-    def __init__(self, procs: list[Any], inbox: Inbox, on_event: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, procs: list[BaseProcess], inbox: Inbox, on_event: Callable[[dict[str, Any]], None]) -> None:
         self.procs, self.inbox, self.on_event = procs, inbox, on_event
         self.results: dict[int, dict[str, Any]] = {}
         self.said: dict[int, str] = {}  # each worker's first error, in its own words
@@ -554,7 +561,7 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def stop_all(procs: list[Any], grace_s: float = STOP_GRACE_S) -> None:
+def stop_all(procs: list[BaseProcess], grace_s: float = STOP_GRACE_S) -> None:
     """Terminate, then kill, every process still running; reap them all."""
     for p in procs:
         if p.is_alive():

@@ -15,11 +15,12 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from distsgd.algorithms.base import ServerSeat
+from distsgd.algorithms.base import Algorithm, Server, ServerSeat
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.launch import procs
@@ -32,7 +33,12 @@ from distsgd.train.loop import run_worker
 _RUNS = itertools.count()  # runs in one group (a Ray worker may call train twice): each its own keys
 
 
-def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
+def _server(algo_cls: type[Algorithm]) -> Server:
+    assert isinstance(algo_cls.topology, Server)  # the launcher picked this module by its kind
+    return algo_cls.topology
+
+
+def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig:
     """Under torchrun (or Ray Train) rank 0 serves, so the workers are the group's size less one.
     The server's address may be given as ``--init-method tcp://HOST:PORT``."""
     if cfg.init_method is not None and not cfg.init_method.startswith("tcp://"):
@@ -53,8 +59,8 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     return cfg
 
 
-def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
-    topology = algo_cls.topology
+def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
+    topology = _server(algo_cls)
     if not torchrun:
         if topology.exact_checkpoints and job.cfg.checkpoint_period is not None:  # lockstep: restart the group
             return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
@@ -80,7 +86,7 @@ def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResul
 
 
 def _work(
-    job: Job, algo_cls: Any, rank: int, world: int, seat: ServerSeat, sink: Sink, replacement: bool = False
+    job: Job, algo_cls: type[Algorithm], rank: int, world: int, seat: ServerSeat, sink: Sink, replacement: bool = False
 ) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N; its device, by its index on its
     machine (the server computes on the CPU: what it sends and receives are host bytes)."""
@@ -101,10 +107,10 @@ def _entry(
     rank: int,
     world: int,
     job: Job,
-    algo_cls: Any,
+    algo_cls: type[Algorithm],
     seat: ServerSeat,
     given_up: torch.Tensor,
-    out: Any,
+    out: Connection,
     replacement: bool = False,
 ) -> None:
     """A process of a local parameter-server run: rank 0 serves, the others train."""
@@ -113,7 +119,7 @@ def _entry(
 
     def body() -> WorkerResult:
         if rank == 0:
-            return algo_cls.topology.serve(
+            return _server(algo_cls).serve(
                 job, algo_cls, world - 1, seat.address, procs.QueueSink(q, 0), given_up=given_up, secret=seat.secret
             )
         return _work(job, algo_cls, rank, world, seat, procs.QueueSink(q, rank), replacement)
@@ -121,7 +127,7 @@ def _entry(
     procs.report(q, rank, body)
 
 
-def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
+def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     """One server process and ``cfg.workers`` worker processes on this machine. A worker that
     dies is dropped by the server (its connection closes) and, with ``--restart-workers``,
     started again; the run stops only when the server dies, or every worker has.
@@ -137,7 +143,7 @@ def _run_local(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
     job.data.share_memory_()
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
     resume = f"; continue from the last checkpoint with --resume {cfg.out}" if cfg.checkpoint_period else ""
-    lockstep = algo_cls.topology.exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
+    lockstep = _server(algo_cls).exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
     given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
     with procs.spawned(

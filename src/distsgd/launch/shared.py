@@ -18,13 +18,15 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from distsgd.algorithms.base import SharedSeat
+from distsgd.algorithms.base import Algorithm, Link, SharedMemory, SharedSeat
 from distsgd.checkpoint import CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, load_worker_state, save_worker_state
 from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
@@ -40,12 +42,17 @@ from distsgd.train.evaluate import Watcher
 from distsgd.train.loop import run_worker
 
 
-def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
+def _shared(algo_cls: type[Algorithm]) -> SharedMemory:
+    assert isinstance(algo_cls.topology, SharedMemory)  # the launcher picked this module by its kind
+    return algo_cls.topology
+
+
+def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig:
     """Under torchrun, only an algorithm whose clusters can be linked across machines runs (one
     cluster of ``local_workers`` per process), with gloo."""
     if not torchrun:
         return cfg
-    per_process = algo_cls.topology.local_workers(cfg)
+    per_process = _shared(algo_cls).local_workers(cfg)
     if per_process is None:
         raise ConfigError(
             f"{cfg.algo} shares memory between the processes of one machine; run it in one process with "
@@ -64,7 +71,7 @@ def plan(cfg: RunConfig, algo_cls: Any, torchrun: bool) -> RunConfig:
     return cfg.replace(workers=place()[1] * per_process)
 
 
-def run(job: Job, algo_cls: Any, sink: Sink, torchrun: bool) -> list[WorkerResult]:
+def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
     if torchrun:
         return _run_torchrun(job, algo_cls, sink)
     return Machine(job, algo_cls, sink).run()
@@ -74,10 +81,10 @@ def _entry(
     slot: int,
     world: int,
     job: Job,
-    algo_cls: Any,
+    algo_cls: type[Algorithm],
     seat: SharedSeat,
-    go: Any,
-    out: Any,
+    go: Event,
+    out: Connection,
     first_rank: int,
     data_world: int,
     replacement: bool = False,
@@ -116,18 +123,18 @@ class Machine:
     def __init__(
         self,
         job: Job,
-        algo_cls: Any,
+        algo_cls: type[Algorithm],
         sink: Sink,
         *,
         first_rank: int = 0,
         data_world: int | None = None,
-        link: Any = None,
+        link: Callable[[torch.nn.Module, SharedSeat], Link] | None = None,
         evaluates: bool = True,
         machines: int = 1,
     ) -> None:
         cfg, dataset = job.cfg, job.data
         self.job, self.cfg, self.algo_cls, self.dataset, self.sink = job, cfg, algo_cls, dataset, sink
-        self.topology = topology = algo_cls.topology
+        self.topology = topology = _shared(algo_cls)
         self.first_rank, self.data_world = first_rank, data_world or cfg.workers
         self.own = job.main is not None  # the user's loop evaluates what it wants (its rank 0 logs it)
         self.evaluates = evaluates and not self.own
@@ -393,21 +400,22 @@ class Machine:
         return [chief] + others
 
 
-def _run_torchrun(job: Job, algo_cls: Any, sink: Sink) -> list[WorkerResult]:
+def _run_torchrun(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     """Across machines: this torchrun process is one cluster of ``local_workers`` workers; the
     topology's link (a token ring over the process group) joins the clusters. Rank 0 evaluates
     (its own cluster's model during training, the average of all at the end) and gets every
     worker's figures."""
-    cfg, topology = job.cfg, algo_cls.topology
+    cfg, topology = job.cfg, _shared(algo_cls)
     rank, n = place()
     size = topology.local_workers(cfg)
+    assert size is not None  # plan refused a topology without one
     node = topology.node_algorithm(algo_cls)
     # --max-samples stays the run's: workers count every cluster's samples
     local = cfg.replace(workers=size, options={k: v for k, v in cfg.options.items() if k in node.Options.names()})
     if rank != 0:  # only rank 0 evaluates and writes the run directory
         local = local.replace(out=None, stop_at_target=False)
 
-    def link(model: torch.nn.Module, seat: SharedSeat) -> Any:
+    def link(model: torch.nn.Module, seat: SharedSeat) -> Link:
         return topology.link(cfg, rank, n, model, seat)
 
     with launcher_group(cfg):

@@ -592,7 +592,7 @@ class Optimizer:
     def __init__(self, run: Run, inner: torch.optim.Optimizer) -> None:
         self._run, self.optimizer = run, inner
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], object] | None = None) -> None:
         if closure is not None:
             raise ConfigError(
                 "optimizer.step(closure) is not supported under distsgd: compute the loss, "
