@@ -66,12 +66,12 @@ def test_bf16_under_every_topology(algo: str, workers: int) -> None:
 def test_shared_memory_results_say_where_their_workers_trained(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
     """summary.json's device, precision and gpu come from the workers' own record of where they
     trained: the shared-memory launcher only holds the models (on a GPU it would otherwise say cpu)."""
-    from distsgd import api
+    from distsgd import results
 
     seen: list[list] = []
-    where = api._where
+    where = results._where
     monkeypatch.setattr(
-        api, "_where", lambda results, cfg: seen.append([r.where for r in results]) or where(results, cfg)
+        results, "_where", lambda results, cfg: seen.append([r.where for r in results]) or where(results, cfg)
     )
     s = distsgd.train(model="mlp", data="digits", algo=algo, workers=2, epochs=1, precision="bf16", quiet=True).summary
     assert seen[0] == [{"device": "cpu", "precision": "bf16"}] * 2, seen

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from distsgd.api import TrainResult, spawn, train
+from distsgd.api import spawn, train
 from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError
+from distsgd.results import TrainResult
 from distsgd.train.own_loop import Run
 
 __all__ = [

@@ -1,8 +1,9 @@
 """The Python API and the one place a run is put together.
 
-``train()`` is what Python users call; the CLI builds a :class:`RunConfig` and calls ``run()``.
-Both: validate everything, load the data once, check that the model fits it (before any process
-starts), launch the algorithm's workers, then write ``summary.json`` and ``model.pt``.
+``train()`` and ``spawn()`` are what Python users call; the CLI builds a :class:`RunConfig` and
+calls ``run()``. All: settle the settings, load the data once, check that the model fits it (before
+any process starts), launch the algorithm's workers, then write ``model.pt`` and ``summary.json``
+(what the run reports, :class:`TrainResult` and the summary, is :mod:`distsgd.results`).
 """
 
 from __future__ import annotations
@@ -11,59 +12,35 @@ import copy
 import datetime as _dt
 import logging
 import os
-import platform
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from distsgd import config as config_mod
-from distsgd import launch, rundir, user
+from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
-from distsgd.config import RunConfig, resolve, threads_per_worker, validate
+from distsgd.config import RunConfig, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
-from distsgd.errors import CheckpointError, ConfigError, DataError, ModelError, OutputError
+from distsgd.errors import ConfigError, DataError, OutputError
 from distsgd.launch import procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
-from distsgd.metrics import (
-    Fanout,
-    JsonlWriter,
-    TensorBoardWriter,
-    first_reaching,
-    lm_figures,
-    make_progress,
-    require_tensorboard,
-)
+from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
+from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
-from distsgd.train.context import Job, WorkerResult
-from distsgd.train.evaluate import eval_event
+from distsgd.train.context import Job
 from distsgd.train.objective import loss_function
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    """What a run returns: ``summary`` (the summary.json dict), the trained ``model``, ``out``.
-    Under torchrun or Ray Train the run's model is rank 0's; the other ranks get None."""
-
-    summary: dict[str, Any]
-    model: nn.Module | None
-    out: Path | None = None
-
-    def __iter__(self) -> Iterator[Any]:  # summary, model = distsgd.train(...)
-        return iter((self.summary, self.model))
 
 
 class _CopyOf:
@@ -171,7 +148,7 @@ def run(
     cfg: RunConfig,
     model_spec: ModelSpec | None = None,
     dataset: TrainingData | None = None,
-    progress: Any = None,
+    progress: Sink | None = None,
     code: dict[str, Any] | None = None,
     evaluate: Callable | None = None,
 ) -> TrainResult:
@@ -221,7 +198,7 @@ def run(
     try:
         results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
         if job.main is not None and chief:
-            _own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
+            own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
         summary = build_summary(cfg, dataset, spec, results, started, started_at)
         if tb is not None:
             tb.write_summary(summary)
@@ -361,38 +338,6 @@ def spawn(
     return run(cfg, model_spec=model, dataset=data, code={"main": main, "optimizer": optimizer}, evaluate=evaluate)
 
 
-def _own_final_figures(
-    job: Job, algo_cls: type[Algorithm], results: list[WorkerResult], sink: Any, evaluate: Callable | None
-) -> None:
-    """The final figures of a run whose loop is the user's: ``evaluate(model)`` of the model the
-    run returns, here, when given (an eval event at the run's end). Without it, what the user's
-    first worker logged last, where that was of the returned model (a process group's); under
-    Hogwild! and the parameter server a worker's model is not the one returned, so none."""
-    chief = results[0]
-    if evaluate is not None and chief.model is not None:
-        got = evaluate(chief.model)
-        if not isinstance(got, dict) or not {"test_accuracy", "test_loss"} & set(got):
-            raise ConfigError(
-                f"evaluate(model) must return a dict with test_accuracy and/or test_loss, got {type(got).__name__}"
-            )
-        values = {k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in got.items()}
-        per_epoch = samples_per_epoch(job.data.n_train, job.cfg.workers, job.cfg.partition) if job.data.n_train else 0
-        event = eval_event(
-            job.data,
-            chief.global_samples,
-            round(chief.global_samples / per_epoch, 4) if per_epoch else 0.0,
-            chief.train_wall_s,
-            values.get("test_accuracy"),
-            values.get("test_loss"),
-        )
-        event.update({k: v for k, v in values.items() if k not in event})
-        chief.evals.append(event)
-        sink.emit(event)
-        chief.final_test_accuracy, chief.final_test_loss = values.get("test_accuracy"), values.get("test_loss")
-    elif algo_cls.topology.kind in ("shared", "server"):
-        chief.final_test_accuracy = chief.final_test_loss = None
-
-
 def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:
     """Whether the run starts worker processes, which the user's code must travel to: not in a
     launcher's group, whose ranks are the workers (or the server), but for its Hogwild! clusters.
@@ -416,7 +361,7 @@ def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
 
 
-def _check_travels(pieces: Any) -> None:
+def _check_travels(pieces: Iterable[tuple[str, object]]) -> None:
     """Each (what, obj) of the user's code can be sent to worker processes (pickled), or one line."""
     import pickle
 
@@ -453,158 +398,6 @@ def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
         )
     if data.n_train < cfg.workers:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
-
-
-def build_summary(
-    cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult], started: float, started_at: str
-) -> dict[str, Any]:
-    """summary.json: the keys later tools and the benchmarks read (see the README)."""
-    chief = results[0]
-    samples = chief.global_samples
-    hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
-    summary: dict[str, Any] = {
-        "algo": cfg.algo,
-        "workers": cfg.workers,
-        "dataset": dataset.name,
-        "model": describe(spec) if not isinstance(spec, str) else spec,
-        # what was trained (a run stopped by --max-samples or --stop-at-target trains part of its epochs)
-        "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4)
-        if dataset.n_train
-        else None,  # a user's loop: its epochs are its own
-        "configured_epochs": cfg.epochs,
-        "max_samples": cfg.max_samples,
-        "batch_size": cfg.batch_size,
-        "accumulate": cfg.accumulate,
-        "samples": samples,
-        "wall_s": time.time() - started,
-        "train_wall_s": chief.train_wall_s,
-        "samples_per_s": samples / chief.train_wall_s if chief.train_wall_s > 0 else 0.0,
-        "final_test_accuracy": chief.final_test_accuracy,
-        "final_test_loss": chief.final_test_loss,
-        "target_accuracy": cfg.target_accuracy,
-        "target_loss": cfg.target_loss,
-        "time_to_target_s": hit["train_wall_s"] if hit else None,
-        "samples_to_target": hit["samples"] if hit else None,
-        "evals": [
-            {k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss", "test_perplexity") if k in e}
-            for e in chief.evals
-        ],  # a language model's evaluations carry their perplexity
-        "threads_per_worker": threads_per_worker(cfg),
-        **_where(results, cfg),
-        "compile": cfg.compile,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),  # python-stdlib's text is this Python's own
-        "started_at": started_at,
-        "host": platform.node(),
-    }
-    summary.update(chief.figures.summary())
-    if chief.attendance is not None:
-        summary.update(chief.attendance.summary())
-    if len(results) > 1 or cfg.workers > 1:
-        summary["global_batch_size"] = cfg.batch_size * cfg.accumulate * cfg.workers  # samples a step, all workers
-    sent = chief.figures.run_bytes(results)  # every process's sends, as the algorithm counts them
-    if sent is not None:
-        summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent
-        summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
-    if dataset.task == "lm":
-        summary.update(_lm_summary(dataset, summary))
-    return summary
-
-
-def _lm_summary(dataset: TrainingData, summary: dict[str, Any]) -> dict[str, Any]:
-    """A language model's figures: tokens (a sample is a sequence of ``context`` tokens), the test
-    loss as perplexity and bits per token, and the corpus's unigram entropy: the loss of knowing
-    only how often each token occurs, which a model that learnt anything beats."""
-    tokens = dataset.input_shape[0]
-    loss = summary["final_test_loss"]
-    figures = lm_figures(loss) if loss is not None else {"test_perplexity": None, "test_bits_per_token": None}
-    out = {
-        "task": "lm",
-        "context": tokens,
-        "vocab": dataset.num_classes,
-        "tokens": summary["samples"] * tokens,
-        "tokens_per_s": summary["samples_per_s"] * tokens,
-        "final_test_perplexity": figures["test_perplexity"],
-        "final_test_bits_per_token": figures["test_bits_per_token"],
-    }
-    if isinstance(dataset, Dataset):
-        out["unigram_entropy"] = text.unigram_entropy(dataset.y_train, dataset.num_classes)
-    return out
-
-
-def _where(results: list[WorkerResult], cfg: RunConfig) -> dict[str, Any]:
-    """Where the run computed (a GPU worker's device when there is one: a parameter server's chief
-    is on the CPU), its precision and its backend."""
-    wheres = [r.where for r in results if r.where]
-    found = next(
-        (w for w in wheres if w["device"] != "cpu"),
-        wheres[0] if wheres else {"device": "cpu", "precision": cfg.precision},
-    )
-    # a process group's backend; None where there is none (one worker, a local server or one machine's Hogwild!)
-    return {**found, "backend": cfg.backend if cfg.workers > 1 and cfg.backend != "auto" else None}
-
-
-def evaluate_checkpoint(
-    path: str | Path,
-    dataset: str | None = None,
-    data_dir: str | None = None,
-    batch_size: int = 1000,
-    model: str | None = None,
-) -> dict[str, Any]:
-    """Load a saved model (weights only) and measure it on its dataset's test set (``dataset``:
-    another). A model or dataset that is a file (``path/file.py:Name``) is imported only when the
-    caller names it (``model``, ``dataset``): a checkpoint cannot make eval run code."""
-    from distsgd.checkpoint import load_checkpoint
-    from distsgd.train.evaluate import evaluate
-
-    path = Path(path)
-    file = path / "model.pt" if path.is_dir() else path
-    ckpt = load_checkpoint(file)
-    saved = _recorded_settings(ckpt["config"], file)
-    for what, flag, recorded, given in (
-        ("model", "--model", ckpt["model"], model),
-        ("dataset", "--dataset", ckpt["dataset"], dataset),
-    ):
-        if given is None and user.names_file(recorded):
-            raise ConfigError(
-                f"{file} was trained with the {what} in {recorded}, and eval runs no file you did not "
-                f"name: if you trust that file, give {flag} {recorded}"
-            )
-    ds = load_dataset(dataset or ckpt["dataset"], data_dir, context=saved.context)
-    if list(ds.input_shape) != list(ckpt["input_shape"]) or ds.num_classes != ckpt["num_classes"]:
-        raise DataError(
-            f"the checkpoint was trained on input {ckpt['input_shape']} with {ckpt['num_classes']} "
-            f"classes; {ds.name} has {list(ds.input_shape)} and {ds.num_classes}"
-        )
-    spec = model or ckpt["model"]
-    net = build_model(spec, ds.input_shape, ds.num_classes, saved.init)
-    try:
-        net.load_state_dict(ckpt["state_dict"])
-    except RuntimeError as exc:
-        raise ModelError(f"the checkpoint does not match model {spec}: {str(exc).splitlines()[0]}") from None
-    loss_fn = loss_function(saved.loss, None, ds.task)
-    acc, loss = evaluate(net, ds, batch_size, loss_fn)
-    return {
-        "checkpoint": str(path),
-        "model": spec,
-        "dataset": ds.name,
-        "test_samples": ds.n_test,
-        "test_accuracy": acc,
-        "test_loss": loss,
-        **(lm_figures(loss) if ds.task == "lm" else {}),
-    }
-
-
-def _recorded_settings(recorded: dict[str, Any], file: Path) -> RunConfig:
-    """The settings a checkpoint records that eval reads (context, loss, init), checked as a run's."""
-    try:
-        cfg = config_mod.from_mapping(
-            {k: recorded[k] for k in ("context", "loss", "init") if k in recorded}, source=str(file)
-        )
-        validate(cfg)
-        return cfg
-    except ConfigError as exc:
-        raise CheckpointError(f"{file} is damaged: the settings it records are not a run's ({exc})") from None
 
 
 __all__ = ["train", "run", "TrainResult", "evaluate_checkpoint"]

@@ -311,8 +311,8 @@ def recommended_settings(spec: object) -> dict[str, object]:
     return dict(RECOMMENDED.get(parse_spec(spec)[0], {})) if isinstance(spec, str) else {}
 
 
-def describe(spec: ModelSpec) -> str:
-    """A name for the summary: the built-in name, the file spec, or the callable's name."""
+def describe(spec: object) -> str:
+    """A name for the summary: the built-in name, the file spec, or the callable's (a model's, a user's function's)."""
     if isinstance(spec, str):
         return spec
     return getattr(spec, "__qualname__", None) or type(spec).__name__
