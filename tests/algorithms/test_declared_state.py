@@ -82,7 +82,7 @@ GROUP = {"bytes_sent", "sent_alike", "eval_share", "largest"}
         ("local-sgd", {"sync_every": 2, "compress": "fp16"}, GROUP | {"averagings", "period", "compressor", "anchor"}),
         ("diloco", {"sync_every": 2}, GROUP | {"rounds", "period", "global", "outer", "compressor"}),
         ("streaming-diloco", {"sync_every": 4}, GROUP | {"rounds", "flight", "periods", "thetas", "outers", "global"}),
-        ("easgd", {"tau": 2}, GROUP | {"center"}),
+        ("easgd", {"tau": 2}, GROUP | {"center", "period"}),
     ],
 )
 def test_a_checkpoint_holds_the_keys_it_always_held(group_of_one, algo: str, options: dict, keys: set) -> None:

@@ -47,8 +47,8 @@ from torch import nn
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.periodic import Periodic, period_option
-from distsgd.config import OPTIMIZERS, Period, RunConfig
+from distsgd.algorithms.periodic import period_option
+from distsgd.config import OPTIMIZERS, Period, Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
 from distsgd.train.context import Start, Step, WorkerContext

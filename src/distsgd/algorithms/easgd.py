@@ -46,8 +46,7 @@ from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_b
 from distsgd.algorithms.base import Algorithm, GroupAlgorithm, GroupFigures, Topology, register
 from distsgd.algorithms.param_server.rules import Elastic
 from distsgd.algorithms.param_server.worker import ServerAlgorithm, ServerTopology
-from distsgd.algorithms.periodic import Periodic
-from distsgd.config import RunConfig
+from distsgd.config import Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
 from distsgd.train.context import Figures, Start, Step, WorkerContext
@@ -102,7 +101,9 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     kind = "model averaging"
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
-    period: Periodic  # exchanges at steps tau divides, counting the steps taken before: 0, tau, 2 tau, ...
+    period: (
+        Periodic  # exchanges at steps tau divides, counting the steps taken before: 0, tau, 2 tau, ... (checkpointed)
+    )
     # built by setup:
     alpha: float  # the elastic strength (its default depends on the workers)
     center_model: nn.Module  # x~, the centre: what is evaluated and returned
@@ -144,11 +145,12 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         return self.center_model
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "center": flatten(self.center)}
+        return {**super().state_dict(), "center": flatten(self.center), "period": self.period.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         unflatten_into(state["center"], self.center)
+        self.period.load_state_dict(state["period"])
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model
@@ -164,7 +166,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     kind = "model averaging"
     topology: ClassVar[Topology] = ServerTopology(Elastic)
 
-    period: Periodic  # exchanges at steps tau divides, as in sync mode
+    period: Periodic  # exchanges at steps tau divides, as in sync mode (checkpointed)
     alpha: float  # built by setup: the elastic strength
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
@@ -192,6 +194,13 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "period": self.period.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.period.load_state_dict(state["period"])
 
     def figures(self) -> AsyncEASGDFigures:
         return AsyncEASGDFigures(**vars(super().figures()), alpha=self.alpha, tau=self.opts.tau, easgd_mode="async")

@@ -35,8 +35,8 @@ from torch import nn
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, average_model_, float_buffers, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.periodic import Periodic, period_option
-from distsgd.config import Period, RunConfig
+from distsgd.algorithms.periodic import period_option
+from distsgd.config import Period, Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.train.context import Start, Step, WorkerContext

@@ -56,8 +56,8 @@ from torch import nn
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, flat_view_, params
 from distsgd.algorithms.base import GroupFigures, register
 from distsgd.algorithms.diloco import InnerOuter, OuterOptions
-from distsgd.algorithms.periodic import Periodic, period_option
-from distsgd.config import Period, RunConfig
+from distsgd.algorithms.periodic import period_option
+from distsgd.config import Period, Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.train.context import Start, Step, WorkerContext

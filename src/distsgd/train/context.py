@@ -134,24 +134,3 @@ class WorkerResult:
     figures: Figures = field(default_factory=Figures)
     attendance: Attendance | None = None
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
-
-
-class Every:
-    """Fires once each time a count passes the next multiple of ``period`` (never when None):
-    evaluations and checkpoints every N samples."""
-
-    def __init__(self, period: int | None) -> None:
-        self.period = period
-        self.next = period
-
-    def due(self, count: int) -> bool:
-        if self.period is None or self.next is None or count < self.next:  # next is None when period is
-            return False
-        self.next = (count // self.period + 1) * self.period  # the next multiple, however far count jumped
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next": self.next}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next = state["next"] if self.period is not None else None

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distsgd.config import eval_period
+from distsgd.config import Periodic, eval_period
 from distsgd.data import TrainingData
 from distsgd.metrics import Sink, TrainClock, lm_figures
 from distsgd.metrics import reached as target_reached
 from distsgd.models import logits_of
 from distsgd.train import device
-from distsgd.train.context import Every, Job
+from distsgd.train.context import Job
 from distsgd.train.objective import loss_function
 
 
@@ -76,7 +76,8 @@ class Watcher:
         self.device = device  # where the data is, and the copies are evaluated
         self.loss_fn = loss_function(job.cfg.loss, job.loss, job.data.task)
         self.state, self.pause_to_copy = state, pause_to_copy
-        self.at = Every(eval_period(self.cfg, per_epoch) or per_epoch)
+        # per_epoch 0: a user's loop, whose data the watcher never sees (it evaluates what it wants)
+        self.at = Periodic(eval_period(self.cfg, per_epoch) or per_epoch or None)
         self.clock = TrainClock()
         self.earlier_s = 0.0  # training time before the checkpoint this run resumed from
         self.pending: list[tuple[int, float, dict[str, torch.Tensor]]] = []

@@ -34,14 +34,14 @@ import torch
 from torch import nn
 
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
-from distsgd.config import threads_per_worker
+from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
 from distsgd.metrics import TrainClock
 from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train import device
-from distsgd.train.context import Every, Start, Step, WorkerContext, WorkerResult
+from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import eval_event
 from distsgd.train.optim import schedule_lr
 
@@ -98,7 +98,7 @@ class LoopState:
         self.seq = 0  # checkpoints written
         self.train_wall_s = 0.0
         self.evals: list[dict[str, Any]] = []
-        self.evals_at, self.checkpoints_at = Every(eval_every), Every(checkpoint_every)
+        self.evals_at, self.checkpoints_at = Periodic(eval_every), Periodic(checkpoint_every)
 
     _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
 

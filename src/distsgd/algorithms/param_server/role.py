@@ -25,11 +25,12 @@ from distsgd.checkpoint import (
     scatter,
     worker_file,
 )
+from distsgd.config import Periodic
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError
 from distsgd.metrics import Sink
 from distsgd.models import build_model
-from distsgd.train.context import Attendance, Every, Figures, Job, WorkerResult
+from distsgd.train.context import Attendance, Figures, Job, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.optim import build_optimizer
 
@@ -87,7 +88,7 @@ class ServerRole:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
         self.cfg, self.sink = cfg, sink
-        self.report_at = Every(cfg.log_every * cfg.batch_size * workers)  # as often as a worker's progress
+        self.report_at = Periodic(cfg.log_every * cfg.batch_size * workers)  # as often as a worker's progress
         self.model = build_model(job.model, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
         per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
