@@ -72,9 +72,10 @@ def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -
 
 
 def _fresh_group_member(*args) -> None:
-    """``_group_member`` in a spawned interpreter, left as distsgd's ``__main__`` leaves a worker: with
-    ``os._exit``, as a gloo thread still joinable at interpreter exit may abort a finished process
-    ("terminate called without an active exception"). (A forked one leaves so already.)"""
+    """``_group_member`` in a spawned interpreter, left with ``os._exit`` as a forked one is: should
+    ``fn`` keep a reference to the group (torch.distributed.nn's defaults, imported after the group
+    formed, do; see launch/rendezvous.py), a gloo thread alive at interpreter exit could abort the
+    finished process ("terminate called without an active exception")."""
     _group_member(*args)
     sys.stdout.flush()
     sys.stderr.flush()

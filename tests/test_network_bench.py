@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -179,12 +178,6 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
         "--overwrite",
     )
     res = run_cli(*args, timeout=600)
-    if res.returncode != 0 and "on host" in res.stderr:
-        # Until __main__ left torchrun workers with os._exit, about one bench in ten failed here: a
-        # finished worker aborted in C++ destructors at exit (0 in 30 since). Should it come back,
-        # say so, and ask a second attempt to pass.
-        warnings.warn(f"bench --network failed once, trying again: {res.stderr.strip().splitlines()[-1]}")
-        res = run_cli(*args, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert bench["network"] == "50mbit"

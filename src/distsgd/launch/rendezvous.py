@@ -24,6 +24,14 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+# Imported before any group forms, on purpose: this module's functions take ``group=group.WORLD``
+# as a default argument, evaluated at import. torch imports it lazily (the first optimizer built
+# loads torch._dynamo, which loads it through FSDP), and once a group exists each of those defaults
+# keeps a reference to that group: destroy_process_group then cannot free it, its gloo threads
+# live on into interpreter exit, and one that drops its last finished work there aborts the
+# process ("terminate called without an active exception", SIGABRT) after a run that succeeded.
+import torch.distributed.nn.functional  # noqa: F401  # isort: skip
+
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.train import device
