@@ -257,6 +257,18 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str, capsys: pytest.C
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+def test_sigterm_raises_only_while_a_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A command that has ended (here on bad input, with its error line) gives SIGTERM back: one
+    arriving while the interpreter exits (srun --kill-on-bad-exit ends a task that has just said
+    its peer failed) must not raise Terminated inside an exit handler and print a traceback."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["train", "--workers", "0", "--out", str(tmp_path / "out")]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert capsys.readouterr().err.startswith("error: ")
+
+
 @pytest.mark.slow
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     res = distsgd("train", "--dataset", "digits", "--model", "mnist_net", "--out", str(tmp_path / "out"))

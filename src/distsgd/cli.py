@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
-    on_sigterm()
+    restore = on_sigterm()
     try:
         return COMMANDS[args.command](args)
     except DistsgdError as exc:
@@ -410,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {exc.filename}" if exc.filename else ""
         sys.stderr.write(f"error: cannot write or read{where}: {exc.strerror or exc}\n")
         return 2
+    finally:
+        # The command has ended and said how: a SIGTERM from now on (srun's --kill-on-bad-exit,
+        # after this task's own error line) must not raise inside the interpreter's exit and print
+        # a traceback there; it ends the process as it would have before the command.
+        restore()
 
 
 if __name__ == "__main__":

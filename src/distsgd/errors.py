@@ -7,6 +7,8 @@ exits with status 2; Python users catch it like any exception.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class DistsgdError(Exception):
     """Base class: a problem the user can fix. The message is one line."""
@@ -50,15 +52,15 @@ class Terminated(KeyboardInterrupt):
     signal_name = "SIGTERM"
 
 
-def on_sigterm() -> None:
+def on_sigterm() -> Callable[[], None]:
     """From now on, SIGTERM raises :class:`Terminated` in this process's main thread (as SIGINT
     raises KeyboardInterrupt), so every clean-up on the way out runs; later SIGTERMs are ignored
-    while it does. No-op off the main thread."""
+    while it does. Returns what puts the previous handler back. No-op off the main thread."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        return
+        return lambda: None
 
     def handler(signum: int, frame: object) -> None:
         # once: a second SIGTERM (a process group's and then the launcher's, say) must not break the
@@ -66,7 +68,8 @@ def on_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 
-    signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 class WorkerInputError(WorkerError):
