@@ -69,7 +69,11 @@ def on_sigterm() -> Callable[[], None]:
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
 
 
 class WorkerInputError(WorkerError):
