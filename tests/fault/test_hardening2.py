@@ -430,6 +430,31 @@ def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> No
     assert (out / "model.pt").exists()
 
 
+def _marks_its_sigterm(mark: str) -> None:
+    """A process whose SIGTERM handler leaves a file (a SIGKILL leaves none)."""
+    signal.signal(signal.SIGTERM, lambda *_: (Path(mark).touch(), os._exit(0)))
+    Path(mark + ".ready").touch()
+    while True:
+        time.sleep(0.01)
+
+
+def test_a_stopped_process_is_terminated_not_killed(tmp_path: Path) -> None:
+    """The launcher's stop_all continues a SIGSTOPped process (a worker the server dropped for
+    silence), which then acts on its SIGTERM; before, it sat out the grace period stopped and was
+    SIGKILLed."""
+    import multiprocessing
+
+    from distsgd.launch import procs
+
+    mark = str(tmp_path / "terminated")
+    p = multiprocessing.get_context("fork").Process(target=_marks_its_sigterm, args=(mark,))
+    p.start()
+    _wait_for(lambda: os.path.exists(mark + ".ready"), 30)
+    os.kill(p.pid, signal.SIGSTOP)
+    procs.stop_all([p], grace_s=2.0)
+    assert p.exitcode == 0 and os.path.exists(mark)
+
+
 @pytest.mark.parametrize("frozen_at", ["hello", "pull"])
 def test_a_worker_gives_up_on_a_frozen_server(frozen_at: str) -> None:
     """A server that takes the connection and then says nothing (SIGSTOPped: its kernel still

@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import sys
 import time
 import warnings
@@ -552,8 +553,6 @@ def describe_exit(code: int | None) -> str:
     if code is None:
         return "stopped"
     if code < 0:
-        import signal
-
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
@@ -564,8 +563,10 @@ def describe_exit(code: int | None) -> str:
 def stop_all(procs: list[BaseProcess], grace_s: float = STOP_GRACE_S) -> None:
     """Terminate, then kill, every process still running; reap them all."""
     for p in procs:
-        if p.is_alive():
+        if p.is_alive() and p.pid is not None:
             p.terminate()
+            with contextlib.suppress(ProcessLookupError):  # a stopped process acts on SIGTERM once continued
+                os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -167,10 +167,12 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
                 if not str(cause).startswith("the parameter server"):
                     cause = type(cause)(f"all {workers} workers failed; {cause}")
                 raise type(cause)(f"{cause}{resume}")
-        sup.drain_until(lambda: len(sup.results) + len(sup.failed()) == world, procs.STOP_GRACE_S)
+        # late results; none will come from a worker the server dropped (one frozen says nothing)
+        seen = sup.results[0]["attendance"] or Attendance()  # the server's: one frozen is alive, not failed
+        dropped = {r + 1 for r in seen.failed_workers or []}
+        sup.drain_until(lambda: len(set(sup.results) | sup.failed() | dropped) == world, procs.STOP_GRACE_S)
     dead = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)
-    seen = chief.attendance or Attendance()  # the server's: the workers it dropped (one frozen is alive, not failed)
     errors = {**(seen.worker_errors or {}), **{str(r - 1): sup.reason(r) for r in dead}}
     chief.attendance = Attendance(
         samples_per_worker=seen.samples_per_worker,
