@@ -118,12 +118,19 @@ class Channel:
         except (OSError, ValueError):  # closed meanwhile
             return True
 
-    def close(self) -> None:
+    def hang_up(self) -> None:
+        """End the connection from another thread: what its own thread is blocked in, or about to call,
+        returns at once. The socket stays open until that thread closes it: closed here, its number
+        could go to the next connection accepted while that thread was about to wait on it, and the
+        thread would then wait on a stranger's socket (a flood's: up to the HELLO deadline)."""
         self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it (close alone does not)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.hang_up()
         try:
             self.sock.close()
         except OSError:
@@ -204,10 +211,13 @@ class Service:
         for t in (self.acceptor, self.heart):
             if t.is_alive():
                 t.join(wait_s)
-        for c in list(self.channels):
-            c.close()
+        channels = list(self.channels)
+        for c in channels:
+            c.hang_up()  # each connection's thread closes its own
         for t in list(self.threads):
             t.join(wait_s)
+        for c in channels:
+            c.close()
 
     def _accept(self) -> None:
         while not self.closing:
@@ -230,7 +240,7 @@ class Service:
                 self.open += 1
             if evicted is not None:
                 evicted.evicted = True
-                evicted.close()  # its thread finds it closed, and counts it refused
+                evicted.hang_up()  # its thread finds it closed, and counts it refused
             thread = threading.Thread(target=self._serve, args=(channel,), name="distsgd-ps-connection", daemon=True)
             try:
                 thread.start()
