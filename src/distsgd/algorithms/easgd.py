@@ -101,9 +101,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     kind = "model averaging"
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
-    period: (
-        Periodic  # exchanges at steps tau divides, counting the steps taken before: 0, tau, 2 tau, ... (checkpointed)
-    )
+    period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)
     # built by setup:
     alpha: float  # the elastic strength (its default depends on the workers)
     center_model: nn.Module  # x~, the centre: what is evaluated and returned
