@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything distsgd can check only on a GPU, in one command of about 6 minutes on one GPU:
+#
+#     benchmarks/gpu_check.sh OUT_FOLDER
+#
+# the GPU tests, the examples on the GPU, the short parts of benchmarks/gpu.py, the bare-PyTorch
+# probe (TF32, CUDA graphs, Hogwild! threads on streams) and --compile against eager. Every step runs
+# under `timeout`, so one that hangs costs its own limit and no more; each writes its log under
+# OUT_FOLDER, and OUT_FOLDER/summary.txt says how each step ended. Run from the repository root,
+# with distsgd importable (PYTHONPATH=src or an editable install).
+set -uo pipefail
+out="${1:?usage: benchmarks/gpu_check.sh OUT_FOLDER}"
+mkdir -p "$out"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)/src"
+summary="$out/summary.txt"
+: >"$summary"
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  local tb
+  tb=$(grep -c "^Traceback" "$out/$name.log")
+  echo "$name: rc=$rc in $((SECONDS - t0)) s, $tb tracebacks" | tee -a "$summary"
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv
+  python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  echo "mps control: $(command -v nvidia-cuda-mps-control || echo absent); pipe dir: $(ls -d /tmp/nvidia-mps 2>/dev/null || echo absent)"
+  nproc
+} >"$out/machine.txt" 2>&1
+
+step tests 150 python -m pytest -q -m gpu -n 4 -p no:cacheprovider
+step probe 120 python benchmarks/gpu_probe.py --out "$out"
+step gpu_py 150 python benchmarks/gpu.py --parts bare,topologies --repeats 2 --out "$out/gpu"
+for mode in eager compile; do
+  flag=""
+  [ "$mode" = compile ] && flag="--compile"
+  TORCH_LOGS=recompiles,graph_breaks step "train_$mode" 100 python -m distsgd train --model resnet20 \
+    --max-samples 60000 --device cuda $flag --out "$out/train_$mode"
+done
+step example_allreduce 60 python examples/plain_loop.py --out "$out/ex_allreduce"
+step example_hogwild 60 python examples/plain_loop.py --algo hogwild --out "$out/ex_hogwild"
+cat "$summary"
