@@ -105,6 +105,7 @@ def _ring(n: int, size: int = 1, options: dict | None = None, **settings):
         ctx = _context(rank)
         model = algo.setup(ctx, nn.Linear(size, 1, bias=False), Start.FRESH)
         optimizers.append(algo.make_optimizer(ctx, model))
+        algo.optimizers_ready(ctx, optimizers[-1:])  # as the run does
         algos.append(algo)
     return algos, [m.weight for m in models], optimizers
 
@@ -280,6 +281,7 @@ def test_the_ring_across_machines_counts_steps_and_reads_the_workers_lr() -> Non
     worker = ClusterWorker(config("hogwild++", 2, {}, **settings), dataclasses.replace(seat, slot=1))  # as launched
     bound = worker.setup(_context(1), nn.Linear(3, 1), Start.FRESH)
     optimizer = worker.make_optimizer(_context(1), bound)
+    worker.optimizers_ready(_context(1), [optimizer])  # as the run does
     schedule_lr(optimizer, cfg, epoch_progress=1.5, total_epochs=2)  # epoch 2: 0.05 * 0.8
     worker.after_step(_context(1), bound, Step(number=5, samples=5 * step_samples))
     seat.counts[0] = 3 * step_samples

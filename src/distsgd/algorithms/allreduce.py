@@ -96,6 +96,17 @@ class BucketOptions(compress.CompressOptions):
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
 
 
+def refuse_powersgd_resync(algo: str, spec: str) -> None:
+    """PowerSGD compresses a step's gradient once (its error feedback and warm start assume it): a
+    step whose gradients were synchronised by several backward passes is refused. (fp16 and plain
+    all-reduces add up: the sum of averages is the average of the sum.)"""
+    if compress.parse(spec)[0] == "powersgd":
+        raise ConfigError(
+            f"{algo} --compress {spec} compresses each step's gradient once: accumulate with "
+            f"run.no_sync() round all but the last micro-batch's run.backward()"
+        )
+
+
 @dataclass
 class AllReduceFigures(GroupFigures):
     buckets: int | None = None  # gradient buckets (none with --compress: reduced all at once)
@@ -154,6 +165,9 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             yield
         finally:
             self.accumulating = False
+
+    def check_resynced(self, ctx: WorkerContext) -> None:
+        refuse_powersgd_resync(self.name, self.opts.compress)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if self.accumulating:

@@ -28,20 +28,33 @@ a subclass of :class:`Algorithm` registered with :func:`register`, declaring
     unset, where the generic default is wrong for it (DiLoCo's inner AdamW: its paper's lr);
   - ``setup(ctx, model, start) -> model``: before the first step; ``start`` says whether the
     worker is new, resumed from its part of a checkpoint or a replacement of a dead one;
-  - ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter);
+  - ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter),
+    unless the user's loop gave its own (``run.setup(model, opt)``, or several);
+  - ``check_optimizer_name(name)``: a user's loop's ``run.setup("adam")``: refuse it if the
+    workers' optimiser is a setting of the algorithm's own;
+  - ``optimizers_ready(ctx, optimizers)``: the optimisers the run steps, however they were made;
   - ``before_training(ctx)``: everything is built; the training clock starts when this returns;
   - ``keep_going(ctx)``: checked before every step; False stops this worker;
   - ``no_sync(ctx, model)``: a context for the backward of a micro-batch that is not a step's
     last (``--accumulate``): gradients accumulate locally, nothing is synchronised;
-  - ``after_backward(ctx, model, step)``: gradients are ready; synchronise them here. ``step``
+  - ``after_backward(ctx, model, step)``: gradients are ready; synchronise them here (every
+    ``run.backward`` outside ``no_sync`` calls it, so what the user does before the step sees the
+    synchronised gradients; several in one step accumulate: a synchronisation must be linear in
+    the gradients, or refuse a second one in ``check_resynced``). ``step``
     (:class:`~distsgd.train.context.Step`) is the step being taken, as the loop counts it (the
     loop owns the count: algorithms time their synchronisations by it, see :mod:`.periodic`);
+  - ``check_resynced(ctx)``: the gradients were synchronised more than once before this step
+    (accumulation without ``no_sync``): raise ConfigError if the algorithm cannot honour that;
   - ``apply_step(ctx, optimizer, step)``: apply the update (plain, under a lock, by a server);
+    once for each optimiser of the user's loop, with the same ``step``;
   - ``after_step(ctx, model, step)``: the update is applied; synchronise parameters here;
   - ``global_samples(ctx, local_samples)``: all workers' samples, as this worker knows them;
   - ``on_epoch_end(ctx, model, epoch)``;
   - ``evaluation_model(ctx, model)``: the model the algorithm would return now. Called on every
-    worker at every evaluation point (so it may be a collective); the evaluating worker measures it;
+    worker at every evaluation point (so it may be a collective: then say so with
+    ``collective_evaluation``); the evaluating worker measures it;
+  - ``weights_loaded(ctx, model)``: the user's loop loaded weights into the model after setup
+    (``model.load_state_dict``): make them the algorithm's (DiLoCo's anchor), or refuse;
   - ``agree(ctx, flag)``: every worker reaches the same stop decision (rank 0's);
   - ``barrier(ctx)``: every worker got here;
   - ``checkpoint_saved(ctx, seq, commit)``: this worker wrote its part of checkpoint ``seq``. In
@@ -249,6 +262,8 @@ class Algorithm(Generic[OptionsT]):
     topology: ClassVar[Topology] = Single()
     Options: ClassVar[type[Options]] = NoOptions  # the type argument (see __init_subclass__)
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
+    # evaluation_model may communicate: a user's loop must call it on every worker at one point
+    collective_evaluation: ClassVar[bool] = False
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options
@@ -295,6 +310,13 @@ class Algorithm(Generic[OptionsT]):
     def make_optimizer(self, ctx: "WorkerContext", model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(self.cfg, self.unwrap(model), ctx.job.optimizer, ctx.job.param_groups)
 
+    def check_optimizer_name(self, name: str) -> None:
+        """A user's loop asked for ``run.setup(name)``, the run's ``--optimizer``: raise ConfigError
+        if the algorithm's workers step another optimiser setting."""
+
+    def optimizers_ready(self, ctx: "WorkerContext", optimizers: list[torch.optim.Optimizer]) -> None:
+        """The optimisers the run steps (``make_optimizer``'s, or those of the user's loop)."""
+
     def before_training(self, ctx: "WorkerContext") -> None:
         pass
 
@@ -306,6 +328,9 @@ class Algorithm(Generic[OptionsT]):
 
     def after_backward(self, ctx: "WorkerContext", model: nn.Module, step: Step) -> None:
         pass
+
+    def check_resynced(self, ctx: "WorkerContext") -> None:
+        """Several synchronisations of one step's gradients add up (the default: linear ones)."""
 
     def apply_step(self, ctx: "WorkerContext", optimizer: torch.optim.Optimizer, step: Step) -> None:
         optimizer.step()
@@ -324,6 +349,10 @@ class Algorithm(Generic[OptionsT]):
         """What this algorithm would return at this moment (the average, the centre, the module a
         DDP wrapper holds). Every worker calls it at an evaluation point, so it may communicate."""
         return self.unwrap(model)
+
+    def weights_loaded(self, ctx: "WorkerContext", model: nn.Module) -> None:
+        """The user's loop loaded weights into ``model`` after setup (by default they are simply
+        the model's: the next steps start from them)."""
 
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         return flag

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.allreduce import BucketOptions
+from distsgd.algorithms.allreduce import BucketOptions, refuse_powersgd_resync
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import RunConfig
@@ -100,6 +100,9 @@ class DDP(GroupAlgorithm[BucketOptions]):
     def no_sync(self, ctx: WorkerContext, model: nn.Module) -> contextlib.AbstractContextManager:
         assert isinstance(model, DistributedDataParallel)  # the model setup returned
         return model.no_sync()  # DDP's own: accumulate, reduce at the last micro-batch
+
+    def check_resynced(self, ctx: WorkerContext) -> None:
+        refuse_powersgd_resync(self.name, self.opts.compress)
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         # DDP has already averaged the gradients during backward; count what it sent (a hook counts

@@ -121,6 +121,12 @@ class InnerOuter(GroupAlgorithm[OuterOptionsT]):
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
         return paper_inner_defaults(cls.parse_options(cfg).inner_optimizer)
 
+    def check_optimizer_name(self, name: str) -> None:
+        raise ConfigError(
+            f"under {self.name} the workers' optimiser is --inner-optimizer, whose lr and weight decay "
+            f"default to its paper's: give distsgd.spawn(inner_optimizer='{name}', lr=...), not run.setup('{name}')"
+        )
+
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         """The inner optimiser: --inner-optimizer (or the user's optimizer= / param_groups=)."""
         return build_optimizer(
@@ -133,6 +139,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
     name = "diloco"
     kind = "low communication"
     summary_line = "DiLoCo: H inner AdamW steps, then outer Nesterov SGD on the averaged pseudo-gradient"
+    collective_evaluation = True  # in the middle of a round, the average of the workers' models
 
     period: Periodic  # an outer step every H inner steps; whether one is owed (checkpointed)
     rounds: int  # outer steps taken (checkpointed)
@@ -207,6 +214,11 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
             for local, global_ in zip(model.buffers(), target.buffers()):
                 global_.copy_(local)
         return sent + average_buffers_(target, self.world)
+
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        """Weights the user's loop loaded (on every worker) are the new theta: the next outer step's
+        pseudo-gradient counts the inner steps from them, not from the old theta."""
+        self.global_model.load_state_dict(self.unwrap(model).state_dict())
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """What :meth:`final_model` would return now: theta after the last outer step or, in the

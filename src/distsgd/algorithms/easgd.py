@@ -102,6 +102,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
     period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)
+    exchanged_at: int  # the step whose exchange was made (a user's loop steps several optimisers a step)
     # built by setup:
     alpha: float  # the elastic strength (its default depends on the workers)
     center_model: nn.Module  # x~, the centre: what is evaluated and returned
@@ -113,6 +114,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         self.period = Periodic(self.opts.tau, first=0)
+        self.exchanged_at = 0
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type[Algorithm]:
@@ -134,10 +136,16 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the elastic exchange from x_i as it was when the gradient
         was computed; then the optimiser's step."""
-        if self.period.due(step.number - 1):
+        if self.period.due(step.number - 1) and step.number != self.exchanged_at:
+            self.exchanged_at = step.number
             self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
         optimizer.step()
+
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        """Weights the user's loop loaded (on every worker) are the centre's too: otherwise the
+        elastic force would pull the workers back towards the old centre."""
+        self.center_model.load_state_dict(self.unwrap(model).state_dict())
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         return self.center_model

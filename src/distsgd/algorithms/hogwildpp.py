@@ -291,16 +291,15 @@ class ClusterWorker(SharedModel[HogwildOptions]):
     topology: ClassVar[Topology] = ClusterMemory()
 
     lr_now: np.ndarray  # a numpy view of the shared float
-    optimizer: torch.optim.Optimizer  # set by make_optimizer: whose lr it tells
+    optimizer: torch.optim.Optimizer  # set by optimizers_ready (the first): whose lr it tells
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         assert isinstance(self.seat.extras, torch.Tensor)  # ClusterMemory's
         self.lr_now = self.seat.extras.numpy()
 
-    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
-        self.optimizer = super().make_optimizer(ctx, model)
-        return self.optimizer
+    def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizer = optimizers[0]
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         super().after_step(ctx, model, step)
@@ -321,7 +320,7 @@ class HogwildPP(SharedModel[RingOptions]):
     lam: float
     hold_steps: int  # the holding cluster's steps between its exchange and passing the token (tau0 per worker)
     step_samples: int  # the samples of one optimiser step (--accumulate micro-batches)
-    optimizer: torch.optim.Optimizer  # set by make_optimizer: whose lr --ring-scale lr reads
+    optimizer: torch.optim.Optimizer  # set by optimizers_ready (the first): whose lr --ring-scale lr reads
     # built by setup:
     cluster: int  # this worker's cluster
     members: slice  # its cluster's slots in counts
@@ -378,9 +377,8 @@ class HogwildPP(SharedModel[RingOptions]):
         finally:
             ring.lock.release()
 
-    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
-        self.optimizer = super().make_optimizer(ctx, model)
-        return self.optimizer
+    def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizer = optimizers[0]
 
     def scale(self) -> float:
         """eta for an exchange now: this worker's learning rate, or the fixed --ring-scale."""

@@ -63,6 +63,7 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
     name = "local-sgd"
     kind = "model averaging"
     summary_line = "H local steps, then average the models (--sync-every H|epoch, --warmup-steps for post-local SGD)"
+    collective_evaluation = True  # in the middle of a period, the average of the workers' models
 
     period: Periodic  # after steps K + H, K + 2H, ... (K warm-up steps); whether an averaging is owed (checkpointed)
     averagings: int  # averagings made (checkpointed)
@@ -100,6 +101,12 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
     def on_epoch_end(self, ctx: WorkerContext, model: nn.Module, epoch: int) -> None:
         if self.period.each_epoch:
             self._average(model)
+
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        """Weights the user's loop loaded (on every worker): the compressor averages the change from them."""
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params):
+                a.copy_(p)
 
     def evaluation_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """What :meth:`final_model` would return now: the models averaged the algorithm's way

@@ -154,6 +154,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         "Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "
         "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)"
     )
+    collective_evaluation = True  # in the middle of a round, the average of the workers' models
 
     periods: list[Periodic]  # fragment p sends at steps o_p - tau + k H; whether it owes one (checkpointed)
     dtype: torch.dtype  # what outer gradients travel in
@@ -203,6 +204,18 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
             for outer, saved in zip(outers, like.outers):
                 outer.load_state_dict(copy.deepcopy(saved.state_dict()))
         return Globals(thetas, outers, target, flat)
+
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        """Weights the user's loop loaded (on every worker) are the new theta of every fragment; a
+        fragment in flight, whose outer gradient was measured from the old theta, is dropped (its
+        all-reduce waited for, every worker alike)."""
+        if self.flight is not None:
+            self.flight.average(self.world)
+            self.flight = None
+        self.globals.model.load_state_dict(self.unwrap(model).state_dict())
+        with torch.no_grad():
+            for theta, (a, b) in zip(self.globals.thetas, self.bounds):
+                theta.copy_(self.flat[a:b])
 
     # -- the schedule ----------------------------------------------------------------------------
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:

@@ -19,19 +19,20 @@ MODES = ("sharded", "replicated")
 
 
 def epoch_indices(
-    n: int, epoch: int, rank: int = 0, world: int = 1, seed: int = 0, mode: str = "sharded"
+    n: int, epoch: int, rank: int = 0, world: int = 1, seed: int = 0, mode: str = "sharded", shuffle: bool = True
 ) -> torch.Tensor:
-    """The sample indices worker ``rank`` visits in ``epoch``, in order."""
+    """The sample indices worker ``rank`` visits in ``epoch``, in order (``shuffle`` False: the
+    dataset's order, the same shard of it)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     if mode == "sharded":
         gen = torch.Generator().manual_seed(mix_seed(seed, epoch))
-        perm = torch.randperm(n, generator=gen)
+        perm = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
         usable = n - n % world
         return perm[:usable][rank::world]
     if mode == "replicated":
         gen = torch.Generator().manual_seed(mix_seed(seed, epoch, rank + 1))
-        return torch.randperm(n, generator=gen)
+        return torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
     raise ValueError(f"unknown partition mode {mode!r}")
 
 

@@ -132,22 +132,6 @@ def synchronizer(device: torch.device) -> Callable[[], None] | None:
     return None
 
 
-class ScaledOptimizer:
-    """An optimiser whose ``step`` goes through a ``GradScaler`` (``--precision fp16``): it skips a
-    step whose gradients overflowed and adapts the scale. The loop unscales the gradients once the
-    algorithm has synchronised them (so every worker decides alike) and before the step."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
-        self.optimizer, self.scaler = optimizer, scaler
-
-    def step(self) -> None:
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-
-    def __getattr__(self, name: str) -> Any:  # param_groups, zero_grad, state_dict, ...
-        return getattr(self.optimizer, name)
-
-
 def describe(device: torch.device, precision: str) -> dict[str, Any]:
     """What summary.json records of where a run computed."""
     out: dict[str, Any] = {"device": str(device), "precision": precision}
@@ -166,6 +150,5 @@ __all__ = [
     "autocast",
     "float32_exact",
     "synchronizer",
-    "ScaledOptimizer",
     "describe",
 ]

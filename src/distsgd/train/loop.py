@@ -2,12 +2,12 @@
 :class:`~distsgd.train.own_loop.Run` a user's ``main(run)`` drives (``distsgd.spawn``), so each
 algorithm's setup, step and ending are defined once.
 
-Per step: the next batch of this worker's shard, forward, loss, ``run.backward``, then
-``run.step()`` (the schedule, ``algo.after_backward`` (gradient sync), clipping,
-``algo.apply_step`` (the update), ``algo.after_step`` (parameter sync), progress). At every
-evaluation point every worker asks for the model the algorithm would return now
-(``run.evaluation_model``: the average, the centre, ...) and the evaluating worker measures it
-with the training clock paused. A checkpoint saves the stateful pieces (model, optimiser,
+Per step: the next batch of this worker's shard, forward (under --precision's autocast), loss,
+``run.backward`` (then ``algo.after_backward``, the gradient sync), then ``opt.step()`` (the
+schedule, clipping, ``algo.apply_step`` (the update), ``algo.after_step`` (parameter sync),
+progress). At every evaluation point every worker asks for the model the algorithm would return
+now (``run.evaluation_model``: the average, the centre, ...) and the evaluating worker measures
+it with the training clock paused. A checkpoint saves the stateful pieces (model, optimiser,
 algorithm, loop counters, random state) through one Checkpointer.
 """
 
@@ -146,13 +146,12 @@ class _Worker:
         started = time.perf_counter()
         run.optimizer.zero_grad(set_to_none=True)
         n = sum(len(y) for _, y in micro)
+        run.count(n)
         for i, (x, y) in enumerate(micro):
             with run.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
-                with run.autocast:
-                    loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(self.model(x), y)  # the forward under --precision's autocast (run.setup)
                 run.backward(loss, len(y) / n if len(micro) > 1 else 1.0)
-        run.count(n)
-        run.step()
+        run.optimizer.step()
         if self.slowdown:
             time.sleep(self.slowdown * (time.perf_counter() - started))
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)

@@ -24,14 +24,21 @@ acts only through the calls below, on parameters, gradients and buffers:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
+import threading
+import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
 from distsgd.config import Periodic, threads_per_worker
@@ -42,8 +49,8 @@ from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train import device
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
-from distsgd.train.evaluate import eval_event
-from distsgd.train.optim import schedule_lr
+from distsgd.train.evaluate import equal_states, eval_event, snapshot
+from distsgd.train.optim import build_optimizer, schedule_lr
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
@@ -134,8 +141,20 @@ class Run:
         self._rejoined: int | None = None  # a replacement: the samples its rank had trained
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._stepper: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
+        self._optimizers: list[torch.optim.Optimizer] = []  # what run.setup() returned, in its order
+        self._real: list[_Real] = []  # each one's own update (its step() goes through the run)
+        self._handles: list[Any] = []  # hooks removed when the run ends
+        # this step so far: the optimisers that stepped, run.backward() calls, gradient syncs, and
+        # whether the last backward was inside no_sync (its gradients not synchronised)
+        self._current: Step | None = None
+        self._stepped: set[int] = set()
+        self._backwards = self._syncs = self._no_sync_depth = 0
+        self._unsynced = False
+        self._unscaled = False  # fp16: the gradients were unscaled this step (run.clip_gradients)
+        self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
+        self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
+        self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self._returned: nn.Module | None = None
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
@@ -159,23 +178,28 @@ class Run:
         torch.set_num_threads(threads_per_worker(self.cfg))
 
     # -- setting up ------------------------------------------------------------------------------
-    def setup(
-        self, optimizer: Callable[[nn.Module], torch.optim.Optimizer] | str | None = None
-    ) -> tuple[nn.Module, "Optimizer"]:
-        """The model, joined to the algorithm, and its optimiser. ``optimizer``: a function
-        ``optimizer(model) -> torch.optim.Optimizer``, or None for the run's settings (``--optimizer``,
-        ``--lr``, ...; DiLoCo's inner optimiser; ``distsgd.spawn(optimizer=...)``)."""
+    def setup(self, *parts: Any, optimizer: Any = None) -> tuple[Any, ...]:
+        """The model, joined to the algorithm, and its optimiser(s), as ``model, opt`` (or
+        ``model, opt1, opt2, ...``). ``parts``, any of:
+
+        - nothing: ``spawn``'s ``model=``, built with the run's seed on this worker's device, and the
+          run's optimiser (``--optimizer``, ``--lr``, ...; DiLoCo's inner optimiser; ``spawn(optimizer=...)``);
+        - functions ``optimizer(model) -> torch.optim.Optimizer``, one per optimiser;
+        - a model you built (and maybe loaded), then the optimisers you built on its parameters
+          (Fabric's ``setup``): it is moved to this worker's device and joined to the algorithm;
+        - an ``--optimizer`` name (``"sgd"``, ``"adam"``, ``"adamw"``).
+
+        Each returned optimiser is the one you built (or the one built for you): its ``step()`` is
+        the algorithm's, and LR schedulers take it. With several, a step of the run is each of them
+        stepping once (one stepping again starts the next)."""
         if self._model is not None:
-            raise ConfigError("run.setup() was called twice: set up one model and one optimiser per run")
-        if optimizer is not None and self._algo.topology.kind == "server":
-            raise ConfigError(
-                f"under {self.cfg.algo} the parameter server steps, with its own optimiser: give "
-                f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup()"
-            )
-        if isinstance(optimizer, str):
-            self.cfg = self._algo.cfg = self.cfg.replace(optimizer=optimizer)
-        elif optimizer is not None:
-            self._ctx.job = self._ctx.job.replace(optimizer=optimizer)
+            raise ConfigError("run.setup() was called twice: set up one model (and its optimisers) per run")
+        given = parts[0] if parts and isinstance(parts[0], nn.Module) else None
+        makers = [m for m in (*(parts[1:] if given is not None else parts), optimizer) if m is not None]
+        objects = self._check_setup(given, makers)
+        if len(makers) == 1 and isinstance(makers[0], str):
+            self.cfg = self._algo.cfg = self.cfg.replace(optimizer=makers[0])
+            makers = []
         ctx, cfg = self._ctx, self.cfg
         self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
         saved = self._checkpointer.load()
@@ -188,7 +212,7 @@ class Run:
             if saved is not None
             else Start.FRESH
         )
-        model = self.build(saved["model"] if saved is not None else None, start)
+        model = self.build(saved["model"] if saved is not None else None, start, given, makers, objects)
         if saved is not None:
             scatter({k: v for k, v in self.pieces().items() if k != "model"}, saved)
         if start is Start.RESUMED:
@@ -196,8 +220,68 @@ class Run:
             self._skip, self._first_epoch = self.state.start, self.state.epoch
         elif start is Start.REPLACEMENT:
             self.state.local = self._rejoined = self._algo.starting_samples(ctx)
+        self._own_loop_hooks()
         self.begin(self.state.train_wall_s)
-        return model, Optimizer(self, self.optimizer)
+        return (model, *self._optimizers)
+
+    def _check_setup(self, given: nn.Module | None, makers: list[Any]) -> list[torch.optim.Optimizer]:
+        """What run.setup() was given, checked (one line for each mistake); the optimiser objects."""
+        algo, name = self._algo, self.cfg.algo
+        for m in makers:
+            if not (isinstance(m, (str, torch.optim.Optimizer)) or callable(m)):
+                raise ConfigError(
+                    f"run.setup() takes a model, then optimisers (or functions model -> optimiser), or "
+                    f"an --optimizer name; got {type(m).__name__}"
+                )
+        objects = [m for m in makers if isinstance(m, torch.optim.Optimizer)]
+        if makers and algo.topology.kind == "server":
+            raise ConfigError(
+                f"under {name} the parameter server steps, with its own optimiser: give "
+                f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup(); "
+                f"several optimisers go into that one's parameter groups"
+            )
+        if any(isinstance(m, str) for m in makers):
+            if len(makers) > 1:
+                raise ConfigError("run.setup(): an --optimizer name comes alone, not with other optimisers")
+            algo.check_optimizer_name(makers[0])
+        if objects:
+            if given is None:
+                raise ConfigError("run.setup(opt): an optimiser you built needs its model first: run.setup(model, opt)")
+            if len(objects) != len(makers):
+                raise ConfigError("run.setup(model, ...): give optimisers you built, or functions, not both")
+            own = {id(p) for p in given.parameters()}
+            for i, opt in enumerate(objects):
+                if any(id(p) not in own for g in opt.param_groups for p in g["params"]):
+                    raise ConfigError(
+                        f"run.setup(model, ...): optimiser {i + 1} ({type(opt).__name__}) steps parameters "
+                        f"that are not the model's: build it on model.parameters()"
+                    )
+        return objects
+
+    def _own_loop_hooks(self) -> None:
+        """What makes a user's habits take effect or fail in one line: weights loaded into the model
+        after setup reach the algorithm (or are refused), and, where the server steps, an
+        optimiser run.setup() did not return is refused when it steps."""
+        module = self._algo.unwrap(self._need_setup("run.setup()"))
+        run, target = weakref.ref(self), weakref.ref(module)
+
+        def loaded(mod: nn.Module, incompatible: Any) -> None:  # a function: a copy of the module keeps it
+            me = run()
+            if me is not None and mod is target():  # not a copy's (an average, theta)
+                me._algo.weights_loaded(me._ctx, me._need_setup("model.load_state_dict()"))
+
+        self._handles.append(module.register_load_state_dict_post_hook(loaded))
+        if self._algo.topology.kind == "server":
+            self._handles.append(register_optimizer_step_pre_hook(self._foreign_step))
+
+    def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not any(opt is mine for mine in self._optimizers):
+            raise ConfigError(
+                f"under {self.cfg.algo} the server holds the model and steps it with one optimiser: an "
+                f"optimiser run.setup() did not return ({type(opt).__name__}) stepped, and its update "
+                f"would be overwritten by the server's weights; put its parameters in a parameter group "
+                f"of spawn(optimizer=...)'s optimiser"
+            )
 
     def pieces(self) -> dict[str, Stateful]:
         """What a checkpoint holds of this worker: the model, the optimiser, the algorithm's state,
@@ -205,6 +289,7 @@ class Run:
         pieces: dict[str, Stateful] = {
             "model": self._algo.unwrap(self._need_setup("run.checkpoint()")),
             "optimizer": self.optimizer,
+            **{f"optimizer{i + 1}": opt for i, opt in enumerate(self._optimizers) if i},
             "algo": self._algo,
             "loop": self.state,
             "rng": RngState(),
@@ -241,20 +326,59 @@ class Run:
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)
 
-    def build(self, saved: dict[str, torch.Tensor] | None = None, start: Start = Start.FRESH) -> nn.Module:
-        """The model on this worker's device (the same weights in every replica: one seed; ``saved``:
-        a checkpoint's), the algorithm's setup, --compile, the optimiser and --precision's pieces."""
+    def build(
+        self,
+        saved: dict[str, torch.Tensor] | None = None,
+        start: Start = Start.FRESH,
+        given: nn.Module | None = None,
+        makers: list[Callable] | None = None,
+        objects: list[torch.optim.Optimizer] | None = None,
+    ) -> nn.Module:
+        """The model on this worker's device (``given``, or ``model=`` built with the run's seed, so
+        the same weights in every replica; ``saved``: a checkpoint's), the algorithm's setup,
+        --compile, the optimisers (``objects``, built by ``makers``, or the run's) and
+        --precision's pieces: the training forward under autocast, the loss scaler."""
         ctx, cfg, algo = self._ctx, self.cfg, self._algo
         ds = ctx.dataset
-        model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed).to(ctx.device)
+        if given is not None:
+            model = given.to(ctx.device)
+        else:
+            model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
+            model = model.to(ctx.device)
         model.train()
         if saved is not None:
             model.load_state_dict(saved)
+        shared = algo.topology.kind in ("server", "shared")
+        before = snapshot(model) if given is not None and start is Start.FRESH and shared else None
         self._model = algo.setup(ctx, model, start)
+        if before is not None:
+            if not equal_states(algo.unwrap(self._model).state_dict(), before):
+                where = "the server's" if algo.topology.kind == "server" else "the one shared"
+                raise ConfigError(
+                    f"under {cfg.algo} every worker trains {where} model, built from spawn(model=...) with "
+                    f"the run's seed: the model given to run.setup() has other weights, which would be "
+                    f"dropped; call run.setup() without a model, or load your weights in the factory"
+                )
         if cfg.compile:
             algo.unwrap(self._model).compile()  # in place: the module, its state and its wrappers stay
-        self._optimizer = algo.make_optimizer(ctx, self._model)
-        self._stepper = device.ScaledOptimizer(self._optimizer, self.scaler) if self.scaler else self._optimizer
+        unwrapped = algo.unwrap(self._model)
+        if objects:
+            for opt in objects:
+                _state_to(opt, ctx.device)
+                for group in opt.param_groups:
+                    group.setdefault("base_lr", group["lr"])
+            self._optimizers = list(objects)
+        elif makers:
+            self._optimizers = [build_optimizer(cfg, unwrapped, m) for m in makers]
+        else:
+            self._optimizers = [algo.make_optimizer(ctx, self._model)]
+        algo.optimizers_ready(ctx, self._optimizers)
+        self._optimizer = self._optimizers[0]
+        for i, opt in enumerate(self._optimizers):
+            _route_step(opt, self, i)
+        if cfg.precision != "fp32":
+            where, dtype = ctx.device.type, device.DTYPES[cfg.precision]
+            self._handles += _autocast_hooks(unwrapped, lambda: torch.autocast(device_type=where, dtype=dtype))
         torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
         return self._model
 
@@ -292,23 +416,38 @@ class Run:
         epoch: int = 0,
         collate_fn: Callable | None = None,
         num_workers: int = 0,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        **options: Any,
     ) -> "_Shard":
-        """This worker's batches of ``dataset`` (map-style: ``len`` and ``dataset[i]``) in ``epoch``:
-        the indices ``distsgd train`` gives this worker (``--partition``, ``--seed``), ``batch_size``
-        (default ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...)
-        and moved to this worker's device. Ends early once the run must stop. ``len()`` is its
-        number of batches. It is for the training data (it counts the samples each step takes):
-        evaluate with a DataLoader of your own. In a resumed run (or a worker that replaced a dead
-        one) it goes on where the run was: an epoch trained before is empty, the one it stopped in
-        goes on from there."""
+        """This worker's batches of ``dataset`` in ``epoch``, ``batch_size`` (default
+        ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...) and moved
+        to this worker's device; ends early once the run must stop; ``len()`` is its number of
+        batches. A map-style dataset (``len`` and ``dataset[i]``) is split as ``distsgd train``
+        splits its data (``--partition``, reshuffled each epoch with ``--seed``; ``shuffle=False``:
+        the same shard in the dataset's order); an ``IterableDataset`` (a stream) gives each worker
+        every W-th item (and each of ``num_workers`` loader processes its share of those), so each
+        worker reads the whole stream and keeps its part. ``collate_fn``, ``num_workers``,
+        ``drop_last``, ``pin_memory`` and any other DataLoader ``options`` are the DataLoader's. It
+        is for the training data (it counts the samples each step takes): evaluate with a
+        DataLoader of your own. In a resumed run (or a worker that replaced a dead one) it goes on
+        where the run was: an epoch trained before is empty, the one it stopped in goes on from there."""
         self._need_setup("run.loader()")
-        from torch.utils.data import DataLoader, TensorDataset
-
         size = batch_size or self.cfg.batch_size
+        if "sampler" in options or "batch_sampler" in options:
+            raise ConfigError("run.loader() chooses this worker's samples itself: leave out sampler and batch_sampler")
         st = self.state
+        iterable = isinstance(dataset, IterableDataset)
+        if not iterable and not hasattr(dataset, "__len__"):
+            raise ConfigError(
+                f"run.loader(): a {type(dataset).__name__} has no len() and is not a torch IterableDataset: "
+                f"give a map-style dataset or an IterableDataset"
+            )
         if self._rejoined is not None:  # a replacement: its rank's samples so far, in its own shard
-            per_epoch = shard_size(len(dataset), self.world, self.cfg.partition)
-            st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, 0)
+            per_epoch = 0 if iterable else shard_size(len(dataset), self.world, self.cfg.partition)
+            st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, self._rejoined)
             self._skip, self._first_epoch, self._rejoined = st.start, st.epoch, None
         if epoch < self._first_epoch:
             return _Shard(self, [])
@@ -316,13 +455,73 @@ class Run:
         self._skip = 0
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
-        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition)[skip:]
-        if isinstance(dataset, TensorDataset) and collate_fn is None and not num_workers:
+        loader_options = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory, **options}
+        if iterable:
+            part = _StreamPart(dataset, self.rank, self.world, skip)
+            return _Shard(self, DataLoader(part, batch_size=size, drop_last=drop_last, **loader_options))
+        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition, shuffle)
+        order = order[skip:]
+        if drop_last:
+            order = order[: len(order) - len(order) % size]
+        if isinstance(dataset, TensorDataset) and collate_fn is None and not num_workers and not options:
             # tensors in memory: index them a batch at a time, as distsgd's loop does (a DataLoader
-            # fetches and stacks sample by sample)
-            return _Shard(self, _TensorBatches(dataset.tensors, order, size))
+            # fetches and stacks sample by sample); pinned once, so each batch's copy to the GPU may overlap
+            tensors = tuple(t.pin_memory() for t in dataset.tensors) if pin_memory else dataset.tensors
+            return _Shard(self, _TensorBatches(tensors, order, size))
         batches = [order[i : i + size].tolist() for i in range(0, len(order), size)]
-        return _Shard(self, DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers))
+        return _Shard(self, DataLoader(dataset, batch_sampler=batches, **loader_options))
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` (a tensor, or tuples, lists and dicts of them) on this worker's device: for
+        batches of your own (your evaluation's); ``run.loader``'s are moved already."""
+        return _to(batch, self.device)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on worker 0 only (one line a run, not one per worker)."""
+        if self.rank == 0:
+            print(*args, **{"flush": True, **kwargs})
+
+    def barrier(self) -> None:
+        """Wait until every worker got here (a process group's barrier; the parameter server's)."""
+        self._need_setup("run.barrier()")
+        self._group_only("run.barrier()")
+        self._algo.barrier(self._ctx)
+
+    def all_reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
+        """``value`` (a number or a tensor) combined over every worker: ``mean``, ``sum``, ``max``
+        or ``min``; every worker calls it at the same point (a collective). For figures: your
+        evaluation's accuracy over every worker's share of the test set, say."""
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ConfigError(f"run.all_reduce(op=...) is one of {', '.join(ops)}, got {op!r}")
+        t = torch.as_tensor(value, device=self.device).detach().clone()
+        if self.world > 1:
+            self._group_only("run.all_reduce()")
+            work = t.double() if op in ("sum", "mean") and t.is_floating_point() else t
+            dist.all_reduce(work, op=ops[op])
+            t = work.to(t.dtype)
+        return t / self.world if op == "mean" else t
+
+    def all_gather(self, value: Any) -> torch.Tensor:
+        """``value`` (a number or a tensor, the same shape on every worker) from every worker,
+        stacked in rank order (a collective, as :meth:`all_reduce`)."""
+        t = torch.as_tensor(value, device=self.device).detach()
+        if self.world == 1:
+            return t.unsqueeze(0)
+        self._group_only("run.all_gather()")
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t.contiguous())
+        return torch.stack(out)
+
+    def _group_only(self, what: str) -> None:
+        """``what`` needs the workers in one process group (or one worker)."""
+        kind = self._algo.topology.kind
+        if self.world > 1 and (kind not in ("group", "one") or not dist.is_initialized()):
+            raise ConfigError(
+                f"{what} needs a process group, and under {self.cfg.algo} the workers have none (they "
+                f"share a model or a server): report each worker's figures with run.log(), or evaluate "
+                f"the model the run returns with spawn(evaluate=...)"
+            )
 
     def count(self, samples: int) -> None:
         """Count ``samples`` for the next step (``run.loader`` does it for its batches; call it for
@@ -344,47 +543,141 @@ class Run:
 
     # -- a step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
-        """``(loss * weight).backward()``, scaled under ``--precision fp16``; ``loss`` (unweighted)
-        counts in the progress lines' mean loss."""
-        self._need_setup("run.backward()")
+        """``(loss * weight).backward()``, scaled under ``--precision fp16``, then the algorithm's
+        gradient synchronisation (the all-reduce of allreduce, ddp and local-sgd's first steps): when
+        it returns, the gradients are the ones the step will apply, so clipping or inspecting them
+        between ``run.backward`` and ``opt.step()`` acts on those. Several backward passes before a
+        step accumulate; wrapping all but the last in ``run.no_sync()`` only saves their
+        synchronisations. ``loss`` (unweighted) counts in the progress lines' mean loss."""
+        model = self._need_setup("run.backward()")
         weighted = loss * weight if weight != 1.0 else loss
         (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
         self._loss_sum += loss.detach().float()
         self._loss_n += 1
+        self._backwards += 1
+        if self._no_sync_depth:
+            self._unsynced = True
+            return
+        self._algo.after_backward(self._ctx, model, self._upcoming())
+        self._syncs += 1
+        self._unsynced = False
+        if self.scaler is not None:
+            self._grad_versions = _grad_versions(self._optimizers)
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Around the backward passes of all but the last micro-batch of an accumulated step: the
-        algorithm does not synchronise gradients there (DDP's no_sync)."""
-        return self._algo.no_sync(self._ctx, self._need_setup("run.no_sync()"))
+        algorithm does not synchronise their gradients (DDP's no_sync), the last backward
+        synchronises the sum. A speed-up only: without it every backward synchronises, with the
+        same result."""
+        model = self._need_setup("run.no_sync()")
+        with self._algo.no_sync(self._ctx, model):
+            self._no_sync_depth += 1
+            try:
+                yield
+            finally:
+                self._no_sync_depth -= 1
+
+    def clip_gradients(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``clip_grad_norm_`` of the model's gradients, unscaled first under ``--precision fp16``
+        (whose gradients stay loss-scaled until the step: ``clip_grad_norm_`` of your own there is
+        refused, as it would clip scaled values). Returns the total norm before clipping."""
+        model = self._need_setup("run.clip_gradients()")
+        self._unscale()
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def step(self) -> None:
-        """The algorithm's whole step on the gradients accumulated since the last: the learning
-        rate's schedule and warm-up, the gradient sync, --precision's unscaling, clipping, the
-        update, the parameter sync; then the counters (the samples ``count``ed since the last)."""
-        ctx, algo, cfg = self._ctx, self._algo, self.cfg
+        """Every optimiser run.setup() returned steps once: the algorithm's whole step (what
+        ``opt.step()`` does with one optimiser)."""
+        self._need_setup("run.step()")
+        for opt in self._optimizers:
+            opt.step()
+
+    def _upcoming(self) -> Step:
+        return Step(number=self.steps + 1, samples=self.samples + self._batch_samples)
+
+    def _optimizer_step(self, index: int) -> None:
+        """Optimiser ``index``'s ``step()``: the algorithm's update with it; the run's step ends
+        when every optimiser has stepped (or this one steps a second time: the step it was in ends
+        first)."""
+        if index in self._stepped:
+            self._end_step()
+        if not self._stepped:
+            self._begin_step()
+        self._stepped.add(index)
+        assert self._current is not None  # _begin_step set it
+        stepper = cast(torch.optim.Optimizer, _Stepper(self._real[index], self.scaler))  # step() and its attributes
+        self._algo.apply_step(self._ctx, stepper, self._current)
+        if len(self._stepped) == len(self._optimizers):
+            self._end_step()
+
+    def _begin_step(self) -> None:
+        """The first optimiser steps: what the step needs before any update (its checks, the
+        schedule, fp16's unscaling, --clip-grad-norm)."""
+        cfg = self.cfg
         model = self._need_setup("optimizer.step()")
-        n = self._batch_samples
-        if n == 0:
+        if self._batch_samples == 0:
             raise ConfigError(
                 "optimizer.step() with no batch from run.loader() since the last step: take batches "
                 "from run.loader() (or run.count(len(batch))) so that the run counts its samples"
             )
+        if self._backwards == 0:
+            raise ConfigError(
+                "optimizer.step() with no run.backward(loss) since the last step: call run.backward(loss), "
+                "not loss.backward() (the algorithm synchronises the gradients there, --precision scales the loss)"
+            )
+        if self._unsynced:
+            raise ConfigError(
+                "the step's last run.backward() was inside run.no_sync(), so its gradients were never "
+                "synchronised: leave the last micro-batch's backward outside run.no_sync()"
+            )
+        if self._syncs > 1:
+            self._algo.check_resynced(self._ctx)
         if cfg.schedule != "constant" or self.steps < self._warmup:
+            groups = [g for opt in self._optimizers for g in opt.param_groups]
+            if self._lr_set is not None and [g["lr"] for g in groups] != self._lr_set:
+                raise ConfigError(
+                    f"the learning rate changed between steps while --schedule {cfg.schedule} "
+                    f"(or --lr-warmup-steps) sets it: use your LR scheduler or the run's schedule, not both"
+                )
             # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
             progress = self.global_samples() / self.global_per_epoch if self.global_per_epoch else 0.0
-            schedule_lr(self.optimizer, cfg, progress, self.total_epochs, self.steps + 1)
-        step = Step(number=self.steps + 1, samples=self.samples + n)
-        algo.after_backward(ctx, model, step)
-        if self.scaler is not None:  # once the gradients are synchronised: every worker finds the same overflow
-            self.scaler.unscale_(self.optimizer)
+            for opt in self._optimizers:
+                schedule_lr(opt, cfg, progress, self.total_epochs, self.steps + 1)
+            self._lr_set = [g["lr"] for g in groups]
+        self._current = self._upcoming()
+        if self.scaler is not None:
+            if not self._unscaled and self._grad_versions != _grad_versions(self._optimizers):
+                raise ConfigError(
+                    "under --precision fp16 the gradients stay loss-scaled until the step, and they "
+                    "changed after run.backward(): clip them with run.clip_gradients(max_norm), which "
+                    "unscales them first"
+                )
+            self._unscale()  # once the gradients are synchronised: every worker finds the same overflow
         if self._clip:  # the synchronised gradient (every replica clips alike), before the update
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
-        algo.apply_step(ctx, self._stepper, step)
+
+    def _unscale(self) -> None:
+        if self.scaler is not None and not self._unscaled:
+            for real in self._real:
+                self.scaler.unscale_(cast(torch.optim.Optimizer, real))
+            self._unscaled = True
+
+    def _end_step(self) -> None:
+        """Every optimiser has stepped: count the step, the algorithm's parameter sync, progress."""
+        ctx, cfg = self._ctx, self.cfg
+        step = self._current
+        assert step is not None  # the step began
+        if self.scaler is not None:
+            self.scaler.update()
+        n = self._batch_samples
         self.state.local += n
         self.state.start += n
         self.state.steps += 1
-        self._batch_samples = 0
-        algo.after_step(ctx, model, step)
+        self._batch_samples = self._backwards = self._syncs = 0
+        self._stepped.clear()
+        self._current, self._unscaled = None, False
+        self._algo.after_step(ctx, self._need_setup("optimizer.step()"), Step(step.number, self.state.local))
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
 
@@ -482,7 +775,42 @@ class Run:
         collective. Evaluate it in eval mode under ``run.paused()``; do not train it."""
         model = self._need_setup("run.evaluation_model()")
         with self.paused():
+            if self._algo.collective_evaluation and self._ctx.job.main is not None:
+                self._evaluations += 1
+                self._all_here(f"evaluation/{self._evaluations}", "run.evaluation_model()")
             return self._algo.evaluation_model(self._ctx, model)
+
+    def _all_here(self, key: str, what: str) -> None:
+        """Every worker of the group called ``what`` (its ``key``-th time): a barrier on the group's
+        store, not a collective, so a worker that called it alone fails in one line (after
+        --timeout) instead of pairing its collective with another kind on a peer (which gloo
+        answers with an abort)."""
+        if self.world == 1 or not dist.is_initialized():
+            return
+        store = dist.distributed_c10d._get_default_store()
+        if store.add(f"distsgd/{key}", 1) == self.world:
+            store.set(f"distsgd/{key}/all", "1")
+            return
+        try:
+            store.wait([f"distsgd/{key}/all"], datetime.timedelta(seconds=self.cfg.timeout_s))
+        except Exception:  # a timeout (DistStoreError), or the store gone with a peer
+            raise ConfigError(
+                f"worker {self.rank} called {what} and not every worker did within --timeout "
+                f"{self.cfg.timeout_s:g} s: under {self.cfg.algo} it averages the workers' models, so "
+                f"every worker calls it at the same point of the loop"
+            ) from None
+
+    def _evaluations_joined(self) -> None:
+        """At the end of a user's loop under an algorithm whose evaluation is a collective: no peer
+        waits in an evaluation this worker never called (it would wait for ever)."""
+        if self._algo.collective_evaluation and self.world > 1 and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+            if store.check([f"distsgd/evaluation/{self._evaluations + 1}"]):
+                raise ConfigError(
+                    f"another worker called run.evaluation_model() where worker {self.rank} did not: "
+                    f"under {self.cfg.algo} it averages the workers' models, so every worker calls it "
+                    f"at the same point of the loop"
+                )
 
     def final_model(self) -> nn.Module:
         """The model the algorithm returns, after its last synchronisation (every worker calls it,
@@ -496,13 +824,27 @@ class Run:
                 "batches were taken but the optimiser run.setup() returned never stepped: call its "
                 "step(), not another optimiser's (the algorithm acts in it)"
             )
+        if self._stepped:  # several optimisers, not all of which stepped last: that step ends here
+            self._end_step()
+        if self._ctx.job.main is not None:
+            self._evaluations_joined()
         self._returned = self._algo.finish(self._ctx, model)
+        self._unhook()
         self.clock.pause()
         self._train_wall_s = self.clock.elapsed()
         self._algo.verify(self._ctx, self._returned)
         if self._nonfinite[0] > 1:
             log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
         return self._returned
+
+    def _unhook(self) -> None:
+        """The model and optimisers as they were given: no hooks of the run's, their own step and
+        forward (a ``single`` run's live on in the caller's process)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for real in self._real:
+            real.restore()
 
     @property
     def train_wall_s(self) -> float:
@@ -567,6 +909,26 @@ class _TensorBatches:
             yield tuple(t[idx] for t in self.tensors)
 
 
+class _StreamPart(IterableDataset):
+    """A worker's part of a stream (an IterableDataset): items ``k`` with ``k % W`` its rank, and
+    of those, each DataLoader process the ones its index picks; the first ``skip`` (a resumed run's
+    samples of this epoch) left out."""
+
+    def __init__(self, stream: Any, rank: int, world: int, skip: int = 0) -> None:
+        self.stream, self.rank, self.world, self.skip = stream, rank, world, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        procs, me = (info.num_workers, info.id) if info is not None else (1, 0)
+        mine = 0  # this worker's items so far (all its loader processes')
+        for k, item in enumerate(self.stream):
+            if k % self.world != self.rank:
+                continue
+            mine += 1
+            if mine > self.skip and (mine - 1) % procs == me:
+                yield item
+
+
 class _Shard:
     """A worker's batches of one epoch (``run.loader``): counted, on its device, stopped when due."""
 
@@ -585,26 +947,107 @@ class _Shard:
             yield _to(batch, run.device)
 
 
-class Optimizer:
-    """The user's optimiser as the algorithm steps it: ``step()`` is the algorithm's whole step
-    (gradient sync, clipping, the update, parameter sync); everything else is the optimiser's."""
+class _Real:
+    """An optimiser's own update, apart from the ``step()`` the run routes through the algorithm
+    (what GradScaler and the algorithm's ``apply_step`` call); anything else is the optimiser's."""
 
-    def __init__(self, run: Run, inner: torch.optim.Optimizer) -> None:
-        self._run, self.optimizer = run, inner
+    def __init__(self, opt: torch.optim.Optimizer, run: Run, index: int) -> None:
+        self.opt = opt
+        self.original = opt.__dict__.get("step")  # an LR scheduler made before run.setup() wraps it
+        self.update = self.original if self.original is not None else types.MethodType(type(opt).step, opt)
 
-    def step(self, closure: Callable[[], object] | None = None) -> None:
-        if closure is not None:
-            raise ConfigError(
-                "optimizer.step(closure) is not supported under distsgd: compute the loss, "
-                "run.backward(loss), then optimizer.step()"
-            )
-        self._run.step()
+        def step(_opt: torch.optim.Optimizer, closure: Callable[[], object] | None = None) -> None:
+            if closure is not None:
+                raise ConfigError(
+                    "optimizer.step(closure) is not supported under distsgd: compute the loss, "
+                    "run.backward(loss), then optimizer.step()"
+                )
+            run._optimizer_step(index)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if hasattr(self.original, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # that scheduler's mark
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
 
-    def __getattr__(self, name: str) -> Any:  # param_groups, state_dict, ...
-        return getattr(self.optimizer, name)
+    def step(self, closure: Callable[[], object] | None = None) -> object:
+        return self.update()
+
+    def restore(self) -> None:
+        if self.original is None:
+            self.opt.__dict__.pop("step", None)
+        else:
+            self.opt.step = self.original  # type: ignore[method-assign]
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, _step_supports_amp_scaling, ...
+        return getattr(self.opt, name)
+
+
+class _Stepper:
+    """What an algorithm's ``apply_step`` steps: one optimiser's update, through --precision's
+    GradScaler (which skips a step whose gradients overflowed); ``param_groups`` and the rest are
+    that optimiser's."""
+
+    def __init__(self, real: _Real, scaler: torch.amp.GradScaler | None) -> None:
+        self.real, self.scaler = real, scaler
+
+    def step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(cast(torch.optim.Optimizer, self.real))
+        else:
+            self.real.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real.opt, name)
+
+
+def _route_step(opt: torch.optim.Optimizer, run: Run, index: int) -> None:
+    """``opt.step()`` becomes the algorithm's step (the run's ``_optimizer_step``)."""
+    run._real.append(_Real(opt, run, index))
+
+
+def _autocast_hooks(module: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]) -> list[Any]:
+    """``module``'s forward passes that record gradients (training) run under ``autocast``
+    (--precision bf16 or fp16, as Fabric's precision plugins do), their floating-point outputs
+    returned in float32, so that the loss is computed in float32; a forward under
+    ``torch.no_grad()`` (an evaluation) runs in float32. Hooks, so that the module's class,
+    state_dict and wrappers stay and a copy of it (an average, theta) computes with its own
+    weights; each thread enters its own context."""
+    entered = threading.local()
+
+    def before(mod: nn.Module, args: Any) -> None:
+        stack = entered.__dict__.setdefault("stack", [])
+        if torch.is_grad_enabled():
+            context = autocast()
+            context.__enter__()
+            stack.append(context)
+        else:
+            stack.append(None)
+
+    def after(mod: nn.Module, args: Any, out: Any) -> Any:
+        context = entered.stack.pop()
+        if context is None:
+            return None
+        context.__exit__(None, None, None)
+        return _map_tensors(out, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+
+def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:
+    """An optimiser's state (a resumed one's moments) on the model's device."""
+    for state in opt.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                state[k] = v.to(where)
+
+
+def _grad_versions(optimizers: list[torch.optim.Optimizer]) -> list[int]:
+    """Each gradient's version counter: it moves when anything changes the gradient in place."""
+    return [
+        p.grad._version if p.grad is not None else -1
+        for opt in optimizers
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
 
 
 def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
@@ -636,15 +1079,20 @@ def _count(batch: Any) -> int:
     return 0
 
 
-def _to(batch: Any, where: torch.device) -> Any:
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it (tuples, lists, named tuples, dicts)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(where, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, dict):
-        return type(batch)({k: _to(v, where) for k, v in batch.items()})
+        return type(batch)({k: _map_tensors(v, fn) for k, v in batch.items()})
     if isinstance(batch, (tuple, list)):
-        moved = [_to(v, where) for v in batch]
+        moved = [_map_tensors(v, fn) for v in batch]
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
     return batch
 
 
-__all__ = ["Run", "Optimizer", "LoopState", "run_own_loop"]
+def _to(batch: Any, where: torch.device) -> Any:
+    return _map_tensors(batch, lambda t: t.to(where, non_blocking=True))
+
+
+__all__ = ["Run", "LoopState", "run_own_loop"]

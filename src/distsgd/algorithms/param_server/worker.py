@@ -188,6 +188,13 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def keep_going(self, ctx: WorkerContext) -> bool:
         return not self.stop
 
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        raise ConfigError(
+            f"under {self.cfg.algo} the server holds the model: weights loaded into a worker's copy "
+            f"after run.setup() would be overwritten at its next step; load them in the model "
+            f"factory given to distsgd.spawn(model=...), or resume a distsgd run with resume="
+        )
+
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.client.done(self.local)
         return model
