@@ -1,0 +1,363 @@
+"""A training script's ordinary habits under distsgd's algorithms (issue 44): each takes effect, or
+the run is refused in one line. Two workers each time (the collective is exercised); references
+are plain single-process PyTorch in float64, from the definitions (clipping under allreduce: one
+process with the global batch, clipped; accumulation: the full batch), never distsgd's code; the
+asynchronous algorithms, which have no deterministic reference, are held to properties that only a
+habit taking effect satisfies (an lr of 0 moves nothing; loaded weights are what is returned).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+import distsgd
+from distsgd.data.partition import epoch_indices
+
+N, B, SEED = 256, 16, 0  # samples, the batch of each worker, the run's seed
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 12, generator=g)
+    return TensorDataset(x, (x[:, :3].argmax(1) + (x[:, 3] > 0.5).long()) % 3)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().double().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def initial() -> dict[str, torch.Tensor]:
+    """The weights every run starts from (what ``spawn(model=Net)`` builds with the run's seed)."""
+    from distsgd.models import build_model
+
+    return weights(build_model(Net, (12,), 3, seed=SEED))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def reference(steps: int, per_step: int, lr: float, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Plain SGD in float64 in one process: step k takes the global batch k (the two workers'
+    ``per_step`` samples each: ``2 * per_step`` consecutive samples of the epoch's permutation, the
+    sharded partition), the mean loss's gradient, clipped to ``clip`` if given."""
+    model = Net().double()
+    model.load_state_dict(initial())
+    x, y = dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(steps):
+        idx = order[2 * per_step * k : 2 * per_step * (k + 1)]
+        model.zero_grad()
+        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return weights(model)
+
+
+def loop(run: distsgd.Run, habit: str = "", micro: int = 1) -> nn.Module:
+    """The README's loop, with one habit. ``micro`` batches of ``B`` make each step's batch."""
+    model, opt = run.setup()
+    module = getattr(model, "module", model)
+    if habit == "scheduler-zero":
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)
+    if habit == "load":
+        module.load_state_dict({k: v.float() * 0 + 0.5 for k, v in module.state_dict().items()})
+    seen: list[torch.dtype] = []
+    if habit == "bf16":
+        module.body.register_forward_hook(lambda m, i, out: seen.append(out.dtype) if torch.is_grad_enabled() else None)
+    batches = iter(run.loader(dataset(), batch_size=B))
+    while not run.should_stop():
+        group = [b for _, b in zip(range(micro), batches)]
+        if len(group) < micro:
+            break
+        opt.zero_grad()
+        for x, y in group:
+            loss = F.cross_entropy(model(x), y) / micro
+            if habit == "plain-backward":
+                loss.backward()
+            else:
+                run.backward(loss)
+        if habit == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    if habit == "bf16" and run.rank == 0:
+        assert seen and all(d == torch.bfloat16 for d in seen), seen
+    return run.final_model()
+
+
+def spawn(habit: str, algo: str, micro: int = 1, **settings: object) -> distsgd.TrainResult:
+    defaults = {"batch_size": B, "lr": 0.1, "momentum": 0.0, "quiet": True}
+    return distsgd.spawn(
+        functools.partial(loop, habit=habit, micro=micro), model=Net, algo=algo, workers=2, **{**defaults, **settings}
+    )
+
+
+# -- a process group: the reference is one process with the global batch ---------------------------
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "ddp"])
+def test_clipping_between_backward_and_step_clips_the_averaged_gradient(algo: str) -> None:
+    """clip_grad_norm_ after run.backward sees the all-reduced gradient (before, allreduce averaged
+    after it, so the clip was overwritten: weights moved 0.28 with a clip to 1e-9)."""
+    result = spawn("clip", algo, max_samples=6 * 2 * B)
+    assert result.model is not None
+    assert max_diff(weights(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
+    assert max_diff(weights(result.model), reference(6, B, 0.1)) > 1e-3  # the clip mattered
+
+
+@pytest.mark.parametrize("algo, extra", [("allreduce", {}), ("ddp", {}), ("local-sgd", {"warmup_steps": 100})])
+def test_accumulation_without_no_sync_is_the_full_batch(algo: str, extra: dict) -> None:
+    """Four micro-batches a step, each backward synchronised (no run.no_sync): the gradient of the
+    global batch of 2 x 4 x B samples (before, allreduce's buckets fired on the first backward only)."""
+    result = spawn("", algo, micro=4, max_samples=3 * 2 * 4 * B, **extra)
+    assert result.model is not None
+    assert max_diff(weights(result.model), reference(3, 4 * B, 0.1)) < 1e-5
+
+
+def test_a_scheduler_on_the_returned_optimiser_sets_the_lr_of_every_step() -> None:
+    """LambdaLR takes the optimiser run.setup returned (before: TypeError, not an Optimizer)."""
+    result = distsgd.spawn(
+        scheduled_loop, model=Net, algo="allreduce", workers=2, batch_size=B, lr=0.1, momentum=0.0, quiet=True
+    )
+    assert result.model is not None
+    assert max_diff(weights(result.model), reference_halving(4)) < 1e-5
+
+
+def scheduled_loop(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    for x, y in itertools.islice(run.loader(dataset(), batch_size=B), 4):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        sched.step()
+    return run.final_model()
+
+
+def reference_halving(steps: int) -> dict[str, torch.Tensor]:
+    model = Net().double()
+    model.load_state_dict(initial())
+    x, y = dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(steps):
+        idx = order[2 * B * k : 2 * B * (k + 1)]
+        model.zero_grad()
+        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * 0.5**k * p.grad
+    return weights(model)
+
+
+def two_optimisers(run: distsgd.Run) -> nn.Module:
+    """Fabric's way: the model and two optimisers built in the loop, given to run.setup."""
+    torch.manual_seed(SEED + run.rank)  # replicas built differently: rank 0's is the start
+    net = Net()
+    if run.rank == 0:
+        net.load_state_dict({k: v.float() for k, v in initial().items()})
+    body = torch.optim.SGD(net.body.parameters(), lr=0.1)
+    head = torch.optim.Adam(net.head.parameters(), lr=0.01)
+    model, body, head = run.setup(net, body, head)
+    for x, y in itertools.islice(run.loader(dataset(), batch_size=B), 3):
+        body.zero_grad()
+        head.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        body.step()
+        head.step()
+    return run.final_model()
+
+
+def test_two_optimisers_built_in_the_loop_step_the_averaged_gradient() -> None:
+    """run.setup(model, opt1, opt2): rank 0's weights are every replica's start, each optimiser
+    steps its parameters with the all-reduced gradient; reference: SGD and torch's Adam in one
+    process, global batch."""
+    result = distsgd.spawn(two_optimisers, model=Net, algo="allreduce", workers=2, batch_size=B, quiet=True)
+    model = Net().double()
+    model.load_state_dict(initial())
+    body = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    head = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    x, y = dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(3):
+        idx = order[2 * B * k : 2 * B * (k + 1)]
+        model.zero_grad()
+        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        body.step()
+        head.step()
+    assert result.model is not None and result.summary["samples"] == 3 * 2 * B
+    assert max_diff(weights(result.model), weights(model)) < 1e-5
+
+
+# -- every family: properties that only a habit taking effect satisfies ------------------------------
+
+FAMILIES = [
+    ("allreduce", {}),  # process group
+    ("hogwild", {}),  # shared memory
+    ("asgd", {}),  # parameter server
+    ("local-sgd", {"sync_every": "3"}),  # averaging
+    ("diloco", {"sync_every": "3", "inner_optimizer": "sgd", "weight_decay": 0.0}),  # diloco
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_scheduler_to_zero_moves_nothing(algo: str, extra: dict) -> None:
+    if algo == "asgd":
+        pytest.skip("the parameter server takes the worker's lr in its own change")
+    result = spawn("scheduler-zero", algo, max_samples=8 * 2 * B, **extra)
+    assert result.model is not None and max_diff(weights(result.model), initial()) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_weights_loaded_after_setup_are_trained_or_refused(algo: str, extra: dict) -> None:
+    """Loaded on every worker right after setup, with an lr of 1e-12: the model returned is the
+    loaded one (DiLoCo's theta and local-sgd's anchor follow), or, under the parameter server,
+    whose weights would overwrite them, one line."""
+    if algo == "asgd":
+        with pytest.raises(distsgd.DistsgdError, match="the server holds the model") as info:
+            spawn("load", algo, max_samples=6 * 2 * B, lr=1e-12, **extra)
+        assert "\n" not in str(info.value)
+        return
+    result = spawn("load", algo, max_samples=6 * 2 * B, lr=1e-12, **extra)
+    assert result.model is not None
+    assert all((v - 0.5).abs().max() < 1e-6 for v in weights(result.model).values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_bf16_runs_the_training_forward_in_bfloat16(algo: str, extra: dict) -> None:
+    """spawn(precision="bf16") means what summary.json says: each worker's training forward
+    computes in bfloat16 (before: float32 in a user's loop); the loop asserts it in worker 0."""
+    result = spawn("bf16", algo, max_samples=4 * 2 * B, precision="bf16", **extra)
+    assert result.summary["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
+def test_plain_backward_is_refused_in_one_line(algo: str) -> None:
+    """loss.backward() skips the algorithm's synchronisation and the loss scaling (before: a false
+    'training loss is nan' warning, and under allreduce gradients synchronised only by chance)."""
+    with pytest.raises(distsgd.DistsgdError, match=r"call run.backward\(loss\), not loss.backward\(\)") as info:
+        spawn("plain-backward", algo, max_samples=4 * 2 * B)
+    assert "\n" not in str(info.value)
+
+
+def second_optimizer(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    head = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    for x, y in run.loader(dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        head.step()
+    return run.final_model()
+
+
+def setup_by_name(run: distsgd.Run) -> nn.Module:
+    run.setup("sgd")
+    return run.final_model()
+
+
+def evaluates_alone(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    for x, y in run.loader(dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        if run.rank == 0 and run.steps == 2:
+            run.evaluation_model()
+    return run.final_model()
+
+
+def test_refusals_name_what_to_do() -> None:
+    """A second optimiser under the parameter server (its head never trained), run.setup('sgd')
+    under DiLoCo (AdamW ran), and rank 0 alone in DiLoCo's collective evaluation (a gloo abort)."""
+    cases = [
+        (second_optimizer, "asgd", {}, "put its parameters in a parameter group"),
+        (setup_by_name, "diloco", {}, r"give distsgd.spawn\(inner_optimizer='sgd'"),
+        (evaluates_alone, "diloco", {"sync_every": "3", "timeout_s": 3}, "every worker calls it at the same point"),
+    ]
+    for main, algo, extra, match in cases:
+        with pytest.raises(distsgd.DistsgdError, match=match) as info:
+            distsgd.spawn(
+                main, model=Net, algo=algo, workers=2, batch_size=B, max_samples=8 * 2 * B, quiet=True, **extra
+            )
+        assert "\n" not in str(info.value), algo
+
+
+def objects_loop(run: distsgd.Run) -> nn.Module:
+    torch.manual_seed(99)  # not the run's seed: weights the shared model does not have
+    net = Net()
+    model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return run.final_model()
+
+
+def test_a_model_of_other_weights_is_refused_where_the_workers_share_one() -> None:
+    with pytest.raises(distsgd.DistsgdError, match="other weights, which would be dropped"):
+        distsgd.spawn(objects_loop, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(40):
+            yield torch.tensor([float(i)]), torch.tensor(i % 3)
+
+
+def stream_loop(run: distsgd.Run, folder: str) -> nn.Module:
+    """Records the items of a stream each worker trained on, and tries the metric collectives."""
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
+    seen = []
+    for x, y in run.loader(Stream(), batch_size=4, num_workers=2):
+        seen += x.view(-1).int().tolist()
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x.expand(-1, 12)), y))
+        opt.step()
+    Path(folder, f"seen-{run.rank}").write_text(" ".join(map(str, seen)))
+    total = run.all_reduce(len(seen), op="sum")
+    gathered = run.all_gather(torch.tensor(float(run.rank)))
+    run.barrier()
+    assert int(total) == 40 and gathered.tolist() == [0.0, 1.0], (total, gathered)
+    return run.final_model()
+
+
+def test_a_stream_is_split_between_the_workers_and_their_loader_processes(tmp_path) -> None:
+    """An IterableDataset: each item trained by exactly one worker (2 workers x 2 loader
+    processes), all of it trained; run.all_reduce / all_gather / barrier in a process group."""
+    distsgd.spawn(
+        functools.partial(stream_loop, folder=str(tmp_path)), model=Net, algo="allreduce", workers=2, quiet=True
+    )
+    seen = [list(map(int, (tmp_path / f"seen-{r}").read_text().split())) for r in range(2)]
+    assert sorted(seen[0] + seen[1]) == list(range(40))
+    assert {i % 2 for i in seen[0]} == {0} and {i % 2 for i in seen[1]} == {1}
+
+
+def reduce_under_hogwild(run: distsgd.Run) -> nn.Module:
+    run.setup()
+    run.all_reduce(1.0)
+    return run.final_model()
+
+
+def test_metric_collectives_without_a_process_group_are_refused() -> None:
+    with pytest.raises(distsgd.DistsgdError, match="needs a process group"):
+        distsgd.spawn(reduce_under_hogwild, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
