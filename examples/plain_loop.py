@@ -36,16 +36,27 @@ def data() -> tuple[TensorDataset, TensorDataset]:
     )
 
 
-def accuracy(model: nn.Module, test_set: TensorDataset) -> float:
-    x, y = test_set.tensors
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     with torch.no_grad():
         return (model(x).argmax(1) == y).float().mean().item()
 
 
+def final_figures(model: nn.Module) -> dict:
+    """The test accuracy of the model the run returns (distsgd calls it once, at the end)."""
+    x, y = data()[1].tensors
+    where = next(model.parameters()).device
+    return {"test_accuracy": accuracy(model, x.to(where), y.to(where))}
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimiser, given to spawn: the parameter server steps with it too."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def main(run: distsgd.Run) -> nn.Module:
     train_set, test_set = data()
-    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9))
+    model, opt = run.setup()  # the model, and the optimiser spawn(optimizer=...) makes
     for epoch in range(run.cfg.epochs):
         for x, y in run.loader(train_set, batch_size=64, epoch=epoch):
             opt.zero_grad()
@@ -56,7 +67,7 @@ def main(run: distsgd.Run) -> nn.Module:
         evaluated = run.evaluation_model()  # every worker: it may average the replicas
         if run.rank == 0:
             with run.paused():
-                run.log(test_accuracy=accuracy(evaluated, test_set))
+                run.log(test_accuracy=accuracy(evaluated, *run.to_device(test_set.tensors)))
             evaluated.train()
     return run.final_model()
 
@@ -67,7 +78,16 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = distsgd.spawn(main, model=Net, algo=args.algo, workers=args.workers, epochs=1, out=args.out)
+    result = distsgd.spawn(
+        main,
+        model=Net,
+        algo=args.algo,
+        workers=args.workers,
+        epochs=1,
+        out=args.out,
+        optimizer=sgd,
+        evaluate=final_figures,
+    )
     if result.model is not None:  # under torchrun, rank 0 has the run's figures
         print(
             f"{args.algo}: test accuracy {result.summary['final_test_accuracy']:.4f}, "
