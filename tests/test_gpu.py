@@ -171,6 +171,21 @@ def test_nccl_runs_say_nothing_on_stderr(tmp_path: Path) -> None:
     assert others == [], res.stderr[-2000:]
 
 
+@pytest.mark.parametrize("algo", ["hogwild", "asgd", "allreduce"])
+def test_a_gpu_run_ends_with_nothing_on_stderr_but_its_progress(tmp_path: Path, algo: str) -> None:
+    """No worker traceback at the end (the launcher's SIGTERM landing as a worker left), and under
+    Hogwild! no "Producer process has been terminated before all shared CUDA tensors released"
+    (workers gave back the models and data lent through CUDA IPC before ending)."""
+    res = run_cli(
+        *("train", "--dataset", "digits", "--model", "mlp", "--algo", algo, "--workers", "2"),
+        *("--device", "cuda", "--epochs", "2", "--out", str(tmp_path / "r")),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    others = [line for line in res.stderr.splitlines() if not line.startswith(("train ", "eval "))]
+    assert others == [], res.stderr[-2000:]
+
+
 def test_nccl_with_two_workers_on_one_gpu_is_one_error_line(tmp_path: Path) -> None:
     workers = torch.cuda.device_count() + 1
     res = run_cli(

@@ -438,16 +438,23 @@ def replace(team: Team, sup: Supervisor, rank: int, name: str, sink: Sink, resta
 
 @contextlib.contextmanager
 def spawned(
-    cfg: RunConfig, target: Callable[..., None], roles: list[tuple[str, int]], args: Callable[..., tuple]
+    cfg: RunConfig,
+    target: Callable[..., None],
+    roles: list[tuple[str, int]],
+    args: Callable[..., tuple],
+    leave_s: float = 0.0,
 ) -> Iterator[Team]:
-    """Start one process per role; yield the :class:`Team`; reap every process on the way out."""
+    """Start one process per role; yield the :class:`Team`; reap every process on the way out,
+    after up to ``leave_s`` for them to end by themselves once the team's work is done."""
     team = Team(cfg, target, roles, args)
+    done = False
     try:
         for i in range(len(roles)):
             team.start(i)
         yield team
+        done = True
     finally:
-        stop_all(team.procs)
+        stop_all(team.procs, leave_s=leave_s if done else 0.0)
         if cfg.out:
             (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
         team.inbox.close()
@@ -575,8 +582,14 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def stop_all(procs: list[BaseProcess], grace_s: float = STOP_GRACE_S) -> None:
-    """Terminate, then kill, every process still running; reap them all."""
+def stop_all(procs: list[BaseProcess], grace_s: float = STOP_GRACE_S, leave_s: float = 0.0) -> None:
+    """Terminate, then kill, every process still running; reap them all. ``leave_s``: first wait
+    that long for them to end by themselves (a worker holding CUDA tensors it was lent must free
+    them, which a SIGTERM's default action skips: the lender then warns at its exit)."""
+    deadline = time.monotonic() + leave_s
+    for p in procs:
+        if leave_s > 0:
+            p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive() and p.pid is not None:
             p.terminate()

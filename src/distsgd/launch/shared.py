@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -113,6 +114,15 @@ def _entry(
         device=device.use(seat.device),
     )
     procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg, mine), replacement=replacement))
+    if seat.device.startswith("cuda"):
+        # what the launcher lent through CUDA IPC (the models, the data) is given back before this
+        # process ends: it ends with os._exit, which frees nothing, and the launcher then warns
+        # "Producer process has been terminated before all shared CUDA tensors released"
+        del ctx, mine
+        seat.states.clear()
+        job.data = None  # type: ignore[assignment]  # this process's last use of it is over
+        gc.collect()
+        torch.cuda.synchronize()
 
 
 class Machine:
@@ -225,6 +235,8 @@ class Machine:
                 self.data_world,
                 again,
             ),
+            # workers given the models through CUDA IPC free them as they exit: a SIGTERM would skip that
+            leave_s=procs.STOP_GRACE_S if self.device.type == "cuda" else 0.0,
         ) as team:
             sup = self.supervisor = procs.Supervisor(team.procs, team.inbox, self.relay)
             self._start_together(sup)
