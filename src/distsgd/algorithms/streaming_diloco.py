@@ -271,7 +271,9 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         a, b = self.bounds[p]
         mean = flight.average(self.world)
         if outer:
-            g.thetas[p].grad = mean
+            # a copy: the optimiser may change its gradient in place (foreach Nesterov SGD, what torch
+            # runs on CUDA, adds the momentum into it), and an evaluation's copies share the average
+            g.thetas[p].grad = mean.clone()
             g.outers[p].step()
             g.thetas[p].grad = None
         alpha = self.opts.merge
