@@ -24,7 +24,7 @@ from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
-from distsgd.config import RunConfig, resolve, validate
+from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
@@ -252,6 +252,14 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
+    if cfg.cuda_graphs and not algo_cls.graphable:
+        raise ConfigError(
+            f"--cuda-graphs captures a worker's whole step, and {cfg.algo}'s step also talks to other "
+            f"processes (gradients, weights, a server) or takes a host lock, which a graph cannot hold: "
+            f"use it with single or hogwild"
+        )
+    if cfg.cuda_graphs and (why := graphs_refusal(cfg, device.kind(cfg.device))) is not None:
+        raise ConfigError(f"--cuda-graphs: {why}")
     cfg = cfg.replace(options=opts.to_mapping())
     again = (
         "torchrun restarted the group"
@@ -355,6 +363,11 @@ def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
         raise ConfigError(
             "checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
             "your loop can save (every worker at the same point)"
+        )
+    if cfg.cuda_graphs:
+        raise ConfigError(
+            "--cuda-graphs captures the steps of distsgd's own loop; in your loop, capture your step "
+            "with torch.cuda.graph (run.backward and opt.step inside it are the algorithm's)"
         )
     build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if _spawns(algo_cls, torchrun):

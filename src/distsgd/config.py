@@ -275,6 +275,12 @@ class RunConfig:
         "fp32, bf16 or fp16: the forward pass under autocast (bf16 on CPU and GPU; fp16 on GPU, with loss scaling)",
     )
     compile: bool = setting(False, "torch.compile each worker's model (the first steps compile it)")
+    cuda_graphs: bool = setting(
+        False,
+        "capture each worker's step (forward, loss, backward, update) in one CUDA graph and replay it: "
+        "single and hogwild on a GPU, for full batches (the last partial batch and evaluations run "
+        "eagerly); what a launch-bound model gains",
+    )
     tensorboard: str | None = setting(
         None,
         "write TensorBoard event files into DIR ({out} is the run directory); the flag alone: <out>/tb",
@@ -523,6 +529,23 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"
         )
+
+
+def graphs_refusal(cfg: RunConfig, kind: str) -> str | None:
+    """Why a worker's step cannot be captured in a CUDA graph with these settings on a ``kind``
+    device ('cuda' or 'cpu'; None: it can). What a graph replays is fixed at capture: kernels,
+    shapes, and any number the host gave them."""
+    if cfg.precision == "fp16":
+        return "fp16's loss scaler reads the GPU every step to skip overflowed ones; use --precision bf16 or fp32"
+    if cfg.schedule != "constant" or cfg.lr_warmup_steps:
+        return "the learning rate is fixed in a captured step: --schedule constant, no --lr-warmup-steps"
+    if cfg.accumulate != 1:
+        return "one batch a step (--accumulate 1)"
+    if cfg.compile:
+        return "--compile is the other way to cut launches (torch.compile's own graphs): choose one"
+    if kind != "cuda":
+        return "needs a CUDA GPU (--device cuda), and this run's device is the CPU"
+    return None
 
 
 def init_method_error(init_method: str) -> str | None:

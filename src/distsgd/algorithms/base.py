@@ -139,6 +139,7 @@ class SharedSeat:
     checkpointed: Callable[[int, int], None] | None = None  # set in the worker: "saved seq, at these samples"
     machines: int = 1  # under torchrun: the processes (clusters) of the run, each with a share like this one's
     device: str = "cpu"  # where the shared models live (a GPU: shared through CUDA IPC); the workers train there
+    threads: bool = False  # the workers are threads of the launching process (sharing its models outright)
 
 
 class SharedMemory(Topology):
@@ -150,6 +151,11 @@ class SharedMemory(Topology):
     def models(self, cfg: RunConfig) -> int:
         """How many models the launcher keeps in shared memory."""
         return 1
+
+    def threads(self, cfg: RunConfig) -> bool:
+        """Whether the workers run as threads of the launching process (sharing its models
+        outright) rather than processes (sharing them through shared memory or CUDA IPC)."""
+        return False
 
     def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> object:
         """More shared state the workers need (handed over in their seat, opaque to the launcher)."""
@@ -264,6 +270,9 @@ class Algorithm(Generic[OptionsT]):
     checkpoints: ClassVar[bool] = True  # whether --checkpoint-every / --resume work with it
     # evaluation_model may communicate: a user's loop must call it on every worker at one point
     collective_evaluation: ClassVar[bool] = False
+    # its step is the worker's GPU work alone (no collective, no server, no host lock), so that
+    # --cuda-graphs can capture it whole (train/graphs.py)
+    graphable: ClassVar[bool] = False
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options

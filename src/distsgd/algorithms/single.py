@@ -15,6 +15,7 @@ class SingleProcess(Algorithm[NoOptions]):
     name = "single"
     kind = "baseline"
     summary_line = "one process; the baseline every other algorithm is measured against"
+    graphable = True
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:

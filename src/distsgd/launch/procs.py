@@ -19,6 +19,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -386,6 +387,71 @@ class Team:
         return p
 
 
+class _WorkerThread(threading.Thread):
+    """A worker run as a thread of the launching process (Hogwild! on one GPU): what the Supervisor
+    and :func:`stop_all` ask of a worker process. A thread cannot be killed: ``terminate`` and
+    ``kill`` call ``stop``, which raises the workers' shared stop flag, and the thread ends at its
+    next step."""
+
+    def __init__(self, name: str, body: Callable[..., None], args: tuple, out: Connection, stop: Callable[[], None]):
+        super().__init__(name=name, daemon=True)
+        self.body, self.body_args, self.out, self.stop = body, args, out, stop
+        self.exitcode: int | None = None
+        self.pid = os.getpid()
+
+    def run(self) -> None:
+        code = 1
+        try:
+            self.body(*self.body_args)
+            code = 0
+        except SystemExit as exc:  # report() ends a failed worker so
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - said by report() already, in one line
+            code = 1
+        finally:
+            self.out.close()
+            self.exitcode = code
+
+    def terminate(self) -> None:
+        self.stop()
+
+    def kill(self) -> None:
+        self.stop()
+
+
+class ThreadTeam(Team):
+    """A :class:`Team` whose members are threads of this process, each with its own pipe to the
+    inbox as a process has; ``stop()`` asks them all to stop."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        target: Callable[..., None],
+        roles: list[tuple[str, int]],
+        args: Callable[..., tuple],
+        stop: Callable[[], None],
+    ) -> None:
+        super().__init__(cfg, target, roles, args)
+        self.stop = stop
+
+    def start(self, i: int, replacement: bool = False) -> BaseProcess:
+        role, rank = self.roles[i]
+        read, write = mp.Pipe(duplex=False)
+        self.inbox.add(read)
+        member = _WorkerThread(
+            f"distsgd-{role}-{rank}", self.target, self.args(i, write, replacement), write, self.stop
+        )
+        member.start()
+        as_process = cast(BaseProcess, member)  # it answers what the Supervisor and stop_all ask of one
+        if i < len(self.procs):
+            self.procs[i], self.pipes[i] = as_process, read
+        else:
+            self.procs.append(as_process)
+            self.pipes.append(read)
+        record_workers(self.cfg, self.procs, self.roles)
+        return as_process
+
+
 def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResult]]) -> list[WorkerResult]:
     """Run ``attempt``; when a worker fails, up to ``--restart-workers`` times start the whole group
     again, from the last checkpoint in ``--out`` if there is one (else from the start), the way
@@ -443,10 +509,12 @@ def spawned(
     roles: list[tuple[str, int]],
     args: Callable[..., tuple],
     leave_s: float = 0.0,
+    threads: Callable[[], None] | None = None,
 ) -> Iterator[Team]:
     """Start one process per role; yield the :class:`Team`; reap every process on the way out,
-    after up to ``leave_s`` for them to end by themselves once the team's work is done."""
-    team = Team(cfg, target, roles, args)
+    after up to ``leave_s`` for them to end by themselves once the team's work is done. With
+    ``threads`` (what stops them), threads of this process instead (:class:`ThreadTeam`)."""
+    team = Team(cfg, target, roles, args) if threads is None else ThreadTeam(cfg, target, roles, args, threads)
     done = False
     try:
         for i in range(len(roles)):

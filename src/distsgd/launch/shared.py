@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from distsgd.algorithms.base import Algorithm, Link, SharedMemory, SharedSeat
 from distsgd.checkpoint import CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, load_worker_state, save_worker_state
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import procs
@@ -89,11 +89,14 @@ def _entry(
     first_rank: int,
     data_world: int,
     replacement: bool = False,
+    threaded: bool = False,
 ) -> None:
     """The body of a worker that trains a model held in shared memory. ``slot`` is its place on
-    this machine; it reads data shard ``first_rank + slot`` of ``data_world``."""
+    this machine; it reads data shard ``first_rank + slot`` of ``data_world``. ``threaded``: a
+    thread of the launcher, on a CUDA stream of its own (the process's settings are the launcher's)."""
     q = procs.Outbox(out)
-    procs.begin_worker(f"worker {first_rank + slot}", slot, world, job.cfg.quiet)
+    if not threaded:
+        procs.begin_worker(f"worker {first_rank + slot}", slot, world, job.cfg.quiet)
 
     def start_together() -> None:
         q.put(("ready", slot, None))
@@ -113,8 +116,10 @@ def _entry(
         evaluates=False,
         device=device.use(seat.device),
     )
-    procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg, mine), replacement=replacement))
-    if seat.device.startswith("cuda"):
+    stream = torch.cuda.stream(torch.cuda.Stream(ctx.device)) if threaded and ctx.device.type == "cuda" else None
+    with stream if stream is not None else contextlib.nullcontext():
+        procs.report(q, slot, lambda: run_worker(ctx, algo_cls(job.cfg, mine), replacement=replacement))
+    if seat.device.startswith("cuda") and not threaded:
         # what the launcher lent through CUDA IPC (the models, the data) is given back before this
         # process ends: it ends with os._exit, which frees nothing, and the launcher then warns
         # "Producer process has been terminated before all shared CUDA tensors released"
@@ -182,6 +187,14 @@ class Machine:
             extras=topology.extras(cfg, mpc, self.models),
         )
         self.link = link(self.models[0], self.handles) if link is not None else None
+        # Hogwild! workers sharing one GPU: threads of this process, each step a CUDA graph (when the
+        # settings allow one) replayed on the thread's own stream; processes' kernels would take turns
+        self.threaded = link is None and topology.threads(cfg)
+        self.handles.threads = self.threaded
+        graphs = (
+            self.threaded and self.device.type == "cuda" and not cfg.cuda_graphs and graphs_refusal(cfg, "cuda") is None
+        )
+        self.worker_job = job.replace(cfg=cfg.replace(cuda_graphs=True)) if graphs else job
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self.current_state, device=self.device)
         self.supervisor: procs.Supervisor | None = None
@@ -226,7 +239,7 @@ class Machine:
             lambda r, out, again: (
                 r,
                 world,
-                self.job,
+                self.worker_job,
                 self.algo_cls,
                 self.handles,
                 self.go,
@@ -234,9 +247,11 @@ class Machine:
                 self.first_rank,
                 self.data_world,
                 again,
+                self.threaded,
             ),
             # workers given the models through CUDA IPC free them as they exit: a SIGTERM would skip that
-            leave_s=procs.STOP_GRACE_S if self.device.type == "cuda" else 0.0,
+            leave_s=procs.STOP_GRACE_S if self.device.type == "cuda" and not self.threaded else 0.0,
+            threads=self._stop_threads if self.threaded else None,
         ) as team:
             sup = self.supervisor = procs.Supervisor(team.procs, team.inbox, self.relay)
             self._start_together(sup)
@@ -252,6 +267,10 @@ class Machine:
                 else (self.watcher.clock.elapsed(), [], self.current_state(), total)
             )
         return self._results(sup, total, train_wall_s, evals, final)
+
+    def _stop_threads(self) -> None:
+        """Stop worker threads (a thread cannot be killed): the stop flag, read before every step."""
+        self.handles.stop.fill_(1)
 
     def _start_together(self, sup: procs.Supervisor) -> None:
         """Wait until every worker has built its model and optimiser (or failed), and under torchrun

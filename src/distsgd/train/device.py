@@ -132,6 +132,15 @@ def synchronizer(device: torch.device) -> Callable[[], None] | None:
     return None
 
 
+def capture_step(step: Callable[[], None], stream: Any) -> Any:
+    """``step``'s GPU work captured in a CUDA graph on ``stream`` (not run: ``replay()`` runs it).
+    "thread_local": other threads' CUDA calls during the capture (Hogwild! threads) are theirs."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        step()
+    return graph
+
+
 def describe(device: torch.device, precision: str) -> dict[str, Any]:
     """What summary.json records of where a run computed."""
     out: dict[str, Any] = {"device": str(device), "precision": precision}
@@ -150,5 +159,6 @@ __all__ = [
     "autocast",
     "float32_exact",
     "synchronizer",
+    "capture_step",
     "describe",
 ]

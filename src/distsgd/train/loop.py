@@ -29,6 +29,7 @@ from distsgd.metrics import reached as target_reached
 from distsgd.train import device
 from distsgd.train.context import Start, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, evaluate, snapshot
+from distsgd.train.graphs import GraphedSteps
 from distsgd.train.objective import loss_function
 from distsgd.train.own_loop import LoopState, Run, run_own_loop
 
@@ -125,6 +126,7 @@ class _Worker:
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.clock = run.clock
+        self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
@@ -144,17 +146,26 @@ class _Worker:
         algorithm synchronises only after the last one."""
         run = self.run
         started = time.perf_counter()
-        run.optimizer.zero_grad(set_to_none=True)
         n = sum(len(y) for _, y in micro)
         run.count(n)
+        if self.graphed is not None:  # --cuda-graphs: replayed once captured (a partial batch: eagerly)
+            x, y = micro[0]
+            self.graphed.take(x, y, lambda: self.eager_step(micro, n))
+        else:
+            self.eager_step(micro, n)
+        if self.slowdown:
+            time.sleep(self.slowdown * (time.perf_counter() - started))
+        self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
+
+    def eager_step(self, micro: list[Batch], n: int) -> None:
+        run = self.run
+        # with --cuda-graphs the gradients stay the tensors the graph writes
+        run.optimizer.zero_grad(set_to_none=self.graphed is None)
         for i, (x, y) in enumerate(micro):
             with run.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 loss = self.loss_fn(self.model(x), y)  # the forward under --precision's autocast (run.setup)
                 run.backward(loss, len(y) / n if len(micro) > 1 else 1.0)
         run.optimizer.step()
-        if self.slowdown:
-            time.sleep(self.slowdown * (time.perf_counter() - started))
-        self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
 
     def evaluate(self) -> bool:
         """Measure the model the algorithm would return now (clock paused); True: every worker stops."""
@@ -205,6 +216,8 @@ class _Worker:
         exactly this model (the same values in every parameter and buffer): the final figures
         always describe the model returned and saved, and nothing changes it afterwards."""
         self.model = self.run.final_model()
+        if self.graphed is not None:
+            self.run.where.update(self.graphed.summary())
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
         if self.ctx.evaluates and not equal_states(self.model.state_dict(), self.evaluated):
             self.measure(self.model)

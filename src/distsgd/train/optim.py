@@ -36,12 +36,14 @@ def build_optimizer(
             if cfg.weight_decay_on == "weights" and decay > 0
             else list(model.parameters())
         )
+        # --cuda-graphs on a GPU: Adam's step count stays on the GPU, so that its update can be captured
+        capturable = cfg.cuda_graphs and any(p.is_cuda for p in model.parameters())
         if kind == "sgd":
             optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=decay)
         elif kind == "adam":
-            optimizer = torch.optim.Adam(params, lr=lr, weight_decay=decay)
+            optimizer = torch.optim.Adam(params, lr=lr, weight_decay=decay, capturable=capturable)
         elif kind == "adamw":
-            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, capturable=capturable)
         else:
             raise ValueError(f"unknown optimizer {kind!r}")
     for group in optimizer.param_groups:

@@ -155,6 +155,7 @@ class Run:
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
+        self.where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
@@ -378,7 +379,10 @@ class Run:
             _route_step(opt, self, i)
         if cfg.precision != "fp32":
             where, dtype = ctx.device.type, device.DTYPES[cfg.precision]
-            self._handles += _autocast_hooks(unwrapped, lambda: torch.autocast(device_type=where, dtype=dtype))
+            cache = not cfg.cuda_graphs  # a captured step must not keep autocast's casts of the weights
+            self._handles += _autocast_hooks(
+                unwrapped, lambda: torch.autocast(device_type=where, dtype=dtype, cache_enabled=cache)
+            )
         torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
         return self._model
 
@@ -657,6 +661,14 @@ class Run:
         if self._clip:  # the synchronised gradient (every replica clips alike), before the update
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
 
+    def _replayed_step(self) -> None:
+        """A step replayed from a CUDA graph (``--cuda-graphs``, distsgd's loop): its GPU work is
+        queued (forward, backward, update, the loss added up); the rest of a step here."""
+        self._loss_n += 1
+        self._backwards = self._syncs = 1
+        self._current = self._upcoming()
+        self._end_step()
+
     def _unscale(self) -> None:
         if self.scaler is not None and not self._unscaled:
             for real in self._real:
@@ -877,7 +889,7 @@ class Run:
             final_test_loss=last.get("test_loss") if last else None,
             model=final if self._ctx.evaluates else None,
             figures=self._algo.figures(),
-            where=device.describe(self._ctx.device, self.cfg.precision),
+            where={**device.describe(self._ctx.device, self.cfg.precision), **self.where},
         )
 
 

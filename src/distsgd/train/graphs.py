@@ -1,0 +1,129 @@
+"""``--cuda-graphs``: a worker's step captured once in a CUDA graph and replayed.
+
+A small model's step is launch-bound on a GPU: the host takes longer to launch its kernels than the
+GPU to run them (resnet20 at batch 128 on an H200: 17-22k samples/s eager, 25-28k captured,
+docs/BENCHMARKS.md). Captured, the forward, the loss, the backward, --clip-grad-norm and the
+optimiser's update are one launch. Following PyTorch's "whole network capture": the first
+``WARMUP`` full batches train eagerly on a side stream (cuDNN picks its kernels, the optimiser
+makes its state), then the step is captured with the batch in static buffers, and every later full
+batch is copied into them and replayed. What the step does on the host (the counters, the
+algorithm's ``after_step``, progress) runs after each replay, as ``run.step`` would. A batch of
+another shape (the epoch's last, partial one) and evaluations run eagerly; the gradients and the
+optimiser's state are the same tensors either way (``zero_grad(set_to_none=False)``).
+
+What a graph replays is fixed when it is captured: the settings that would change it are refused
+(``config.graphs_refusal``), and so are algorithms whose step talks to other processes
+(``Algorithm.graphable``). A capture that fails (an optimiser without ``capturable``, an operation
+a graph cannot hold) says why in one warning and the worker trains eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distsgd.train import device
+
+if TYPE_CHECKING:
+    from distsgd.train.own_loop import Run
+
+log = logging.getLogger(__name__)
+
+WARMUP = 3  # eager full-batch steps before the capture (PyTorch's examples take 3)
+_CAPTURING = threading.Lock()
+
+
+class GraphedSteps:
+    """One worker's captured step (see the module's docstring)."""
+
+    def __init__(self, run: "Run", model: nn.Module, loss_fn: Callable, where: torch.device) -> None:
+        self.run, self.model, self.loss_fn = run, model, loss_fn
+        self.stream = torch.cuda.Stream(where) if where.type == "cuda" else None
+        self.graph: Any = None
+        self.shape: tuple | None = None  # the full batch's shapes and dtypes, from the first batch
+        self.warm = 0
+        self.failed: str | None = None  # why the capture failed (the worker then trains eagerly)
+        self.replays = 0
+        self.static: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def take(self, x: torch.Tensor, y: torch.Tensor, eager: Callable[[], None]) -> None:
+        """One step on the batch (x, y): replayed once captured, if the batch is a full one; else
+        ``eager()``, the loop's own step."""
+        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+        if self.shape is None:
+            self.shape = key
+        if self.failed is not None or key != self.shape:
+            eager()
+            return
+        if self.graph is None and self.warm < WARMUP:
+            with self._side_stream():
+                eager()
+            self.warm += 1
+            return
+        if self.graph is None:
+            try:
+                self._capture(x, y)
+            except Exception as exc:  # noqa: BLE001 - any capture failure: say so once, train eagerly
+                self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                log.warning("--cuda-graphs: the step could not be captured (%s); training eagerly", self.failed)
+                self.graph = None
+                eager()
+                return
+        self._replay(x, y)
+
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.static = (x.clone(), y.clone())
+        # one capture at a time in the process (Hogwild! threads each capture their own step)
+        with _CAPTURING, self._side_stream():
+            self.graph = device.capture_step(self._device_step, self.stream)
+
+    def _device_step(self) -> None:
+        """The step's GPU work, as captured: no host bookkeeping here (it would run once only)."""
+        run = self.run
+        assert self.static is not None
+        sx, sy = self.static
+        for opt in run._optimizers:
+            opt.zero_grad(set_to_none=False)
+        loss = self.loss_fn(self.model(sx), sy)
+        loss.backward()
+        run._loss_sum += loss.detach().float()
+        if run._clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), run._clip)
+        for real in run._real:
+            real.update()
+
+    def _replay(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        assert self.static is not None
+        sx, sy = self.static
+        sx.copy_(x, non_blocking=True)
+        sy.copy_(y, non_blocking=True)
+        self.graph.replay()
+        self.replays += 1
+        self.run._replayed_step()
+
+    def summary(self) -> dict[str, Any]:
+        """What summary.json says of it: whether steps were replayed, how many, why not."""
+        return {
+            "cuda_graphs": self.replays > 0,
+            "graph_replays": self.replays,
+            **({"cuda_graphs_failed": self.failed} if self.failed else {}),
+        }
+
+
+__all__ = ["GraphedSteps", "WARMUP"]

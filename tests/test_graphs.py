@@ -1,0 +1,92 @@
+"""--cuda-graphs and Hogwild! as threads, where a CPU can show them: the loop around a captured step
+(warm-up, static buffers, the counters after each replay, partial batches and a failed capture run
+eagerly) with a stand-in for the capture that replays the step's Python, so a run must end with
+exactly the eager run's weights; the settings a graph cannot hold, refused in one line; Hogwild!'s
+workers as threads of one process sharing its model. The GPU side: tests/test_gpu.py and
+benchmarks/gpu_check.sh."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import distsgd
+from distsgd import api
+from distsgd.train import device, graphs
+
+COMMON = dict(model="mlp", data="digits", batch_size=64, epochs=2, lr=0.05, momentum=0.9, quiet=True)
+
+
+def _state(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
+
+
+@pytest.fixture
+def replayed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The capture stood in for on the CPU: 'replay' runs the captured step's Python again (a real
+    graph runs its kernels). Lists each capture."""
+    captures: list[int] = []
+
+    def capture(step, stream):
+        captures.append(1)
+        return SimpleNamespace(replay=step)
+
+    monkeypatch.setattr(device, "capture_step", capture)
+    monkeypatch.setattr(api, "graphs_refusal", lambda cfg, kind: None)  # a CPU run may capture, here
+    return captures
+
+
+def test_a_captured_step_replayed_ends_with_the_eager_runs_weights(replayed: list[int]) -> None:
+    """digits: 1437 training samples, 22 full batches of 64 and a partial one per epoch: 3 eager
+    warm-up steps, one capture, 41 replays, the two partial batches eager; every update the eager
+    run's, and the counters and the training loss those of 46 steps."""
+    eager = distsgd.train(algo="single", **COMMON)
+    graphed = distsgd.train(algo="single", cuda_graphs=True, **COMMON)
+    assert replayed == [1]
+    assert torch.equal(_state(graphed.model), _state(eager.model))
+    s = graphed.summary
+    assert s["cuda_graphs"] is True and s["graph_replays"] == 2 * 22 - graphs.WARMUP
+    assert s["samples"] == eager.summary["samples"] and s["final_test_loss"] == eager.summary["final_test_loss"]
+
+
+def test_a_capture_that_fails_says_so_and_the_worker_trains_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def capture(step, stream):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(device, "capture_step", capture)
+    monkeypatch.setattr(api, "graphs_refusal", lambda cfg, kind: None)
+    eager = distsgd.train(algo="single", **COMMON)
+    graphed = distsgd.train(algo="single", cuda_graphs=True, **COMMON)
+    assert torch.equal(_state(graphed.model), _state(eager.model))
+    assert graphed.summary["cuda_graphs"] is False
+    assert "operation not permitted" in graphed.summary["cuda_graphs_failed"]
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"algo": "allreduce", "workers": 2}, "talks to other processes"),
+        ({"device": "cpu"}, "needs a CUDA GPU"),
+        ({"schedule": "cosine"}, "the learning rate is fixed"),
+        ({"accumulate": 2}, "one batch a step"),
+        ({"compile": True}, "choose one"),
+        ({"algo": "hogwild", "workers": 2, "hogwild_lock": True}, "host lock"),
+    ],
+)
+def test_what_a_graph_cannot_hold_is_refused_in_one_line(settings: dict, match: str) -> None:
+    with pytest.raises(distsgd.ConfigError, match=match) as info:
+        distsgd.train(**{**COMMON, "algo": "single", "cuda_graphs": True, **settings})
+    assert "\n" not in str(info.value)
+
+
+def test_hogwild_threads_train_one_model_in_one_process() -> None:
+    """--hogwild-threads on (the default on one GPU): the workers are threads of the launcher
+    binding their replicas to its model; they train what processes train (the same data, the
+    same band: Hogwild!'s order of updates differs run to run)."""
+    threads = distsgd.train(algo="hogwild", workers=2, hogwild_threads="on", **COMMON).summary
+    processes = distsgd.train(algo="hogwild", workers=2, hogwild_threads="off", **COMMON).summary
+    assert threads["hogwild_threads"] is True and processes["hogwild_threads"] is False
+    assert threads["samples_per_worker"] == processes["samples_per_worker"]
+    assert abs(threads["final_test_accuracy"] - processes["final_test_accuracy"]) < 0.05
