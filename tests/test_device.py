@@ -20,6 +20,7 @@ import torch
 
 import distsgd
 from distsgd.errors import ConfigError
+from distsgd.train import device as train_device
 from helpers import run_cli
 
 pytest.importorskip("sklearn")
@@ -102,10 +103,47 @@ def test_fp32_is_ieee_float32_in_training_and_evaluation(algo: str, workers: int
     assert torch.backends.cudnn.conv.fp32_precision == before  # the caller's own setting (single ran here)
 
 
-def test_compile_trains_on_cpu() -> None:
-    """torch.compile of the model (inductor: a C compiler builds its kernels on the first steps)."""
-    s = distsgd.train(model="logreg", data="digits", epochs=1, batch_size=128, lr=0.1, compile=True, quiet=True).summary
+def test_a_copy_of_a_compiled_model_computes_with_its_own_weights() -> None:
+    """An average or theta is a deep copy of the worker's model; compiled in place, the copy must
+    call itself (torch's Module.compile bound the original's _call_impl, which a copy kept)."""
+    import copy
+
+    if not train_device.compiles():
+        pytest.skip("torch.compile is disabled in this PyTorch")
+    model = torch.nn.Linear(3, 2)
+    train_device.compile_in_place(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.fill_(1.0)
+    x = torch.randn(4, 3)
+    assert torch.equal(twin(x), torch.ones(4, 2))
+    assert torch.allclose(model(x), x @ model.weight.T + model.bias)
+
+
+def test_compile_compiles_before_the_clock_and_never_during_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile of the model (inductor: a C compiler builds its kernels), every graph the run
+    needs made before the training clock starts: the full batch, the epoch's partial last one
+    (1437 = 11 x 128 + 29), evaluation's (360 test images) in eval mode; none compiled after (the
+    compile time counted in samples/s before: a GPU run's --compile went at 1.8k against 19.3k)."""
+    from torch._dynamo.utils import counters
+
+    from distsgd.train.own_loop import Run
+
+    at_start: list[int] = []
+    begin = Run.begin
+
+    def noting(self: Run, earlier_s: float = 0.0) -> None:
+        at_start.append(counters["stats"]["unique_graphs"])
+        begin(self, earlier_s)
+
+    monkeypatch.setattr(Run, "begin", noting)
+    s = distsgd.train(model="logreg", data="digits", epochs=2, batch_size=128, lr=0.1, compile=True, quiet=True).summary
     assert s["compile"] is True and s["final_test_accuracy"] > 0.5, s
+    if not train_device.compiles():
+        pytest.skip("torch.compile is disabled in this PyTorch (the run trained eagerly, as it said)")
+    assert s["compile_s"] > 0 and at_start and at_start[0] > 0
+    assert counters["stats"]["unique_graphs"] == at_start[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

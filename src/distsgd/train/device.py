@@ -21,6 +21,8 @@ what it says and a GPU's evaluation agrees with the CPU's to float32 rounding; b
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -132,6 +134,47 @@ def synchronizer(device: torch.device) -> Callable[[], None] | None:
     return None
 
 
+def _call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+_compiled_call: Callable[..., Any] | None = None
+
+
+def compile_in_place(module: torch.nn.Module) -> None:
+    """torch.compile ``module``'s calls, hooks included, keeping the module itself (its class, its
+    state_dict keys, the wrappers round it). ``Module.compile()`` compiles the bound ``_call_impl``,
+    which torch 2.13's dynamo skips (a frame of torch.nn: it silently trains eagerly), and a deep
+    copy of a module compiled that way would call the original's weights. Here one compiled
+    function takes the module as its argument, bound by a ``functools.partial``, which a deep copy
+    (an average, theta) rebinds to the copy."""
+    global _compiled_call
+    if _compiled_call is None:
+        _compiled_call = torch.compile(_call)
+    module._compiled_call_impl = functools.partial(_compiled_call, module)
+
+
+def compiles() -> bool:
+    """Whether torch.compile compiles here (TORCHDYNAMO_DISABLE=1, or a build without it, make it
+    return what it is given: --compile then trains eagerly, and says so once)."""
+    probe = lambda x: x  # noqa: E731
+    if torch.compile(probe) is probe:
+        _warn_once(
+            "--compile: torch.compile is disabled in this PyTorch (TORCHDYNAMO_DISABLE or its build); training eagerly"
+        )
+        return False
+    return True
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger(__name__).warning("%s", message)
+
+
 def capture_step(step: Callable[[], None], stream: Any) -> Any:
     """``step``'s GPU work captured in a CUDA graph on ``stream`` (not run: ``replay()`` runs it).
     "thread_local": other threads' CUDA calls during the capture (Hogwild! threads) are theirs."""
@@ -160,5 +203,7 @@ __all__ = [
     "float32_exact",
     "synchronizer",
     "capture_step",
+    "compiles",
+    "compile_in_place",
     "describe",
 ]

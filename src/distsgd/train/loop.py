@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,8 +127,66 @@ class _Worker:
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.clock = run.clock
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
+        if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
+            run.where["compile_s"] = round(self.warm_compiled(), 3)
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
+
+    def warm_compiled(self) -> float:
+        """--compile: torch.compile compiles at a forward of a shape (and mode) it has not seen; made
+        here, off the training clock, for the full training batch, the epoch's last partial one, and
+        the evaluation's full and last batches, so the run meets no compilation (it counted in
+        samples/s: 1.8k against 19.3k eager on an H200's first run). Nothing of these passes stays:
+        no gradient, no synchronisation (``no_sync``), the buffers (BatchNorm's statistics) put back.
+        A compiled step slower than an eager one is said in one warning. Returns the seconds taken."""
+        ds, cfg, run = self.ctx.dataset, self.cfg, self.run
+        module = self.algo.unwrap(self.model)
+        order = self.epoch_order()
+        started = time.perf_counter()
+        buffers = [b.detach().clone() for b in module.buffers()]
+        full = min(cfg.batch_size, len(order))
+        train_sizes = [full] + ([len(order) % full] if len(order) % full else [])
+        batch = next(iter(ds.batches(order[:full], 0, full)))
+
+        def fwd_bwd(call: Callable[..., Any], x: torch.Tensor, y: torch.Tensor) -> None:
+            self.loss_fn(call(x), y).backward()
+
+        with run.no_sync():  # the algorithm sees none of these passes
+            for size in train_sizes:
+                fwd_bwd(module, batch[0][:size], batch[1][:size])
+            n_test, eval_full = getattr(ds, "n_test", 0), cfg.eval_batch_size
+            test = next(iter(ds.test_batches(eval_full)), None)
+            if test is not None:
+                module.eval()
+                with torch.no_grad():
+                    for size in [min(eval_full, n_test)] + (
+                        [n_test % eval_full] if n_test > eval_full and n_test % eval_full else []
+                    ):
+                        module(test[0][:size].to(self.ctx.device))
+                module.train()
+            compile_s = time.perf_counter() - started
+            sync = device.synchronizer(self.ctx.device) or (lambda: None)
+            times = {}
+            for name, call in (("compiled", module), ("eager", module._call_impl)):
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    fwd_bwd(call, *batch)
+                sync()
+                times[name] = (time.perf_counter() - t0) / 3
+        for p in module.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
+        if times["compiled"] > 1.05 * times["eager"]:
+            log.warning(
+                "--compile: a compiled step took %.2f ms, an eager one %.2f ms, for this model on %s; "
+                "training compiled anyway (leave out --compile to train eagerly)",
+                1e3 * times["compiled"],
+                1e3 * times["eager"],
+                self.ctx.device,
+            )
+        return compile_s
 
     def more_epochs(self) -> bool:
         return self.cfg.max_samples is not None or self.state.epoch < self.cfg.epochs

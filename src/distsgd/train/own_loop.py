@@ -361,7 +361,7 @@ class Run:
                     f"dropped; call run.setup() without a model, or load your weights in the factory"
                 )
         if cfg.compile:
-            algo.unwrap(self._model).compile()  # in place: the module, its state and its wrappers stay
+            device.compile_in_place(algo.unwrap(self._model))  # the module, its state and its wrappers stay
         unwrapped = algo.unwrap(self._model)
         if objects:
             for opt in objects:
