@@ -29,7 +29,7 @@ def make_server(mode: str, workers: int = 2, **settings) -> ParameterServer:
         )
     )
     rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping(options))
-    return ParameterServer(cfg, model, workers, rule, samples_per_epoch=1000)
+    return ParameterServer(cfg, model, workers, rule)
 
 
 def grad(seed: int, n: int = 8) -> torch.Tensor:
@@ -291,14 +291,14 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             if head[0] == 99:  # a proper HELLO first
-                sock.sendall(wire.hello_message(1, SECRET))
+                sock.sendall(wire.hello_message(1, SECRET, groups=ps.hypers.describe()))
                 wire.Frame(layout.answer_bytes).recv(transport.Channel(sock))
                 wire.Frame(layout.request_bytes).send(transport.Channel(sock), *head)
             else:
@@ -319,7 +319,7 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.5, secret=SECRET)
     service.start()
     try:
@@ -327,7 +327,7 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
         with socket.create_connection((host, int(port))) as sock:
             channel = transport.Channel(sock)
             start = time.monotonic()  # before the server can start counting
-            channel.send(wire.hello_message(2, SECRET))
+            channel.send(wire.hello_message(2, SECRET, groups=ps.hypers.describe()))
             wire.Frame(layout.answer_bytes).recv(channel)
             assert _closed_by_server(sock)  # then nothing more is said
             assert time.monotonic() - start >= 0.45
@@ -345,16 +345,16 @@ def test_a_busy_worker_is_not_silent() -> None:
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.4, secret=SECRET)
     service.start()
     try:
         weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4, secret=SECRET)
+        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4, secret=SECRET, hypers=ps.hypers)
         time.sleep(1.5)  # busy, silent in its own thread
         assert client.pull() == ps.version and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
-        hello, pull = len(wire.hello_message(1, SECRET)), 32 + layout.request_bytes
+        hello, pull = len(wire.hello_message(1, SECRET, groups=ps.hypers.describe())), 32 + layout.request_bytes
         assert client.bytes_sent >= hello + pull + 32  # a HELLO, a pull, and at least one 32-byte PING
         client.done(0)
     finally:
@@ -370,7 +370,7 @@ def _serving(**kwargs):
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd", batch_size=8), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET, **kwargs)
     return ps, role, layout, service
 
@@ -379,7 +379,8 @@ def _client(ps, layout, service, rank: int = 1, secret: bytes = SECRET):
     from distsgd.algorithms.param_server import transport
 
     weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-    return transport.Client(rank, weights, layout, service.address, timeout_s=5, secret=secret), weights
+    client = transport.Client(rank, weights, layout, service.address, timeout_s=5, secret=secret, hypers=ps.hypers)
+    return client, weights
 
 
 def _connect(service):
@@ -414,7 +415,7 @@ def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None
     try:
         client, weights = _client(ps, layout, service)
         with _connect(service) as sock:
-            sock.sendall(wire.hello_message(1, SECRET))
+            sock.sendall(wire.hello_message(1, SECRET, groups=ps.hypers.describe()))
             assert _closed_by_server(sock)
         assert client.pull() == 0 and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
@@ -431,11 +432,11 @@ def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> 
     try:
         client, _ = _client(ps, layout, service)
         grads = [torch.ones_like(p) for p in ps.model.parameters()]
-        client.push(grads, 0, 8, None)  # honest: one batch of 8
+        client.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))  # honest: one batch of 8
         before = flatten(list(ps.model.parameters())).clone()
         version, samples = {"2**62 samples": (1, 2**62), "fewer samples": (1, 4), "a future version": (99, 16)}[lie]
         with pytest.raises(ConnectionError):
-            client.push(grads, version, samples, None)
+            client.push(grads, version, samples, None, ps.hypers.read(ps.optimizer))
         deadline = time.monotonic() + 5
         while ("gone", 1) not in role.said and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -452,17 +453,19 @@ def test_a_nan_gradient_is_not_applied_unless_the_user_accepts_it(accept: bool) 
     from distsgd.algorithms.param_server.core import ParameterServer
 
     base = make_server("asgd", batch_size=8)
-    ps = ParameterServer(base.cfg, base.model, 2, base.rule, 1000, accept_nonfinite=accept)
-    role, layout = _Role(), wire.Layout.of(ps.model)
+    ps = ParameterServer(base.cfg, base.model, 2, base.rule, accept_nonfinite=accept)
+    role, layout = _Role(), wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:
         client, weights = _client(ps, layout, service)
         grads = [torch.full_like(p, float("nan")) for p in ps.model.parameters()]
-        client.push(grads, 0, 8, None)
+        client.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))
         assert bool(torch.isfinite(weights).all()) is not accept
         assert ps.nonfinite == (0 if accept else 1)
-        client.push([torch.ones_like(p) for p in ps.model.parameters()], 1, 16, None)  # it goes on
+        client.push(
+            [torch.ones_like(p) for p in ps.model.parameters()], 1, 16, None, ps.hypers.read(ps.optimizer)
+        )  # it goes on
         client.done(16)
     finally:
         service.close()
@@ -564,7 +567,7 @@ def test_saved_buffers_that_do_not_fit_the_model_are_a_checkpoint_error() -> Non
 
     def server() -> ParameterServer:
         torch.manual_seed(0)
-        return ParameterServer(cfg, nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)), 2, rule, 1000)
+        return ParameterServer(cfg, nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)), 2, rule)
 
     ps = server()
     floats = [torch.full((2,), 0.5), torch.full((2,), 2.0)]  # running mean and var
