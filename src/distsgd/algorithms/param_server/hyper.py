@@ -11,8 +11,8 @@ The server builds its optimiser with the same factory on the same model, so its 
 to the worker's one to one. That is checked once, when a worker connects: its HELLO describes each
 group (:meth:`Hyperparameters.describe`: which keys, how many tensors, which of the model's
 parameters), and the server refuses a worker whose description is not its own. Every push is then
-checked for values the server can step with (finite; lr, momentum and weight decay >= 0; each
-beta in [0, 1)), on the worker (a user's schedule gone wrong: one line) and on the server (a
+checked for values the server can step with (finite in the parameters' dtype, as the optimiser's
+kernels take them; lr, momentum and weight decay >= 0; each beta in [0, 1)), on the worker (a user's schedule gone wrong: one line) and on the server (a
 forged push: that connection is dropped).
 """
 
@@ -73,8 +73,9 @@ class Hyperparameters:
     """The hyperparameters an optimiser's groups carry in a push: their layout (one :class:`Group`
     each), read from the worker's optimiser, checked, and set on the server's."""
 
-    def __init__(self, groups: Sequence[Group]) -> None:
+    def __init__(self, groups: Sequence[Group], dtype: torch.dtype = torch.float32) -> None:
         self.groups = tuple(groups)
+        self.largest = torch.finfo(dtype).max  # a value past this is inf where the optimiser uses it
         self.fields = [(g, key, size) for g, group in enumerate(self.groups) for key, size in _fields(group)]
         self.count = sum(size for _, _, size in self.fields)  # float64 values a push carries
 
@@ -84,7 +85,8 @@ class Hyperparameters:
         for group in optimizer.param_groups:
             keys = sum(1 << i for i, (key, size) in enumerate(KEYS) if _has(group, key, size))
             groups.append(Group(keys, len(group["params"]), _members(model, group)))
-        return cls(groups)
+        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+        return cls(groups, dtype)
 
     @classmethod
     def none(cls) -> Hyperparameters:
@@ -110,9 +112,10 @@ class Hyperparameters:
                 return f"its parameter group {i} holds other parameters of the model than the server's"
         return None
 
-    def read(self, optimizer: torch.optim.Optimizer) -> list[float]:
-        """The values this optimiser's groups hold now, in order; a ConfigError if its groups are
-        no longer those it had when the worker connected, or a value is one the server refuses."""
+    def read(self, optimizer: torch.optim.Optimizer, step: int = 0) -> list[float]:
+        """The values this optimiser's groups hold at ``step``, in order; a ConfigError if its
+        groups are no longer those it had when the worker connected, or a value is one the server
+        refuses."""
         groups = optimizer.param_groups
         if len(groups) != len(self.groups) or any(
             not all(_has(group, key, size) for key, size in _fields(g)) for group, g in zip(groups, self.groups)
@@ -131,19 +134,19 @@ class Hyperparameters:
                 values.extend(float(v) for v in value)
         problem = self.invalid(values)
         if problem is not None:
-            raise ConfigError(f"the optimiser's {problem}: the parameter server cannot step with it")
+            raise ConfigError(f"at step {step}, the optimiser's {problem}: the parameter server cannot step with it")
         return values
 
     def invalid(self, values: Sequence[float]) -> str | None:
-        """What is wrong with pushed ``values`` (None: nothing): each finite; lr, momentum and
-        weight decay >= 0; a beta in [0, 1)."""
+        """What is wrong with pushed ``values`` (None: nothing): each finite in the parameters'
+        dtype; lr, momentum and weight decay >= 0; a beta in [0, 1)."""
         if len(values) != self.count:
             return f"{len(values)} hyperparameters where the optimiser has {self.count}"
         at = 0
         for g, key, size in self.fields:
             for j in range(size):
                 v = values[at + j]
-                ok = math.isfinite(v) and (0.0 <= v < 1.0 if key == "betas" else v >= 0.0)
+                ok = math.isfinite(v) and abs(v) <= self.largest and (0.0 <= v < 1.0 if key == "betas" else v >= 0.0)
                 if not ok:
                     name = f"betas[{j}]" if key == "betas" else key
                     bound = "in [0, 1)" if key == "betas" else ">= 0"

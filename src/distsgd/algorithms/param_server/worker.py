@@ -188,7 +188,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """The server steps (see after_step), with this optimiser's settings at this step."""
         if self.hypers.count:
-            self.pushed = self.hypers.read(optimizer)
+            self.pushed = self.hypers.read(optimizer, step.number)
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
