@@ -407,6 +407,60 @@ def test_a_hello_without_the_run_secret_is_refused() -> None:
         service.close()
 
 
+def test_a_worker_whose_optimiser_is_not_the_servers_is_refused_in_one_line() -> None:
+    """Its HELLO describes its optimiser's parameter groups; the server answers one whose groups are
+    not its own with its own (the worker says how they differ) and admits nothing of it."""
+    from distsgd.algorithms.param_server import transport, wire
+    from distsgd.algorithms.param_server.hyper import Hyperparameters
+    from distsgd.errors import ConfigError
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        model = ps.model
+        split = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+        theirs = Hyperparameters.of(split, model)
+        weights = torch.zeros(sum(p.numel() for p in model.parameters()))
+        with pytest.raises(ConfigError) as refused:
+            transport.Client(
+                1, weights, wire.Layout.of(model, theirs.count), service.address, 5, secret=SECRET, hypers=theirs
+            )
+        assert str(refused.value).startswith(
+            "the parameter server refused worker 0: its optimiser does not match the server's "
+            "(it has 2 parameter groups, the server's optimiser 1); "
+        )
+        assert "\n" not in str(refused.value)
+        assert role.said == [] and service.refused == 1
+        client, _ = _client(ps, layout, service)  # the real worker still gets in
+        assert client.pull() == 0 and role.said == [("hello", 1)]
+        client.done(0)
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("groups", [2**40, -1, 1], ids=["2**40 groups", "-1 groups", "one forged group"])
+def test_a_hello_that_lies_about_its_groups_is_answered_and_closed(groups: int) -> None:
+    """The server reads no more groups than its own optimiser has (a count of 2**40 is not waited
+    for, nor allocated); it answers with its own groups, then closes."""
+    import struct
+
+    from distsgd.algorithms.param_server import wire
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        with _connect(service) as sock:
+            forged = struct.pack("4q", wire.HELLO, 1, groups, 0) + SECRET
+            sock.sendall(forged + (struct.pack("3q", 0b1011, 2, 12345) if groups == 1 else b""))
+            sock.settimeout(10)
+            answer = sock.recv(4096)
+            assert answer == wire.refusal_message(ps.hypers.describe())
+            assert _closed_by_server(sock)
+        assert role.said == [] and service.refused == 1 and ps.counts == [0, 0, 0]
+    finally:
+        service.close()
+
+
 def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None:
     from distsgd.algorithms.param_server import wire
 
@@ -424,24 +478,36 @@ def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None
         service.close()
 
 
-@pytest.mark.parametrize("lie", ["2**62 samples", "fewer samples", "a future version"])
+LIES = {  # version, samples, the optimiser's [lr, momentum, weight_decay]
+    "2**62 samples": (1, 2**62, [0.1, 0.0, 0.0]),
+    "fewer samples": (1, 4, [0.1, 0.0, 0.0]),
+    "a future version": (99, 16, [0.1, 0.0, 0.0]),
+    "a nan lr": (1, 16, [float("nan"), 0.0, 0.0]),
+    "a negative lr": (1, 16, [-1e30, 0.0, 0.0]),
+    "an infinite weight decay": (1, 16, [0.1, 0.0, float("inf")]),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
 def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> None:
-    """At most batch_size x accumulate more samples a message; never fewer; a version the server made."""
+    """At most batch_size x accumulate more samples a message; never fewer; a version the server
+    made; hyperparameters the optimiser can step with (finite, lr >= 0, ...)."""
     ps, role, layout, service = _serving()
     service.start()
     try:
         client, _ = _client(ps, layout, service)
         grads = [torch.ones_like(p) for p in ps.model.parameters()]
-        client.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))  # honest: one batch of 8
+        client.push(grads, 0, 8, None, [0.1, 0.0, 0.0])  # honest: one batch of 8
         before = flatten(list(ps.model.parameters())).clone()
-        version, samples = {"2**62 samples": (1, 2**62), "fewer samples": (1, 4), "a future version": (99, 16)}[lie]
+        version, samples, hypers = LIES[lie]
         with pytest.raises(ConnectionError):
-            client.push(grads, version, samples, None, ps.hypers.read(ps.optimizer))
+            client.push(grads, version, samples, None, hypers)
         deadline = time.monotonic() + 5
         while ("gone", 1) not in role.said and time.monotonic() < deadline:
             time.sleep(0.01)
         assert role.said == [("hello", 1), ("gone", 1)]
         assert ps.version == 1 and ps.counts[1] == 8 and torch.equal(flatten(list(ps.model.parameters())), before)
+        assert ps.optimizer.param_groups[0]["lr"] == 0.1
         client.close()
     finally:
         service.close()

@@ -16,8 +16,14 @@ pytest.importorskip("sklearn")
 B, STEPS = 16, 20
 
 
-def test_sync_ps_equals_single_with_the_global_batch(digits) -> None:
-    common = dict(model="mlp", data=digits, max_samples=STEPS * 2 * B, lr=0.1, momentum=0.9, seed=3, quiet=True)
+@pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "lr_warmup_steps": 4}], ids=["constant", "cosine"])
+def test_sync_ps_equals_single_with_the_global_batch(digits, schedule: dict) -> None:
+    """Also with a schedule and a warm-up: the lr of each round is the one single's step of the same
+    samples takes (the workers' schedules are the server's; it used to schedule by its own count,
+    one round ahead: 0.025 apart)."""
+    common = dict(
+        model="mlp", data=digits, max_samples=STEPS * 2 * B, lr=0.1, momentum=0.9, seed=3, quiet=True, **schedule
+    )
     single = distsgd.train(algo="single", batch_size=2 * B, **common)
     ps = distsgd.train(algo="sync-ps", workers=2, batch_size=B, **common)
     assert ps.summary["samples"] == STEPS * 2 * B and ps.summary["server_updates"] == STEPS
