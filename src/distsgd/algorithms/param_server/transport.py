@@ -391,6 +391,7 @@ class _Connection:
         self.service, self.channel, self.rank = service, channel, rank
         self.server, self.role, self.layout = service.server, service.role, service.layout
         self.request, self.answer = Frame(self.layout.request_bytes), Frame(self.layout.answer_bytes)
+        self.hypers = self.layout.hypers.whole(self.request).numpy()  # a push's hyperparameters (a view)
         self.sending = threading.Lock()  # answers and BEATs, one message at a time
         self.waiting: float | None = None  # since when the worker has heard nothing while it waits for an answer
         self.reply(
@@ -457,7 +458,7 @@ class _Connection:
                     if flag
                     else None
                 )
-                hypers = layout.hypers.whole(request).tolist() if server.hypers.count else None
+                hypers = self.hypers.tolist() if server.hypers.count else None
                 flat, v, total, stop = server.push(rank, grad, version, samples, buffers, hypers).wait()
                 self.reply(v, total, stop, flat)
             elif op == EXCHANGE:
@@ -525,6 +526,7 @@ class Client:
         assert sum(layout.hypers.numels) == self.hypers.count, "a layout with this optimiser's hyperparameters"
         pinned = weights.device.type == "cuda"
         self.request, self.answer = Frame(layout.request_bytes, pinned), Frame(layout.answer_bytes, pinned)
+        self.hyper_view = layout.hypers.whole(self.request).numpy()  # where a push's hyperparameters go
         self.bytes_sent = 0
         self.total = 0  # every worker's samples, as the answer to the HELLO or the last pull said
         self.address, self.timeout_s = address, timeout_s
@@ -630,7 +632,7 @@ class Client:
             layout.ints.pack(self.request, buffers[1])
         if self.hypers.count:
             assert hypers is not None and len(hypers) == self.hypers.count, "the optimiser's hyperparameters"
-            layout.hypers.whole(self.request).copy_(torch.tensor(hypers, dtype=torch.float64))
+            self.hyper_view[:] = hypers
         version, total, stop, _ = self._call(PUSH, version, samples, int(buffers is not None))
         self.weights.copy_(layout.params.whole(self.answer))
         return version, total, stop
