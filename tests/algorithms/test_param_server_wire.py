@@ -54,10 +54,10 @@ def _through_the_wire(sent: Frame) -> Frame:
 
 
 @settings(max_examples=200, deadline=None)
-@given(parts, st.integers(0, 2**16))
-def test_every_part_comes_back_bit_for_bit(spec, seed: int) -> None:
+@given(parts, st.integers(0, 2**16), st.integers(0, 9))
+def test_every_part_comes_back_bit_for_bit(spec, seed: int, hypers: int) -> None:
     (param_dtype, param_sizes), floats, others = spec
-    layout = Layout([(param_dtype, n) for n in param_sizes], floats, others)
+    layout = Layout([(param_dtype, n) for n in param_sizes], floats, others, hypers)
     params = [_values(param_dtype, n, seed + i) for i, n in enumerate(param_sizes)]
     fbufs = [_values(d, n, seed + 100 + i) for i, (d, n) in enumerate(floats)]
     obufs = [_values(d, n, seed + 200 + i) for i, (d, n) in enumerate(others)]
@@ -66,7 +66,11 @@ def test_every_part_comes_back_bit_for_bit(spec, seed: int) -> None:
     layout.params.pack(request, params)
     layout.floats.pack(request, fbufs)
     layout.ints.pack(request, obufs)
+    settings_ = _values(torch.float64, hypers, seed + 300)  # the optimiser's, after the buffers
+    if hypers:
+        layout.hypers.whole(request).copy_(settings_)
     got = _through_the_wire(request)
+    assert not hypers or torch.equal(layout.hypers.whole(got), settings_)
     flat = layout.params.whole(got)
     expected = torch.cat(params) if params else torch.empty(0, dtype=param_dtype)
     assert flat.numel() == expected.numel() and (not params or flat.dtype == param_dtype)
@@ -83,7 +87,7 @@ def test_every_part_comes_back_bit_for_bit(spec, seed: int) -> None:
     assert all(torch.equal(h, w) for h, w in zip(layout.floats.unpack(back), fbufs))
 
     # Sections are aligned, in order and disjoint, and the frame holds them.
-    sections = [s for p in (layout.params, layout.floats, layout.ints) for s in p.sections]
+    sections = [s for p in (layout.params, layout.floats, layout.ints, layout.hypers) for s in p.sections]
     for a, b in zip(sections, sections[1:]):
         assert a.offset + a.nbytes <= b.offset
     assert all(s.offset % ALIGN == 0 for s in sections)
