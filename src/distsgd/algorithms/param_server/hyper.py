@@ -12,8 +12,8 @@ to the worker's one to one. That is checked once, when a worker connects: its HE
 group (:meth:`Hyperparameters.describe`: which keys, how many tensors, which of the model's
 parameters), and the server refuses a worker whose description is not its own. Every push is then
 checked for values the server can step with (finite in the parameters' dtype, as the optimiser's
-kernels take them; lr, momentum and weight decay >= 0; each beta in [0, 1)), on the worker (a user's schedule gone wrong: one line) and on the server (a
-forged push: that connection is dropped).
+kernels take them; lr, momentum and weight decay >= 0; each beta in [0, 1)), on the worker (a
+user's schedule gone wrong: one line) and on the server (a forged push: that connection is dropped).
 """
 
 from __future__ import annotations
