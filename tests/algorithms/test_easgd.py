@@ -88,7 +88,7 @@ def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     cfg = resolve(RunConfig(lr=0.1))
-    ps = ParameterServer(cfg, model, 2, Elastic(cfg, EASGDOptions(alpha=0.25)), samples_per_epoch=100)
+    ps = ParameterServer(cfg, model, 2, Elastic(cfg, EASGDOptions(alpha=0.25)))
     centre = flat(model)
     centre_bn = model[1].running_mean.detach().double().clone()
     g = torch.Generator().manual_seed(3)

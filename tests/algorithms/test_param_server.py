@@ -29,7 +29,7 @@ def make_server(mode: str, workers: int = 2, **settings) -> ParameterServer:
         )
     )
     rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping(options))
-    return ParameterServer(cfg, model, workers, rule, samples_per_epoch=1000)
+    return ParameterServer(cfg, model, workers, rule)
 
 
 def grad(seed: int, n: int = 8) -> torch.Tensor:
@@ -291,14 +291,14 @@ def test_the_server_drops_a_connection_that_says_nonsense(head: list[int]) -> No
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:
         host, port = service.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
             if head[0] == 99:  # a proper HELLO first
-                sock.sendall(wire.hello_message(1, SECRET))
+                sock.sendall(wire.hello_message(1, SECRET, groups=ps.hypers.describe()))
                 wire.Frame(layout.answer_bytes).recv(transport.Channel(sock))
                 wire.Frame(layout.request_bytes).send(transport.Channel(sock), *head)
             else:
@@ -319,7 +319,7 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.5, secret=SECRET)
     service.start()
     try:
@@ -327,7 +327,7 @@ def test_a_silent_worker_counts_as_gone_after_the_timeout() -> None:
         with socket.create_connection((host, int(port))) as sock:
             channel = transport.Channel(sock)
             start = time.monotonic()  # before the server can start counting
-            channel.send(wire.hello_message(2, SECRET))
+            channel.send(wire.hello_message(2, SECRET, groups=ps.hypers.describe()))
             wire.Frame(layout.answer_bytes).recv(channel)
             assert _closed_by_server(sock)  # then nothing more is said
             assert time.monotonic() - start >= 0.45
@@ -345,16 +345,16 @@ def test_a_busy_worker_is_not_silent() -> None:
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd"), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", silence_s=0.4, secret=SECRET)
     service.start()
     try:
         weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4, secret=SECRET)
+        client = transport.Client(1, weights, layout, service.address, timeout_s=0.4, secret=SECRET, hypers=ps.hypers)
         time.sleep(1.5)  # busy, silent in its own thread
         assert client.pull() == ps.version and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
-        hello, pull = len(wire.hello_message(1, SECRET)), 32 + layout.request_bytes
+        hello, pull = len(wire.hello_message(1, SECRET, groups=ps.hypers.describe())), 32 + layout.request_bytes
         assert client.bytes_sent >= hello + pull + 32  # a HELLO, a pull, and at least one 32-byte PING
         client.done(0)
     finally:
@@ -370,7 +370,7 @@ def _serving(**kwargs):
     from distsgd.algorithms.param_server import transport, wire
 
     ps, role = make_server("asgd", batch_size=8), _Role()
-    layout = wire.Layout.of(ps.model)
+    layout = wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET, **kwargs)
     return ps, role, layout, service
 
@@ -379,7 +379,8 @@ def _client(ps, layout, service, rank: int = 1, secret: bytes = SECRET):
     from distsgd.algorithms.param_server import transport
 
     weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-    return transport.Client(rank, weights, layout, service.address, timeout_s=5, secret=secret), weights
+    client = transport.Client(rank, weights, layout, service.address, timeout_s=5, secret=secret, hypers=ps.hypers)
+    return client, weights
 
 
 def _connect(service):
@@ -406,6 +407,60 @@ def test_a_hello_without_the_run_secret_is_refused() -> None:
         service.close()
 
 
+def test_a_worker_whose_optimiser_is_not_the_servers_is_refused_in_one_line() -> None:
+    """Its HELLO describes its optimiser's parameter groups; the server answers one whose groups are
+    not its own with its own (the worker says how they differ) and admits nothing of it."""
+    from distsgd.algorithms.param_server import transport, wire
+    from distsgd.algorithms.param_server.hyper import Hyperparameters
+    from distsgd.errors import ConfigError
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        model = ps.model
+        split = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+        theirs = Hyperparameters.of(split, model)
+        weights = torch.zeros(sum(p.numel() for p in model.parameters()))
+        with pytest.raises(ConfigError) as refused:
+            transport.Client(
+                1, weights, wire.Layout.of(model, theirs.count), service.address, 5, secret=SECRET, hypers=theirs
+            )
+        assert str(refused.value).startswith(
+            "the parameter server refused worker 0: its optimiser does not match the server's "
+            "(it has 2 parameter groups, the server's optimiser 1); "
+        )
+        assert "\n" not in str(refused.value)
+        assert role.said == [] and service.refused == 1
+        client, _ = _client(ps, layout, service)  # the real worker still gets in
+        assert client.pull() == 0 and role.said == [("hello", 1)]
+        client.done(0)
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("groups", [2**40, -1, 1], ids=["2**40 groups", "-1 groups", "one forged group"])
+def test_a_hello_that_lies_about_its_groups_is_answered_and_closed(groups: int) -> None:
+    """The server reads no more groups than its own optimiser has (a count of 2**40 is not waited
+    for, nor allocated); it answers with its own groups, then closes."""
+    import struct
+
+    from distsgd.algorithms.param_server import wire
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        with _connect(service) as sock:
+            forged = struct.pack("4q", wire.HELLO, 1, groups, 0) + SECRET
+            sock.sendall(forged + (struct.pack("3q", 0b1011, 2, 12345) if groups == 1 else b""))
+            sock.settimeout(10)
+            answer = sock.recv(4096)
+            assert answer == wire.refusal_message(ps.hypers.describe())
+            assert _closed_by_server(sock)
+        assert role.said == [] and service.refused == 1 and ps.counts == [0, 0, 0]
+    finally:
+        service.close()
+
+
 def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None:
     from distsgd.algorithms.param_server import wire
 
@@ -414,7 +469,7 @@ def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None
     try:
         client, weights = _client(ps, layout, service)
         with _connect(service) as sock:
-            sock.sendall(wire.hello_message(1, SECRET))
+            sock.sendall(wire.hello_message(1, SECRET, groups=ps.hypers.describe()))
             assert _closed_by_server(sock)
         assert client.pull() == 0 and torch.equal(weights, flatten(list(ps.model.parameters())))
         assert role.said == [("hello", 1)]
@@ -423,24 +478,36 @@ def test_a_second_hello_for_a_connected_worker_does_not_take_its_place() -> None
         service.close()
 
 
-@pytest.mark.parametrize("lie", ["2**62 samples", "fewer samples", "a future version"])
+LIES = {  # version, samples, the optimiser's [lr, momentum, weight_decay]
+    "2**62 samples": (1, 2**62, [0.1, 0.0, 0.0]),
+    "fewer samples": (1, 4, [0.1, 0.0, 0.0]),
+    "a future version": (99, 16, [0.1, 0.0, 0.0]),
+    "a nan lr": (1, 16, [float("nan"), 0.0, 0.0]),
+    "a negative lr": (1, 16, [-1e30, 0.0, 0.0]),
+    "an infinite weight decay": (1, 16, [0.1, 0.0, float("inf")]),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
 def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> None:
-    """At most batch_size x accumulate more samples a message; never fewer; a version the server made."""
+    """At most batch_size x accumulate more samples a message; never fewer; a version the server
+    made; hyperparameters the optimiser can step with (finite, lr >= 0, ...)."""
     ps, role, layout, service = _serving()
     service.start()
     try:
         client, _ = _client(ps, layout, service)
         grads = [torch.ones_like(p) for p in ps.model.parameters()]
-        client.push(grads, 0, 8, None)  # honest: one batch of 8
+        client.push(grads, 0, 8, None, [0.1, 0.0, 0.0])  # honest: one batch of 8
         before = flatten(list(ps.model.parameters())).clone()
-        version, samples = {"2**62 samples": (1, 2**62), "fewer samples": (1, 4), "a future version": (99, 16)}[lie]
+        version, samples, hypers = LIES[lie]
         with pytest.raises(ConnectionError):
-            client.push(grads, version, samples, None)
+            client.push(grads, version, samples, None, hypers)
         deadline = time.monotonic() + 5
         while ("gone", 1) not in role.said and time.monotonic() < deadline:
             time.sleep(0.01)
         assert role.said == [("hello", 1), ("gone", 1)]
         assert ps.version == 1 and ps.counts[1] == 8 and torch.equal(flatten(list(ps.model.parameters())), before)
+        assert ps.optimizer.param_groups[0]["lr"] == 0.1
         client.close()
     finally:
         service.close()
@@ -452,17 +519,19 @@ def test_a_nan_gradient_is_not_applied_unless_the_user_accepts_it(accept: bool) 
     from distsgd.algorithms.param_server.core import ParameterServer
 
     base = make_server("asgd", batch_size=8)
-    ps = ParameterServer(base.cfg, base.model, 2, base.rule, 1000, accept_nonfinite=accept)
-    role, layout = _Role(), wire.Layout.of(ps.model)
+    ps = ParameterServer(base.cfg, base.model, 2, base.rule, accept_nonfinite=accept)
+    role, layout = _Role(), wire.Layout.of(ps.model, ps.hypers.count)
     service = transport.Service(ps, role, layout, "127.0.0.1:0", secret=SECRET)
     service.start()
     try:
         client, weights = _client(ps, layout, service)
         grads = [torch.full_like(p, float("nan")) for p in ps.model.parameters()]
-        client.push(grads, 0, 8, None)
+        client.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))
         assert bool(torch.isfinite(weights).all()) is not accept
         assert ps.nonfinite == (0 if accept else 1)
-        client.push([torch.ones_like(p) for p in ps.model.parameters()], 1, 16, None)  # it goes on
+        client.push(
+            [torch.ones_like(p) for p in ps.model.parameters()], 1, 16, None, ps.hypers.read(ps.optimizer)
+        )  # it goes on
         client.done(16)
     finally:
         service.close()
@@ -564,7 +633,7 @@ def test_saved_buffers_that_do_not_fit_the_model_are_a_checkpoint_error() -> Non
 
     def server() -> ParameterServer:
         torch.manual_seed(0)
-        return ParameterServer(cfg, nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)), 2, rule, 1000)
+        return ParameterServer(cfg, nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)), 2, rule)
 
     ps = server()
     floats = [torch.full((2,), 0.5), torch.full((2,), 2.0)]  # running mean and var

@@ -16,8 +16,14 @@ pytest.importorskip("sklearn")
 B, STEPS = 16, 20
 
 
-def test_sync_ps_equals_single_with_the_global_batch(digits) -> None:
-    common = dict(model="mlp", data=digits, max_samples=STEPS * 2 * B, lr=0.1, momentum=0.9, seed=3, quiet=True)
+@pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "lr_warmup_steps": 4}], ids=["constant", "cosine"])
+def test_sync_ps_equals_single_with_the_global_batch(digits, schedule: dict) -> None:
+    """Also with a schedule and a warm-up: the lr of each round is the one single's step of the same
+    samples takes (the workers' schedules are the server's; it used to schedule by its own count,
+    one round ahead: 0.025 apart)."""
+    common = dict(
+        model="mlp", data=digits, max_samples=STEPS * 2 * B, lr=0.1, momentum=0.9, seed=3, quiet=True, **schedule
+    )
     single = distsgd.train(algo="single", batch_size=2 * B, **common)
     ps = distsgd.train(algo="sync-ps", workers=2, batch_size=B, **common)
     assert ps.summary["samples"] == STEPS * 2 * B and ps.summary["server_updates"] == STEPS
@@ -38,20 +44,23 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     from distsgd.algorithms.param_server.wire import Layout
 
     model = distsgd.models.build_model("mlp", (1, 8, 8), 10)
-    layout = Layout.of(model)
+    layout = Layout.of(model, 3)
     n_params = flat_params(model).numel()
-    # A worker sends one message a step: a 4 x int64 header and the float32 gradient (its section
-    # padded to a multiple of 16 bytes), for 4 epochs of ceil(718 / 64) steps; three control
-    # requests of the same size (the first pull, the start barrier, done: every request has one
-    # size); and the HELLO, a header and the run's 32-byte secret.
-    assert layout.request_bytes == layout.answer_bytes == -(-4 * n_params // 16) * 16  # no buffers here
+    # A worker sends one message a step: a 4 x int64 header, the float32 gradient (its section
+    # padded to a multiple of 16 bytes) and SGD's lr, momentum and weight decay (3 float64, padded to
+    # 32 bytes), for 4 epochs of ceil(718 / 64) steps; three control requests of the same size (the
+    # first pull, the start barrier, done: every request has one size); and the HELLO, a header, the
+    # run's 32-byte secret and its optimiser's one parameter group (3 int64).
+    assert layout.answer_bytes == -(-4 * n_params // 16) * 16  # no buffers here
+    assert layout.request_bytes == layout.answer_bytes + 32
     steps = 4 * -(-718 // 64)
     message = 32 + layout.request_bytes
-    hello = 32 + 32
+    hello = 32 + 32 + 24
     assert s["bytes_sent_per_worker"] == [(steps + 3) * message + hello] * 2
-    # The server answers every request but done with a message of the same size, and counts every
-    # byte it receives: the total is both ends' sends.
-    assert s["bytes_sent"] == 2 * ((steps + 3) * message + hello) + 2 * (steps + 3) * message
+    # The server answers every request but done (and the HELLO) with a header and the weights, and
+    # counts every byte it receives: the total is both ends' sends.
+    answer = 32 + layout.answer_bytes
+    assert s["bytes_sent"] == 2 * ((steps + 3) * message + hello) + 2 * (steps + 3) * answer
     assert s["failed_workers"] == []
 
 

@@ -317,9 +317,11 @@ def served():
     cfg = config.resolve(RunConfig(lr=0.1, batch_size=8))
     algo = registry.get("asgd")
     rule = algo.topology.rule(cfg, algo.Options.from_mapping({}))
-    ps = ParameterServer(cfg, torch.nn.Linear(3, 2), 1, rule, samples_per_epoch=1000)
+    ps = ParameterServer(cfg, torch.nn.Linear(3, 2), 1, rule)
     secret = bytes(range(32))
-    service = transport.Service(ps, _Role(), wire.Layout.of(ps.model), "127.0.0.1:0", silence_s=0.5, secret=secret)
+    service = transport.Service(
+        ps, _Role(), wire.Layout.of(ps.model, ps.hypers.count), "127.0.0.1:0", silence_s=0.5, secret=secret
+    )
     service.start()
     yield ps, service, secret
     service.close()
@@ -356,7 +358,7 @@ def test_any_bytes_on_the_server_port_leave_it_serving(served, hello_first: bool
     with socket.create_connection((host, int(port))) as sock:
         sock.settimeout(0.2)
         try:
-            sock.sendall(wire.hello_message(1, secret) if hello_first else opening)
+            sock.sendall(wire.hello_message(1, secret, groups=ps.hypers.describe()) if hello_first else opening)
             for op, a, b, c, payload in requests:
                 sock.sendall(struct.pack("4q", op, a, b, c) + payload)
         except OSError:
@@ -373,6 +375,14 @@ def test_any_bytes_on_the_server_port_leave_it_serving(served, hello_first: bool
     assert bool(torch.isfinite(flatten(list(ps.model.parameters()))).all())
     assert before <= ps.counts[1] <= before + 8 * len(requests)  # at most a batch a message
     weights = torch.zeros(sum(p.numel() for p in ps.model.parameters()))
-    client = transport.Client(1, weights, wire.Layout.of(ps.model), service.address, timeout_s=5, secret=secret)
+    client = transport.Client(
+        1,
+        weights,
+        wire.Layout.of(ps.model, ps.hypers.count),
+        service.address,
+        timeout_s=5,
+        secret=secret,
+        hypers=ps.hypers,
+    )
     assert client.pull() == ps.version
     client.done(ps.counts[1])

@@ -38,7 +38,7 @@ def _core(algo: str, workers: int = 2) -> ParameterServer:
     cfg = resolve(RunConfig(lr=0.1, batch_size=8))
     algo_cls = registry.get(algo)
     rule = algo_cls.topology.rule(cfg, algo_cls.Options.from_mapping({}))
-    return ParameterServer(cfg, torch.nn.Linear(3, 2), workers, rule, samples_per_epoch=1000)
+    return ParameterServer(cfg, torch.nn.Linear(3, 2), workers, rule)
 
 
 class _Role:
@@ -62,7 +62,12 @@ class _Role:
 
 def _serve(ps: ParameterServer, role=None, silence_s: float | None = 5.0) -> transport.Service:
     service = transport.Service(
-        ps, role or _Role(), wire.Layout.of(ps.model), "127.0.0.1:0", silence_s=silence_s, secret=SECRET
+        ps,
+        role or _Role(),
+        wire.Layout.of(ps.model, ps.hypers.count),
+        "127.0.0.1:0",
+        silence_s=silence_s,
+        secret=SECRET,
     )
     service.start()
     return service
@@ -75,11 +80,12 @@ def _client(
     return transport.Client(
         rank,
         weights,
-        wire.Layout.of(ps.model),
+        wire.Layout.of(ps.model, ps.hypers.count),
         service.address,
         timeout_s=timeout_s,
         rejoining=rejoining,
         secret=SECRET,
+        hypers=ps.hypers,
     )
 
 
@@ -264,7 +270,7 @@ def test_accept_errors_are_one_warning_then_a_count(caplog: pytest.LogCaptureFix
     """On 43f33af every failed accept() was a warning: 10 lines a second for as long as it lasted."""
     caplog.set_level(logging.WARNING)
     ps = _core("asgd")
-    service = transport.Service(ps, _Role(), wire.Layout.of(ps.model), "127.0.0.1:0", secret=SECRET)
+    service = transport.Service(ps, _Role(), wire.Layout.of(ps.model, ps.hypers.count), "127.0.0.1:0", secret=SECRET)
     service.listener = _FlakyListener(service.listener, failures=20)
     service.start()
     try:
@@ -294,20 +300,22 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
     try:
         one, two = _client(ps, service, 1), _client(ps, service, 2)
         impostor = _connect(service.address)
-        impostor.sendall(wire.hello_message(1, SECRET, rejoining=True))
+        impostor.sendall(wire.hello_message(1, SECRET, rejoining=True, groups=ps.hypers.describe()))
         assert _closed_by_server(impostor)
         impostor.close()
         assert role.said == [("hello", 1), ("hello", 2)]
         grads = [torch.ones_like(p) for p in ps.model.parameters()]
-        pushed = threading.Thread(target=lambda: two.push(grads, 0, 8, None), daemon=True)
+        pushed = threading.Thread(target=lambda: two.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer)), daemon=True)
         pushed.start()
-        one.push(grads, 0, 8, None)  # the round: both answered, the impostor had no part in it
+        one.push(
+            grads, 0, 8, None, ps.hypers.read(ps.optimizer)
+        )  # the round: both answered, the impostor had no part in it
         pushed.join(10)
         assert not pushed.is_alive() and ps.version == 1
 
         def dies() -> None:  # worker 0 pushes, then dies while its push waits for worker 1's
             try:
-                one.push(grads, 1, 16, None)
+                one.push(grads, 1, 16, None, ps.hypers.read(ps.optimizer))
             except OSError:
                 pass
 
@@ -319,7 +327,9 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
         replacement = _client(ps, service, 1, rejoining=True)
         assert role.said[-1] == ("hello", 1)
         assert replacement.pull() == ps.version
-        assert two.push(grads, 1, 16, None)[0] == 2  # the round the dead worker had joined completes
+        assert (
+            two.push(grads, 1, 16, None, ps.hypers.read(ps.optimizer))[0] == 2
+        )  # the round the dead worker had joined completes
         replacement.close()
         two.close()
     finally:
@@ -357,7 +367,7 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
     clean-up ever removes: every later one has a lower number), then failed to commit it and
     dropped the connection. Now the claim is refused: no worker file, nothing written."""
     role = _role(resolve(RunConfig(algo="asgd", lr=0.1, batch_size=8, out=str(tmp_path), checkpoint_every="16")))
-    layout = wire.Layout.of(role.model)
+    layout = wire.Layout.of(role.model, role.server.hypers.count)
     service = _serve(role.server, role)
     ckpt = tmp_path / checkpoint.CHECKPOINT_DIR
     try:
@@ -369,7 +379,9 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
         for client in clients:
             client.done(0)
         forger = _connect(service.address)
-        forger.sendall(wire.hello_message(2, SECRET, rejoining=True))  # rank 2's worker has left
+        forger.sendall(
+            wire.hello_message(2, SECRET, rejoining=True, groups=role.server.hypers.describe())
+        )  # rank 2's worker has left
         wire.Frame(layout.answer_bytes).recv(transport.Channel(forger))
         wire.Frame(layout.request_bytes).send(transport.Channel(forger), wire.CHECKPOINTED, 2**40, 0, 0)
         assert _closed_by_server(forger)
@@ -499,13 +511,15 @@ def test_a_worker_waiting_for_a_round_hears_the_server_live() -> None:
         one, two = _client(ps, service, 1, timeout_s=0.5), _client(ps, service, 2, timeout_s=0.5)
         grads = [torch.ones_like(p) for p in ps.model.parameters()]
         answered: list[int] = []
-        waiting = threading.Thread(target=lambda: answered.append(one.push(grads, 0, 8, None)[0]), daemon=True)
+        waiting = threading.Thread(
+            target=lambda: answered.append(one.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))[0]), daemon=True
+        )
         waiting.start()
         _wait_for(lambda: ps.clocks[1] == 1, 10)
         sent = ps.bytes_sent
         time.sleep(1.5)  # worker 2 computes a long step (its client PINGs meanwhile)
         beats = (ps.bytes_sent - sent) // 32
-        assert two.push(grads, 0, 8, None)[0] == 1
+        assert two.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))[0] == 1
         waiting.join(10)
         assert answered == [1]
         assert beats >= 3, beats  # every 0.125 s of waiting after the first 0.125 s: about 10

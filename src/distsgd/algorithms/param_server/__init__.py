@@ -11,10 +11,22 @@ The package, by part:
   buffers, futures completed outside the lock), whatever the rule;
 - :mod:`.rules`: the update rules, one small class each, with their papers;
 - :mod:`.wire`: the wire format (the messages, their headers and their payloads' aligned sections);
+- :mod:`.hyper`: the worker optimiser's settings each push carries (lr, momentum, betas, weight
+  decay), how a HELLO describes its parameter groups, and how the server checks and applies them;
 - :mod:`.transport`: how workers reach the server (TCP sockets, the server's threads, the client);
 - :mod:`.role`: the server process: the core, a watcher that evaluates its model, checkpoints;
 - :mod:`.worker`: the topology (what the launcher asks: serve), the workers' side, and the
   registered algorithms.
+
+The optimiser's settings: the server's optimiser, built by the same factory on the same model as
+each worker's, steps on a push's gradient with the hyperparameters the worker's optimiser held at
+that step (its lr, momentum, betas, weight decay: what a user's LR scheduler, OneCycleLR included,
+or the run's ``--schedule`` and ``--lr-warmup-steps`` set there). They are the one source of the
+lr: the server has no schedule of its own. So ``--schedule`` follows the run's progress as the
+worker knows it (every worker's samples as of its last answer, as under every other algorithm),
+and the warm-up counts each worker's own steps (W steps of each of N workers: about N W server
+updates under asgd, W rounds under sync-ps), as under allreduce and hogwild. How they compose
+with ``--staleness-lr`` and DC-ASGD's compensation: :mod:`.rules`.
 
 Buffers (BatchNorm statistics): the server's model would otherwise keep its initial running
 statistics, since only gradients reach it. Each push also carries the worker's buffers; the

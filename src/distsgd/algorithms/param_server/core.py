@@ -21,9 +21,10 @@ from torch import nn
 from torch.futures import Future
 
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
+from distsgd.algorithms.param_server.hyper import Hyperparameters
 from distsgd.config import RunConfig
 from distsgd.errors import CheckpointError
-from distsgd.train.optim import build_optimizer, schedule_lr, scheduled
+from distsgd.train.optim import build_optimizer
 
 if TYPE_CHECKING:
     from distsgd.algorithms.param_server.rules import Rule
@@ -35,8 +36,14 @@ log = logging.getLogger(__name__)
 
 class ParameterServer:
     """The server's state. ``pull(rank)`` returns (weights, version); ``push(rank, grad,
-    version_read, local_samples, buffers)`` returns a Future of an :data:`Answer`; ``exchange``
-    is async EASGD's elastic exchange. Worker ranks are 1..N."""
+    version_read, local_samples, buffers, hypers)`` returns a Future of an :data:`Answer`;
+    ``exchange`` is async EASGD's elastic exchange. Worker ranks are 1..N.
+
+    The optimiser steps with the hyperparameters each push carries (``hypers``: the worker's
+    optimiser's at that step, laid out as :attr:`hypers` says): they are the one source of the lr,
+    momentum, betas and weight decay, the run's ``--schedule`` and ``--lr-warmup-steps`` included
+    (the worker's loop applies those to its optimiser). A push without them (a test driving the
+    core) steps with the groups as they stand."""
 
     def __init__(
         self,
@@ -44,7 +51,6 @@ class ParameterServer:
         model: nn.Module,
         workers: int,
         rule: "Rule",
-        samples_per_epoch: int,
         on_update: Callable[[int], None] | None = None,
         on_start: Callable[[], None] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
@@ -59,11 +65,8 @@ class ParameterServer:
         self.params = params(model)
         self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
-        self.scheduled = scheduled(cfg)
-        self.samples_per_epoch = samples_per_epoch
-        self.total_epochs = (
-            cfg.epochs if cfg.max_samples is None or not samples_per_epoch else cfg.max_samples / samples_per_epoch
-        )
+        # what each push carries of the worker's optimiser (nothing where the optimiser never steps)
+        self.hypers = Hyperparameters.of(self.optimizer, model) if rule.steps else Hyperparameters.none()
         self.on_update, self.on_start = on_update, on_start
         self.lock = threading.Lock()
         self.version = 0
@@ -132,10 +135,17 @@ class ParameterServer:
         version_read: int,
         local_samples: int,
         buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        hypers: list[float] | None = None,
     ) -> Future:
-        """Worker ``rank``'s flat gradient and its (floating-point, other) buffers, each flat, in
-        the model's order. A gradient with NaN or inf is taken as zero (the rule's rounds stay in
-        step), unless ``accept_nonfinite``."""
+        """Worker ``rank``'s flat gradient, its (floating-point, other) buffers, each flat, in
+        the model's order, and its optimiser's hyperparameters at that step. A gradient with NaN or
+        inf is taken as zero (the rule's rounds stay in step), unless ``accept_nonfinite``;
+        hyperparameters the optimiser cannot step with (NaN, a negative lr) are a lie: a
+        ConnectionError, and nothing changes."""
+        if hypers is not None:
+            problem = self.hypers.invalid(hypers)
+            if problem is not None:
+                raise ConnectionError(f"worker {rank - 1} pushed {problem}")
         fut: Future = Future()
         if not self._finite(grad, *(buffers[0] if buffers else [])):
             grad = torch.zeros_like(grad)
@@ -145,7 +155,7 @@ class ParameterServer:
             self.clocks[rank] += 1
             if buffers is not None:
                 self._buffers[rank], self._ints = buffers
-            self.rule.on_push(self, rank, grad, version_read, fut)
+            self.rule.on_push(self, rank, grad, version_read, hypers, fut)
             self.rule.release(self)
             done = self._take_done()
         _complete(done)
@@ -204,21 +214,16 @@ class ParameterServer:
     def total_samples(self) -> int:
         return sum(self.counts)
 
-    def apply(self, grad: torch.Tensor) -> None:
-        """One optimiser step with ``grad`` (flat) at the schedule's lr for the run's progress."""
+    def apply(self, grad: torch.Tensor, hypers: list[float] | None = None) -> None:
+        """One optimiser step with ``grad`` (flat), its groups set to ``hypers`` first (checked by
+        :meth:`push`; None: as they stand)."""
         offset = 0
         for p in self.params:
             n = p.numel()
             p.grad = grad[offset : offset + n].view_as(p)  # views: grad is this update's own tensor
             offset += n
-        if self.scheduled:  # the warm-up counts the server's own updates
-            schedule_lr(
-                self.optimizer,
-                self.cfg,
-                self.total_samples() / self.samples_per_epoch,
-                self.total_epochs,
-                self.version + 1,
-            )
+        if hypers is not None:
+            self.hypers.apply(self.optimizer, hypers)
         self.optimizer.step()
         self.version += 1
         if self.on_update is not None:

@@ -99,7 +99,6 @@ class ServerRole:
             self.model,
             workers,
             rule,
-            per_epoch,
             self._on_update,
             on_start=self.watcher.start,
             optimizer=optimizer,

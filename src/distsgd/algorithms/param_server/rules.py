@@ -26,11 +26,29 @@ server's lock (:class:`~.core.ParameterServer` takes it) and answers workers thr
 - :class:`Elastic` (async ``easgd``, Zhang, Choromanska, LeCun, NIPS 2015): the server holds the
   centre x~; a worker sends x_i, the server computes d = x_i - x~, moves x~ <- x~ + alpha d and
   returns d (the worker then moves x_i <- x_i - alpha d).
+
+The optimiser's settings: every rule that steps the server's optimiser (all but Elastic) steps it
+on g_r with the hyperparameters worker r's optimiser held when it computed g_r (its lr, momentum,
+betas and weight decay, as its schedule or a user's LR scheduler set them: :mod:`.hyper`), set on
+the server's groups just before that step. So lr_r below is the lr of the push, not of the server:
+
+- asgd, ssp: w <- step(g_r; lr_r, momentum_r, ...): plain SGD is w <- w - lr_r g_r.
+- ``--staleness-lr`` divides the gradient, not the lr: plain SGD takes w <- w - (lr_r / tau) g_r
+  for tau > 1, while momentum history and weight decay keep their pushed coefficients (weight decay
+  is added to g_r / tau, at lr_r). A schedule and the staleness scaling multiply: a push made at a
+  quarter of the base lr, three versions stale, moves plain SGD's weights by (lr / 4) / 3 g_r.
+- dcasgd: the compensation is computed first, from g_r and the weights alone (it estimates the
+  gradient at the current weights; no lr enters it), then divided by tau under ``--staleness-lr``,
+  then stepped at lr_r: w <- w - lr_r (g_r + lambda g_r * g_r * (w - w_r)) for plain SGD.
+- sync-ps: one step on the mean of the round's gradients, with the hyperparameters of the round's
+  lowest live rank (every worker's schedule is at the same step; a round whose workers pushed
+  different values steps with that rank's, and the server warns once).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch.futures import Future
@@ -45,6 +63,11 @@ if TYPE_CHECKING:  # the algorithms' options, in the modules that import these r
     from distsgd.algorithms.param_server.worker import DCASGDOptions, SSPOptions, StalenessOptions
 
 
+log = logging.getLogger(__name__)
+
+Hypers = list[float] | None  # a push's hyperparameters (.hyper.Hyperparameters.read), or none
+
+
 def dc_lambda(opts: DCASGDOptions) -> float:
     """lambda (DC-ASGD-c) or lambda0 (DC-ASGD-a): ``--dc-lambda``, else the paper's 0.04 or 2."""
     if opts.dc_lambda is not None:
@@ -56,6 +79,7 @@ class Rule:
     """What the server does with what workers send (the base: nothing). ``opts``: the
     algorithm's options (each rule declares the class it reads)."""
 
+    steps: ClassVar[bool] = True  # the server's optimiser steps on pushed gradients, with pushed hyperparameters
     cfg: RunConfig
     opts: Options
 
@@ -65,7 +89,9 @@ class Rule:
     def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
         """Worker ``rank`` read ``weights``."""
 
-    def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
+    def on_push(
+        self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, hypers: Hypers, fut: Future
+    ) -> None:
         raise NotImplementedError(f"{type(self).__name__} takes no gradients")
 
     def on_leave(self, ps: "ParameterServer", rank: int) -> None:
@@ -85,13 +111,15 @@ class Asynchronous(Rule):
 
     opts: StalenessOptions
 
-    def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
+    def on_push(
+        self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, hypers: Hypers, fut: Future
+    ) -> None:
         tau = ps.version - version_read
         ps.staleness[tau] += 1
         grad = self.correct(ps, rank, grad)
         if self.opts.staleness_lr and tau > 1:
             grad = grad / tau
-        ps.apply(grad)
+        ps.apply(grad, hypers)
         if not self.hold(ps, rank, fut):
             self.answer(ps, rank, fut)
 
@@ -171,14 +199,18 @@ class DelayCompensated(Asynchronous):
 class SyncRound(Rule):
     """sync-ps: one step with the mean of every live worker's gradient."""
 
-    gathered: dict[int, tuple[torch.Tensor, Future]]  # this round's gradients so far, by rank
+    gathered: dict[int, tuple[torch.Tensor, Hypers, Future]]  # this round's pushes so far, by rank
+    mixed: bool  # a round's workers pushed different hyperparameters (warned of once)
 
     def __init__(self, cfg: RunConfig, opts: Options) -> None:
         super().__init__(cfg, opts)
         self.gathered = {}
+        self.mixed = False
 
-    def on_push(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, fut: Future) -> None:
-        self.gathered[rank] = (grad, fut)
+    def on_push(
+        self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, hypers: Hypers, fut: Future
+    ) -> None:
+        self.gathered[rank] = (grad, hypers, fut)
         self._maybe_step(ps)
 
     def on_leave(self, ps: "ParameterServer", rank: int) -> None:
@@ -192,10 +224,18 @@ class SyncRound(Rule):
         total = self.gathered[ranks[0]][0].clone()
         for r in ranks[1:]:  # a fixed order: float sums depend on it
             total += self.gathered[r][0]
-        ps.apply(total / len(ranks))
+        hypers = self.gathered[ranks[0]][1]
+        if not self.mixed and any(self.gathered[r][1] != hypers for r in ranks[1:]):
+            self.mixed = True
+            log.warning(
+                "the workers of a sync-ps round pushed different optimiser settings (lr, momentum, ...); "
+                "the server steps with worker %d's (the round's lowest rank), here and in every such round",
+                ranks[0] - 1,
+            )
+        ps.apply(total / len(ranks), hypers)
         reply = ps.answer()
         for r in ranks:
-            ps.reply(self.gathered[r][1], reply)
+            ps.reply(self.gathered[r][2], reply)
         self.gathered = {}
 
 
@@ -204,6 +244,7 @@ class Elastic(Rule):
     exchanging worker's integer buffers. A worker exchanges every ``tau`` steps."""
 
     opts: EASGDOptions
+    steps = False  # the centre moves by the elastic force; each worker steps its own optimiser
 
     @property
     def steps_per_message(self) -> int:

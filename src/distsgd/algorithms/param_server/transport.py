@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distsgd.algorithms.param_server.hyper import Hyperparameters
 from distsgd.algorithms.param_server.wire import (
     BARRIER,
     BEAT,
@@ -30,6 +31,7 @@ from distsgd.algorithms.param_server.wire import (
     CHECKPOINTED,
     DONE,
     EXCHANGE,
+    GROUP_BYTES,
     HEAD,
     HELLO,
     HELLO_BYTES,
@@ -37,13 +39,17 @@ from distsgd.algorithms.param_server.wire import (
     PING_MESSAGE,
     PULL,
     PUSH,
+    REFUSED,
     STOP,
     Frame,
     Layout,
     hello_message,
     padded_secret,
     read_hello,
+    refusal_message,
+    unpack_groups,
 )
+from distsgd.errors import ConfigError
 
 if TYPE_CHECKING:
     from distsgd.algorithms.param_server.core import ParameterServer
@@ -146,6 +152,15 @@ class Refused(ConnectionError):
     """A connection the server will not serve: a stranger, a wrong secret, nonsense."""
 
 
+class Mismatched(Refused):
+    """One of this run's workers (it knows the secret) whose optimiser's parameter groups are not
+    the server's: it is told why, and refused."""
+
+    def __init__(self, rank: int, why: str) -> None:
+        super().__init__(why)
+        self.rank = rank
+
+
 class Service:
     """The server's end: it listens on ``address`` (``host:port``; port 0: any free one) and serves
     each worker that connects, in a thread of its own, on ``server`` (the core) and ``role`` (for
@@ -153,7 +168,9 @@ class Service:
 
     It admits only its own run's workers: a connection must send, within :data:`HELLO_DEADLINE_S`,
     a HELLO with a worker rank and the run's ``secret`` (compared in constant time), before the
-    server allocates anything for it; a HELLO for a rank whose connection is open is refused, even
+    server allocates anything for it, and its optimiser's parameter groups, which must be the
+    server's (:meth:`.hyper.Hyperparameters.mismatch`; a worker whose are not is answered with
+    the server's, and refused); a HELLO for a rank whose connection is open is refused, even
     one that says it replaces a dead worker (a replacement's predecessor died: its connection has
     closed, or hung up while its thread still waits for a round). At most ``max_pending``
     connections may be waiting to say HELLO at once: a new one past that closes the oldest waiting
@@ -161,7 +178,8 @@ class Service:
     connects) out for long. Then every request is checked: a known op, sample counts that only
     grow, by at most what the worker can have trained since its last message, a version the
     server has made, a checkpoint whose file the worker wrote (in the role), and (in the core)
-    finite gradients; a frame must arrive within ``--timeout``. An ``accept()`` error
+    finite gradients and hyperparameters the optimiser can step with; a frame must arrive within
+    ``--timeout``. An ``accept()`` error
     (too many open files), or a connection's thread that cannot start (the process's thread limit:
     that connection is closed and counted refused), is logged at most every
     :data:`ACCEPT_WARNING_EVERY_S` and the server keeps listening."""
@@ -177,6 +195,7 @@ class Service:
         max_pending: int | None = None,
     ) -> None:
         self.server, self.role, self.layout, self.silence_s = server, role, layout, silence_s
+        assert sum(layout.hypers.numels) == server.hypers.count, "a layout with the server optimiser's hyperparameters"
         self.secret = padded_secret(secret)
         host, _, port = address.rpartition(":")
         self.listener = socket.create_server((host, int(port)), backlog=64)
@@ -275,16 +294,31 @@ class Service:
         time.sleep(0.1)
 
     def _handshake(self, channel: Channel) -> int:
-        """The rank of a connection that said a valid HELLO with the run's secret, in time."""
+        """The rank of a connection that said a valid HELLO with the run's secret and the server's
+        parameter groups, in time."""
         hello = bytearray(HELLO_BYTES)
-        channel.recv_into(memoryview(hello), deadline=time.monotonic() + HELLO_DEADLINE_S)
-        op, rank, rejoining, secret = read_hello(hello)
+        deadline = time.monotonic() + HELLO_DEADLINE_S
+        channel.recv_into(memoryview(hello), deadline=deadline)
+        op, rank, groups, rejoining, secret = read_hello(hello)
         if op != HELLO:
             raise Refused(f"request {op} before HELLO")
         if not hmac.compare_digest(secret, self.secret):
             raise Refused("a HELLO without the run's secret")
         if not 1 <= rank <= self.server.workers:
             raise Refused(f"a HELLO for rank {rank} (this server has ranks 1..{self.server.workers})")
+        ours = self.server.hypers
+        if groups == len(ours.groups):  # read no more than the server's own groups take
+            described = bytearray(groups * GROUP_BYTES)
+            channel.recv_into(memoryview(described), deadline=deadline)
+            why = ours.mismatch(Hyperparameters.described(unpack_groups(described)))
+        else:
+            why = f"it has {groups} parameter groups, the server's optimiser {len(ours.groups)}"
+        if why is not None:
+            try:
+                channel.send(refusal_message(ours.describe()))
+            except OSError:
+                pass
+            raise Mismatched(rank, why)
         with self.membership:
             if channel.closed or channel not in self.pending:  # evicted meanwhile, or the service is closing
                 raise Refused("closed before its HELLO was read")
@@ -318,6 +352,10 @@ class Service:
                         taken, gone = self.role.leave(rank, why), True
                 if gone:
                     self.role.commit_after(taken)  # a checkpoint this completed: written outside the lock
+            elif isinstance(exc, Mismatched):
+                with self.membership:
+                    self.refused += 1
+                log.warning("refused worker %d: its optimiser does not match the server's (%s)", exc.rank - 1, why)
             else:
                 if channel.evicted:
                     why = f"closed to make room: more than {self.max_pending} connections waited for their HELLO"
@@ -353,12 +391,13 @@ class _Connection:
         self.service, self.channel, self.rank = service, channel, rank
         self.server, self.role, self.layout = service.server, service.role, service.layout
         self.request, self.answer = Frame(self.layout.request_bytes), Frame(self.layout.answer_bytes)
+        self.hypers = self.layout.hypers.whole(self.request).numpy()  # a push's hyperparameters (a view)
         self.sending = threading.Lock()  # answers and BEATs, one message at a time
         self.waiting: float | None = None  # since when the worker has heard nothing while it waits for an answer
         self.reply(
             self.server.version, self.server.total_samples(), self.server.stop, nbytes=self.server.counts[rank]
         )  # HELLO: answered with that rank's samples so far
-        self.server.count(received=HELLO_BYTES)
+        self.server.count(received=HELLO_BYTES + GROUP_BYTES * len(self.server.hypers.groups))
 
     def reply(
         self,
@@ -419,7 +458,8 @@ class _Connection:
                     if flag
                     else None
                 )
-                flat, v, total, stop = server.push(rank, grad, version, samples, buffers).wait()
+                hypers = self.hypers.tolist() if server.hypers.count else None
+                flat, v, total, stop = server.push(rank, grad, version, samples, buffers, hypers).wait()
                 self.reply(v, total, stop, flat)
             elif op == EXCHANGE:
                 x = layout.params.whole(request).clone()
@@ -459,7 +499,8 @@ def connect(address: str, timeout_s: float) -> Channel:
 class Client:
     """A worker's calls on the server at ``address``. ``me`` is its rank (its data rank + 1);
     ``weights`` the flat buffer its model's parameters are views of (answers land in it); ``layout``
-    where the model's parts lie in a message.
+    where the model's parts lie in a message; ``hypers`` its optimiser's parameter groups, which its
+    HELLO describes (a server whose own differ refuses it: a ConfigError saying how).
     ``rejoining``: it replaces a worker of that rank that died; ``samples`` then says how many
     samples that rank had trained.
 
@@ -478,20 +519,25 @@ class Client:
         timeout_s: float,
         rejoining: bool = False,
         secret: bytes = b"",
+        hypers: Hyperparameters | None = None,
     ) -> None:
         self.me, self.weights, self.layout = me, weights, layout
+        self.hypers = hypers if hypers is not None else Hyperparameters.none()
+        assert sum(layout.hypers.numels) == self.hypers.count, "a layout with this optimiser's hyperparameters"
         pinned = weights.device.type == "cuda"
         self.request, self.answer = Frame(layout.request_bytes, pinned), Frame(layout.answer_bytes, pinned)
+        self.hyper_view = layout.hypers.whole(self.request).numpy()  # where a push's hyperparameters go
         self.bytes_sent = 0
+        self.total = 0  # every worker's samples, as the answer to the HELLO or the last pull said
         self.address, self.timeout_s = address, timeout_s
         self.channel = connect(address, timeout_s)
         self.lock, self.quiet_s, self.last = threading.Lock(), timeout_s / 4, time.monotonic()
         self.closed = threading.Event()
         try:
-            with self.lock:  # the HELLO: its header and the run's secret; the answer, a whole message
-                self.bytes_sent += self.channel.send(hello_message(me, secret, rejoining))
-                self.samples = self._answer()[3]
-        except OSError:
+            with self.lock:  # the HELLO: its header, the run's secret, its groups; the answer, a whole message
+                self.bytes_sent += self.channel.send(hello_message(me, secret, rejoining, self.hypers.describe()))
+                _, self.total, _, self.samples = self._answer(hello=True)
+        except (OSError, ConfigError):
             self.channel.close()
             raise
         self.beat = threading.Thread(target=self._beat, name="distsgd-ps-heartbeat", daemon=True)
@@ -517,15 +563,33 @@ class Client:
             version, total, stop, nbytes = self._answer()
         return version, total, bool(stop), nbytes
 
-    def _answer(self) -> list[int]:
-        """The header of the server's answer, its payload in ``answer``; the BEATs before it skipped."""
+    def _answer(self, hello: bool = False) -> list[int]:
+        """The header of the server's answer, its payload in ``answer``; the BEATs before it skipped.
+        ``hello``: the answer to the HELLO, which may be a refusal."""
         try:
             while (head := self.answer.recv_head(self.channel))[0] == BEAT:
                 pass
+            if hello and head[0] == REFUSED:
+                raise self._refused(head[1])
             self.answer.recv_payload(self.channel)
         except (socket.timeout, BlockingIOError, TimeoutError):
             raise self._frozen() from None
         return head
+
+    def _refused(self, groups: int) -> ConfigError:
+        """The server's parameter groups (``groups`` of them follow), and how this worker's differ."""
+        ours = self.hypers
+        if 0 <= groups <= max(len(ours.groups), 4096):  # a sane count: read the server's groups
+            described = bytearray(groups * GROUP_BYTES)
+            self.channel.recv_into(memoryview(described))
+            why = Hyperparameters.described(unpack_groups(described)).mismatch(ours)
+        else:
+            why = None
+        return ConfigError(
+            f"the parameter server refused worker {self.me - 1}: its optimiser does not match the server's "
+            f"({why or 'the server said so'}); the server builds its optimiser with the same factory on the "
+            f"same model (distsgd.spawn(optimizer=...), --optimizer), so every worker's must be that one"
+        )
 
     def _frozen(self) -> ConnectionError:
         return ConnectionError(
@@ -545,8 +609,8 @@ class Client:
                 self.last = time.monotonic()
 
     def pull(self) -> int:
-        """The server's weights into ``weights``; returns their version."""
-        version = self._call(PULL)[0]
+        """The server's weights into ``weights``; returns their version (and sets ``total``)."""
+        version, self.total, _, _ = self._call(PULL)
         self.weights.copy_(self.layout.params.whole(self.answer))
         return version
 
@@ -556,14 +620,19 @@ class Client:
         version: int,
         samples: int,
         buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+        hypers: list[float] | None = None,
     ) -> tuple[int, int, bool]:
-        """A gradient (the parameters' gradients, in order) computed on ``version``, and the
-        (floating-point, other) buffers; the new weights land in ``weights``."""
+        """A gradient (the parameters' gradients, in order) computed on ``version``, the
+        (floating-point, other) buffers, and the optimiser's hyperparameters at that step (as
+        :meth:`.hyper.Hyperparameters.read` lists them); the new weights land in ``weights``."""
         layout = self.layout
         layout.params.pack(self.request, grad)
         if buffers is not None:
             layout.floats.pack(self.request, buffers[0])
             layout.ints.pack(self.request, buffers[1])
+        if self.hypers.count:
+            assert hypers is not None and len(hypers) == self.hypers.count, "the optimiser's hyperparameters"
+            self.hyper_view[:] = hypers
         version, total, stop, _ = self._call(PUSH, version, samples, int(buffers is not None))
         self.weights.copy_(layout.params.whole(self.answer))
         return version, total, stop

@@ -3,12 +3,14 @@
 A message is one :class:`Frame`: a header of four int64 ``[op, version, samples, flag]`` (a
 request) or ``[version, all workers' samples, stop, nbytes]`` (an answer), then a payload. Every
 request (and every answer) of a run has the same size: the largest any op needs (a push's
-gradient and buffers, an exchange's x); the control messages (pull, barrier, done) carry an unused
-payload. The payload's parts are the sections of a :class:`Layout`, each aligned to :data:`ALIGN`
-bytes. Three messages are shorter: a worker's first, the HELLO (a header and the run's secret,
-:func:`hello_message`), its PING (a header alone, with no answer) and the server's BEAT (a header
-alone: no answer yet, the server lives). Everything is raw tensor bytes in the machine's byte
-order: nothing is unpickled. How these messages travel: :mod:`.transport`.
+gradient, buffers and the optimiser's hyperparameters, an exchange's x); the control messages
+(pull, barrier, done) carry an unused payload. The payload's parts are the sections of a
+:class:`Layout`, each aligned to :data:`ALIGN` bytes. Four messages are shorter: a worker's first,
+the HELLO (a header, the run's secret and its optimiser's parameter groups, :func:`hello_message`),
+the server's refusal of a HELLO whose groups are not its own (:func:`refusal_message`), a worker's
+PING (a header alone, with no answer) and the server's BEAT (a header alone: no answer yet, the
+server lives). Everything is raw tensor bytes in the machine's byte order: nothing is unpickled.
+How these messages travel: :mod:`.transport`.
 """
 
 from __future__ import annotations
@@ -24,22 +26,42 @@ from distsgd.errors import ConfigError
 HELLO, PULL, PUSH, EXCHANGE, DONE, BARRIER, CHECKPOINTED, PING, STOP = range(9)
 HEAD = 4 * 8  # bytes of a header: four int64
 BEAT = -1  # an answer's header [BEAT, 0, 0, 0], alone: no answer yet, the server lives (a version is >= 0)
+REFUSED = -2  # the answer to a HELLO whose parameter groups are not the server's: [REFUSED, groups, 0, 0], its groups
 BEAT_MESSAGE = struct.pack("4q", BEAT, 0, 0, 0)
 PING_MESSAGE = struct.pack("4q", PING, 0, 0, 0)  # a worker is alive, busy between requests
 SECRET_BYTES = 32  # the run's secret, which a HELLO carries after its header
-HELLO_BYTES = HEAD + SECRET_BYTES
+HELLO_BYTES = HEAD + SECRET_BYTES  # then GROUP_BYTES for each of the optimiser's parameter groups
+GROUP_BYTES = 3 * 8  # a parameter group, described: three int64 (.hyper.Hyperparameters.describe)
 ALIGN = 16  # every section of a payload starts at a multiple of this: a view of any dtype is aligned
 
-
-def hello_message(rank: int, secret: bytes, rejoining: bool = False) -> bytes:
-    """What a worker sends first: the header [HELLO, rank, 0, rejoining] and the run's secret."""
-    return struct.pack("4q", HELLO, rank, 0, int(rejoining)) + padded_secret(secret)
+Groups = list[tuple[int, int, int]]  # an optimiser's parameter groups, as a HELLO describes them
 
 
-def read_hello(message: bytes | bytearray) -> tuple[int, int, bool, bytes]:
-    """A HELLO's op (HELLO, unless it is not one), rank, whether it replaces a dead worker, and secret."""
-    op, rank, _, rejoining = struct.unpack("4q", message[:HEAD])
-    return op, rank, bool(rejoining), bytes(message[HEAD:HELLO_BYTES])
+def hello_message(rank: int, secret: bytes, rejoining: bool = False, groups: Groups | None = None) -> bytes:
+    """What a worker sends first: the header [HELLO, rank, len(groups), rejoining], the run's secret
+    and its optimiser's parameter groups (none under async EASGD, whose server never steps)."""
+    groups = groups or []
+    return struct.pack("4q", HELLO, rank, len(groups), int(rejoining)) + padded_secret(secret) + pack_groups(groups)
+
+
+def read_hello(message: bytes | bytearray) -> tuple[int, int, int, bool, bytes]:
+    """A HELLO's op (HELLO, unless it is not one), rank, how many parameter groups follow it (to be
+    read: :func:`unpack_groups`), whether it replaces a dead worker, and secret."""
+    op, rank, groups, rejoining = struct.unpack("4q", message[:HEAD])
+    return op, rank, groups, bool(rejoining), bytes(message[HEAD:HELLO_BYTES])
+
+
+def pack_groups(groups: Groups) -> bytes:
+    return b"".join(struct.pack("3q", *g) for g in groups)
+
+
+def unpack_groups(data: bytes | bytearray) -> Groups:
+    return [struct.unpack_from("3q", data, i) for i in range(0, len(data) - len(data) % GROUP_BYTES, GROUP_BYTES)]
+
+
+def refusal_message(groups: Groups) -> bytes:
+    """The server's answer to a HELLO whose parameter groups are not its own: its own."""
+    return struct.pack("4q", REFUSED, len(groups), 0, 0) + pack_groups(groups)
 
 
 def padded_secret(secret: bytes) -> bytes:
@@ -127,15 +149,18 @@ class Packing:
 
 class Layout:
     """What a message of a model holds, and where: its parameters (one dtype: the flat weights, a
-    gradient or an exchange's x), its floating-point buffers and its other buffers (integer, bool),
-    each part in aligned sections. A request holds all three; an answer the first two (weights, or
-    an exchange's difference). The server and each worker build it from the same architecture."""
+    gradient or an exchange's x), its floating-point buffers, its other buffers (integer, bool) and
+    ``hypers`` float64 values (the optimiser's hyperparameters at a push's step:
+    :mod:`.hyper`), each part in aligned sections. A request holds all four; an answer the first two
+    (weights, or an exchange's difference). The server and each worker build it from the same
+    architecture and the same optimiser factory."""
 
     def __init__(
         self,
         params: list[tuple[torch.dtype, int]],
         floats: list[tuple[torch.dtype, int]],
         ints: list[tuple[torch.dtype, int]],
+        hypers: int = 0,
     ) -> None:
         if len({dtype for dtype, _ in params}) > 1:
             raise ConfigError(
@@ -145,16 +170,18 @@ class Layout:
         self.params = Packing(params, 0)
         self.floats = Packing(floats, self.params.end)
         self.ints = Packing(ints, self.floats.end)
-        self.request_bytes = self.ints.end
+        self.hypers = Packing([(torch.float64, hypers)] if hypers else [], self.ints.end)
+        self.request_bytes = self.hypers.end
         self.answer_bytes = self.floats.end
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> Layout:
+    def of(cls, model: torch.nn.Module, hypers: int = 0) -> Layout:
         buffers = list(model.buffers())
         return cls(
             [(p.dtype, p.numel()) for p in model.parameters()],
             [(b.dtype, b.numel()) for b in buffers if b.dtype.is_floating_point],
             [(b.dtype, b.numel()) for b in buffers if not b.dtype.is_floating_point],
+            hypers,
         )
 
 

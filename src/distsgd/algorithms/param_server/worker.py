@@ -12,6 +12,7 @@ from torch import nn
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport, wire
+from distsgd.algorithms.param_server.hyper import Hyperparameters
 from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
 from distsgd.config import RunConfig
@@ -54,9 +55,8 @@ class ServerTopology(Server):
             given_up=given_up,
             accept_nonfinite=getattr(opts, "accept_nonfinite", False),
         )
-        service = transport.Service(
-            role.server, role, wire.Layout.of(role.model), address, silence_s=job.cfg.timeout_s, secret=secret
-        )
+        layout = wire.Layout.of(role.model, role.server.hypers.count)
+        service = transport.Service(role.server, role, layout, address, silence_s=job.cfg.timeout_s, secret=secret)
         if publish is not None:
             publish(service.address)
         service.start()
@@ -113,7 +113,13 @@ ServerOptionsT = TypeVar("ServerOptionsT", bound=Options)
 class ServerAlgorithm(Algorithm[ServerOptionsT]):
     """The worker side of every parameter-server rule: push the gradient, take the new weights.
     Its seat is the server's address; a replacement worker rejoins under its rank. Workers may
-    compute on GPUs; the server steps on the CPU (what it sends and receives are host bytes)."""
+    compute on GPUs; the server steps on the CPU (what it sends and receives are host bytes).
+
+    The worker's optimiser never steps (but async EASGD's, between exchanges); it holds the
+    settings the server steps with. It is built in ``setup``, before the worker connects, so
+    that the HELLO describes its parameter groups (:mod:`.hyper`); each step, ``apply_step``
+    reads its lr, momentum, betas and weight decay as the run's schedule or a user's LR scheduler
+    left them, and ``after_step`` pushes them with the gradient."""
 
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
@@ -128,6 +134,9 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     weights: torch.Tensor  # the parameters, one buffer they are views of: the server's answers land here
     floats: list[torch.Tensor]  # the buffers each push carries: floating-point ones
     ints: list[torch.Tensor]  # and the others (integer, bool)
+    optimizer: torch.optim.Optimizer  # the worker's: whose settings each push carries (make_optimizer returns it)
+    hypers: Hyperparameters  # what of them travels (nothing where the server's optimiser never steps)
+    pushed: list[float]  # their values at the step being taken (apply_step reads them, after_step pushes)
     client: transport.Client  # the connection to the server
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
@@ -146,33 +155,48 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
             )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        layout = wire.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
+        wire.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
         self.params = params(model)
         self.weights = flat_view_(self.params)
         self.floats, self.ints = float_buffers(model), int_buffers(model)
+        self.optimizer = super().make_optimizer(ctx, model)
+        topology = type(self).topology
+        assert isinstance(topology, ServerTopology)
+        self.hypers = Hyperparameters.of(self.optimizer, model) if topology.rule.steps else Hyperparameters.none()
+        self.pushed = []
         self.client = transport.Client(
             ctx.rank + 1,
             self.weights,
-            layout,
+            wire.Layout.of(model, self.hypers.count),
             self.seat.address,
             self.cfg.timeout_s,
             rejoining=start is Start.REPLACEMENT,  # data rank r is rank r + 1
             secret=self.seat.secret,
+            hypers=self.hypers,
         )
+        # the weights, and every worker's samples (a replacement's schedule starts from the run's progress)
         self.version = self.client.pull()
+        self.total = self.client.total
         return model
+
+    def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
+        return self.optimizer  # the one whose groups the HELLO described
 
     def before_training(self, ctx: WorkerContext) -> None:
         self.client.barrier()  # every worker is built: start together (a replacement: at once)
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
-        pass  # the server steps; see after_step
+        """The server steps (see after_step), with this optimiser's settings at this step."""
+        if self.hypers.count:
+            self.pushed = self.hypers.read(optimizer, step.number)
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
-        self.version, self.total, self.stop = self.client.push(grads, self.version, step.samples, buffers)
+        self.version, self.total, self.stop = self.client.push(
+            grads, self.version, step.samples, buffers, self.pushed if self.hypers.count else None
+        )
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)

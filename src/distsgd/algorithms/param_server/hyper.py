@@ -1,0 +1,180 @@
+"""The worker optimiser's hyperparameters that travel with each push, and what the server does with them.
+
+What travels: for each parameter group of the worker's optimiser, in order, those of :data:`KEYS`
+the group has (``lr``; ``momentum`` (SGD, RMSprop); ``betas`` (Adam, AdamW: two values);
+``weight_decay``), as float64: what torch's LR schedulers change (every one changes ``lr``;
+OneCycleLR and CyclicLR cycle ``momentum`` or the first beta), and weight decay, which a user may
+schedule by hand. The optimiser's other settings (eps, nesterov, dampening, amsgrad) are the
+factory's, the same on both ends.
+
+The server builds its optimiser with the same factory on the same model, so its groups correspond
+to the worker's one to one. That is checked once, when a worker connects: its HELLO describes each
+group (:meth:`Hyperparameters.describe`: which keys, how many tensors, which of the model's
+parameters), and the server refuses a worker whose description is not its own. Every push is then
+checked for values the server can step with (finite in the parameters' dtype, as the optimiser's
+kernels take them; lr, momentum and weight decay >= 0; each beta in [0, 1)), on the worker (a
+user's schedule gone wrong: one line) and on the server (a forged push: that connection is dropped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distsgd.errors import ConfigError
+
+KEYS: tuple[tuple[str, int], ...] = (("lr", 1), ("momentum", 1), ("betas", 2), ("weight_decay", 1))
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _has(group: dict[str, Any], key: str, size: int) -> bool:
+    value = group.get(key)
+    if size == 1:
+        return _number(value)
+    return isinstance(value, (tuple, list)) and len(value) == size and all(_number(v) for v in value)
+
+
+def _members(model: torch.nn.Module, group: dict[str, Any]) -> int:
+    """Which of the model's parameters a group holds: a 63-bit digest of their positions in
+    ``model.parameters()`` (-1 for one that is not the model's)."""
+    where = {id(p): i for i, p in enumerate(model.parameters())}
+    positions = torch.tensor([where.get(id(p), -1) for p in group["params"]], dtype=torch.int64)
+    digest = hashlib.blake2b(positions.numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class Group:
+    """One parameter group as a HELLO describes it: which of :data:`KEYS` it has (a bit each, in
+    order), how many tensors it holds, and which (:func:`_members`)."""
+
+    keys: int
+    tensors: int
+    members: int
+
+    def names(self) -> list[str]:
+        return [key for i, (key, _) in enumerate(KEYS) if self.keys >> i & 1]
+
+    def __str__(self) -> str:
+        return f"{', '.join(self.names()) or 'nothing'} over {self.tensors} tensors"
+
+
+class Hyperparameters:
+    """The hyperparameters an optimiser's groups carry in a push: their layout (one :class:`Group`
+    each), read from the worker's optimiser, checked, and set on the server's."""
+
+    def __init__(self, groups: Sequence[Group], dtype: torch.dtype = torch.float32) -> None:
+        self.groups = tuple(groups)
+        self.largest = torch.finfo(dtype).max  # a value past this is inf where the optimiser uses it
+        self.fields = [(g, key, size) for g, group in enumerate(self.groups) for key, size in _fields(group)]
+        self.count = sum(size for _, _, size in self.fields)  # float64 values a push carries
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Hyperparameters:
+        groups = []
+        for group in optimizer.param_groups:
+            keys = sum(1 << i for i, (key, size) in enumerate(KEYS) if _has(group, key, size))
+            groups.append(Group(keys, len(group["params"]), _members(model, group)))
+        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+        return cls(groups, dtype)
+
+    @classmethod
+    def none(cls) -> Hyperparameters:
+        """Nothing travels (async EASGD: the server's optimiser never steps)."""
+        return cls(())
+
+    def describe(self) -> list[tuple[int, int, int]]:
+        """Three int64 a group, as a HELLO carries them."""
+        return [(g.keys, g.tensors, g.members) for g in self.groups]
+
+    @classmethod
+    def described(cls, ints: Sequence[tuple[int, int, int]]) -> Hyperparameters:
+        return cls([Group(*t) for t in ints])
+
+    def mismatch(self, theirs: Hyperparameters) -> str | None:
+        """Why a worker whose optimiser is ``theirs`` cannot push to a server whose is this (None: it can)."""
+        if len(theirs.groups) != len(self.groups):
+            return f"it has {len(theirs.groups)} parameter groups, the server's optimiser {len(self.groups)}"
+        for i, (a, b) in enumerate(zip(theirs.groups, self.groups)):
+            if a.keys != b.keys or a.tensors != b.tensors:
+                return f"its parameter group {i} has {a}, the server's {b}"
+            if a.members != b.members:
+                return f"its parameter group {i} holds other parameters of the model than the server's"
+        return None
+
+    def read(self, optimizer: torch.optim.Optimizer, step: int = 0) -> list[float]:
+        """The values this optimiser's groups hold at ``step``, in order; a ConfigError if its
+        groups are no longer those it had when the worker connected, or a value is one the server
+        refuses."""
+        groups = optimizer.param_groups
+        if len(groups) != len(self.groups) or any(
+            not all(_has(group, key, size) for key, size in _fields(g)) for group, g in zip(groups, self.groups)
+        ):
+            raise ConfigError(
+                f"the optimiser's parameter groups changed after run.setup() ({len(groups)} now, "
+                f"{len(self.groups)} when the worker joined the parameter server): the server's optimiser "
+                f"has the groups the factory made; add parameter groups in the optimizer factory instead"
+            )
+        values: list[float] = []
+        for g, key, size in self.fields:
+            value = groups[g][key]
+            if size == 1:
+                values.append(float(value))
+            else:
+                values.extend(float(v) for v in value)
+        problem = self.invalid(values)
+        if problem is not None:
+            raise ConfigError(f"at step {step}, the optimiser's {problem}: the parameter server cannot step with it")
+        return values
+
+    def invalid(self, values: Sequence[float]) -> str | None:
+        """What is wrong with pushed ``values`` (None: nothing): each finite in the parameters'
+        dtype; lr, momentum and weight decay >= 0; a beta in [0, 1)."""
+        if len(values) != self.count:
+            return f"{len(values)} hyperparameters where the optimiser has {self.count}"
+        at = 0
+        for g, key, size in self.fields:
+            for j in range(size):
+                v = values[at + j]
+                ok = math.isfinite(v) and abs(v) <= self.largest and (0.0 <= v < 1.0 if key == "betas" else v >= 0.0)
+                if not ok:
+                    name = f"betas[{j}]" if key == "betas" else key
+                    bound = "in [0, 1)" if key == "betas" else ">= 0"
+                    return f"{name} of parameter group {g} is {v!r} (it must be finite and {bound})"
+            at += size
+        return None
+
+    def apply(self, optimizer: torch.optim.Optimizer, values: Sequence[float]) -> None:
+        """Set the server's optimiser's groups to ``values`` (checked by :meth:`invalid`). A value
+        the optimiser keeps as a tensor (a tensor lr) is filled in place."""
+        at = 0
+        for g, key, size in self.fields:
+            group = optimizer.param_groups[g]
+            if size == 1:
+                group[key] = _set(group[key], values[at])
+            else:
+                group[key] = type(group[key])(_set(old, v) for old, v in zip(group[key], values[at : at + size]))
+            at += size
+
+
+def _fields(group: Group) -> list[tuple[str, int]]:
+    return [(key, size) for i, (key, size) in enumerate(KEYS) if group.keys >> i & 1]
+
+
+def _set(old: Any, value: float) -> Any:
+    if isinstance(old, torch.Tensor):
+        return old.fill_(value)
+    return value
+
+
+__all__ = ["KEYS", "Group", "Hyperparameters"]
