@@ -223,8 +223,6 @@ FAMILIES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_a_scheduler_to_zero_moves_nothing(algo: str, extra: dict) -> None:
-    if algo == "asgd":
-        pytest.skip("the parameter server takes the worker's lr in its own change")
     result = spawn("scheduler-zero", algo, max_samples=8 * 2 * B, **extra)
     assert result.model is not None and max_diff(weights(result.model), initial()) == 0.0
 

@@ -2,8 +2,8 @@
 momentum, betas, weight decay) the worker's optimiser holds at that step, as a user's LR scheduler
 set them, and the server's optimiser takes them before it steps on that push's gradient.
 
-The loops build their schedulers on ``run.optimizer`` (the torch optimiser inside the one
-``run.setup()`` returns), which LR schedulers accept as it is."""
+The loops build their schedulers on the optimiser ``run.setup()`` returns (the torch optimiser
+itself, its step routed through the algorithm), as a script does."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def lr_to_zero_loop(run: distsgd.Run) -> nn.Module:
     out = Path(os.environ["HYPER_OUT"])
     data = load_dataset("digits")
     model, opt = run.setup()
-    scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: 1.0 if s < K else 0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < K else 0.0)
     torch.save(_flat(model), out / f"start{run.rank}.pt")
     steps = 0
     for x, y in run.loader(TensorDataset(data.x_train, data.y_train)):
@@ -93,18 +93,16 @@ STEPS = 6
 
 
 def recording_loop(run: distsgd.Run) -> nn.Module:
-    """STEPS steps under the scheduler HYPER_SCHEDULE names (built on ``run.optimizer``); each
+    """STEPS steps under the scheduler HYPER_SCHEDULE names (built on ``opt``); each
     worker saves the weights it held before each step and after the last, and the gradient it
     pushed at each."""
     out = Path(os.environ["HYPER_OUT"])
     data = load_dataset("digits")
     model, opt = run.setup()
     if os.environ["HYPER_SCHEDULE"] == "halving":  # lr, lr, lr / 2, lr / 2, lr / 4, lr / 4
-        scheduler: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.StepLR(
-            run.optimizer, step_size=2, gamma=0.5
-        )
+        scheduler: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     else:  # OneCycleLR, cycling the lr and SGD's momentum
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(run.optimizer, max_lr=BASE_LR, total_steps=STEPS)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=BASE_LR, total_steps=STEPS)
     weights, grads = [_flat(model)], []
     for x, y in run.loader(TensorDataset(data.x_train, data.y_train)):
         opt.zero_grad()
@@ -330,7 +328,7 @@ def past_its_end_loop(run: distsgd.Run) -> nn.Module:
     """A linear decay to 0 over 3 steps that goes on past its end: a negative lr at the 5th step."""
     data = load_dataset("digits")
     model, opt = run.setup()
-    scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: 1 - s / 3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 3)
     for x, y in run.loader(TensorDataset(data.x_train, data.y_train)):
         opt.zero_grad()
         run.backward(F.cross_entropy(model(x), y))
