@@ -160,6 +160,91 @@ def part_topologies(samples: int) -> list[dict[str, Any]]:
     return rows
 
 
+def part_graphs(repeats: int, samples: int) -> list[dict[str, Any]]:
+    """--cuda-graphs and Hogwild! as threads on one GPU (issue 45), fp32 batch 128, medians of
+    alternating repeats: single eager and captured; hogwild 2 and 4 workers as threads (each step
+    a CUDA graph on its own stream: the default on one GPU) and 4 as processes; resnet20 on
+    CIFAR-shaped data and mnist_net on Fashion-MNIST-shaped data; then --compile against eager
+    once (its compile time off the clock: compile_s)."""
+    g = torch.Generator().manual_seed(0)
+    small = torch.rand(N, 1, 28, 28, generator=g), torch.randint(0, 10, (N,), generator=g)
+    shapes = {"resnet20": cifar_shaped(), "mnist_net": (small[0], small[1], small[0][:2000], small[1][:2000])}
+    runs = [
+        ("single", 1, {}),
+        ("single", 1, {"cuda_graphs": True}),
+        ("hogwild", 2, {}),
+        ("hogwild", 4, {}),
+        ("hogwild", 4, {"hogwild_threads": "off"}),
+    ]
+    rows = []
+    for model, data in shapes.items():
+        got: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+        notes: dict[int, dict[str, Any]] = {}
+        for _ in range(repeats):
+            for i, (algo, workers, extra) in enumerate(runs):
+                try:
+                    s = distsgd.train(
+                        model=model,
+                        data=data,
+                        algo=algo,
+                        workers=workers,
+                        batch_size=128,
+                        max_samples=samples,
+                        lr=0.01,
+                        momentum=0.5,
+                        device="cuda",
+                        quiet=True,
+                        **extra,
+                    ).summary
+                except Exception as exc:  # noqa: BLE001 - a row that failed says why
+                    notes[i] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    continue
+                got[i].append(s["samples_per_s"])
+                notes[i] = {
+                    k: s.get(k) for k in ("cuda_graphs", "graph_replays", "cuda_graphs_failed", "hogwild_threads")
+                }
+        base = median(got[0]) if got[0] else float("nan")
+        for i, (algo, workers, extra) in enumerate(runs):
+            rate = median(got[i]) if got[i] else float("nan")
+            rows.append(
+                {
+                    "model": model,
+                    "algo": algo,
+                    "workers": workers,
+                    **extra,
+                    "samples_per_s": rate,
+                    "vs_single": rate / base,
+                    "all": got[i],
+                    **notes.get(i, {}),
+                }
+            )
+            print(rows[-1], flush=True)
+    for compile_ in (False, True):
+        s = distsgd.train(
+            model="resnet20",
+            data=shapes["resnet20"],
+            algo="single",
+            batch_size=128,
+            max_samples=2 * samples,
+            lr=0.01,
+            momentum=0.5,
+            device="cuda",
+            quiet=True,
+            compile=compile_,
+        ).summary
+        rows.append(
+            {
+                "model": "resnet20",
+                "algo": "single",
+                "compile": compile_,
+                "samples_per_s": s["samples_per_s"],
+                "compile_s": s.get("compile_s"),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def part_precision() -> list[dict[str, Any]]:
     rows = []
     for precision in ("fp32", "bf16"):
@@ -371,7 +456,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=25_600, help="samples per throughput measurement")
-    ap.add_argument("--parts", default="bare,topologies,precision,scale,tf32")
+    ap.add_argument("--parts", default="bare,topologies,graphs,precision,scale,tf32")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -395,6 +480,7 @@ def main() -> None:
     parts = args.parts.split(",")
     result["single_vs_bare"] = part_single_vs_bare(args.repeats, args.samples) if "bare" in parts else []
     result["topologies"] = part_topologies(args.samples) if "topologies" in parts else []
+    result["graphs"] = part_graphs(args.repeats, args.samples) if "graphs" in parts else []
     result["precision"] = part_precision() if "precision" in parts else []
     result["scale"] = part_scale(out) if "scale" in parts else []
     result["tf32"] = part_tf32(args.repeats, args.samples, out) if "tf32" in parts else {}
