@@ -164,8 +164,7 @@ def part_graphs(repeats: int, samples: int) -> list[dict[str, Any]]:
     """--cuda-graphs and Hogwild! as threads on one GPU (issue 45), fp32 batch 128, medians of
     alternating repeats: single eager and captured; hogwild 2 and 4 workers as threads (each step
     a CUDA graph on its own stream: the default on one GPU) and 4 as processes; resnet20 on
-    CIFAR-shaped data and mnist_net on Fashion-MNIST-shaped data; then --compile against eager
-    once (its compile time off the clock: compile_s)."""
+    CIFAR-shaped data and mnist_net on Fashion-MNIST-shaped data."""
     g = torch.Generator().manual_seed(0)
     small = torch.rand(N, 1, 28, 28, generator=g), torch.randint(0, 10, (N,), generator=g)
     shapes = {"resnet20": cifar_shaped(), "mnist_net": (small[0], small[1], small[0][:2000], small[1][:2000])}
@@ -219,10 +218,16 @@ def part_graphs(repeats: int, samples: int) -> list[dict[str, Any]]:
                 }
             )
             print(rows[-1], flush=True)
+    return rows
+
+
+def part_compile(samples: int) -> list[dict[str, Any]]:
+    """--compile against eager (single, resnet20, batch 128): samples/s, its compile time off the clock."""
+    rows = []
     for compile_ in (False, True):
         s = distsgd.train(
             model="resnet20",
-            data=shapes["resnet20"],
+            data=cifar_shaped(),
             algo="single",
             batch_size=128,
             max_samples=2 * samples,
@@ -456,7 +461,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=25_600, help="samples per throughput measurement")
-    ap.add_argument("--parts", default="bare,topologies,graphs,precision,scale,tf32")
+    ap.add_argument("--parts", default="bare,topologies,graphs,compile,precision,scale,tf32")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -481,6 +486,7 @@ def main() -> None:
     result["single_vs_bare"] = part_single_vs_bare(args.repeats, args.samples) if "bare" in parts else []
     result["topologies"] = part_topologies(args.samples) if "topologies" in parts else []
     result["graphs"] = part_graphs(args.repeats, args.samples) if "graphs" in parts else []
+    result["compile"] = part_compile(args.samples) if "compile" in parts else []
     result["precision"] = part_precision() if "precision" in parts else []
     result["scale"] = part_scale(out) if "scale" in parts else []
     result["tf32"] = part_tf32(args.repeats, args.samples, out) if "tf32" in parts else {}

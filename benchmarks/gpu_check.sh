@@ -36,7 +36,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 
 step tests 150 python -m pytest -q -m gpu -n 4 -p no:cacheprovider
 step probe 120 python benchmarks/gpu_probe.py --out "$out"
-step gpu_py 300 python benchmarks/gpu.py --parts bare,topologies,graphs --repeats 2 --samples 12800 --out "$out/gpu"
+step gpu_py 300 python benchmarks/gpu.py --parts bare,topologies,graphs,compile --repeats 2 --samples 12800 --out "$out/gpu"
 step example_allreduce 60 python examples/plain_loop.py
 step example_hogwild 60 python examples/plain_loop.py --algo hogwild
 step habits 300 python benchmarks/habits.py --habits bf16,clip,scheduler --algos allreduce,hogwild,asgd

@@ -89,4 +89,4 @@ def test_hogwild_threads_train_one_model_in_one_process() -> None:
     processes = distsgd.train(algo="hogwild", workers=2, hogwild_threads="off", **COMMON).summary
     assert threads["hogwild_threads"] is True and processes["hogwild_threads"] is False
     assert threads["samples_per_worker"] == processes["samples_per_worker"]
-    assert abs(threads["final_test_accuracy"] - processes["final_test_accuracy"]) < 0.05
+    assert abs(threads["final_test_accuracy"] - processes["final_test_accuracy"]) < 0.1

@@ -128,9 +128,12 @@ def float32_exact() -> Iterator[None]:
 
 
 def synchronizer(device: torch.device) -> Callable[[], None] | None:
-    """What a clock calls before it is read, so it counts the work queued on the device."""
+    """What a clock (or a lock) calls so that it counts the work this worker queued on the device:
+    its current stream, done (what a collective or a copy on another stream leaves there is waited
+    for on it). Not the whole device: Hogwild!'s threads share one GPU, and a device-wide wait from
+    one of them while another captures a CUDA graph would break that capture."""
     if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
+        return lambda: torch.cuda.current_stream(device).synchronize()
     return None
 
 

@@ -36,7 +36,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARMUP = 3  # eager full-batch steps before the capture (PyTorch's examples take 3)
-_CAPTURING = threading.Lock()
+# Held round every step of a worker with --cuda-graphs (a replay is one launch; an eager step, during
+# warm-up or on a partial batch, is rare) and round a capture: Hogwild!'s threads never run GPU work
+# while one of them captures. On an H200, 4 threads capturing beside the others' steps failed
+# ("operation failed due to a previous error during capture"), and a capture that fails leaves the
+# CUDA generator marked as capturing: every later dropout in the process then raised.
+_GPU = threading.RLock()
 
 
 class GraphedSteps:
@@ -58,24 +63,26 @@ class GraphedSteps:
         key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
         if self.shape is None:
             self.shape = key
-        if self.failed is not None or key != self.shape:
-            eager()
-            return
-        if self.graph is None and self.warm < WARMUP:
-            with self._side_stream():
-                eager()
-            self.warm += 1
-            return
-        if self.graph is None:
-            try:
-                self._capture(x, y)
-            except Exception as exc:  # noqa: BLE001 - any capture failure: say so once, train eagerly
-                self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                log.warning("--cuda-graphs: the step could not be captured (%s); training eagerly", self.failed)
-                self.graph = None
+        with _GPU:
+            if self.failed is not None or key != self.shape:
                 eager()
                 return
-        self._replay(x, y)
+            if self.graph is None and self.warm < WARMUP:
+                with self._side_stream():
+                    eager()
+                self.warm += 1
+                return
+            if self.graph is None:
+                try:
+                    self._capture(x, y)
+                except Exception as exc:  # noqa: BLE001 - any capture failure: say so once, train eagerly
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    self.failed = f"{type(exc).__name__}: {first}"
+                    log.warning("--cuda-graphs: the step could not be captured (%s); training eagerly", self.failed)
+                    self.graph = None
+                    eager()
+                    return
+            self._replay(x, y)
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
@@ -89,8 +96,7 @@ class GraphedSteps:
 
     def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.static = (x.clone(), y.clone())
-        # one capture at a time in the process (Hogwild! threads each capture their own step)
-        with _CAPTURING, self._side_stream():
+        with self._side_stream():
             self.graph = device.capture_step(self._device_step, self.stream)
 
     def _device_step(self) -> None:
