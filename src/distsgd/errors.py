@@ -79,3 +79,26 @@ def on_sigterm() -> Callable[[], None]:
 class WorkerInputError(WorkerError):
     """A worker stopped on a user's mistake it found (an unreadable image, a bad sample): no
     restart (``--restart-workers``) can mend it."""
+
+
+# What a worker says when a peer, not itself, went wrong.
+PEER_SYMPTOMS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Socket closed",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "NCCL communicator was aborted",
+)
+
+
+def peer_symptom(text: str) -> bool:
+    """``text`` (an error) is what a worker says when a peer, not itself, went wrong."""
+    return any(s in text for s in PEER_SYMPTOMS)
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -33,7 +33,16 @@ import torch
 import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, DistsgdError, Terminated, WorkerError, WorkerInputError, on_sigterm
+from distsgd.errors import (
+    ConfigError,
+    DistsgdError,
+    Terminated,
+    WorkerError,
+    WorkerInputError,
+    error_text,
+    on_sigterm,
+    peer_symptom,
+)
 from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Job, WorkerResult
@@ -289,11 +298,6 @@ class QueueSink:
         self.q.put(("event", self.rank, event))
 
 
-def error_text(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def pack(result: WorkerResult) -> dict[str, Any]:
     """A WorkerResult as plain data; the model travels as torch.save bytes."""
     state = None
@@ -453,23 +457,6 @@ def _main_only_if_readable() -> Iterator[None]:
         yield
     finally:
         main.__file__ = path
-
-
-# What a worker says when a peer, not itself, went wrong.
-_PEER_SYMPTOMS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Socket closed",
-    "Broken pipe",
-    "Timed out",
-    "timed out",
-    "NCCL communicator was aborted",
-)
-
-
-def peer_symptom(text: str) -> bool:
-    """``text`` (an error) is what a worker says when a peer, not itself, went wrong."""
-    return any(s in text for s in _PEER_SYMPTOMS)
 
 
 class Supervisor:
