@@ -7,6 +7,7 @@ exits with status 2; Python users catch it like any exception.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 
@@ -81,6 +82,13 @@ class WorkerInputError(WorkerError):
     restart (``--restart-workers``) can mend it."""
 
 
+class LoopError(WorkerInputError):
+    """A worker's own loop (``main(run)``, :func:`distsgd.spawn`) failed: it raised, or it took no
+    step for ``--timeout`` seconds. The user's code to mend, so it stops the run under every
+    algorithm, with no restart (a worker process that dies is a fault the asynchronous algorithms
+    survive; this is not). The message names the worker and the line of the user's code."""
+
+
 # What a worker says when a peer, not itself, went wrong.
 PEER_SYMPTOMS = (
     "Connection reset by peer",
@@ -102,3 +110,86 @@ def error_text(exc: BaseException) -> str:
     """An exception in one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+Stack = list[tuple[str, int]]  # (file, line) of each frame, outermost first
+
+
+class _Code:
+    """Whose code a frame is in: the user's; distsgd's at a sync point (its algorithms and
+    launchers, and torch.distributed: where a worker waits for its peers or talks to them);
+    distsgd's elsewhere; or a library's (torch, the standard library, installed packages)."""
+
+    USER, SYNC, OURS, LIBRARY = "user", "sync", "distsgd", "library"
+
+    def __init__(self) -> None:
+        import os
+        import sysconfig
+
+        sep = os.sep
+        self.ours = os.path.dirname(os.path.abspath(__file__)) + sep
+        torch = sys.modules.get("torch")
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + sep if torch and torch.__file__ else None
+        sync = [self.ours + "algorithms" + sep, self.ours + "launch" + sep]
+        if torch_dir:
+            sync.append(torch_dir + "distributed" + sep)
+        paths = sysconfig.get_paths()
+        libraries = {
+            os.path.abspath(paths[k]) + sep for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths
+        }
+        libraries |= {
+            os.path.abspath(p) + sep for p in sys.path if p.rstrip(sep).endswith(("site-packages", "dist-packages"))
+        }
+        if torch_dir:
+            libraries.add(torch_dir)
+        self.sync, self.libraries = tuple(sync), tuple(sorted(libraries))
+
+    def zone(self, filename: str) -> str:
+        import os
+
+        if filename.startswith("<frozen"):  # importlib's
+            return self.LIBRARY
+        path = filename if filename.startswith("<") else os.path.abspath(filename)
+        if path.startswith(self.sync):
+            return self.SYNC
+        if path.startswith(self.ours):
+            return self.OURS
+        return self.LIBRARY if path.startswith(self.libraries) else self.USER
+
+    def inner(self, stack: Stack) -> str | None:
+        """The zone of the innermost frame that is not a library's."""
+        return next((z for z in (self.zone(name) for name, _ in reversed(stack)) if z != self.LIBRARY), None)
+
+    def user_place(self, stack: Stack) -> str | None:
+        """``file:line`` of the innermost frame in the user's code (the file relative to the working
+        directory when it lies under it)."""
+        import os
+
+        for filename, line in reversed(stack):
+            if self.zone(filename) == self.USER:
+                if not filename.startswith("<"):
+                    path, here = os.path.abspath(filename), os.getcwd() + os.sep
+                    filename = path[len(here) :] if path.startswith(here) else path
+                return f"{filename}:{line}"
+        return None
+
+
+def loop_failure(exc: Exception, worker: str) -> LoopError | None:
+    """What ``exc``, raised out of a user's ``main(run)`` in ``worker``, means: a :class:`LoopError`
+    naming the worker and the innermost line of the user's code in its traceback; None when it is
+    not the loop's failure but the symptom of a fault elsewhere (raised where the worker waits for
+    its peers or talks to them, or a library's "connection reset": the launcher blames the worker
+    that failed), or distsgd's own one-line refusal of a call (:class:`DistsgdError`, raised as it is)."""
+    if isinstance(exc, DistsgdError):
+        return None
+    import traceback
+
+    code = _Code()
+    stack = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
+    if code.inner(stack) == code.SYNC:
+        return None
+    if stack and code.zone(stack[-1][0]) != code.USER and peer_symptom(str(exc)):  # gloo's or NCCL's words
+        return None
+    # no frame of the user's (their code installed as a package): main's own, the one run_own_loop called
+    where = code.user_place(stack) or (f"{stack[1][0]}:{stack[1][1]}" if len(stack) > 1 else "?")
+    return LoopError(f"{worker} failed in main ({where}): {error_text(exc)}")

@@ -36,7 +36,7 @@ from torch import nn
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
-from distsgd.errors import ConfigError
+from distsgd.errors import ConfigError, loop_failure
 from distsgd.metrics import TrainClock
 from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
@@ -609,11 +609,20 @@ class Optimizer:
 
 def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
     """Call the user's ``main(run)`` in this worker (``replacement``: in place of one that died)
-    and return what it measured."""
+    and return what it measured. An exception of the user's code is raised as a
+    :class:`~distsgd.errors.LoopError` naming this worker and the line: it ends the run under
+    every algorithm."""
     run = Run(ctx, algo, replacement)
     main = ctx.job.main
     assert main is not None, "run_worker calls this for a user's loop only"
-    returned = main(run)
+    worker = f"worker {ctx.rank}"
+    try:
+        returned = main(run)
+    except Exception as exc:
+        failure = loop_failure(exc, worker)
+        if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
+            raise
+        raise failure from exc
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run.result(returned)
