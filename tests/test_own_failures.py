@@ -1,6 +1,7 @@
-"""A user's own loop (``distsgd.spawn``) that fails in one worker: an exception of its code ends
-the run under every topology with one error naming the worker and the line of the user's code; a
-worker process that dies stays a fault the asynchronous algorithms survive.
+"""A user's own loop (``distsgd.spawn``) that fails in one worker: an exception of its code, or a
+loop that stops making progress, ends the run under every topology with one error naming the
+worker and the line of the user's code; a worker process that dies stays a fault the asynchronous
+algorithms survive.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distsgd
-from distsgd.errors import LoopError, loop_failure
+from distsgd.errors import LoopError, loop_failure, stall_watch
 
 HERE = Path(__file__).name
 
@@ -98,6 +99,18 @@ def test_an_exception_in_one_workers_loop_ends_the_run_naming_it_and_the_line(al
         spawn(algo, "raise", victim)
     message = str(raised.value)
     assert message == f"worker {victim} failed in main (tests/{HERE}:{line_of('raises')}): ValueError: bad batch"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo, victim", [*FAMILIES, ("sync-ps", 1), ("ddp", 1)])
+def test_a_loop_that_stops_in_one_worker_ends_the_run_naming_it(algo: str, victim: int) -> None:
+    """Its process alive (its parameter-server client still sends heartbeats): after --timeout
+    without a step it fails where it stopped, and the peer waiting for it is not blamed."""
+    with pytest.raises(LoopError) as raised:
+        spawn(algo, "hang", victim, timeout_s=5)
+    message = str(raised.value)
+    assert message == f"worker {victim} made no progress for 5 s (--timeout), in main (tests/{HERE}:{line_of('hangs')})"
 
 
 @pytest.mark.slow
@@ -198,3 +211,22 @@ def test_symptoms_of_a_fault_elsewhere_are_not_the_loops() -> None:
         raise RuntimeError("Connection reset by peer")
 
     assert isinstance(loop_failure(_raised(says_reset), "worker 0"), LoopError)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_loop_is_interrupted_where_it_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(LoopError, match=rf"worker 0 made no progress for 0.5 s \(--timeout\), in main \(tests/{HERE}:"):
+        with stall_watch("worker 0", lambda: 0, 0.5):
+            time.sleep(30)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_loop_that_is_not_training_or_makes_progress_is_left_alone() -> None:
+    with stall_watch("worker 0", lambda: None, 0.2):  # before run.setup(), after run.final_model()
+        time.sleep(1)
+    steps = iter(range(1000))
+    with stall_watch("worker 0", lambda: next(steps), 0.2):
+        time.sleep(1)
+    assert signal.getsignal(signal.SIGRTMAX) is signal.SIG_DFL  # put back

@@ -467,6 +467,11 @@ def _main_only_if_readable() -> Iterator[None]:
         main.__file__ = path
 
 
+# After a collective timed out in a user's loop, how long the launcher waits for the worker whose
+# loop stopped to say so (its own watch fires at about the same time: see errors.stall_watch).
+LOOP_GRACE_S = 3.0
+
+
 class Supervisor:
     """Watches worker processes through their pipes: files each one's result, the first error it
     said and its events (to ``on_event``), and notices a process that ended without a result.
@@ -551,12 +556,21 @@ class Supervisor:
         When one worker dies, its peers soon fail too, with "connection reset" errors that may
         arrive first. So: listen a moment longer, then blame, in order, a worker that died without
         saying why (killed), a worker whose own loop failed (:meth:`fatal_error`), a worker whose
-        error is not a peer symptom, and the first error heard.
+        error is not a peer symptom, and the first error heard. In a user's loop a collective that
+        timed out is a peer symptom too: the worker whose loop stopped says so itself, a moment
+        later (see ``errors.stall_watch``), so then it listens up to :data:`LOOP_GRACE_S` longer.
         """
         self.drain(1.0)
-        silent = sorted(r for r in self.ended - set(self.said) if self.procs[r].exitcode != 0)
-        causes = [r for r, text in self.said.items() if not peer_symptom(text)]
-        rank = (silent or self.fatal or causes or list(self.said) or sorted(self.failed()))[0]
+
+        def silent() -> list[int]:
+            return sorted(r for r in self.ended - set(self.said) if self.procs[r].exitcode != 0)
+
+        def causes() -> list[int]:
+            return [r for r, text in self.said.items() if not peer_symptom(text)]
+
+        if self.own and not (silent() or causes()):
+            self.drain_until(lambda: bool(self.fatal or silent()), LOOP_GRACE_S)
+        rank = (silent() or self.fatal or causes() or list(self.said) or sorted(self.failed()))[0]
         return self._error(rank, name)
 
     def fatal_error(self, name: Callable[[int], str] = lambda rank: f"worker {rank}") -> WorkerError | None:
