@@ -7,7 +7,10 @@ exits with status 2; Python users catch it like any exception.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 
 class DistsgdError(Exception):
@@ -79,3 +82,183 @@ def on_sigterm() -> Callable[[], None]:
 class WorkerInputError(WorkerError):
     """A worker stopped on a user's mistake it found (an unreadable image, a bad sample): no
     restart (``--restart-workers``) can mend it."""
+
+
+class LoopError(WorkerInputError):
+    """A worker's own loop (``main(run)``, :func:`distsgd.spawn`) failed: it raised, or it took no
+    step for ``--timeout`` seconds. The user's code to mend, so it stops the run under every
+    algorithm, with no restart (a worker process that dies is a fault the asynchronous algorithms
+    survive; this is not). The message names the worker and the line of the user's code."""
+
+
+# What a worker says when a peer, not itself, went wrong.
+PEER_SYMPTOMS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Socket closed",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "NCCL communicator was aborted",
+)
+
+
+def peer_symptom(text: str) -> bool:
+    """``text`` (an error) is what a worker says when a peer, not itself, went wrong."""
+    return any(s in text for s in PEER_SYMPTOMS)
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+Stack = list[tuple[str, int]]  # (file, line) of each frame, outermost first
+
+
+class _Code:
+    """Whose code a frame is in: the user's; distsgd's at a sync point (its algorithms and
+    launchers, and torch.distributed: where a worker waits for its peers or talks to them);
+    distsgd's elsewhere; or a library's (torch, the standard library, installed packages).
+    ``watch``: for :func:`stall_watch`, a backward pass (DDP all-reduces inside it) and
+    torch.compile compiling count as sync points too: the watch leaves them alone."""
+
+    USER, SYNC, OURS, LIBRARY = "user", "sync", "distsgd", "library"
+
+    def __init__(self, watch: bool = False) -> None:
+        import os
+        import sysconfig
+
+        sep = os.sep
+        self.ours = os.path.dirname(os.path.abspath(__file__)) + sep
+        torch = sys.modules.get("torch")
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + sep if torch and torch.__file__ else None
+        sync = [self.ours + "algorithms" + sep, self.ours + "launch" + sep]
+        if torch_dir:
+            parts = ["distributed"] + (["autograd", "_dynamo", "_inductor"] if watch else [])
+            sync += [torch_dir + part + sep for part in parts]
+        paths = sysconfig.get_paths()
+        libraries = {
+            os.path.abspath(paths[k]) + sep for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths
+        }
+        libraries |= {
+            os.path.abspath(p) + sep for p in sys.path if p.rstrip(sep).endswith(("site-packages", "dist-packages"))
+        }
+        if torch_dir:
+            libraries.add(torch_dir)
+        self.sync, self.libraries = tuple(sync), tuple(sorted(libraries))
+
+    def zone(self, filename: str) -> str:
+        import os
+
+        if filename.startswith("<frozen"):  # importlib's
+            return self.LIBRARY
+        path = filename if filename.startswith("<") else os.path.abspath(filename)
+        if path.startswith(self.sync):
+            return self.SYNC
+        if path.startswith(self.ours):
+            return self.OURS
+        return self.LIBRARY if path.startswith(self.libraries) else self.USER
+
+    def inner(self, stack: Stack) -> str | None:
+        """The zone of the innermost frame that is not a library's."""
+        return next((z for z in (self.zone(name) for name, _ in reversed(stack)) if z != self.LIBRARY), None)
+
+    def user_place(self, stack: Stack) -> str | None:
+        """``file:line`` of the innermost frame in the user's code (the file relative to the working
+        directory when it lies under it)."""
+        import os
+
+        for filename, line in reversed(stack):
+            if self.zone(filename) == self.USER:
+                if not filename.startswith("<"):
+                    path, here = os.path.abspath(filename), os.getcwd() + os.sep
+                    filename = path[len(here) :] if path.startswith(here) else path
+                return f"{filename}:{line}"
+        return None
+
+
+def loop_failure(exc: Exception, worker: str) -> LoopError | None:
+    """What ``exc``, raised out of a user's ``main(run)`` in ``worker``, means: a :class:`LoopError`
+    naming the worker and the innermost line of the user's code in its traceback; None when it is
+    not the loop's failure but the symptom of a fault elsewhere (raised where the worker waits for
+    its peers or talks to them, or a library's "connection reset": the launcher blames the worker
+    that failed), or distsgd's own one-line refusal of a call (:class:`DistsgdError`, raised as it is)."""
+    if isinstance(exc, DistsgdError):
+        return None
+    import traceback
+
+    code = _Code()
+    stack = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
+    if code.inner(stack) == code.SYNC:
+        return None
+    if stack and code.zone(stack[-1][0]) != code.USER and peer_symptom(str(exc)):  # gloo's or NCCL's words
+        return None
+    # no frame of the user's (their code installed as a package): main's own, the one run_own_loop called
+    where = code.user_place(stack) or (f"{stack[1][0]}:{stack[1][1]}" if len(stack) > 1 else "?")
+    return LoopError(f"{worker} failed in main ({where}): {error_text(exc)}")
+
+
+@contextlib.contextmanager
+def stall_watch(worker: str, progress: Callable[[], object], timeout_s: float) -> Iterator[None]:
+    """While the body (a user's ``main(run)``) runs in this process's main thread: once
+    ``progress()`` has kept one value for ``timeout_s`` seconds (None: the loop is not training,
+    and is not watched) while the main thread is in the user's code, the main thread raises a
+    :class:`LoopError` where it is, naming ``worker`` and that line. A worker that waits at one of
+    distsgd's sync points (a collective, its parameter server, the Hogwild! start) is left alone:
+    the peer that stopped is the one to name, and that wait has its own deadline. Nothing is
+    watched off the main thread, or where the signal the watch interrupts with is taken."""
+    import signal
+    import threading
+    import time
+
+    sig = getattr(signal, "SIGRTMAX", None)  # a real signal: it interrupts a sleep or a blocking read
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(sig)
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+    code, main_thread = _Code(watch=True), threading.get_ident()
+    done, armed = threading.Event(), threading.Event()
+
+    def stuck_at(frame: FrameType | None) -> str | None:
+        """The line of the user's code the main thread is at, if it is in the user's code."""
+        stack: Stack = []
+        while frame is not None:
+            stack.append((frame.f_code.co_filename, frame.f_lineno))
+            frame = frame.f_back
+        stack.reverse()
+        return code.user_place(stack) if code.inner(stack) == code.USER else None
+
+    def interrupted(signum: int, frame: FrameType | None) -> None:
+        if done.is_set() or not armed.is_set():
+            return
+        armed.clear()
+        where = stuck_at(frame)
+        if where is not None:  # else it has moved on into distsgd meanwhile: the watch goes on
+            raise LoopError(f"{worker} made no progress for {timeout_s:g} s (--timeout), in main ({where})")
+
+    def watch() -> None:
+        last, since = progress(), time.monotonic()
+        while not done.wait(min(timeout_s / 8, 0.25)):
+            now, value = time.monotonic(), progress()
+            if value is None or value != last:
+                last, since = value, now
+            elif now - since >= timeout_s and not armed.is_set():
+                frame = sys._current_frames().get(main_thread)
+                if frame is not None and stuck_at(frame) is not None:
+                    armed.set()
+                    signal.pthread_kill(main_thread, sig)
+
+    signal.signal(sig, interrupted)
+    watcher = threading.Thread(target=watch, name="distsgd-loop-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        signal.signal(sig, previous)  # after the watcher's last signal: it finds done set

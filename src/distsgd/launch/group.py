@@ -96,7 +96,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
         [("worker", r) for r in range(world)],
         lambda r, out, _: (r, world, job, algo_cls, init_method, out),
     ) as team:
-        sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
+        sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
         while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker
             sup.poll(0.2)
             if sup.failed():

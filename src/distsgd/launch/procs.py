@@ -34,7 +34,17 @@ import torch
 import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, DistsgdError, Terminated, WorkerError, WorkerInputError, on_sigterm
+from distsgd.errors import (
+    ConfigError,
+    DistsgdError,
+    LoopError,
+    Terminated,
+    WorkerError,
+    WorkerInputError,
+    error_text,
+    on_sigterm,
+    peer_symptom,
+)
 from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Job, WorkerResult
@@ -305,11 +315,6 @@ class QueueSink:
         self.q.put(("event", self.rank, event))
 
 
-def error_text(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def pack(result: WorkerResult) -> dict[str, Any]:
     """A WorkerResult as plain data; the model travels as torch.save bytes."""
     state = None
@@ -334,12 +339,19 @@ def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
 
 def report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
     """Run a worker's body; send its result, or its error in one line, to the launcher (a user's
-    mistake found in the worker, such as an unreadable image, as ``user-error``)."""
+    mistake found in the worker, such as an unreadable image, as ``user-error``; a user's own loop
+    that failed, as ``fatal``: a whole line that names the worker)."""
     try:
         q.put(("result", rank, pack(body())))
     except KeyboardInterrupt:
         q.put(("error", rank, "interrupted"))
         raise SystemExit(130) from None
+    except LoopError as exc:
+        q.put(("fatal", rank, str(exc).strip().splitlines()[0]))
+        # The launcher stops the run now. Gone before then, this worker would be a departure its
+        # peers and its server report as a fault of their own ("connection reset", "worker gone").
+        time.sleep(STOP_GRACE_S)
+        raise SystemExit(1) from None
     except DistsgdError as exc:
         q.put(("user-error", rank, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         raise SystemExit(1) from None
@@ -545,33 +557,30 @@ def _main_only_if_readable() -> Iterator[None]:
         main.__file__ = path
 
 
-# What a worker says when a peer, not itself, went wrong.
-_PEER_SYMPTOMS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Socket closed",
-    "Broken pipe",
-    "Timed out",
-    "timed out",
-    "NCCL communicator was aborted",
-)
-
-
-def peer_symptom(text: str) -> bool:
-    """``text`` (an error) is what a worker says when a peer, not itself, went wrong."""
-    return any(s in text for s in _PEER_SYMPTOMS)
+# After a collective timed out in a user's loop, how long the launcher waits for the worker whose
+# loop stopped to say so (its own watch fires at about the same time: see errors.stall_watch).
+LOOP_GRACE_S = 3.0
 
 
 class Supervisor:
     """Watches worker processes through their pipes: files each one's result, the first error it
-    said and its events (to ``on_event``), and notices a process that ended without a result."""
+    said and its events (to ``on_event``), and notices a process that ended without a result.
 
-    def __init__(self, procs: list[BaseProcess], inbox: Inbox, on_event: Callable[[dict[str, Any]], None]) -> None:
-        self.procs, self.inbox, self.on_event = procs, inbox, on_event
+    ``own``: the workers run a user's own loop (``distsgd.spawn``), where an error that is the
+    user's to fix (a ``fatal`` failure of the loop, or a ``user-error``: a call distsgd refused)
+    ends the run under every algorithm (:meth:`fatal_error`); a process that dies, or a worker that
+    lost its peers, is a fault as in distsgd's loop."""
+
+    def __init__(
+        self, procs: list[BaseProcess], inbox: Inbox, on_event: Callable[[dict[str, Any]], None], own: bool = False
+    ) -> None:
+        self.procs, self.inbox, self.on_event, self.own = procs, inbox, on_event, own
         self.results: dict[int, dict[str, Any]] = {}
         self.said: dict[int, str] = {}  # each worker's first error, in its own words
         self.users: set[int] = set()  # workers whose error was the user's to fix (bad data, ...)
         self.ended: set[int] = set()  # processes gone without a result
+        self.fatal: list[int] = []  # workers whose failure ends the run under any algorithm, in the order heard
+        self.whole: set[int] = set()  # workers whose error is a whole line that names them (a LoopError's)
 
     def poll(self, timeout: float) -> tuple[str, int, Any] | None:
         """File the next message, if one comes within ``timeout``. A process that exited non-zero
@@ -595,9 +604,13 @@ class Supervisor:
         """Take note of one message from worker ``rank``."""
         if kind == "result":
             self.results[rank] = body
-        elif kind in ("error", "user-error"):
-            if rank not in self.said and kind == "user-error":
+        elif kind in ("error", "user-error", "fatal"):
+            if rank not in self.said and kind != "error":
                 self.users.add(rank)
+                if kind == "fatal" or self.own:
+                    self.fatal.append(rank)
+                if kind == "fatal":
+                    self.whole.add(rank)
             self.said.setdefault(rank, body)
         elif kind == "event":
             self.on_event(body)
@@ -610,6 +623,9 @@ class Supervisor:
         self.said.pop(rank, None)
         self.users.discard(rank)
         self.ended.discard(rank)
+        self.whole.discard(rank)
+        if rank in self.fatal:
+            self.fatal.remove(rank)
 
     def reason(self, rank: int) -> str:
         return self.said.get(rank) or describe_exit(self.procs[rank].exitcode)
@@ -629,12 +645,33 @@ class Supervisor:
 
         When one worker dies, its peers soon fail too, with "connection reset" errors that may
         arrive first. So: listen a moment longer, then blame, in order, a worker that died without
-        saying why (killed), a worker whose error is not a peer symptom, and the first error heard.
+        saying why (killed), a worker whose own loop failed (:meth:`fatal_error`), a worker whose
+        error is not a peer symptom, and the first error heard. In a user's loop a collective that
+        timed out is a peer symptom too: the worker whose loop stopped says so itself, a moment
+        later (see ``errors.stall_watch``), so then it listens up to :data:`LOOP_GRACE_S` longer.
         """
         self.drain(1.0)
-        silent = sorted(r for r in self.ended - set(self.said) if self.procs[r].exitcode != 0)
-        causes = [r for r, text in self.said.items() if not peer_symptom(text)]
-        rank = (silent or causes or list(self.said) or sorted(self.failed()))[0]
+
+        def silent() -> list[int]:
+            return sorted(r for r in self.ended - set(self.said) if self.procs[r].exitcode != 0)
+
+        def causes() -> list[int]:
+            return [r for r, text in self.said.items() if not peer_symptom(text)]
+
+        if self.own and not (silent() or causes()):
+            self.drain_until(lambda: bool(self.fatal or silent()), LOOP_GRACE_S)
+        rank = (silent() or self.fatal or causes() or list(self.said) or sorted(self.failed()))[0]
+        return self._error(rank, name)
+
+    def fatal_error(self, name: Callable[[int], str] = lambda rank: f"worker {rank}") -> WorkerError | None:
+        """The error that ends the run whatever the algorithm survives (a user's own loop failed in
+        a worker: it raised, stopped, or distsgd refused one of its calls), if there is one: the
+        first heard."""
+        return self._error(self.fatal[0], name) if self.fatal else None
+
+    def _error(self, rank: int, name: Callable[[int], str]) -> WorkerError:
+        if rank in self.whole:  # the worker named itself, and the line of the user's code
+            return LoopError(self.said[rank])
         error = WorkerInputError if rank in self.users else WorkerError
         return error(f"{name(rank)} failed: {self.reason(rank)}")
 

@@ -127,6 +127,19 @@ def _entry(
     procs.report(q, rank, body)
 
 
+def _name(rank: int) -> str:
+    """Process ``rank`` of a local run as the user knows it: the server, or its worker (data rank)."""
+    return "the parameter server" if rank == 0 else f"worker {rank - 1}"
+
+
+def _stop_if_fatal(sup: procs.Supervisor) -> None:
+    """A user's loop that failed in a worker (not a process that died: the server carries on
+    without that) ends the run."""
+    fatal = sup.fatal_error(_name)
+    if fatal is not None:
+        raise fatal
+
+
 def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     """One server process and ``cfg.workers`` worker processes on this machine. A worker that
     dies is dropped by the server (its connection closes) and, with ``--restart-workers``,
@@ -149,21 +162,22 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
     with procs.spawned(
         cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, seat, given_up, out, again)
     ) as team:
-        sup = procs.Supervisor(team.procs, team.inbox, sink.emit)
+        sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
         gone: set[int] = set()  # failed workers the run carries on without
         while 0 not in sup.results:
             sup.poll(0.05)
+            _stop_if_fatal(sup)
             failed = sup.failed()
             if 0 not in failed:
                 for rank in sorted(failed - gone):
                     if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
-                        cause = sup.blame(lambda r: f"worker {r - 1}")  # the dead one, not one its death upset
+                        cause = sup.blame(_name)  # the dead one, not one its death upset
                         raise type(cause)(f"{cause}{resume}")
                     if not procs.replace(team, sup, rank, f"worker {rank - 1}", sink, restarts):
                         gone.add(rank)
                         given_up[rank] = 1
             if 0 in failed or len(gone) == workers:  # the server's death may reach the workers first
-                cause = sup.blame(lambda r: "the parameter server" if r == 0 else f"worker {r - 1}")
+                cause = sup.blame(_name)
                 if not str(cause).startswith("the parameter server"):
                     cause = type(cause)(f"all {workers} workers failed; {cause}")
                 raise type(cause)(f"{cause}{resume}")
@@ -171,6 +185,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
         seen = sup.results[0]["attendance"] or Attendance()  # the server's: one frozen is alive, not failed
         dropped = {r + 1 for r in seen.failed_workers or []}
         sup.drain_until(lambda: len(set(sup.results) | sup.failed() | dropped) == world, procs.STOP_GRACE_S)
+        _stop_if_fatal(sup)
     dead = sorted(sup.failed())
     chief = procs.unpack(sup.results[0], job)
     errors = {**(seen.worker_errors or {}), **{str(r - 1): sup.reason(r) for r in dead}}

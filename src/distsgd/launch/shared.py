@@ -257,7 +257,7 @@ class Machine:
             leave_s=procs.STOP_GRACE_S if self.device.type == "cuda" and not self.threaded else 0.0,
             threads=self._stop_threads if self.threaded else None,
         ) as team:
-            sup = self.supervisor = procs.Supervisor(team.procs, team.inbox, self.relay)
+            sup = self.supervisor = procs.Supervisor(team.procs, team.inbox, self.relay, own=self.own)
             self._start_together(sup)
             self._watch(sup, team)
             failed = sup.failed()
@@ -297,12 +297,16 @@ class Machine:
 
     def _watch(self, sup: procs.Supervisor, team: procs.Team) -> None:
         """Until every worker is done or dead: relay progress, copy the model at evaluation points,
-        commit checkpoints, and start replacements for dead workers (``--restart-workers``)."""
+        commit checkpoints, and start replacements for dead workers (``--restart-workers``). A
+        user's loop that failed in a worker (not a process that died) ends the run."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # evaluations during training share the cores with the workers
         try:
             while len(sup.results) + len(sup.failed()) < self.cfg.workers:
                 self._handle(sup, sup.poll(0.01))
+                fatal = sup.fatal_error(lambda slot: f"worker {self.first_rank + slot}")
+                if fatal is not None:
+                    raise fatal
                 for slot in sorted(sup.failed() - self.gone):
                     if self.handles.stop[0] or not procs.replace(
                         team, sup, slot, f"worker {self.first_rank + slot}", self.sink, self.restarts

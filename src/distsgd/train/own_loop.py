@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_wor
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
-from distsgd.errors import ConfigError
+from distsgd.errors import ConfigError, loop_failure, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
@@ -1064,11 +1064,25 @@ def _grad_versions(optimizers: list[torch.optim.Optimizer]) -> list[int]:
 
 def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> WorkerResult:
     """Call the user's ``main(run)`` in this worker (``replacement``: in place of one that died)
-    and return what it measured."""
+    and return what it measured. An exception of the user's code, or a loop that takes no step
+    for ``--timeout`` while it trains, is raised as a :class:`~distsgd.errors.LoopError` naming
+    this worker and the line: it ends the run under every algorithm."""
     run = Run(ctx, algo, replacement)
     main = ctx.job.main
     assert main is not None, "run_worker calls this for a user's loop only"
-    returned = main(run)
+    worker = f"worker {ctx.rank}"
+
+    def progress() -> int | None:  # watched from run.setup() to run.final_model()
+        return run.samples if run._model is not None and run._returned is None else None
+
+    try:
+        with stall_watch(worker, progress, ctx.cfg.timeout_s):
+            returned = main(run)
+    except Exception as exc:
+        failure = loop_failure(exc, worker)
+        if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
+            raise
+        raise failure from exc
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run.result(returned)

@@ -1,0 +1,232 @@
+"""A user's own loop (``distsgd.spawn``) that fails in one worker: an exception of its code, or a
+loop that stops making progress, ends the run under every topology with one error naming the
+worker and the line of the user's code; a worker process that dies stays a fault the asynchronous
+algorithms survive.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import distsgd
+from distsgd.errors import LoopError, loop_failure, stall_watch
+
+HERE = Path(__file__).name
+
+
+def line_of(marker: str) -> int:
+    """The line of this file that ends with the comment ``# <marker>``."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if text.rstrip().endswith(f"# {marker}"))
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def samples() -> TensorDataset:
+    """A few hundred samples of 16 features and 4 classes."""
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(384, 16, generator=g), torch.randint(0, 4, (384,), generator=g))
+
+
+def bad_batch() -> None:
+    raise ValueError("bad batch")  # raises
+
+
+def failing_loop(run: distsgd.Run, victim: int, how: str) -> nn.Module:
+    """Worker ``victim`` fails at its third step: ``raise`` (an exception of the user's code), ``hang``
+    (it sleeps, its process alive), ``kill`` (its process is SIGKILLed) or ``refused`` (a call distsgd
+    refuses: a step with no batch)."""
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for x, y in run.loader(samples(), batch_size=16, epoch=epoch):
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            if run.rank == victim and run.steps == 3:
+                if how == "raise":
+                    bad_batch()
+                elif how == "hang":
+                    time.sleep(1000)  # hangs
+                elif how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif how == "refused":
+                    opt.step()
+    return run.final_model()
+
+
+def spawn(algo: str, how: str, victim: int = 1, **settings) -> distsgd.TrainResult:
+    workers = 1 if algo == "single" else 2
+    return distsgd.spawn(
+        functools.partial(failing_loop, victim=victim, how=how),
+        model=Tiny,
+        algo=algo,
+        workers=workers,
+        epochs=3,
+        lr=0.05,
+        quiet=True,
+        **settings,
+    )
+
+
+# (algorithm, the worker that fails): a process group, shared memory, a parameter server, one process
+FAMILIES = [("allreduce", 1), ("hogwild", 1), ("asgd", 1), ("single", 0)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo, victim", [*FAMILIES, ("hogwild++", 1), ("ddp", 1)])
+def test_an_exception_in_one_workers_loop_ends_the_run_naming_it_and_the_line(algo: str, victim: int) -> None:
+    with pytest.raises(LoopError) as raised:
+        spawn(algo, "raise", victim)
+    message = str(raised.value)
+    assert message == f"worker {victim} failed in main (tests/{HERE}:{line_of('raises')}): ValueError: bad batch"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo, victim", [*FAMILIES, ("sync-ps", 1), ("ddp", 1)])
+def test_a_loop_that_stops_in_one_worker_ends_the_run_naming_it(algo: str, victim: int) -> None:
+    """Its process alive (its parameter-server client still sends heartbeats): after --timeout
+    without a step it fails where it stopped, and the peer waiting for it is not blamed."""
+    with pytest.raises(LoopError) as raised:
+        spawn(algo, "hang", victim, timeout_s=5)
+    message = str(raised.value)
+    assert message == f"worker {victim} made no progress for 5 s (--timeout), in main (tests/{HERE}:{line_of('hangs')})"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_a_call_distsgd_refuses_in_one_worker_ends_the_run(algo: str) -> None:
+    with pytest.raises(distsgd.DistsgdError, match="worker 1 failed: optimizer.step.. with no batch"):
+        spawn(algo, "refused")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_a_killed_worker_stays_a_fault_the_asynchronous_algorithms_survive(algo: str) -> None:
+    summary = spawn(algo, "kill").summary
+    assert summary["failed_workers"] == [1]
+    assert "SIGKILL" in summary["worker_errors"]["1"]
+
+
+SCRIPT = """
+import sys
+
+import distsgd
+from test_own_failures import Tiny, failing_loop
+import functools
+
+if __name__ == "__main__":
+    try:
+        distsgd.spawn(functools.partial(failing_loop, victim=1, how="raise"), model=Tiny, algo=sys.argv[1],
+                      workers=2, epochs=3, lr=0.05)
+    except distsgd.DistsgdError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_a_script_whose_loop_raises_says_one_line(tmp_path: Path, algo: str) -> None:
+    """Not quiet: the workers print nothing of their own (no traceback, no "worker gone" warning);
+    the script's one line is all there is on stderr."""
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "src", "tests"]))}
+    done = subprocess.run([sys.executable, str(script), algo], capture_output=True, text=True, env=env, timeout=150)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: worker 1 failed in main (tests/{HERE}:{line_of('raises')}): ValueError: bad batch"
+    ]
+
+
+# -- the pieces, in this process ---------------------------------------------------------------------
+
+
+def _raised(fn) -> Exception:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    raise AssertionError("it did not raise")
+
+
+def test_an_exception_of_the_users_code_is_the_loops_failure() -> None:
+    failure = loop_failure(_raised(bad_batch), "worker 3")
+    assert str(failure) == f"worker 3 failed in main (tests/{HERE}:{line_of('raises')}): ValueError: bad batch"
+
+
+def test_an_exception_of_torch_names_the_users_line() -> None:
+    def shapes() -> None:
+        nn.Linear(4, 3)(torch.zeros(2, 5))  # wrong shape
+
+    failure = loop_failure(_raised(shapes), "worker 0")
+    assert failure is not None and f"(tests/{HERE}:{line_of('wrong shape')}): RuntimeError: " in str(failure)
+
+
+def test_symptoms_of_a_fault_elsewhere_are_not_the_loops() -> None:
+    """What a collective raises (torch.distributed), a library's "broken pipe", and distsgd's own
+    refusals are left to the launcher; the same words raised by the user's code are the loop's."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    assert loop_failure(_raised(lambda: dist.all_reduce(torch.zeros(1))), "worker 0") is None  # no group
+
+    def broken_pipe() -> None:
+        mine, theirs = multiprocessing.Pipe()
+        theirs.close()
+        try:
+            mine.send(b"x" * 100_000)
+        finally:
+            mine.close()
+
+    assert loop_failure(_raised(broken_pipe), "worker 0") is None
+    assert loop_failure(distsgd.ConfigError("refused"), "worker 0") is None
+
+    def says_reset() -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    assert isinstance(loop_failure(_raised(says_reset), "worker 0"), LoopError)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_loop_is_interrupted_where_it_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(LoopError, match=rf"worker 0 made no progress for 0.5 s \(--timeout\), in main \(tests/{HERE}:"):
+        with stall_watch("worker 0", lambda: 0, 0.5):
+            time.sleep(30)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_loop_that_is_not_training_or_makes_progress_is_left_alone() -> None:
+    with stall_watch("worker 0", lambda: None, 0.2):  # before run.setup(), after run.final_model()
+        time.sleep(1)
+    steps = iter(range(1000))
+    with stall_watch("worker 0", lambda: next(steps), 0.2):
+        time.sleep(1)
+    assert signal.getsignal(signal.SIGRTMAX) is signal.SIG_DFL  # put back
