@@ -34,7 +34,7 @@ step() {  # step NAME LIMIT_S COMMAND...
   nproc
 } >"$out/machine.txt" 2>&1
 
-step tests 150 python -m pytest -q -m gpu -n 4 -p no:cacheprovider
+step tests 200 python -m pytest -v -m gpu -n 4 -p no:cacheprovider  # -v: each result as it lands, if the step is cut
 step probe 120 python benchmarks/gpu_probe.py --out "$out"
 step gpu_py 300 python benchmarks/gpu.py --parts bare,topologies,graphs,compile --repeats 2 --samples 12800 --out "$out/gpu"
 step example_allreduce 60 python examples/plain_loop.py
