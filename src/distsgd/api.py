@@ -28,7 +28,7 @@ from distsgd.config import RunConfig, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
-from distsgd.errors import ConfigError, DataError, OutputError
+from distsgd.errors import CheckpointError, ConfigError, DataError, OutputError
 from distsgd.launch import procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
@@ -266,11 +266,11 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")
     if cfg.resume:
-        # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
-        # before a damaged newest one); under torchrun every rank reads the manifest as it is.
-        manifest = read_manifest(Path(cfg.resume)) if torchrun else usable_checkpoint(Path(cfg.resume))
+        # Every check before anything is written (a fallback below rewrites the manifest; the run, its
+        # config.toml): the manifest's algorithm and workers, then the settings the state depends on.
+        manifest = read_manifest(Path(cfg.resume))
         if manifest is None:
-            raise ConfigError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
+            raise CheckpointError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
         if manifest["world"] != cfg.workers:
             raise ConfigError(
                 f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
@@ -281,6 +281,10 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
                 f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
                 f"resume it with --algo {manifest['algo']}"
             )
+        config_mod.check_resume_settings(cfg.resume, cfg, algo_cls.Options, registry.option_names())
+        if not torchrun:  # locally the launcher picks the checkpoint before any worker reads it (falling
+            usable_checkpoint(Path(cfg.resume))  # back to the one before a damaged newest one); under
+            # torchrun every rank reads the manifest as it is
     host = group_host() if torchrun and place()[0] == 0 else None
     if host is not None and host not in LOCAL_NAMES:
         log.warning(
