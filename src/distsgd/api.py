@@ -36,6 +36,7 @@ from distsgd.models import ModelSpec, build_model, check_fits, describe, recomme
 from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
 from distsgd.train.context import Job
+from distsgd.train.loop import check_saved
 from distsgd.train.objective import loss_function
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
@@ -170,7 +171,12 @@ def run(
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
-    _check_own(job, algo_cls, torchrun) if job.main is not None else _check_job(job, algo_cls, torchrun)
+    probe = _check_own(job, algo_cls, torchrun) if job.main is not None else _check_job(job, algo_cls, torchrun)
+    if cfg.resume and not torchrun:
+        # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
+        # before a damaged newest one) and checks its files, before the run writes anything; under
+        # torchrun every rank reads the manifest as it is, and checks its own file as it loads it.
+        usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe))
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = None
@@ -282,9 +288,6 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
                 f"resume it with --algo {manifest['algo']}"
             )
         config_mod.check_resume_settings(cfg.resume, cfg, algo_cls.Options, registry.option_names())
-        if not torchrun:  # locally the launcher picks the checkpoint before any worker reads it (falling
-            usable_checkpoint(Path(cfg.resume))  # back to the one before a damaged newest one); under
-            # torchrun every rank reads the manifest as it is
     host = group_host() if torchrun and place()[0] == 0 else None
     if host is not None and host not in LOCAL_NAMES:
         log.warning(
@@ -351,18 +354,19 @@ def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:
     return kind == "shared" or (kind != "one" and not torchrun)
 
 
-def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
+def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
-    and code that can travel to worker processes."""
+    and code that can travel to worker processes. Returns the model as the workers build it."""
     cfg = job.cfg
     if cfg.checkpoint_every:
         raise ConfigError(
             "checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
             "your loop can save (every worker at the same point)"
         )
-    build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
+    probe = build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if _spawns(algo_cls, torchrun):
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
+    return probe
 
 
 def _check_travels(pieces: Iterable[tuple[str, object]]) -> None:
@@ -382,9 +386,9 @@ def _check_travels(pieces: Iterable[tuple[str, object]]) -> None:
             ) from None
 
 
-def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
+def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module:
     """Before any process starts: the model takes the data, the loss fits the targets, and the
-    user's code can travel to worker processes."""
+    user's code can travel to worker processes. Returns the model as the workers build it."""
     cfg, spec, data = job.cfg, job.model, job.data
     probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name, data.task)
@@ -402,6 +406,7 @@ def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
         )
     if data.n_train < cfg.workers:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
+    return probe
 
 
 __all__ = ["train", "run", "TrainResult", "evaluate_checkpoint"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from distsgd.errors import ConfigError
+from distsgd.errors import BadField, ConfigError
 from distsgd.options import at_least, check_value, close_match, coerce, flag_of, not_negative, one_of, option, shown
 
 if sys.version_info >= (3, 11):
@@ -94,8 +94,16 @@ class Periodic:
         return {"next": self.next, "pending": self.pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next = state["next"] if self.every is not None else None
-        self.pending = bool(state["pending"])
+        nxt, pending = state["next"], state["pending"]
+        if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
+            raise BadField("next", nxt, "a whole number >= 0, or none")
+        if not isinstance(pending, bool):
+            raise BadField("pending", pending, "true or false")
+        if self.every is not None and nxt is not None:  # (saved each epoch, now every N: from the first N on)
+            self.next = nxt
+        elif self.every is None:
+            self.next = None
+        self.pending = pending
 
 
 @dataclass(frozen=True)

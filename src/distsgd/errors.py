@@ -32,6 +32,18 @@ class CheckpointError(DistsgdError):
     """A checkpoint that cannot be read."""
 
 
+class BadField(CheckpointError):
+    """A field of a checkpoint's piece whose value distsgd never writes there (``what``: what it
+    writes, in words); the loader names the file and the piece."""
+
+    def __init__(self, key: str, value: object, what: str) -> None:
+        text = repr(value)
+        shown = text if len(text) <= 40 else f"a {type(value).__name__} ({text[:30]}...)"
+        if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor (errors knows no torch)
+            shown = f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+        super().__init__(f"'{key}' is {shown}, not {what}")
+
+
 class OutputError(DistsgdError):
     """A file distsgd must write cannot be: a full disk, an unwritable or impossible path."""
 

@@ -12,7 +12,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+import distsgd
+from distsgd import checkpoint, cli
 from helpers import run_cli
 
 pytest.importorskip("sklearn")
@@ -27,14 +30,21 @@ def one_error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def here(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``distsgd ARGS`` in this process, through the same main() the command runs."""
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["distsgd", *args], code, out, err)
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small run with two checkpoints (256 samples, one every 128), trained once for the module."""
     run = tmp_path_factory.mktemp("saved") / "run"
-    r = run_cli(
-        "train", *SMALL, "--max-samples", "256", "--checkpoint-every", "128", "--out", str(run), "--quiet", timeout=120
+    distsgd.train(
+        model="mlp", data="digits", batch_size=32, max_samples=256, checkpoint_every="128", out=str(run), quiet=True
     )
-    assert r.returncode == 0, r.stderr[-3000:]
     return run
 
 
@@ -90,3 +100,76 @@ def test_a_failed_resume_leaves_config_toml_and_the_plain_resume_works(run_copy:
     r = run_cli("train", "--resume", str(run_copy), "--max-samples", "384", "--quiet", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'model = "mlp"' in (run_copy / "config.toml").read_text()
+
+
+# --- 2. the "older distsgd" line only where the file's format says so --------------------------------
+
+
+def _edit_newest(run: Path, edit) -> Path:
+    """Apply ``edit`` to the newest checkpoint's file of worker 0 (both checkpoints' files: no fallback)."""
+    for path in (run / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rank0.pt"):
+        state = torch.load(path, weights_only=True)
+        edit(state)
+        torch.save(state, path)
+    return sorted((run / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rank0.pt"))[-1]
+
+
+def test_older_distsgd_is_said_only_of_a_file_that_predates_this_format(run_copy: Path, capsys) -> None:
+    """Item 2: on main a file of this version that lacked a piece (damaged, or a hand edit) was
+    said to be "written by an older distsgd ... (train afresh ...)": untrue, and advice that
+    throws the run away. The format each file now carries decides."""
+    newest = _edit_newest(run_copy, lambda s: s.pop("algo"))
+    line = one_error_line(here(capsys, "train", "--resume", str(run_copy), "--max-samples", "384", "--quiet"))
+    assert f"cannot resume from {newest}: the checkpoint has no 'algo' part: the file is damaged" in line, line
+    assert "older distsgd" not in line and "afresh" not in line
+    _edit_newest(run_copy, lambda s: s.pop("format"))  # as distsgd wrote its files before the marker
+    line = one_error_line(here(capsys, "train", "--resume", str(run_copy), "--max-samples", "384", "--quiet"))
+    assert "the checkpoint has no 'algo' part: it was written by an older distsgd" in line, line
+
+
+# --- 3. every field of a worker's file checked as it loads -------------------------------------------
+
+
+def _first_param(state: dict) -> str:
+    return next(iter(state["model"]))
+
+
+EDITS = {
+    "steps": (lambda s: s["loop"].update(steps="abc"), "its 'loop' part's 'steps' is 'abc', not a whole number"),
+    "evals": (lambda s: s["loop"].update(evals="x"), "its 'loop' part's 'evals' is 'x', not a list of evaluations"),
+    "rng": (
+        lambda s: s["rng"].update(torch=torch.zeros(3, dtype=torch.uint8)),
+        "its 'rng' part's 'torch' is a uint8 tensor of shape [3], not a uint8 tensor of shape",
+    ),
+    "param_groups": (
+        lambda s: s["optimizer"].update(param_groups=[]),
+        "its 'optimizer' part's 'param_groups' is [], not a list of one or more parameter groups",
+    ),
+    "model key": (lambda s: s["model"].pop(_first_param(s)), "its 'model' part does not fit the model: missing '"),
+    "epoch": (lambda s: s["loop"].update(epoch=-5), "its 'loop' part's 'epoch' is -5, not a whole number >= 0"),
+    "train_wall_s": (
+        lambda s: s["loop"].update(train_wall_s=float("nan")),
+        "its 'loop' part's 'train_wall_s' is nan, not a number of seconds >= 0",
+    ),
+    "bytes_sent": (lambda s: s["algo"].update(bytes_sent=-3), "its 'algo' part's 'bytes_sent' is -3, not a whole"),
+    "momentum": (
+        lambda s: [v.update(momentum_buffer=torch.zeros(3)) for v in s["optimizer"]["state"].values()],
+        "its 'optimizer' part's 'state's momentum_buffer' is a float32 tensor of shape [3], not a tensor of its",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(EDITS))
+def test_a_wrong_value_in_a_workers_file_is_one_line_naming_the_file_and_the_field(
+    run_copy: Path, capsys, field: str
+) -> None:
+    """Item 3: on main loop.steps = "abc" was a TypeError, loop.evals = "x" an AttributeError, a
+    3-byte rng.torch a RuntimeError, param_groups = [] a ValueError, a missing model key a
+    RuntimeError (tracebacks); loop.epoch = -5 trained 13 epochs when 6 were asked, and
+    train_wall_s = nan put train_s=nan in the summary."""
+    edit, said = EDITS[field]
+    newest = _edit_newest(run_copy, edit)
+    r = here(capsys, "train", "--resume", str(run_copy), "--epochs", "6", "--quiet")
+    line = one_error_line(r)
+    assert line.startswith(f"error: cannot resume from {newest}: {said}"), line
+    assert not (run_copy / "summary.json").read_text().count("NaN")

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import max_abs_diff
+from distsgd.checkpoint import count
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
@@ -357,7 +358,9 @@ class Algorithm(Generic[OptionsT]):
         return {"bytes_sent": self.bytes_sent}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.bytes_sent = state["bytes_sent"]
+        """Restore :meth:`state_dict`'s keys, each checked (``distsgd.checkpoint.count``, ...):
+        a value it never writes is one CheckpointError."""
+        self.bytes_sent = count(state, "bytes_sent")
 
     def figures(self) -> Figures:
         """This worker's figures for summary.json (none: it does not communicate)."""
@@ -520,9 +523,9 @@ class GroupAlgorithm(Algorithm[OptionsT]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.sent_alike = state["sent_alike"]
-        self.eval_share = state["eval_share"]
-        self.largest = state["largest"]
+        self.sent_alike = count(state, "sent_alike")
+        self.eval_share = count(state, "eval_share")
+        self.largest = count(state, "largest")
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         return self.final_model(ctx, model)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distsgd.checkpoint import Checkpointer, scatter
+from distsgd.checkpoint import Checkpointer, RngState, optimizer_layout, scatter
 from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import ConfigError
@@ -70,6 +70,25 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
         if w.checkpoint_each_epoch:
             w.checkpoint()
     return w.finish()
+
+
+def check_saved(saved: dict[str, Any], model: torch.nn.Module) -> None:
+    """The launcher's look at a worker's file of a checkpoint before a resumed run writes anything
+    (its config.toml): the pieces every worker restores alike, each checked as it loads: the model
+    (into ``model``, one built as the workers build theirs, which it changes), the loop's counters,
+    the random state (not applied), the optimiser's layout. A worker checks all its pieces again
+    as it restores them: the algorithm's too, and the optimiser against its own."""
+    scatter({"model": model, "loop": LoopState(), "rng": RngState(apply=False), "optimizer": _Layout()}, saved)
+
+
+class _Layout:
+    """An optimiser's saved state, checked but restored into nothing (see :func:`check_saved`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizer_layout(state)
 
 
 def _groups(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:
@@ -212,4 +231,4 @@ class _Worker:
         return self.run.result()
 
 
-__all__ = ["run_worker", "LoopState"]
+__all__ = ["run_worker", "check_saved", "LoopState"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
+from distsgd.checkpoint import Checkpointer, RngState, Stateful, count, evaluations, load_model_state, scatter, seconds
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError
@@ -101,6 +101,7 @@ class LoopState:
         self.evals_at, self.checkpoints_at = Periodic(eval_every), Periodic(checkpoint_every)
 
     _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
+    _WHOLE = ("epoch", "start", "local", "steps", "seq")  # of the counters, those that count (>= 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -110,8 +111,10 @@ class LoopState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in self._COUNTERS:
-            setattr(self, k, state[k])
+        for k in self._WHOLE:
+            setattr(self, k, count(state, k))
+        self.train_wall_s = seconds(state, "train_wall_s")
+        self.evals = evaluations(state, "evals")
         self.evals_at.load_state_dict(state["evals_at"])
         self.checkpoints_at.load_state_dict(state["checkpoints_at"])
 
@@ -249,7 +252,7 @@ class Run:
         model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed).to(ctx.device)
         model.train()
         if saved is not None:
-            model.load_state_dict(saved)
+            load_model_state(model, saved)
         self._model = algo.setup(ctx, model, start)
         if cfg.compile:
             algo.unwrap(self._model).compile()  # in place: the module, its state and its wrappers stay

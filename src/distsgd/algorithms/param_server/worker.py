@@ -14,6 +14,7 @@ from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, reg
 from distsgd.algorithms.param_server import transport, wire
 from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
+from distsgd.checkpoint import count
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
@@ -211,7 +212,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.version, self.total = state["version"], state["total"]
+        self.version, self.total = count(state, "version"), count(state, "total")
 
 
 @register
