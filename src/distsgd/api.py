@@ -23,7 +23,14 @@ from distsgd import config as config_mod
 from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
-from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
+from distsgd.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    read_manifest,
+    remove_uncommitted,
+    save_model,
+    usable_checkpoint,
+)
 from distsgd.config import RunConfig, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
@@ -212,6 +219,8 @@ def run(
         for sink in sinks:
             if hasattr(sink, "close"):
                 sink.close()
+        if out is not None and not torchrun:  # every worker has stopped: what no manifest names is of no use
+            remove_uncommitted(out)
     if out is not None:  # the model first: a run whose summary.json exists has its model.pt
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from distsgd.errors import BadField, CheckpointError
+from distsgd.errors import BadField, CheckpointError, OutputError
 from distsgd.rundir import record
 
 log = logging.getLogger(__name__)
@@ -279,6 +279,38 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
     if problem:
         raise CheckpointError(f"{path} is not a distsgd checkpoint manifest: {problem}")
     return manifest
+
+
+def resume_hint(out: str | Path | None) -> str:
+    """For a run that stopped: how to go on from its last whole checkpoint, if ``out`` has one
+    ("; continue from ..."); else nothing (a run stopped before its first commit has none to offer)."""
+    try:
+        manifest = read_manifest(Path(out)) if out else None
+    except CheckpointError:
+        return ""
+    if manifest is None:
+        return ""
+    return f"; continue from the last checkpoint with --resume {out}"
+
+
+def remove_uncommitted(run_dir: Path) -> None:
+    """The files of checkpoints that were never committed (newer than the manifest's, or all when
+    there is none: a run that stopped, or whose disk filled, before it committed them), and the
+    temporaries of killed writers: a resume would never read them. Run by the launching process
+    once no worker writes any more."""
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    if not ckpt_dir.is_dir():
+        return
+    try:
+        manifest = read_manifest(run_dir)
+    except CheckpointError:
+        return  # nothing is sure: leave every file
+    newest = -1 if manifest is None else manifest["seq"]
+    for path in ckpt_dir.glob("ckpt-*-rank*.pt"):
+        part = path.name.split("-")
+        if len(part) == 3 and part[1].isdigit() and int(part[1]) > newest:
+            path.unlink(missing_ok=True)
+    remove_stale_temporaries(ckpt_dir)
 
 
 def manifest_problem(manifest: object) -> str | None:
@@ -587,10 +619,18 @@ class Checkpointer:
         return load_worker_state(Path(self.resume), self.rank) if self.resume else None
 
     def save(self, seq: int, pieces: dict[str, Stateful]) -> None:
+        """This worker's part of checkpoint ``seq``; a file that cannot be written (a full disk) is
+        an OutputError naming it."""
         assert self.dir is not None, "checkpoints need a run directory"
-        save_worker_state(self.dir, seq, self.rank, gather(pieces))
+        try:
+            save_worker_state(self.dir, seq, self.rank, gather(pieces))
+        except OSError as exc:
+            raise OutputError.of(exc) from None
 
     def commit(self, seq: int, meta: dict[str, Any], ranks: list[int] | None = None, coordinator: bool = False) -> None:
         """Once every worker has saved: the manifest now names checkpoint ``seq``."""
         assert self.dir is not None
-        commit_checkpoint(self.dir, seq, self.world, meta, ranks, coordinator)
+        try:
+            commit_checkpoint(self.dir, seq, self.world, meta, ranks, coordinator)
+        except OSError as exc:
+            raise OutputError.of(exc) from None

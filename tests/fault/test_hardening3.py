@@ -7,6 +7,7 @@ rewritten file.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -173,3 +174,87 @@ def test_a_wrong_value_in_a_workers_file_is_one_line_naming_the_file_and_the_fie
     line = one_error_line(r)
     assert line.startswith(f"error: cannot resume from {newest}: {said}"), line
     assert not (run_copy / "summary.json").read_text().count("NaN")
+
+
+# --- 4. a --resume command only where a checkpoint exists; no partial checkpoint left -----------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MB tmpfs (a disk that fills), unmounted after the test; skipped without root."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode
+    ):
+        pytest.skip("needs root to mount a small tmpfs (a full disk)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_before_the_first_commit_leaves_no_partial_checkpoint(
+    saved_run: Path, small_disk: Path
+) -> None:
+    """Item 4: two lockstep workers, room for one worker's file of the first checkpoint and not
+    the other's: on main the one written (ckpt-000001-rank0.pt or rank1) stayed, though no
+    manifest named it. Now the run stops with one line naming the file it could not write, offers
+    no --resume (there is nothing to resume), and leaves no checkpoint file."""
+    part = next((saved_run / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rank0.pt")).stat().st_size
+    with open(small_disk / "filler", "wb") as fh:  # room for one part and a half, and the run's small files
+        fh.write(bytes(4 * 2**20 - int(1.5 * part) - 64 * 2**10))
+    out = small_disk / "run"
+    r = run_cli(
+        "train", *SMALL, "--algo", "allreduce", "--workers", "2", "--max-samples", "512",
+        "--checkpoint-every", "128", "--out", str(out), "--quiet", timeout=120,
+    )  # fmt: skip
+    line = one_error_line(r)
+    assert "No space left on device" in line and f"{out}/checkpoint/ckpt-000001-rank" in line, line
+    assert "--resume" not in line
+    assert checkpoint.read_manifest(out) is None
+    assert not list((out / checkpoint.CHECKPOINT_DIR).iterdir())
+
+
+KILLS_THE_SERVER = """
+import os, signal
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    '''The server (RANK 0) SIGKILLs itself at its second copy of the model: before its first checkpoint.'''
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+        self.copies = 0
+
+    def state_dict(self, *args, **kwargs):
+        if os.environ.get("RANK") == "0":
+            self.copies += 1
+            if self.copies == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+"""
+
+
+@pytest.mark.slow
+def test_a_server_killed_before_the_first_checkpoint_offers_no_resume(tmp_path: Path) -> None:
+    """Item 4: on main the line said "continue from the last checkpoint with --resume DIR", and
+    that command then said there was no checkpoint."""
+    model = tmp_path / "killserver.py"
+    model.write_text(KILLS_THE_SERVER)
+    out = tmp_path / "run"
+    r = run_cli(
+        "train", "--algo", "asgd", "--workers", "2", "--dataset", "digits", "--model", f"{model}:Net",
+        "--epochs", "3", "--checkpoint-every", "epoch", "--out", str(out), "--quiet", timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the parameter server failed: killed by SIGKILL"), r.stderr[-3000:]
+    assert checkpoint.read_manifest(out) is None and "--resume" not in last
