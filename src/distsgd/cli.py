@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from distsgd import __version__, options
+from distsgd import __version__, _early, options
 from distsgd import config as config_mod
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError, Terminated, on_sigterm
@@ -360,13 +360,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_hint(args: argparse.Namespace) -> str:
+def _resume_hint(args: argparse.Namespace | None) -> str:
     """For a stopped run that checkpoints: where its last whole checkpoint is, and how to go on."""
     from distsgd.checkpoint import read_manifest
 
     out = getattr(args, "out", None) or getattr(args, "resume", None)
     try:
-        manifest = read_manifest(Path(out)) if out and args.command == "train" else None
+        manifest = read_manifest(Path(out)) if out and args is not None and args.command == "train" else None
     except DistsgdError:
         return ""
     if manifest is None:
@@ -388,14 +388,18 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
-    restore = on_sigterm()
+    restore = on_sigterm()  # from here to the end, as from the command's first instruction (distsgd._early)
+    _early.settled()
+    args: argparse.Namespace | None = None
     try:
+        parser = build_parser()  # imports every algorithm: a signal may come meanwhile
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s"
+        )
         return COMMANDS[args.command](args)
     except DistsgdError as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -413,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # The command has ended and said how: a SIGTERM from now on (srun's --kill-on-bad-exit,
         # after this task's own error line) must not raise inside the interpreter's exit and print
-        # a traceback there; it ends the process as it would have before the command.
+        # a traceback there, nor say a second line; it ends the process as a SIGTERM does.
         restore()
+        _early.settled()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -258,3 +261,37 @@ def test_a_server_killed_before_the_first_checkpoint_offers_no_resume(tmp_path: 
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the parameter server failed: killed by SIGKILL"), r.stderr[-3000:]
     assert checkpoint.read_manifest(out) is None and "--resume" not in last
+
+
+# --- 5. signals from the first instruction of distsgd ------------------------------------------------
+
+
+def _loading_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+def test_a_sigterm_while_the_command_imports_torch_is_one_line_and_143(tmp_path: Path) -> None:
+    """Item 5: on main a SIGTERM in the first second or two of ``python -m distsgd`` (while it
+    imports torch, before main() set its handler) ended it with status -15 and no word. The
+    signal is sent once torch's libraries are mapped: during the imports (or, on a fast machine,
+    later, when main's own handler says the same)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distsgd", "train", *SMALL, "--max-samples", "256", "--out", str(tmp_path / "r")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _loading_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 143 and err == "error: terminated by SIGTERM\n", (proc.returncode, err[-3000:])
