@@ -186,18 +186,7 @@ def run(
         usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe))
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
-    out = None
-    if cfg.out and chief:
-        resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
-        try:
-            out = (
-                Path(cfg.out)
-                if resuming_in_place
-                else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
-            )
-            atomic_write_bytes(out / "config.toml", settings_text.encode())  # a resumed run's too
-        except OSError as exc:
-            raise OutputError.of(exc) from None
+    out = _prepare_out(cfg, settings_text) if cfg.out and chief else None
     if progress is None:
         planned = (
             cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
@@ -238,6 +227,23 @@ def run(
         except OSError as exc:
             raise OutputError.of(exc) from None
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
+
+
+def _prepare_out(cfg: RunConfig, settings_text: str) -> Path:
+    """The run directory, made (or, resumed in place, kept), with the run's config.toml: a resumed
+    run's too, written once the resume has passed its checks."""
+    assert cfg.out is not None
+    resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
+    try:
+        out = (
+            Path(cfg.out)
+            if resuming_in_place
+            else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
+        )
+        atomic_write_bytes(out / "config.toml", settings_text.encode())
+    except OSError as exc:
+        raise OutputError.of(exc) from None
+    return out
 
 
 def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, Any] | None) -> list[str]:

@@ -214,11 +214,22 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(
                 f"{s['algo']} x{s['workers']}: "
                 + (f"test accuracy {acc:.4f}, " if acc is not None else "")
-                + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
+                + f"test loss {s['final_test_loss']:.4f}{_as_of(s)}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
                 f"({s['samples_per_s']:.0f} samples/s){target}"
             )
         print(f"run saved in {result.out}")
     return 0
+
+
+def _as_of(s: dict[str, Any]) -> str:
+    """Which model the final figures describe, where the samples alone would mislead: the model
+    returned, as it was at its last evaluation, when steps trained after it never reached it."""
+    at = s.get("final_eval_samples")
+    if at is None or at >= s["samples"]:
+        return ""
+    return (
+        f" (of the model returned, as it was at {at} samples: the {s['samples'] - at} trained after never reached it)"
+    )
 
 
 def _hush(quiet: bool) -> None:

@@ -103,6 +103,9 @@ def build_summary(
         "samples_per_s": samples / chief.train_wall_s if chief.train_wall_s > 0 else 0.0,
         "final_test_accuracy": chief.final_test_accuracy,
         "final_test_loss": chief.final_test_loss,
+        # the samples of the evaluation the final figures are (the model returned, as it was then): fewer
+        # than samples where the last steps never reached it (an asynchronous worker's after its last push)
+        "final_eval_samples": chief.evals[-1]["samples"] if chief.evals else None,
         "target_accuracy": cfg.target_accuracy,
         "target_loss": cfg.target_loss,
         "time_to_target_s": hit["train_wall_s"] if hit else None,
