@@ -5,7 +5,7 @@ two) before the command's ``main`` runs. A SIGTERM (a scheduler, ``timeout``, a 
 Ctrl-C in that time would end the process with no word, or with an import's traceback. So the
 package's first lines call :func:`install`, which, in the command alone (never in a program that
 imports distsgd), makes either signal print the command's one ``error:`` line and exit with the
-shell's status for it (143, 130): nothing has started yet that needs stopping. ``cli.main`` then
+shell's status for it (143, 138, 130): nothing has started yet that needs stopping. ``cli.main`` then
 takes over with its own handlers (:func:`settled`).
 """
 
@@ -30,25 +30,28 @@ def _the_command() -> bool:
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
-    said = "terminated by SIGTERM" if signum == signal.SIGTERM else "interrupted"
+    said = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
     os.write(2, f"error: {said}\n".encode())
     os._exit(128 + signum)
 
 
 def install() -> None:
-    """In the ``distsgd`` command, before anything else is imported: SIGTERM and SIGINT end it
-    with one line (see the module)."""
+    """In the ``distsgd`` command, before anything else is imported: SIGTERM, SIGUSR1 (SLURM's
+    ``--signal``) and SIGINT end it with one line (see the module)."""
     if _the_command() and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, _stop)
 
 
 def settled() -> None:
     """The command's own handling from here on: of the handlers :func:`install` set, SIGINT's back
-    to Python's (KeyboardInterrupt) and SIGTERM's to the default (``cli.main`` sets its own)."""
+    to Python's (KeyboardInterrupt), SIGTERM's and SIGUSR1's to the default (``cli.main`` sets its own)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is _stop:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGTERM) is _stop:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig, then in (
+        (signal.SIGINT, signal.default_int_handler),
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGUSR1, signal.SIG_DFL),
+    ):
+        if signal.getsignal(sig) is _stop:
+            signal.signal(sig, then)

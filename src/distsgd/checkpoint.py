@@ -306,6 +306,9 @@ def remove_uncommitted(run_dir: Path) -> None:
     except CheckpointError:
         return  # nothing is sure: leave every file
     newest = -1 if manifest is None else manifest["seq"]
+    for kept in ckpt_dir.glob("manifest.damaged-*.json"):  # a damaged checkpoint a resume fell back from: kept
+        seq = kept.name[len("manifest.damaged-") : -len(".json")]
+        newest = max(newest, int(seq)) if seq.isdigit() else newest
     for path in ckpt_dir.glob("ckpt-*-rank*.pt"):
         part = path.name.split("-")
         if len(part) == 3 and part[1].isdigit() and int(part[1]) > newest:

@@ -415,9 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     except DistsgdError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return exc.exit_code
-    except Terminated:
-        sys.stderr.write(f"error: terminated by SIGTERM{_resume_hint(args)}\n")
-        return 143
+    except Terminated as exc:
+        sys.stderr.write(f"error: terminated by {exc.signal_name}{_resume_hint(args)}\n")
+        return 128 + exc.signal_number
     except KeyboardInterrupt:
         sys.stderr.write(f"error: interrupted{_resume_hint(args)}\n")
         return 130

@@ -352,3 +352,82 @@ def test_the_final_figures_say_which_model_they_describe(tmp_path: Path) -> None
     s = json.loads((out / "summary.json").read_text())
     assert s["samples"] == 320 and s["final_eval_samples"] == s["evals"][-1]["samples"] == 256
     assert "(of the model returned, as it was at 256 samples: the 64 trained after never reached it)" in r.stdout
+
+
+# --- a signal's stop keeps the work: a final checkpoint at the next step -----------------------------
+
+BUDGET = 10 * 1437  # digits' training samples, ten epochs: long enough that the signal lands mid-run
+
+
+def _progress_seen(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and '"progress"' in metrics.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo, workers, how",
+    [
+        ("single", 1, "SIGTERM"),
+        ("allreduce", 2, "SIGTERM"),
+        ("local-sgd", 2, "SIGTERM to the process group"),
+        ("ddp", 2, "SIGUSR1"),
+    ],
+)
+def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
+    tmp_path: Path, algo: str, workers: int, how: str
+) -> None:
+    """A preemption notice (SIGTERM, or SLURM's --signal USR1) mid-run, with no --checkpoint-every:
+    the workers stop together at their next step and write a checkpoint there, and the command
+    says so in one line, with the --resume that goes on. That resume ends exactly as a run that
+    was never stopped (the same samples, loss and weights): no step lost, none taken twice. On
+    main the run stopped with no checkpoint at all (SIGTERM kept only the last periodic one)."""
+    common = [
+        *SMALL, "--algo", algo, "--workers", str(workers), "--max-samples", str(BUDGET), "--lr", "0.05",
+        "--eval-every", "4000", "--log-every", "5", "--quiet",
+    ]  # fmt: skip
+    r = run_cli("train", *common, "--out", str(tmp_path / "whole"), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before the signal"
+        sig = signal.SIGUSR1 if how == "SIGUSR1" else signal.SIGTERM
+        if how.endswith("process group"):
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    manifest = checkpoint.read_manifest(out)
+    assert manifest is not None, err[-3000:]
+    name = "SIGUSR1" if how == "SIGUSR1" else "SIGTERM"
+    assert proc.returncode == 128 + getattr(signal, name)
+    assert err.strip() == (
+        f"error: terminated by {name}; its last whole checkpoint ({manifest['samples']} samples) goes on "
+        f"with distsgd train --resume {out}"
+    ), err[-3000:]
+    progress = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < max(e["samples"] for e in progress if e["event"] == "progress") <= manifest["samples"] < BUDGET
+    assert sorted(p.name for p in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*.pt")) == [
+        checkpoint.worker_file(Path(), manifest["seq"], r).name for r in range(workers)
+    ]  # that checkpoint's, every worker's part, and no other
+    r = run_cli("train", "--resume", str(out), "--quiet", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    whole, resumed = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "stopped"))
+    assert resumed["samples"] == whole["samples"] >= BUDGET
+    assert resumed["final_test_loss"] == whole["final_test_loss"]
+    a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True)["state_dict"] for d in ("whole", "stopped"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -119,17 +119,23 @@ def _nothing() -> None:
 
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C and SIGTERM (SIGUSR1) ignored by what starts meanwhile: the fork server, which a
+    signal to the whole process group would otherwise end at once, and with it every worker
+    (their watch on their parent) before they could stop at a step with a final checkpoint. The
+    fork server ends with its launcher; the workers set their own handlers."""
     import signal
 
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: leave the handler alone
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stops}
+    except ValueError:  # not the main thread: leave the handlers alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, was in old.items():
+            signal.signal(sig, was)
 
 
 class _Later:
@@ -423,14 +429,23 @@ def replace(team: Team, sup: Supervisor, rank: int, name: str, sink: Sink, resta
 
 @contextlib.contextmanager
 def spawned(
-    cfg: RunConfig, target: Callable[..., None], roles: list[tuple[str, int]], args: Callable[..., tuple]
+    cfg: RunConfig,
+    target: Callable[..., None],
+    roles: list[tuple[str, int]],
+    args: Callable[..., tuple],
+    signalled_grace_s: float = STOP_GRACE_S,
 ) -> Iterator[Team]:
-    """Start one process per role; yield the :class:`Team`; reap every process on the way out."""
+    """Start one process per role; yield the :class:`Team`; reap every process on the way out.
+    Stopped by SIGTERM (SIGUSR1), the processes are given ``signalled_grace_s`` to stop by
+    themselves (lockstep workers: at their next step, with a final checkpoint) before SIGKILL."""
     team = Team(cfg, target, roles, args)
     try:
         for i in range(len(roles)):
             team.start(i)
         yield team
+    except Terminated:
+        stop_all(team.procs, grace_s=signalled_grace_s)
+        raise
     finally:
         stop_all(team.procs)
         if cfg.out:
