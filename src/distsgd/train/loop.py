@@ -228,6 +228,8 @@ class _Worker:
         then :class:`Terminated`, which the command reports with that ``--resume``."""
         if self.cfg.out and self.algo.checkpoints:
             self.checkpoint()
+            self.algo.barrier(self.ctx)  # rank 0 has committed it: no worker's exit (srun's --kill-on-bad-exit,
+            # torchrun's stop of the others) can end rank 0 before
         raise Terminated(*(STOP.requested or ("SIGTERM", 15)))
 
     def checkpoint(self) -> None:
