@@ -553,6 +553,27 @@ class RngState:
             torch.cuda.set_rng_state(cuda)
 
 
+def restore_shared(saved: dict[str, Any], models: list[nn.Module], counts: torch.Tensor) -> None:
+    """The shared-memory launcher's models and sample counts from its file of a checkpoint (as
+    loaded), each checked: errors as :func:`scatter`'s."""
+    where = f"cannot resume from {getattr(saved, 'path', 'the checkpoint')}: "
+    try:
+        states = of_type(saved, "models", list, f"a list of {len(models)} models' states")
+        if len(states) != len(models) or not all(isinstance(st, dict) for st in states):
+            raise BadField("models", states, f"a list of {len(models)} models' states")
+        for model, state in zip(models, states):
+            _restore_module(model, state)
+        counts.copy_(tensor(saved, "counts", counts.dtype, tuple(counts.shape)))
+        if bool((counts < 0).any()):
+            raise BadField("counts", saved["counts"].tolist(), "samples counts >= 0")
+    except KeyError as exc:
+        raise CheckpointError(f"{where}the checkpoint has no {exc}{_why_missing(saved)}") from None
+    except BadField as exc:
+        raise CheckpointError(f"{where}its {exc}") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}its shared model {exc}") from None
+
+
 def load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
     """A worker's model from its file's ``model`` piece (as loaded): errors as :func:`scatter`'s."""
     holder = Loaded({"model": saved}, saved.path) if isinstance(saved, Loaded) else {"model": saved}

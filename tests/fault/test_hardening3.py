@@ -431,3 +431,36 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     assert resumed["final_test_loss"] == whole["final_test_loss"]
     a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True)["state_dict"] for d in ("whole", "stopped"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda s: s.update(counts=torch.zeros(5, dtype=torch.int64)), "its 'counts' is a int64 tensor of shape [5]"),
+        (
+            lambda s: s["watcher"].update(train_wall_s=float("nan")),
+            "its 'watcher' part's 'train_wall_s' is nan, not a number of seconds >= 0",
+        ),
+    ],
+    ids=["counts", "watcher"],
+)
+def test_a_wrong_value_in_a_coordinators_file_is_one_line(tmp_path: Path, edit, said: str) -> None:
+    """Item 3, the coordinator's file (Hogwild!'s launcher: the shared model, each worker's samples,
+    the evaluations): on main a counts tensor of another shape was a RuntimeError traceback from
+    copy_, and a nan training time went into the summary."""
+    out = tmp_path / "run"
+    r = run_cli(
+        "train", *SMALL, "--algo", "hogwild", "--workers", "2", "--max-samples", "512", "--checkpoint-every", "256",
+        "--out", str(out), "--quiet", timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    for path in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rankcoordinator.pt"):
+        state = torch.load(path, weights_only=True)
+        edit(state)
+        torch.save(state, path)
+    newest = checkpoint.worker_file(
+        out / checkpoint.CHECKPOINT_DIR, checkpoint.read_manifest(out)["seq"], "coordinator"
+    )
+    line = one_error_line(run_cli("train", "--resume", str(out), "--max-samples", "1024", "--quiet", timeout=120))
+    assert line.startswith(f"error: cannot resume from {newest}: {said}"), line
