@@ -696,3 +696,37 @@ def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(real_slurm: dict[str,
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seqs = [e["seq"] for e in events if e["event"] == "checkpoint"]
     assert seqs == sorted(set(seqs))  # the second attempt went on from the first one's last, not from 1
+
+
+@pytest.mark.slow
+def test_a_job_preempted_with_sigterm_loses_no_step(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """A preemption mid-epoch of a run whose periodic checkpoints are far apart (every 100,000
+    samples: none before it): ``scontrol requeue`` from task 0 at its 15th step sends every task
+    SIGTERM, and the tasks stop together at their next step with a checkpoint of it (issue 46);
+    SLURM runs the job again, which goes on from that checkpoint. Nothing the first attempt
+    trained is lost: its checkpoint is at or past its last progress report and the requeue's
+    step, and the second attempt trains the rest. (Before, SIGTERM kept only the last periodic
+    checkpoint: here none, and the job started over.)"""
+    pytest.importorskip("sklearn")
+    (tmp_path / "requeuing.py").write_text(REQUEUING_MODEL)
+    batch, budget = 16, 2872
+    flags = ["--dataset", "digits", "--model", f"{tmp_path / 'requeuing.py'}:Net", "--max-samples", str(budget)]
+    job, shown, log = _sbatch(
+        real_slurm,
+        tmp_path,
+        *["--cpus-per-task=1", "-O", str(ROOT / "examples" / "slurm_one_node.sbatch")],
+        *[*flags, "--lr", "0.05", "--batch-size", str(batch), "--log-every", "1", "--checkpoint-every", "100000"],
+    )
+    assert "JobState=COMPLETED" in shown and "Restarts=1" in shown, shown + log[-3000:]
+    assert "SLURM requeued the job: resuming from the checkpoint" in log, log[-3000:]
+    out = tmp_path / "runs" / f"slurm-{job}"
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = next(i for i, e in enumerate(events) if e["event"] == "checkpoint")  # the signal's, attempt 1
+    kept = events[first]["samples"]
+    step = 2 * batch  # samples of one step, both workers
+    before = [e["samples"] for e in events[:first] if e["event"] == "progress"]
+    assert 15 * step <= kept < budget and max(before) <= kept, (kept, before[-3:])
+    after = [e["samples"] for e in events[first + 1 :] if e["event"] == "progress"]
+    assert min(after) == kept + step  # attempt 2's first step is the one after the checkpoint's
+    assert json.loads((out / "summary.json").read_text())["samples"] == budget
+    print(f"requeued at task 0's step 15 ({15 * step} samples); checkpoint at {kept}; resumed at {min(after)}")

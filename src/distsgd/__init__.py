@@ -9,12 +9,16 @@ The Python API in one call::
 
 from __future__ import annotations
 
+from distsgd import _early
+
+_early.install()  # the command: a SIGTERM while torch imports is one line too
+
 __version__ = "0.1.0"
 
-from distsgd.api import spawn, train
-from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError
-from distsgd.results import TrainResult
-from distsgd.train.own_loop import Run
+from distsgd.api import spawn, train  # noqa: E402
+from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError  # noqa: E402
+from distsgd.results import TrainResult  # noqa: E402
+from distsgd.train.own_loop import Run  # noqa: E402
 
 __all__ = [
     "train",

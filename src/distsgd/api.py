@@ -23,12 +23,19 @@ from distsgd import config as config_mod
 from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
-from distsgd.checkpoint import atomic_write_bytes, atomic_write_json, read_manifest, save_model, usable_checkpoint
+from distsgd.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    read_manifest,
+    remove_uncommitted,
+    save_model,
+    usable_checkpoint,
+)
 from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
-from distsgd.errors import ConfigError, DataError, OutputError
+from distsgd.errors import CheckpointError, ConfigError, DataError, OutputError
 from distsgd.launch import procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
@@ -36,6 +43,7 @@ from distsgd.models import ModelSpec, build_model, check_fits, describe, recomme
 from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
 from distsgd.train.context import Job
+from distsgd.train.loop import check_saved
 from distsgd.train.objective import loss_function
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
@@ -170,21 +178,15 @@ def run(
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
-    _check_own(job, algo_cls, torchrun) if job.main is not None else _check_job(job, algo_cls, torchrun)
+    probe = _check_own(job, algo_cls, torchrun) if job.main is not None else _check_job(job, algo_cls, torchrun)
+    if cfg.resume and not torchrun:
+        # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
+        # before a damaged newest one) and checks its files, before the run writes anything; under
+        # torchrun every rank reads the manifest as it is, and checks its own file as it loads it.
+        usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe))
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
-    out = None
-    if cfg.out and chief:
-        resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
-        try:
-            out = (
-                Path(cfg.out)
-                if resuming_in_place
-                else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
-            )
-            atomic_write_bytes(out / "config.toml", settings_text.encode())  # a resumed run's too
-        except OSError as exc:
-            raise OutputError.of(exc) from None
+    out = _prepare_out(cfg, settings_text) if cfg.out and chief else None
     if progress is None:
         planned = (
             cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
@@ -206,6 +208,8 @@ def run(
         for sink in sinks:
             if hasattr(sink, "close"):
                 sink.close()
+        if out is not None and not torchrun:  # every worker has stopped: what no manifest names is of no use
+            remove_uncommitted(out)
     if out is not None:  # the model first: a run whose summary.json exists has its model.pt
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
@@ -223,6 +227,23 @@ def run(
         except OSError as exc:
             raise OutputError.of(exc) from None
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
+
+
+def _prepare_out(cfg: RunConfig, settings_text: str) -> Path:
+    """The run directory, made (or, resumed in place, kept), with the run's config.toml: a resumed
+    run's too, written once the resume has passed its checks."""
+    assert cfg.out is not None
+    resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
+    try:
+        out = (
+            Path(cfg.out)
+            if resuming_in_place
+            else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
+        )
+        atomic_write_bytes(out / "config.toml", settings_text.encode())
+    except OSError as exc:
+        raise OutputError.of(exc) from None
+    return out
 
 
 def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, Any] | None) -> list[str]:
@@ -274,11 +295,11 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")
     if cfg.resume:
-        # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
-        # before a damaged newest one); under torchrun every rank reads the manifest as it is.
-        manifest = read_manifest(Path(cfg.resume)) if torchrun else usable_checkpoint(Path(cfg.resume))
+        # Every check before anything is written (a fallback below rewrites the manifest; the run, its
+        # config.toml): the manifest's algorithm and workers, then the settings the state depends on.
+        manifest = read_manifest(Path(cfg.resume))
         if manifest is None:
-            raise ConfigError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
+            raise CheckpointError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
         if manifest["world"] != cfg.workers:
             raise ConfigError(
                 f"the checkpoint in {cfg.resume} has {manifest['world']} workers; resume it with "
@@ -289,6 +310,7 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
                 f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
                 f"resume it with --algo {manifest['algo']}"
             )
+        config_mod.check_resume_settings(cfg.resume, cfg, algo_cls.Options, registry.option_names())
     host = group_host() if torchrun and place()[0] == 0 else None
     if host is not None and host not in LOCAL_NAMES:
         log.warning(
@@ -355,9 +377,9 @@ def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:
     return kind == "shared" or (kind != "one" and not torchrun)
 
 
-def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
+def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module:
     """Before any process starts, for a run whose loop is the user's: an algorithm that can run it,
-    and code that can travel to worker processes."""
+    and code that can travel to worker processes. Returns the model as the workers build it."""
     cfg = job.cfg
     if cfg.checkpoint_every:
         raise ConfigError(
@@ -369,9 +391,10 @@ def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
             "--cuda-graphs captures the steps of distsgd's own loop; in your loop, capture your step "
             "with torch.cuda.graph (run.backward and opt.step inside it are the algorithm's)"
         )
-    build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
+    probe = build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if _spawns(algo_cls, torchrun):
         _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
+    return probe
 
 
 def _check_travels(pieces: Iterable[tuple[str, object]]) -> None:
@@ -391,9 +414,9 @@ def _check_travels(pieces: Iterable[tuple[str, object]]) -> None:
             ) from None
 
 
-def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
+def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module:
     """Before any process starts: the model takes the data, the loss fits the targets, and the
-    user's code can travel to worker processes."""
+    user's code can travel to worker processes. Returns the model as the workers build it."""
     cfg, spec, data = job.cfg, job.model, job.data
     probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name, data.task)
@@ -411,6 +434,7 @@ def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> None:
         )
     if data.n_train < cfg.workers:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
+    return probe
 
 
 __all__ = ["train", "run", "TrainResult", "evaluate_checkpoint"]

@@ -11,14 +11,16 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
+from torch import nn
 
-from distsgd.errors import CheckpointError
+from distsgd.errors import BadField, CheckpointError, OutputError
 from distsgd.rundir import record
 
 log = logging.getLogger(__name__)
@@ -149,11 +151,16 @@ def worker_file(ckpt_dir: Path, seq: int, rank: int | str) -> Path:
     return ckpt_dir / f"ckpt-{seq:06d}-rank{rank}.pt"
 
 
+# The layout of a worker's file, saved in it under "format": what a missing piece means depends on
+# it. Files of distsgd before this marker carry none (their layout was this one, or older).
+CHECKPOINT_FORMAT = 2
+
+
 def save_worker_state(ckpt_dir: Path, seq: int, rank: int | str, state: dict[str, Any]) -> None:
     """Write one worker's (or the coordinator's) state of checkpoint ``seq`` (atomically; the
-    manifest comes later)."""
+    manifest comes later), marked with :data:`CHECKPOINT_FORMAT`."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    atomic_save(state, worker_file(ckpt_dir, seq, rank))
+    atomic_save({**state, "format": CHECKPOINT_FORMAT}, worker_file(ckpt_dir, seq, rank))
 
 
 def commit_checkpoint(
@@ -205,16 +212,18 @@ def remove_stale_temporaries(ckpt_dir: Path, up_to: int | None = None) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def usable_checkpoint(run_dir: Path) -> dict[str, Any]:
+def usable_checkpoint(run_dir: Path, check: Callable[[Loaded], None] | None = None) -> dict[str, Any]:
     """The manifest of the newest whole checkpoint in ``run_dir`` whose files all load; the one
     before it, with a warning, when the newest is damaged (a disk error, a torn copy). Run once,
-    by the launching process, before the workers read their parts."""
+    by the launching process, before the workers read their parts. ``check``: called on every
+    worker's file of the checkpoint chosen (not the coordinator's), as loaded; what it raises
+    (a value distsgd never writes) stops the resume, with no fallback."""
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
-    remove_stale_temporaries(ckpt_dir)
     manifest = read_manifest(run_dir)
     if manifest is None:
         raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
-    damage = _damage(ckpt_dir, manifest)
+    remove_stale_temporaries(ckpt_dir)
+    damage = _damage(ckpt_dir, manifest, check)
     if damage is None:
         return manifest
     previous = ckpt_dir / PREVIOUS
@@ -222,7 +231,7 @@ def usable_checkpoint(run_dir: Path) -> dict[str, Any]:
         older = json.loads(previous.read_text()) if previous.is_file() else None
     except (OSError, ValueError):
         older = None
-    if older is None or manifest_problem(older) or _damage(ckpt_dir, older) is not None:
+    if older is None or manifest_problem(older) or _damage(ckpt_dir, older, check) is not None:
         raise CheckpointError(f"the checkpoint in {run_dir} is damaged ({damage}) and there is no whole one before it")
     log.warning(
         "checkpoint %s in %s is damaged (%s); resuming from the one before it (%s, at %s samples)",
@@ -237,21 +246,24 @@ def usable_checkpoint(run_dir: Path) -> dict[str, Any]:
     return older
 
 
-def _damage(ckpt_dir: Path, manifest: dict[str, Any]) -> str | None:
-    """What is wrong with the checkpoint ``manifest`` names (None: every file loads)."""
+def _damage(ckpt_dir: Path, manifest: dict[str, Any], check: Callable[[Loaded], None] | None = None) -> str | None:
+    """What is wrong with the checkpoint ``manifest`` names (None: every file loads, and passes
+    ``check``, if given, which raises for a worker's file it refuses)."""
     names: list[int | str] = list(manifest.get("ranks", range(manifest["world"])))
     if manifest.get("coordinator"):
         names.append(COORDINATOR)
     for name in names:
         path = worker_file(ckpt_dir, manifest["seq"], name)
         try:
-            torch.load(path, map_location="cpu", weights_only=True)
+            data = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             return f"{path.name} is missing"
         except (OSError, MemoryError) as exc:  # the disk or this machine, not the file: no fallback
             raise CheckpointError(f"cannot read {path}: {exc}") from None
         except Exception as exc:  # torch's many errors for a torn or overwritten file
             return f"{path.name}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+        if check is not None and name != COORDINATOR:
+            check(loaded(data, path))
     return None
 
 
@@ -267,6 +279,41 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
     if problem:
         raise CheckpointError(f"{path} is not a distsgd checkpoint manifest: {problem}")
     return manifest
+
+
+def resume_hint(out: str | Path | None) -> str:
+    """For a run that stopped: how to go on from its last whole checkpoint, if ``out`` has one
+    ("; continue from ..."); else nothing (a run stopped before its first commit has none to offer)."""
+    try:
+        manifest = read_manifest(Path(out)) if out else None
+    except CheckpointError:
+        return ""
+    if manifest is None:
+        return ""
+    return f"; continue from the last checkpoint with --resume {out}"
+
+
+def remove_uncommitted(run_dir: Path) -> None:
+    """The files of checkpoints that were never committed (newer than the manifest's, or all when
+    there is none: a run that stopped, or whose disk filled, before it committed them), and the
+    temporaries of killed writers: a resume would never read them. Run by the launching process
+    once no worker writes any more."""
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    if not ckpt_dir.is_dir():
+        return
+    try:
+        manifest = read_manifest(run_dir)
+    except CheckpointError:
+        return  # nothing is sure: leave every file
+    newest = -1 if manifest is None else manifest["seq"]
+    for kept in ckpt_dir.glob("manifest.damaged-*.json"):  # a damaged checkpoint a resume fell back from: kept
+        seq = kept.name[len("manifest.damaged-") : -len(".json")]
+        newest = max(newest, int(seq)) if seq.isdigit() else newest
+    for path in ckpt_dir.glob("ckpt-*-rank*.pt"):
+        part = path.name.split("-")
+        if len(part) == 3 and part[1].isdigit() and int(part[1]) > newest:
+            path.unlink(missing_ok=True)
+    remove_stale_temporaries(ckpt_dir)
 
 
 def manifest_problem(manifest: object) -> str | None:
@@ -307,10 +354,30 @@ def load_worker_state(run_dir: Path, rank: int | str) -> dict[str, Any] | None:
         return None
     path = worker_file(Path(run_dir) / CHECKPOINT_DIR, manifest["seq"], rank)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None
+    return loaded(data, path)
+
+
+class Loaded(dict):
+    """A worker's file as loaded, or one of its pieces: a dict that knows the file it came from
+    (what :func:`scatter`'s errors name)."""
+
+    def __init__(self, data: dict[str, Any], path: Path) -> None:
+        super().__init__(data)
+        self.path = path
+        if hasattr(data, "_metadata"):  # a module's state_dict: its modules' versions, which loading reads
+            self._metadata = data._metadata
+
+
+def loaded(data: object, path: Path) -> Loaded:
+    """``data`` (a worker's file, as torch loaded it) as a :class:`Loaded`, each piece too; a
+    CheckpointError if it is not the dict of pieces distsgd writes."""
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise CheckpointError(f"cannot resume from {path}: it holds a {type(data).__name__}, not a distsgd checkpoint")
+    return Loaded({k: Loaded(v, path) if isinstance(v, dict) else v for k, v in data.items()}, path)
 
 
 # --- the stateful pieces of a run, saved and restored together ------------------------------------
@@ -320,10 +387,155 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+# Each piece checks every field it reads (type, shape, range) with these, as it loads: a checkpoint's
+# file is read back whole, and a value distsgd never writes there (a hand edit, a file from
+# elsewhere) is one CheckpointError naming the file and the field, not a traceback now or later.
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def count(state: dict[str, Any], key: str) -> int:
+    """``state[key]``, a whole number >= 0 (samples, steps, bytes)."""
+    value = state[key]
+    if not _whole(value) or value < 0:
+        raise BadField(key, value, "a whole number >= 0")
+    return value
+
+
+def seconds(state: dict[str, Any], key: str) -> float:
+    """``state[key]``, a finite number of seconds >= 0."""
+    value = state[key]
+    if _whole(value) or isinstance(value, float):
+        if math.isfinite(value) and value >= 0:
+            return float(value)
+    raise BadField(key, value, "a number of seconds >= 0")
+
+
+def flag(state: dict[str, Any], key: str) -> bool:
+    value = state[key]
+    if not isinstance(value, bool):
+        raise BadField(key, value, "true or false")
+    return value
+
+
+def of_type(state: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """``state[key]``, an instance of ``kind`` (``what``: how the message words it)."""
+    value = state[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise BadField(key, value, what)
+    return value
+
+
+def evaluations(state: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """``state[key]``, a list of evaluation events, each with its samples and time (which a summary
+    reports; its figures may be nan: measured so)."""
+    events = of_type(state, key, list, "a list of evaluations")
+    for event in events:
+        if not isinstance(event, dict):
+            raise BadField(key, events, "a list of evaluations")
+        count(event, "samples")
+        seconds(event, "train_wall_s")
+    return events
+
+
+def tensor(
+    state: dict[str, Any], key: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """``state[key]``, a tensor (of ``dtype`` and ``shape``, when given)."""
+    value = state[key]
+    if (
+        not isinstance(value, torch.Tensor)
+        or dtype is not None
+        and value.dtype != dtype
+        or shape is not None
+        and tuple(value.shape) != shape
+    ):
+        kind = "" if dtype is None else f"{str(dtype).removeprefix('torch.')} "
+        raise BadField(key, value, f"a {kind}tensor" + ("" if shape is None else f" of shape {list(shape)}"))
+    return value
+
+
+def state_mismatch(expected: dict[str, torch.Tensor], saved: dict[str, Any]) -> str | None:
+    """How the state dict ``saved`` does not fit a module whose own is ``expected`` (None: it
+    fits): its missing and unexpected keys and its tensors of another shape, a few of each, in one line."""
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(repr(k) for k in keys[:3]) + (f" ({len(keys)} in all)" if len(keys) > 3 else "")
+
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shaped = [k for k in expected if k in saved and not isinstance(saved[k], torch.Tensor)]
+    reshaped = [
+        f"{k} is {list(saved[k].shape)} there and {list(v.shape)} in the model"
+        for k, v in expected.items()
+        if isinstance(saved.get(k), torch.Tensor) and saved[k].shape != v.shape
+    ]
+    parts = [
+        *([f"missing {some(missing)}"] if missing else []),
+        *([f"unexpected {some(unexpected)}"] if unexpected else []),
+        *([f"not tensors: {some(shaped)}"] if shaped else []),
+        *reshaped[:3],
+        *([f"{len(reshaped) - 3} more of another shape"] if len(reshaped) > 3 else []),
+    ]
+    return "; ".join(parts) or None
+
+
+def optimizer_layout(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parameter groups of a torch optimiser's ``state_dict`` ``state``, checked: at least one
+    group, each with its parameters' indices and a learning rate; a per-parameter ``state`` dict."""
+    of_type(state, "state", dict, "a dict of the parameters' state")
+    groups = of_type(state, "param_groups", list, "a list of parameter groups")
+    if not groups or not all(isinstance(g, dict) for g in groups):
+        raise BadField("param_groups", groups, "a list of one or more parameter groups")
+    for group in groups:
+        params = group.get("params")
+        if not isinstance(params, list) or not all(_whole(i) and i >= 0 for i in params):
+            raise BadField("param_groups' params", params, "a list of parameter indices")
+        lr = group.get("lr")
+        if not isinstance(lr, (int, float, torch.Tensor)) or isinstance(lr, bool) or not math.isfinite(float(lr)):
+            raise BadField("param_groups' lr", lr, "a finite learning rate")
+    return groups
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    groups = optimizer_layout(state)
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        raise BadField("param_groups", [len(g["params"]) for g in groups], f"groups of {sizes} parameters, this run's")
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:  # what the optimiser keeps per parameter has the parameter's shape
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
+                    raise BadField(f"state's {key}", value, f"a tensor of its parameter's shape {list(p.shape)}")
+
+
+def _restore_module(module: nn.Module, state: dict[str, Any]) -> None:
+    problem = state_mismatch(module.state_dict(), state)
+    if problem is not None:
+        raise CheckpointError(f"does not fit the model: {problem}")
+    module.load_state_dict(state)
+
+
+def restore(piece: Stateful | nn.Module | torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``piece.load_state_dict(state)``, with the checks a module and an optimiser need beyond
+    their own (a piece of distsgd's checks its fields itself)."""
+    if isinstance(piece, nn.Module):
+        _restore_module(piece, state)
+    elif isinstance(piece, torch.optim.Optimizer):
+        _restore_optimizer(piece, state)
+    else:
+        piece.load_state_dict(state)
+
+
 class RngState:
     """torch's global random state (dropout) as a stateful piece: the CPU's, and when the process
     uses CUDA its current GPU's, the one a worker trains on (a checkpoint written on a GPU resumes
-    there exactly; not every GPU of the machine, which a machine with fewer could not take)."""
+    there exactly; not every GPU of the machine, which a machine with fewer could not take).
+    ``apply=False``: one that only checks a saved state (the launcher's look before a resume)."""
+
+    def __init__(self, apply: bool = True) -> None:
+        self.apply = apply
 
     def state_dict(self) -> dict[str, Any]:
         state = {"torch": torch.get_rng_state()}
@@ -332,9 +544,40 @@ class RngState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state(state["cuda"])
+        cpu = tensor(state, "torch", torch.uint8, tuple(torch.get_rng_state().shape))
+        cuda = tensor(state, "cuda", torch.uint8) if "cuda" in state else None
+        if not self.apply:
+            return
+        torch.set_rng_state(cpu)
+        if cuda is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(cuda)
+
+
+def restore_shared(saved: dict[str, Any], models: list[nn.Module], counts: torch.Tensor) -> None:
+    """The shared-memory launcher's models and sample counts from its file of a checkpoint (as
+    loaded), each checked: errors as :func:`scatter`'s."""
+    where = f"cannot resume from {getattr(saved, 'path', 'the checkpoint')}: "
+    try:
+        states = of_type(saved, "models", list, f"a list of {len(models)} models' states")
+        if len(states) != len(models) or not all(isinstance(st, dict) for st in states):
+            raise BadField("models", states, f"a list of {len(models)} models' states")
+        for model, state in zip(models, states):
+            _restore_module(model, state)
+        counts.copy_(tensor(saved, "counts", counts.dtype, tuple(counts.shape)))
+        if bool((counts < 0).any()):
+            raise BadField("counts", saved["counts"].tolist(), "samples counts >= 0")
+    except KeyError as exc:
+        raise CheckpointError(f"{where}the checkpoint has no {exc}{_why_missing(saved)}") from None
+    except BadField as exc:
+        raise CheckpointError(f"{where}its {exc}") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}its shared model {exc}") from None
+
+
+def load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
+    """A worker's model from its file's ``model`` piece (as loaded): errors as :func:`scatter`'s."""
+    holder = Loaded({"model": saved}, saved.path) if isinstance(saved, Loaded) else {"model": saved}
+    scatter({"model": model}, holder)
 
 
 def gather(pieces: dict[str, Stateful]) -> dict[str, Any]:
@@ -342,18 +585,48 @@ def gather(pieces: dict[str, Stateful]) -> dict[str, Any]:
     return {name: piece.state_dict() for name, piece in pieces.items()}
 
 
-def scatter(pieces: dict[str, Stateful], state: dict[str, Any]) -> None:
-    """Give every piece its saved state back. Each piece reads the keys its ``state_dict`` writes,
-    with no fallback for the layouts of older versions: a key it lacks is one CheckpointError."""
+def scatter(pieces: dict[str, Any], state: dict[str, Any]) -> None:
+    """Give every piece its saved state back (``state``: a worker's file as loaded, which names
+    it in errors). Each piece reads the keys its ``state_dict`` writes, with no fallback for the
+    layouts of older versions, and checks them: a key it lacks, a value of another type, shape or
+    range, anything it cannot take, is one CheckpointError naming the file, the piece and the field."""
+    path = getattr(state, "path", None)
+    where = f"cannot resume from {path}: " if path is not None else ""
     for name, piece in pieces.items():
+        if name not in state:
+            raise CheckpointError(f"{where}the checkpoint has no '{name}' part{_why_missing(state)}")
+        part = state[name]
+        if not isinstance(part, dict):
+            raise CheckpointError(f"{where}its {BadField(name, part, 'a dict of its fields')}")
         try:
-            piece.load_state_dict(state[name])
+            restore(piece, part)
         except KeyError as exc:
-            what = f"'{name}' part" if name not in state else f"{exc} in its '{name}' part"
             raise CheckpointError(
-                f"the checkpoint has no {what}: it was written by an older distsgd, whose checkpoints this "
-                f"version does not resume (train afresh, or resume with the version that wrote it)"
+                f"{where}the checkpoint has no {exc} in its '{name}' part{_why_missing(state)}"
             ) from None
+        except BadField as exc:
+            raise CheckpointError(f"{where}its '{name}' part's {exc}") from None
+        except CheckpointError as exc:
+            raise CheckpointError(f"{where}its '{name}' part {exc}") from None
+        except Exception as exc:  # what a piece's own load_state_dict (torch's) raises for a value it cannot take
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointError(
+                f"{where}its '{name}' part cannot be restored ({type(exc).__name__}: {first})"
+            ) from None
+
+
+def _why_missing(state: dict[str, Any]) -> str:
+    """Why a file lacks a piece or a field, as its format says: an older distsgd's layout only
+    where the file is one (it predates the marker, or names an older format)."""
+    fmt = state.get("format")
+    if fmt is None or _whole(fmt) and fmt < CHECKPOINT_FORMAT:
+        return (
+            ": it was written by an older distsgd, whose checkpoints this version does not resume "
+            "(train afresh, or resume with the version that wrote it)"
+        )
+    if _whole(fmt) and fmt > CHECKPOINT_FORMAT:
+        return f": it was written by a newer distsgd (its format {fmt}; this version reads {CHECKPOINT_FORMAT})"
+    return ": the file is damaged, or distsgd did not write it"
 
 
 class Checkpointer:
@@ -370,10 +643,18 @@ class Checkpointer:
         return load_worker_state(Path(self.resume), self.rank) if self.resume else None
 
     def save(self, seq: int, pieces: dict[str, Stateful]) -> None:
+        """This worker's part of checkpoint ``seq``; a file that cannot be written (a full disk) is
+        an OutputError naming it."""
         assert self.dir is not None, "checkpoints need a run directory"
-        save_worker_state(self.dir, seq, self.rank, gather(pieces))
+        try:
+            save_worker_state(self.dir, seq, self.rank, gather(pieces))
+        except OSError as exc:
+            raise OutputError.of(exc) from None
 
     def commit(self, seq: int, meta: dict[str, Any], ranks: list[int] | None = None, coordinator: bool = False) -> None:
         """Once every worker has saved: the manifest now names checkpoint ``seq``."""
         assert self.dir is not None
-        commit_checkpoint(self.dir, seq, self.world, meta, ranks, coordinator)
+        try:
+            commit_checkpoint(self.dir, seq, self.world, meta, ranks, coordinator)
+        except OSError as exc:
+            raise OutputError.of(exc) from None

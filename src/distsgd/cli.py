@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from distsgd import __version__, options
+from distsgd import __version__, _early, options
 from distsgd import config as config_mod
 from distsgd.config import RunConfig
 from distsgd.errors import DistsgdError, Terminated, on_sigterm
@@ -214,11 +214,22 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(
                 f"{s['algo']} x{s['workers']}: "
                 + (f"test accuracy {acc:.4f}, " if acc is not None else "")
-                + f"test loss {s['final_test_loss']:.4f}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
+                + f"test loss {s['final_test_loss']:.4f}{_as_of(s)}, {s['samples']} samples in {s['train_wall_s']:.1f} s "
                 f"({s['samples_per_s']:.0f} samples/s){target}"
             )
         print(f"run saved in {result.out}")
     return 0
+
+
+def _as_of(s: dict[str, Any]) -> str:
+    """Which model the final figures describe, where the samples alone would mislead: the model
+    returned, as it was at its last evaluation, when steps trained after it never reached it."""
+    at = s.get("final_eval_samples")
+    if at is None or at >= s["samples"]:
+        return ""
+    return (
+        f" (of the model returned, as it was at {at} samples: the {s['samples'] - at} trained after never reached it)"
+    )
 
 
 def _hush(quiet: bool) -> None:
@@ -360,13 +371,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_hint(args: argparse.Namespace) -> str:
+def _resume_hint(args: argparse.Namespace | None) -> str:
     """For a stopped run that checkpoints: where its last whole checkpoint is, and how to go on."""
     from distsgd.checkpoint import read_manifest
 
     out = getattr(args, "out", None) or getattr(args, "resume", None)
     try:
-        manifest = read_manifest(Path(out)) if out and args.command == "train" else None
+        manifest = read_manifest(Path(out)) if out and args is not None and args.command == "train" else None
     except DistsgdError:
         return ""
     if manifest is None:
@@ -388,21 +399,25 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
-    restore = on_sigterm()
+    restore = on_sigterm()  # from here to the end, as from the command's first instruction (distsgd._early)
+    _early.settled()
+    args: argparse.Namespace | None = None
     try:
+        parser = build_parser()  # imports every algorithm: a signal may come meanwhile
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s"
+        )
         return COMMANDS[args.command](args)
     except DistsgdError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return exc.exit_code
-    except Terminated:
-        sys.stderr.write(f"error: terminated by SIGTERM{_resume_hint(args)}\n")
-        return 143
+    except Terminated as exc:
+        sys.stderr.write(f"error: terminated by {exc.signal_name}{_resume_hint(args)}\n")
+        return 128 + exc.signal_number
     except KeyboardInterrupt:
         sys.stderr.write(f"error: interrupted{_resume_hint(args)}\n")
         return 130
@@ -413,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # The command has ended and said how: a SIGTERM from now on (srun's --kill-on-bad-exit,
         # after this task's own error line) must not raise inside the interpreter's exit and print
-        # a traceback there; it ends the process as it would have before the command.
+        # a traceback there, nor say a second line; it ends the process as a SIGTERM does.
         restore()
+        _early.settled()
 
 
 if __name__ == "__main__":

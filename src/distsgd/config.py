@@ -15,9 +15,9 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from distsgd.errors import ConfigError
+from distsgd.errors import BadField, ConfigError
 from distsgd.options import at_least, check_value, close_match, coerce, flag_of, not_negative, one_of, option, shown
 
 if sys.version_info >= (3, 11):
@@ -94,8 +94,16 @@ class Periodic:
         return {"next": self.next, "pending": self.pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next = state["next"] if self.every is not None else None
-        self.pending = bool(state["pending"])
+        nxt, pending = state["next"], state["pending"]
+        if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
+            raise BadField("next", nxt, "a whole number >= 0, or none")
+        if not isinstance(pending, bool):
+            raise BadField("pending", pending, "true or false")
+        if self.every is not None and nxt is not None:  # (saved each epoch, now every N: from the first N on)
+            self.next = nxt
+        elif self.every is None:
+            self.next = None
+        self.pending = pending
 
 
 @dataclass(frozen=True)
@@ -592,6 +600,57 @@ def for_resume(
         given = {k.replace("-", "_") for k in changes}
         cfg = cfg.replace(options={k: v for k, v in cfg.options.items() if k in taken or k in given})
     return cfg.replace(resume=str(run_dir), out=cfg.out if "out" in changes else str(run_dir))
+
+
+# The settings a checkpoint's state depends on, besides the algorithm and the workers (which its
+# manifest records), each with what of it matters: the model's shapes (model, dataset, context),
+# the optimiser's state and its parameter groups (optimizer, weight_decay_on), fp16's loss scaler
+# (bf16 and fp32 keep no state), what the loop's counters mean (partition: an epoch's length). A
+# resume that changes one would load a state that does not fit, or fits and means something else;
+# so would one that changes the algorithm's own options.
+def _itself(value: Any) -> object:
+    return value
+
+
+RESUME_FIXED: dict[str, Callable[[Any], object]] = {
+    "model": _itself,
+    "dataset": _itself,
+    "context": _itself,
+    "optimizer": _itself,
+    "weight_decay_on": _itself,
+    "precision": lambda p: p == "fp16",
+    "partition": _itself,
+}
+
+
+def check_resume_settings(run_dir: str | Path, cfg: RunConfig, options_cls: Any, option_names: Any = ()) -> None:
+    """Raise a ConfigError naming the first setting of :data:`RESUME_FIXED`, or option of
+    ``options_cls`` (the run's algorithm's Options), that the settled ``cfg`` gives otherwise than
+    the run in ``run_dir`` recorded in its config.toml (the settings its checkpoints were written
+    with: a resume rewrites that file only once it passed this check). Nothing recorded: nothing
+    to compare (the checkpoint's own checks still hold)."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        return
+    saved = load_toml(path, option_names=option_names)
+    own = set(options_cls.names())
+    recorded = options_cls.from_mapping({k: v for k, v in saved.options.items() if k in own}).to_mapping()
+    pairs = [
+        (flag_of(_FIELDS[name]), getattr(saved, name), getattr(cfg, name), key) for name, key in RESUME_FIXED.items()
+    ]
+    pairs += [("--" + k.replace("_", "-"), recorded[k], v, _itself) for k, v in cfg.options.items() if k in recorded]
+    for flag, before, now, key in pairs:
+        if before is not None and now is not None and key(before) != key(now):
+            raise ConfigError(
+                f"--resume {run_dir}: its checkpoint was written with {flag} {_shown(before)}, not "
+                f"{_shown(now)}, and its state depends on it: resume with {flag} {_shown(before)} (or leave "
+                f"{flag} out), or train afresh into another --out"
+            )
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as a flag takes it (``true``, ``0.5``, ``mlp``)."""
+    return "true" if value is True else "false" if value is False else str(value)
 
 
 def parse_straggler(text: str) -> Straggler:

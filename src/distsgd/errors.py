@@ -35,6 +35,18 @@ class CheckpointError(DistsgdError):
     """A checkpoint that cannot be read."""
 
 
+class BadField(CheckpointError):
+    """A field of a checkpoint's piece whose value distsgd never writes there (``what``: what it
+    writes, in words); the loader names the file and the piece."""
+
+    def __init__(self, key: str, value: object, what: str) -> None:
+        text = repr(value)
+        shown = text if len(text) <= 40 else f"a {type(value).__name__} ({text[:30]}...)"
+        if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor (errors knows no torch)
+            shown = f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+        super().__init__(f"'{key}' is {shown}, not {what}")
+
+
 class OutputError(DistsgdError):
     """A file distsgd must write cannot be: a full disk, an unwritable or impossible path."""
 
@@ -50,15 +62,46 @@ class WorkerError(DistsgdError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler, ``kill``, a container runtime) arrived: stop as Ctrl-C stops a run."""
+    """SIGTERM (a scheduler, ``kill``, a container runtime) arrived, or SIGUSR1 (SLURM's
+    ``--signal``, a preemption notice): stop as Ctrl-C stops a run."""
 
     signal_name = "SIGTERM"
+    signal_number = 15
+
+    def __init__(self, signal_name: str = "SIGTERM", signal_number: int = 15) -> None:
+        super().__init__(signal_name)
+        self.signal_name, self.signal_number = signal_name, signal_number
+
+
+class StopRequest:
+    """A stop asked for by a signal, for a loop that can end at its next step with a final
+    checkpoint (distsgd's loop, for an algorithm whose workers step in lockstep). While a loop
+    listens (:meth:`listen`), SIGTERM and SIGUSR1 set :attr:`requested` (the signal's name)
+    instead of raising :class:`Terminated`, however often they come: the loop stops at its next
+    step, writes a checkpoint and raises it then; a launcher or scheduler that will not wait sends
+    SIGKILL. Outside, they raise at once, as before."""
+
+    def __init__(self) -> None:
+        self.listening = False
+        self.requested: tuple[str, int] | None = None  # (the signal's name, its number) once one came
+
+    @contextlib.contextmanager
+    def listen(self) -> Iterator["StopRequest"]:
+        was, self.listening = self.listening, True
+        try:
+            yield self
+        finally:
+            self.listening = was
+
+
+STOP = StopRequest()  # this process's; the handler on_sigterm installs reads it
 
 
 def on_sigterm() -> Callable[[], None]:
-    """From now on, SIGTERM raises :class:`Terminated` in this process's main thread (as SIGINT
-    raises KeyboardInterrupt), so every clean-up on the way out runs; later SIGTERMs are ignored
-    while it does. Returns what puts the previous handler back. No-op off the main thread."""
+    """From now on, SIGTERM (and SIGUSR1) raises :class:`Terminated` in this process's main thread
+    (as SIGINT raises KeyboardInterrupt), so every clean-up on the way out runs; later ones are
+    ignored while it does. While a loop listens to :data:`STOP`, they only ask it to stop. Returns
+    what puts the previous handlers back. No-op off the main thread."""
     import signal
     import threading
 
@@ -66,15 +109,21 @@ def on_sigterm() -> Callable[[], None]:
         return lambda: None
 
     def handler(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if STOP.listening:  # the loop stops at its next step, with a final checkpoint
+            STOP.requested = STOP.requested or (name, signum)
+            return
         # once: a second SIGTERM (a process group's and then the launcher's, say) must not break the
         # clean-up the first one started; the launcher still ends a worker that will not stop
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated()
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        raise Terminated(name, signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, was in previous.items():
+            signal.signal(sig, was)
 
     return restore
 

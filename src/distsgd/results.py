@@ -103,6 +103,9 @@ def build_summary(
         "samples_per_s": samples / chief.train_wall_s if chief.train_wall_s > 0 else 0.0,
         "final_test_accuracy": chief.final_test_accuracy,
         "final_test_loss": chief.final_test_loss,
+        # the samples of the evaluation the final figures are (the model returned, as it was then): fewer
+        # than samples where the last steps never reached it (an asynchronous worker's after its last push)
+        "final_eval_samples": chief.evals[-1]["samples"] if chief.evals else None,
         "target_accuracy": cfg.target_accuracy,
         "target_loss": cfg.target_loss,
         "time_to_target_s": hit["train_wall_s"] if hit else None,
@@ -176,7 +179,7 @@ def evaluate_checkpoint(
     """Load a saved model (weights only) and measure it on its dataset's test set (``dataset``:
     another). A model or dataset that is a file (``path/file.py:Name``) is imported only when the
     caller names it (``model``, ``dataset``): a checkpoint cannot make eval run code."""
-    from distsgd.checkpoint import load_checkpoint
+    from distsgd.checkpoint import load_checkpoint, state_mismatch
     from distsgd.train.evaluate import evaluate
 
     path = Path(path)
@@ -200,10 +203,10 @@ def evaluate_checkpoint(
         )
     spec = model or ckpt["model"]
     net = build_model(spec, ds.input_shape, ds.num_classes, saved.init)
-    try:
-        net.load_state_dict(ckpt["state_dict"])
-    except RuntimeError as exc:
-        raise ModelError(f"the checkpoint does not match model {spec}: {str(exc).splitlines()[0]}") from None
+    problem = state_mismatch(net.state_dict(), ckpt["state_dict"])  # what torch would say, in one line
+    if problem is not None:
+        raise ModelError(f"the checkpoint does not match model {spec}: {problem}")
+    net.load_state_dict(ckpt["state_dict"])
     loss_fn = loss_function(saved.loss, None, ds.task)
     acc, loss = evaluate(net, ds, batch_size, loss_fn)
     return {

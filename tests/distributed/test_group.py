@@ -176,7 +176,10 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "error: interrupted"
+    # the workers, stopped by the launcher's SIGTERM, may first write a checkpoint of their step: then
+    # the line names the --resume that goes on from it
+    last = err.strip().splitlines()[-1]
+    assert last == "error: interrupted" or last.startswith("error: interrupted; its last whole checkpoint"), err
     # The reaper fixture checks that no worker outlived the launcher.
 
 

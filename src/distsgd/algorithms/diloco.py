@@ -48,6 +48,7 @@ from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.algorithms.periodic import period_option
+from distsgd.checkpoint import count
 from distsgd.config import OPTIMIZERS, Period, Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
@@ -258,7 +259,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.rounds = state["rounds"]
+        self.rounds = count(state, "rounds")
         self.period.load_state_dict(state["period"])
         self.global_model.load_state_dict(state["global"])
         self.outer.load_state_dict(state["outer"])

@@ -36,6 +36,7 @@ from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, average_model_, float_buffers, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.algorithms.periodic import period_option
+from distsgd.checkpoint import count
 from distsgd.config import Period, Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
@@ -155,7 +156,7 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.averagings = state["averagings"]
+        self.averagings = count(state, "averagings")
         self.period.load_state_dict(state["period"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"], self.params[0].device)

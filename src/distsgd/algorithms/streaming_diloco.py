@@ -57,6 +57,7 @@ from distsgd.algorithms.averaging import average_buffers_, broadcast_, flat_view
 from distsgd.algorithms.base import GroupFigures, register
 from distsgd.algorithms.diloco import InnerOuter, OuterOptions
 from distsgd.algorithms.periodic import period_option
+from distsgd.checkpoint import count
 from distsgd.config import Period, Periodic, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
@@ -369,7 +370,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.rounds = state["rounds"]
+        self.rounds = count(state, "rounds")
         f = state["flight"]
         self.flight = None if f is None else Flight(f["fragment"], f["lands"], mean=f["mean"].to(self.flat.device))
         for period, saved in zip(self.periods, state["periods"]):

@@ -300,9 +300,10 @@ def from_arrays(
     if y_train.dtype.is_floating_point:
         num_classes = y_train.shape[1]  # outputs of a regression
     else:
-        inferred = int(max(int(y_train.max()), int(y_test.max()) if len(y_test) else 0)) + 1
+        largest, key = max((int(y_train.max()), "y"), (int(y_test.max()) if len(y_test) else 0, "y_test"))
+        inferred = largest + 1
         if num_classes is None:
-            num_classes = inferred
+            num_classes = formats.classes_from_labels(largest, f"{name}: '{key}'")
         elif inferred > num_classes:
             raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {inferred - 1}")
     dims = [0] + ([2, 3] if x_train.dim() == 4 else [])

@@ -34,6 +34,9 @@ _IDX_TYPES: dict[int, np.dtype] = {
 MAX_BYTES = 1 << 36  # 64 GiB: an array whose header claims more is refused, not allocated
 NPZ_KEYS = ("x", "y", "x_test", "y_test")  # the arrays of an npz dataset (nothing else in the file is read)
 DEFLATE_MAX_RATIO = 1032  # deflate's largest expansion (RFC 1951: a 258-byte match in about 2 bits)
+# Classes counted from labels (the largest + 1) beyond which the labels are refused: a model has
+# one output per class, and labels near 2**25 would ask for a last layer of ~17 GB (2**40: 0.5 PB).
+MAX_CLASSES = 1 << 20
 
 
 def _open(path: Path):  # noqa: ANN202 - a binary file object
@@ -102,6 +105,17 @@ def read_idx_pair(images: Path, labels: Path, num_classes: int = 10) -> tuple[np
     y = y.astype(np.int64)
     check_labels(y, num_classes, labels)
     return x[:, None, :, :], y
+
+
+def classes_from_labels(largest: int, where: object) -> int:
+    """The number of classes that labels whose largest is ``largest`` make (largest + 1), or one
+    DataError naming the labels when it is more than a model can have outputs (:data:`MAX_CLASSES`)."""
+    if largest >= MAX_CLASSES:
+        raise DataError(
+            f"{where}: the largest label is {largest}, so a model would need {largest + 1} outputs (one per "
+            f"class; at most {MAX_CLASSES}): labels are class indices 0..C-1, so number your classes from 0"
+        )
+    return largest + 1
 
 
 def check_labels(y: np.ndarray, num_classes: int, where: object) -> None:
@@ -188,8 +202,12 @@ def _check_npz_headers(path: Path) -> set[str]:
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     """User arrays: ``x``, ``y`` and optionally ``x_test``, ``y_test`` (no pickled objects)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"npz file not found: {path}")
+    if path.is_dir():
+        raise DataError(f"npz:{path} is a directory: give an .npz file (numpy.savez)")
+    if not path.is_file():
+        raise DataError(f"npz:{path} is not a regular file (a device, a pipe or a socket): give an .npz file")
     wanted = _check_npz_headers(path)
     try:
         with np.load(path, allow_pickle=False) as npz:

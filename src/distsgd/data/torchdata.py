@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from distsgd.data.formats import classes_from_labels
 from distsgd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class TorchData:
                 self.name,
             )
             targets = [self._item(ds, i)[1] for i in range(len(ds))]
-        return int(torch.as_tensor(targets).max()) + 1
+        return classes_from_labels(int(torch.as_tensor(targets).max()), f"{self.name}: its training labels")
 
     @property
     def n_train(self) -> int:

@@ -95,6 +95,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
         _entry,
         [("worker", r) for r in range(world)],
         lambda r, out, _: (r, world, job, algo_cls, init_method, out),
+        signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
         while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker

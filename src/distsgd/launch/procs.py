@@ -130,17 +130,23 @@ def _nothing() -> None:
 
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C and SIGTERM (SIGUSR1) ignored by what starts meanwhile: the fork server, which a
+    signal to the whole process group would otherwise end at once, and with it every worker
+    (their watch on their parent) before they could stop at a step with a final checkpoint. The
+    fork server ends with its launcher; the workers set their own handlers."""
     import signal
 
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: leave the handler alone
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stops}
+    except ValueError:  # not the main thread: leave the handlers alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, was in old.items():
+            signal.signal(sig, was)
 
 
 class _Later:
@@ -522,9 +528,12 @@ def spawned(
     args: Callable[..., tuple],
     leave_s: float = 0.0,
     threads: Callable[[], None] | None = None,
+    signalled_grace_s: float = STOP_GRACE_S,
 ) -> Iterator[Team]:
     """Start one process per role; yield the :class:`Team`; reap every process on the way out,
-    after up to ``leave_s`` for them to end by themselves once the team's work is done. With
+    after up to ``leave_s`` for them to end by themselves once the team's work is done. Stopped by
+    SIGTERM (SIGUSR1), the processes are given ``signalled_grace_s`` to stop by themselves
+    (lockstep workers: at their next step, with a final checkpoint) before SIGKILL. With
     ``threads`` (what stops them), threads of this process instead (:class:`ThreadTeam`)."""
     team = Team(cfg, target, roles, args) if threads is None else ThreadTeam(cfg, target, roles, args, threads)
     done = False
@@ -533,6 +542,9 @@ def spawned(
             team.start(i)
         yield team
         done = True
+    except Terminated:
+        stop_all(team.procs, grace_s=signalled_grace_s)
+        raise
     finally:
         stop_all(team.procs, leave_s=leave_s if done else 0.0)
         if cfg.out:

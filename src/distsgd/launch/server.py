@@ -12,6 +12,7 @@ run fails at once with one line.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import secrets
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat
+from distsgd.checkpoint import resume_hint
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.launch import procs
@@ -155,7 +157,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
     seat = ServerSeat(address, secrets.token_bytes(32))  # the run's secret: the server admits no one else
     job.data.share_memory_()
     roles = [("server", 0)] + [("worker", r) for r in range(workers)]
-    resume = f"; continue from the last checkpoint with --resume {cfg.out}" if cfg.checkpoint_period else ""
+    resume = functools.partial(resume_hint, cfg.out)  # read when the run fails: is there a checkpoint yet?
     lockstep = _server(algo_cls).exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
     given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
@@ -172,7 +174,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
                 for rank in sorted(failed - gone):
                     if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
                         cause = sup.blame(_name)  # the dead one, not one its death upset
-                        raise type(cause)(f"{cause}{resume}")
+                        raise type(cause)(f"{cause}{resume()}")
                     if not procs.replace(team, sup, rank, f"worker {rank - 1}", sink, restarts):
                         gone.add(rank)
                         given_up[rank] = 1
@@ -180,7 +182,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
                 cause = sup.blame(_name)
                 if not str(cause).startswith("the parameter server"):
                     cause = type(cause)(f"all {workers} workers failed; {cause}")
-                raise type(cause)(f"{cause}{resume}")
+                raise type(cause)(f"{cause}{resume()}")
         # late results; none will come from a worker the server dropped (one frozen says nothing)
         seen = sup.results[0]["attendance"] or Attendance()  # the server's: one frozen is alive, not failed
         dropped = {r + 1 for r in seen.failed_workers or []}

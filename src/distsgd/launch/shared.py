@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 
 from distsgd.algorithms.base import Algorithm, Link, SharedMemory, SharedSeat
-from distsgd.checkpoint import CHECKPOINT_DIR, COORDINATOR, commit_checkpoint, load_worker_state, save_worker_state
+from distsgd.checkpoint import (
+    CHECKPOINT_DIR,
+    COORDINATOR,
+    commit_checkpoint,
+    load_worker_state,
+    restore_shared,
+    save_worker_state,
+    scatter,
+)
 from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, WorkerError
@@ -165,10 +173,8 @@ class Machine:
         ]
         self.counts = torch.zeros(cfg.workers, dtype=torch.int64)
         saved = load_worker_state(Path(cfg.resume), COORDINATOR) if cfg.resume else None
-        if saved is not None:  # the shared models and counters of the checkpoint
-            for m, state in zip(self.models, saved["models"]):
-                m.load_state_dict(state)
-            self.counts.copy_(saved["counts"])
+        if saved is not None:  # the shared models and counters of the checkpoint, checked
+            restore_shared(saved, self.models, self.counts)
         for m in self.models:
             m.share_memory()
         self.states = [m.state_dict() for m in self.models]
@@ -206,7 +212,7 @@ class Machine:
             self.watcher.hold, self.watcher.count = self._held, self.samples
             self._hold_at_next()
         if saved is not None:
-            self.watcher.load_state_dict(saved["watcher"])
+            scatter({"watcher": self.watcher}, saved)
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {slot: its samples when it saved}
         self.restarts: list[dict[str, Any]] = []
         self.gone: set[int] = set()  # failed slots the run carries on without

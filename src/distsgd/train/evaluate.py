@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distsgd.checkpoint import count, evaluations, of_type, seconds
 from distsgd.config import Periodic, eval_period
 from distsgd.data import TrainingData
 from distsgd.metrics import Sink, TrainClock, lm_figures
@@ -166,9 +167,13 @@ class Watcher:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.at.load_state_dict(state["evals_at"])
         self.last = None
-        self.evals = list(state["evals"])
-        self.pending = [(s["samples"], s["train_s"], s["state"]) for s in state["snapshots"]]
-        self.earlier_s = state["train_wall_s"]
+        self.evals = list(evaluations(state, "evals"))
+        snapshots = of_type(state, "snapshots", list, "a list of model copies")
+        self.pending = [
+            (count(s, "samples"), seconds(s, "train_s"), of_type(s, "state", dict, "a model's state"))
+            for s in snapshots
+        ]
+        self.earlier_s = seconds(state, "train_wall_s")
 
 
 def eval_event(

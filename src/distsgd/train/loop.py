@@ -17,14 +17,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from distsgd.checkpoint import Checkpointer, scatter
+from distsgd.checkpoint import Checkpointer, RngState, optimizer_layout, scatter
 from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
-from distsgd.errors import ConfigError
+from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.metrics import reached as target_reached
 from distsgd.train import device
 from distsgd.train.context import Start, WorkerContext, WorkerResult
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+CHECK_S = 0.1  # about how often the workers ask one another whether a signal asked the run to stop
 
 
 @device.float32_exact()  # float32 computed in float32 on a GPU too (not cuDNN's default TF32)
@@ -50,6 +51,14 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
         return run_own_loop(ctx, algo, replacement)
     w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
     w.run.begin(w.state.train_wall_s)
+    # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
+    with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
+        _train(w, ctx, algo)
+    return w.finish()
+
+
+def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
+    """The loop's epochs and steps, up to the run's budget, its target or a signal's stop."""
     stop = False
     while not stop and w.more_epochs():
         batches = ctx.dataset.batches(w.epoch_order(), w.state.start, ctx.cfg.batch_size)
@@ -58,6 +67,8 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
                 stop = True
                 break
             w.step(micro)
+            if w.signalled():
+                w.stop_for_signal()
             if w.state.evals_at.due(w.all_samples) and w.evaluate():
                 stop = True
                 break
@@ -70,7 +81,25 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
             stop = w.evaluate()
         if w.checkpoint_each_epoch:
             w.checkpoint()
-    return w.finish()
+
+
+def check_saved(saved: dict[str, Any], model: torch.nn.Module) -> None:
+    """The launcher's look at a worker's file of a checkpoint before a resumed run writes anything
+    (its config.toml): the pieces every worker restores alike, each checked as it loads: the model
+    (into ``model``, one built as the workers build theirs, which it changes), the loop's counters,
+    the random state (not applied), the optimiser's layout. A worker checks all its pieces again
+    as it restores them: the algorithm's too, and the optimiser against its own."""
+    scatter({"model": model, "loop": LoopState(), "rng": RngState(apply=False), "optimizer": _Layout()}, saved)
+
+
+class _Layout:
+    """An optimiser's saved state, checked but restored into nothing (see :func:`check_saved`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizer_layout(state)
 
 
 def _groups(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:
@@ -129,6 +158,7 @@ class _Worker:
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
         if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
             run.where["compile_s"] = round(self.warm_compiled(), 3)
+        self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
@@ -244,14 +274,43 @@ class _Worker:
         self.evaluated = snapshot(model)
         return event
 
+    def signalled(self) -> bool:
+        """Whether a signal asked the run to stop, on any worker. The workers ask together, at the
+        same steps: every few steps, as many as take about :data:`CHECK_S` (each worker proposes
+        a number from its own step time; all take the largest, which they learn with the answer),
+        so that the asking costs nothing much and the stop comes within a fraction of a second."""
+        st = self.state
+        if not STOP.listening or st.steps < self.next_check:
+            return False
+        now = time.perf_counter()
+        per_step = (now - self.checked[0]) / max(1, st.steps - self.checked[1])
+        every = max(1, min(1000, int(CHECK_S / per_step))) if per_step > 0 else 1
+        self.checked = (now, st.steps)
+        seen = self.algo.max_of(self.ctx, [int(STOP.requested is not None), every])
+        self.next_check = st.steps + (seen[1] if seen is not None else 1)
+        return seen is not None and bool(seen[0])
+
+    def stop_for_signal(self) -> NoReturn:
+        """A signal asked the run to stop: every worker is at this step. A checkpoint of it (where
+        the run has a directory), so that ``--resume`` (a requeued job's, by itself) loses no step;
+        then :class:`Terminated`, which the command reports with that ``--resume``."""
+        if self.cfg.out and self.algo.checkpoints:
+            self.checkpoint()
+            self.algo.barrier(self.ctx)  # rank 0 has committed it: no worker's exit (srun's --kill-on-bad-exit,
+            # torchrun's stop of the others) can end rank 0 before
+        raise Terminated(*(STOP.requested or ("SIGTERM", 15)))
+
     def checkpoint(self) -> None:
         """Every worker writes its pieces; once all have, the manifest points at the new set.
         A checkpoint's number is the one of the point it is taken at (the k-th multiple of
-        --checkpoint-every samples, or the epoch), so workers that are not in lockstep agree."""
+        --checkpoint-every samples, or the epoch), so workers that are not in lockstep agree; and
+        always above the last one's (a signal's checkpoint falls between two points: the next
+        point's must not write over it)."""
         st = self.state
         with self.run.paused():
             period = self.cfg.checkpoint_period
-            st.seq = st.epoch if period is None or period.count is None else self.all_samples // period.count
+            point = st.epoch if period is None or period.count is None else self.all_samples // period.count
+            st.seq = max(point, st.seq + 1)
             st.train_wall_s = self.clock.elapsed()
             self.checkpointer.save(st.seq, self.pieces)
             where = {"samples": self.all_samples, "epoch": st.epoch}
@@ -282,4 +341,4 @@ class _Worker:
         return self.run.result()
 
 
-__all__ = ["run_worker", "LoopState"]
+__all__ = ["run_worker", "check_saved", "LoopState"]

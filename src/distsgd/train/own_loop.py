@@ -40,7 +40,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
-from distsgd.checkpoint import Checkpointer, RngState, Stateful, scatter
+from distsgd.checkpoint import Checkpointer, RngState, Stateful, count, evaluations, load_model_state, scatter, seconds
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError, loop_failure, stall_watch
@@ -108,6 +108,7 @@ class LoopState:
         self.evals_at, self.checkpoints_at = Periodic(eval_every), Periodic(checkpoint_every)
 
     _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
+    _WHOLE = ("epoch", "start", "local", "steps", "seq")  # of the counters, those that count (>= 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -117,8 +118,10 @@ class LoopState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in self._COUNTERS:
-            setattr(self, k, state[k])
+        for k in self._WHOLE:
+            setattr(self, k, count(state, k))
+        self.train_wall_s = seconds(state, "train_wall_s")
+        self.evals = evaluations(state, "evals")
         self.evals_at.load_state_dict(state["evals_at"])
         self.checkpoints_at.load_state_dict(state["checkpoints_at"])
 
@@ -348,7 +351,7 @@ class Run:
             model = model.to(ctx.device)
         model.train()
         if saved is not None:
-            model.load_state_dict(saved)
+            load_model_state(model, saved)
         shared = algo.topology.kind in ("server", "shared")
         before = snapshot(model) if given is not None and start is Start.FRESH and shared else None
         self._model = algo.setup(ctx, model, start)

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from torch.futures import Future
 
+from distsgd import checkpoint as ckpt
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.param_server.hyper import Hyperparameters
 from distsgd.config import RunConfig
-from distsgd.errors import CheckpointError
+from distsgd.errors import BadField, CheckpointError
 from distsgd.train.optim import build_optimizer
 
 if TYPE_CHECKING:
@@ -285,14 +286,22 @@ class ParameterServer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = state["version"]
-        self.bytes_sent, self.bytes_received = state["bytes_sent"], state["bytes_received"]
-        self.counts, self.clocks = list(state["counts"]), list(state["clocks"])
-        self.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
+        ckpt.restore(self.model, ckpt.of_type(state, "model", dict, "the model's state"))
+        ckpt.restore(self.optimizer, ckpt.of_type(state, "optimizer", dict, "the optimiser's state"))
+        self.version = ckpt.count(state, "version")
+        self.bytes_sent, self.bytes_received = ckpt.count(state, "bytes_sent"), ckpt.count(state, "bytes_received")
+        self.counts, self.clocks = self._per_worker(state, "counts"), self._per_worker(state, "clocks")
+        staleness = ckpt.of_type(state, "staleness", dict, "a dict of staleness counts")
+        self.staleness = Counter({int(k): ckpt.count(staleness, k) for k in staleness})
         self._buffers = {int(r): _fitting(b, float_buffers(self.model)) for r, b in state["buffers"].items()}
         self._ints = None if state["ints"] is None else _fitting(state["ints"], int_buffers(self.model))
+
+    def _per_worker(self, state: dict[str, Any], key: str) -> list[int]:
+        """``state[key]``: a count for the server and each worker, as :meth:`state_dict` writes it."""
+        values = ckpt.of_type(state, key, list, "a list of counts")
+        if len(values) != len(self.counts):
+            raise BadField(key, values, f"a list of {len(self.counts)} counts (the server's and each worker's)")
+        return [ckpt.count({key: v}, key) for v in values]
 
     def staleness_summary(self) -> dict[str, Any]:
         return staleness_stats(self.staleness)

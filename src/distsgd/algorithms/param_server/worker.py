@@ -15,6 +15,7 @@ from distsgd.algorithms.param_server import transport, wire
 from distsgd.algorithms.param_server.hyper import Hyperparameters
 from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
+from distsgd.checkpoint import count
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
@@ -242,7 +243,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.version, self.total = state["version"], state["total"]
+        self.version, self.total = count(state, "version"), count(state, "total")
 
 
 @register
