@@ -356,7 +356,8 @@ def test_the_final_figures_say_which_model_they_describe(tmp_path: Path) -> None
 
 # --- a signal's stop keeps the work: a final checkpoint at the next step -----------------------------
 
-BUDGET = 10 * 1437  # digits' training samples, ten epochs: long enough that the signal lands mid-run
+BUDGET = 50 * 1437  # digits' training samples, fifty epochs: the signal lands mid-run (ten took 0.16 s
+# of training under local-sgd, and a signal after the loop's end keeps its last step, not a mid-run one)
 
 
 def _progress_seen(out: Path) -> bool:
@@ -431,6 +432,38 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     assert resumed["final_test_loss"] == whole["final_test_loss"]
     a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True)["state_dict"] for d in ("whole", "stopped"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _sends_a_big_result_through_sigterm(conn, ready) -> None:  # a worker whose loop heard the signal too late
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a listening worker's SIGTERM only asks it to stop
+    ready.set()
+    conn.send(("result", 0, b"x" * (4 << 20)))  # its model: more than a pipe holds
+
+
+def test_a_stopping_launcher_reads_what_its_workers_still_send() -> None:
+    """A signal to the whole process group as a lockstep run ended: each worker sent its result
+    (the model, megabytes) while the launcher, stopped by the same signal, waited for the workers
+    to end without reading their pipes. The worker blocked on its full pipe, the launcher on the
+    worker, for the whole --timeout (the CI run of 2026-11-26 hung 300 s in
+    test_a_signal_writes_a_final_checkpoint...[local-sgd]); now it files what comes as it waits."""
+    import multiprocessing
+
+    from distsgd.launch import procs
+
+    mp = multiprocessing.get_context("fork")
+    read, write = mp.Pipe(duplex=False)
+    inbox = procs.Inbox()
+    inbox.add(read)
+    heard: list[tuple[str, int, object]] = []
+    inbox.filer = lambda *message: heard.append(message)
+    ready = mp.Event()
+    p = mp.Process(target=_sends_a_big_result_through_sigterm, args=(write, ready))
+    p.start()
+    write.close()
+    assert ready.wait(60)
+    procs.stop_all([p], grace_s=60.0, inbox=inbox)  # on main: SIGKILLed after the whole grace, nothing heard
+    assert p.exitcode == 0 and [(kind, len(body)) for kind, _, body in heard] == [("result", 4 << 20)]
+    inbox.close()
 
 
 @pytest.mark.slow

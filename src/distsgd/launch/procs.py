@@ -271,6 +271,8 @@ class Inbox:
 
     def __init__(self) -> None:
         self.conns: list[Connection] = []
+        # who files what :meth:`drain` reads (the run's Supervisor, once it exists); else it is dropped
+        self.filer: Callable[[str, int, Any], None] | None = None
 
     def add(self, conn: Connection) -> None:
         self.conns.append(conn)
@@ -288,6 +290,19 @@ class Inbox:
                 self.conns.remove(conn)
                 conn.close()
         raise queue.Empty
+
+    def drain(self, timeout: float) -> None:
+        """Read what comes within ``timeout`` and hand it to :attr:`filer`: while the launcher waits
+        for workers to end, a worker still writing (its result: the model, more than a pipe holds)
+        must not block on a pipe nobody reads, nor the launcher wait on it for its grace."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self.get(left)
+            except queue.Empty:
+                return
+            if self.filer is not None:
+                self.filer(*message)
 
     def finish(self, conn: Connection, timeout: float) -> list[tuple[str, int, Any]]:
         """Every message still in ``conn``'s pipe (its writer is dead), up to its end or ``timeout``;
@@ -543,10 +558,10 @@ def spawned(
         yield team
         done = True
     except Terminated:
-        stop_all(team.procs, grace_s=signalled_grace_s)
+        stop_all(team.procs, grace_s=signalled_grace_s, inbox=team.inbox)
         raise
     finally:
-        stop_all(team.procs, leave_s=leave_s if done else 0.0)
+        stop_all(team.procs, leave_s=leave_s if done else 0.0, inbox=team.inbox)
         if cfg.out:
             (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
         team.inbox.close()
@@ -587,6 +602,7 @@ class Supervisor:
         self, procs: list[BaseProcess], inbox: Inbox, on_event: Callable[[dict[str, Any]], None], own: bool = False
     ) -> None:
         self.procs, self.inbox, self.on_event, self.own = procs, inbox, on_event, own
+        inbox.filer = self.file  # what comes while the launcher stops the workers is filed too
         self.results: dict[int, dict[str, Any]] = {}
         self.said: dict[int, str] = {}  # each worker's first error, in its own words
         self.users: set[int] = set()  # workers whose error was the user's to fix (bad data, ...)
@@ -699,22 +715,31 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def stop_all(procs: list[BaseProcess], grace_s: float = STOP_GRACE_S, leave_s: float = 0.0) -> None:
+def stop_all(
+    procs: list[BaseProcess], grace_s: float = STOP_GRACE_S, leave_s: float = 0.0, inbox: Inbox | None = None
+) -> None:
     """Terminate, then kill, every process still running; reap them all. ``leave_s``: first wait
     that long for them to end by themselves (a worker holding CUDA tensors it was lent must free
-    them, which a SIGTERM's default action skips: the lender then warns at its exit)."""
-    deadline = time.monotonic() + leave_s
-    for p in procs:
-        if leave_s > 0:
-            p.join(max(0.0, deadline - time.monotonic()))
+    them, which a SIGTERM's default action skips: the lender then warns at its exit). ``inbox``:
+    their pipes, read meanwhile (see :meth:`Inbox.drain`)."""
+    _wait(procs, leave_s, inbox)
     for p in procs:
         if p.is_alive() and p.pid is not None:
             p.terminate()
             with contextlib.suppress(ProcessLookupError):  # a stopped process acts on SIGTERM once continued
                 os.kill(p.pid, signal.SIGCONT)
-    deadline = time.monotonic() + grace_s
+    _wait(procs, grace_s, inbox)
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join(1.0)
+
+
+def _wait(procs: list[BaseProcess], timeout: float, inbox: Inbox | None) -> None:
+    """Up to ``timeout`` for every process to end, reading ``inbox`` meanwhile if given."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0 and any(p.is_alive() for p in procs):
+        if inbox is None:
+            next(p for p in procs if p.is_alive()).join(left)
+        else:
+            inbox.drain(min(0.05, left))

@@ -81,6 +81,8 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
             stop = w.evaluate()
         if w.checkpoint_each_epoch:
             w.checkpoint()
+    if w.signalled(at_once=True):  # one that came since the last look: this last step's checkpoint keeps it all
+        w.stop_for_signal()
 
 
 def check_saved(saved: dict[str, Any], model: torch.nn.Module) -> None:
@@ -274,13 +276,14 @@ class _Worker:
         self.evaluated = snapshot(model)
         return event
 
-    def signalled(self) -> bool:
+    def signalled(self, at_once: bool = False) -> bool:
         """Whether a signal asked the run to stop, on any worker. The workers ask together, at the
         same steps: every few steps, as many as take about :data:`CHECK_S` (each worker proposes
         a number from its own step time; all take the largest, which they learn with the answer),
-        so that the asking costs nothing much and the stop comes within a fraction of a second."""
+        so that the asking costs nothing much and the stop comes within a fraction of a second.
+        ``at_once``: ask now (every worker does, at the loop's end)."""
         st = self.state
-        if not STOP.listening or st.steps < self.next_check:
+        if not STOP.listening or (st.steps < self.next_check and not at_once):
             return False
         now = time.perf_counter()
         per_step = (now - self.checked[0]) / max(1, st.steps - self.checked[1])
