@@ -30,6 +30,8 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("DISTSGD_OFFLINE", "1")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     monkeypatch.delenv("DISTSGD_DATA", raising=False)
+    # cores / workers threads whatever else runs (launch.cores): runs compared bit for bit use one count
+    monkeypatch.setenv("DISTSGD_THREADS_FROM_LOAD", "0")
 
 
 def _become_subreaper() -> None:

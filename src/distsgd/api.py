@@ -36,7 +36,7 @@ from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_datas
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, OutputError
-from distsgd.launch import procs, slurm
+from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
@@ -173,6 +173,7 @@ def run(
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     dataset_given = dataset is not None
+    first_look = None if torchrun else cores.look()  # how busy the cores are, while the data loads
     if dataset is None:
         assert cfg.dataset is not None  # settle resolved it
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
@@ -198,10 +199,11 @@ def run(
     tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
     sinks = [sink for sink in (writer, tb, progress) if sink is not None]
     try:
-        results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
-        if job.main is not None and chief:
-            own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
-        summary = build_summary(cfg, dataset, spec, results, started, started_at)
+        with cores.chosen(cfg, first_look, cfg.workers):  # the threads the other processes leave
+            results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
+            if job.main is not None and chief:
+                own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
+            summary = build_summary(cfg, dataset, spec, results, started, started_at)
         if tb is not None:
             tb.write_summary(summary)
     finally:

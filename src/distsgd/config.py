@@ -264,7 +264,7 @@ class RunConfig:
     threads_per_worker: int | None = setting(
         None,
         "torch threads per worker, at most the cores",
-        default_help="max(1, cores // workers)",
+        default_help="the cores other processes leave, shared by the workers: max(1, cores // workers) on an idle machine",
         check=lambda flag, v: (
             None if 1 <= v <= cores() else f"{flag} must be from 1 to the {cores()} cores this process may use, got {v}"
         ),
@@ -489,8 +489,13 @@ def cores() -> int:
 
 
 def threads_per_worker(cfg: RunConfig) -> int:
+    """``--threads-per-worker``; unset, the launcher's choice from the cores other processes left
+    (``launch.cores``), or else this node's cores shared by its workers."""
     if cfg.threads_per_worker is not None:
         return cfg.threads_per_worker
+    chosen = os.environ.get("DISTSGD_CHOSEN_THREADS", "")  # launch.cores.ENV
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
     return max(1, cores() // local)
 

@@ -1,0 +1,89 @@
+"""The threads a run takes when the user gives no count: the cores other processes leave
+(launch.cores). On 8b8418d a worker took cores / workers threads whatever else ran: beside one busy
+process on 2 cores, `distsgd train --model mlp` ran at 413 samples/s against 59,671 with one thread."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from distsgd.config import cores
+from distsgd.launch import cores as cores_mod
+from helpers import run_cli
+
+pytest.importorskip("sklearn")
+
+
+@contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """``n`` other processes, each keeping one core busy."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5)  # started and spinning
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_the_cores_other_processes_keep_busy_are_seen_and_its_own_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cores_mod.FROM_LOAD, "1")
+    others = max(1, cores() - 1)
+    with spinning(others):
+        first = cores_mod.look()
+        assert first is not None
+        time.sleep(0.3)
+        busy = first.busy()
+    assert busy is not None and others - 0.5 < busy < others + 0.5, busy
+    stop = time.monotonic() + 0.4
+    first = cores_mod.look()
+    assert first is not None
+    while time.monotonic() < stop:  # this process's own work (the data it loads) is not another's load
+        sum(range(1000))
+    busy = first.busy()
+    assert busy is not None and busy < 0.5, busy
+
+
+def _threads(out: Path, *extra: str) -> int:
+    r = run_cli(
+        "train", "--model", "mlp", "--dataset", "digits", "--max-samples", "640", "--quiet", "--out", str(out), *extra,
+        env={cores_mod.FROM_LOAD: "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())["threads_per_worker"]
+
+
+@pytest.mark.skipif(cores() < 2, reason="one core: one thread whatever the load")
+def test_a_run_beside_busy_processes_takes_the_cores_they_leave(tmp_path: Path) -> None:
+    """Every core but one busy: one thread (cores / workers on 8b8418d, here 2 on 2 cores), and
+    --threads-per-worker still the user's."""
+    with spinning(cores() - 1):
+        assert _threads(tmp_path / "chosen") == 1
+        assert _threads(tmp_path / "asked", "--threads-per-worker", "2") == 2
+
+
+def test_a_thread_of_its_own_is_not_load() -> None:
+    """The launcher's own threads (a user's loader thread, say) are its own CPU time, taken out."""
+    first = cores_mod.Look()
+    done = threading.Event()
+
+    def burn() -> None:
+        while not done.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=burn)
+    t.start()
+    time.sleep(0.3)
+    done.set()
+    t.join()
+    busy = first.busy()
+    assert busy is not None and busy < 0.5, busy
