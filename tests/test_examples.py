@@ -88,6 +88,24 @@ def test_mnist_hogwild_example() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild"])
+def test_two_optimizers_example(algo: str) -> None:
+    """Two optimisers from functions, a schedule, accumulation and clipping: trained under a process
+    group and under Hogwild!'s shared model (about 0.80 and 0.82)."""
+    res = _run([sys.executable, str(EXAMPLES / "two_optimizers.py"), "--algo", algo], ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    accuracy = float(re.search(rf"{algo}: test accuracy ([0-9.]+)", res.stdout).group(1))
+    assert accuracy > 0.7, res.stdout  # 10 classes
+
+
+@pytest.mark.slow
+def test_two_optimizers_example_is_refused_by_the_parameter_server_in_words() -> None:
+    res = _run([sys.executable, str(EXAMPLES / "two_optimizers.py"), "--algo", "asgd"], ROOT)
+    assert res.returncode != 0
+    assert "several optimisers go into that one's parameter groups" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_siamese_asgd_example() -> None:
     res = _run([sys.executable, str(EXAMPLES / "siamese_asgd.py")], ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
