@@ -9,8 +9,10 @@ What changed from the torch.multiprocessing version (Net, train_epoch and test k
   call, ``distsgd.spawn(partial(train, args=args), model=Net, algo="hogwild", workers=...)``;
   ``train(rank, args, model)`` became ``train(run, args)``, and the test runs after it on
   ``result.model``, the shared model every process trained, as before.
-- ``run.setup(make_optimizer)`` binds this process's model to the shared weights and gives the
-  optimiser whose ``step()`` writes them, lock-free; ``loss.backward()`` became ``run.backward(loss)``.
+- ``run.setup()`` binds this process's model to the shared weights and gives the optimiser
+  (``spawn(optimizer=...)``, the original's SGD) whose ``step()`` writes them, lock-free;
+  ``loss.backward()`` became ``run.backward(loss)``. ``--algo`` runs the same script under any
+  other algorithm (asgd's server steps with that optimiser; allreduce averages the gradients).
 - ``DataLoader(dataset, shuffle=True)`` became ``run.loader(dataset, batch_size, epoch)``; with
   ``partition="replicated"`` every process sees the whole set in its own order, as in the
   original (``sharded``, distsgd's default, splits each epoch between the processes).
@@ -59,10 +61,14 @@ def datasets(train_size: int) -> tuple[TensorDataset, TensorDataset]:
     )
 
 
+def sgd(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+
+
 def train(run: distsgd.Run, args: argparse.Namespace) -> nn.Module:
     """One Hogwild! process (``run.rank``): every process runs it on the same shared model."""
     train_set, _ = datasets(args.train_size)
-    model, optimizer = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=args.lr, momentum=args.momentum))
+    model, optimizer = run.setup()  # the shared model, and the optimiser spawn(optimizer=...) makes
     for epoch in range(1, args.epochs + 1):
         train_epoch(epoch, args, run, model, train_set, optimizer)
     return run.final_model()
@@ -122,12 +128,14 @@ if __name__ == "__main__":
     parser.add_argument("--train-size", type=int, default=8000)
     parser.add_argument("--partition", default="replicated", choices=["replicated", "sharded"])
     parser.add_argument("--out", default=None, help="a run directory (summary.json, model.pt)")
+    parser.add_argument("--algo", default="hogwild", help="or any other: asgd, allreduce, local-sgd, diloco, ...")
     args = parser.parse_args()
 
     result = distsgd.spawn(
         partial(train, args=args),
         model=Net,
-        algo="hogwild",
+        optimizer=partial(sgd, args=args),
+        algo=args.algo,
         workers=args.num_processes,
         partition=args.partition,
         seed=args.seed,
@@ -138,4 +146,4 @@ if __name__ == "__main__":
     )
     # Once training is complete, we can test the model
     _, accuracy = test(args, result.model, datasets(args.train_size)[1])
-    print(f"hogwild: test accuracy {accuracy:.4f}, {result.summary['samples_per_s']:.0f} samples/s")
+    print(f"{args.algo}: test accuracy {accuracy:.4f}, {result.summary['samples_per_s']:.0f} samples/s")

@@ -198,7 +198,21 @@ def test_settle_resolves_every_setting_once() -> None:
 
     cfg, _ = settle(RunConfig(algo="diloco", workers=2, lr=0.2), torchrun=False)
     assert [name for name in config.SETTLED if getattr(cfg, name) is None] == []
-    assert (cfg.lr, cfg.optimizer, cfg.weight_decay, cfg.clip_grad_norm) == (0.2, "sgd", 0.1, 0.0)
+    assert (cfg.lr, cfg.optimizer, cfg.weight_decay, cfg.clip_grad_norm) == (0.2, "adamw", 0.1, 0.0)  # what it steps
     gpt, _ = settle(RunConfig(model="gpt"), torchrun=False)
     assert (gpt.dataset, gpt.optimizer, gpt.weight_decay_on) == ("python-stdlib", "adamw", "weights")
     assert config.resolve(RunConfig()).lr == 0.01 and RunConfig().lr is None  # unset until settled
+
+
+def test_an_optimizer_diloco_would_ignore_is_refused() -> None:
+    """`--algo diloco --optimizer sgd` trained AdamW (its inner optimiser) at SGD's lr, silently: on
+    Fashion-MNIST 0.40 where the same script's SGD scored 0.75 (benchmarks/converted.py)."""
+    from distsgd.api import settle
+
+    for algo in ("diloco", "streaming-diloco"):
+        with pytest.raises(ConfigError, match="use --inner-optimizer sgd, not --optimizer sgd"):
+            settle(RunConfig(algo=algo, workers=2, optimizer="sgd"), torchrun=False)
+        cfg, _ = settle(
+            RunConfig(algo=algo, workers=2, optimizer="sgd", options={"inner_optimizer": "sgd"}), torchrun=False
+        )
+        assert cfg.optimizer == "sgd" and cfg.weight_decay == 0.0

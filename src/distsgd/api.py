@@ -260,6 +260,10 @@ def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, 
     return pieces
 
 
+def _only(settings: dict[str, Any], *names: str) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k in names}
+
+
 def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     """The settings a run will use, and its algorithm class: its options (none of another
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
@@ -270,7 +274,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's
-    cfg = resolve(cfg, {**algo_cls.default_settings(cfg), **recommended_settings(cfg.model)})
+    algo_own = algo_cls.default_settings(cfg)
+    # an algorithm that names its workers' optimiser (DiLoCo's inner one) has the last word on it
+    cfg = resolve(cfg, {**algo_own, **recommended_settings(cfg.model), **_only(algo_own, "optimizer")})
     validate(cfg)
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)

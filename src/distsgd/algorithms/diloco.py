@@ -120,7 +120,16 @@ class InnerOuter(GroupAlgorithm[OuterOptionsT]):
 
     @classmethod
     def default_settings(cls, cfg: RunConfig) -> dict[str, Any]:
-        return paper_inner_defaults(cls.parse_options(cfg).inner_optimizer)
+        """The paper's inner settings, and --optimizer recorded as the inner optimiser (config.toml
+        says what the workers step). An --optimizer of another name is refused: it would be ignored
+        (`--algo diloco --optimizer sgd` trained AdamW, at SGD's lr, silently)."""
+        inner = cls.parse_options(cfg).inner_optimizer
+        if cfg.optimizer is not None and cfg.optimizer != inner:
+            raise ConfigError(
+                f"under {cls.name} the workers' optimiser is --inner-optimizer ({inner}, its lr and weight "
+                f"decay the paper's unless given): use --inner-optimizer {cfg.optimizer}, not --optimizer {cfg.optimizer}"
+            )
+        return {**paper_inner_defaults(inner), "optimizer": inner}
 
     def check_optimizer_name(self, name: str) -> None:
         raise ConfigError(
