@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -281,6 +282,46 @@ def test_mistakes_get_one_line() -> None:
         distsgd.spawn(tuple_loop, model=Net, checkpoint_every="100", out="unused", quiet=True)
     with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
         distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)
+
+
+def timed_evaluations_loop(run: distsgd.Run) -> nn.Module:
+    """Evaluates after steps 2 and 4, noting the training clock before it asks for the model."""
+    data = _digits()
+    model, opt = run.setup()
+    for x, y in run.loader(TensorDataset(data.x_train, data.y_train)):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        if run.steps in (2, 4):
+            before = run.clock.elapsed()
+            evaluated = run.evaluation_model()
+            with torch.no_grad():
+                run.log(test_accuracy=(evaluated(data.x_test).argmax(1) == data.y_test).float().mean())
+            run.log(clock_before_evaluation=before)
+        if run.steps == 4:
+            break
+    return run.final_model()
+
+
+def test_a_user_loops_evaluation_counts_the_making_of_its_model(tmp_path, monkeypatch) -> None:
+    """run.log's evaluation is timed when the model run.evaluation_model() returned existed: the
+    algorithm's making of it (an average of the workers' models) counts, though the clock is
+    paused for it. `single`'s takes 0.2 s here (its run is in this process)."""
+    from distsgd.algorithms.single import SingleProcess
+
+    def slow_to_make(self: SingleProcess, ctx: object, model: nn.Module) -> nn.Module:
+        time.sleep(0.2)
+        return model
+
+    monkeypatch.setattr(SingleProcess, "evaluation_model", slow_to_make)
+    out = tmp_path / "run"
+    distsgd.spawn(timed_evaluations_loop, model=Net, batch_size=32, out=str(out), quiet=True)
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [e["train_wall_s"] for e in events if e["event"] == "eval"]
+    befores = [e["clock_before_evaluation"] for e in events if "clock_before_evaluation" in e]
+    assert len(evals) == len(befores) == 2
+    for evaluated, before in zip(evals, befores):
+        assert evaluated >= before + 0.2
 
 
 def evaluating_loop(run: distsgd.Run) -> nn.Module:

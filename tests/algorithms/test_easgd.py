@@ -126,6 +126,26 @@ def test_learns_digits(digits, mode: str) -> None:
     assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
 
 
+def test_async_runs_keep_the_sample_budget(digits) -> None:
+    """--max-samples under async easgd: the budget and at most one step a worker more, as every
+    other algorithm. Its workers hear of one another's samples only at their exchanges, every tau
+    (8) steps; counting on those alone, each of two workers trained 17 steps of 32 (1,088 samples
+    for a budget of 640) before its view of the total said stop."""
+    workers, batch, budget = 2, 32, 640
+    s = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo="easgd",
+        easgd_mode="async",
+        workers=workers,
+        batch_size=batch,
+        max_samples=budget,
+        quiet=True,
+    ).summary
+    assert budget <= s["samples"] <= budget + workers * batch, s["samples"]
+    assert s["samples"] == sum(s["samples_per_worker"])
+
+
 def test_bad_settings() -> None:
     with pytest.raises(distsgd.ConfigError, match="beta = N alpha"):
         distsgd.train(model="mlp", data="digits", algo="easgd", workers=2, alpha=1.5, quiet=True)

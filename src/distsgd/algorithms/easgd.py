@@ -17,8 +17,9 @@ chosen optimiser: lr g is its update).
 all-reduce of the elastic differences. ``--easgd-mode async``: x~ lives on the parameter server;
 every tau steps a worker sends its x_i, the server computes d = x_i - x~, moves x~ <- x~ + alpha d
 under its lock and returns d, and the worker sets x_i <- x_i - alpha d (the paper's asynchronous
-EASGD). Between exchanges each worker runs its own optimiser (its momentum stays local). The model
-evaluated and saved is the centre x~.
+EASGD). Between exchanges each worker runs its own optimiser (its momentum stays local), and
+hears nothing of the others' samples: under ``--max-samples`` each trains its share (1/N) of the
+budget. The model evaluated and saved is the centre x~.
 
 Buffers (BatchNorm statistics): floating-point buffers take part in the elastic exchange exactly
 like parameters (x_i and x~ include them), so the centre carries statistics the workers learnt;
@@ -200,6 +201,18 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
+
+    def keep_going(self, ctx: WorkerContext) -> bool:
+        """Until the server says stop and, under --max-samples, until this worker has trained its
+        share of the budget (1/N of it, as a worker in lockstep counts). A worker hears of the
+        others' samples only at its exchanges, every tau steps, so the server's total it holds may
+        be tau steps a worker behind, and the budget alone would let every worker run up to tau
+        steps past it; its own share keeps the run within one step a worker of the budget, as the
+        other algorithms are. As under --epochs, a worker faster than the others stops at its share
+        rather than take over a slower one's samples, and a worker that died unreplaced leaves its
+        share untrained."""
+        budget = self.cfg.max_samples
+        return super().keep_going(ctx) and (budget is None or self.local * ctx.world < budget)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "period": self.period.state_dict()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import torch
@@ -108,8 +109,8 @@ class Watcher:
         if not self.cfg.stop_at_target:
             if self.pause_to_copy:
                 self.clock.pause()
-            self.last = self.state()
-            self.pending.append((samples, self.clock.elapsed(), self.last))
+            self.last, made_s = self.copy()
+            self.pending.append((samples, made_s, self.last))
             self.clock.resume()
             return False
         # the clock stops only while the trainers wait: time they train on while a copy is measured is theirs
@@ -117,15 +118,24 @@ class Watcher:
         with self.hold() if self.hold is not None else contextlib.nullcontext():
             if stops:
                 self.clock.pause()
-            copy = self.state()
+            copy, made_s = self.copy()
             samples = self.count() if self.count is not None else samples
             self.last = copy
-            event = self.evaluate(samples, self.clock.elapsed(), copy)
+            event = self.evaluate(samples, made_s, copy)
             reached = target_reached(event, self.cfg.target_accuracy, self.cfg.target_loss)
             if reached:
                 self.reached, self.reached_at = copy, (samples, event["train_wall_s"])
             self.clock.resume()
         return reached
+
+    def copy(self) -> tuple[dict[str, torch.Tensor], float]:
+        """A copy of the model now, and the training-clock time at which it existed: the copy is the
+        model evaluated (and, once it reached the target, returned), and making it may be the
+        average that makes the model (hogwild++'s clusters' mean), so its time counts even while
+        the clock is paused for it (a running clock counts it anyway)."""
+        began = time.perf_counter()
+        state = self.state()
+        return state, self.clock.elapsed() + (0.0 if self.clock.running else time.perf_counter() - began)
 
     def evaluate(self, samples: int, train_s: float, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         from distsgd.models import build_model
@@ -142,15 +152,17 @@ class Watcher:
         """Training is over: (training time, every evaluation, the model to return, the samples it
         was trained on). The model to return is the copy that reached the target
         (``stop_at_target``: the trainers stopped a step or so later; its time and samples are the
-        copy's, not theirs), else the model now, after ``samples``; the last evaluation is of it
-        (unless the last copy holds exactly its values, and so was already of it)."""
-        train_s = self.clock.elapsed()
-        if self.reached_at is not None:
-            samples, train_s = self.reached_at
+        copy's, not theirs), else the model now, after ``samples``, its training time read once it
+        is made (hogwild++'s clusters averaged); the last evaluation is of it (unless the last copy
+        holds exactly its values, and so was already of it)."""
+        if self.reached is not None and self.reached_at is not None:
+            final, (samples, train_s) = self.reached, self.reached_at
+        else:
+            final = self.state()
+            train_s = self.clock.elapsed()
         for n, t, st in self.pending:
             self.evaluate(n, t, st)
         self.pending = []
-        final = self.reached if self.reached is not None else self.state()
         if not equal_states(final, self.last):
             self.evaluate(samples, train_s, final)
             self.last = final

@@ -7,7 +7,9 @@ Per step: the next batch of this worker's shard, forward (under --precision's au
 schedule, clipping, ``algo.apply_step`` (the update), ``algo.after_step`` (parameter sync),
 progress). At every evaluation point every worker asks for the model the algorithm would return
 now (``run.evaluation_model``: the average, the centre, ...) and the evaluating worker measures
-it with the training clock paused. A checkpoint saves the stateful pieces (model, optimiser,
+it with the training clock paused, the evaluation timed when that model existed (its making, an
+average, counted); at the run's last step the evaluation is of the model returned, made by
+``run.final_model`` on the clock. A checkpoint saves the stateful pieces (model, optimiser,
 algorithm, loop counters, random state) through one Checkpointer.
 """
 
@@ -69,7 +71,8 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
             w.step(micro)
             if w.signalled():
                 w.stop_for_signal()
-            if w.state.evals_at.due(w.all_samples) and w.evaluate():
+            # the run's last step: finish() evaluates the model returned, made on the training clock
+            if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate():
                 stop = True
                 break
             if w.state.checkpoints_at.due(w.all_samples):
@@ -77,7 +80,7 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
         if stop:
             break
         w.end_epoch()
-        if w.eval_every is None and not w.out_of_samples():
+        if w.eval_every is None and not w.budget_spent():
             stop = w.evaluate()
         if w.checkpoint_each_epoch:
             w.checkpoint()
@@ -226,6 +229,18 @@ class _Worker:
     def out_of_samples(self) -> bool:
         return self.cfg.max_samples is not None and self.all_samples >= self.cfg.max_samples
 
+    def budget_spent(self) -> bool:
+        """Whether the step just taken was the run's last (--max-samples, or the last epoch's last
+        step). An evaluation there is left to :meth:`finish`, which measures the model returned:
+        its last synchronisation (the average, the outer step of a round cut short) runs on the
+        training clock, so the evaluation's time is the time that model existed. Measured here,
+        the same model would be made twice: on copies for the evaluation, then again, all-reduce
+        and all, by finish."""
+        if self.cfg.max_samples is not None:
+            return self.out_of_samples()
+        st, last = self.state, self.cfg.epochs - 1
+        return st.epoch > last or (st.epoch == last and st.start >= self.per_epoch)
+
     def epoch_order(self) -> torch.Tensor:
         ctx, cfg = self.ctx, self.cfg
         return epoch_indices(ctx.dataset.n_train, self.state.epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
@@ -271,7 +286,7 @@ class _Worker:
     def measure(self, model: torch.nn.Module) -> dict[str, Any]:
         """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
         acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
-        event = eval_event(self.ctx.dataset, self.all_samples, self.run.epoch(), self.clock.elapsed(), acc, loss)
+        event = eval_event(self.ctx.dataset, self.all_samples, self.run.epoch(), self.run._evaluated_at(), acc, loss)
         self.run.record(event)
         self.evaluated = snapshot(model)
         return event

@@ -28,6 +28,7 @@ import datetime
 import logging
 import math
 import threading
+import time
 import types
 import weakref
 from collections.abc import Iterator
@@ -160,6 +161,9 @@ class Run:
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self.where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
+        # the step count and training-clock time at which the model run.evaluation_model() last
+        # returned existed (see :meth:`_evaluated_at`)
+        self._made: tuple[int, float] | None = None
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
@@ -716,7 +720,7 @@ class Run:
                         ctx.dataset,
                         self.global_samples(),
                         self.epoch(),
-                        self.clock.elapsed(),
+                        self._evaluated_at(),
                         values.get("test_accuracy"),
                         values.get("test_loss"),
                     )
@@ -793,7 +797,23 @@ class Run:
             if self._algo.collective_evaluation and self._ctx.job.main is not None:
                 self._evaluations += 1
                 self._all_here(f"evaluation/{self._evaluations}", "run.evaluation_model()")
-            return self._algo.evaluation_model(self._ctx, model)
+            began = time.perf_counter()
+            returned = self._algo.evaluation_model(self._ctx, model)
+            if self.clock.sync is not None:  # a GPU's average is made when it is done, not when queued
+                self.clock.sync()
+            if self._returned is None:  # the final model's time is the clock's, stopped where it was made
+                self._made = (self.steps, self.clock.elapsed() + time.perf_counter() - began)
+            return returned
+
+    def _evaluated_at(self) -> float:
+        """The training-clock time an evaluation made now describes: when the model
+        ``run.evaluation_model()`` returned since the last step existed, the time the algorithm
+        took to make it included (the average of the workers' models in the middle of a period,
+        DiLoCo's partial round), else now. The clock stays paused while that model is made (an
+        evaluation's cost is not training), but the model did not exist before: a run ending
+        there would have made it as its final model, on the clock, so a time to target counts it."""
+        made = self._made
+        return made[1] if made is not None and made[0] == self.steps else self.clock.elapsed()
 
     def _all_here(self, key: str, what: str) -> None:
         """Every worker of the group called ``what`` (its ``key``-th time): a barrier on the group's
@@ -847,6 +867,7 @@ class Run:
         self._unhook()
         self.clock.pause()
         self._train_wall_s = self.clock.elapsed()
+        self._made = None  # the model returned existed at train_wall_s: its last average included
         self._algo.verify(self._ctx, self._returned)
         if self._nonfinite[0] > 1:
             log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
