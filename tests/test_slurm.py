@@ -617,7 +617,7 @@ def test_only_the_steps_tasks_are_taken_for_a_group(real_slurm: dict[str, str], 
 
 
 STEP_15_MODEL = '''
-import os, signal, subprocess
+import os, signal, subprocess, time
 import torch.nn as nn
 
 class Net(nn.Module):
@@ -632,6 +632,8 @@ class Net(nn.Module):
             self.calls += 1
             if self.calls == 15:
                 {act}
+        if getattr(self, "slow", False):  # the signal the act brings arrives mid-run, not after its end
+            time.sleep(0.02)
         return self.net(x)
 '''
 # RANK 1 SIGKILLs itself, once (KILL_MARKER)
@@ -670,7 +672,7 @@ def test_a_sbatch_job_whose_task_died_goes_on_from_its_checkpoint(real_slurm: di
 # task 0 requeues its own job in the first attempt (a preemption)
 REQUEUING_MODEL = STEP_15_MODEL.format(
     when='os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and os.environ["RANK"] == "0"',
-    act='subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)',
+    act='subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True); self.slow = True',
 )
 
 

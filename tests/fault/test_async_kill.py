@@ -26,10 +26,11 @@ ALGOS = [
     ("easgd", ["--easgd-mode", "async", "--tau", "4"]),
     ("hogwild++", ["--update-delay", "8"]),
 ]
-# Epochs: enough that the kill (within 0.5 s of the first progress line) lands mid-run. Async
+# Epochs: enough that the kill (within 0.3 s of the first progress line) lands mid-run. Async
 # EASGD's workers talk to the server only every tau steps, so its run is nearly as short as
-# Hogwild!'s (at 8 epochs its worker 1 once finished before the kill).
-EPOCHS = {"hogwild": 20, "hogwild++": 20, "easgd": 20}
+# Hogwild!'s (at 8 epochs its worker 1 once finished before the kill); hogwild++'s clusters
+# exchange only a token, and at 20 epochs its worker 1 once finished first (failed_workers []).
+EPOCHS = {"hogwild": 20, "hogwild++": 60, "easgd": 20}
 
 
 @pytest.mark.slow
@@ -75,7 +76,7 @@ def test_run_finishes_after_a_worker_is_killed(tmp_path: Path, algo: str, extra:
             time.sleep(0.05)
         assert victim is not None, "the run never got going"
         assert {e["role"] for e in entries} >= {"launcher", "worker"}
-        time.sleep(random.uniform(0.0, 0.5))  # a random moment of training
+        time.sleep(random.uniform(0.0, 0.3))  # a random moment of training
         os.kill(victim["pid"], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:

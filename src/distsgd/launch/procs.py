@@ -561,6 +561,9 @@ def spawned(
         stop_all(team.procs, grace_s=signalled_grace_s, inbox=team.inbox)
         raise
     finally:
+        # what comes now is read (a writer must not block) but not filed: the run has been judged,
+        # and a worker's "interrupted" as it is stopped (one the server dropped, say) is no failure
+        team.inbox.filer = None
         stop_all(team.procs, leave_s=leave_s if done else 0.0, inbox=team.inbox)
         if cfg.out:
             (Path(cfg.out) / "workers.json").unlink(missing_ok=True)
