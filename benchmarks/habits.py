@@ -261,7 +261,9 @@ def run_case(habit: str, algo: str, limit_s: float, variant: str = "") -> dict[s
 
 
 def main_cli() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--habits", default=",".join(HABITS))
     ap.add_argument("--algos", default=",".join(ALGOS))
     ap.add_argument("--limit-s", type=float, default=120.0, help="wall-clock limit of one case")

@@ -185,6 +185,8 @@ BAD = {
     "zero batch": (lambda t: ["--batch-size", "0"], "--batch-size must be at least 1"),
     "negative batch": (lambda t: ["--batch-size", "-64"], "--batch-size must be at least 1"),
     "unknown flag": (lambda t: ["--learning-rate", "0.1"], "unrecognized arguments: --learning-rate"),
+    # argparse's abbreviations would read --epoch as --epochs (then: at least 1, got 0)
+    "abbreviated flag": (lambda t: ["--epoch", "0"], "unrecognized arguments: --epoch 0"),
     "not a number": (lambda t: ["--lr", "fast"], "argument --lr: invalid float value"),
     "unknown dataset": (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     "missing npz": (lambda t: ["--dataset", f"npz:{t / 'x.npz'}", "--model", "logreg"], "npz file not found"),
@@ -298,6 +300,29 @@ def test_an_unknown_flag_points_at_its_commands_help() -> None:
     assert res.stderr == "error: unrecognized arguments: --bogus 1 (see `distsgd train --help`)\n"
     res = distsgd("--bogus")
     assert res.returncode == 2 and res.stderr.endswith("(see `distsgd --help`)\n")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--epoch", "2"],
+        ["train", "--work", "2"],
+        ["bench", "--algos", "single", "--repeat", "2"],
+        ["eval", "--checkpoint", "model.pt", "--js"],
+        ["datasets", "--data", "x"],
+        ["algorithms", "--mark"],
+        ["compare", "runs/a", "--qu"],
+    ],
+)
+def test_a_mistyped_flag_is_an_error_not_an_abbreviation(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    """Every command's flags are whole words: a prefix of one (``--epoch`` for ``--epochs``) is an
+    unknown flag, one ``error:`` line and exit 2, not silently the flag it begins."""
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    mistyped = next(a for a in argv[1:] if a.startswith("--") and a not in ("--algos", "--checkpoint"))
+    assert len(err) == 1 and err[0].startswith(f"error: unrecognized arguments: {mistyped}"), err
 
 
 def test_every_flags_help_names_its_true_default() -> None:

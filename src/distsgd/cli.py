@@ -32,6 +32,12 @@ from distsgd.errors import DistsgdError, Terminated, on_sigterm
 class _Parser(argparse.ArgumentParser):
     commands: dict[str, "_Parser"] = {}  # the top parser's sub-commands' parsers, by name
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: argparse would read a mistyped --epoch as --epochs (and --lr as
+        # --lr-gamma once a flag is added beside it); a flag no parser knows is one error line.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
