@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec, TypeVar
 
 from torch import nn
 
@@ -35,7 +37,7 @@ from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
-from distsgd.errors import CheckpointError, ConfigError, DataError, OutputError
+from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError
 from distsgd.launch import procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
@@ -62,6 +64,30 @@ class _CopyOf:
         return copy.deepcopy(self.module)
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_line_when_unguarded(entry: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``entry`` (train, spawn), ending the script in one ``error:`` line, exit status 2, when the
+    script calls it at module level without ``if __name__ == "__main__":``. Only such a call
+    raises :class:`MainGuardError` (a worker importing the script again reached it), so the script
+    cannot run as written; raised out of its module-level code the error would be a traceback of
+    thirty lines through distsgd's launcher, for a one-line fix."""
+
+    @functools.wraps(entry)
+    def entered(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return entry(*args, **kwargs)
+        except MainGuardError as exc:
+            sys.stderr.write(f"error: {exc}\n")
+            sys.stderr.flush()
+            raise SystemExit(exc.exit_code) from None
+
+    return entered
+
+
+@_one_line_when_unguarded
 def train(
     model: ModelSpec | nn.Module | None = None,
     data: Any = None,
@@ -321,6 +347,7 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     return cfg, algo_cls
 
 
+@_one_line_when_unguarded
 def spawn(
     main: Callable[..., Any],
     model: ModelSpec | nn.Module,
