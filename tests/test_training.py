@@ -64,6 +64,24 @@ def test_the_summary_records_what_was_trained() -> None:
     assert s["global_batch_size"] == 16 * 3 * 2
 
 
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
+def test_a_summary_lists_restarts_only_where_there_were_some(algo: str) -> None:
+    """Every launcher (process group, shared memory, parameter server) keeps a list of restarts;
+    a run that needed none, --restart-workers given or not, has no ``restarts`` key (it was
+    ``restarts: []`` in every summary)."""
+    for restart_workers in (0, 1):
+        s = distsgd.train(
+            model="logreg",
+            data="digits",
+            algo=algo,
+            workers=2,
+            max_samples=128,
+            restart_workers=restart_workers,
+            **QUIET,
+        ).summary
+        assert "restarts" not in s, (restart_workers, s.get("restarts"))
+
+
 @pytest.mark.slow
 @needs_fashion
 def test_fashion_mnist_net_learns() -> None:

@@ -118,7 +118,9 @@ class Attendance:
     restarts: list[dict[str, Any]] | None = None  # one {worker, reason, at} per restart
 
     def summary(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """Its keys for summary.json: those recorded, and ``restarts`` only where there were some
+        (every launcher keeps the list; an empty one in every run's summary said nothing)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and (v or k != "restarts")}
 
 
 @dataclass
