@@ -95,3 +95,28 @@ def test_the_settings_line_gives_each_repeats_seed() -> None:
     three = report.markdown(report.derive([], machine, RunConfig(seed=3), repeats=3))
     assert "seed=3..5 (repeat r: 3 + r)" in three and "seed=3," not in three
     assert "seed=3," in report.markdown(report.derive([], machine, RunConfig(seed=3), repeats=1))
+
+
+def _help_of(command: str, dest: str) -> str:
+    from distsgd import cli
+
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    return next(a.help for a in parser._actions if a.dest == dest) or ""
+
+
+def test_bench_writes_where_its_out_help_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --help``'s ``--out`` default is where a bench without ``--out`` writes (it said
+    train's runs/<timestamp>-<algo>; the bench wrote runs/bench-<timestamp>)."""
+    import re
+
+    from distsgd import cli
+
+    said = re.search(r"default (\S+)$", _help_of("bench", "out")).group(1)
+    pattern = re.escape(said).replace(re.escape("<timestamp>"), r"\d{8}-\d{6}")
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "--algos", "single", "--workers", "1", "--dataset", "digits", "--model", "logreg"]
+    args += ["--max-samples", "64", "--quiet"]
+    assert cli.main(args) == 0
+    made = [str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").iterdir()]
+    assert len(made) == 1 and re.fullmatch(pattern, made[0]), (said, made)
+    assert (tmp_path / made[0] / "bench.json").is_file()

@@ -67,9 +67,12 @@ def _add_flag(parser: Any, f: dataclasses.Field, help_text: str | None) -> None:
     parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text, metavar=metavar, **optional)
 
 
-def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per RunConfig field, with the help text the field carries; then one per option of
-    any algorithm, its help naming the algorithms that take it (made from their Options)."""
+def _add_run_flags(
+    parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), helps: dict[str, str] | None = None
+) -> None:
+    """One flag per RunConfig field, with the help text the field carries (``helps``: the command's
+    own, where the setting means something else there); then one per option of any algorithm, its
+    help naming the algorithms that take it (made from their Options)."""
     from distsgd.data import dataset_help
     from distsgd.models import model_help
 
@@ -77,7 +80,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
         if f.name not in skip and f.name != "options":
-            _add_flag(parser, f, options.help_text(f, listed[f.name]() if f.name in listed else None))
+            own = (helps or {}).get(f.name)
+            _add_flag(parser, f, own or options.help_text(f, listed[f.name]() if f.name in listed else None))
     group = parser.add_argument_group("the algorithms' own options (each applies to the algorithms it names)")
     for name, (f, text) in algorithm_options().items():
         _add_flag(group, f, text)
@@ -101,6 +105,9 @@ def algorithm_options() -> dict[str, tuple[dataclasses.Field, str]]:
             text += "; default " + ", ".join(f"{d} ({o})" for o, d in zip(owners, defaults))
         out[name] = (decls[0], text)
     return out
+
+
+BENCH_OUT = "runs/bench-<timestamp>"  # where distsgd bench writes without --out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="with --network: hosts, one worker each (a parameter server on one more); default 2",
     )
-    _add_run_flags(bench, skip=("algo", "workers"))
+    _add_run_flags(
+        bench,
+        skip=("algo", "workers"),
+        helps={
+            "out": f"the bench's directory: bench.json, bench.md, the plots, and runs/ with each "
+            f"configuration's run; default {BENCH_OUT}",
+            "overwrite": "replace an existing bench directory (one distsgd wrote)",
+        },
+    )
     cmp = sub.add_parser("compare", help="the bench's table and plots for runs that already exist")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with its summary.json)")
     cmp.add_argument(
@@ -322,7 +337,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workers = [int(w) for w in args.bench_workers.split(",") if w.strip()]
     except ValueError:
         raise ConfigError(f"--workers must be comma-separated numbers, got '{args.bench_workers}'") from None
-    out = Path(base.out) if base.out else Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(base.out) if base.out else Path(BENCH_OUT.replace("<timestamp>", time.strftime("%Y%m%d-%H%M%S")))
     total = len(algos) * len(workers) * args.repeats
     done = 0
 
