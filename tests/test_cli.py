@@ -350,3 +350,31 @@ def test_every_flags_help_names_its_true_default() -> None:
         if not re.search(rf"default {said}(?![\w.])|(default |, ){said} \({re.escape(algo)}\)", helps[f.name]):
             wrong.append(f"{f.name} {algo}: {helps[f.name]!r} does not name {value}")
     assert wrong == []
+
+
+def test_algorithms_lists_each_algorithms_own_defaults(capsys: pytest.CaptureFixture) -> None:
+    """``--lr``'s help sends the reader to ``distsgd algorithms`` for an algorithm's own lr: each
+    algorithm's block there names every default of its own (diloco's and streaming-diloco's inner
+    AdamW: the paper's lr 4e-4 and weight decay 0.1), and none where it has none."""
+    from distsgd.algorithms import registry
+    from distsgd.config import RunConfig
+
+    assert "see `distsgd algorithms`" in _help_of("train", "lr")
+    assert "see `distsgd algorithms`" in _help_of("train", "weight_decay")
+    assert cli.main(["algorithms"]) == 0
+    blocks: dict[str, str] = {}
+    for line in capsys.readouterr().out.splitlines():
+        if not line.startswith(" "):
+            name = line.split()[0]
+        blocks[name] = blocks.get(name, "") + line + "\n"
+    assert set(blocks) == set(registry.names())
+    assert "--lr 0.0004, --weight-decay 0.1" in blocks["diloco"]
+    assert "--lr 0.0004, --weight-decay 0.1" in blocks["streaming-diloco"]
+    for name in registry.names():
+        own = registry.get(name).default_settings(RunConfig(algo=name))
+        assert ("own defaults" in blocks[name]) == bool(own), name
+
+
+def _help_of(command: str, dest: str) -> str:
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    return next(a.help for a in parser._actions if a.dest == dest) or ""

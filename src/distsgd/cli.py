@@ -318,12 +318,24 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     if args.markdown:
         print(algorithms_table())
         return 0
+    flags = {f.name: options.flag_of(f) for f in dataclasses.fields(RunConfig)}
     for name in registry.names():
         cls = registry.get(name)
         print(f"{name:<17} {cls.kind:<18} {cls.topology.kind:<7} {cls.summary_line}")
         for f in dataclasses.fields(cls.Options):
             print(f"{'':<19}{options.flag_of(f)}: {options.help_text(f)}")
+        own = cls.default_settings(RunConfig(algo=name))  # with its options' defaults
+        if own:  # what --lr's help and --weight-decay's send the reader here for
+            said = ", ".join(f"{flags[k]} {_number(v)}" for k, v in own.items())
+            print(
+                f"{'':<19}its own defaults for settings left unset: {said} (with its options at their "
+                f"defaults; a built-in model's own come first: gpt's)"
+            )
     return 0
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

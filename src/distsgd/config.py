@@ -191,7 +191,7 @@ class RunConfig:
         None,
         "weight decay (L2 for sgd and adam, decoupled for adamw)",
         unset=0.0,
-        default_help="{default}, or the algorithm's own where its paper's differs",
+        default_help="{default}, or the algorithm's own where its paper's differs (see `distsgd algorithms`)",
         check=lambda flag, v: (
             None if 0 <= v <= FLOAT32_MAX else f"{flag} must be >= 0 (at most {FLOAT32_MAX:.4g}), got {v}"
         ),
