@@ -428,6 +428,7 @@ class Machine:
             figures=figures,
             attendance=attendance,
             where=where.get(0) or next(iter(where.values()), None),
+            data_len=next((d["data_len"] for d in sup.results.values() if d.get("data_len")), None),
         )
         others = [
             WorkerResult(

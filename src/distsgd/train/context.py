@@ -136,3 +136,4 @@ class WorkerResult:
     figures: Figures = field(default_factory=Figures)
     attendance: Attendance | None = None
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
+    data_len: int | None = None  # a user's loop: the training set's length its run.loader saw (its epochs)
