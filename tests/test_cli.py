@@ -378,3 +378,22 @@ def test_algorithms_lists_each_algorithms_own_defaults(capsys: pytest.CaptureFix
 def _help_of(command: str, dest: str) -> str:
     parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
     return next(a.help for a in parser._actions if a.dest == dest) or ""
+
+
+def test_workers_without_an_algorithm_train_with_allreduce_and_say_so(tmp_path: Path, capsys) -> None:
+    """``distsgd train --workers 2`` without ``--algo`` was an error; it trains with allreduce (its
+    options allowed, as --compress here), saying so in one line on stderr before the progress;
+    ``--quiet`` says nothing, and one worker is still the baseline."""
+    from distsgd.algorithms import registry
+
+    small = ["--dataset", "digits", "--model", "logreg", "--max-samples", "128"]
+    assert cli.main(["train", "--workers", "2", "--compress", "fp16", *small, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == registry.chose(2) and err[0].startswith("--workers 2 without --algo: training with allreduce")
+    assert sum("without --algo" in line for line in err) == 1
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["algo"] == "allreduce"
+    assert cli.main(["train", "--workers", "2", *small, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.main(["train", *small, "--out", str(tmp_path / "c")]) == 0
+    assert "without --algo" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["algo"] == "single"

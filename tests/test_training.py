@@ -257,4 +257,26 @@ def test_bad_api_input() -> None:
     with pytest.raises(distsgd.ModelError, match="cannot take digits's input"):
         distsgd.train(model="mnist_net", data="digits", **QUIET)
     with pytest.raises(distsgd.ConfigError, match="single runs one worker"):
-        distsgd.train(model="mlp", data="digits", workers=2, **QUIET)
+        distsgd.train(model="mlp", data="digits", algo="single", workers=2, **QUIET)
+
+
+def test_several_workers_without_an_algorithm_train_with_allreduce(caplog: pytest.LogCaptureFixture) -> None:
+    """``workers=2`` and no ``algo=`` was an error (single runs one worker); it trains with
+    allreduce and says so in one line (none with ``quiet``)."""
+    from distsgd.algorithms import registry
+
+    with caplog.at_level("WARNING", logger="distsgd"):
+        s = distsgd.train(model="logreg", data="digits", workers=2, max_samples=128).summary
+    assert (s["algo"], s["workers"]) == ("allreduce", 2)
+    said = [r.getMessage() for r in caplog.records if "without algo=" in r.getMessage()]
+    assert said == [registry.chose(2, cli=False)] and said[0].startswith(
+        "workers=2 without algo=: training with allreduce"
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distsgd"):
+        assert (
+            distsgd.train(model="logreg", data="digits", workers=2, max_samples=128, **QUIET).summary["algo"]
+            == "allreduce"
+        )
+        assert distsgd.train(model="logreg", data="digits", max_samples=128, **QUIET).summary["algo"] == "single"
+    assert not [r for r in caplog.records if "without algo=" in r.getMessage()]

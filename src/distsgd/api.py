@@ -289,7 +289,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
-    algo = cfg.algo if cfg.algo is not None else registry.baseline()
+    algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
+    if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
+        log.warning("%s", registry.chose(cfg.workers, cli=False))
     cfg = cfg.replace(algo=algo)
     algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)

@@ -201,7 +201,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     _hush(cfg.quiet)
-    algo = cfg.algo if cfg.algo is not None else registry.baseline()
+    algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
+    if cfg.algo is None and algo != registry.baseline() and not cfg.quiet:
+        sys.stderr.write(registry.chose(cfg.workers) + "\n")
     cfg = cfg.replace(algo=algo)
     if cfg.out is None:
         cfg = cfg.replace(out=str(default_out(algo, beside=_saved_run(args))))

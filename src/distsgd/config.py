@@ -122,7 +122,9 @@ class RunConfig:
     the user wrote them, for the TOML file, and are parsed once into the typed properties below."""
 
     algo: str | None = setting(
-        None, "training algorithm (see `distsgd algorithms`)", default_help="the baseline, one process"
+        None,
+        "training algorithm (see `distsgd algorithms`)",
+        default_help="single, the baseline (one process); with --workers N > 1, allreduce",
     )
     workers: int = setting(1, "number of worker processes", check=at_least(1))
     dataset: str | None = setting(
