@@ -352,25 +352,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"--workers must be comma-separated numbers, got '{args.bench_workers}'") from None
     out = Path(base.out) if base.out else Path(BENCH_OUT.replace("<timestamp>", time.strftime("%Y%m%d-%H%M%S")))
-    total = len(algos) * len(workers) * args.repeats
-    done = 0
+    started = 0.0
 
-    def progress(entry: dict) -> None:
-        nonlocal done
-        done += 1
+    def which(n: int, total: int, entry: dict) -> str:
+        return f"[{n}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}"
+
+    def starting(n: int, total: int, entry: dict) -> None:  # a run may take minutes: say what is running
+        nonlocal started
+        started = time.monotonic()
+        if not base.quiet:
+            print(f"{which(n, total, entry)}: running, in {out / entry['run_dir']}", flush=True)
+
+    def ended(n: int, total: int, entry: dict) -> None:
         if base.quiet:
             return
         s = entry["summary"]
         reached = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}s"
         print(
-            f"[{done}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}: "
-            f"{s['samples_per_s']:.0f} samples/s, "
+            f"{which(n, total, entry)}: {s['samples_per_s']:.0f} samples/s, "
             + (
                 f"test loss {s['final_test_loss']:.4f}"
                 if s.get("task") == "lm"
                 else f"acc {s['final_test_accuracy']:.4f}"
             )
-            + f", to target {reached}",
+            + f", to target {reached}; done in {time.monotonic() - started:.0f} s",
             flush=True,
         )
 
@@ -381,9 +386,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.repeats,
         out,
         overwrite=base.overwrite,
-        on_run=progress,
+        on_run=ended,
         network=args.network,
         hosts=args.hosts,
+        on_start=starting,
     )
     if not base.quiet:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))
