@@ -136,6 +136,7 @@ def test_compare_without_matplotlib_says_in_one_line_which_extra_draws_plots(
     from distsgd.bench.report import NO_PLOTS
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    caplog.set_level("WARNING")  # (an earlier in-process command's --quiet may have left the root at ERROR)
     out = tmp_path / "cmp"
     assert cli.main(["compare", *map(str, two_runs), "--out", str(out)]) == 0
     said = [r.getMessage() for r in caplog.records if "plots" in r.getMessage()]
