@@ -99,7 +99,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 
 def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
-    """One user's loop; ``habit`` picks what it does differently from the README's loop."""
+    """One user's loop; ``habit`` picks what it does differently from docs/OWN_LOOP.md's loop."""
     train_set = data()
     head_opt = None
     if habit == "setup-sgd":

@@ -37,6 +37,25 @@ def quoted(text: str, folder: Path) -> list[tuple[str, str | None]]:
     return found
 
 
+def anchors(text: str, folder: Path, here: Path) -> list[tuple[str, str]]:
+    """(file from the repository root, anchor) for every link of ``text`` (the doc ``here``, in
+    ``folder``) to a heading of a markdown file: ``(#x)`` in itself, ``(OTHER.md#x)`` elsewhere."""
+    found = []
+    for m in re.finditer(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+        target = here if not m.group(1) else (folder / m.group(1)).resolve()
+        if target.suffix == ".md" and not re.match(r"\w+:", m.group(1)):
+            found.append((str(target.relative_to(ROOT)), m.group(2)))
+    return found
+
+
+def slugs(path: Path) -> set[str]:
+    """The anchors a markdown file's headings make, as GitHub makes them (lower case, punctuation
+    but hyphens dropped, spaces to hyphens), outside code blocks."""
+    text = re.sub(r"(?ms)^```.*?^```", "", path.read_text())
+    heads = re.findall(r"(?m)^#+ (.+?)\s*$", text)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
 def defined(path: Path) -> set[str]:
     """The functions and classes a Python file defines, at any depth (tests inside classes too)."""
     tree = ast.parse(path.read_text())
@@ -52,6 +71,17 @@ def test_every_path_and_test_a_doc_quotes_exists(doc: Path) -> None:
         elif name is not None and name not in defined(ROOT / path):
             missing.append(f"{path}::{name}")
     assert sorted(set(missing)) == [], f"{doc.name} quotes what does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_anchor_a_doc_links_to_is_a_heading(doc: Path) -> None:
+    """A section moved to another file, or renamed, leaves no link to a heading that is gone."""
+    missing = [
+        f"{path}#{anchor}"
+        for path, anchor in anchors(doc.read_text(), doc.parent, doc)
+        if anchor not in slugs(ROOT / path)
+    ]
+    assert missing == [], f"{doc.name} links to headings that do not exist"
 
 
 def test_the_check_reads_what_docs_quote() -> None:
@@ -73,3 +103,6 @@ def test_the_check_reads_what_docs_quote() -> None:
         ("docs/CHOOSING.md", None),
     ]
     assert "test_listing_commands" in defined(ROOT / "tests" / "test_cli.py")
+    assert anchors(text, ROOT / "docs", ROOT / "docs" / "SAMPLE.md") == [("docs/CHOOSING.md", "slow-networks")]
+    assert {"slow-networks", "the-short-version"} <= slugs(ROOT / "docs" / "CHOOSING.md")
+    assert "benchmarking-which-algorithm" in slugs(ROOT / "README.md")

@@ -377,7 +377,7 @@ def spawn(
     ``functools.partial(main, args=...)``. ``train_size``: your training set's length, if you want ``--schedule`` to know an
     epoch. ``settings``: any ``distsgd train`` setting (``epochs=``, ``lr=``, ``out=``,
     ``max_samples=``, the algorithm's options, ...). See :class:`distsgd.Run` for what ``main``
-    may call, and the README's "Bring your own loop".
+    may call, and docs/OWN_LOOP.md's "Bring your own loop".
     """
     from distsgd.train.own_loop import OwnData
 

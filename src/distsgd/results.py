@@ -88,7 +88,7 @@ def epochs_trained(cfg: RunConfig, dataset: TrainingData, results: list[WorkerRe
 def build_summary(
     cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult], started: float, started_at: str
 ) -> dict[str, Any]:
-    """summary.json: the keys later tools and the benchmarks read (see the README)."""
+    """summary.json: the keys later tools and the benchmarks read (see docs/RUNS.md, "What a run writes")."""
     chief = results[0]
     samples = chief.global_samples
     hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
