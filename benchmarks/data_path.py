@@ -79,7 +79,9 @@ def distsgd_run(train: Samples, test: Samples, samples: int, workers: int) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=int, default=60_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loader-workers", default="0,1")

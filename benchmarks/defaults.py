@@ -108,7 +108,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/defaults"))
     parser.add_argument("--render", type=Path, metavar="DIR")
     parser.add_argument("--models", default=",".join(MODELS))

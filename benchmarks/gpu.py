@@ -457,7 +457,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=25_600, help="samples per throughput measurement")

@@ -150,7 +150,9 @@ def alternate(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, An
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=200, help="steps per thread per measurement")

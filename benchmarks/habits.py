@@ -99,7 +99,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 
 def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
-    """One user's loop; ``habit`` picks what it does differently from the README's loop."""
+    """One user's loop; ``habit`` picks what it does differently from docs/OWN_LOOP.md's loop."""
     train_set = data()
     head_opt = None
     if habit == "setup-sgd":
@@ -261,7 +261,9 @@ def run_case(habit: str, algo: str, limit_s: float, variant: str = "") -> dict[s
 
 
 def main_cli() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--habits", default=",".join(HABITS))
     ap.add_argument("--algos", default=",".join(ALGOS))
     ap.add_argument("--limit-s", type=float, default=120.0, help="wall-clock limit of one case")

@@ -241,7 +241,7 @@ def render(rows: list[dict[str, Any]], facts: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--render", action="store_true", help="only rebuild the table from results")
     ap.add_argument("--again", action="store_true", help="run every cell again, even those already in results")
     ap.add_argument("--budget", type=float, default=10.0, help="seconds of training per shaped run, about; default 10")

@@ -166,7 +166,9 @@ def measure(config: str, samples: int, ab: str | None) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=int, default=60_000, help="training samples per run (all workers)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")

@@ -317,7 +317,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--render", action="store_true", help="only rebuild the table and plot from results")
     ap.add_argument("--again", action="store_true", help="run every cell again, even those already in results")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per shaped run, about; default 60")

@@ -129,7 +129,9 @@ def render(facts: str, rows: list[dict[str, Any]]) -> str:
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--samples", type=int, default=60_000, help="training samples per run, all workers; default 60000 (one epoch)"
     )

@@ -94,7 +94,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/partial_round"))
     parser.add_argument("--suite", choices=list(SUITES), action="append")
     parser.add_argument("--render", type=Path, metavar="DIR", help="print the table of DIR/rows.json")

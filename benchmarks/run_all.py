@@ -465,7 +465,9 @@ def straggler_section(strag: dict[str, Any], main: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--part", choices=["all", *PARTS], default="all")
     parser.add_argument("--render", action="store_true", help="only rebuild docs/BENCHMARKS.md from results/")
     args = parser.parse_args()

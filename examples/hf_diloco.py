@@ -93,7 +93,7 @@ def main(run: distsgd.Run) -> nn.Module:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--algo", default="diloco")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=None)

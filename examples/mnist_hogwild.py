@@ -116,7 +116,9 @@ def test(args: argparse.Namespace, model: nn.Module, dataset: TensorDataset) -> 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="PyTorch MNIST Hogwild! example, on distsgd (Fashion-MNIST)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description="PyTorch MNIST Hogwild! example, on distsgd (Fashion-MNIST)"
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--test-batch-size", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=2)

@@ -37,7 +37,7 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--algo", default="allreduce")
     parser.add_argument("--workers", type=int, default=2, help="training workers (a parameter server adds a rank)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)

@@ -107,7 +107,7 @@ def evaluate(model: nn.Module) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--algo", default="asgd", help="asgd, sync-ps, ssp or dcasgd")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=None)

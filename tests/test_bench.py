@@ -42,7 +42,7 @@ def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "skipping single with 2 workers" in res.stderr
-    assert "[3/4]" in res.stdout and "wrote" in res.stdout
+    assert "[3/3]" in res.stdout and "wrote" in res.stdout  # 3 runs: single with 2 workers was skipped
     bench = json.loads((out / "bench.json").read_text())
     rows = {(r["algo"], r["workers"]): r for r in bench["rows"]}
     assert set(rows) == {("single", 1), ("local-sgd[sync_every=4]", 1), ("local-sgd[sync_every=4]", 2)}
@@ -95,3 +95,51 @@ def test_the_settings_line_gives_each_repeats_seed() -> None:
     three = report.markdown(report.derive([], machine, RunConfig(seed=3), repeats=3))
     assert "seed=3..5 (repeat r: 3 + r)" in three and "seed=3," not in three
     assert "seed=3," in report.markdown(report.derive([], machine, RunConfig(seed=3), repeats=1))
+
+
+def _help_of(command: str, dest: str) -> str:
+    from distsgd import cli
+
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    return next(a.help for a in parser._actions if a.dest == dest) or ""
+
+
+def test_bench_writes_where_its_out_help_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --help``'s ``--out`` default is where a bench without ``--out`` writes (it said
+    train's runs/<timestamp>-<algo>; the bench wrote runs/bench-<timestamp>)."""
+    import re
+
+    from distsgd import cli
+
+    said = re.search(r"default (\S+)$", _help_of("bench", "out")).group(1)
+    pattern = re.escape(said).replace(re.escape("<timestamp>"), r"\d{8}-\d{6}")
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "--algos", "single", "--workers", "1", "--dataset", "digits", "--model", "logreg"]
+    args += ["--max-samples", "64", "--quiet"]
+    assert cli.main(args) == 0
+    made = [str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").iterdir()]
+    assert len(made) == 1 and re.fullmatch(pattern, made[0]), (said, made)
+    assert (tmp_path / made[0] / "bench.json").is_file()
+
+
+def test_bench_says_which_configuration_runs_as_each_starts_and_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A configuration may train for minutes: a line as each starts (which, where) and one as it
+    ends (its figures), numbered out of the runs that will really run (a skipped configuration
+    is not counted: single with 2 workers here)."""
+    from distsgd import cli
+
+    out = tmp_path / "b"
+    args = ["bench", "--algos", "single,allreduce", "--workers", "1,2", "--repeats", "2", "--dataset", "digits"]
+    args += ["--model", "logreg", "--max-samples", "64", "--out", str(out)]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runs = [("single", 1, r) for r in (0, 1)] + [("allreduce", w, r) for w in (1, 2) for r in (0, 1)]
+    expected = []
+    for n, (algo, w, r) in enumerate(runs, 1):
+        head = f"[{n}/6] {algo} x{w} repeat {r}: "
+        expected += [(head, "running, in " + str(out / "runs" / f"{algo}-w{w}-r{r}")), (head, "samples/s")]
+    assert len(lines) == len(expected) + 1 and lines[-1].startswith("wrote "), lines
+    for line, (head, said) in zip(lines, expected):
+        assert line.startswith(head) and said in line, (line, head, said)

@@ -185,6 +185,8 @@ BAD = {
     "zero batch": (lambda t: ["--batch-size", "0"], "--batch-size must be at least 1"),
     "negative batch": (lambda t: ["--batch-size", "-64"], "--batch-size must be at least 1"),
     "unknown flag": (lambda t: ["--learning-rate", "0.1"], "unrecognized arguments: --learning-rate"),
+    # argparse's abbreviations would read --epoch as --epochs (then: at least 1, got 0)
+    "abbreviated flag": (lambda t: ["--epoch", "0"], "unrecognized arguments: --epoch 0"),
     "not a number": (lambda t: ["--lr", "fast"], "argument --lr: invalid float value"),
     "unknown dataset": (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     "missing npz": (lambda t: ["--dataset", f"npz:{t / 'x.npz'}", "--model", "logreg"], "npz file not found"),
@@ -300,6 +302,29 @@ def test_an_unknown_flag_points_at_its_commands_help() -> None:
     assert res.returncode == 2 and res.stderr.endswith("(see `distsgd --help`)\n")
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--epoch", "2"],
+        ["train", "--work", "2"],
+        ["bench", "--algos", "single", "--repeat", "2"],
+        ["eval", "--checkpoint", "model.pt", "--js"],
+        ["datasets", "--data", "x"],
+        ["algorithms", "--mark"],
+        ["compare", "runs/a", "--qu"],
+    ],
+)
+def test_a_mistyped_flag_is_an_error_not_an_abbreviation(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    """Every command's flags are whole words: a prefix of one (``--epoch`` for ``--epochs``) is an
+    unknown flag, one ``error:`` line and exit 2, not silently the flag it begins."""
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    mistyped = next(a for a in argv[1:] if a.startswith("--") and a not in ("--algos", "--checkpoint"))
+    assert len(err) == 1 and err[0].startswith(f"error: unrecognized arguments: {mistyped}"), err
+
+
 def test_every_flags_help_names_its_true_default() -> None:
     """``--help`` names each setting's default as the value a run takes when it is not given: a
     RunConfig field's once the run is settled, each algorithm's own for its options."""
@@ -325,3 +350,50 @@ def test_every_flags_help_names_its_true_default() -> None:
         if not re.search(rf"default {said}(?![\w.])|(default |, ){said} \({re.escape(algo)}\)", helps[f.name]):
             wrong.append(f"{f.name} {algo}: {helps[f.name]!r} does not name {value}")
     assert wrong == []
+
+
+def test_algorithms_lists_each_algorithms_own_defaults(capsys: pytest.CaptureFixture) -> None:
+    """``--lr``'s help sends the reader to ``distsgd algorithms`` for an algorithm's own lr: each
+    algorithm's block there names every default of its own (diloco's and streaming-diloco's inner
+    AdamW: the paper's lr 4e-4 and weight decay 0.1), and none where it has none."""
+    from distsgd.algorithms import registry
+    from distsgd.config import RunConfig
+
+    assert "see `distsgd algorithms`" in _help_of("train", "lr")
+    assert "see `distsgd algorithms`" in _help_of("train", "weight_decay")
+    assert cli.main(["algorithms"]) == 0
+    blocks: dict[str, str] = {}
+    for line in capsys.readouterr().out.splitlines():
+        if not line.startswith(" "):
+            name = line.split()[0]
+        blocks[name] = blocks.get(name, "") + line + "\n"
+    assert set(blocks) == set(registry.names())
+    assert "--lr 0.0004, --weight-decay 0.1" in blocks["diloco"]
+    assert "--lr 0.0004, --weight-decay 0.1" in blocks["streaming-diloco"]
+    for name in registry.names():
+        own = registry.get(name).default_settings(RunConfig(algo=name))
+        assert ("own defaults" in blocks[name]) == bool(own), name
+
+
+def _help_of(command: str, dest: str) -> str:
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    return next(a.help for a in parser._actions if a.dest == dest) or ""
+
+
+def test_workers_without_an_algorithm_train_with_allreduce_and_say_so(tmp_path: Path, capsys) -> None:
+    """``distsgd train --workers 2`` without ``--algo`` was an error; it trains with allreduce (its
+    options allowed, as --compress here), saying so in one line on stderr before the progress;
+    ``--quiet`` says nothing, and one worker is still the baseline."""
+    from distsgd.algorithms import registry
+
+    small = ["--dataset", "digits", "--model", "logreg", "--max-samples", "128"]
+    assert cli.main(["train", "--workers", "2", "--compress", "fp16", *small, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == registry.chose(2) and err[0].startswith("--workers 2 without --algo: training with allreduce")
+    assert sum("without --algo" in line for line in err) == 1
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["algo"] == "allreduce"
+    assert cli.main(["train", "--workers", "2", *small, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.main(["train", *small, "--out", str(tmp_path / "c")]) == 0
+    assert "without --algo" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["algo"] == "single"

@@ -124,3 +124,22 @@ def test_labels_name_each_run_once() -> None:
     assert _labels([entry("runs/20260101-asgd", "asgd"), entry("runs/b", "single")]) == ["20260101-asgd", "b (single)"]
     assert _labels([entry("x/run", "asgd"), entry("y/run", "asgd")]) == ["x/run (asgd)", "y/run (asgd)"]
     assert _labels([entry("a", "ssp"), entry("a", "ssp")]) == ["a (ssp)", "a (ssp) #2"]
+
+
+def test_compare_without_matplotlib_says_in_one_line_which_extra_draws_plots(
+    two_runs: tuple[Path, Path], tmp_path: Path, capsys, caplog, monkeypatch
+) -> None:
+    """After the quick start's install (no extras) compare prints its table, writes its files, and
+    says once which extra its plots need, instead of plots."""
+    import sys
+
+    from distsgd.bench.report import NO_PLOTS
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    caplog.set_level("WARNING")  # (an earlier in-process command's --quiet may have left the root at ERROR)
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", *map(str, two_runs), "--out", str(out)]) == 0
+    said = [r.getMessage() for r in caplog.records if "plots" in r.getMessage()]
+    assert said == [NO_PLOTS] and "pip install 'distsgd[bench]'" in NO_PLOTS
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out / 'compare.md'}, {out / 'compare.json'}"
+    assert not list(out.glob("*.png")) and json.loads((out / "compare.json").read_text())["plots"] == []

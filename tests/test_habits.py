@@ -76,7 +76,7 @@ def reference(steps: int, per_step: int, lr: float, clip: float | None = None) -
 
 
 def loop(run: distsgd.Run, habit: str = "", micro: int = 1) -> nn.Module:
-    """The README's loop, with one habit. ``micro`` batches of ``B`` make each step's batch."""
+    """docs/OWN_LOOP.md's loop, with one habit. ``micro`` batches of ``B`` make each step's batch."""
     model, opt = run.setup()
     module = getattr(model, "module", model)
     if habit == "scheduler-zero":

@@ -485,3 +485,56 @@ def test_the_server_and_hogwild_plus_plus_run_a_user_loop_under_torchrun(tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_test_accuracy"] > 0.85 and summary["algo"] == algo
     assert summary["samples"] == pytest.approx(3 * 1437, rel=0.02)
+
+
+def epochs_loop(run: distsgd.Run) -> nn.Module:
+    """Two passes over the digits, a test figure after each (every worker, at the same point)."""
+    data = _digits()
+    train_set = TensorDataset(data.x_train, data.y_train)
+    model, opt = run.setup()
+    for epoch in range(run.cfg.epochs):
+        for x, y in run.loader(train_set, batch_size=64, epoch=epoch):
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+        run.log(test_accuracy=0.5, test_loss=1.0)
+    return run.final_model()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The digits as a stream: no len(), so no epoch to count in."""
+
+    def __iter__(self):
+        data = _digits()
+        yield from zip(data.x_train, data.y_train)
+
+
+def stream_loop(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    for x, y in run.loader(Stream(), batch_size=64):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    run.log(test_accuracy=0.5, test_loss=1.0)
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["single", "allreduce", "hogwild", "asgd"])
+def test_a_user_loop_counts_its_epochs_from_run_loader(tmp_path, capsys, algo: str) -> None:
+    """The progress lines and the summary count epochs in the data run.loader is given (they
+    said epoch=0.00 throughout and epochs: None); a loop over a stream, whose epochs no one
+    knows, says nothing of them."""
+    workers = 1 if algo == "single" else 2
+    r = distsgd.spawn(epochs_loop, model=Net, algo=algo, workers=workers, epochs=2, out=str(tmp_path / "a"))
+    assert r.summary["epochs"] == pytest.approx(2.0, abs=0.01), r.summary
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eval ")]
+    said = [float(line.split("epoch=")[1].split()[0]) for line in lines]  # under hogwild and asgd, each worker's
+    assert sorted({round(e, 1) for e in said}) == [1.0, 2.0], lines
+    events = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    trained = [e["epoch"] for e in events if e["event"] in ("progress", "eval")]
+    assert trained and trained[-1] == pytest.approx(2.0, abs=0.03) and 0 < min(trained), trained
+
+    r = distsgd.spawn(stream_loop, model=Net, algo=algo, workers=workers, out=str(tmp_path / "b"))
+    assert "epochs" not in r.summary and r.summary["samples"] > 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("eval ", "train "))]
+    assert lines and not any("epoch=" in line for line in lines), lines

@@ -65,6 +65,24 @@ def test_the_summary_records_what_was_trained() -> None:
     assert s["global_batch_size"] == 16 * 3 * 2
 
 
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
+def test_a_summary_lists_restarts_only_where_there_were_some(algo: str) -> None:
+    """Every launcher (process group, shared memory, parameter server) keeps a list of restarts;
+    a run that needed none, --restart-workers given or not, has no ``restarts`` key (it was
+    ``restarts: []`` in every summary)."""
+    for restart_workers in (0, 1):
+        s = distsgd.train(
+            model="logreg",
+            data="digits",
+            algo=algo,
+            workers=2,
+            max_samples=128,
+            restart_workers=restart_workers,
+            **QUIET,
+        ).summary
+        assert "restarts" not in s, (restart_workers, s.get("restarts"))
+
+
 @pytest.mark.slow
 @needs_fashion
 def test_fashion_mnist_net_learns() -> None:
@@ -306,4 +324,26 @@ def test_bad_api_input() -> None:
     with pytest.raises(distsgd.ModelError, match="cannot take digits's input"):
         distsgd.train(model="mnist_net", data="digits", **QUIET)
     with pytest.raises(distsgd.ConfigError, match="single runs one worker"):
-        distsgd.train(model="mlp", data="digits", workers=2, **QUIET)
+        distsgd.train(model="mlp", data="digits", algo="single", workers=2, **QUIET)
+
+
+def test_several_workers_without_an_algorithm_train_with_allreduce(caplog: pytest.LogCaptureFixture) -> None:
+    """``workers=2`` and no ``algo=`` was an error (single runs one worker); it trains with
+    allreduce and says so in one line (none with ``quiet``)."""
+    from distsgd.algorithms import registry
+
+    with caplog.at_level("WARNING", logger="distsgd"):
+        s = distsgd.train(model="logreg", data="digits", workers=2, max_samples=128).summary
+    assert (s["algo"], s["workers"]) == ("allreduce", 2)
+    said = [r.getMessage() for r in caplog.records if "without algo=" in r.getMessage()]
+    assert said == [registry.chose(2, cli=False)] and said[0].startswith(
+        "workers=2 without algo=: training with allreduce"
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distsgd"):
+        assert (
+            distsgd.train(model="logreg", data="digits", workers=2, max_samples=128, **QUIET).summary["algo"]
+            == "allreduce"
+        )
+        assert distsgd.train(model="logreg", data="digits", max_samples=128, **QUIET).summary["algo"] == "single"
+    assert not [r for r in caplog.records if "without algo=" in r.getMessage()]

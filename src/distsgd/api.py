@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec, TypeVar
 
 from torch import nn
 
@@ -35,7 +37,7 @@ from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import TorchData, is_map_dataset
-from distsgd.errors import CheckpointError, ConfigError, DataError, OutputError
+from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError
 from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
@@ -62,6 +64,30 @@ class _CopyOf:
         return copy.deepcopy(self.module)
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_line_when_unguarded(entry: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``entry`` (train, spawn), ending the script in one ``error:`` line, exit status 2, when the
+    script calls it at module level without ``if __name__ == "__main__":``. Only such a call
+    raises :class:`MainGuardError` (a worker importing the script again reached it), so the script
+    cannot run as written; raised out of its module-level code the error would be a traceback of
+    thirty lines through distsgd's launcher, for a one-line fix."""
+
+    @functools.wraps(entry)
+    def entered(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return entry(*args, **kwargs)
+        except MainGuardError as exc:
+            sys.stderr.write(f"error: {exc}\n")
+            sys.stderr.flush()
+            raise SystemExit(exc.exit_code) from None
+
+    return entered
+
+
+@_one_line_when_unguarded
 def train(
     model: ModelSpec | nn.Module | None = None,
     data: Any = None,
@@ -269,7 +295,9 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
-    algo = cfg.algo if cfg.algo is not None else registry.baseline()
+    algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
+    if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
+        log.warning("%s", registry.chose(cfg.workers, cli=False))
     cfg = cfg.replace(algo=algo)
     algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
@@ -329,6 +357,7 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     return cfg, algo_cls
 
 
+@_one_line_when_unguarded
 def spawn(
     main: Callable[..., Any],
     model: ModelSpec | nn.Module,
@@ -356,7 +385,7 @@ def spawn(
     ``functools.partial(main, args=...)``. ``train_size``: your training set's length, if you want ``--schedule`` to know an
     epoch. ``settings``: any ``distsgd train`` setting (``epochs=``, ``lr=``, ``out=``,
     ``max_samples=``, the algorithm's options, ...). See :class:`distsgd.Run` for what ``main``
-    may call, and the README's "Bring your own loop".
+    may call, and docs/OWN_LOOP.md's "Bring your own loop".
     """
     from distsgd.train.own_loop import OwnData
 

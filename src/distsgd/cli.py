@@ -32,6 +32,12 @@ from distsgd.errors import DistsgdError, Terminated, on_sigterm
 class _Parser(argparse.ArgumentParser):
     commands: dict[str, "_Parser"] = {}  # the top parser's sub-commands' parsers, by name
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: argparse would read a mistyped --epoch as --epochs (and --lr as
+        # --lr-gamma once a flag is added beside it); a flag no parser knows is one error line.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
@@ -61,9 +67,12 @@ def _add_flag(parser: Any, f: dataclasses.Field, help_text: str | None) -> None:
     parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text, metavar=metavar, **optional)
 
 
-def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per RunConfig field, with the help text the field carries; then one per option of
-    any algorithm, its help naming the algorithms that take it (made from their Options)."""
+def _add_run_flags(
+    parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), helps: dict[str, str] | None = None
+) -> None:
+    """One flag per RunConfig field, with the help text the field carries (``helps``: the command's
+    own, where the setting means something else there); then one per option of any algorithm, its
+    help naming the algorithms that take it (made from their Options)."""
     from distsgd.data import dataset_help
     from distsgd.models import model_help
 
@@ -71,7 +80,8 @@ def _add_run_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags override it)")
     for f in dataclasses.fields(RunConfig):
         if f.name not in skip and f.name != "options":
-            _add_flag(parser, f, options.help_text(f, listed[f.name]() if f.name in listed else None))
+            own = (helps or {}).get(f.name)
+            _add_flag(parser, f, own or options.help_text(f, listed[f.name]() if f.name in listed else None))
     group = parser.add_argument_group("the algorithms' own options (each applies to the algorithms it names)")
     for name, (f, text) in algorithm_options().items():
         _add_flag(group, f, text)
@@ -95,6 +105,9 @@ def algorithm_options() -> dict[str, tuple[dataclasses.Field, str]]:
             text += "; default " + ", ".join(f"{d} ({o})" for o, d in zip(owners, defaults))
         out[name] = (decls[0], text)
     return out
+
+
+BENCH_OUT = "runs/bench-<timestamp>"  # where distsgd bench writes without --out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,7 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="with --network: hosts, one worker each (a parameter server on one more); default 2",
     )
-    _add_run_flags(bench, skip=("algo", "workers"))
+    _add_run_flags(
+        bench,
+        skip=("algo", "workers"),
+        helps={
+            "out": f"the bench's directory: bench.json, bench.md, the plots, and runs/ with each "
+            f"configuration's run; default {BENCH_OUT}",
+            "overwrite": "replace an existing bench directory (one distsgd wrote)",
+        },
+    )
     cmp = sub.add_parser("compare", help="the bench's table and plots for runs that already exist")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with its summary.json)")
     cmp.add_argument(
@@ -180,7 +201,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     _hush(cfg.quiet)
-    algo = cfg.algo if cfg.algo is not None else registry.baseline()
+    algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
+    if cfg.algo is None and algo != registry.baseline() and not cfg.quiet:
+        sys.stderr.write(registry.chose(cfg.workers) + "\n")
     cfg = cfg.replace(algo=algo)
     if cfg.out is None:
         cfg = cfg.replace(out=str(default_out(algo, beside=_saved_run(args))))
@@ -297,12 +320,24 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     if args.markdown:
         print(algorithms_table())
         return 0
+    flags = {f.name: options.flag_of(f) for f in dataclasses.fields(RunConfig)}
     for name in registry.names():
         cls = registry.get(name)
         print(f"{name:<17} {cls.kind:<18} {cls.topology.kind:<7} {cls.summary_line}")
         for f in dataclasses.fields(cls.Options):
             print(f"{'':<19}{options.flag_of(f)}: {options.help_text(f)}")
+        own = cls.default_settings(RunConfig(algo=name))  # with its options' defaults
+        if own:  # what --lr's help and --weight-decay's send the reader here for
+            said = ", ".join(f"{flags[k]} {_number(v)}" for k, v in own.items())
+            print(
+                f"{'':<19}its own defaults for settings left unset: {said} (with its options at their "
+                f"defaults; a built-in model's own come first: gpt's)"
+            )
     return 0
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -316,26 +351,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workers = [int(w) for w in args.bench_workers.split(",") if w.strip()]
     except ValueError:
         raise ConfigError(f"--workers must be comma-separated numbers, got '{args.bench_workers}'") from None
-    out = Path(base.out) if base.out else Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    total = len(algos) * len(workers) * args.repeats
-    done = 0
+    out = Path(base.out) if base.out else Path(BENCH_OUT.replace("<timestamp>", time.strftime("%Y%m%d-%H%M%S")))
+    started = 0.0
 
-    def progress(entry: dict) -> None:
-        nonlocal done
-        done += 1
+    def which(n: int, total: int, entry: dict) -> str:
+        return f"[{n}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}"
+
+    def starting(n: int, total: int, entry: dict) -> None:  # a run may take minutes: say what is running
+        nonlocal started
+        started = time.monotonic()
+        if not base.quiet:
+            print(f"{which(n, total, entry)}: running, in {out / entry['run_dir']}", flush=True)
+
+    def ended(n: int, total: int, entry: dict) -> None:
         if base.quiet:
             return
         s = entry["summary"]
         reached = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}s"
         print(
-            f"[{done}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}: "
-            f"{s['samples_per_s']:.0f} samples/s, "
+            f"{which(n, total, entry)}: {s['samples_per_s']:.0f} samples/s, "
             + (
                 f"test loss {s['final_test_loss']:.4f}"
                 if s.get("task") == "lm"
                 else f"acc {s['final_test_accuracy']:.4f}"
             )
-            + f", to target {reached}",
+            + f", to target {reached}; done in {time.monotonic() - started:.0f} s",
             flush=True,
         )
 
@@ -346,9 +386,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.repeats,
         out,
         overwrite=base.overwrite,
-        on_run=progress,
+        on_run=ended,
         network=args.network,
         hosts=args.hosts,
+        on_start=starting,
     )
     if not base.quiet:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))

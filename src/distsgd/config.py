@@ -122,7 +122,9 @@ class RunConfig:
     the user wrote them, for the TOML file, and are parsed once into the typed properties below."""
 
     algo: str | None = setting(
-        None, "training algorithm (see `distsgd algorithms`)", default_help="the baseline, one process"
+        None,
+        "training algorithm (see `distsgd algorithms`)",
+        default_help="single, the baseline (one process); with --workers N > 1, allreduce",
     )
     workers: int = setting(1, "number of worker processes", check=at_least(1))
     dataset: str | None = setting(
@@ -191,7 +193,7 @@ class RunConfig:
         None,
         "weight decay (L2 for sgd and adam, decoupled for adamw)",
         unset=0.0,
-        default_help="{default}, or the algorithm's own where its paper's differs",
+        default_help="{default}, or the algorithm's own where its paper's differs (see `distsgd algorithms`)",
         check=lambda flag, v: (
             None if 0 <= v <= FLOAT32_MAX else f"{flag} must be >= 0 (at most {FLOAT32_MAX:.4g}), got {v}"
         ),

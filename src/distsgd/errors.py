@@ -140,6 +140,12 @@ class LoopError(WorkerInputError):
     survive; this is not). The message names the worker and the line of the user's code."""
 
 
+class MainGuardError(WorkerInputError):
+    """The launching script calls distsgd at its module level, without ``if __name__ ==
+    "__main__":``: a worker process, importing the script again as it starts, reached the call
+    (it would train again), so no worker can start. The script's to mend: no restart."""
+
+
 # What a worker says when a peer, not itself, went wrong.
 PEER_SYMPTOMS = (
     "Connection reset by peer",

@@ -3,7 +3,7 @@
 Every event is one JSON object on one line of ``metrics.jsonl``:
 
 - ``{"event": "progress", "samples", "epoch", "rank", "loss", "lr", "train_wall_s", "samples_per_s"}``
-  from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
+  (``epoch`` null in a user's loop that reads a stream: its epochs are not known) from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
   the algorithm's own figures (``Algorithm.progress_figures``): ``bytes_sent`` for algorithms
   that communicate through a process group or a token ring (all workers' bytes so far); with
   ``--precision fp16``, ``loss_scale``, the reporting worker's GradScaler scale.
@@ -264,14 +264,13 @@ class LineProgress:
             loss = f"test_loss={event['test_loss']:.4f}" if event.get("test_loss") is not None else ""
             ppl = f" ppl={event['test_perplexity']:.3f}" if "test_perplexity" in event else ""
             self._write(
-                f"eval  samples={event['samples']} epoch={event['epoch']:.2f} "
-                f"{acc}{loss}{ppl} train_s={event['train_wall_s']:.1f}"
+                f"eval  samples={event['samples']}{_epoch(event)} {acc}{loss}{ppl} train_s={event['train_wall_s']:.1f}"
             )
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
             self._write(
-                f"train samples={event['samples']} epoch={event['epoch']:.2f} loss={event['loss']:.4f} "
+                f"train samples={event['samples']}{_epoch(event)} loss={event['loss']:.4f} "
                 f"samples/s={event['samples_per_s']:.0f}{extra}"
             )
 
@@ -281,6 +280,12 @@ class LineProgress:
 
     def close(self) -> None:
         pass
+
+
+def _epoch(event: dict[str, Any]) -> str:
+    """`` epoch=E`` of a progress line; nothing where the epoch is not known (a user's loop that
+    reads a stream)."""
+    return "" if event.get("epoch") is None else f" epoch={event['epoch']:.2f}"
 
 
 class BarProgress:

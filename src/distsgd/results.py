@@ -60,11 +60,10 @@ def own_final_figures(
                 f"evaluate(model) must return a dict with test_accuracy and/or test_loss, got {type(got).__name__}"
             )
         values = {k: float(v) if isinstance(v, (int, float, torch.Tensor)) else v for k, v in got.items()}
-        per_epoch = samples_per_epoch(job.data.n_train, job.cfg.workers, job.cfg.partition) if job.data.n_train else 0
         event = eval_event(
             job.data,
             chief.global_samples,
-            round(chief.global_samples / per_epoch, 4) if per_epoch else 0.0,
+            epochs_trained(job.cfg, job.data, results),
             chief.train_wall_s,
             values.get("test_accuracy"),
             values.get("test_loss"),
@@ -77,22 +76,30 @@ def own_final_figures(
         chief.final_test_accuracy = chief.final_test_loss = None
 
 
+def epochs_trained(cfg: RunConfig, dataset: TrainingData, results: list[WorkerResult]) -> float | None:
+    """Epochs the run trained, all workers' samples over the training set's: a fraction where it
+    stopped inside one (--max-samples, --stop-at-target). A user's loop's training set is the one
+    ``spawn(train_size=)`` names, or else the one its workers gave ``run.loader``; None where
+    neither is known (a loop that reads a stream)."""
+    n = dataset.n_train or next((r.data_len for r in results if r.data_len), 0)
+    return round(results[0].global_samples / samples_per_epoch(n, cfg.workers, cfg.partition), 4) if n else None
+
+
 def build_summary(
     cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult], started: float, started_at: str
 ) -> dict[str, Any]:
-    """summary.json: the keys later tools and the benchmarks read (see the README)."""
+    """summary.json: the keys later tools and the benchmarks read (see docs/RUNS.md, "What a run writes")."""
     chief = results[0]
     samples = chief.global_samples
     hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
+    epochs = epochs_trained(cfg, dataset, results)
     summary: dict[str, Any] = {
         "algo": cfg.algo,
         "workers": cfg.workers,
         "dataset": dataset.name,
         "model": describe(spec) if not isinstance(spec, str) else spec,
-        # what was trained (a run stopped by --max-samples or --stop-at-target trains part of its epochs)
-        "epochs": round(samples / samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition), 4)
-        if dataset.n_train
-        else None,  # a user's loop: its epochs are its own
+        # what was trained (a user's loop that reads a stream: unknown, and not said)
+        **({"epochs": epochs} if epochs is not None else {}),
         "configured_epochs": cfg.epochs,
         "max_samples": cfg.max_samples,
         "batch_size": cfg.batch_size,

@@ -248,7 +248,7 @@ def test_a_worker_that_dies_before_it_starts(tmp_path: Path, monkeypatch, algo: 
         assert s["failed_workers"] == [] and len(s["restarts"]) == 1
         assert s["samples_per_worker"][1] >= 2 * shard - 16
     else:
-        assert s["failed_workers"] == [1] and len(s["restarts"]) == (1 if how == "always" else 0)
+        assert s["failed_workers"] == [1] and len(s.get("restarts", [])) == (1 if how == "always" else 0)
         assert s["samples_per_worker"][0] >= 2 * shard - 16 and s["samples_per_worker"][1] == 0
     if how == "bad-input":
         assert "this worker's input is bad" in s["worker_errors"]["1"]

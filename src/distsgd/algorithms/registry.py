@@ -26,14 +26,39 @@ def option_names() -> set[str]:
     return set(option_owners())
 
 
+# The algorithm of a run of several workers that names none: synchronous data parallel, the
+# same steps as one process with the global batch (the baseline runs one worker only).
+SEVERAL_WORKERS = "allreduce"
+
+
+def default_for(workers: int) -> str:
+    """The algorithm a run takes when it names none: the baseline for one worker, else
+    :data:`SEVERAL_WORKERS`."""
+    return SEVERAL_WORKERS if workers > 1 else baseline()
+
+
+def chose(workers: int, cli: bool = True) -> str:
+    """The line that says which algorithm a run of ``workers`` that named none trains with, in the
+    words of the command line (``cli``) or of the Python API."""
+    algo = default_for(workers)
+    given, flag = (f"--workers {workers}", "--algo") if cli else (f"workers={workers}", "algo=")
+    return (
+        f"{given} without {flag}: training with {algo} ({get(algo).summary_line}); "
+        f"{flag} chooses another (distsgd algorithms lists them)"
+    )
+
+
 def own_options(cfg: RunConfig) -> list[str]:
-    """The names of the options of the algorithm ``cfg`` runs (the baseline's when it names none)."""
-    return resolve(cfg.algo or baseline(), cfg).Options.names()
+    """The names of the options of the algorithm ``cfg`` runs (when it names none, the one
+    :func:`default_for` its workers gives)."""
+    return resolve(cfg.algo or default_for(cfg.workers), cfg).Options.names()
 
 
 __all__ = [
     "Algorithm",
     "baseline",
+    "chose",
+    "default_for",
     "get",
     "names",
     "resolve",

@@ -265,6 +265,10 @@ def _goal(settings: dict[str, Any]) -> str:
     return _pct(settings.get("target_accuracy"))
 
 
+# Said once, where a report would draw its plots and matplotlib (an extra) is not installed.
+NO_PLOTS = "no plots: they need matplotlib, the bench extra: pip install 'distsgd[bench]'"
+
+
 def plots(report: dict[str, Any], out: Path) -> list[str]:
     """accuracy_vs_time.png, accuracy_vs_samples.png (a language model's: loss_vs_*.png, of its test loss
     per token), and throughput_vs_workers.png (a bench) or
@@ -275,7 +279,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed: no plots (pip install 'distsgd[bench]')")
+        log.warning("%s", NO_PLOTS)
         return []
     firsts = [e for e in report["runs"] if e["repeat"] == 0]
     written = []

@@ -116,31 +116,13 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def run_bench(
-    base: RunConfig,
-    algos: list[AlgoSpec],
-    workers: list[int],
-    repeats: int,
-    out: Path,
-    overwrite: bool = False,
-    on_run: Callable[[dict[str, Any]], None] | None = None,
-    network: str | None = None,
-    hosts: int | None = None,
-) -> dict[str, Any]:
-    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With ``network``
-    (``RATE[,delay=D]``), each run crosses the shaped links of ``hosts`` (default 2) namespaces, a worker each."""
-    from distsgd.bench import report
-    from distsgd.bench.network import Network, describe, layout, settle_hosts
+def _plan(
+    base: RunConfig, algos: list[AlgoSpec], workers: list[int], network: str | None, hosts: int
+) -> list[tuple[AlgoSpec, int, RunConfig]]:
+    """Each configuration the bench will run, once: (its spec, its workers, its settings); one that
+    cannot run (single with 2 workers; Hogwild! across --network) is skipped with a warning."""
+    from distsgd.bench.network import layout
 
-    hosts = settle_hosts(network, hosts)
-    if network is not None:
-        workers = [hosts]  # one worker a host: see distsgd.bench.network
-
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1, got {repeats}")
-    if not workers or min(workers) < 1:
-        raise ConfigError(f"--workers must list positive counts, got {workers}")
-    _check_shared_options(base, algos)
     plan = []
     seen = set()
     for spec in algos:
@@ -168,27 +150,65 @@ def run_bench(
             if (spec.label, cfg.workers) not in seen:
                 seen.add((spec.label, cfg.workers))
                 plan.append((spec, cfg.workers, cfg))
+    return plan
+
+
+# What a bench tells its caller of each run: (its number, from 1; the runs in all; its entry:
+# algo, workers, repeat, run_dir, and once it has ended its summary).
+Report = Callable[[int, int, dict[str, Any]], None]
+
+
+def run_bench(
+    base: RunConfig,
+    algos: list[AlgoSpec],
+    workers: list[int],
+    repeats: int,
+    out: Path,
+    overwrite: bool = False,
+    on_run: Report | None = None,
+    network: str | None = None,
+    hosts: int | None = None,
+    on_start: Report | None = None,
+) -> dict[str, Any]:
+    """Run every configuration in turn; write bench.json, bench.md and plots into ``out``. With ``network``
+    (``RATE[,delay=D]``), each run crosses the shaped links of ``hosts`` (default 2) namespaces, a worker each.
+    ``on_start`` hears of each run as it starts (its entry without a summary), ``on_run`` as it ends."""
+    from distsgd.bench import report
+    from distsgd.bench.network import Network, describe, settle_hosts
+
+    hosts = settle_hosts(network, hosts)
+    if network is not None:
+        workers = [hosts]  # one worker a host: see distsgd.bench.network
+
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {repeats}")
+    if not workers or min(workers) < 1:
+        raise ConfigError(f"--workers must list positive counts, got {workers}")
+    _check_shared_options(base, algos)
+    plan = _plan(base, algos, workers, network, hosts)
     if not plan:
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
     runs: list[dict[str, Any]] = []
     # the hosts and their link first: a network that cannot be made leaves no bench directory behind
     with Network(network, hosts) if network is not None else contextlib.nullcontext() as net:
         out = rundir.prepare(out, overwrite, None, "bench")
+        total = len(plan) * repeats
         for spec, w, cfg in plan:
             for r in range(repeats):
                 run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
                 cfg_r = cfg.replace(seed=base.seed + r, out=str(run_dir.resolve()), overwrite=True, quiet=True)
-                summary = net.run(cfg_r) if net is not None else run(cfg_r).summary
-                entry = {
+                entry: dict[str, Any] = {
                     "algo": spec.label,
                     "workers": w,
                     "repeat": r,
                     "run_dir": str(run_dir.relative_to(out)),
-                    "summary": summary,
                 }
+                if on_start is not None:
+                    on_start(len(runs) + 1, total, entry)
+                entry["summary"] = net.run(cfg_r) if net is not None else run(cfg_r).summary
                 runs.append(entry)
                 if on_run is not None:
-                    on_run(entry)
+                    on_run(len(runs), total, entry)
     bench = report.derive(runs, machine_facts(), base, repeats)
     if network is not None:
         bench["network"] = network

@@ -93,7 +93,7 @@ class TorchData:
             raise DataError(
                 f"item {i} of the Dataset is a dict (keys {', '.join(map(str, list(item)[:6]))}): distsgd's "
                 f"loop takes (input, target) items; a model fed dicts trains in your own loop "
-                f"(distsgd.spawn; README: Bring your own loop)"
+                f"(distsgd.spawn; docs/OWN_LOOP.md: Bring your own loop)"
             )
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise DataError(f"a Dataset item must be (input, target); item {i} is {type(item).__name__}")

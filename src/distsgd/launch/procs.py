@@ -35,9 +35,9 @@ import torch.multiprocessing as mp
 
 from distsgd.config import RunConfig
 from distsgd.errors import (
-    ConfigError,
     DistsgdError,
     LoopError,
+    MainGuardError,
     Terminated,
     WorkerError,
     WorkerInputError,
@@ -116,7 +116,7 @@ def mp_context() -> SpawnContext | ForkServerContext:
             p.start()
         p.join()
         if p.exitcode == MAIN_GUARD_STATUS:
-            raise ConfigError(MAIN_GUARD)
+            raise MainGuardError(MAIN_GUARD)
         _WARM_SERVER = server
     return ctx
 
@@ -703,6 +703,8 @@ class Supervisor:
     def _error(self, rank: int, name: Callable[[int], str]) -> WorkerError:
         if rank in self.whole:  # the worker named itself, and the line of the user's code
             return LoopError(self.said[rank])
+        if self.said.get(rank) == MAIN_GUARD:  # the script, not the worker: said as the warm-up says it
+            return MainGuardError(MAIN_GUARD)
         error = WorkerInputError if rank in self.users else WorkerError
         return error(f"{name(rank)} failed: {self.reason(rank)}")
 

@@ -24,7 +24,7 @@ import torch
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat
 from distsgd.checkpoint import resume_hint
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError
+from distsgd.errors import ConfigError, MainGuardError
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, group_host, launcher_group, place
 from distsgd.metrics import NullSink, Sink
@@ -180,6 +180,8 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
                         given_up[rank] = 1
             if 0 in failed or len(gone) == workers:  # the server's death may reach the workers first
                 cause = sup.blame(_name)
+                if isinstance(cause, MainGuardError):  # the script to mend, not the workers
+                    raise cause
                 if not str(cause).startswith("the parameter server"):
                     cause = type(cause)(f"all {workers} workers failed; {cause}")
                 raise type(cause)(f"{cause}{resume()}")

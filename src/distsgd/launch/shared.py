@@ -39,7 +39,7 @@ from distsgd.checkpoint import (
 )
 from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import ConfigError, WorkerError
+from distsgd.errors import ConfigError, MainGuardError, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import formed_backend, formed_group, launcher_group, place
@@ -269,6 +269,8 @@ class Machine:
             failed = sup.failed()
             if len(failed) == world:
                 first = min(failed)
+                if sup.reason(first) == procs.MAIN_GUARD:  # the script to mend, not the workers
+                    raise MainGuardError(procs.MAIN_GUARD)
                 raise WorkerError(f"all {world} workers failed; worker {self.first_rank + first}: {sup.reason(first)}")
             total = self.link.finish() if self.link is not None else int(self.handles.counts.sum())
             train_wall_s, evals, final, total = (
@@ -426,6 +428,7 @@ class Machine:
             figures=figures,
             attendance=attendance,
             where=where.get(0) or next(iter(where.values()), None),
+            data_len=next((d["data_len"] for d in sup.results.values() if d.get("data_len")), None),
         )
         others = [
             WorkerResult(

@@ -118,7 +118,9 @@ class Attendance:
     restarts: list[dict[str, Any]] | None = None  # one {worker, reason, at} per restart
 
     def summary(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """Its keys for summary.json: those recorded, and ``restarts`` only where there were some
+        (every launcher keeps the list; an empty one in every run's summary said nothing)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and (v or k != "restarts")}
 
 
 @dataclass
@@ -134,3 +136,4 @@ class WorkerResult:
     figures: Figures = field(default_factory=Figures)
     attendance: Attendance | None = None
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
+    data_len: int | None = None  # a user's loop: the training set's length its run.loader saw (its epochs)

@@ -189,9 +189,10 @@ class Watcher:
 
 
 def eval_event(
-    data: TrainingData, samples: int, epoch: float, train_s: float, accuracy: float | None, loss: float | None
+    data: TrainingData, samples: int, epoch: float | None, train_s: float, accuracy: float | None, loss: float | None
 ) -> dict[str, Any]:
-    """The ``eval`` event of one evaluation (a language model's with its perplexity and bits per token)."""
+    """The ``eval`` event of one evaluation (a language model's with its perplexity and bits per
+    token); ``epoch`` None: not known (a user's loop that reads a stream)."""
     event = {
         "event": "eval",
         "samples": samples,

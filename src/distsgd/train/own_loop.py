@@ -143,6 +143,9 @@ class Run:
         self._skip = 0  # samples of the resumed epoch trained before its checkpoint
         self._first_epoch = 0  # epochs before this one were trained before a resume or a replacement
         self._rejoined: int | None = None  # a replacement: the samples its rank had trained
+        # the training set's length as run.loader last saw it (a map-style dataset; None: a stream
+        # or no loader yet): what an epoch is, for the progress lines and the summary's epochs
+        self._data_len: int | None = None
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
@@ -456,6 +459,7 @@ class Run:
                 f"run.loader(): a {type(dataset).__name__} has no len() and is not a torch IterableDataset: "
                 f"give a map-style dataset or an IterableDataset"
             )
+        self._data_len = None if iterable else len(dataset)
         if self._rejoined is not None:  # a replacement: its rank's samples so far, in its own shard
             per_epoch = 0 if iterable else shard_size(len(dataset), self.world, self.cfg.partition)
             st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, self._rejoined)
@@ -747,8 +751,14 @@ class Run:
         self.state.evals.append(event)
         self._ctx.sink.emit(event)
 
-    def epoch(self) -> float:
-        return round(self.samples / self.per_epoch, 4) if self.per_epoch else 0.0
+    def epoch(self) -> float | None:
+        """Epochs this worker has trained: its samples over its shard of the training set, whose
+        length ``spawn(train_size=)`` gave or else run.loader's dataset has; None (nothing said)
+        while neither is known: a loop that reads a stream."""
+        per_epoch = self.per_epoch or (
+            shard_size(self._data_len, self.world, self.cfg.partition) if self._data_len else 0
+        )
+        return round(self.samples / per_epoch, 4) if per_epoch else None
 
     def _progress(self) -> None:
         elapsed = self.clock.elapsed()
@@ -913,6 +923,7 @@ class Run:
             final_test_loss=last.get("test_loss") if last else None,
             model=final if self._ctx.evaluates else None,
             figures=self._algo.figures(),
+            data_len=self._data_len,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self.where},
         )
 
