@@ -490,12 +490,15 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+CHOSEN_THREADS = "DISTSGD_CHOSEN_THREADS"  # the launcher's choice for its workers (launch.cores sets it)
+
+
 def threads_per_worker(cfg: RunConfig) -> int:
     """``--threads-per-worker``; unset, the launcher's choice from the cores other processes left
     (``launch.cores``), or else this node's cores shared by its workers."""
     if cfg.threads_per_worker is not None:
         return cfg.threads_per_worker
-    chosen = os.environ.get("DISTSGD_CHOSEN_THREADS", "")  # launch.cores.ENV
+    chosen = os.environ.get(CHOSEN_THREADS, "")
     if chosen.isdigit() and int(chosen) > 0:
         return int(chosen)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node

@@ -8,7 +8,7 @@ models, so the launcher measures instead: how busy its cores were, from ``/proc/
 time it spent loading the run's data (its own CPU time taken out), and gives the workers the cores
 left. An idle machine keeps today's count (cores / workers); ``--threads-per-worker`` always wins.
 
-The choice travels to the workers in :data:`ENV` (their environment is the launcher's), so every
+The choice travels to the workers in ``config.CHOSEN_THREADS`` (their environment is the launcher's), so every
 worker and the summary see one number. Under torchrun (or Ray, SLURM) each rank starts with its
 siblings, whose start-up would look like load: there the count stays cores / local workers.
 """
@@ -21,14 +21,13 @@ import os
 import time
 from collections.abc import Iterator
 
-from distsgd.config import RunConfig, cores
+from distsgd.config import CHOSEN_THREADS, RunConfig, cores
 
 log = logging.getLogger(__name__)
 
 # "0": keep cores / workers whatever the load (runs that must repeat bit for bit: the thread count can
 # change a float sum's order; the test suite sets it; --threads-per-worker does the same per run)
 FROM_LOAD = "DISTSGD_THREADS_FROM_LOAD"
-ENV = "DISTSGD_CHOSEN_THREADS"  # the launcher's choice, for its workers (config.threads_per_worker reads it)
 MIN_WINDOW_S = 0.15  # at least this long between the two looks (USER_HZ ticks are 10 ms)
 
 
@@ -85,36 +84,30 @@ def look() -> Look | None:
     return None if os.environ.get(FROM_LOAD, "1").strip() == "0" else Look()
 
 
-def choose(cfg: RunConfig, first: Look | None, local_workers: int) -> tuple[int, float | None]:
-    """Threads per worker for a run the user gave no count, and the busy cores seen (None: not looked)."""
-    have = cores()
-    busy = first.busy() if first is not None else None
-    free = have if busy is None else max(1, round(have - busy))
-    return max(1, free // max(1, local_workers)), busy
-
-
 @contextlib.contextmanager
 def chosen(cfg: RunConfig, first: Look | None, local_workers: int) -> Iterator[None]:
-    """While the run lasts: its workers' thread count in :data:`ENV`, unless the user chose one."""
-    if cfg.threads_per_worker is not None or first is None:
+    """While the run lasts: its workers' thread count (the cores other processes left since
+    ``first``, shared by ``local_workers``) in ``config.CHOSEN_THREADS``, unless the user chose one."""
+    busy = first.busy() if first is not None and cfg.threads_per_worker is None else None
+    if busy is None:
         yield
         return
-    threads, busy = choose(cfg, first, local_workers)
-    even = max(1, cores() // max(1, local_workers))
+    workers = max(1, local_workers)
+    threads, even = max(1, round(cores() - busy)) // workers or 1, max(1, cores() // workers)
     if threads < even:
         log.info(
             "other processes kept %.1f of %d cores busy: %d thread(s) per worker, not %d (--threads-per-worker to choose)",
-            busy or 0.0,
+            busy,
             cores(),
             threads,
             even,
         )
-    was = os.environ.get(ENV)
-    os.environ[ENV] = str(threads)
+    was = os.environ.get(CHOSEN_THREADS)
+    os.environ[CHOSEN_THREADS] = str(threads)
     try:
         yield
     finally:
         if was is None:
-            os.environ.pop(ENV, None)
+            os.environ.pop(CHOSEN_THREADS, None)
         else:
-            os.environ[ENV] = was
+            os.environ[CHOSEN_THREADS] = was
