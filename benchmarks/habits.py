@@ -21,7 +21,16 @@ holds only if the habit took effect, from the definition of what the script asks
 - ``bf16``: ``spawn(precision="bf16")``: the training forward must compute in bfloat16;
 - ``setup-sgd``: ``run.setup("sgd")``: the optimiser must be SGD;
 - ``plain-backward``: ``loss.backward()`` instead of ``run.backward(loss)``: refused, or the
-  gradients synchronised as with ``run.backward`` (weights equal to the ``run.backward`` loop's);
+  gradients synchronised as with ``run.backward`` (weights equal to the ``run.backward`` loop's,
+  where the algorithm is deterministic; under hogwild and asgd, the weights must move);
+- ``own-optimizer``: ``run.setup(net, SGD(net.parameters(), lr=0))``, a model and an optimiser
+  built in the loop, with the run's lr 0.1: the weights must not move;
+- ``script-model``: the script's model, ``share_memory()``'d as pytorch/examples' mnist_hogwild
+  does, sent through ``spawn(args=(net,))`` and given to ``run.setup(net, SGD(lr=0.1))``: the same
+  weights as the loop on spawn's model (deterministic algorithms), and ``net`` trained in place;
+- ``loader-passes``: one ``run.loader`` made before ``run.setup()`` and passed over each epoch:
+  each pass must be a shard of 256 distinct samples, the second not the first again (the next
+  epoch's: with ``--partition sharded`` every epoch deals the shuffled set anew);
 - ``raise``: a ``ValueError`` in worker 1 after 3 steps: the run must fail, naming worker 1 and
   this file's line;
 - ``hang``: worker 1 sleeps for ever after 3 steps (``--timeout 10``): the run must fail within
@@ -66,7 +75,10 @@ HABITS: dict[str, list[str]] = {
     "load": ["allreduce", "local-sgd", "easgd", "diloco", "streaming-diloco", "hogwild", "asgd"],
     "bf16": ["allreduce", "ddp", "diloco", "hogwild", "asgd"],
     "setup-sgd": ["diloco", "streaming-diloco", "allreduce"],
-    "plain-backward": ["allreduce", "hogwild", "asgd"],
+    "plain-backward": ["allreduce", "ddp", "local-sgd", "diloco", "hogwild", "asgd", "sync-ps"],
+    "own-optimizer": ["allreduce", "ddp", "local-sgd", "easgd", "diloco", "hogwild", "asgd", "sync-ps"],
+    "script-model": ["allreduce", "ddp", "local-sgd", "sync-ps", "hogwild"],
+    "loader-passes": ["allreduce", "local-sgd", "diloco", "hogwild", "asgd"],
     "raise": ["allreduce", "hogwild", "asgd"],
     "hang": ["allreduce", "hogwild", "asgd"],
     "eval-alone": ["diloco", "local-sgd"],
@@ -98,11 +110,28 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float().cpu() for t in model.state_dict().values()])
 
 
-def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
+DETERMINISTIC = {"allreduce", "ddp", "local-sgd", "diloco", "streaming-diloco", "sync-ps", "easgd"}
+
+
+def w0_net() -> Net:
+    net = Net()
+    net.load_state_dict(w0())
+    return net
+
+
+def main(run: distsgd.Run, net: nn.Module | None = None, habit: str = "", variant: str = "") -> nn.Module:
     """One user's loop; ``habit`` picks what it does differently from docs/OWN_LOOP.md's loop."""
     train_set = data()
     head_opt = None
-    if habit == "setup-sgd":
+    loader = run.loader(train_set) if habit == "loader-passes" else None
+    passes: list[list[float]] = []
+    if habit == "own-optimizer":
+        net = w0_net()
+        model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    elif habit == "script-model" and variant != "reference":
+        assert net is not None
+        model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    elif habit == "setup-sgd":
         model, opt = run.setup("sgd")
         if not isinstance(opt, torch.optim.SGD):
             raise RuntimeError(f"{DIFFERENT}: run.setup('sgd') gave {type(opt).__name__}")
@@ -122,7 +151,9 @@ def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
     micro = 4 if habit == "accumulate" else 1
     steps = 0
     for epoch in range(100):
-        batches = iter(run.loader(train_set, epoch=epoch))
+        batches = iter(loader if loader is not None else run.loader(train_set, epoch=epoch))
+        if loader is not None:
+            passes.append([])
         while True:
             group = [b for _, b in zip(range(micro), batches)]
             if len(group) < micro:
@@ -131,6 +162,8 @@ def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
             if head_opt is not None:
                 head_opt.zero_grad()
             for i, (x, y) in enumerate(group):
+                if loader is not None:
+                    passes[-1] += x[:, 0].tolist()
                 loss = F.cross_entropy(model(x), y) / micro
                 if habit == "plain-backward" and variant != "reference":
                     loss.backward()
@@ -156,7 +189,7 @@ def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
     final = run.final_model()
     if run.rank == 0:
         moved = (flat(final) - start).abs().max().item()
-        if habit in ("clip", "scheduler") and moved > 1e-5:
+        if habit in ("clip", "scheduler", "own-optimizer") and moved > 1e-5:
             raise RuntimeError(f"{DIFFERENT}: the weights moved {moved:.3g}")
         if habit == "load":
             off = (flat(final) - flat_state(w0())).abs().max().item()
@@ -166,6 +199,13 @@ def main(run: distsgd.Run, habit: str, variant: str = "") -> nn.Module:
             head = (flat(final.head) - flat(_head_of(start))).abs().max().item()
             if head < 1e-3:
                 raise RuntimeError(f"{DIFFERENT}: the head moved {head:.3g}")
+        if habit == "plain-backward" and run.cfg.algo not in DETERMINISTIC and moved < 1e-3:
+            raise RuntimeError(f"{DIFFERENT}: the weights moved {moved:.3g}")
+        whole = [p for p in passes if p]
+        if habit == "loader-passes" and (len(whole) < 2 or whole[0] == whole[1] or len(set(whole[1])) != 256):
+            raise RuntimeError(
+                f"{DIFFERENT}: the first two passes were not two epochs' shards: {[len(p) for p in whole]}"
+            )
         if habit == "bf16" and (not seen or any(d != torch.bfloat16 for d in seen)):
             raise RuntimeError(f"{DIFFERENT}: the training forward computed in {sorted(set(map(str, seen)))}")
     return final
@@ -199,17 +239,23 @@ def settings(habit: str, algo: str) -> dict[str, Any]:
         s["precision"] = "bf16"
     if habit in ("hang", "eval-alone"):
         s["timeout_s"] = 10
+    if habit == "loader-passes":
+        s["max_samples"] = 2048  # two passes of each worker's shard at least
     return s
 
 
 def one(habit: str, algo: str, variant: str = "") -> dict[str, Any]:
     """Run one case here; what happened (a refusal's line, a worker's verdict, the model)."""
+    net = None
+    if habit == "script-model":  # the model as pytorch/examples' mnist_hogwild makes it
+        net = w0_net().share_memory()
     try:
         result = distsgd.spawn(
             functools.partial(main, habit=habit, variant=variant),
-            model=Net,
+            model=net if net is not None else w0_net() if habit in ("own-optimizer",) else Net,
             algo=algo,
             workers=2,
+            args=(net,) if habit == "script-model" and variant != "reference" else (),
             **settings(habit, algo),
         )
     except DistsgdError as exc:
@@ -224,6 +270,8 @@ def one(habit: str, algo: str, variant: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {"status": "taken", "detail": ""}
     if result.model is not None:
         out["model"] = flat(result.model).tolist()
+        if net is not None and variant != "reference" and not torch.equal(flat(net), flat(result.model)):
+            return {"status": "silently different", "detail": "the script's model was not trained in place"}
     return out
 
 
@@ -236,7 +284,8 @@ def judge(habit: str, algo: str, got: dict[str, Any], limit_s: float) -> dict[st
         if status.startswith("refused"):
             named = "worker 1" in detail and (habit == "hang" or "habits.py:" in detail)
             return {"status": "taken" if named else "silently different", "detail": detail}
-    if habit in ("accumulate", "plain-backward") and status == "taken":
+    compared = habit == "accumulate" or habit in ("plain-backward", "script-model") and algo in DETERMINISTIC
+    if compared and status == "taken":
         ref = run_case(habit, algo, limit_s, variant="reference")
         if ref["status"] != "taken":
             return {"status": "error", "detail": f"the reference run: {ref['detail']}"}

@@ -9,7 +9,8 @@ whose shared model is spawn's): the body learns with SGD and a cosine schedule, 
 a speed-up only), clips the gradient norm and steps both optimisers. Every habit here takes
 effect as in one process: the gradients ``run.backward`` leaves are the ones the steps apply
 (README: "Habits of your own loop"). The parameter-server algorithms (asgd, sync-ps, ssp, dcasgd)
-step one optimiser of the run's own on the server and refuse two in one line, saying so.
+step one optimiser on the server, whose lr, momentum, betas and weight decay each push carries,
+and refuse two in one line, saying so.
 
 Fashion-MNIST (bundled with distsgd), the first 12,000 training images, two epochs: under a
 minute on 2 cores.

@@ -94,11 +94,11 @@ def loop(run: distsgd.Run, habit: str = "", micro: int = 1) -> nn.Module:
         opt.zero_grad()
         for x, y in group:
             loss = F.cross_entropy(model(x), y) / micro
-            if habit == "plain-backward":
+            if habit.startswith("plain-backward"):
                 loss.backward()
             else:
                 run.backward(loss)
-        if habit == "clip":
+        if habit in ("clip", "plain-backward-clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
     if habit == "bf16" and run.rank == 0:
@@ -252,13 +252,32 @@ def test_bf16_runs_the_training_forward_in_bfloat16(algo: str, extra: dict) -> N
     assert result.summary["precision"] == "bf16"
 
 
-@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
-def test_plain_backward_is_refused_in_one_line(algo: str) -> None:
-    """loss.backward() skips the algorithm's synchronisation and the loss scaling (before: a false
-    'training loss is nan' warning, and under allreduce gradients synchronised only by chance)."""
-    with pytest.raises(distsgd.DistsgdError, match=r"call run.backward\(loss\), not loss.backward\(\)") as info:
-        spawn("plain-backward", algo, max_samples=4 * 2 * B)
-    assert "\n" not in str(info.value)
+@pytest.mark.parametrize("algo", ["allreduce", "ddp"])
+def test_plain_backward_synchronises_as_run_backward_does(algo: str) -> None:
+    """loss.backward() in place of run.backward(loss), with clipping after it: the gradients are the
+    all-reduced ones when backward returns, as under DDP (before: refused; earlier, a false 'training
+    loss is nan' warning). Reference: one process with the global batch, clipped."""
+    result = spawn("plain-backward-clip", algo, max_samples=6 * 2 * B)
+    assert result.model is not None
+    assert max_diff(weights(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
+
+
+def test_plain_backward_accumulates_the_full_batch() -> None:
+    result = spawn("plain-backward", "allreduce", micro=4, max_samples=3 * 2 * 4 * B)
+    assert result.model is not None
+    assert max_diff(weights(result.model), reference(3, 4 * B, 0.1)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, extra", FAMILIES[1:], ids=[f[0] for f in FAMILIES[1:]])
+def test_plain_backward_trains_under_every_family(algo: str, extra: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the workers' own gradients are the step's (shared memory, the server, averaging,
+    DiLoCo): loss.backward() takes every step (a step with no backward is refused in one line, so
+    the samples counted are steps taken) and no warning of a nan loss."""
+    result = spawn("plain-backward", algo, max_samples=6 * 2 * B, **extra)
+    assert result.model is not None and result.summary["samples"] >= 6 * 2 * B
+    assert max_diff(weights(result.model), initial()) > 1e-3
+    assert "nan" not in caplog.text
 
 
 def second_optimizer(run: distsgd.Run) -> nn.Module:
@@ -359,3 +378,109 @@ def reduce_under_hogwild(run: distsgd.Run) -> nn.Module:
 def test_metric_collectives_without_a_process_group_are_refused() -> None:
     with pytest.raises(distsgd.DistsgdError, match="needs a process group"):
         distsgd.spawn(reduce_under_hogwild, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
+
+
+# -- a script's own objects: the model, its optimiser and data through spawn(args=...) ----------------
+
+
+def objects_through_args(run: distsgd.Run, net: Net, data: TensorDataset, lr: float, momentum: float) -> None:
+    """The shape of pytorch/examples' mnist_hogwild: the model, data and settings made by the
+    script and handed to each worker; the loader made before setup and passed over once an epoch."""
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    batches = run.loader(data, batch_size=B)
+    model, opt = run.setup(net, opt)
+    for _ in range(2):
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+
+def reference_epochs(epochs: int, lr: float) -> dict[str, torch.Tensor]:
+    """Plain SGD in float64, one process, the global batch of 2 x B, ``epochs`` epochs, each in its
+    own permutation (the sharded partition's two shards of an epoch, side by side)."""
+    model = Net().double()
+    model.load_state_dict(initial())
+    x, y = dataset().tensors
+    for epoch in range(epochs):
+        order = epoch_indices(N, epoch, 0, 1, SEED)
+        for k in range(N // (2 * B)):
+            idx = order[2 * B * k : 2 * B * (k + 1)]
+            model.zero_grad()
+            F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * p.grad
+    return weights(model)
+
+
+def shared_net() -> Net:
+    net = Net()
+    net.load_state_dict({k: v.float() for k, v in initial().items()})
+    return net.share_memory()  # as the original script does: it must not make the workers share it
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "sync-ps"])
+def test_a_model_optimiser_and_data_of_the_script_train_as_one_process_would(algo: str) -> None:
+    """spawn(net, args=(net, data, ...)): the model reaches each worker in shared memory (torch's
+    multiprocessing sends tensors so), yet each replica steps its own copy; the optimiser built in
+    the loop steps with its own lr (0.1, not the run's 0.05; under sync-ps the server takes it from
+    each push); each pass over run.loader is the next epoch; the net given ends trained in place."""
+    net = shared_net()
+    result = distsgd.spawn(
+        objects_through_args, net, algo, 2, args=(net, dataset(), 0.1, 0.0), batch_size=B, lr=0.05, quiet=True
+    )
+    expected = reference_epochs(2, 0.1)
+    assert result.model is not None and result.summary["samples"] == 2 * N
+    assert max_diff(weights(result.model), expected) < 1e-5
+    assert max_diff(weights(net), expected) < 1e-5
+    assert max_diff(reference_epochs(1, 0.1), expected) > 1e-3  # the second epoch mattered
+
+
+def test_the_servers_optimiser_differing_in_what_a_push_does_not_carry_is_refused() -> None:
+    """Momentum travels with each push; nesterov does not: an SGD with nesterov=True where the
+    server's has not is refused in one line naming it (its updates would be the server's SGD's)."""
+
+    with pytest.raises(distsgd.DistsgdError, match="nesterov=True") as info:
+        distsgd.spawn(nesterov_loop, Net, "asgd", 2, batch_size=B, momentum=0.9, quiet=True)
+    assert "\n" not in str(info.value) and "spawn(optimizer=...)" in str(info.value)
+
+
+def nesterov_loop(run: distsgd.Run) -> None:
+    net = shared_net()
+    run.setup(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True))
+
+
+def passes(run: distsgd.Run, folder: str) -> None:
+    """Two passes over one run.loader (made before setup): the rows of x each took."""
+    loader = run.loader(dataset(), batch_size=B)
+    model, opt = run.setup()
+    seen = []
+    for _ in range(2):
+        rows = []
+        for x, y in loader:
+            rows += x[:, 0].tolist()
+            opt.zero_grad()
+            run.backward(F.cross_entropy(model(x), y))
+            opt.step()
+        seen.append(rows)
+    Path(folder, f"passes-{run.rank}").write_text(repr(seen))
+
+
+def test_each_pass_over_a_loader_is_the_next_epoch(tmp_path: Path) -> None:
+    """As a DataLoader with shuffle=True: every pass covers the worker's shard (the two workers'
+    shards, the whole set), in a new order (before: the same order every pass, epoch 0's)."""
+    distsgd.spawn(functools.partial(passes, folder=str(tmp_path)), Net, "allreduce", 2, batch_size=B, quiet=True)
+    seen = [eval((tmp_path / f"passes-{r}").read_text()) for r in range(2)]
+    every = sorted(dataset().tensors[0][:, 0].tolist())
+    for epoch in range(2):
+        assert sorted(seen[0][epoch] + seen[1][epoch]) == every
+    assert seen[0][0] != seen[0][1] and sorted(seen[0][0]) != sorted(seen[0][1])
+
+
+@pytest.mark.gpu
+def test_plain_backward_under_fp16_is_refused_in_one_line() -> None:
+    """fp16's loss must be scaled before backward, which a plain loss.backward() does not do."""
+    with pytest.raises(distsgd.DistsgdError, match=r"call run.backward\(loss\), not loss.backward\(\)") as info:
+        spawn("plain-backward", "allreduce", max_samples=4 * 2 * B, precision="fp16", device="cuda")
+    assert "\n" not in str(info.value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable, ParamSpec, TypeVar
 
+import torch
 from torch import nn
 
 from distsgd import config as config_mod
@@ -364,25 +366,29 @@ def spawn(
     algo: str | None = None,
     workers: int | None = None,
     *,
+    args: tuple = (),
     optimizer: Callable | None = None,
     evaluate: Callable | None = None,
     train_size: int | None = None,
     **settings: Any,
 ) -> TrainResult:
-    """Run ``main(run)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
+    """Run ``main(run, *args)``, your own training loop, in each of ``algo``'s ``workers`` processes (or,
     under torchrun or in a Ray Train worker, in this one); return the summary and the model ``main``
     returned.
 
-    ``model``: as for :func:`train` (a built-in name, a class or factory, or a module instance,
-    copied); ``run.setup()`` builds it in each worker, seeded alike. ``main`` must be defined at
+    ``model``: as for :func:`train` (a built-in name, a class or factory, or a module instance);
+    ``run.setup()`` builds it in each worker, seeded alike. A module instance is copied to the
+    workers, trains on its own device unless ``device=`` says otherwise, and ends with the weights
+    of the model the run returns (as a model shared with ``torch.multiprocessing`` workers ends
+    trained). ``args``: more arguments for ``main``, after ``run`` (as ``mp.Process(args=...)``'s:
+    they travel to the workers). ``main`` must be defined at
     module level and the call made under ``if __name__ == "__main__":`` (workers import your
     script). ``optimizer``: a module-level ``optimizer(model) -> torch.optim.Optimizer`` for every
     worker (the one way to give the parameter server, which steps, your optimiser; elsewhere
     ``run.setup(optimizer)`` may give it too). ``evaluate``: ``evaluate(model) -> {"test_accuracy":
     ..., "test_loss": ...}``, called here on the model the run returns and saves: the summary's
     final figures (needed for them under Hogwild! and the parameter server, whose workers' models
-    are not the one returned). Arguments of your own reach ``main`` through
-    ``functools.partial(main, args=...)``. ``train_size``: your training set's length, if you want ``--schedule`` to know an
+    are not the one returned). ``train_size``: your training set's length, if you want ``--schedule`` to know an
     epoch. ``settings``: any ``distsgd train`` setting (``epochs=``, ``lr=``, ``out=``,
     ``max_samples=``, the algorithm's options, ...). See :class:`distsgd.Run` for what ``main``
     may call, and docs/OWN_LOOP.md's "Bring your own loop".
@@ -392,17 +398,41 @@ def spawn(
     procs.refuse_if_importing_main()
     if not callable(main):
         raise ConfigError(f"distsgd.spawn needs main, a function main(run); got {type(main).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise ConfigError(
+            f"distsgd.spawn(args=...) is a tuple of main's arguments after run; got {type(args).__name__}"
+        )
     given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
+    module = model if isinstance(model, nn.Module) else None
+    if module is not None and "device" not in settings:
+        where = next(itertools.chain(module.parameters(), module.buffers()), None)
+        given["device"] = where.device.type if where is not None else "cpu"
     cfg = config_mod.from_mapping(
         {**given, **settings}, RunConfig(), source="spawn()", option_names=registry.option_names()
     )
     if isinstance(optimizer, str):
         cfg, optimizer = cfg.replace(optimizer=optimizer), None
-    if isinstance(model, nn.Module):
-        model = _CopyOf(model)
-    cfg = cfg.replace(model=model if isinstance(model, str) else describe(model), dataset="own loop")
+    spec = _CopyOf(module) if module is not None else model
+    cfg = cfg.replace(model=spec if isinstance(spec, str) else describe(spec), dataset="own loop")
     data = OwnData(n_train=train_size or 0)
-    return run(cfg, model_spec=model, dataset=data, code={"main": main, "optimizer": optimizer}, evaluate=evaluate)
+    entry = _WithArgs(main, tuple(args)) if args else main
+    result = run(cfg, model_spec=spec, dataset=data, code={"main": entry, "optimizer": optimizer}, evaluate=evaluate)
+    if module is not None and result.model is not None:
+        with torch.no_grad():  # the module given ends trained, on its own device
+            module.load_state_dict(result.model.state_dict())
+    return result
+
+
+class _WithArgs:
+    """``main(run, *args)``, sent to the workers as one picklable function (``spawn(args=...)``)."""
+
+    def __init__(self, main: Callable[..., Any], args: tuple) -> None:
+        self.main, self.args = main, args
+        self.__qualname__ = getattr(main, "__qualname__", type(main).__name__)
+        self.__module__ = getattr(main, "__module__", __name__)
+
+    def __call__(self, run: Any) -> Any:
+        return self.main(run, *self.args)
 
 
 def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:

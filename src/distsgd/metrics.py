@@ -3,7 +3,8 @@
 Every event is one JSON object on one line of ``metrics.jsonl``:
 
 - ``{"event": "progress", "samples", "epoch", "rank", "loss", "lr", "train_wall_s", "samples_per_s"}``
-  (``epoch`` null in a user's loop that reads a stream: its epochs are not known) from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
+  (``epoch`` null in a user's loop that reads a stream: its epochs are not known; ``loss`` null in
+  one that calls ``loss.backward()`` itself, not ``run.backward(loss)``) from a reporting worker (``rank``; several report in Hogwild! and parameter-server runs), plus
   the algorithm's own figures (``Algorithm.progress_figures``): ``bytes_sent`` for algorithms
   that communicate through a process group or a token ring (all workers' bytes so far); with
   ``--precision fp16``, ``loss_scale``, the reporting worker's GradScaler scale.
@@ -269,9 +270,9 @@ class LineProgress:
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
+            loss = f" loss={event['loss']:.4f}" if event.get("loss") is not None else ""
             self._write(
-                f"train samples={event['samples']}{_epoch(event)} loss={event['loss']:.4f} "
-                f"samples/s={event['samples_per_s']:.0f}{extra}"
+                f"train samples={event['samples']}{_epoch(event)}{loss} samples/s={event['samples_per_s']:.0f}{extra}"
             )
 
     def _write(self, line: str) -> None:

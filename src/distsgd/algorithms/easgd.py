@@ -185,6 +185,9 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
         self.alpha = elastic_alpha(self.opts, ctx.world)
         return model
 
+    def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Any optimisers of a user's loop: the workers step locally (the server's never steps)."""
+
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the exchange of x_i as it was when the gradient was computed
         (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d); then the

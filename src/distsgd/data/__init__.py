@@ -29,6 +29,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
 from distsgd import user
 from distsgd.data import formats, sources, text
@@ -111,6 +112,10 @@ class Dataset:
     @property
     def n_train(self) -> int:
         return len(self.y_train)
+
+    def torch_datasets(self) -> tuple[TensorDataset, TensorDataset]:
+        """The training and test sets as torch Datasets of ``(x, y)`` pairs (for a loop of your own)."""
+        return TensorDataset(self.x_train, self.y_train), TensorDataset(self.x_test, self.y_test)
 
     @property
     def n_test(self) -> int:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
@@ -146,6 +147,7 @@ class Run:
         # the training set's length as run.loader last saw it (a map-style dataset; None: a stream
         # or no loader yet): what an epoch is, for the progress lines and the summary's epochs
         self._data_len: int | None = None
+        self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
@@ -158,6 +160,8 @@ class Run:
         self._stepped: set[int] = set()
         self._backwards = self._syncs = self._no_sync_depth = 0
         self._unsynced = False
+        self._in_backward = False  # inside run.backward(), which synchronises itself
+        self._plain_task: int | None = None  # the autograd graph task of a plain loss.backward() seen last
         self._unscaled = False  # fp16: the gradients were unscaled this step (run.clip_gradients)
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
@@ -237,7 +241,7 @@ class Run:
 
     def _check_setup(self, given: nn.Module | None, makers: list[Any]) -> list[torch.optim.Optimizer]:
         """What run.setup() was given, checked (one line for each mistake); the optimiser objects."""
-        algo, name = self._algo, self.cfg.algo
+        algo = self._algo
         for m in makers:
             if not (isinstance(m, (str, torch.optim.Optimizer)) or callable(m)):
                 raise ConfigError(
@@ -245,12 +249,6 @@ class Run:
                     f"an --optimizer name; got {type(m).__name__}"
                 )
         objects = [m for m in makers if isinstance(m, torch.optim.Optimizer)]
-        if makers and algo.topology.kind == "server":
-            raise ConfigError(
-                f"under {name} the parameter server steps, with its own optimiser: give "
-                f"distsgd.spawn(optimizer=...) (or the run's --optimizer settings), not run.setup(); "
-                f"several optimisers go into that one's parameter groups"
-            )
         if any(isinstance(m, str) for m in makers):
             if len(makers) > 1:
                 raise ConfigError("run.setup(): an --optimizer name comes alone, not with other optimisers")
@@ -282,6 +280,15 @@ class Run:
                 me._algo.weights_loaded(me._ctx, me._need_setup("model.load_state_dict()"))
 
         self._handles.append(module.register_load_state_dict_post_hook(loaded))
+
+        def accumulated(param: torch.Tensor) -> None:
+            me = run()
+            if me is not None:
+                me._grad_accumulated(param)
+
+        for param in module.parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(accumulated))
         if self._algo.topology.kind == "server":
             self._handles.append(register_optimizer_step_pre_hook(self._foreign_step))
 
@@ -352,6 +359,7 @@ class Run:
         ctx, cfg, algo = self._ctx, self.cfg, self._algo
         ds = ctx.dataset
         if given is not None:
+            _own_storage(given)
             model = given.to(ctx.device)
         else:
             model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
@@ -427,7 +435,7 @@ class Run:
         self,
         dataset: Any,
         batch_size: int | None = None,
-        epoch: int = 0,
+        epoch: int | None = None,
         collate_fn: Callable | None = None,
         num_workers: int = 0,
         *,
@@ -436,55 +444,98 @@ class Run:
         pin_memory: bool = False,
         **options: Any,
     ) -> "_Shard":
-        """This worker's batches of ``dataset`` in ``epoch``, ``batch_size`` (default
-        ``--batch-size``) at a time, collated by torch's DataLoader (tuples, dicts, ...) and moved
-        to this worker's device; ends early once the run must stop; ``len()`` is its number of
-        batches. A map-style dataset (``len`` and ``dataset[i]``) is split as ``distsgd train``
-        splits its data (``--partition``, reshuffled each epoch with ``--seed``; ``shuffle=False``:
-        the same shard in the dataset's order); an ``IterableDataset`` (a stream) gives each worker
-        every W-th item (and each of ``num_workers`` loader processes its share of those), so each
-        worker reads the whole stream and keeps its part. ``collate_fn``, ``num_workers``,
-        ``drop_last``, ``pin_memory`` and any other DataLoader ``options`` are the DataLoader's. It
-        is for the training data (it counts the samples each step takes): evaluate with a
-        DataLoader of your own. In a resumed run (or a worker that replaced a dead one) it goes on
-        where the run was: an epoch trained before is empty, the one it stopped in goes on from there."""
-        self._need_setup("run.loader()")
-        size = batch_size or self.cfg.batch_size
+        """This worker's batches of ``dataset``, ``batch_size`` (default ``--batch-size``) at a
+        time, collated by torch's DataLoader (tuples, dicts, ...) and moved to this worker's
+        device; ends early once the run must stop; ``len()`` is its number of batches in the next
+        epoch. As a DataLoader, each pass over it (each ``for``) is the next epoch, reshuffled
+        (``epoch=E`` names the epoch instead); it may be made before ``run.setup()``. A map-style
+        dataset (``len`` and ``dataset[i]``) is split as ``distsgd train`` splits its data
+        (``--partition``, reshuffled each epoch with ``--seed``; ``shuffle=False``: the same shard in
+        the dataset's order); an ``IterableDataset`` (a stream) gives each worker every W-th item
+        (and each of ``num_workers`` loader processes its share of those), so each worker reads the
+        whole stream and keeps its part. ``collate_fn``, ``num_workers``, ``drop_last``,
+        ``pin_memory`` and any other DataLoader ``options`` are the DataLoader's. It is for the
+        training data (it counts the samples each step takes): evaluate with a DataLoader of your
+        own. In a resumed run (or a worker that replaced a dead one) it goes on where the run was:
+        an epoch trained before is empty, the one it stopped in goes on from there."""
         if "sampler" in options or "batch_sampler" in options:
             raise ConfigError("run.loader() chooses this worker's samples itself: leave out sampler and batch_sampler")
-        st = self.state
-        iterable = isinstance(dataset, IterableDataset)
-        if not iterable and not hasattr(dataset, "__len__"):
+        if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__len__"):
             raise ConfigError(
                 f"run.loader(): a {type(dataset).__name__} has no len() and is not a torch IterableDataset: "
                 f"give a map-style dataset or an IterableDataset"
             )
-        self._data_len = None if iterable else len(dataset)
-        if self._rejoined is not None:  # a replacement: its rank's samples so far, in its own shard
-            per_epoch = 0 if iterable else shard_size(len(dataset), self.world, self.cfg.partition)
-            st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, self._rejoined)
-            self._skip, self._first_epoch, self._rejoined = st.start, st.epoch, None
+        if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
+            raise ConfigError(f"run.loader(epoch=...) is an epoch number, 0 or more; got {epoch!r}")
+        loader_options = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory, **options}
+        return _Shard(self, dataset, batch_size or self.cfg.batch_size, epoch, shuffle, drop_last, loader_options)
+
+    def _rejoin(self, dataset: Any) -> None:
+        """A replacement's first pass: its rank's samples so far, in its own shard, say where it is."""
+        if self._rejoined is None:
+            return
+        st = self.state
+        per_epoch = (
+            0 if isinstance(dataset, IterableDataset) else shard_size(len(dataset), self.world, self.cfg.partition)
+        )
+        st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, self._rejoined)
+        self._skip, self._first_epoch, self._rejoined = st.start, st.epoch, None
+
+    def _epoch_order(self, shard: "_Shard", epoch: int, skip: int) -> torch.Tensor:
+        """The indices of ``shard``'s dataset this worker takes in ``epoch``, the first ``skip`` left out."""
+        n = len(shard.dataset)
+        order = epoch_indices(n, epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition, shard.shuffle)
+        order = order[skip:]
+        if shard.drop_last:
+            order = order[: len(order) - len(order) % shard.size]
+        return order
+
+    def _upcoming_epoch(self, shard: "_Shard") -> tuple[int, int]:
+        """The epoch a pass over ``shard`` would be now, and the samples of it already trained."""
+        self._rejoin(shard.dataset)
+        epoch = shard.epoch if shard.epoch is not None else self._passes
         if epoch < self._first_epoch:
-            return _Shard(self, [])
-        skip = self._skip if epoch == st.epoch else 0  # a resumed run goes on inside the epoch it stopped in
+            return epoch, -1  # trained before the resume: empty
+        return epoch, self._skip if epoch == self.state.epoch else 0
+
+    def _pass(self, shard: "_Shard") -> Any:
+        """A pass over ``shard``: its batches of the epoch it is (the state says so from here on)."""
+        self._need_setup("iterating over run.loader()")
+        epoch, skip = self._upcoming_epoch(shard)
+        if shard.epoch is None:
+            self._passes += 1
+        dataset, size, options = shard.dataset, shard.size, shard.options
+        self._data_len = None if isinstance(dataset, IterableDataset) else len(dataset)
+        if skip < 0:
+            return []
         self._skip = 0
+        st = self.state
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
-        loader_options = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory, **options}
-        if iterable:
+        if isinstance(dataset, IterableDataset):
             part = _StreamPart(dataset, self.rank, self.world, skip)
-            return _Shard(self, DataLoader(part, batch_size=size, drop_last=drop_last, **loader_options))
-        order = epoch_indices(len(dataset), epoch, self.rank, self.world, self.cfg.seed, self.cfg.partition, shuffle)
-        order = order[skip:]
-        if drop_last:
-            order = order[: len(order) - len(order) % size]
-        if isinstance(dataset, TensorDataset) and collate_fn is None and not num_workers and not options:
+            return DataLoader(part, batch_size=size, drop_last=shard.drop_last, **options)
+        order = self._epoch_order(shard, epoch, skip)
+        plain = options["collate_fn"] is None and not options["num_workers"] and len(options) == 3
+        if isinstance(dataset, TensorDataset) and plain:
             # tensors in memory: index them a batch at a time, as distsgd's loop does (a DataLoader
             # fetches and stacks sample by sample); pinned once, so each batch's copy to the GPU may overlap
-            tensors = tuple(t.pin_memory() for t in dataset.tensors) if pin_memory else dataset.tensors
-            return _Shard(self, _TensorBatches(tensors, order, size))
+            tensors = tuple(t.pin_memory() for t in dataset.tensors) if options["pin_memory"] else dataset.tensors
+            return _TensorBatches(tensors, order, size)
         batches = [order[i : i + size].tolist() for i in range(0, len(order), size)]
-        return _Shard(self, DataLoader(dataset, batch_sampler=batches, **loader_options))
+        return DataLoader(dataset, batch_sampler=batches, **options)
+
+    def _batches_in(self, shard: "_Shard") -> int:
+        """``len(shard)``: its batches in the pass it would make now."""
+        if isinstance(shard.dataset, IterableDataset):
+            raise TypeError("a stream's batches are not known before it is read: len() of run.loader(IterableDataset)")
+        if self._model is None:  # before setup: a fresh run's epoch
+            epoch, skip = (shard.epoch or 0), 0
+        else:
+            epoch, skip = self._upcoming_epoch(shard)
+            if skip < 0:
+                return 0
+        return -(-len(self._epoch_order(shard, epoch, skip)) // shard.size)
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` (a tensor, or tuples, lists and dicts of them) on this worker's device: for
@@ -564,11 +615,21 @@ class Run:
         between ``run.backward`` and ``opt.step()`` acts on those. Several backward passes before a
         step accumulate; wrapping all but the last in ``run.no_sync()`` only saves their
         synchronisations. ``loss`` (unweighted) counts in the progress lines' mean loss."""
-        model = self._need_setup("run.backward()")
+        self._need_setup("run.backward()")
         weighted = loss * weight if weight != 1.0 else loss
-        (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+        self._in_backward = True
+        try:
+            (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+        finally:
+            self._in_backward = False
         self._loss_sum += loss.detach().float()
         self._loss_n += 1
+        self._backward_done()
+
+    def _backward_done(self) -> None:
+        """A backward pass through the model ended (run.backward's, or a plain loss.backward()):
+        the algorithm's gradient synchronisation, unless inside run.no_sync()."""
+        model = self._need_setup("run.backward()")
         self._backwards += 1
         if self._no_sync_depth:
             self._unsynced = True
@@ -578,6 +639,23 @@ class Run:
         self._unsynced = False
         if self.scaler is not None:
             self._grad_versions = _grad_versions(self._optimizers)
+
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        """A gradient of the model was accumulated by a plain ``loss.backward()`` (not
+        run.backward): once per backward pass, the synchronisation is queued for its end, as DDP
+        queues its own, so that the gradients are the step's when ``backward()`` returns."""
+        if self._in_backward:
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self._plain_task:
+            return
+        self._plain_task = task
+        if self.scaler is not None:
+            raise ConfigError(
+                "under --precision fp16 the loss must be scaled before backward: call run.backward(loss), "
+                "not loss.backward()"
+            )
+        Variable._execution_engine.queue_callback(self._backward_done)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -638,8 +716,8 @@ class Run:
             )
         if self._backwards == 0:
             raise ConfigError(
-                "optimizer.step() with no run.backward(loss) since the last step: call run.backward(loss), "
-                "not loss.backward() (the algorithm synchronises the gradients there, --precision scales the loss)"
+                "optimizer.step() with no backward pass through the model since the last step: call "
+                "run.backward(loss) (or loss.backward()) before it"
             )
         if self._unsynced:
             raise ConfigError(
@@ -763,8 +841,10 @@ class Run:
     def _progress(self) -> None:
         elapsed = self.clock.elapsed()
         samples = self.global_samples()
-        mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else math.nan
-        if not math.isfinite(mean_loss):  # said once, and how often at the end: a diverged run says it every report
+        # the mean of the losses run.backward was given (None: plain loss.backward() calls, unseen)
+        mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else None
+        # a nan or inf said once, and how often at the end: a diverged run says it every report
+        if mean_loss is not None and not math.isfinite(mean_loss):
             count, first, _ = self._nonfinite
             if not count:
                 log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, samples)
@@ -977,17 +1057,26 @@ class _StreamPart(IterableDataset):
 
 
 class _Shard:
-    """A worker's batches of one epoch (``run.loader``): counted, on its device, stopped when due."""
+    """``run.loader``'s batches: each pass over it (``iter``) the next epoch's (or the one named),
+    counted, on the worker's device, stopped when due. ``dataset`` and ``batch_size`` as a
+    DataLoader's."""
 
-    def __init__(self, run: Run, data: Any) -> None:
-        self.run, self.data = run, data
+    def __init__(
+        self, run: Run, dataset: Any, size: int, epoch: int | None, shuffle: bool, drop_last: bool, options: dict
+    ) -> None:
+        self.run, self.dataset, self.size, self.epoch = run, dataset, size, epoch
+        self.shuffle, self.drop_last, self.options = shuffle, drop_last, options
+
+    @property
+    def batch_size(self) -> int:
+        return self.size
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.run._batches_in(self)
 
     def __iter__(self) -> Iterator[Any]:
         run = self.run
-        for batch in self.data:
+        for batch in run._pass(self):
             if run.should_stop():
                 return
             run.count(_count(batch))
@@ -1077,6 +1166,22 @@ def _autocast_hooks(module: nn.Module, autocast: Callable[[], contextlib.Abstrac
         return _map_tensors(out, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
 
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+
+def _own_storage(module: nn.Module) -> None:
+    """``module``'s weights in memory of this worker's own, where they share memory with other
+    processes (a model sent through ``spawn(args=...)`` travels in shared memory, as torch's
+    multiprocessing sends tensors, and ``share_memory()`` puts it there): otherwise every worker
+    would step the same weights. The algorithm decides what is shared (Hogwild! binds the model to
+    its own shared copy). The parameters stay the same objects, so optimisers built on them stay valid."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_shared():
+                param.data = param.data.clone()
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.is_shared():
+                    sub._buffers[name] = buffer.clone()
 
 
 def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:

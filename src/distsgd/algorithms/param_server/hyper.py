@@ -167,6 +167,44 @@ class Hyperparameters:
             at += size
 
 
+# what a parameter group holds that is not a setting of the update: its tensors, the lr an LR
+# scheduler or distsgd's --schedule started from
+_NOT_SETTINGS = {"params", "initial_lr", "base_lr"}
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    return f"{type(opt).__name__}, {len(opt.param_groups)} parameter group(s)"
+
+
+def optimizer_difference(theirs: torch.optim.Optimizer, server: torch.optim.Optimizer) -> str | None:
+    """How an optimiser a user's loop built differs from the one the server steps with, in what
+    does not travel with a push (None: in nothing): its class, its parameter groups and the
+    tensors each holds, and the settings other than :data:`KEYS` (eps, nesterov, dampening, ...)."""
+    if theirs is server:
+        return None
+    name = type(theirs).__name__
+    if type(theirs) is not type(server):
+        return f"yours is {name}"
+    if len(theirs.param_groups) != len(server.param_groups):
+        return f"your {name} has {len(theirs.param_groups)} parameter group(s)"
+    travel = {key for key, _ in KEYS}
+    for i, (a, b) in enumerate(zip(theirs.param_groups, server.param_groups)):
+        if [id(p) for p in a["params"]] != [id(p) for p in b["params"]]:
+            return f"parameter group {i} of your {name} holds other parameters of the model"
+        for key in sorted((set(a) | set(b)) - _NOT_SETTINGS - travel):
+            if not _same(a.get(key), b.get(key)):
+                return f"your {name} has {key}={a.get(key)!r} in parameter group {i}, the server's {b.get(key)!r}"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
 def _fields(group: Group) -> list[tuple[str, int]]:
     return [(key, size) for i, (key, size) in enumerate(KEYS) if group.keys >> i & 1]
 
@@ -177,4 +215,4 @@ def _set(old: Any, value: float) -> Any:
     return value
 
 
-__all__ = ["KEYS", "Group", "Hyperparameters"]
+__all__ = ["KEYS", "Group", "Hyperparameters", "describe_optimizer", "optimizer_difference"]

@@ -12,7 +12,7 @@ from torch import nn
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport, wire
-from distsgd.algorithms.param_server.hyper import Hyperparameters
+from distsgd.algorithms.param_server.hyper import Hyperparameters, describe_optimizer, optimizer_difference
 from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
 from distsgd.checkpoint import count
@@ -182,6 +182,25 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
 
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         return self.optimizer  # the one whose groups the HELLO described
+
+    def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
+        """A user's loop's own optimiser (``run.setup(model, opt)``, or a function): the server
+        steps with its optimiser, the one ``spawn(optimizer=...)`` or the run's settings build (the
+        worker's ``self.optimizer``, as the HELLO described it), taking each push's lr, momentum,
+        betas and weight decay; so the user's must be that one in all but those, or one line."""
+        if len(optimizers) > 1:
+            raise ConfigError(
+                f"under {self.cfg.algo} the server steps the model with one optimiser: put the parameters "
+                f"of the other {len(optimizers) - 1} optimiser(s) in parameter groups of that one"
+            )
+        problem = optimizer_difference(optimizers[0], self.optimizer)
+        if problem is not None:
+            raise ConfigError(
+                f"under {self.cfg.algo} the server steps the model with the optimiser distsgd.spawn(optimizer=...) "
+                f"or the run's settings build ({describe_optimizer(self.optimizer)}), taking the lr, momentum, "
+                f"betas and weight decay of each push: {problem}; give distsgd.spawn(optimizer=...) a "
+                f"function that builds yours"
+            )
 
     def before_training(self, ctx: WorkerContext) -> None:
         self.client.barrier()  # every worker is built: start together (a replacement: at once)
