@@ -13,7 +13,8 @@ algorithm (``single`` with 1 worker; ``allreduce``, ``hogwild``, ``asgd`` with 2
   its evaluations on its own schedule with the training clock paused);
 - ``spawn``: ``distsgd.spawn(main, model=mnist_net, same settings)``, ``main`` a plain loop
   (:func:`main`): ``run.loader(TensorDataset(x_train, y_train))`` (a DataLoader over this
-  worker's shard), ``F.cross_entropy``, ``run.backward``, ``opt.step()``; no evaluation.
+  worker's shard, each pass the next epoch), ``F.cross_entropy``, a plain ``loss.backward()``
+  (the algorithm's sync queued at its end), ``opt.step()``; no evaluation.
 
 Each run is a fresh Python process (this script with ``--one KIND --algo ALGO``): no fork server,
 allocator or cache state carried from one run to the next. Repeats alternate (repeat 1 of every
@@ -60,14 +61,13 @@ def main(run: Any) -> Any:
     fashion = load_dataset("fashion-mnist")  # before run.setup(): the training clock starts there
     train_set = TensorDataset(fashion.x_train, fashion.y_train)
     model, opt = run.setup()  # the run's optimiser settings, as distsgd train's
-    epoch = 0
+    batches = run.loader(train_set)  # each pass the next epoch
     while not run.should_stop():
-        for x, y in run.loader(train_set, epoch=epoch):
+        for x, y in batches:
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            run.backward(loss)
+            loss.backward()  # the algorithm's sync at its end, as run.backward's
             opt.step()
-        epoch += 1
     return run.final_model()
 
 

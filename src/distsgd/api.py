@@ -32,6 +32,7 @@ from distsgd.checkpoint import (
     atomic_write_json,
     read_manifest,
     remove_uncommitted,
+    require_safetensors,
     save_model,
     usable_checkpoint,
 )
@@ -42,7 +43,7 @@ from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError
 from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
-from distsgd.metrics import Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
+from distsgd.metrics import CsvWriter, Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
@@ -197,6 +198,8 @@ def run(
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     if tb_dir is not None:
         require_tensorboard()  # before any data is read or any process starts
+    if "safetensors" in cfg.save_formats:
+        require_safetensors()
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -224,8 +227,9 @@ def run(
         )
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
+    table = CsvWriter(out / "metrics.csv") if out is not None and "csv" in cfg.loggers else None
     tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
-    sinks = [sink for sink in (writer, tb, progress) if sink is not None]
+    sinks = [sink for sink in (writer, table, tb, progress) if sink is not None]
     try:
         with cores.chosen(cfg, first_look, cfg.workers):  # the threads the other processes leave
             results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
@@ -244,15 +248,16 @@ def run(
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
         try:
-            save_model(
-                out / "model.pt",
-                model,
-                model_spec=cfg.model,
-                dataset=dataset.name,
-                input_shape=dataset.input_shape,
-                num_classes=dataset.num_classes,
-                config=cfg.to_dict(),
-            )
+            for form in cfg.save_formats:
+                save_model(
+                    out / f"model.{form}",
+                    model,
+                    model_spec=cfg.model,
+                    dataset=dataset.name,
+                    input_shape=dataset.input_shape,
+                    num_classes=dataset.num_classes,
+                    config=cfg.to_dict(),
+                )
             atomic_write_json(summary, out / "summary.json")
         except OSError as exc:
             raise OutputError.of(exc) from None

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from distsgd.errors import BadField, CheckpointError, OutputError
+from distsgd.errors import BadField, CheckpointError, ConfigError, OutputError
 from distsgd.rundir import record
 
 log = logging.getLogger(__name__)
@@ -80,35 +80,80 @@ def save_model(
     num_classes: int,
     config: dict[str, Any],
 ) -> None:
+    """The trained model with what ``distsgd eval`` needs to measure it, as ``model.pt`` (torch's
+    format, loaded with ``weights_only=True``) or, for a ``path`` ending ``.safetensors``, as
+    safetensors (the tensors, and the rest as JSON in its metadata, under ``distsgd``)."""
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}  # loads without a GPU
-    atomic_save(
-        {
-            "format": MODEL_FORMAT,
-            "state_dict": state,
-            "model": model_spec,
-            "dataset": dataset,
-            "input_shape": list(input_shape),
-            "num_classes": int(num_classes),
-            "config": {k: v for k, v in config.items() if v is not None},
-        },
-        path,
-    )
+    data = {
+        "format": MODEL_FORMAT,
+        "state_dict": state,
+        "model": model_spec,
+        "dataset": dataset,
+        "input_shape": list(input_shape),
+        "num_classes": int(num_classes),
+        "config": {k: v for k, v in config.items() if v is not None},
+    }
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save
+
+        # each tensor its own contiguous copy: safetensors refuses tensors that share memory (tied weights)
+        tensors = {k: v.contiguous().clone() for k, v in state.items()}
+        described = json.dumps({k: v for k, v in data.items() if k != "state_dict"})
+        atomic_write_bytes(path, save(tensors, metadata={"distsgd": described}))
+    else:
+        atomic_save(data, path)
+
+
+def require_safetensors() -> None:
+    """Fail early, with the command that fixes it, when the safetensors package is missing."""
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--save-format safetensors needs the safetensors package: pip install 'distsgd[safetensors]'"
+        ) from None
+
+
+def _load_safetensors(path: Path) -> Any:
+    """A model.safetensors distsgd wrote, as ``torch.load`` gives a model.pt's dict (no pickle)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError(
+            f"{path} is safetensors, which needs the safetensors package: pip install 'distsgd[safetensors]'"
+        ) from None
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        described = (f.metadata() or {}).get("distsgd")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    data = json.loads(described) if described is not None else None
+    if isinstance(data, dict):
+        data["state_dict"] = state
+    return data
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
-        path = path / "model.pt"
+        path = (
+            path / "model.pt"
+            if (path / "model.pt").is_file() or not (path / "model.safetensors").is_file()
+            else path / "model.safetensors"
+        )
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        if path.suffix == ".safetensors":
+            data = _load_safetensors(path)
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except OSError as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {exc.strerror or exc}") from None
     except Exception:  # torch raises many types for a bad file, and may advise weights_only=False: never here
         raise CheckpointError(
-            f"cannot load checkpoint {path}: it is not a model.pt distsgd wrote (torch cannot "
-            f"read it as tensors and plain data: damaged, or another kind of file)"
+            f"cannot load checkpoint {path}: it is not a model{'.safetensors' if path.suffix == '.safetensors' else '.pt'} "
+            f"distsgd wrote (it cannot be read as tensors and plain data: damaged, or another kind of file)"
         ) from None
     if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
         raise CheckpointError(f"{path} is not a distsgd model checkpoint")

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model")
     _add_run_flags(train)
     ev = sub.add_parser("eval", help="measure a saved model on its test set")
-    ev.add_argument("--checkpoint", required=True, help="model.pt, or a run directory")
+    ev.add_argument("--checkpoint", required=True, help="model.pt or model.safetensors, or a run directory")
     ev.add_argument(
         "--dataset",
         help="dataset to evaluate on (default: the one it was trained on; a FILE.py:FUNC "

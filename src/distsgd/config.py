@@ -37,6 +37,8 @@ setting = option  # a RunConfig field with its help text beside it (see distsgd.
 EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a GPT's evaluation is costly
 SEEDS = 2**63  # seeds are 0 .. SEEDS - 1: an int64, as torch's generators and JSON readers hold one
 TIMEOUT_MAX_S = 7 * 24 * 3600  # a longer wait is a hang (and far longer ones overflow torch's and sockets' clocks)
+LOGGERS = ("csv", "tensorboard")  # --logger's names (JSONL, metrics.jsonl, is always written with --out)
+SAVE_FORMATS = ("pt", "safetensors")  # --save-format's
 STRAGGLER_MAX = 1000  # --straggler's slow-down factor: beyond it a worker's sleep is a hang
 FLOAT32_MAX = 3.4028234663852886e38  # a learning rate or decay above it overflows the float32 step
 
@@ -297,6 +299,33 @@ class RunConfig:
         const="{out}/tb",
         metavar="DIR",
     )
+    logger: str | None = setting(
+        None,
+        "more loggers, comma-separated: csv (<out>/metrics.csv, a row per event), tensorboard (as --tensorboard)",
+        metavar="NAMES",
+        check=lambda flag, v: next(
+            (
+                f"unknown {flag} '{name}' (choose from {', '.join(LOGGERS)}, comma-separated)"
+                for name in v.split(",")
+                if name not in LOGGERS
+            ),
+            None,
+        ),
+    )
+    save_format: str = setting(
+        "pt",
+        "how the trained model is saved, comma-separated: pt (model.pt), safetensors (model.safetensors, "
+        "for Hugging Face tools; pip install 'distsgd[safetensors]')",
+        metavar="FORMATS",
+        check=lambda flag, v: next(
+            (
+                f"unknown {flag} '{name}' (choose from {', '.join(SAVE_FORMATS)}, comma-separated)"
+                for name in v.split(",")
+                if name not in SAVE_FORMATS
+            ),
+            None,
+        ),
+    )
     # Process groups (the multi-process algorithms).
     backend: str = setting(
         "auto",
@@ -357,7 +386,10 @@ class RunConfig:
 
     @property
     def tensorboard_dir(self) -> Path | None:
-        """``--tensorboard`` resolved: ``{out}`` stands for the run directory; None: no TensorBoard."""
+        """``--tensorboard`` resolved (or ``--logger tensorboard``: ``<out>/tb``): ``{out}`` stands
+        for the run directory; None: no TensorBoard."""
+        if self.tensorboard is None and "tensorboard" in self.loggers:
+            return self.replace(tensorboard="{out}/tb").tensorboard_dir
         if self.tensorboard is None:
             return None
         if "{out}" in self.tensorboard:
@@ -368,6 +400,15 @@ class RunConfig:
                 )
             return Path(self.tensorboard.replace("{out}", self.out))
         return Path(self.tensorboard)
+
+    @property
+    def loggers(self) -> tuple[str, ...]:
+        """``--logger``'s names (none: only metrics.jsonl, and --tensorboard if given)."""
+        return tuple(self.logger.split(",")) if self.logger else ()
+
+    @property
+    def save_formats(self) -> tuple[str, ...]:
+        return tuple(self.save_format.split(","))
 
     @functools.cached_property
     def straggler_spec(self) -> Straggler | None:
@@ -543,6 +584,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--stop-at-target needs --target-accuracy or --target-loss")
     if cfg.checkpoint_period is not None and cfg.out is None:
         raise ConfigError("--checkpoint-every needs a run directory (--out)")
+    if "csv" in cfg.loggers and cfg.out is None:
+        raise ConfigError("--logger csv writes <out>/metrics.csv: give a run directory (--out; out= in Python)")
     if cfg.straggler_spec is not None and cfg.straggler_spec.rank >= cfg.workers:
         raise ConfigError(
             f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"

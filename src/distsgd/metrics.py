@@ -28,6 +28,7 @@ Sinks take these events: :class:`JsonlWriter` (``metrics.jsonl``), :class:`Tenso
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import math
 import sys
@@ -73,6 +74,48 @@ class JsonlWriter:
             yield
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+
+
+class CsvWriter:
+    """``--logger csv``: metrics.jsonl's events as a table, one row per event, a column per figure
+    (``event``, ``samples``, ``epoch``, ``train_wall_s`` first, then each new figure as it first
+    appears; a figure an event does not have is an empty cell; lists and dicts as JSON). A figure
+    seen for the first time rewrites the file with the wider header, so the file is a whole table
+    at every moment (a run has a few thousand events at most)."""
+
+    FIRST = ("event", "samples", "epoch", "train_wall_s")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        record(path)
+        self.columns: list[str] = list(self.FIRST)
+        self.rows: list[dict[str, Any]] = []
+        self._fh = path.open("w", encoding="utf-8", newline="")
+        self._write(rewrite=True)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        row = {k: json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else v for k, v in event.items()}
+        self.rows.append(row)
+        new = [k for k in row if k not in self.columns]
+        self.columns += new
+        self._write(rewrite=bool(new))
+
+    def _write(self, rewrite: bool) -> None:
+        try:
+            if rewrite:
+                self._fh.seek(0)
+                self._fh.truncate()
+                out = csv.DictWriter(self._fh, self.columns, restval="")
+                out.writeheader()
+                out.writerows(self.rows)
+            else:
+                csv.DictWriter(self._fh, self.columns, restval="").writerow(self.rows[-1])
+            self._fh.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+
+    def close(self) -> None:
+        self._fh.close()
 
 
 class Fanout:

@@ -191,6 +191,8 @@ def evaluate_checkpoint(
 
     path = Path(path)
     file = path / "model.pt" if path.is_dir() else path
+    if path.is_dir() and not file.is_file() and (path / "model.safetensors").is_file():
+        file = path / "model.safetensors"  # a run saved with --save-format safetensors alone
     ckpt = load_checkpoint(file)
     saved = _recorded_settings(ckpt["config"], file)
     for what, flag, recorded, given in (
