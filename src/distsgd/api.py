@@ -196,10 +196,7 @@ def run(
     cfg, algo_cls = settle(cfg, torchrun)
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
-    if tb_dir is not None:
-        require_tensorboard()  # before any data is read or any process starts
-    if "safetensors" in cfg.save_formats:
-        require_safetensors()
+    _require_extras(cfg, tb_dir)
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -262,6 +259,15 @@ def run(
         except OSError as exc:
             raise OutputError.of(exc) from None
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
+
+
+def _require_extras(cfg: RunConfig, tb_dir: Path | None) -> None:
+    """The packages the run's loggers and save formats need, there: else one line naming the
+    extra, before any data is read or any process starts."""
+    if tb_dir is not None:
+        require_tensorboard()
+    if "safetensors" in cfg.save_formats:
+        require_safetensors()
 
 
 def _prepare_out(cfg: RunConfig, settings_text: str) -> Path:
