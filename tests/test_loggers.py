@@ -65,7 +65,10 @@ def test_logger_tensorboard_is_the_tensorboard_flag(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, line",
     [
-        (["--logger", "csv,wandb"], "error: unknown --logger 'wandb' (choose from csv, tensorboard, comma-separated)"),
+        (
+            ["--logger", "csv,comet"],
+            "error: unknown --logger 'comet' (choose from csv, tensorboard, wandb, mlflow, comma-separated)",
+        ),
         (
             ["--save-format", "onnx"],
             "error: unknown --save-format 'onnx' (choose from pt, safetensors, comma-separated)",
@@ -138,3 +141,105 @@ def test_without_safetensors_one_error_line_and_nothing_runs(
         "error: --save-format safetensors needs the safetensors package: pip install 'distsgd[safetensors]'"
     ]
     assert not out.exists()
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a W&B run file (``run-<id>.wandb``), parsed as W&B's own protobuf Record:
+    the file is a header (``:W&B``, magic, version: 7 bytes) then LevelDB's log framing (32 KiB
+    blocks of chunks, each a 7-byte header: crc32, length, kind; full=1, first=2, middle=3, last=4)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            out.append(record)
+            pending = b""
+    return out
+
+
+def _items(items) -> dict[str, object]:
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+@pytest.mark.skipif(
+    find_spec("wandb") is None or find_spec("mlflow") is None, reason="pip install 'distsgd[wandb,mlflow]'"
+)
+def test_wandb_offline_and_mlflow_record_the_run_as_summary_json_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter server's run logged to W&B (offline: no network) and MLflow (SQLite in the run
+    directory), read back with W&B's own record format and MLflow's client: the run's settings,
+    each evaluation at its samples, the summary's figures; then --overwrite replaces the run."""
+    from mlflow.tracking import MlflowClient
+
+    for name in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)  # the defaults: offline, the run directory's store
+    out = tmp_path / "run"
+    args = ["train", *DIGITS, "--algo", "asgd", "--workers", "2", "--out", str(out), "--logger", "wandb,mlflow"]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [(e["samples"], e["test_accuracy"]) for e in summary["evals"]]
+
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    config = _items(next(r for r in records if r.WhichOneof("record_type") == "run").run.config.update)
+    assert config["algo"] == "asgd" and config["workers"] == 2 and config["dataset"] == "digits"
+    history = [_items(r.history.item) for r, k in zip(records, kinds) if k == "history"]
+    logged = [(h["samples"], h["test/accuracy"]) for h in history if "test/accuracy" in h]
+    assert logged == [(s, pytest.approx(a)) for s, a in evals]
+    assert any("server/staleness_mean" in h for h in history)
+    final: dict[str, object] = {}
+    for r, k in zip(records, kinds):
+        if k == "summary":
+            final.update(_items(r.summary.update))
+    assert final["summary/final_test_accuracy"] == pytest.approx(summary["final_test_accuracy"])
+    assert "exit" in kinds
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("distsgd").experiment_id])
+    assert found.info.status == "FINISHED" and found.info.run_name == "run"
+    assert found.data.params["algo"] == "asgd" and found.data.params["workers"] == "2"
+    history = client.get_metric_history(found.info.run_id, "test/accuracy")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (s, pytest.approx(a)) for s, a in evals
+    ]
+    assert found.data.metrics["summary/final_test_accuracy"] == pytest.approx(summary["final_test_accuracy"])
+
+    res = run_cli(*args, "--overwrite")
+    assert res.returncode == 0, res.stderr  # every file the loggers wrote was recorded, so replaced
+    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+
+def test_without_wandb_one_error_line_and_nothing_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    out = tmp_path / "run"
+    code = cli.main(["train", *DIGITS, "--out", str(out), "--logger", "csv,wandb"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --logger wandb needs the wandb package: pip install 'distsgd[wandb]'"
+    ]
+    assert not out.exists()
+
+
+@pytest.mark.skipif(find_spec("wandb") is None, reason="pip install 'distsgd[wandb]'")
+def test_a_logger_that_cannot_start_is_one_error_line(tmp_path: Path) -> None:
+    res = run_cli("train", *DIGITS, "--out", str(tmp_path / "run"), "--logger", "wandb", env={"WANDB_MODE": "sideways"})
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: --logger wandb could not start its run: ") and "sideways" in res.stderr

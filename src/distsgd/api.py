@@ -43,7 +43,18 @@ from distsgd.data.torchdata import TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError
 from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
-from distsgd.metrics import CsvWriter, Fanout, JsonlWriter, Sink, TensorBoardWriter, make_progress, require_tensorboard
+from distsgd.metrics import (
+    CsvWriter,
+    Fanout,
+    JsonlWriter,
+    MlflowWriter,
+    Sink,
+    TensorBoardWriter,
+    WandbWriter,
+    make_progress,
+    require_logger,
+    require_tensorboard,
+)
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
@@ -224,17 +235,17 @@ def run(
         )
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
-    table = CsvWriter(out / "metrics.csv") if out is not None and "csv" in cfg.loggers else None
     tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
-    sinks = [sink for sink in (writer, table, tb, progress) if sink is not None]
+    sinks = [sink for sink in (writer, *_loggers(cfg, out), tb, progress) if sink is not None]
     try:
         with cores.chosen(cfg, first_look, cfg.workers):  # the threads the other processes leave
             results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
             if job.main is not None and chief:
                 own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
             summary = build_summary(cfg, dataset, spec, results, started, started_at)
-        if tb is not None:
-            tb.write_summary(summary)
+        for sink in sinks:
+            if hasattr(sink, "write_summary"):
+                sink.write_summary(summary)
     finally:
         for sink in sinks:
             if hasattr(sink, "close"):
@@ -261,11 +272,32 @@ def run(
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
 
 
+def _loggers(cfg: RunConfig, out: Path | None) -> list[Sink]:
+    """``--logger``'s sinks beside metrics.jsonl (tensorboard is ``--tensorboard``'s): the chief's,
+    which writes the run directory."""
+    if out is None:
+        return []
+    config = cfg.to_dict()
+    made: list[Sink] = []
+    if "csv" in cfg.loggers:
+        made.append(CsvWriter(out / "metrics.csv"))
+    for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
+        if name in cfg.loggers:
+            try:
+                made.append(kind(out, out.name, config))
+            except Exception as exc:  # its settings (WANDB_MODE, MLFLOW_TRACKING_URI), its store: one line
+                said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+                raise ConfigError(f"--logger {name} could not start its run: {said[:400]}") from None
+    return made
+
+
 def _require_extras(cfg: RunConfig, tb_dir: Path | None) -> None:
     """The packages the run's loggers and save formats need, there: else one line naming the
     extra, before any data is read or any process starts."""
     if tb_dir is not None:
         require_tensorboard()
+    for name in cfg.loggers:
+        require_logger(name)
     if "safetensors" in cfg.save_formats:
         require_safetensors()
 

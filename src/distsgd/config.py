@@ -37,7 +37,7 @@ setting = option  # a RunConfig field with its help text beside it (see distsgd.
 EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a GPT's evaluation is costly
 SEEDS = 2**63  # seeds are 0 .. SEEDS - 1: an int64, as torch's generators and JSON readers hold one
 TIMEOUT_MAX_S = 7 * 24 * 3600  # a longer wait is a hang (and far longer ones overflow torch's and sockets' clocks)
-LOGGERS = ("csv", "tensorboard")  # --logger's names (JSONL, metrics.jsonl, is always written with --out)
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")  # --logger's names (metrics.jsonl is always written with --out)
 SAVE_FORMATS = ("pt", "safetensors")  # --save-format's
 STRAGGLER_MAX = 1000  # --straggler's slow-down factor: beyond it a worker's sleep is a hang
 FLOAT32_MAX = 3.4028234663852886e38  # a learning rate or decay above it overflows the float32 step
@@ -301,7 +301,8 @@ class RunConfig:
     )
     logger: str | None = setting(
         None,
-        "more loggers, comma-separated: csv (<out>/metrics.csv, a row per event), tensorboard (as --tensorboard)",
+        "more loggers, comma-separated: csv (<out>/metrics.csv, a row per event), tensorboard (as --tensorboard), "
+        "wandb (offline unless WANDB_MODE says otherwise: <out>/wandb), mlflow (MLFLOW_TRACKING_URI, else <out>/mlflow.db)",
         metavar="NAMES",
         check=lambda flag, v: next(
             (
@@ -584,8 +585,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--stop-at-target needs --target-accuracy or --target-loss")
     if cfg.checkpoint_period is not None and cfg.out is None:
         raise ConfigError("--checkpoint-every needs a run directory (--out)")
-    if "csv" in cfg.loggers and cfg.out is None:
-        raise ConfigError("--logger csv writes <out>/metrics.csv: give a run directory (--out; out= in Python)")
+    for name, where in (
+        ("csv", "<out>/metrics.csv"),
+        ("wandb", "its run folder in <out>/wandb"),
+        ("mlflow", "<out>/mlflow.db"),
+    ):
+        if name in cfg.loggers and cfg.out is None:
+            raise ConfigError(f"--logger {name} writes {where}: give a run directory (--out; out= in Python)")
     if cfg.straggler_spec is not None and cfg.straggler_spec.rank >= cfg.workers:
         raise ConfigError(
             f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -118,6 +120,106 @@ class CsvWriter:
         self._fh.close()
 
 
+def _tree(folder: Path) -> list[Path]:
+    """Every file under ``folder`` (to record in the run directory's ledger)."""
+    return [p for p in folder.rglob("*") if p.is_file() or p.is_symlink()] if folder.is_dir() else []
+
+
+def _figures(event: dict[str, Any]) -> dict[str, float]:
+    """An event's figures under TensorBoard's tags (``train/loss``, ``test/accuracy``, ...): the
+    numbers a logger plots, the same names in every logger."""
+    tags = TensorBoardWriter.TAGS.get(event.get("event", ""), {})
+    return {
+        tag: float(event[key])
+        for key, tag in tags.items()
+        if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)
+    }
+
+
+def _summary_figures(summary: dict[str, Any]) -> dict[str, float]:
+    figures = {f"summary/{k}": summary.get(k) for k in TensorBoardWriter.SUMMARY}
+    return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class WandbWriter:
+    """``--logger wandb``: the run's figures in a W&B run (``wandb.init``), its settings the run's
+    config, its summary figures the run's summary. Offline unless ``WANDB_MODE`` says otherwise: a
+    run folder under ``<out>/wandb`` that ``wandb sync`` uploads later (no network meanwhile);
+    ``WANDB_PROJECT`` names the project (default ``distsgd``). The x axis is ``samples`` (a metric
+    every figure is plotted against, as TensorBoard's step), since the events of several reporting
+    workers (Hogwild!, a parameter server) need not come in order of W&B's own step."""
+
+    def __init__(self, out: Path, name: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        self.out = out
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "distsgd",
+            name=name,
+            dir=str(out),
+            config=config,
+            mode=os.environ.get("WANDB_MODE") or "offline",  # type: ignore[arg-type]
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        )
+        self.run.define_metric("samples")
+        self.run.define_metric("*", step_metric="samples")
+
+    def emit(self, event: dict[str, Any]) -> None:
+        figures = _figures(event)
+        if figures:
+            self.run.log({"samples": int(event["samples"]), **figures})
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update(_summary_figures(summary))
+
+    def close(self) -> None:
+        self.run.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)  # a run that failed says so
+        record(*_tree(self.out / "wandb"))
+
+
+class MlflowWriter:
+    """``--logger mlflow``: the run's figures as an MLflow run's metrics (step: ``samples``), its
+    settings the run's params, its summary figures metrics under ``summary/``, in the tracking
+    store ``MLFLOW_TRACKING_URI`` names or else ``<out>/mlflow.db`` (SQLite, the store MLflow
+    recommends since its file store went into maintenance: ``mlflow ui --backend-store-uri
+    sqlite:///<out>/mlflow.db`` reads it); ``MLFLOW_EXPERIMENT_NAME`` names the experiment
+    (default ``distsgd``)."""
+
+    def __init__(self, out: Path, name: str, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.out = out
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "distsgd"
+        found = self.client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(config.items()) if v is not None]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def emit(self, event: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        figures = _figures(event)
+        if figures:
+            now, step = int(time.time() * 1000), int(event["samples"])
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in figures.items()])
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now, step = int(time.time() * 1000), int(summary.get("samples") or 0)
+        figures = _summary_figures(summary)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in figures.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if sys.exc_info()[0] is not None else "FINISHED")
+        record(*(p for p in self.out.glob("mlflow.db*") if p.is_file()), *_tree(self.out / "mlartifacts"))
+
+
 class Fanout:
     """Sends every event to several sinks (the file and the progress display)."""
 
@@ -127,6 +229,17 @@ class Fanout:
     def emit(self, event: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.emit(event)
+
+
+def require_logger(name: str) -> None:
+    """Fail early, with the command that fixes it, when the package ``--logger name`` needs is missing."""
+    module = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow.tracking"}.get(name)
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"--logger {name} needs the {name} package: pip install 'distsgd[{name}]'") from None
 
 
 def require_tensorboard() -> None:
