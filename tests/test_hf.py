@@ -138,3 +138,38 @@ def test_dict_items_are_refused_in_one_line_that_says_what_to_do() -> None:
 
     with pytest.raises(distsgd.DataError, match=r"is a dict \(keys input_ids, labels\).*distsgd.spawn"):
         distsgd.train(model="mlp", data=(Dicts(), Dicts()), quiet=True)
+
+
+def test_a_transformers_model_saved_as_hf_is_what_from_pretrained_scores(tmp_path: Path) -> None:
+    """--save-format hf: the run's model as its own save_pretrained folder; from_pretrained of it
+    scores on the held-out text the test loss the run reported (examples/hf_diloco.py's loop and
+    evaluation, 2 workers under allreduce)."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import hf_diloco
+
+    out = tmp_path / "run"
+    result = distsgd.spawn(
+        hf_diloco.main,
+        model=hf_diloco.tiny_gpt2,
+        algo="allreduce",
+        workers=2,
+        optimizer="adamw",
+        lr=1e-3,
+        max_samples=256,
+        train_size=hf_diloco.TRAIN_BYTES // hf_diloco.CONTEXT,
+        out=str(out),
+        save_format="pt,hf",
+        quiet=True,
+    )
+    assert (out / "hf" / "config.json").is_file() and (out / "model.pt").is_file()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out / "hf")
+    _, test_set = hf_diloco.corpus()
+    assert hf_diloco.test_loss(loaded, test_set) == pytest.approx(result.summary["final_test_loss"], abs=1e-6)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in result.model.state_dict().items())
+
+
+def test_hf_format_of_a_model_without_save_pretrained_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(distsgd.ConfigError, match="has no save_pretrained: save it as pt or safetensors"):
+        distsgd.train(model="mlp", data="digits", out=str(tmp_path / "run"), save_format="hf", quiet=True)
+    assert not (tmp_path / "run").exists()

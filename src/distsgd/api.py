@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable, ParamSpec, TypeVar
+from typing import Any, Callable, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
@@ -219,6 +219,11 @@ def run(
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
     probe = _check_own(job, algo_cls, torchrun) if job.main is not None else _check_job(job, algo_cls, torchrun)
+    if "hf" in cfg.save_formats and not callable(getattr(probe, "save_pretrained", None)):
+        raise ConfigError(
+            f"--save-format hf is a Hugging Face transformers model's save_pretrained folder, and "
+            f"{describe(spec)} has no save_pretrained: save it as pt or safetensors"
+        )
     if cfg.resume and not torchrun:
         # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
         # before a damaged newest one) and checks its files, before the run writes anything; under
@@ -257,6 +262,9 @@ def run(
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
         try:
             for form in cfg.save_formats:
+                if form == "hf":
+                    _save_pretrained(model, out / "hf")
+                    continue
                 save_model(
                     out / f"model.{form}",
                     model,
@@ -270,6 +278,15 @@ def run(
         except OSError as exc:
             raise OutputError.of(exc) from None
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
+
+
+def _save_pretrained(model: nn.Module, folder: Path) -> None:
+    """A transformers model's own folder (its config and weights, as safetensors), which
+    ``from_pretrained`` reads; each file it wrote recorded in the run directory's ledger."""
+    folder.mkdir(parents=True, exist_ok=True)
+    before = set(folder.iterdir())
+    cast(Any, model).save_pretrained(str(folder))
+    rundir.record(*(set(folder.iterdir()) - before))
 
 
 def _loggers(cfg: RunConfig, out: Path | None) -> list[Sink]:

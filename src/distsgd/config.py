@@ -38,7 +38,7 @@ EVALS = 5  # evaluations of a run without --eval-every, at the least: few, as a 
 SEEDS = 2**63  # seeds are 0 .. SEEDS - 1: an int64, as torch's generators and JSON readers hold one
 TIMEOUT_MAX_S = 7 * 24 * 3600  # a longer wait is a hang (and far longer ones overflow torch's and sockets' clocks)
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")  # --logger's names (metrics.jsonl is always written with --out)
-SAVE_FORMATS = ("pt", "safetensors")  # --save-format's
+SAVE_FORMATS = ("pt", "safetensors", "hf")  # --save-format's
 STRAGGLER_MAX = 1000  # --straggler's slow-down factor: beyond it a worker's sleep is a hang
 FLOAT32_MAX = 3.4028234663852886e38  # a learning rate or decay above it overflows the float32 step
 
@@ -316,7 +316,8 @@ class RunConfig:
     save_format: str = setting(
         "pt",
         "how the trained model is saved, comma-separated: pt (model.pt), safetensors (model.safetensors, "
-        "for Hugging Face tools; pip install 'distsgd[safetensors]')",
+        "for Hugging Face tools; pip install 'distsgd[safetensors]'), hf (a transformers model's "
+        "save_pretrained folder, <out>/hf, which from_pretrained reads)",
         metavar="FORMATS",
         check=lambda flag, v: next(
             (
