@@ -484,3 +484,40 @@ def test_plain_backward_under_fp16_is_refused_in_one_line() -> None:
     with pytest.raises(distsgd.DistsgdError, match=r"call run.backward\(loss\), not loss.backward\(\)") as info:
         spawn("plain-backward", "allreduce", max_samples=4 * 2 * B, precision="fp16", device="cuda")
     assert "\n" not in str(info.value)
+
+
+def hf_stream() -> IterableDataset:
+    """A streaming Hugging Face dataset (``to_iterable_dataset``: what ``load_dataset(...,
+    streaming=True)`` gives), 40 dict items."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"x": [[float(i)] * 12 for i in range(40)], "y": [i % 3 for i in range(40)]}
+    return datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=4).with_format("torch")
+
+
+def stream_items(run: distsgd.Run, folder: str, kind: str) -> nn.Module:
+    """Trains on a stream, recording the items this worker read."""
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
+    stream = Stream() if kind == "torch" else hf_stream()
+    seen = []
+    for batch in run.loader(stream, batch_size=4):
+        x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else (batch[0].expand(-1, 12), batch[1])
+        seen += x[:, 0].int().tolist()
+        opt.zero_grad()
+        F.cross_entropy(model(x.float()), y).backward()
+        opt.step()
+    Path(folder, f"seen-{run.rank}").write_text(" ".join(map(str, seen)))
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+def test_a_stream_is_read_once_under_shared_memory_and_the_server(tmp_path, algo: str, kind: str) -> None:
+    """A torch IterableDataset and a streaming Hugging Face dataset under Hogwild! and the
+    parameter server (allreduce above): every item read by exactly one worker, and all of them."""
+    if kind == "hf":
+        hf_stream()  # skips without the datasets package
+    distsgd.spawn(
+        functools.partial(stream_items, folder=str(tmp_path), kind=kind), model=Net, algo=algo, workers=2, quiet=True
+    )
+    seen = [list(map(int, (tmp_path / f"seen-{r}").read_text().split())) for r in range(2)]
+    assert sorted(seen[0] + seen[1]) == list(range(40)) and seen[0] and seen[1]

@@ -22,6 +22,7 @@ from typing import Any, Callable, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from distsgd import config as config_mod
 from distsgd import launch, rundir
@@ -39,7 +40,7 @@ from distsgd.checkpoint import (
 from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
-from distsgd.data.torchdata import TorchData, is_map_dataset
+from distsgd.data.torchdata import STREAM_IN_OWN_LOOP, TorchData, is_map_dataset
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError
 from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
@@ -171,6 +172,8 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
         return from_hf({"train": data[0], "test": data[1]}, context)  # (train, test) Datasets: its two splits
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
         return TorchData(data[0], data[1], name="dataset")
+    if isinstance(data, (tuple, list)) and any(isinstance(d, IterableDataset) for d in data):
+        raise DataError(f"a stream: {STREAM_IN_OWN_LOOP}")
     if isinstance(data, dict):
         keys = ("x", "y", "x_test", "y_test")
         unknown = set(data) - set(keys)

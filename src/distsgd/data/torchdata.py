@@ -48,7 +48,17 @@ def is_map_dataset(obj: Any) -> bool:
 
     if isinstance(obj, (torch.Tensor, np.ndarray, list, tuple, dict, str)):
         return False
+    if isinstance(obj, torch.utils.data.IterableDataset):
+        return False
     return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
+
+
+STREAM_IN_OWN_LOOP = (
+    "distsgd train's loop reads map-style datasets (__getitem__ and __len__: its partition "
+    "reshuffles each epoch); a stream (an IterableDataset, a streaming Hugging Face dataset) "
+    "trains in your own loop: distsgd.spawn, and run.loader(stream) gives each worker its "
+    "slice (docs/OWN_LOOP.md)"
+)
 
 
 class TorchData:
@@ -64,6 +74,8 @@ class TorchData:
         loader_workers: int = 0,
     ) -> None:
         for split, ds in (("train", train), ("test", test)):
+            if isinstance(ds, torch.utils.data.IterableDataset):
+                raise DataError(f"{name}: the {split} set is a stream: {STREAM_IN_OWN_LOOP}")
             if not is_map_dataset(ds):
                 raise DataError(
                     f"{name}: the {split} set must be a map-style torch Dataset "
