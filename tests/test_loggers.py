@@ -71,7 +71,7 @@ def test_logger_tensorboard_is_the_tensorboard_flag(tmp_path: Path) -> None:
         ),
         (
             ["--save-format", "onnx"],
-            "error: unknown --save-format 'onnx' (choose from pt, safetensors, comma-separated)",
+            "error: unknown --save-format 'onnx' (choose from pt, safetensors, hf, comma-separated)",
         ),
     ],
 )

@@ -16,6 +16,7 @@ _early.install()  # the command: a SIGTERM while torch imports is one line too
 __version__ = "0.1.0"
 
 from distsgd.api import spawn, train  # noqa: E402
+from distsgd.callbacks import Callback, EarlyStopping  # noqa: E402
 from distsgd.errors import ConfigError, DataError, DistsgdError, ModelError  # noqa: E402
 from distsgd.results import TrainResult  # noqa: E402
 from distsgd.train.own_loop import Run  # noqa: E402
@@ -25,6 +26,8 @@ __all__ = [
     "spawn",
     "Run",
     "TrainResult",
+    "Callback",
+    "EarlyStopping",
     "DistsgdError",
     "ConfigError",
     "DataError",

@@ -28,6 +28,7 @@ from distsgd import config as config_mod
 from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
+from distsgd.callbacks import CallbackSink
 from distsgd.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
@@ -112,6 +113,7 @@ def train(
     loss: str | Callable | None = None,
     optimizer: Callable | None = None,
     param_groups: Callable | None = None,
+    callbacks: Iterable[Any] = (),
     **settings: Any,
 ) -> TrainResult:
     """Train ``model`` on ``data`` with ``algo`` and ``workers``; return the summary and the model.
@@ -123,7 +125,9 @@ def train(
     ``loss``: ``"cross-entropy"``, ``"nll"``, ``"mse"`` or a function ``loss(output, target)``.
     ``optimizer``: ``"sgd"``, ``"adam"``, ``"adamw"`` or a function ``optimizer(model) -> torch.optim.Optimizer``; ``param_groups``: a
     function ``param_groups(model) -> [{"params": [...], "lr": ...}, ...]`` for ``--optimizer``.
-    Functions must be defined at module level (they travel to worker processes).
+    Functions must be defined at module level (they travel to worker processes). ``callbacks``:
+    objects with ``on_eval(event)`` (True stops the run there), ``on_checkpoint(event)``,
+    ``on_end(summary)``, e.g. :class:`distsgd.EarlyStopping` (see :mod:`distsgd.callbacks`).
     ``settings``: any :class:`~distsgd.config.RunConfig` field, e.g. ``epochs=2, lr=0.05``.
     Files are written only when ``out=`` is given. Progress is shown unless ``quiet=True``.
     ``resume="runs/x"`` continues the run saved there (with e.g. a new ``epochs=``); defaults are
@@ -159,7 +163,12 @@ def train(
         cfg,
         model_spec=model,
         dataset=dataset,
-        code={"loss": None if isinstance(loss, str) else loss, "optimizer": optimizer, "param_groups": param_groups},
+        code={
+            "loss": None if isinstance(loss, str) else loss,
+            "optimizer": optimizer,
+            "param_groups": param_groups,
+            "callbacks": tuple(callbacks),
+        },
     )
 
 
@@ -242,9 +251,7 @@ def run(
             else cfg.max_samples
         )
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
-    writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
-    tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
-    sinks = [sink for sink in (writer, *_loggers(cfg, out), tb, progress) if sink is not None]
+    sinks = _sinks(job, out, tb_dir, started, settings_text, chief) + [progress]
     try:
         with cores.chosen(cfg, first_look, cfg.workers):  # the threads the other processes leave
             results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
@@ -260,27 +267,33 @@ def run(
                 sink.close()
         if out is not None and not torchrun:  # every worker has stopped: what no manifest names is of no use
             remove_uncommitted(out)
-    if out is not None:  # the model first: a run whose summary.json exists has its model.pt
+    if out is not None:
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
-        try:
-            for form in cfg.save_formats:
-                if form == "hf":
-                    _save_pretrained(model, out / "hf")
-                    continue
-                save_model(
-                    out / f"model.{form}",
-                    model,
-                    model_spec=cfg.model,
-                    dataset=dataset.name,
-                    input_shape=dataset.input_shape,
-                    num_classes=dataset.num_classes,
-                    config=cfg.to_dict(),
-                )
-            atomic_write_json(summary, out / "summary.json")
-        except OSError as exc:
-            raise OutputError.of(exc) from None
+        _save_run(out, model, cfg, dataset, summary)
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
+
+
+def _save_run(out: Path, model: nn.Module, cfg: RunConfig, dataset: TrainingData, summary: dict[str, Any]) -> None:
+    """The model in each --save-format, then summary.json: a run whose summary.json exists has
+    its model."""
+    try:
+        for form in cfg.save_formats:
+            if form == "hf":
+                _save_pretrained(model, out / "hf")
+                continue
+            save_model(
+                out / f"model.{form}",
+                model,
+                model_spec=cfg.model,
+                dataset=dataset.name,
+                input_shape=dataset.input_shape,
+                num_classes=dataset.num_classes,
+                config=cfg.to_dict(),
+            )
+        atomic_write_json(summary, out / "summary.json")
+    except OSError as exc:
+        raise OutputError.of(exc) from None
 
 
 def _save_pretrained(model: nn.Module, folder: Path) -> None:
@@ -290,6 +303,17 @@ def _save_pretrained(model: nn.Module, folder: Path) -> None:
     before = set(folder.iterdir())
     cast(Any, model).save_pretrained(str(folder))
     rundir.record(*(set(folder.iterdir()) - before))
+
+
+def _sinks(
+    job: Job, out: Path | None, tb_dir: Path | None, started: float, settings_text: str, chief: bool
+) -> list[Sink]:
+    """Where the run's events go besides the progress display: metrics.jsonl, the loggers,
+    TensorBoard, the callbacks' on_checkpoint and on_end (the chief's)."""
+    writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
+    tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
+    hooks = CallbackSink(job.callbacks) if job.callbacks and chief else None
+    return [sink for sink in (writer, *_loggers(job.cfg, out), tb, hooks) if sink is not None]
 
 
 def _loggers(cfg: RunConfig, out: Path | None) -> list[Sink]:
@@ -346,7 +370,10 @@ def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, 
     if not isinstance(spec, str):
         pieces.append(f"the model ({describe(spec)})")
     for what, fn in (code or {}).items():
-        if fn is not None:
+        if what == "callbacks":
+            if fn:
+                pieces.append(f"the callbacks ({', '.join(type(c).__name__ for c in fn)})")
+        elif fn is not None:
             pieces.append(f"the {what} function ({describe(fn)})")
     return pieces
 
@@ -432,6 +459,7 @@ def spawn(
     args: tuple = (),
     optimizer: Callable | None = None,
     evaluate: Callable | None = None,
+    callbacks: Iterable[Any] = (),
     train_size: int | None = None,
     **settings: Any,
 ) -> TrainResult:
@@ -479,7 +507,8 @@ def spawn(
     cfg = cfg.replace(model=spec if isinstance(spec, str) else describe(spec), dataset="own loop")
     data = OwnData(n_train=train_size or 0)
     entry = _WithArgs(main, tuple(args)) if args else main
-    result = run(cfg, model_spec=spec, dataset=data, code={"main": entry, "optimizer": optimizer}, evaluate=evaluate)
+    code = {"main": entry, "optimizer": optimizer, "callbacks": tuple(callbacks)}
+    result = run(cfg, model_spec=spec, dataset=data, code=code, evaluate=evaluate)
     if module is not None and result.model is not None:
         with torch.no_grad():  # the module given ends trained, on its own device
             module.load_state_dict(result.model.state_dict())
@@ -523,7 +552,9 @@ def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module
         )
     probe = build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
     if _spawns(algo_cls, torchrun):
-        _check_travels((("main", job.main), ("model", job.model), ("optimizer", job.optimizer)))
+        _check_travels(
+            (("main", job.main), ("model", job.model), ("optimizer", job.optimizer), ("callbacks", job.callbacks))
+        )
     return probe
 
 
@@ -559,6 +590,7 @@ def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module
                 ("loss", job.loss),
                 ("optimizer", job.optimizer),
                 ("param_groups", job.param_groups),
+                ("callbacks", job.callbacks),
                 *(("dataset", d) for d in datasets),
             )
         )

@@ -185,7 +185,7 @@ class Machine:
             counts=self.counts.share_memory_(),
             stop=torch.zeros(1, dtype=torch.int8).share_memory_(),
             hold=torch.full((1 + cfg.workers,), -1, dtype=torch.int64).share_memory_()
-            if cfg.stop_at_target and link is None and self.evaluates
+            if job.may_stop and link is None and self.evaluates
             else None,
             lock=topology.lock(cfg, mpc),
             machines=machines,
@@ -468,7 +468,7 @@ def _run_torchrun(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[Worke
 
     with launcher_group(cfg):
         mine = Machine(
-            job.replace(cfg=local),
+            job.replace(cfg=local, callbacks=job.callbacks if rank == 0 else ()),
             node,
             sink if rank == 0 else NullSink(),
             first_rank=rank * size,

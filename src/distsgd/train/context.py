@@ -32,9 +32,16 @@ class Job:
     optimizer: Callable | None = None  # optimizer(model) -> torch.optim.Optimizer; None: cfg.optimizer
     param_groups: Callable | None = None  # param_groups(model) -> [{"params": [...], "lr": ...}, ...]
     main: Callable | None = None  # main(run): the user's own loop (distsgd.spawn); None: distsgd's loop
+    callbacks: tuple = ()  # objects with on_eval / on_checkpoint / on_end (distsgd.callbacks)
 
     def replace(self, **changes: Any) -> "Job":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def may_stop(self) -> bool:
+        """Whether an evaluation may stop the run (--stop-at-target, or a callback's on_eval): then
+        each is made when due, not after training."""
+        return self.cfg.stop_at_target or any(callable(getattr(cb, "on_eval", None)) for cb in self.callbacks)
 
 
 @dataclass

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distsgd.callbacks import stops
 from distsgd.checkpoint import count, evaluations, of_type, seconds
 from distsgd.config import Periodic, eval_period
 from distsgd.data import TrainingData
 from distsgd.metrics import Sink, TrainClock, lm_figures
-from distsgd.metrics import reached as target_reached
 from distsgd.models import logits_of
 from distsgd.train import device
 from distsgd.train.context import Job
@@ -75,6 +75,7 @@ class Watcher:
         device: torch.device = torch.device("cpu"),
     ) -> None:
         self.cfg, self.spec, self.dataset, self.per_epoch, self.sink = job.cfg, job.model, job.data, per_epoch, sink
+        self.callbacks, self.may_stop = job.callbacks, job.may_stop
         self.device = device  # where the data is, and the copies are evaluated
         self.loss_fn = loss_function(job.cfg.loss, job.loss, job.data.task)
         self.state, self.pause_to_copy = state, pause_to_copy
@@ -106,7 +107,7 @@ class Watcher:
             return True
         if not self.at.due(samples):
             return False
-        if not self.cfg.stop_at_target:
+        if not self.may_stop:
             if self.pause_to_copy:
                 self.clock.pause()
             self.last, made_s = self.copy()
@@ -114,15 +115,15 @@ class Watcher:
             self.clock.resume()
             return False
         # the clock stops only while the trainers wait: time they train on while a copy is measured is theirs
-        stops = self.pause_to_copy or self.hold is not None
+        waits = self.pause_to_copy or self.hold is not None
         with self.hold() if self.hold is not None else contextlib.nullcontext():
-            if stops:
+            if waits:
                 self.clock.pause()
             copy, made_s = self.copy()
             samples = self.count() if self.count is not None else samples
             self.last = copy
             event = self.evaluate(samples, made_s, copy)
-            reached = target_reached(event, self.cfg.target_accuracy, self.cfg.target_loss)
+            reached = stops(event, self.cfg, self.callbacks)
             if reached:
                 self.reached, self.reached_at = copy, (samples, event["train_wall_s"])
             self.clock.resume()

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from distsgd.callbacks import stops
 from distsgd.checkpoint import Checkpointer, RngState, optimizer_layout, scatter
 from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
-from distsgd.metrics import reached as target_reached
 from distsgd.train import device
 from distsgd.train.context import Start, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, evaluate, snapshot
@@ -280,8 +280,8 @@ class _Worker:
             reached = False
             if self.ctx.evaluates:
                 event = self.measure(returned)
-                reached = target_reached(event, cfg.target_accuracy, cfg.target_loss)
-        return self.algo.agree(self.ctx, reached) if cfg.stop_at_target else False
+                reached = stops(event, cfg, self.ctx.job.callbacks)
+        return self.algo.agree(self.ctx, reached) if self.ctx.job.may_stop else False
 
     def measure(self, model: torch.nn.Module) -> dict[str, Any]:
         """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""

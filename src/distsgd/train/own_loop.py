@@ -42,12 +42,12 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
+from distsgd.callbacks import stops
 from distsgd.checkpoint import Checkpointer, RngState, Stateful, count, evaluations, load_model_state, scatter, seconds
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError, loop_failure, stall_watch
 from distsgd.metrics import TrainClock
-from distsgd.metrics import reached as target_reached
 from distsgd.models import build_model
 from distsgd.train import device
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
@@ -808,10 +808,10 @@ class Run:
                     )
                     event.update({k: v for k, v in values.items() if k not in event})
                     self.record(event)
-                    reached = target_reached(event, cfg.target_accuracy, cfg.target_loss)
+                    reached = stops(event, cfg, ctx.job.callbacks)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
                 # worker that reached it stops the others
-                if cfg.stop_at_target and self._algo.agree(ctx, reached):
+                if ctx.job.may_stop and self._algo.agree(ctx, reached):
                     self._stopped = True
         elif writes:
             ctx.sink.emit(

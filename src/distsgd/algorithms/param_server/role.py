@@ -93,6 +93,7 @@ class ServerRole:
         per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
         self.watcher = Watcher(job, per_epoch, sink, self._state, pause_to_copy=True)
         self.own = job.main is not None  # the user's loop evaluates what it wants (its first worker logs it)
+        self.may_stop = job.may_stop  # a worker's evaluation may stop the run (its target, a callback)
         optimizer = build_optimizer(cfg, self.model, job.optimizer, job.param_groups)
         self.server = ParameterServer(
             cfg,
@@ -200,7 +201,7 @@ class ServerRole:
         """Worker ``rank``'s loop (a user's: it evaluates) measured --stop-at-target's target: every
         worker stops at its next request. Refused where the server decides (distsgd's loop: it
         evaluates) or the run does not stop at a target."""
-        if not (self.own and self.cfg.stop_at_target):
+        if not (self.own and self.may_stop):
             raise ConnectionError(f"worker {rank - 1} asked to stop the run, which stops at no target of its workers'")
         log.info("worker %d measured the target; stopping the run", rank - 1)
         self.server.stop = True

@@ -1,0 +1,110 @@
+"""Callbacks: your code at a run's evaluations, checkpoints and end, without owning the loop.
+
+``distsgd.train(..., callbacks=[...])`` and ``distsgd.spawn(..., callbacks=[...])`` take objects
+with any of these methods (subclass :class:`Callback` or not):
+
+- ``on_eval(event) -> bool | None``: each evaluation (``event`` as in metrics.jsonl: ``samples``,
+  ``epoch``, ``train_wall_s``, ``test_accuracy``, ``test_loss``, ...). Returning True stops the
+  run there, as ``--stop-at-target`` does at its target: the model returned and saved is the one
+  that evaluation measured (Hogwild! and the parameter server: the copy measured; a process
+  group: the model at that step). It runs where the model is evaluated, which may be a worker
+  process (so a callback travels there: define its class at module level); every callback sees
+  every evaluation.
+- ``on_checkpoint(event)``: a checkpoint committed (``seq``, ``samples``, ``epoch``), in the
+  process that called ``train`` or ``spawn``.
+- ``on_end(summary)``: the run ended, with summary.json's dict, in that process.
+
+:class:`EarlyStopping` is one: it stops a run whose test loss (or accuracy) has not improved for
+``patience`` evaluations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from distsgd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distsgd.config import RunConfig
+
+
+class Callback:
+    """A base for callbacks: each hook does nothing unless overridden."""
+
+    def on_eval(self, event: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_checkpoint(self, event: dict[str, Any]) -> None:
+        return None
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        return None
+
+
+class EarlyStopping(Callback):
+    """Stop once ``monitor`` (``test_loss``, lower is better, or ``test_accuracy``, higher is
+    better) has not improved on its best by more than ``min_delta`` for ``patience`` evaluations
+    in a row (Keras' and Lightning's rule)."""
+
+    def __init__(self, monitor: str = "test_loss", patience: int = 3, min_delta: float = 0.0) -> None:
+        if monitor not in ("test_loss", "test_accuracy"):
+            raise ConfigError(f"EarlyStopping(monitor=...) is test_loss or test_accuracy, got {monitor!r}")
+        if not isinstance(patience, int) or patience < 1:
+            raise ConfigError(
+                f"EarlyStopping(patience=...) is a whole number of evaluations, 1 or more; got {patience!r}"
+            )
+        if not min_delta >= 0:
+            raise ConfigError(f"EarlyStopping(min_delta=...) must be >= 0, got {min_delta!r}")
+        self.monitor, self.patience, self.min_delta = monitor, patience, float(min_delta)
+        self.best: float | None = None
+        self.waited = 0  # evaluations since the best
+        self.stopped_at: int | None = None  # the samples of the evaluation that stopped the run
+
+    def on_eval(self, event: dict[str, Any]) -> bool:
+        value = event.get(self.monitor)
+        if value is None:
+            return False
+        lower = self.monitor == "test_loss"
+        better = self.best is None or (
+            value < self.best - self.min_delta if lower else value > self.best + self.min_delta
+        )
+        if better:
+            self.best, self.waited = float(value), 0
+            return False
+        self.waited += 1
+        if self.waited >= self.patience:
+            self.stopped_at = event.get("samples")
+            return True
+        return False
+
+
+def stops(event: dict[str, Any], cfg: RunConfig, callbacks: tuple) -> bool:
+    """Whether the run stops at this evaluation: ``--stop-at-target``'s target reached, or a
+    callback's ``on_eval`` said so (every callback sees the evaluation)."""
+    from distsgd.metrics import reached
+
+    hit = cfg.stop_at_target and reached(event, cfg.target_accuracy, cfg.target_loss)
+    asked = [cb.on_eval(event) is True for cb in callbacks if callable(getattr(cb, "on_eval", None))]
+    return hit or any(asked)
+
+
+class CallbackSink:
+    """The run's events to the callbacks' ``on_checkpoint``, its summary to their ``on_end``, in
+    the launching process."""
+
+    def __init__(self, callbacks: tuple) -> None:
+        self.callbacks = callbacks
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "checkpoint":
+            for cb in self.callbacks:
+                if callable(getattr(cb, "on_checkpoint", None)):
+                    cb.on_checkpoint(event)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        for cb in self.callbacks:
+            if callable(getattr(cb, "on_end", None)):
+                cb.on_end(summary)
+
+
+__all__ = ["Callback", "EarlyStopping", "CallbackSink", "stops"]
