@@ -75,6 +75,10 @@ def test_every_default_trains_the_gpt(algo: str) -> None:
     own settings (AdamW, lr 1e-3, warm-up, clipping) come before the algorithm's paper defaults
     (DiLoCo's inner lr 4e-4), and dcasgd's corrected gradient goes to that AdamW (with SGD at the
     model's lr it ended at 4.50 nats/token, above the unigram entropy)."""
-    # one evaluation, at the end (eval_every = the run): the claim is about training's defaults
-    s = distsgd.train(model="gpt", algo=algo, workers=2, max_samples=4000, eval_every=4000, quiet=True).summary
+    # one evaluation, at the end (eval_every = the run): the claim is about training's defaults.
+    # dcasgd is asynchronous, its loss spread by the workers' interleaving: at 4,000 samples it
+    # ended at 2.97-3.00 in five runs and once at 3.168, above the entropy (3.145); at 6,000,
+    # 2.88-2.96 (2026-11-26)
+    n = 6000 if algo == "dcasgd" else 4000
+    s = distsgd.train(model="gpt", algo=algo, workers=2, max_samples=n, eval_every=n, quiet=True).summary
     assert s["final_test_loss"] < s["unigram_entropy"], (s["final_test_loss"], s["unigram_entropy"])
