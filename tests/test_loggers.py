@@ -54,6 +54,7 @@ def test_the_csv_has_a_row_per_event_of_metrics_jsonl(tmp_path: Path) -> None:
     assert float(evals[-1]["test_accuracy"]) == pytest.approx(summary["evals"][-1]["test_accuracy"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(find_spec("tensorboard") is None, reason="pip install 'distsgd[tensorboard]'")
 def test_logger_tensorboard_is_the_tensorboard_flag(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -113,6 +114,7 @@ def test_model_safetensors_holds_the_model_pt_weights_and_eval_reads_it(tmp_path
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
 
 
+@pytest.mark.slow
 @needs_safetensors
 def test_a_run_saved_as_safetensors_alone_is_evaluated_from_its_directory(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -174,6 +176,7 @@ def _items(items) -> dict[str, object]:
     return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     find_spec("wandb") is None or find_spec("mlflow") is None, reason="pip install 'distsgd[wandb,mlflow]'"
 )
