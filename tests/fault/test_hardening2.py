@@ -378,11 +378,17 @@ def test_a_forged_checkpoint_number_is_refused_and_leaves_no_file(tmp_path: Path
         assert checkpoint.read_manifest(tmp_path)["seq"] == 1
         for client in clients:
             client.done(0)
-        forger = _connect(service.address)
-        forger.sendall(
-            wire.hello_message(2, SECRET, rejoining=True, groups=role.server.hypers.describe())
-        )  # rank 2's worker has left
-        wire.Frame(layout.answer_bytes).recv(transport.Channel(forger))
+        for _ in range(50):  # rank 2's worker has left; until the server has seen its connection close, a
+            forger = _connect(service.address)  # HELLO for rank 2 is a second one, refused: say it again
+            forger.sendall(wire.hello_message(2, SECRET, rejoining=True, groups=role.server.hypers.describe()))
+            try:
+                wire.Frame(layout.answer_bytes).recv(transport.Channel(forger))
+                break
+            except ConnectionError:
+                forger.close()
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the server never took the HELLO of rank 2, whose worker had left")
         wire.Frame(layout.request_bytes).send(transport.Channel(forger), wire.CHECKPOINTED, 2**40, 0, 0)
         assert _closed_by_server(forger)
         forger.close()
