@@ -711,7 +711,10 @@ def test_a_job_preempted_with_sigterm_loses_no_step(real_slurm: dict[str, str], 
     checkpoint: here none, and the job started over.)"""
     pytest.importorskip("sklearn")
     (tmp_path / "requeuing.py").write_text(REQUEUING_MODEL)
-    batch, budget = 16, 2872
+    batch, budget = (
+        16,
+        5744,
+    )  # room after the requeue: SLURM takes a while to send SIGTERM, on a fast host the run could end first
     flags = ["--dataset", "digits", "--model", f"{tmp_path / 'requeuing.py'}:Net", "--max-samples", str(budget)]
     job, shown, log = _sbatch(
         real_slurm,
@@ -729,6 +732,8 @@ def test_a_job_preempted_with_sigterm_loses_no_step(real_slurm: dict[str, str], 
     before = [e["samples"] for e in events[:first] if e["event"] == "progress"]
     assert 15 * step <= kept < budget and max(before) <= kept, (kept, before[-3:])
     after = [e["samples"] for e in events[first + 1 :] if e["event"] == "progress"]
-    assert min(after) == kept + step  # attempt 2's first step is the one after the checkpoint's
+    # attempt 2's first step is the one after the checkpoint's: a whole step, or the epoch's last
+    # (the shards' remainder: 1,437 samples are not a whole number of steps)
+    assert 0 < min(after) - kept <= step, (kept, min(after))
     assert json.loads((out / "summary.json").read_text())["samples"] == budget
     print(f"requeued at task 0's step 15 ({15 * step} samples); checkpoint at {kept}; resumed at {min(after)}")
