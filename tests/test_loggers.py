@@ -246,3 +246,22 @@ def test_a_logger_that_cannot_start_is_one_error_line(tmp_path: Path) -> None:
     res = run_cli("train", *DIGITS, "--out", str(tmp_path / "run"), "--logger", "wandb", env={"WANDB_MODE": "sideways"})
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert res.stderr.startswith("error: --logger wandb could not start its run: ") and "sideways" in res.stderr
+
+
+def test_a_csv_reopened_keeps_its_rows(tmp_path: Path) -> None:
+    """A run resumed in place reopens metrics.csv: the first attempt's rows stay, as metrics.jsonl's do."""
+    from distsgd.metrics import CsvWriter
+
+    path = tmp_path / "metrics.csv"
+    first = CsvWriter(path)
+    first.emit({"event": "eval", "samples": 10, "test_accuracy": 0.5})
+    first.close()
+    again = CsvWriter(path)
+    again.emit({"event": "progress", "samples": 20, "loss": 1.5})
+    again.close()
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["event"], r["samples"], r["test_accuracy"], r["loss"]) for r in rows] == [
+        ("eval", "10", "0.5", ""),
+        ("progress", "20", "", "1.5"),
+    ]

@@ -18,7 +18,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distsgd.errors import BadField, ConfigError
-from distsgd.options import at_least, check_value, close_match, coerce, flag_of, not_negative, one_of, option, shown
+from distsgd.options import (
+    at_least,
+    check_value,
+    close_match,
+    coerce,
+    flag_of,
+    names_of,
+    not_negative,
+    one_of,
+    option,
+    shown,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -304,14 +315,7 @@ class RunConfig:
         "more loggers, comma-separated: csv (<out>/metrics.csv, a row per event), tensorboard (as --tensorboard), "
         "wandb (offline unless WANDB_MODE says otherwise: <out>/wandb), mlflow (MLFLOW_TRACKING_URI, else <out>/mlflow.db)",
         metavar="NAMES",
-        check=lambda flag, v: next(
-            (
-                f"unknown {flag} '{name}' (choose from {', '.join(LOGGERS)}, comma-separated)"
-                for name in v.split(",")
-                if name not in LOGGERS
-            ),
-            None,
-        ),
+        check=names_of(LOGGERS),
     )
     save_format: str = setting(
         "pt",
@@ -319,14 +323,7 @@ class RunConfig:
         "for Hugging Face tools; pip install 'distsgd[safetensors]'), hf (a transformers model's "
         "save_pretrained folder, <out>/hf, which from_pretrained reads)",
         metavar="FORMATS",
-        check=lambda flag, v: next(
-            (
-                f"unknown {flag} '{name}' (choose from {', '.join(SAVE_FORMATS)}, comma-separated)"
-                for name in v.split(",")
-                if name not in SAVE_FORMATS
-            ),
-            None,
-        ),
+        check=names_of(SAVE_FORMATS),
     )
     # Process groups (the multi-process algorithms).
     backend: str = setting(

@@ -92,6 +92,11 @@ class CsvWriter:
         record(path)
         self.columns: list[str] = list(self.FIRST)
         self.rows: list[dict[str, Any]] = []
+        if path.is_file():  # a run resumed in place: its rows so far stay (as metrics.jsonl's lines do)
+            with path.open(encoding="utf-8", newline="") as f:
+                earlier = csv.DictReader(f)
+                self.rows = [dict(r) for r in earlier]
+                self.columns += [c for c in earlier.fieldnames or () if c not in self.columns]
         self._fh = path.open("w", encoding="utf-8", newline="")
         self._write(rewrite=True)
 

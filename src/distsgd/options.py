@@ -91,6 +91,18 @@ def not_negative(flag: str, value: float) -> str | None:
     return None if value >= 0 else f"{flag} must be >= 0, got {value}"
 
 
+def names_of(choices: tuple[str, ...]) -> Callable[[str, Any], str | None]:
+    """A check: comma-separated names, each one of ``choices``."""
+    return lambda flag, v: next(
+        (
+            f"unknown {flag} '{n}' (choose from {', '.join(choices)}, comma-separated)"
+            for n in v.split(",")
+            if n not in choices
+        ),
+        None,
+    )
+
+
 def one_of(choices: tuple[str, ...], what: str) -> Callable[[str, Any], str | None]:
     """A check: one of ``choices`` (``what``: the setting's name in the message)."""
     return lambda flag, v: None if v in choices else f"unknown {what} '{v}' (choose from {', '.join(choices)})"
