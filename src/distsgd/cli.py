@@ -442,6 +442,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     restore = on_sigterm()  # from here to the end, as from the command's first instruction (distsgd._early)
     _early.settled()
+    root = logging.getLogger()
+    level, filters = root.level, warnings.filters[:]  # what --quiet changes, put back at the end
     args: argparse.Namespace | None = None
     try:
         parser = build_parser()  # imports every algorithm: a signal may come meanwhile
@@ -472,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         # a traceback there, nor say a second line; it ends the process as a SIGTERM does.
         restore()
         _early.settled()
+        # a command called in this process (a test, a notebook) leaves no --quiet behind it
+        root.setLevel(level)
+        warnings.filters[:] = filters  # type: ignore[index]  # a list, typed as a Sequence
 
 
 if __name__ == "__main__":
