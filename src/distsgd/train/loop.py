@@ -23,14 +23,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from distsgd.callbacks import stops
-from distsgd.checkpoint import Checkpointer, RngState, optimizer_layout, scatter
+from distsgd.checkpoint import RngState, optimizer_layout, scatter
 from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.train import device
 from distsgd.train.context import Start, WorkerContext, WorkerResult
-from distsgd.train.evaluate import equal_states, eval_event, evaluate, snapshot
+from distsgd.train.evaluate import equal_states, evaluate, snapshot
 from distsgd.train.graphs import GraphedSteps
 from distsgd.train.objective import loss_function
 from distsgd.train.own_loop import LoopState, Run, run_own_loop
@@ -51,8 +50,7 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     user's (``distsgd.spawn``) calls their ``main(run)`` instead."""
     if ctx.job.main is not None:
         return run_own_loop(ctx, algo, replacement)
-    w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
-    w.run.begin(w.state.train_wall_s)
+    w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume; the clock started
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
         _train(w, ctx, algo)
@@ -130,39 +128,27 @@ class _Worker:
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
         if shard_size(ds.n_train, ctx.world, cfg.partition) == 0:
             raise ConfigError(f"{ds.n_train} training samples cannot be shared among {ctx.world} workers")
-        self.run = run = Run(ctx, algo)
+        self.run = run = Run(ctx, algo, replacement)
         self.per_epoch = run.per_epoch
         self.loss_fn = loss_function(cfg.loss, ctx.job.loss, ds.task)
         period = cfg.checkpoint_period
         self.checkpoint_each_epoch = period is not None and period.each_epoch
         self.eval_every = eval_period(cfg, run.global_per_epoch)  # None: at each epoch's end
-        self.state = run.state = LoopState(self.eval_every, period.count if period is not None else None)
-        self.checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
-        saved = self.checkpointer.load()
-        # a worker its launcher started again rejoins the running model (what it saved, if it did, is
-        # loaded below but the running model is newer); so does, in a resumed asynchronous run, a rank
-        # that had no part in the checkpoint (its worker had died); the others resume from their part
-        start = (
-            Start.REPLACEMENT
-            if replacement or (cfg.resume and saved is None)
-            else Start.RESUMED
-            if saved is not None
-            else Start.FRESH
-        )
-        self.model = run.build(saved["model"] if saved is not None else None, start)
-        self.pieces = run.pieces()
-        if saved is not None:
-            scatter({k: v for k, v in self.pieces.items() if k != "model"}, saved)
-        if start is Start.REPLACEMENT:  # carry on from the samples this rank had trained, in its own shard
+        # the counters, with this loop's evaluation and checkpoint periods, restored by run.setup()
+        self.state = run._state = LoopState(self.eval_every, period.count if period is not None else None)
+        # as a user's loop sets up: --model built with the run's seed, --optimizer; --resume's
+        # checkpoint restored; a worker its launcher started again (or, in a resumed asynchronous
+        # run, a rank that had no part in the checkpoint) rejoins the running model; the clock starts
+        self.model, _ = run.setup()
+        if run._started is Start.REPLACEMENT:  # from the samples this rank had trained, in its own shard
             st = self.state
-            st.local = algo.starting_samples(ctx)
             st.epoch, st.start = divmod(st.local, self.per_epoch)
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
-        self.clock = run.clock
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
-        if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
-            run.where["compile_s"] = round(self.warm_compiled(), 3)
+        if cfg.compile and device.compiles():  # compiled off the clock, for every shape it will meet
+            with run.paused():
+                run._where["compile_s"] = round(self.warm_compiled(), 3)
         self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
@@ -274,22 +260,19 @@ class _Worker:
 
     def evaluate(self) -> bool:
         """Measure the model the algorithm would return now (clock paused); True: every worker stops."""
-        cfg = self.cfg
         with self.run.paused():
             returned = self.run.evaluation_model()  # on every worker: may be a collective
             reached = False
             if self.ctx.evaluates:
-                event = self.measure(returned)
-                reached = stops(event, cfg, self.ctx.job.callbacks)
+                reached = self.measure(returned)
         return self.algo.agree(self.ctx, reached) if self.ctx.job.may_stop else False
 
-    def measure(self, model: torch.nn.Module) -> dict[str, Any]:
-        """Evaluate ``model`` (this worker evaluates), record the event and what was evaluated."""
+    def measure(self, model: torch.nn.Module) -> bool:
+        """Evaluate ``model`` (this worker evaluates) and report it as ``run.log`` reports a user's
+        test figures; keep what was evaluated. True: the figures reach the run's target."""
         acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
-        event = eval_event(self.ctx.dataset, self.all_samples, self.run.epoch(), self.run._evaluated_at(), acc, loss)
-        self.run.record(event)
         self.evaluated = snapshot(model)
-        return event
+        return self.run._evaluation({"test_accuracy": acc, "test_loss": loss})
 
     def signalled(self, at_once: bool = False) -> bool:
         """Whether a signal asked the run to stop, on any worker. The workers ask together, at the
@@ -324,20 +307,9 @@ class _Worker:
         --checkpoint-every samples, or the epoch), so workers that are not in lockstep agree; and
         always above the last one's (a signal's checkpoint falls between two points: the next
         point's must not write over it)."""
-        st = self.state
-        with self.run.paused():
-            period = self.cfg.checkpoint_period
-            point = st.epoch if period is None or period.count is None else self.all_samples // period.count
-            st.seq = max(point, st.seq + 1)
-            st.train_wall_s = self.clock.elapsed()
-            self.checkpointer.save(st.seq, self.pieces)
-            where = {"samples": self.all_samples, "epoch": st.epoch}
-
-            def commit() -> None:
-                self.checkpointer.commit(st.seq, {**where, "algo": self.cfg.algo})
-                self.ctx.sink.emit({"event": "checkpoint", "seq": st.seq, **where, "train_wall_s": st.train_wall_s})
-
-            self.algo.checkpoint_saved(self.ctx, st.seq, commit)
+        st, period = self.state, self.cfg.checkpoint_period
+        point = st.epoch if period is None or period.count is None else self.all_samples // period.count
+        self.run._save_checkpoint(max(point, st.seq + 1), self.all_samples)
 
     def end_epoch(self) -> None:
         self.algo.on_epoch_end(self.ctx, self.model, self.state.epoch)
@@ -352,11 +324,11 @@ class _Worker:
         always describe the model returned and saved, and nothing changes it afterwards."""
         self.model = self.run.final_model()
         if self.graphed is not None:
-            self.run.where.update(self.graphed.summary())
+            self.run._where.update(self.graphed.summary())
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
         if self.ctx.evaluates and not equal_states(self.model.state_dict(), self.evaluated):
             self.measure(self.model)
-        return self.run.result()
+        return self.run._result()
 
 
 __all__ = ["run_worker", "check_saved", "LoopState"]

@@ -137,7 +137,7 @@ class Run:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
         self._replacement = replacement  # in place of a worker that died (--restart-workers)
         self.rank, self.world, self.device = ctx.rank, ctx.world, ctx.device
-        self.state = LoopState()  # the counters (distsgd's loop gives its own, with its periods)
+        self._state = LoopState()  # the counters (distsgd's loop gives its own, with its periods)
         self._user = _UserState()  # a user's loop's own state, in its checkpoints
         self.resumed: dict[str, Any] | None = None  # that state, in a run resumed from a checkpoint
         self._checkpointer: Checkpointer | None = None
@@ -166,18 +166,18 @@ class Run:
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
-        self.where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
+        self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
         # the step count and training-clock time at which the model run.evaluation_model() last
         # returned existed (see :meth:`_evaluated_at`)
         self._made: tuple[int, float] | None = None
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
-        self.clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
+        self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
         self._nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
-        self.scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
-        self.autocast = device.autocast(ctx.device, self.cfg.precision)
+        self._scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
+        device.autocast(ctx.device, self.cfg.precision)  # one line where this GPU lacks the precision
         warmup, clip = self.cfg.lr_warmup_steps, self.cfg.clip_grad_norm
         assert warmup is not None and clip is not None, "a settled configuration"
         self._warmup, self._clip = warmup, clip
@@ -227,16 +227,17 @@ class Run:
             if saved is not None
             else Start.FRESH
         )
-        model = self.build(saved["model"] if saved is not None else None, start, given, makers, objects)
+        model = self._build(saved["model"] if saved is not None else None, start, given, makers, objects)
         if saved is not None:
-            scatter({k: v for k, v in self.pieces().items() if k != "model"}, saved)
+            scatter({k: v for k, v in self._pieces().items() if k != "model"}, saved)
+        self._started = start
         if start is Start.RESUMED:
             self.resumed = self._user.value
-            self._skip, self._first_epoch = self.state.start, self.state.epoch
+            self._skip, self._first_epoch = self._state.start, self._state.epoch
         elif start is Start.REPLACEMENT:
-            self.state.local = self._rejoined = self._algo.starting_samples(ctx)
+            self._state.local = self._rejoined = self._algo.starting_samples(ctx)
         self._own_loop_hooks()
-        self.begin(self.state.train_wall_s)
+        self._begin(self._state.train_wall_s)
         return (model, *self._optimizers)
 
     def _check_setup(self, given: nn.Module | None, makers: list[Any]) -> list[torch.optim.Optimizer]:
@@ -301,7 +302,7 @@ class Run:
                 f"of spawn(optimizer=...)'s optimiser"
             )
 
-    def pieces(self) -> dict[str, Stateful]:
+    def _pieces(self) -> dict[str, Stateful]:
         """What a checkpoint holds of this worker: the model, the optimiser, the algorithm's state,
         the counters, the random state, --precision's scaler and (a user's loop) its own state."""
         pieces: dict[str, Stateful] = {
@@ -309,11 +310,11 @@ class Run:
             "optimizer": self.optimizer,
             **{f"optimizer{i + 1}": opt for i, opt in enumerate(self._optimizers) if i},
             "algo": self._algo,
-            "loop": self.state,
+            "loop": self._state,
             "rng": RngState(),
         }
-        if self.scaler is not None:
-            pieces["scaler"] = self.scaler
+        if self._scaler is not None:
+            pieces["scaler"] = self._scaler
         if self._ctx.job.main is not None:
             pieces["user"] = self._user
         return pieces
@@ -325,18 +326,22 @@ class Run:
         started with ``resume=out`` continues from the newest: ``run.setup()`` restores the
         model, the optimiser, the algorithm and the counters, and ``run.resumed`` is ``state``."""
         self._need_setup("run.checkpoint()")
-        cfg, st = self.cfg, self.state
-        if not cfg.out:
+        if not self.cfg.out:
             raise ConfigError("run.checkpoint() needs out= (the run directory it saves into)")
-        checkpointer = self._checkpointer
+        self._user.value = state
+        self._save_checkpoint(self._state.seq + 1)
+
+    def _save_checkpoint(self, seq: int, samples: int | None = None) -> None:
+        """This worker's pieces saved as checkpoint ``seq`` (``samples``: all workers' samples at
+        it, if the caller knows them), committed once every worker has saved its own: what
+        run.checkpoint() does, and distsgd's loop at its checkpoint points."""
+        cfg, st, checkpointer = self.cfg, self._state, self._checkpointer
         assert checkpointer is not None  # setup made it, with the model
         with self.paused():
-            st.seq += 1
-            st.train_wall_s = self.clock.elapsed()
-            self._user.value = state
-            checkpointer.save(st.seq, self.pieces())
-            where = {"samples": self.global_samples(), "epoch": st.epoch}
-            seq = st.seq
+            st.seq = seq
+            st.train_wall_s = self._clock.elapsed()
+            checkpointer.save(seq, self._pieces())
+            where = {"samples": self.global_samples() if samples is None else samples, "epoch": st.epoch}
 
             def commit() -> None:
                 checkpointer.commit(seq, {**where, "algo": cfg.algo})
@@ -344,7 +349,7 @@ class Run:
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)
 
-    def build(
+    def _build(
         self,
         saved: dict[str, torch.Tensor] | None = None,
         start: Start = Start.FRESH,
@@ -404,21 +409,21 @@ class Run:
         torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
         return self._model
 
-    def begin(self, earlier_s: float = 0.0) -> None:
+    def _begin(self, earlier_s: float = 0.0) -> None:
         """Training starts: every worker together (the algorithm's barrier), the clock from here
         (plus ``earlier_s`` of a resumed run)."""
         self._algo.before_training(self._ctx)
-        self.clock.restart()
-        self.clock.add(earlier_s)
+        self._clock.restart()
+        self._clock.add(earlier_s)
 
     @property
     def samples(self) -> int:
         """This worker's samples so far (stepped on)."""
-        return self.state.local
+        return self._state.local
 
     @property
     def steps(self) -> int:
-        return self.state.steps
+        return self._state.steps
 
     @property
     def model(self) -> nn.Module:
@@ -474,7 +479,7 @@ class Run:
         """A replacement's first pass: its rank's samples so far, in its own shard, say where it is."""
         if self._rejoined is None:
             return
-        st = self.state
+        st = self._state
         per_epoch = (
             0 if isinstance(dataset, IterableDataset) else shard_size(len(dataset), self.world, self.cfg.partition)
         )
@@ -496,7 +501,7 @@ class Run:
         epoch = shard.epoch if shard.epoch is not None else self._passes
         if epoch < self._first_epoch:
             return epoch, -1  # trained before the resume: empty
-        return epoch, self._skip if epoch == self.state.epoch else 0
+        return epoch, self._skip if epoch == self._state.epoch else 0
 
     def _pass(self, shard: "_Shard") -> Any:
         """A pass over ``shard``: its batches of the epoch it is (the state says so from here on)."""
@@ -509,7 +514,7 @@ class Run:
         if skip < 0:
             return []
         self._skip = 0
-        st = self.state
+        st = self._state
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
         if isinstance(dataset, IterableDataset):
@@ -619,7 +624,7 @@ class Run:
         weighted = loss * weight if weight != 1.0 else loss
         self._in_backward = True
         try:
-            (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            (self._scaler.scale(weighted) if self._scaler is not None else weighted).backward()
         finally:
             self._in_backward = False
         self._loss_sum += loss.detach().float()
@@ -637,7 +642,7 @@ class Run:
         self._algo.after_backward(self._ctx, model, self._upcoming())
         self._syncs += 1
         self._unsynced = False
-        if self.scaler is not None:
+        if self._scaler is not None:
             self._grad_versions = _grad_versions(self._optimizers)
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
@@ -650,7 +655,7 @@ class Run:
         if task == self._plain_task:
             return
         self._plain_task = task
-        if self.scaler is not None:
+        if self._scaler is not None:
             raise ConfigError(
                 "under --precision fp16 the loss must be scaled before backward: call run.backward(loss), "
                 "not loss.backward()"
@@ -699,7 +704,7 @@ class Run:
             self._begin_step()
         self._stepped.add(index)
         assert self._current is not None  # _begin_step set it
-        stepper = cast(torch.optim.Optimizer, _Stepper(self._real[index], self.scaler))  # step() and its attributes
+        stepper = cast(torch.optim.Optimizer, _Stepper(self._real[index], self._scaler))  # step() and its attributes
         self._algo.apply_step(self._ctx, stepper, self._current)
         if len(self._stepped) == len(self._optimizers):
             self._end_step()
@@ -739,7 +744,7 @@ class Run:
                 schedule_lr(opt, cfg, progress, self.total_epochs, self.steps + 1)
             self._lr_set = [g["lr"] for g in groups]
         self._current = self._upcoming()
-        if self.scaler is not None:
+        if self._scaler is not None:
             if not self._unscaled and self._grad_versions != _grad_versions(self._optimizers):
                 raise ConfigError(
                     "under --precision fp16 the gradients stay loss-scaled until the step, and they "
@@ -759,9 +764,9 @@ class Run:
         self._end_step()
 
     def _unscale(self) -> None:
-        if self.scaler is not None and not self._unscaled:
+        if self._scaler is not None and not self._unscaled:
             for real in self._real:
-                self.scaler.unscale_(cast(torch.optim.Optimizer, real))
+                self._scaler.unscale_(cast(torch.optim.Optimizer, real))
             self._unscaled = True
 
     def _end_step(self) -> None:
@@ -769,16 +774,16 @@ class Run:
         ctx, cfg = self._ctx, self.cfg
         step = self._current
         assert step is not None  # the step began
-        if self.scaler is not None:
-            self.scaler.update()
+        if self._scaler is not None:
+            self._scaler.update()
         n = self._batch_samples
-        self.state.local += n
-        self.state.start += n
-        self.state.steps += 1
+        self._state.local += n
+        self._state.start += n
+        self._state.steps += 1
         self._batch_samples = self._backwards = self._syncs = 0
         self._stepped.clear()
         self._current, self._unscaled = None, False
-        self._algo.after_step(ctx, self._need_setup("optimizer.step()"), Step(step.number, self.state.local))
+        self._algo.after_step(ctx, self._need_setup("optimizer.step()"), Step(step.number, self._state.local))
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
 
@@ -792,23 +797,13 @@ class Run:
         with its test figures at the same point (as ``run.evaluation_model()``), the reporting
         one's decide; under Hogwild! any worker's figure stops them all."""
         values = {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in figures.items()}
-        ctx, cfg = self._ctx, self.cfg
+        ctx = self._ctx
         writes = ctx.reports or ctx.evaluates
         if "test_accuracy" in values or "test_loss" in values:
             reached = False
             with self.paused():
                 if writes:
-                    event = eval_event(
-                        ctx.dataset,
-                        self.global_samples(),
-                        self.epoch(),
-                        self._evaluated_at(),
-                        values.get("test_accuracy"),
-                        values.get("test_loss"),
-                    )
-                    event.update({k: v for k, v in values.items() if k not in event})
-                    self.record(event)
-                    reached = stops(event, cfg, ctx.job.callbacks)
+                    reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
                 # worker that reached it stops the others
                 if ctx.job.may_stop and self._algo.agree(ctx, reached):
@@ -819,15 +814,28 @@ class Run:
                     "event": "log",
                     "samples": self.global_samples(),
                     "rank": self.rank,
-                    "train_wall_s": self.clock.elapsed(),
+                    "train_wall_s": self._clock.elapsed(),
                     **values,
                 }
             )
 
-    def record(self, event: dict[str, Any]) -> None:
-        """An evaluation: kept for the summary and emitted."""
-        self.state.evals.append(event)
-        self._ctx.sink.emit(event)
+    def _evaluation(self, figures: dict[str, Any]) -> bool:
+        """This worker's evaluation (its ``test_accuracy``, ``test_loss`` and any other figures):
+        an event kept for the summary and emitted; whether it reaches --stop-at-target's target
+        (or a callback stops the run there)."""
+        ctx = self._ctx
+        event = eval_event(
+            ctx.dataset,
+            self.global_samples(),
+            self.epoch(),
+            self._evaluated_at(),
+            figures.get("test_accuracy"),
+            figures.get("test_loss"),
+        )
+        event.update({k: v for k, v in figures.items() if k not in event})
+        self._state.evals.append(event)
+        ctx.sink.emit(event)
+        return stops(event, self.cfg, ctx.job.callbacks)
 
     def epoch(self) -> float | None:
         """Epochs this worker has trained: its samples over its shard of the training set, whose
@@ -839,7 +847,7 @@ class Run:
         return round(self.samples / per_epoch, 4) if per_epoch else None
 
     def _progress(self) -> None:
-        elapsed = self.clock.elapsed()
+        elapsed = self._clock.elapsed()
         samples = self.global_samples()
         # the mean of the losses run.backward was given (None: plain loss.backward() calls, unseen)
         mean_loss = float(self._loss_sum) / self._loss_n if self._loss_n else None
@@ -859,7 +867,7 @@ class Run:
                 "lr": self._optimizer.param_groups[0]["lr"] if self._optimizer else None,
                 "train_wall_s": elapsed,
                 "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
-                **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
+                **({"loss_scale": self._scaler.get_scale()} if self._scaler is not None else {}),
                 **self._algo.progress_figures(self._ctx),
             }
         )
@@ -870,13 +878,13 @@ class Run:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """The training clock stopped (your evaluation, your logging): not counted in samples/s."""
-        was_running = self.clock.running
-        self.clock.pause()
+        was_running = self._clock.running
+        self._clock.pause()
         try:
             yield
         finally:
             if was_running:
-                self.clock.resume()
+                self._clock.resume()
 
     def evaluation_model(self) -> nn.Module:
         """The model the algorithm would return now (the average, theta, the shared model, the
@@ -889,10 +897,10 @@ class Run:
                 self._all_here(f"evaluation/{self._evaluations}", "run.evaluation_model()")
             began = time.perf_counter()
             returned = self._algo.evaluation_model(self._ctx, model)
-            if self.clock.sync is not None:  # a GPU's average is made when it is done, not when queued
-                self.clock.sync()
+            if self._clock.sync is not None:  # a GPU's average is made when it is done, not when queued
+                self._clock.sync()
             if self._returned is None:  # the final model's time is the clock's, stopped where it was made
-                self._made = (self.steps, self.clock.elapsed() + time.perf_counter() - began)
+                self._made = (self.steps, self._clock.elapsed() + time.perf_counter() - began)
             return returned
 
     def _evaluated_at(self) -> float:
@@ -903,7 +911,7 @@ class Run:
         evaluation's cost is not training), but the model did not exist before: a run ending
         there would have made it as its final model, on the clock, so a time to target counts it."""
         made = self._made
-        return made[1] if made is not None and made[0] == self.steps else self.clock.elapsed()
+        return made[1] if made is not None and made[0] == self.steps else self._clock.elapsed()
 
     def _all_here(self, key: str, what: str) -> None:
         """Every worker of the group called ``what`` (its ``key``-th time): a barrier on the group's
@@ -955,8 +963,8 @@ class Run:
             self._evaluations_joined()
         self._returned = self._algo.finish(self._ctx, model)
         self._unhook()
-        self.clock.pause()
-        self._train_wall_s = self.clock.elapsed()
+        self._clock.pause()
+        self._train_wall_s = self._clock.elapsed()
         self._made = None  # the model returned existed at train_wall_s: its last average included
         self._algo.verify(self._ctx, self._returned)
         if self._nonfinite[0] > 1:
@@ -975,14 +983,14 @@ class Run:
     @property
     def train_wall_s(self) -> float:
         """Training time: up to the final model once it is made, else so far."""
-        return self._train_wall_s if self._train_wall_s is not None else self.clock.elapsed()
+        return self._train_wall_s if self._train_wall_s is not None else self._clock.elapsed()
 
     def _need_setup(self, what: str) -> nn.Module:
         if self._model is None:
             raise ConfigError(f"{what} before run.setup(): call model, opt = run.setup(...) first")
         return self._model
 
-    def result(self, returned: Any = None) -> WorkerResult:
+    def _result(self, returned: Any = None) -> WorkerResult:
         """What this worker tells the launcher once ``main`` returned ``returned``."""
         final = self.final_model()
         if returned is not None and returned is not final:
@@ -991,7 +999,7 @@ class Run:
                 raise ConfigError(
                     "main(run) returned a model that is not run.final_model(): return run.final_model() (or nothing)"
                 )
-        evals = self.state.evals
+        evals = self._state.evals
         last = evals[-1] if evals else None
         return WorkerResult(
             rank=self.rank,
@@ -1004,7 +1012,7 @@ class Run:
             model=final if self._ctx.evaluates else None,
             figures=self._algo.figures(),
             data_len=self._data_len,
-            where={**device.describe(self._ctx.device, self.cfg.precision), **self.where},
+            where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
         )
 
 
@@ -1123,11 +1131,11 @@ class _Stepper:
     that optimiser's."""
 
     def __init__(self, real: _Real, scaler: torch.amp.GradScaler | None) -> None:
-        self.real, self.scaler = real, scaler
+        self.real, self._scaler = real, scaler
 
     def step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(cast(torch.optim.Optimizer, self.real))
+        if self._scaler is not None:
+            self._scaler.step(cast(torch.optim.Optimizer, self.real))
         else:
             self.real.step()
 
@@ -1225,7 +1233,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
         raise failure from exc
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
-    return run.result(returned)
+    return run._result(returned)
 
 
 def _count(batch: Any) -> int:
