@@ -236,7 +236,8 @@ class Run:
             self._skip, self._first_epoch = self._state.start, self._state.epoch
         elif start is Start.REPLACEMENT:
             self._state.local = self._rejoined = self._algo.starting_samples(ctx)
-        self._own_loop_hooks()
+        if self._ctx.job.main is not None:  # distsgd's loop calls run.backward and loads no weights itself
+            self._own_loop_hooks()
         self._begin(self._state.train_wall_s)
         return (model, *self._optimizers)
 
