@@ -42,7 +42,7 @@ from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_IN_OWN_LOOP, TorchData, is_map_dataset
-from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError
+from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm
 from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import (
@@ -213,7 +213,40 @@ def run(
     evaluate: Callable | None = None,
 ) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
-    ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes."""
+    ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes, and
+    :class:`~distsgd.errors.Terminated` (a KeyboardInterrupt) when SIGTERM or SIGUSR1 stopped it."""
+    restore = _stop_on_signals()
+    try:
+        return _run(cfg, model_spec, dataset, progress, code, evaluate)
+    finally:
+        restore()
+
+
+def _stop_on_signals() -> Callable[[], None]:
+    """A run started from Python (``distsgd.train``, ``distsgd.spawn``) stops on SIGTERM (SIGUSR1)
+    as the command's does: a lockstep run's workers at their next step with a final checkpoint,
+    an asynchronous run's coordinator with its own, every clean-up done; then the caller gets
+    :class:`~distsgd.errors.Terminated`. Only where this process left both signals at their
+    default, which ends it at once (the command installs its own handler; a script's is kept),
+    and in its main thread. Returns what puts the default back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or any(
+        signal.getsignal(s) is not signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1)
+    ):
+        return lambda: None
+    return on_sigterm()
+
+
+def _run(
+    cfg: RunConfig,
+    model_spec: ModelSpec | None,
+    dataset: TrainingData | None,
+    progress: Sink | None,
+    code: dict[str, Any] | None,
+    evaluate: Callable | None,
+) -> TrainResult:
     slurm.adopt()  # a task of an srun step of several joins the group as a torchrun process does
     torchrun = launched()  # one rank of a group torchrun or Ray Train formed
     cfg, algo_cls = settle(cfg, torchrun)

@@ -434,6 +434,131 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo, extra, how",
+    [
+        ("asgd", [], "SIGTERM"),
+        ("sync-ps", [], "SIGTERM to the process group"),
+        ("easgd", ["--easgd-mode", "async"], "SIGUSR1"),
+        ("hogwild", [], "SIGTERM"),
+        ("hogwild++", ["--cluster-size", "1"], "SIGTERM to the process group"),
+    ],
+)
+def test_a_signal_to_an_asynchronous_run_writes_its_coordinators_checkpoint(
+    tmp_path: Path, algo: str, extra: list[str], how: str
+) -> None:
+    """SIGTERM (SIGUSR1) mid-run under the parameter server or Hogwild!: the process that holds
+    the model (the server; Hogwild!'s launcher, with the shared model) writes its part as a new
+    checkpoint once the workers have stopped, and the command names the --resume that goes on.
+    It has no worker's part: the resume starts every worker as one that replaces a dead worker,
+    from the samples its rank had trained (an optimiser's momentum of a Hogwild! worker starts
+    again), so the samples trained before the signal are kept (async EASGD: those of each
+    worker's last exchange with the centre), and the resumed run ends at the budget. On main
+    (1bde0ba) such a run stopped with no checkpoint at all: every sample lost; and a replacement
+    async EASGD worker claimed 0 samples at its first exchange, and the server dropped it."""
+    common = [
+        *SMALL, "--algo", algo, *extra, "--workers", "2", "--max-samples", str(BUDGET), "--lr", "0.05",
+        "--eval-every", "20000", "--log-every", "5", "--quiet",
+    ]  # fmt: skip
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before the signal"
+        sig = signal.SIGUSR1 if how == "SIGUSR1" else signal.SIGTERM
+        if how.endswith("process group"):
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    manifest = checkpoint.read_manifest(out)
+    assert manifest is not None, err[-3000:]
+    name = "SIGUSR1" if how == "SIGUSR1" else "SIGTERM"
+    assert proc.returncode == 128 + getattr(signal, name), err[-3000:]
+    assert err.strip() == (
+        f"error: terminated by {name}; its last whole checkpoint ({manifest['samples']} samples) goes on "
+        f"with distsgd train --resume {out}"
+    ), err[-3000:]
+    progress = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    seen = max(e["samples"] for e in progress if e["event"] in ("progress", "server"))
+    if algo == "easgd":  # the server holds the centre and counts a worker's samples at its exchanges, every
+        assert 0 <= manifest["samples"] <= seen < BUDGET  # --tau steps: what came after its last one is lost
+    else:
+        assert 0 < seen <= manifest["samples"] < BUDGET
+    assert manifest["coordinator"] and manifest["ranks"] == []
+    assert sorted(p.name for p in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*.pt")) == [
+        checkpoint.worker_file(Path(), manifest["seq"], "coordinator").name
+    ]
+    r = run_cli("train", "--resume", str(out), "--quiet", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = json.loads((out / "summary.json").read_text())
+    assert BUDGET <= resumed["samples"] < BUDGET + 2 * 32 * 2, resumed["samples"]  # a step a worker at most past it
+    assert resumed["final_test_accuracy"] > 0.8, resumed
+
+
+API_SCRIPT = """
+import sys
+import distsgd
+from distsgd.errors import Terminated
+if __name__ == "__main__":
+    try:
+        distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, batch_size=32, max_samples={budget},
+                      lr=0.05, eval_every=4000, log_every=5, out={out!r}, quiet=True)
+    except Terminated as exc:
+        print("terminated by", exc.signal_name, flush=True)
+        sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_to_a_python_api_run_stops_it_as_the_command_does(tmp_path: Path) -> None:
+    """SIGTERM to a script that called distsgd.train (a scheduler's, ``kill``): the run stops as
+    the command's does, its workers at their next step with a final checkpoint, and the script
+    gets :class:`~distsgd.errors.Terminated` (a KeyboardInterrupt, as Ctrl-C gives) with every
+    clean-up done (no workers.json, no uncommitted file). On main (1bde0ba) the script died of
+    the signal at once, with no checkpoint and workers.json left behind."""
+    out = tmp_path / "stopped"
+    script = tmp_path / "script.py"
+    script.write_text(API_SCRIPT.format(budget=BUDGET, out=str(out)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before the signal"
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 3 and stdout.strip() == "terminated by SIGTERM", (proc.returncode, stdout, err[-3000:])
+    manifest = checkpoint.read_manifest(out)
+    assert manifest is not None and 0 < manifest["samples"] < BUDGET, err[-3000:]
+    assert not (out / "workers.json").exists()
+    assert sorted(p.name for p in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*.pt")) == [
+        checkpoint.worker_file(Path(), manifest["seq"], r).name for r in range(2)
+    ]
+    r = run_cli("train", "--resume", str(out), "--quiet", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert BUDGET <= json.loads((out / "summary.json").read_text())["samples"] < BUDGET + 2 * 32  # its last step's
+
+
 def _sends_a_big_result_through_sigterm(conn, ready) -> None:  # a worker whose loop heard the signal too late
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a listening worker's SIGTERM only asks it to stop
     ready.set()

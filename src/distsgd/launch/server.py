@@ -162,7 +162,11 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
     restarts: list[dict[str, Any]] = []
     given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
     with procs.spawned(
-        cfg, _entry, roles, lambda i, out, again: (i, world, job, algo_cls, seat, given_up, out, again)
+        cfg,
+        _entry,
+        roles,
+        lambda i, out, again: (i, world, job, algo_cls, seat, given_up, out, again),
+        signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # the server's final checkpoint
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
         gone: set[int] = set()  # failed workers the run carries on without

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -33,13 +34,14 @@ from distsgd.checkpoint import (
     COORDINATOR,
     commit_checkpoint,
     load_worker_state,
+    read_manifest,
     restore_shared,
     save_worker_state,
     scatter,
 )
 from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import ConfigError, MainGuardError, WorkerError
+from distsgd.errors import ConfigError, MainGuardError, OutputError, Terminated, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import formed_backend, formed_group, launcher_group, place
@@ -49,6 +51,8 @@ from distsgd.train import device
 from distsgd.train.context import Attendance, Figures, Job, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.loop import run_worker
+
+log = logging.getLogger(__name__)
 
 
 def _shared(algo_cls: type[Algorithm]) -> SharedMemory:
@@ -241,6 +245,13 @@ class Machine:
             self.sink.emit(event)
 
     def run(self) -> list[WorkerResult]:
+        try:
+            return self._run()
+        except Terminated:  # SIGTERM or SIGUSR1: the workers have been stopped
+            self._final_checkpoint()
+            raise
+
+    def _run(self) -> list[WorkerResult]:
         cfg, world = self.cfg, self.cfg.workers
         with procs.spawned(
             cfg,
@@ -387,6 +398,42 @@ class Machine:
             coordinator=True,
         )
         self.saved = {s: slots for s, slots in self.saved.items() if s > seq}
+        self.sink.emit(
+            {"event": "checkpoint", "seq": seq, "samples": samples, "train_wall_s": self.watcher.clock.elapsed()}
+        )
+
+    def _final_checkpoint(self) -> None:
+        """A signal stopped the run, and its workers: the shared models, each worker's samples and
+        the evaluations saved as a checkpoint of this launcher's own, numbered past every one
+        before, with no worker's part. ``--resume`` then starts every worker as one that replaces
+        a dead worker, from its samples (its optimiser's momentum starts again): nothing trained
+        is lost. A worker stopped in the middle of an update leaves it half applied, as Hogwild!
+        allows any update to be read half applied."""
+        if not self.cfg.out or self.link is not None:
+            return
+        out = Path(self.cfg.out)
+        before = read_manifest(out)
+        seq = max([*self.saved, before["seq"] if before is not None else -1]) + 1
+        counts = self.handles.counts.clone()
+        state = {
+            "models": [{k: v.detach().clone() for k, v in st.items()} for st in self.states],
+            "counts": counts,
+            "watcher": self.watcher.state_dict(),
+        }
+        samples = int(counts.sum())
+        try:
+            save_worker_state(out / CHECKPOINT_DIR, seq, COORDINATOR, state)
+            commit_checkpoint(
+                out / CHECKPOINT_DIR,
+                seq,
+                self.cfg.workers,
+                {"samples": samples, "algo": self.cfg.algo},
+                ranks=[],
+                coordinator=True,
+            )
+        except OSError as exc:
+            log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
+            return
         self.sink.emit(
             {"event": "checkpoint", "seq": seq, "samples": samples, "train_wall_s": self.watcher.clock.elapsed()}
         )

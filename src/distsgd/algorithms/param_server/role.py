@@ -21,13 +21,14 @@ from distsgd.checkpoint import (
     commit_checkpoint,
     gather,
     load_worker_state,
+    read_manifest,
     save_worker_state,
     scatter,
     worker_file,
 )
 from distsgd.config import Periodic
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import OutputError
+from distsgd.errors import OutputError, Terminated
 from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Figures, Job, WorkerResult
@@ -188,6 +189,42 @@ class ServerRole:
             {"event": "checkpoint", "seq": seq, "samples": total, "train_wall_s": self.watcher.clock.elapsed()}
         )
 
+    def _final_checkpoint(self) -> None:
+        """A signal stops the run: the server's state (the model, the optimiser, each worker's
+        samples, the evaluations) saved as a checkpoint of its own, numbered past every one
+        before, with no worker's part. ``--resume`` then starts every worker as one that replaces
+        a dead worker, from the samples the server counted for its rank, so nothing trained is
+        lost (a worker's own state is its random state and counters; the optimiser is the
+        server's). The workers are told to stop at their next request first, and the state is
+        copied under the server's lock: one version of it."""
+        if not self.cfg.out or self.failure is not None:
+            return
+        out = Path(self.cfg.out)
+        with self.server.lock:
+            self.server.stop = True
+            state = copy.deepcopy(gather(self.pieces))
+            total = self.server.total_samples()
+        with self.writing:
+            before = read_manifest(out)
+            seq = max([self.committed, *self.saved, before["seq"] if before is not None else -1]) + 1
+            try:
+                save_worker_state(out / CHECKPOINT_DIR, seq, COORDINATOR, state)
+                commit_checkpoint(
+                    out / CHECKPOINT_DIR,
+                    seq,
+                    self.workers,
+                    {"samples": total, "algo": self.cfg.algo},
+                    ranks=[],
+                    coordinator=True,
+                )
+            except OSError as exc:
+                log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
+                return
+            self.committed = seq
+        self.sink.emit(
+            {"event": "checkpoint", "seq": seq, "samples": total, "train_wall_s": self.watcher.clock.elapsed()}
+        )
+
     def worker_hello(self, rank: int, rejoining: bool) -> None:
         """Worker ``rank`` connected; with ``rejoining``, it replaces one that died."""
         if rejoining:
@@ -274,9 +311,13 @@ class ServerRole:
         """Serve until every worker has finished or died (and no replacement is on its way);
         return the chief WorkerResult."""
         server = self.server
-        while self._settle():
-            self._report()
-            time.sleep(0.01)
+        try:
+            while self._settle():
+                self._report()
+                time.sleep(0.01)
+        except Terminated:  # SIGTERM or SIGUSR1 (the launcher's, passed on; a process group's)
+            self._final_checkpoint()
+            raise
         if self.failure is not None:
             raise self.failure
         self._report(final=True)

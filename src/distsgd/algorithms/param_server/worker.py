@@ -178,6 +178,9 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         # the weights, and every worker's samples (a replacement's schedule starts from the run's progress)
         self.version = self.client.pull()
         self.total = self.client.total
+        # this rank's samples as the server counts them (a replacement's, a resumed run's): what its
+        # first message claims to follow (async EASGD's first exchange comes before any after_step)
+        self.local = self.client.samples
         return model
 
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
