@@ -143,3 +143,30 @@ def test_bench_says_which_configuration_runs_as_each_starts_and_ends(
     assert len(lines) == len(expected) + 1 and lines[-1].startswith("wrote "), lines
     for line, (head, said) in zip(lines, expected):
         assert line.startswith(head) and said in line, (line, head, said)
+
+
+def test_bench_says_how_far_a_configuration_is_while_it_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a configuration's first and last line, every HEARTBEAT_S seconds a line of how far
+    it is (its samples and speed so far, from its metrics.jsonl): a bench printed nothing for
+    minutes while one configuration trained (issue 50)."""
+    import re
+
+    from distsgd import cli
+
+    monkeypatch.setattr(cli, "HEARTBEAT_S", 0.05)
+    out = tmp_path / "b"
+    args = ["bench", "--algos", "single", "--workers", "1", "--dataset", "digits", "--model", "mlp"]
+    args += ["--max-samples", "40000", "--log-every", "2", "--out", str(out)]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    beats = [
+        line
+        for line in lines[1:-2]
+        if re.fullmatch(r"\[1/1\] single x1 repeat 0: \d+ samples, \d+ samples/s, \d+ s so far", line)
+    ]
+    assert lines[0].startswith("[1/1] single x1 repeat 0: running") and "samples/s" in lines[-2], lines
+    assert beats and len(beats) == len(lines) - 3, lines
+    seen = [int(line.split(": ")[1].split()[0]) for line in beats]
+    assert seen == sorted(seen) and 0 < seen[-1] <= 40000, seen

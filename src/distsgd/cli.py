@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -357,13 +358,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def which(n: int, total: int, entry: dict) -> str:
         return f"[{n}/{total}] {entry['algo']} x{entry['workers']} repeat {entry['repeat']}"
 
+    heartbeat = _Heartbeat()
+
     def starting(n: int, total: int, entry: dict) -> None:  # a run may take minutes: say what is running
         nonlocal started
         started = time.monotonic()
         if not base.quiet:
             print(f"{which(n, total, entry)}: running, in {out / entry['run_dir']}", flush=True)
+            heartbeat.start(which(n, total, entry), out / entry["run_dir"] / "metrics.jsonl")
 
     def ended(n: int, total: int, entry: dict) -> None:
+        heartbeat.stop()
         if base.quiet:
             return
         s = entry["summary"]
@@ -379,21 +384,77 @@ def cmd_bench(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    bench = run_bench(
-        base,
-        algos,
-        workers,
-        args.repeats,
-        out,
-        overwrite=base.overwrite,
-        on_run=ended,
-        network=args.network,
-        hosts=args.hosts,
-        on_start=starting,
-    )
+    try:
+        bench = run_bench(
+            base,
+            algos,
+            workers,
+            args.repeats,
+            out,
+            overwrite=base.overwrite,
+            on_run=ended,
+            network=args.network,
+            hosts=args.hosts,
+            on_start=starting,
+        )
+    finally:
+        heartbeat.stop()
     if not base.quiet:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {out / p}" for p in bench["plots"]))
     return 0
+
+
+HEARTBEAT_S = 10.0  # how often distsgd bench says how far the configuration that is training is
+
+
+class _Heartbeat:
+    """While one configuration of ``distsgd bench`` trains, a line every :data:`HEARTBEAT_S`
+    seconds of how far it is: the last progress its run directory's metrics.jsonl holds (a line
+    flushed per event), so a configuration that trains for minutes is seen to."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, label: str, metrics: Path) -> None:
+        self.stop()
+        self._stop = stop = threading.Event()
+        began = time.monotonic()
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                last = _last_progress(metrics)
+                if last is not None and not stop.is_set():
+                    print(
+                        f"{label}: {last['samples']} samples, {last.get('samples_per_s') or 0:.0f} samples/s, "
+                        f"{time.monotonic() - began:.0f} s so far",
+                        flush=True,
+                    )
+
+        self._thread = threading.Thread(target=beat, name="distsgd-bench-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _last_progress(metrics: Path) -> dict[str, Any] | None:
+    """The last progress event in a run's metrics.jsonl (None: none yet, or no file yet)."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if isinstance(event, dict) and event.get("event") == "progress":
+            return event
+    return None
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
