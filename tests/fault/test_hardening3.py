@@ -439,7 +439,8 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     "algo, extra, how",
     [
         ("asgd", [], "SIGTERM"),
-        ("sync-ps", [], "SIGTERM to the process group"),
+        ("ssp", [], "SIGTERM to the process group"),
+        ("dcasgd", [], "SIGTERM"),
         ("easgd", ["--easgd-mode", "async"], "SIGUSR1"),
         ("hogwild", [], "SIGTERM"),
         ("hogwild++", ["--cluster-size", "1"], "SIGTERM to the process group"),
@@ -456,7 +457,9 @@ def test_a_signal_to_an_asynchronous_run_writes_its_coordinators_checkpoint(
     again), so the samples trained before the signal are kept (async EASGD: those of each
     worker's last exchange with the centre), and the resumed run ends at the budget. On main
     (1bde0ba) such a run stopped with no checkpoint at all: every sample lost; and a replacement
-    async EASGD worker claimed 0 samples at its first exchange, and the server dropped it."""
+    async EASGD worker claimed 0 samples at its first exchange, and the server dropped it.
+    (sync-ps keeps its last checkpoint, every worker's part of one round, so that its resume is
+    exact: test_resume's test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly.)"""
     common = [
         *SMALL, "--algo", algo, *extra, "--workers", "2", "--max-samples", str(BUDGET), "--lr", "0.05",
         "--eval-every", "20000", "--log-every", "5", "--quiet",

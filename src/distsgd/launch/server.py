@@ -24,7 +24,7 @@ import torch
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat
 from distsgd.checkpoint import resume_hint
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, MainGuardError
+from distsgd.errors import ConfigError, MainGuardError, Terminated
 from distsgd.launch import procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, group_host, launcher_group, place
 from distsgd.metrics import NullSink, Sink
@@ -160,7 +160,9 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
     resume = functools.partial(resume_hint, cfg.out)  # read when the run fails: is there a checkpoint yet?
     lockstep = _server(algo_cls).exact_checkpoints and cfg.checkpoint_period is not None  # every worker, every round
     restarts: list[dict[str, Any]] = []
-    given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()  # by worker rank (1..N)
+    # by worker rank (1..N); given_up[0] (the server's own rank): the launcher was stopped by a signal,
+    # so the server writes its final checkpoint as it stops (not as it is stopped after a failure)
+    given_up = torch.zeros(world, dtype=torch.uint8).share_memory_()
     with procs.spawned(
         cfg,
         _entry,
@@ -170,25 +172,29 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
         gone: set[int] = set()  # failed workers the run carries on without
-        while 0 not in sup.results:
-            sup.poll(0.05)
-            _stop_if_fatal(sup)
-            failed = sup.failed()
-            if 0 not in failed:
-                for rank in sorted(failed - gone):
-                    if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
-                        cause = sup.blame(_name)  # the dead one, not one its death upset
-                        raise type(cause)(f"{cause}{resume()}")
-                    if not procs.replace(team, sup, rank, f"worker {rank - 1}", sink, restarts):
-                        gone.add(rank)
-                        given_up[rank] = 1
-            if 0 in failed or len(gone) == workers:  # the server's death may reach the workers first
-                cause = sup.blame(_name)
-                if isinstance(cause, MainGuardError):  # the script to mend, not the workers
-                    raise cause
-                if not str(cause).startswith("the parameter server"):
-                    cause = type(cause)(f"all {workers} workers failed; {cause}")
-                raise type(cause)(f"{cause}{resume()}")
+        try:
+            while 0 not in sup.results:
+                sup.poll(0.05)
+                _stop_if_fatal(sup)
+                failed = sup.failed()
+                if 0 not in failed:
+                    for rank in sorted(failed - gone):
+                        if lockstep:  # the group restarts from the last checkpoint (see run), or the run stops
+                            cause = sup.blame(_name)  # the dead one, not one its death upset
+                            raise type(cause)(f"{cause}{resume()}")
+                        if not procs.replace(team, sup, rank, f"worker {rank - 1}", sink, restarts):
+                            gone.add(rank)
+                            given_up[rank] = 1
+                if 0 in failed or len(gone) == workers:  # the server's death may reach the workers first
+                    cause = sup.blame(_name)
+                    if isinstance(cause, MainGuardError):  # the script to mend, not the workers
+                        raise cause
+                    if not str(cause).startswith("the parameter server"):
+                        cause = type(cause)(f"all {workers} workers failed; {cause}")
+                    raise type(cause)(f"{cause}{resume()}")
+        except Terminated:
+            given_up[0] = 1  # before the server's SIGTERM (procs.spawned sends it): a final checkpoint
+            raise
         # late results; none will come from a worker the server dropped (one frozen says nothing)
         seen = sup.results[0]["attendance"] or Attendance()  # the server's: one frozen is alive, not failed
         dropped = {r + 1 for r in seen.failed_workers or []}

@@ -33,6 +33,7 @@ import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
@@ -43,7 +44,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
 from distsgd.callbacks import stops
-from distsgd.checkpoint import Checkpointer, RngState, Stateful, count, evaluations, load_model_state, scatter, seconds
+from distsgd.checkpoint import (
+    Checkpointer,
+    RngState,
+    Stateful,
+    count,
+    evaluations,
+    load_model_state,
+    read_manifest,
+    scatter,
+    seconds,
+)
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.errors import ConfigError, loop_failure, stall_watch
@@ -236,6 +247,9 @@ class Run:
             self._skip, self._first_epoch = self._state.start, self._state.epoch
         elif start is Start.REPLACEMENT:
             self._state.local = self._rejoined = self._algo.starting_samples(ctx)
+            if cfg.resume:  # (a checkpoint with no part of its, a coordinator's final one): number on above it
+                manifest = read_manifest(Path(cfg.resume))
+                self._state.seq = max(self._state.seq, int(manifest["seq"]) if manifest is not None else 0)
         if self._ctx.job.main is not None:  # distsgd's loop calls run.backward and loads no weights itself
             self._own_loop_hooks()
         self._begin(self._state.train_wall_s)

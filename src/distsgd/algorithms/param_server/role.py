@@ -196,9 +196,21 @@ class ServerRole:
         a dead worker, from the samples the server counted for its rank, so nothing trained is
         lost (a worker's own state is its random state and counters; the optimiser is the
         server's). The workers are told to stop at their next request first, and the state is
-        copied under the server's lock: one version of it."""
-        if not self.cfg.out or self.failure is not None:
+        copied under the server's lock: one version of it.
+
+        Not under sync-ps, whose checkpoints hold every worker's part of one round so that a resume
+        is exact: it keeps its last one. In a local run, only when the launcher was stopped by the
+        signal (``given_up[0]``, set before it passes the signal on), not when it stops the server
+        after a failure: that run resumes from its last checkpoint, as it says. A signal to the
+        whole process group may reach the server first: it waits a moment for the launcher's word."""
+        if not self.cfg.out or self.failure is not None or self.exact:
             return
+        if self.given_up is not None:
+            deadline = time.monotonic() + 2.0
+            while not self.given_up[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not self.given_up[0]:
+                return
         out = Path(self.cfg.out)
         with self.server.lock:
             self.server.stop = True
