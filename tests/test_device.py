@@ -123,22 +123,21 @@ def test_a_copy_of_a_compiled_model_computes_with_its_own_weights() -> None:
 
 def test_compile_compiles_before_the_clock_and_never_during_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile of the model (inductor: a C compiler builds its kernels), every graph the run
-    needs made before the first step, off the training clock: the full batch, the epoch's partial last one
+    needs made before the training clock starts: the full batch, the epoch's partial last one
     (1437 = 11 x 128 + 29), evaluation's (360 test images) in eval mode; none compiled after (the
     compile time counted in samples/s before: a GPU run's --compile went at 1.8k against 19.3k)."""
     from torch._dynamo.utils import counters
 
     from distsgd.train.own_loop import Run
 
-    at_start: list[int] = []  # the graphs made when the first step's samples are counted
-    count = Run.count
+    at_start: list[int] = []  # the graphs made when training starts (the start barrier, the clock)
+    begin = Run._begin
 
-    def noting(self: Run, samples: int) -> None:
-        if not at_start:
-            at_start.append(counters["stats"]["unique_graphs"])
-        count(self, samples)
+    def noting(self: Run, earlier_s: float = 0.0) -> None:
+        at_start.append(counters["stats"]["unique_graphs"])
+        begin(self, earlier_s)
 
-    monkeypatch.setattr(Run, "count", noting)
+    monkeypatch.setattr(Run, "_begin", noting)
     s = distsgd.train(model="logreg", data="digits", epochs=2, batch_size=128, lr=0.1, compile=True, quiet=True).summary
     assert s["compile"] is True and s["final_test_accuracy"] > 0.5, s
     if not train_device.compiles():

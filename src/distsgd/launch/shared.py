@@ -41,7 +41,7 @@ from distsgd.checkpoint import (
 )
 from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import ConfigError, MainGuardError, OutputError, Terminated, WorkerError
+from distsgd.errors import CheckpointError, ConfigError, MainGuardError, OutputError, Terminated, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import formed_backend, formed_group, launcher_group, place
@@ -408,12 +408,12 @@ class Machine:
         before, with no worker's part. ``--resume`` then starts every worker as one that replaces
         a dead worker, from its samples (its optimiser's momentum starts again): nothing trained
         is lost. A worker stopped in the middle of an update leaves it half applied, as Hogwild!
-        allows any update to be read half applied."""
-        if not self.cfg.out or self.link is not None:
+        allows any update to be read half applied. Not for a user's loop (its
+        ``run.checkpoint(**state)`` state is in the workers' parts, which a resume would drop),
+        nor before the workers were told to go (nothing trained yet)."""
+        if not self.cfg.out or self.link is not None or self.own or not self.go.is_set():
             return
         out = Path(self.cfg.out)
-        before = read_manifest(out)
-        seq = max([*self.saved, before["seq"] if before is not None else -1]) + 1
         counts = self.handles.counts.clone()
         state = {
             "models": [{k: v.detach().clone() for k, v in st.items()} for st in self.states],
@@ -422,6 +422,8 @@ class Machine:
         }
         samples = int(counts.sum())
         try:
+            before = read_manifest(out)
+            seq = max([*self.saved, before["seq"] if before is not None else -1]) + 1
             save_worker_state(out / CHECKPOINT_DIR, seq, COORDINATOR, state)
             commit_checkpoint(
                 out / CHECKPOINT_DIR,
@@ -433,6 +435,9 @@ class Machine:
             )
         except OSError as exc:
             log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
+            return
+        except CheckpointError as exc:  # a manifest that cannot be read: the signal's line still comes
+            log.error("no final checkpoint: %s", exc)
             return
         self.sink.emit(
             {"event": "checkpoint", "seq": seq, "samples": samples, "train_wall_s": self.watcher.clock.elapsed()}

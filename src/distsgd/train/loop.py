@@ -50,7 +50,8 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     user's (``distsgd.spawn``) calls their ``main(run)`` instead."""
     if ctx.job.main is not None:
         return run_own_loop(ctx, algo, replacement)
-    w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume; the clock started
+    w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
+    w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
         _train(w, ctx, algo)
@@ -139,6 +140,7 @@ class _Worker:
         # as a user's loop sets up: --model built with the run's seed, --optimizer; --resume's
         # checkpoint restored; a worker its launcher started again (or, in a resumed asynchronous
         # run, a rank that had no part in the checkpoint) rejoins the running model; the clock starts
+        run._begin_later = True  # run_worker starts it, once --compile has warmed up (below)
         self.model, _ = run.setup()
         if run._started is Start.REPLACEMENT:  # from the samples this rank had trained, in its own shard
             st = self.state
@@ -146,9 +148,8 @@ class _Worker:
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
-        if cfg.compile and device.compiles():  # compiled off the clock, for every shape it will meet
-            with run.paused():
-                run._where["compile_s"] = round(self.warm_compiled(), 3)
+        if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
+            run._where["compile_s"] = round(self.warm_compiled(), 3)
         self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step

@@ -185,6 +185,10 @@ class Run:
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
+        # distsgd's loop starts training itself (Run._begin) once --compile has warmed up: the start
+        # barrier is what the asynchronous launchers' clocks start from, and the shared model's
+        # buffers must not be put back while other workers train
+        self._begin_later = False
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
         self._nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
         self._scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
@@ -252,7 +256,8 @@ class Run:
                 self._state.seq = max(self._state.seq, int(manifest["seq"]) if manifest is not None else 0)
         if self._ctx.job.main is not None:  # distsgd's loop calls run.backward and loads no weights itself
             self._own_loop_hooks()
-        self._begin(self._state.train_wall_s)
+        if not self._begin_later:
+            self._begin(self._state.train_wall_s)
         return (model, *self._optimizers)
 
     def _check_setup(self, given: nn.Module | None, makers: list[Any]) -> list[torch.optim.Optimizer]:

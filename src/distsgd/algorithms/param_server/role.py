@@ -28,7 +28,7 @@ from distsgd.checkpoint import (
 )
 from distsgd.config import Periodic
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import OutputError, Terminated
+from distsgd.errors import CheckpointError, OutputError, Terminated
 from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Figures, Job, WorkerResult
@@ -199,11 +199,13 @@ class ServerRole:
         copied under the server's lock: one version of it.
 
         Not under sync-ps, whose checkpoints hold every worker's part of one round so that a resume
-        is exact: it keeps its last one. In a local run, only when the launcher was stopped by the
+        is exact, nor for a user's loop, whose ``run.checkpoint(**state)`` state is in the workers'
+        parts (a resume without them would restart its own counters, its schedule, silently): those
+        keep their last one. In a local run, only when the launcher was stopped by the
         signal (``given_up[0]``, set before it passes the signal on), not when it stops the server
         after a failure: that run resumes from its last checkpoint, as it says. A signal to the
         whole process group may reach the server first: it waits a moment for the launcher's word."""
-        if not self.cfg.out or self.failure is not None or self.exact:
+        if not self.cfg.out or self.failure is not None or self.exact or self.own:
             return
         if self.given_up is not None:
             deadline = time.monotonic() + 2.0
@@ -217,9 +219,9 @@ class ServerRole:
             state = copy.deepcopy(gather(self.pieces))
             total = self.server.total_samples()
         with self.writing:
-            before = read_manifest(out)
-            seq = max([self.committed, *self.saved, before["seq"] if before is not None else -1]) + 1
             try:
+                before = read_manifest(out)
+                seq = max([self.committed, *self.saved, before["seq"] if before is not None else -1]) + 1
                 save_worker_state(out / CHECKPOINT_DIR, seq, COORDINATOR, state)
                 commit_checkpoint(
                     out / CHECKPOINT_DIR,
@@ -231,6 +233,9 @@ class ServerRole:
                 )
             except OSError as exc:
                 log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
+                return
+            except CheckpointError as exc:  # a manifest that cannot be read: the signal's line still comes
+                log.error("no final checkpoint: %s", exc)
                 return
             self.committed = seq
         self.sink.emit(
