@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -245,6 +246,28 @@ def commit_checkpoint(
         if int(old.name.split("-")[1]) < keep:  # worker may already have written its part of the next)
             old.unlink(missing_ok=True)
     remove_stale_temporaries(ckpt_dir, up_to=seq)
+
+
+def commit_coordinator_only(
+    run_dir: Path, state: dict[str, Any], world: int, meta: dict[str, Any], above: Iterable[int] = ()
+) -> int | None:
+    """A checkpoint of the coordinator's ``state`` alone (a signal's final one: the server's, or
+    Hogwild!'s launcher's), numbered past the manifest's and ``above`` (numbers workers may have
+    saved parts of), committed with no worker's part: a resume starts every worker as a
+    replacement. Returns its number; None, said in one logged line, where it could not be
+    written (a full disk, an unreadable manifest): the run keeps its last checkpoint."""
+    try:
+        before = read_manifest(run_dir)
+        seq = max([*above, before["seq"] if before is not None else -1]) + 1
+        save_worker_state(run_dir / CHECKPOINT_DIR, seq, COORDINATOR, state)
+        commit_checkpoint(run_dir / CHECKPOINT_DIR, seq, world, meta, ranks=[], coordinator=True)
+    except OSError as exc:
+        log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
+        return None
+    except CheckpointError as exc:
+        log.error("no final checkpoint: %s", exc)
+        return None
+    return seq
 
 
 def remove_stale_temporaries(ckpt_dir: Path, up_to: int | None = None) -> None:

@@ -365,6 +365,35 @@ def _progress_seen(out: Path) -> bool:
     return metrics.exists() and '"progress"' in metrics.read_text()
 
 
+def _signalled_mid_run(common: list[str], out: Path, how: str) -> tuple[subprocess.Popen, str]:
+    """``distsgd train *common --out out``, sent SIGTERM or SIGUSR1 (``how``; "... to the process
+    group": to every process) once its first progress line is in metrics.jsonl; the process
+    (ended) and its stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before the signal"
+        sig = signal.SIGUSR1 if how == "SIGUSR1" else signal.SIGTERM
+        if how.endswith("process group"):
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "algo, workers, how",
@@ -390,28 +419,7 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     r = run_cli("train", *common, "--out", str(tmp_path / "whole"), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before the signal"
-        sig = signal.SIGUSR1 if how == "SIGUSR1" else signal.SIGTERM
-        if how.endswith("process group"):
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, err = _signalled_mid_run(common, out, how)
     manifest = checkpoint.read_manifest(out)
     assert manifest is not None, err[-3000:]
     name = "SIGUSR1" if how == "SIGUSR1" else "SIGTERM"
@@ -465,28 +473,7 @@ def test_a_signal_to_an_asynchronous_run_writes_its_coordinators_checkpoint(
         "--eval-every", "20000", "--log-every", "5", "--quiet",
     ]  # fmt: skip
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before the signal"
-        sig = signal.SIGUSR1 if how == "SIGUSR1" else signal.SIGTERM
-        if how.endswith("process group"):
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, err = _signalled_mid_run(common, out, how)
     manifest = checkpoint.read_manifest(out)
     assert manifest is not None, err[-3000:]
     name = "SIGUSR1" if how == "SIGUSR1" else "SIGTERM"

@@ -33,15 +33,15 @@ from distsgd.checkpoint import (
     CHECKPOINT_DIR,
     COORDINATOR,
     commit_checkpoint,
+    commit_coordinator_only,
     load_worker_state,
-    read_manifest,
     restore_shared,
     save_worker_state,
     scatter,
 )
 from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import CheckpointError, ConfigError, MainGuardError, OutputError, Terminated, WorkerError
+from distsgd.errors import ConfigError, MainGuardError, Terminated, WorkerError
 from distsgd.launch import procs
 from distsgd.launch.group import gather_results
 from distsgd.launch.rendezvous import formed_backend, formed_group, launcher_group, place
@@ -421,23 +421,10 @@ class Machine:
             "watcher": self.watcher.state_dict(),
         }
         samples = int(counts.sum())
-        try:
-            before = read_manifest(out)
-            seq = max([*self.saved, before["seq"] if before is not None else -1]) + 1
-            save_worker_state(out / CHECKPOINT_DIR, seq, COORDINATOR, state)
-            commit_checkpoint(
-                out / CHECKPOINT_DIR,
-                seq,
-                self.cfg.workers,
-                {"samples": samples, "algo": self.cfg.algo},
-                ranks=[],
-                coordinator=True,
-            )
-        except OSError as exc:
-            log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
-            return
-        except CheckpointError as exc:  # a manifest that cannot be read: the signal's line still comes
-            log.error("no final checkpoint: %s", exc)
+        seq = commit_coordinator_only(
+            out, state, self.cfg.workers, {"samples": samples, "algo": self.cfg.algo}, self.saved
+        )
+        if seq is None:
             return
         self.sink.emit(
             {"event": "checkpoint", "seq": seq, "samples": samples, "train_wall_s": self.watcher.clock.elapsed()}

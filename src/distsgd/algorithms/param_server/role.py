@@ -19,16 +19,16 @@ from distsgd.checkpoint import (
     COORDINATOR,
     Stateful,
     commit_checkpoint,
+    commit_coordinator_only,
     gather,
     load_worker_state,
-    read_manifest,
     save_worker_state,
     scatter,
     worker_file,
 )
 from distsgd.config import Periodic
 from distsgd.data.partition import samples_per_epoch
-from distsgd.errors import CheckpointError, OutputError, Terminated
+from distsgd.errors import OutputError, Terminated
 from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Figures, Job, WorkerResult
@@ -219,23 +219,9 @@ class ServerRole:
             state = copy.deepcopy(gather(self.pieces))
             total = self.server.total_samples()
         with self.writing:
-            try:
-                before = read_manifest(out)
-                seq = max([self.committed, *self.saved, before["seq"] if before is not None else -1]) + 1
-                save_worker_state(out / CHECKPOINT_DIR, seq, COORDINATOR, state)
-                commit_checkpoint(
-                    out / CHECKPOINT_DIR,
-                    seq,
-                    self.workers,
-                    {"samples": total, "algo": self.cfg.algo},
-                    ranks=[],
-                    coordinator=True,
-                )
-            except OSError as exc:
-                log.error("%s; the run keeps its last checkpoint", OutputError.of(exc))
-                return
-            except CheckpointError as exc:  # a manifest that cannot be read: the signal's line still comes
-                log.error("no final checkpoint: %s", exc)
+            meta = {"samples": total, "algo": self.cfg.algo}
+            seq = commit_coordinator_only(out, state, self.workers, meta, above=[self.committed, *self.saved])
+            if seq is None:
                 return
             self.committed = seq
         self.sink.emit(
