@@ -292,17 +292,3 @@ def test_augmentation_crops_and_flips_whole_batches() -> None:
         assert match, f"image {i} is no crop of its padded original"
         flips += match[0]
     assert 0 < flips < 16  # both mirrored and unmirrored images (p = 1/2 each)
-
-
-class _Stream(torch.utils.data.IterableDataset):
-    def __iter__(self):
-        for i in range(20):
-            yield torch.randn(4), i % 2
-
-
-def test_a_stream_given_to_distsgd_train_names_the_own_loop_in_one_line() -> None:
-    """An IterableDataset has no len(): distsgd train's loop cannot partition it (before: a TypeError
-    from inside); the line says where a stream trains."""
-    with pytest.raises(distsgd.DataError) as info:
-        distsgd.train(model="mlp", data=(_Stream(), _Stream()), quiet=True)
-    assert "\n" not in str(info.value) and "run.loader(stream)" in str(info.value)

@@ -22,7 +22,6 @@ from typing import Any, Callable, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset
 
 from distsgd import config as config_mod
 from distsgd import launch, rundir
@@ -41,7 +40,7 @@ from distsgd.checkpoint import (
 from distsgd.config import RunConfig, graphs_refusal, resolve, validate
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
-from distsgd.data.torchdata import STREAM_IN_OWN_LOOP, TorchData, is_map_dataset
+from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm
 from distsgd.launch import cores, procs, slurm
 from distsgd.launch.rendezvous import group_host, launched, place
@@ -63,6 +62,7 @@ from distsgd.train import device
 from distsgd.train.context import Job
 from distsgd.train.loop import check_saved
 from distsgd.train.objective import loss_function
+from distsgd.train.optim import schedule_needs_epochs
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
 
@@ -179,10 +179,8 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
         return from_hf(data, context)
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(text.is_hf_dataset(d) for d in data):
         return from_hf({"train": data[0], "test": data[1]}, context)  # (train, test) Datasets: its two splits
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) for d in data):
-        return TorchData(data[0], data[1], name="dataset")
-    if isinstance(data, (tuple, list)) and any(isinstance(d, IterableDataset) for d in data):
-        raise DataError(f"a stream: {STREAM_IN_OWN_LOOP}")
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(is_map_dataset(d) or is_stream(d) for d in data):
+        return TorchData(data[0], data[1], name="dataset")  # a stream (IterableDataset) is split as it is read
     if isinstance(data, dict):
         keys = ("x", "y", "x_test", "y_test")
         unknown = set(data) - set(keys)
@@ -627,7 +625,12 @@ def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module
                 *(("dataset", d) for d in datasets),
             )
         )
-    if data.n_train < cfg.workers:
+    if getattr(data, "stream", False):  # a stream, split as it is read, in passes of unknown length
+        if cfg.partition != "sharded":
+            raise ConfigError(STREAM_REPLICATED)
+        if cfg.schedule != "constant":
+            raise ConfigError(schedule_needs_epochs(cfg.schedule, own_loop=False))
+    elif data.n_train < cfg.workers:
         raise ConfigError(f"{data.n_train} training samples cannot be shared among {cfg.workers} workers")
     return probe
 

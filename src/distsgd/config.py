@@ -548,10 +548,13 @@ def threads_per_worker(cfg: RunConfig) -> int:
 def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
     """Samples (all workers') between evaluations: ``--eval-every``; unset, None (each epoch's end)
     for a run of at least :data:`EVALS` epochs, else its planned samples over :data:`EVALS`, so a
-    short run draws a curve too. ``per_epoch``: all workers' samples in an epoch. Worked out where
+    short run draws a curve too. ``per_epoch``: all workers' samples in an epoch (0: a stream's, not
+    known; then --max-samples over :data:`EVALS`, or each pass's end). Worked out where
     it is used, not written back into the settings: a re-run with another budget gets its own."""
     if cfg.eval_every is not None:
         return cfg.eval_every
+    if not per_epoch:  # a stream, whose epochs' length is not known: its budget's, else each pass's end
+        return None if cfg.max_samples is None else max(1, math.ceil(cfg.max_samples / EVALS))
     planned = cfg.max_samples if cfg.max_samples is not None else cfg.epochs * per_epoch
     return None if planned >= EVALS * per_epoch else max(1, math.ceil(planned / EVALS))
 

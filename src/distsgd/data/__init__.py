@@ -34,7 +34,7 @@ from torch.utils.data import TensorDataset
 from distsgd import user
 from distsgd.data import formats, sources, text
 from distsgd.data.augment import crop_flip
-from distsgd.data.torchdata import STREAM_IN_OWN_LOOP, TorchData, is_map_dataset
+from distsgd.data.torchdata import TorchData, is_map_dataset, is_stream
 from distsgd.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,8 @@ def load_dataset(
 
 def from_torch(result: Any, name: str, where: str = "") -> TrainingData:
     """What a user's dataset function returned: a :class:`Dataset`, or (train, test) torch Datasets
-    (optionally a third item, or a ``num_classes`` key: the number of classes)."""
+    (optionally a third item, or a ``num_classes`` key: the number of classes); the training set may
+    be a stream (an IterableDataset), and so may the test set."""
     if isinstance(result, (Dataset, TorchData)):
         return result
     if isinstance(result, dict):
@@ -253,10 +254,12 @@ def from_torch(result: Any, name: str, where: str = "") -> TrainingData:
                 f"(and 'num_classes'); got keys {sorted(result)}"
             )
         return TorchData(result["train"], result["test"], name, where, result.get("num_classes"))
-    if isinstance(result, (tuple, list)) and len(result) in (2, 3) and all(is_map_dataset(r) for r in result[:2]):
+    if (
+        isinstance(result, (tuple, list))
+        and len(result) in (2, 3)
+        and all(is_map_dataset(r) or is_stream(r) for r in result[:2])
+    ):
         return TorchData(result[0], result[1], name, where, result[2] if len(result) == 3 else None)
-    if isinstance(result, (tuple, list)) and any(isinstance(r, torch.utils.data.IterableDataset) for r in result):
-        raise DataError(f"{name} returned a stream: {STREAM_IN_OWN_LOOP}")
     raise DataError(f"{name} must return (train, test) torch Datasets, got {type(result).__name__}")
 
 

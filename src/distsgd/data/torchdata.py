@@ -1,11 +1,13 @@
-"""Any map-style ``torch.utils.data.Dataset`` as training data: the user's own recipe.
+"""Any ``torch.utils.data.Dataset`` as training data: the user's own recipe.
 
-A :class:`TorchData` holds a train and a test Dataset. Each worker reads its own shard of the
-training set (:mod:`distsgd.data.partition`: disjoint, reshuffled every epoch, the same for the
-same seed) through a ``DataLoader`` whose batch sampler walks that shard, with
+A :class:`TorchData` holds a train and a test Dataset. Each worker reads its own shard of a
+map-style training set (:mod:`distsgd.data.partition`: disjoint, reshuffled every epoch, the same
+for the same seed) through a ``DataLoader`` whose batch sampler walks that shard, with
 ``--loader-workers N`` processes when per-sample work (opening files, augmenting) should run off
 the training thread. ``__getitem__`` may be random (augmentation): DataLoader seeds its worker
-processes from the worker's own random state.
+processes from the worker's own random state. A training set that is a stream (an
+``IterableDataset``: no ``len()``, read in its own order) is split by :class:`StreamPart`: each
+worker reads the whole stream and keeps its part; an epoch is one pass over it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distsgd.data.formats import classes_from_labels
 from distsgd.errors import ConfigError, DataError
@@ -53,12 +55,43 @@ def is_map_dataset(obj: Any) -> bool:
     return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
-STREAM_IN_OWN_LOOP = (
-    "distsgd train's loop reads map-style datasets (__getitem__ and __len__: its partition "
-    "reshuffles each epoch); a stream (an IterableDataset, a streaming Hugging Face dataset) "
-    "trains in your own loop: distsgd.spawn, and run.loader(stream) gives each worker its "
-    "slice (docs/OWN_LOOP.md)"
+class StreamPart(IterableDataset):
+    """A worker's part of a stream (an IterableDataset): the stream read as rows of ``world``
+    consecutive items, of each row the item at the worker's rank; of those, each DataLoader
+    process the ones its index picks; the first ``skip`` (a resumed run's samples of this epoch)
+    left out. A last row the stream does not fill (fewer than ``world`` items) is left out by
+    every worker, so that all of them take as many items, and so as many steps, in every pass:
+    a worker with one step more than the others would meet them in the wrong collective."""
+
+    def __init__(self, stream: Any, rank: int, world: int, skip: int = 0) -> None:
+        self.stream, self.rank, self.world, self.skip = stream, rank, world, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        procs, me = (info.num_workers, info.id) if info is not None else (1, 0)
+        mine = 0  # this worker's items so far (all its loader processes')
+        held: Any = None  # this row's item for this worker, until the row is complete
+        last = self.world - 1
+        for k, item in enumerate(self.stream):
+            column = k % self.world
+            if column == self.rank:
+                held = (item,)
+            if column == last and held is not None:  # the row is complete: every worker has its item
+                mine += 1
+                if mine > self.skip and (mine - 1) % procs == me:
+                    yield held[0]
+                held = None
+
+
+STREAM_REPLICATED = (
+    "a stream (an IterableDataset) is split between the workers as it is read: --partition "
+    "replicated (every worker all of it) is for map-style datasets"
 )
+
+
+def is_stream(obj: Any) -> bool:
+    """A torch ``IterableDataset`` (a streaming Hugging Face dataset in the torch format is one)."""
+    return isinstance(obj, IterableDataset)
 
 
 class TorchData:
@@ -74,20 +107,22 @@ class TorchData:
         loader_workers: int = 0,
     ) -> None:
         for split, ds in (("train", train), ("test", test)):
-            if isinstance(ds, torch.utils.data.IterableDataset):
-                raise DataError(f"{name}: the {split} set is a stream: {STREAM_IN_OWN_LOOP}")
+            if is_stream(ds):
+                continue
             if not is_map_dataset(ds):
                 raise DataError(
-                    f"{name}: the {split} set must be a map-style torch Dataset "
-                    f"(__getitem__ and __len__), got {type(ds).__name__}"
+                    f"{name}: the {split} set must be a torch Dataset (map-style: __getitem__ and "
+                    f"__len__; or an IterableDataset, a stream), got {type(ds).__name__}"
                 )
             if len(ds) == 0:
                 raise DataError(f"{name}: the {split} set is empty")
         self.train, self.test, self.name, self.where = train, test, name, where
+        self.stream = is_stream(train)  # an epoch is a pass over it; its length is not known
         self.loader_workers = loader_workers
         self.device = torch.device("cpu")  # where batches go (``to``)
-        x0, y0 = self._item(train, 0)
+        x0, y0 = self._first(train, "train")
         self.input_shape = tuple(x0.shape)
+        self._n_test = len(test) if not is_stream(test) else self._count(test)
         # a language model's sample: token ids (T,) and their next tokens (T,)
         lm = not y0.dtype.is_floating_point and y0.dim() == 1 and x0.dim() == 1 and not x0.dtype.is_floating_point
         self.task = "regression" if y0.dtype.is_floating_point else "lm" if lm else "classification"
@@ -98,9 +133,27 @@ class TorchData:
             )
         self.num_classes = num_classes or (max(1, y0.numel()) if self.task == "regression" else self._classes())
 
+    def _first(self, ds: Any, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first item of ``ds`` (a stream's first, read to learn its shape)."""
+        if not is_stream(ds):
+            return self._item(ds, 0)
+        for item in ds:
+            return self._pair(item, 0)
+        raise DataError(f"{self.name}: the {split} stream is empty")
+
+    def _count(self, stream: Any) -> int:
+        """A test stream's items (it is read whole at each evaluation)."""
+        n = sum(1 for _ in stream)
+        if n == 0:
+            raise DataError(f"{self.name}: the test stream is empty")
+        return n
+
+    @classmethod
+    def _item(cls, ds: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return cls._pair(ds[i], i)
+
     @staticmethod
-    def _item(ds: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        item = ds[i]
+    def _pair(item: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(item, dict):
             raise DataError(
                 f"item {i} of the Dataset is a dict (keys {', '.join(map(str, list(item)[:6]))}): distsgd's "
@@ -118,6 +171,11 @@ class TorchData:
             return ds.num_classes
         if getattr(ds, "classes", None) is not None:
             return len(ds.classes)
+        if self.stream:
+            raise DataError(
+                f"{self.name}: a stream's classes are not known before it is read: give num_classes "
+                f"(the stream's attribute, or a third item / 'num_classes' key)"
+            )
         targets = getattr(ds, "targets", None)
         if targets is None:
             log.warning(
@@ -130,11 +188,12 @@ class TorchData:
 
     @property
     def n_train(self) -> int:
-        return len(self.train)
+        """The training samples; 0 for a stream (not known before it is read)."""
+        return 0 if self.stream else len(self.train)
 
     @property
     def n_test(self) -> int:
-        return len(self.test)
+        return self._n_test
 
     def options(self, augment: bool = False, loader_workers: int = 0) -> "TorchData":
         """``--augment`` (datasets that offer it: ``folder:``) and ``--loader-workers``."""
@@ -178,6 +237,13 @@ class TorchData:
     def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This worker's training batches: ``order`` (its shard of the epoch) from ``start``."""
         return self._loader(self.train, batch_sampler=_Chunks(order, start, batch_size))
+
+    def stream_batches(
+        self, rank: int, world: int, skip: int, batch_size: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A stream's training batches for worker ``rank`` of ``world``: its part of one pass
+        (:class:`StreamPart`), its first ``skip`` items left out."""
+        return self._loader(StreamPart(self.train, rank, world, skip), batch_size=batch_size)
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self._loader(self.test, batch_size=batch_size)

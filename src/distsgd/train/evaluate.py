@@ -144,7 +144,8 @@ class Watcher:
         probe = build_model(self.spec, self.dataset.input_shape, self.dataset.num_classes, self.cfg.init)
         probe.to(self.device).load_state_dict(state)
         acc, loss = evaluate(probe, self.dataset, self.cfg.eval_batch_size, self.loss_fn)
-        event = eval_event(self.dataset, samples, round(samples / self.per_epoch, 4), train_s, acc, loss)
+        epoch = round(samples / self.per_epoch, 4) if self.per_epoch else None  # a stream's: not known
+        event = eval_event(self.dataset, samples, epoch, train_s, acc, loss)
         self.evals.append(event)
         self.sink.emit(event)
         return event

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from distsgd.train.own_loop import LoopState, Run, run_own_loop
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
+    from distsgd.data.torchdata import TorchData  # a stream's (``stream_batches``)
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,7 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
     """The loop's epochs and steps, up to the run's budget, its target or a signal's stop."""
     stop = False
     while not stop and w.more_epochs():
-        batches = ctx.dataset.batches(w.epoch_order(), w.state.start, ctx.cfg.batch_size)
-        for micro in _groups(batches, ctx.cfg.accumulate):
+        for micro in _groups(w.epoch_batches(), ctx.cfg.accumulate):
             if w.out_of_samples() or not algo.keep_going(ctx):
                 stop = True
                 break
@@ -127,14 +127,15 @@ class _Worker:
         ctx.job = ctx.job.replace(data=ctx.job.data.to(ctx.device))  # the data on this worker's device, once
         cfg, ds = ctx.cfg, ctx.dataset
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
-        if shard_size(ds.n_train, ctx.world, cfg.partition) == 0:
+        self.stream = getattr(ds, "stream", False)  # an epoch is a pass over a stream: its length is not known
+        if not self.stream and shard_size(ds.n_train, ctx.world, cfg.partition) == 0:
             raise ConfigError(f"{ds.n_train} training samples cannot be shared among {ctx.world} workers")
         self.run = run = Run(ctx, algo, replacement)
         self.per_epoch = run.per_epoch
         self.loss_fn = loss_function(cfg.loss, ctx.job.loss, ds.task)
         period = cfg.checkpoint_period
         self.checkpoint_each_epoch = period is not None and period.each_epoch
-        self.eval_every = eval_period(cfg, run.global_per_epoch)  # None: at each epoch's end
+        self.eval_every = eval_period(cfg, run.global_per_epoch)  # None: at each epoch's (a stream's pass's) end
         # the counters, with this loop's evaluation and checkpoint periods, restored by run.setup()
         self.state = run._state = LoopState(self.eval_every, period.count if period is not None else None)
         # as a user's loop sets up: --model built with the run's seed, --optimizer; --resume's
@@ -143,8 +144,8 @@ class _Worker:
         run._begin_later = True  # run_worker starts it, once --compile has warmed up (below)
         self.model, _ = run.setup()
         if run._started is Start.REPLACEMENT:  # from the samples this rank had trained, in its own shard
-            st = self.state
-            st.epoch, st.start = divmod(st.local, self.per_epoch)
+            st = self.state  # (a stream's: its rank's samples, skipped from the first pass on)
+            st.epoch, st.start = divmod(st.local, self.per_epoch) if self.per_epoch else (0, st.local)
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
@@ -163,12 +164,16 @@ class _Worker:
         A compiled step slower than an eager one is said in one warning. Returns the seconds taken."""
         ds, cfg, run = self.ctx.dataset, self.cfg, self.run
         module = self.algo.unwrap(self.model)
-        order = self.epoch_order()
         started = time.perf_counter()
         buffers = [b.detach().clone() for b in module.buffers()]
-        full = min(cfg.batch_size, len(order))
-        train_sizes = [full] + ([len(order) % full] if len(order) % full else [])
-        batch = next(iter(ds.batches(order[:full], 0, full)))
+        if self.stream:  # the first full batch (a stream's last, partial one is not known ahead)
+            batch = next(iter(cast("TorchData", ds).stream_batches(self.ctx.rank, self.ctx.world, 0, cfg.batch_size)))
+            train_sizes = [len(batch[1])]
+        else:
+            order = self.epoch_order()
+            full = min(cfg.batch_size, len(order))
+            train_sizes = [full] + ([len(order) % full] if len(order) % full else [])
+            batch = next(iter(ds.batches(order[:full], 0, full)))
 
         def fwd_bwd(call: Callable[..., Any], x: torch.Tensor, y: torch.Tensor) -> None:
             self.loss_fn(call(x), y).backward()
@@ -226,7 +231,15 @@ class _Worker:
         if self.cfg.max_samples is not None:
             return self.out_of_samples()
         st, last = self.state, self.cfg.epochs - 1
-        return st.epoch > last or (st.epoch == last and st.start >= self.per_epoch)
+        # a stream's last step is known only once its pass has ended: an evaluation may fall on it
+        return st.epoch > last or (st.epoch == last and bool(self.per_epoch) and st.start >= self.per_epoch)
+
+    def epoch_batches(self) -> Iterator[Batch]:
+        """This epoch's batches for this worker, from where the epoch stands (a resumed run's)."""
+        ctx, ds, st = self.ctx, self.ctx.dataset, self.state
+        if self.stream:
+            return cast("TorchData", ds).stream_batches(ctx.rank, ctx.world, st.start, self.cfg.batch_size)
+        return ds.batches(self.epoch_order(), st.start, self.cfg.batch_size)
 
     def epoch_order(self) -> torch.Tensor:
         ctx, cfg = self.ctx, self.cfg

@@ -92,6 +92,15 @@ def lr_at(cfg: RunConfig, epoch_progress: float, total_epochs: float) -> float:
     raise ValueError(f"unknown schedule {cfg.schedule!r}")
 
 
+def schedule_needs_epochs(schedule: str, own_loop: bool) -> str:
+    """The one line refusing ``--schedule`` where an epoch's length is not known (a stream's)."""
+    way = "give spawn(train_size=N), or " if own_loop else ""
+    return (
+        f"--schedule {schedule} moves with the epochs, and a stream's epoch has no known length: "
+        f"{way}use --schedule constant (--lr-warmup-steps still warms up)"
+    )
+
+
 def scheduled(cfg: RunConfig) -> bool:
     """Whether the lr changes during the run (a schedule or a warm-up)."""
     return cfg.schedule != "constant" or bool(cfg.lr_warmup_steps)

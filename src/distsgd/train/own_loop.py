@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from distsgd.callbacks import stops
 from distsgd.checkpoint import (
@@ -57,13 +57,14 @@ from distsgd.checkpoint import (
 )
 from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
+from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
 from distsgd.errors import ConfigError, loop_failure, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.train import device
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
-from distsgd.train.optim import build_optimizer, schedule_lr
+from distsgd.train.optim import build_optimizer, schedule_lr, schedule_needs_epochs
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
@@ -478,7 +479,8 @@ class Run:
         (``--partition``, reshuffled each epoch with ``--seed``; ``shuffle=False``: the same shard in
         the dataset's order); an ``IterableDataset`` (a stream) gives each worker every W-th item
         (and each of ``num_workers`` loader processes its share of those), so each worker reads the
-        whole stream and keeps its part. ``collate_fn``, ``num_workers``, ``drop_last``,
+        whole stream and keeps its part; the stream's last items that fill no row of W are left out,
+        so that every worker takes as many steps. ``collate_fn``, ``num_workers``, ``drop_last``,
         ``pin_memory`` and any other DataLoader ``options`` are the DataLoader's. It is for the
         training data (it counts the samples each step takes): evaluate with a DataLoader of your
         own. In a resumed run (or a worker that replaced a dead one) it goes on where the run was:
@@ -492,6 +494,8 @@ class Run:
             )
         if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
             raise ConfigError(f"run.loader(epoch=...) is an epoch number, 0 or more; got {epoch!r}")
+        if isinstance(dataset, IterableDataset) and self.cfg.partition != "sharded":
+            raise ConfigError(STREAM_REPLICATED)
         loader_options = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory, **options}
         return _Shard(self, dataset, batch_size or self.cfg.batch_size, epoch, shuffle, drop_last, loader_options)
 
@@ -538,7 +542,7 @@ class Run:
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
         if isinstance(dataset, IterableDataset):
-            part = _StreamPart(dataset, self.rank, self.world, skip)
+            part = StreamPart(dataset, self.rank, self.world, skip)
             return DataLoader(part, batch_size=size, drop_last=shard.drop_last, **options)
         order = self._epoch_order(shard, epoch, skip)
         plain = options["collate_fn"] is None and not options["num_workers"] and len(options) == 3
@@ -759,9 +763,9 @@ class Run:
                     f"(or --lr-warmup-steps) sets it: use your LR scheduler or the run's schedule, not both"
                 )
             # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
-            progress = self.global_samples() / self.global_per_epoch if self.global_per_epoch else 0.0
+            progress, total = self._schedule_position()
             for opt in self._optimizers:
-                schedule_lr(opt, cfg, progress, self.total_epochs, self.steps + 1)
+                schedule_lr(opt, cfg, progress, total, self.steps + 1)
             self._lr_set = [g["lr"] for g in groups]
         self._current = self._upcoming()
         if self._scaler is not None:
@@ -856,6 +860,21 @@ class Run:
         self._state.evals.append(event)
         ctx.sink.emit(event)
         return stops(event, self.cfg, ctx.job.callbacks)
+
+    def _schedule_position(self) -> tuple[float, float]:
+        """Where the run is in --schedule's epochs, and how many it has: all workers' samples over
+        an epoch's (the training set's length, ``spawn(train_size=)``'s or run.loader's dataset's).
+        A schedule over epochs of unknown length (a stream's) is refused: it would stay at its start."""
+        cfg = self.cfg
+        per_epoch = self.global_per_epoch or (
+            shard_size(self._data_len, self.world, cfg.partition) * self.world if self._data_len else 0
+        )
+        if cfg.schedule == "constant":
+            return 0.0, 1.0  # a warm-up alone
+        if not per_epoch:
+            raise ConfigError(schedule_needs_epochs(cfg.schedule, own_loop=True))
+        total = self.total_epochs if self.global_per_epoch or cfg.max_samples is None else cfg.max_samples / per_epoch
+        return self.global_samples() / per_epoch, total
 
     def epoch(self) -> float | None:
         """Epochs this worker has trained: its samples over its shard of the training set, whose
@@ -1062,26 +1081,6 @@ class _TensorBatches:
         for i in range(0, len(self.order), self.size):
             idx = self.order[i : i + self.size]
             yield tuple(t[idx] for t in self.tensors)
-
-
-class _StreamPart(IterableDataset):
-    """A worker's part of a stream (an IterableDataset): items ``k`` with ``k % W`` its rank, and
-    of those, each DataLoader process the ones its index picks; the first ``skip`` (a resumed run's
-    samples of this epoch) left out."""
-
-    def __init__(self, stream: Any, rank: int, world: int, skip: int = 0) -> None:
-        self.stream, self.rank, self.world, self.skip = stream, rank, world, skip
-
-    def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        procs, me = (info.num_workers, info.id) if info is not None else (1, 0)
-        mine = 0  # this worker's items so far (all its loader processes')
-        for k, item in enumerate(self.stream):
-            if k % self.world != self.rank:
-                continue
-            mine += 1
-            if mine > self.skip and (mine - 1) % procs == me:
-                yield item
 
 
 class _Shard:

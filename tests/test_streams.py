@@ -1,0 +1,219 @@
+"""Streams (a torch IterableDataset: no len(), read in its own order) as training data, in
+distsgd's loop and in a user's: each worker reads the whole stream and keeps its part, every item
+trained by exactly one worker in a pass, every worker taking as many steps; resumed where it
+stopped; what a stream cannot do refused in one line."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+import distsgd
+from helpers import run_cli
+
+D = 12  # features; the label is the largest of the first three
+
+
+class Stream(IterableDataset):
+    """``n`` items ``(id, x)`` -> the largest of x's first three: the id rides in the first
+    feature, so the model can say which items it trained on."""
+
+    num_classes = 3
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for i in range(self.n):
+            x = torch.randn(D, generator=g)
+            yield torch.cat([torch.tensor([float(i)]), x]), torch.tensor(int(x[:3].argmax()))
+
+
+def held_out() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, D, generator=g)
+    return TensorDataset(torch.cat([torch.full((300, 1), -1.0), x], 1), x[:, :3].argmax(1))
+
+
+class Recorder(nn.Module):
+    """An MLP on the features that, while training, appends the ids of each batch's items to a
+    file of its process (``SEEN``: the folder), one line a batch."""
+
+    def __init__(self, input_shape=(D + 1,), num_classes=3) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        folder = os.environ.get("SEEN")
+        if self.training and folder:
+            with open(os.path.join(folder, f"seen-{os.getpid()}"), "a") as f:
+                f.write(" ".join(str(int(v)) for v in x[:, 0].tolist()) + "\n")
+        return self.net(x[:, 1:])
+
+
+def seen(folder: Path) -> dict[str, list[list[int]]]:
+    """Each process's batches of ids."""
+    return {
+        p.name: [list(map(int, line.split())) for line in p.read_text().splitlines()] for p in folder.glob("seen-*")
+    }
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "asgd", "hogwild"])
+def test_a_stream_trains_in_distsgd_train_each_item_by_one_worker(tmp_path, monkeypatch, algo: str) -> None:
+    """201 items, 2 workers, 2 passes: items 0-199 trained twice each (once a pass), by the worker
+    whose column they are in (ids of one parity per process); item 200, a row of one, by none,
+    so that both workers take as many steps (under allreduce one more would meet the other's
+    final average)."""
+    monkeypatch.setenv("SEEN", str(tmp_path))
+    r = distsgd.train(
+        model=Recorder, data=(Stream(201), held_out()), algo=algo, workers=2, epochs=2, batch_size=16, lr=0.1
+    )
+    by_process = seen(tmp_path)
+    ids = [i for batches in by_process.values() for b in batches for i in b]
+    assert Counter(ids) == {i: 2 for i in range(200)}, sorted(set(range(201)) - set(ids))
+    assert sorted(sorted({i % 2 for b in batches for i in b}) for batches in by_process.values()) == [[0], [1]]
+    assert r.summary["samples"] == 400 and r.summary["final_test_accuracy"] > 0.6, r.summary
+    if algo == "allreduce":  # lockstep: as many steps each, the last one of each pass partial (100 = 6 x 16 + 4)
+        assert sorted(len(b) for batches in by_process.values() for b in batches) == [4] * 4 + [16] * 24
+
+
+def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path) -> None:
+    """A checkpoint in the middle of a pass, resumed: the same weights as the run never stopped
+    (each worker skips the items of the pass it had trained)."""
+    kw = dict(model=Recorder, algo="allreduce", workers=2, batch_size=16, lr=0.1, quiet=True)
+    straight = distsgd.train(data=(Stream(1001), held_out()), max_samples=1600, **kw)
+    out = str(tmp_path / "run")
+    distsgd.train(data=(Stream(1001), held_out()), max_samples=800, out=out, checkpoint_every="800", **kw)
+    resumed = distsgd.train(data=(Stream(1001), held_out()), max_samples=1600, out=out, resume=out, **kw)
+    assert resumed.summary["samples"] == straight.summary["samples"] >= 1600
+    for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_stream_evaluates_over_its_budget(tmp_path) -> None:
+    """A stream's epochs have no known length: with --max-samples the run still draws a curve
+    (evaluations every budget / 5 samples), each of them without an epoch."""
+    r = distsgd.train(
+        model=Recorder, data=(Stream(400), held_out()), algo="single", max_samples=1000, batch_size=20, quiet=True
+    )
+    evals = r.summary["evals"]
+    assert [e["samples"] for e in evals] == [200, 400, 600, 800, 1000], evals
+    assert {e.get("epoch") for e in evals} == {None}
+
+
+STREAM_FILE = """
+import torch
+from torch.utils.data import IterableDataset
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(300):
+            x = torch.randn(8, generator=g)
+            yield x, int(x[:2].argmax())
+
+
+def make():
+    return Stream(), Stream(), 2
+"""
+
+
+def test_a_dataset_function_may_return_a_stream(tmp_path) -> None:
+    """``--dataset FILE.py:make`` returning (stream, stream, classes): trained, the test stream
+    read whole at each evaluation."""
+    (tmp_path / "streamed.py").write_text(STREAM_FILE)
+    out = tmp_path / "run"
+    done = run_cli(
+        "train", "--dataset", f"{tmp_path / 'streamed.py'}:make", "--model", "mlp", "--algo", "allreduce",
+        "--workers", "2", "--epochs", "2", "--batch-size", "10", "--out", str(out), "--quiet",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = __import__("json").loads((out / "summary.json").read_text())
+    assert summary["samples"] == 600 and len(summary["evals"]) == 2, summary  # at each pass's end
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"partition": "replicated"}, "--partition replicated (every worker all of it) is for map-style"),
+        ({"schedule": "cosine"}, "--schedule cosine moves with the epochs"),
+    ],
+)
+def test_what_a_stream_cannot_do_is_one_line(settings: dict, says: str) -> None:
+    with pytest.raises(distsgd.DistsgdError) as info:
+        distsgd.train(model=Recorder, data=(Stream(100), held_out()), quiet=True, **settings)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+class Unlabelled(IterableDataset):
+    def __iter__(self):
+        for i in range(20):
+            yield torch.randn(4), i % 2
+
+
+def test_a_stream_of_unknown_classes_is_one_line() -> None:
+    """A map-style set's classes are read from its labels; a stream's cannot be, before it is read."""
+    with pytest.raises(distsgd.DataError) as info:
+        distsgd.train(model="mlp", data=(Unlabelled(), Unlabelled()), quiet=True)
+    assert "give num_classes" in str(info.value) and "\n" not in str(info.value)
+
+
+# -- a user's loop ---------------------------------------------------------------------------------
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def uneven_loop(run: distsgd.Run, folder: str) -> nn.Module:
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+    steps = 0
+    for x, y in run.loader(Stream(41), batch_size=4):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x[:, 1:]), y))
+        opt.step()
+        steps += 1
+    Path(folder, f"steps-{run.rank}").write_text(str(steps))
+    return run.final_model()
+
+
+def test_a_stream_of_uneven_parts_takes_as_many_steps_on_every_worker(tmp_path) -> None:
+    """41 items between 2 workers, 4 a batch: 21 and 20 items would be 6 steps and 5, and the
+    worker with one more all-reduced its gradient against the other's final average (a gloo
+    abort; a silently wrong model where the sizes match). Rows of 2: 20 items and 5 steps each."""
+    r = distsgd.spawn(
+        functools.partial(uneven_loop, folder=str(tmp_path)), model=Net, algo="allreduce", workers=2, quiet=True
+    )
+    assert [(tmp_path / f"steps-{rank}").read_text() for rank in range(2)] == ["5", "5"]
+    assert r.summary["samples"] == 40
+
+
+def cosine_loop(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    for x, y in run.loader(Stream(40), batch_size=4):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x[:, 1:]), y))
+        opt.step()
+    return run.final_model()
+
+
+def test_a_schedule_over_a_stream_of_unknown_length_is_one_line_in_a_user_loop() -> None:
+    """It stayed at its start (the learning rate never moved); train_size= says the epoch's length."""
+    with pytest.raises(distsgd.DistsgdError) as info:
+        distsgd.spawn(cosine_loop, model=Net, algo="single", schedule="cosine", quiet=True)
+    assert "give spawn(train_size=N)" in str(info.value) and "\n" not in str(info.value)
+    r = distsgd.spawn(cosine_loop, model=Net, algo="single", schedule="cosine", train_size=40, epochs=1, quiet=True)
+    assert r.summary["samples"] == 40
