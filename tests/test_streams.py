@@ -217,3 +217,40 @@ def test_a_schedule_over_a_stream_of_unknown_length_is_one_line_in_a_user_loop()
     assert "give spawn(train_size=N)" in str(info.value) and "\n" not in str(info.value)
     r = distsgd.spawn(cosine_loop, model=Net, algo="single", schedule="cosine", train_size=40, epochs=1, quiet=True)
     assert r.summary["samples"] == 40
+
+
+# -- a streaming Hugging Face dataset ----------------------------------------------------------------
+def hf_rows(n: int, seed: int) -> dict[str, list[str]]:
+    import random
+
+    r = random.Random(seed)
+    return {"text": ["".join(r.choice("abcab ") for _ in range(r.randint(20, 60))) for _ in range(n)]}
+
+
+@pytest.mark.parametrize("algo", ["single", "allreduce"])
+def test_a_streaming_hugging_face_dataset_trains_a_language_model(algo: str) -> None:
+    """``load_dataset(..., streaming=True)``'s splits (here made by ``to_iterable_dataset``): the
+    training split's text read as it streams, cut into the sequences the same rows make as a
+    map-style dataset (``from_hf``), each trained once a pass; the test split's sequences are the
+    map-style dataset's; the model learns (below the loss of guessing among the 4 characters)."""
+    datasets = pytest.importorskip("datasets")
+    from distsgd.data import from_hf
+
+    train, test = hf_rows(300, 0), hf_rows(30, 1)
+    streams = datasets.IterableDatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(train).to_iterable_dataset(num_shards=3),
+            "test": datasets.Dataset.from_dict(test).to_iterable_dataset(),
+        }
+    )
+    mapped = from_hf({"train": datasets.Dataset.from_dict(train), "test": datasets.Dataset.from_dict(test)}, 16)
+    workers = 1 if algo == "single" else 2
+    r = distsgd.train(
+        model="gpt", data=streams, algo=algo, workers=workers, context=16, epochs=1, batch_size=8,
+        optimizer="adam", lr=0.002, quiet=True,
+    )  # fmt: skip
+    assert r.summary["samples"] == mapped.n_train - mapped.n_train % workers, (r.summary["samples"], mapped.n_train)
+    assert r.summary["final_test_loss"] < 1.609  # ln 5: guessing among the text's 5 symbols
+    from distsgd.data import from_hf_stream
+
+    assert torch.equal(from_hf_stream(streams, 16).test.tensors[0], mapped.x_test)

@@ -38,7 +38,7 @@ from distsgd.checkpoint import (
     usable_checkpoint,
 )
 from distsgd.config import RunConfig, graphs_refusal, resolve, validate
-from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, load_dataset, text
+from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, from_hf_stream, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm
@@ -175,6 +175,10 @@ def train(
 def _dataset_from(data: Any, context: int) -> TrainingData:
     if isinstance(data, (Dataset, TorchData)):
         return data
+    if text.is_hf_stream(data) or (
+        isinstance(data, (tuple, list)) and len(data) == 2 and all(text.is_hf_stream(d) for d in data)
+    ):  # load_dataset(..., streaming=True): its splits, or (train, test) streams, of token ids or text
+        return from_hf_stream(data, context)
     if text.is_hf_dataset(data):  # a Hugging Face datasets.Dataset (or DatasetDict) of token ids or text
         return from_hf(data, context)
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(text.is_hf_dataset(d) for d in data):

@@ -388,6 +388,16 @@ def from_hf(obj: Any, context: int, name: str = "hf-dataset", where: str = "") -
     return token_dataset(name, train, context, vocab, where, test)
 
 
+def from_hf_stream(obj: Any, context: int, name: str = "hf-stream", where: str = "") -> TorchData:
+    """A language model's data from a streaming Hugging Face dataset (``load_dataset(...,
+    streaming=True)``): the training split read as it streams, its windows split between the
+    workers as any stream is; the test split's sequences read once, into memory
+    (:func:`distsgd.data.text.hf_stream_tokens`)."""
+    train, test_tokens, vocab = text.hf_stream_tokens(obj, context, name)
+    x_test, y_test = text.sequences(test_tokens, context)
+    return TorchData(train, TensorDataset(x_test, y_test), name, where, num_classes=vocab)
+
+
 def _load_text(path: Path, context: int) -> Dataset:
     return token_dataset(f"text:{path}", text.byte_tokens(text.read_text(path)), context, text.BYTE_VOCAB, str(path))
 
@@ -507,6 +517,7 @@ __all__ = [
     "from_arrays",
     "token_dataset",
     "from_hf",
+    "from_hf_stream",
     "available",
     "BUILTIN",
     "Builtin",

@@ -192,6 +192,93 @@ def _splits(obj: Any) -> dict[str, Any] | None:
     return None
 
 
+def is_hf_stream(obj: Any) -> bool:
+    """A streaming ``datasets.IterableDataset`` or ``IterableDatasetDict`` (``load_dataset(...,
+    streaming=True)``), told by its class."""
+    return any(
+        c.__module__.split(".")[0] == "datasets" and c.__name__ in ("IterableDataset", "IterableDatasetDict")
+        for c in type(obj).__mro__
+    )
+
+
+def _column(split: Any, name: str) -> str:
+    """The column a streaming split's tokens are in: ``input_ids``, else ``text`` (as bytes)."""
+    columns = list(getattr(split, "column_names", None) or [])
+    if not columns:  # a stream's columns are not always declared: its first row says
+        columns = list(next(iter(split), {}))
+    for column in ("input_ids", "text"):
+        if column in columns:
+            return column
+    raise DataError(
+        f"{name}: a language-model stream needs an 'input_ids' (token ids) or a 'text' column; it has "
+        f"{', '.join(map(str, columns)) or 'none'}"
+    )
+
+
+class TokenWindows(torch.utils.data.IterableDataset):
+    """A streaming Hugging Face split as a language model's items, read as it streams: its rows'
+    tokens (``input_ids``; or ``text`` as bytes, the rows joined by newlines) in row order, cut as
+    :func:`sequences` cuts a stream: ``context`` tokens and their next tokens, one after another.
+    A token id outside ``0..vocab - 1`` is one error line where it is met."""
+
+    def __init__(self, rows: Any, column: str, context: int, vocab: int, name: str) -> None:
+        self.rows, self.column, self.context, self.vocab, self.name = rows, column, context, vocab, name
+
+    def tokens(self) -> Any:
+        for i, row in enumerate(self.rows):
+            value = row[self.column]
+            if self.column == "text":
+                yield from (b"\n" if i else b"") + str(value).encode()
+                continue
+            ids = np.asarray(value).reshape(-1)
+            if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab):
+                raise DataError(
+                    f"{self.name}: row {i} has token ids {int(ids.min())}..{int(ids.max())}, outside the "
+                    f"vocabulary 0..{self.vocab - 1} (the test split's largest id + 1)"
+                )
+            yield from ids.tolist()
+
+    def __iter__(self) -> Any:
+        piece: list[int] = []
+        for token in self.tokens():
+            piece.append(token)
+            if len(piece) == self.context + 1:
+                t = torch.tensor(piece)
+                yield t[:-1], t[1:]
+                piece = piece[-1:]  # the last target is the next input's first token
+
+
+def hf_stream_tokens(obj: Any, context: int, name: str) -> tuple[TokenWindows, torch.Tensor, int]:
+    """(the training windows, read as they stream; the test split's tokens, read once; the
+    vocabulary) of a streaming ``IterableDatasetDict`` with ``train`` and ``test`` (or
+    ``validation``) splits, or a pair of streaming splits. The vocabulary: 256 for text as bytes,
+    else the test split's largest id + 1 (a stream's training ids are not known before it is read)."""
+    splits = _splits(obj) if not isinstance(obj, (tuple, list)) else {"train": obj[0], "test": obj[1]}
+    if splits is None:
+        raise DataError(
+            f"{name}: a stream has no end to hold out a test set from: give a dict of streaming splits "
+            f"with 'train' and 'test' (or 'validation'), or (train, test)"
+        )
+    if "train" not in splits:
+        raise DataError(f"{name}: a dataset with splits needs a 'train' split; it has {', '.join(splits)}")
+    test = splits.get("test", splits.get("validation"))
+    if test is None:
+        raise DataError(f"{name}: a stream needs a 'test' (or 'validation') split; it has {', '.join(splits)}")
+    if context < 1:
+        raise DataError(f"--context must be at least 1 token, got {context}")
+    column = _column(splits["train"], name)
+    if column != _column(test, name):
+        raise DataError(f"{name}: the train split's tokens are in '{column}', the test split's are not")
+    if column == "text":
+        vocab = BYTE_VOCAB
+        test_tokens = torch.tensor(list(TokenWindows(test, column, context, vocab, name).tokens()), dtype=torch.int64)
+    else:
+        rows = [np.asarray(row[column], dtype=np.int64).reshape(-1) for row in test]
+        test_tokens = torch.from_numpy(np.concatenate(rows)) if rows else torch.zeros(0, dtype=torch.int64)
+        vocab = 1 + int(test_tokens.max()) if len(test_tokens) else 1
+    return TokenWindows(splits["train"], column, context, vocab, name), test_tokens, vocab
+
+
 def hf_tokens(obj: Any, name: str = "hf-dataset") -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """(training tokens, test tokens or None, vocabulary) of a ``datasets.Dataset`` (its test set is
     then carved from its end) or a ``DatasetDict`` with ``train`` and ``test`` (or ``validation``)
@@ -260,7 +347,10 @@ __all__ = [
     "token_arrays",
     "unigram_entropy",
     "is_hf_dataset",
+    "is_hf_stream",
     "hf_tokens",
+    "hf_stream_tokens",
+    "TokenWindows",
     "read_hf",
     "TEST_FRACTION",
     "BYTE_VOCAB",
