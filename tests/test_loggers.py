@@ -265,3 +265,45 @@ def test_a_csv_reopened_keeps_its_rows(tmp_path: Path) -> None:
         ("eval", "10", "0.5", ""),
         ("progress", "20", "", "1.5"),
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    find_spec("wandb") is None or find_spec("mlflow") is None, reason="pip install 'distsgd[wandb,mlflow]'"
+)
+def test_a_run_resumed_in_place_goes_on_in_its_wandb_and_mlflow_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--resume into the run's own directory: one W&B run (a second offline folder of the same id,
+    its config's epochs updated, its history past the first part's) and one MLflow run (FINISHED
+    again, every evaluation of summary.json in its history, the changed setting a tag, as
+    MLflow's params cannot change); before, each resume started a run of its own."""
+    from mlflow.tracking import MlflowClient
+
+    for name in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    args = ["train", *DIGITS, "--algo", "allreduce", "--workers", "2", "--out", str(out), "--logger", "wandb,mlflow"]
+    res = run_cli(*args, "--epochs", "1", "--checkpoint-every", "epoch")
+    assert res.returncode == 0, res.stderr
+    first = json.loads((out / "summary.json").read_text())["samples"]
+    res = run_cli(*args, "--epochs", "2", "--resume", str(out))
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+
+    folders = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    runs = [wandb_records(next(f.glob("run-*.wandb"))) for f in folders]
+    starts = [next(r for r in records if r.WhichOneof("record_type") == "run").run for records in runs]
+    assert starts[0].run_id == starts[1].run_id
+    updates = [_items(r.config.update) for r in runs[1] if r.WhichOneof("record_type") == "config"]
+    assert any(u.get("epochs") == 2 for u in updates), updates
+    later = [_items(r.history.item)["samples"] for r in runs[1] if r.WhichOneof("record_type") == "history"]
+    assert later and min(later) > first and max(later) == summary["samples"]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("distsgd").experiment_id])
+    assert found.info.status == "FINISHED"
+    assert found.data.params["epochs"] == "1" and found.data.tags["distsgd.resumed.epochs"] == "2"
+    steps = {m.step for m in client.get_metric_history(found.info.run_id, "test/accuracy")}
+    assert {e["samples"] for e in summary["evals"]} <= steps and max(steps) == summary["samples"]

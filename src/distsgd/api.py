@@ -360,10 +360,11 @@ def _loggers(cfg: RunConfig, out: Path | None) -> list[Sink]:
     made: list[Sink] = []
     if "csv" in cfg.loggers:
         made.append(CsvWriter(out / "metrics.csv"))
+    in_place = bool(cfg.resume) and Path(str(cfg.resume)).resolve() == out.resolve()  # goes on in its logger runs
     for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
         if name in cfg.loggers:
             try:
-                made.append(kind(out, out.name, config))
+                made.append(kind(out, out.name, config, resumed=in_place))
             except Exception as exc:  # its settings (WANDB_MODE, MLFLOW_TRACKING_URI), its store: one line
                 said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
                 raise ConfigError(f"--logger {name} could not start its run: {said[:400]}") from None

@@ -152,20 +152,28 @@ class WandbWriter:
     run folder under ``<out>/wandb`` that ``wandb sync`` uploads later (no network meanwhile);
     ``WANDB_PROJECT`` names the project (default ``distsgd``). The x axis is ``samples`` (a metric
     every figure is plotted against, as TensorBoard's step), since the events of several reporting
-    workers (Hogwild!, a parameter server) need not come in order of W&B's own step."""
+    workers (Hogwild!, a parameter server) need not come in order of W&B's own step. A run
+    resumed in place (``--resume`` into its own directory) goes on in the W&B run it started: the
+    same id (a second offline folder of it, which ``wandb sync`` adds to the first), its changed
+    settings updated in the config."""
 
-    def __init__(self, out: Path, name: str, config: dict[str, Any]) -> None:
+    def __init__(self, out: Path, name: str, config: dict[str, Any], resumed: bool = False) -> None:
         import wandb
 
         self.out = out
+        earlier = self.earlier_id(out) if resumed else None
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "distsgd",
             name=name,
             dir=str(out),
-            config=config,
+            config=config if earlier is None else None,
             mode=os.environ.get("WANDB_MODE") or "offline",  # type: ignore[arg-type]
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            id=earlier,
+            resume="allow" if earlier is not None else None,
         )
+        if earlier is not None:
+            self.run.config.update(config, allow_val_change=True)
         self.run.define_metric("samples")
         self.run.define_metric("*", step_metric="samples")
 
@@ -176,6 +184,16 @@ class WandbWriter:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(_summary_figures(summary))
+
+    @staticmethod
+    def earlier_id(out: Path) -> str | None:
+        """The id of the W&B run this run directory's last run wrote (its folder,
+        ``[offline-]run-<time>-<id>[-k]``), or None."""
+        folders = sorted(p.name for p in (out / "wandb").glob("*run-*-*") if p.is_dir())
+        if not folders:
+            return None
+        parts = folders[-1].split("-")
+        return parts[3] if parts[0] == "offline" else parts[2]
 
     def close(self) -> None:
         self.run.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)  # a run that failed says so
@@ -188,10 +206,15 @@ class MlflowWriter:
     store ``MLFLOW_TRACKING_URI`` names or else ``<out>/mlflow.db`` (SQLite, the store MLflow
     recommends since its file store went into maintenance: ``mlflow ui --backend-store-uri
     sqlite:///<out>/mlflow.db`` reads it); ``MLFLOW_EXPERIMENT_NAME`` names the experiment
-    (default ``distsgd``)."""
+    (default ``distsgd``). The run is tagged with its directory (``distsgd.out``): a run resumed in
+    place goes on in it (its status RUNNING again, its metrics continued at their samples);
+    MLflow's params cannot change, so a setting the resumed run changed is a tag
+    ``distsgd.resumed.<name>`` (the latest value), and a new one a param."""
 
-    def __init__(self, out: Path, name: str, config: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+    OUT_TAG = "distsgd.out"
+
+    def __init__(self, out: Path, name: str, config: dict[str, Any], resumed: bool = False) -> None:
+        from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
         self.out = out
@@ -200,10 +223,28 @@ class MlflowWriter:
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "distsgd"
         found = self.client.get_experiment_by_name(experiment)
         exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(config.items()) if v is not None]
+        where = str(out.resolve())
+        earlier = (
+            self.client.search_runs(
+                [exp_id], f"tags.`{self.OUT_TAG}` = '{where}'", order_by=["attributes.start_time DESC"], max_results=1
+            )
+            if resumed and "'" not in where
+            else []
+        )
+        logged: dict[str, str] = {}
+        if earlier:
+            self.run_id = earlier[0].info.run_id
+            logged = dict(earlier[0].data.params)
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(exp_id, run_name=name, tags={self.OUT_TAG: where}).info.run_id
+        values = {k: str(v)[:6000] for k, v in sorted(config.items()) if v is not None}
+        params = [Param(k, v) for k, v in values.items() if k not in logged]
+        changed = [RunTag(f"distsgd.resumed.{k}", v) for k, v in values.items() if k in logged and logged[k] != v]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
+        if changed:
+            self.client.log_batch(self.run_id, tags=changed)
 
     def emit(self, event: dict[str, Any]) -> None:
         from mlflow.entities import Metric
