@@ -72,18 +72,25 @@ def test_a_stream_trains_in_distsgd_train_each_item_by_one_worker(tmp_path, monk
     """201 items, 2 workers, 2 passes: items 0-199 trained twice each (once a pass), by the worker
     whose column they are in (ids of one parity per process); item 200, a row of one, by none,
     so that both workers take as many steps (under allreduce one more would meet the other's
-    final average)."""
+    final average). Each worker's 2 loader processes read it all and keep their halves of its part."""
     monkeypatch.setenv("SEEN", str(tmp_path))
     r = distsgd.train(
-        model=Recorder, data=(Stream(201), held_out()), algo=algo, workers=2, epochs=2, batch_size=16, lr=0.1
+        model=Recorder,
+        data=(Stream(201), held_out()),
+        algo=algo,
+        workers=2,
+        epochs=2,
+        batch_size=16,
+        lr=0.1,
+        loader_workers=2,  # each worker's part split again between its 2 loader processes
     )
     by_process = seen(tmp_path)
     ids = [i for batches in by_process.values() for b in batches for i in b]
     assert Counter(ids) == {i: 2 for i in range(200)}, sorted(set(range(201)) - set(ids))
     assert sorted(sorted({i % 2 for b in batches for i in b}) for batches in by_process.values()) == [[0], [1]]
     assert r.summary["samples"] == 400 and r.summary["final_test_accuracy"] > 0.6, r.summary
-    if algo == "allreduce":  # lockstep: as many steps each, the last one of each pass partial (100 = 6 x 16 + 4)
-        assert sorted(len(b) for batches in by_process.values() for b in batches) == [4] * 4 + [16] * 24
+    if algo == "allreduce":  # lockstep: as many steps each; a pass's 100 items, 50 a loader process (3 x 16 + 2)
+        assert sorted(len(b) for batches in by_process.values() for b in batches) == [2] * 8 + [16] * 24
 
 
 def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path) -> None:
