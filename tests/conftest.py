@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests run in parallel (pytest-xdist's processes, ``-n`` in pyproject.toml), except those
+    marked ``alone`` (they read the machine's load): one of them waits until the tests running
+    now have ended, and none starts while it runs. A lock file shared by the session's processes,
+    held shared by every other test, exclusively by an ``alone`` one; a gate in front of it so
+    that the tests that keep coming cannot keep an ``alone`` one waiting."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    import fcntl
+
+    folder = tmp_path_factory.getbasetemp().parent  # the session's, above each process's own
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(folder / "gate.lock", "a") as gate, open(folder / "machine.lock", "a") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

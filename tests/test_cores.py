@@ -20,6 +20,9 @@ from distsgd.launch import cores as cores_mod
 from helpers import run_cli
 
 pytest.importorskip("sklearn")
+# they read the machine's load: run while no other test does (conftest's _the_machine); the wait for
+# the tests running then is part of their time
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(600)]
 
 
 @contextmanager

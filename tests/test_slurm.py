@@ -30,6 +30,9 @@ from conftest import reap
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
 
+# one real SLURM cluster at a time (its files and ports are fixed): every test of it in one xdist process
+pytestmark = pytest.mark.xdist_group("slurm")
+
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 
