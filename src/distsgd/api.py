@@ -42,7 +42,7 @@ from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, from_hf_st
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm
-from distsgd.launch import cores, procs, slurm
+from distsgd.launch import cores, environment, procs
 from distsgd.launch.rendezvous import group_host, launched, place
 from distsgd.metrics import (
     CsvWriter,
@@ -200,9 +200,11 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
 
 
 def default_out(algo: str, beside: Path | None = None) -> Path:
-    """``runs/<timestamp>-<algo>`` (in an srun step, ``runs/slurm-<job>.<step>-<algo>``, the same in
-    every task and when the job is requeued); with ``beside`` (a run directory), in the folder that holds it."""
-    stamp = slurm.run_name() or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """``runs/<timestamp>-<algo>`` (where the launcher names the run, its name: in an srun step,
+    ``runs/slurm-<job>.<step>-<algo>``, in a Kubeflow PyTorchJob ``runs/kubeflow-<job>-<algo>``, the
+    same in every rank and when it is started again); with ``beside`` (a run directory), in the
+    folder that holds it."""
+    stamp = environment.detect().run_name or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return (Path("runs") if beside is None else Path(os.path.relpath(beside.resolve().parent))) / f"{stamp}-{algo}"
 
 
@@ -249,9 +251,11 @@ def _run(
     code: dict[str, Any] | None,
     evaluate: Callable | None,
 ) -> TrainResult:
-    slurm.adopt()  # a task of an srun step of several joins the group as a torchrun process does
-    torchrun = launched()  # one rank of a group torchrun or Ray Train formed
-    cfg, algo_cls = settle(cfg, torchrun)
+    where = environment.detect()  # who this process is: its own launcher, or a rank of one's group
+    if where.launched:
+        where.adopt(os.environ)  # torchrun's variables (an srun task's, a Kubeflow pod's local ones)
+    torchrun = launched()  # one rank of a group torchrun, SLURM, Kubeflow or Ray Train formed
+    cfg, algo_cls = settle(cfg, torchrun, where)
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     _require_extras(cfg, tb_dir)
@@ -418,7 +422,9 @@ def _only(settings: dict[str, Any], *names: str) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k in names}
 
 
-def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
+def settle(
+    cfg: RunConfig, torchrun: bool, where: environment.Environment | None = None
+) -> tuple[RunConfig, type[Algorithm]]:
     """The settings a run will use, and its algorithm class: its options (none of another
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
@@ -446,13 +452,7 @@ def settle(cfg: RunConfig, torchrun: bool) -> tuple[RunConfig, type[Algorithm]]:
     if cfg.cuda_graphs and (why := graphs_refusal(cfg, device.kind(cfg.device))) is not None:
         raise ConfigError(f"--cuda-graphs: {why}")
     cfg = cfg.replace(options=opts.to_mapping())
-    again = (
-        "torchrun restarted the group"
-        if torchrun and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        else "SLURM requeued the job"
-        if slurm.restarted()
-        else None
-    )
+    again = where.restarted if where is not None else None  # torchrun restarted, SLURM requeued
     if again and cfg.out and not cfg.resume and read_manifest(Path(cfg.out)) is not None:
         log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         cfg = cfg.replace(resume=cfg.out)

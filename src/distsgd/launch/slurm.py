@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from distsgd.errors import ConfigError
 from distsgd.launch.rendezvous import formed_group
@@ -77,19 +77,19 @@ def tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def in_step(env: MutableMapping[str, str]) -> bool:
+def in_step(env: Mapping[str, str]) -> bool:
     """This process is a task srun started: a step's, not the batch script or an allocation's shell."""
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
     return "SLURM_PROCID" in env and step.isdigit() and int(step) < FIRST_SPECIAL_STEP
 
 
-def several_tasks(env: MutableMapping[str, str]) -> bool:
+def several_tasks(env: Mapping[str, str]) -> bool:
     """This process is one of an srun step's tasks, and there are others (torchrun's are torchrun's)."""
     world = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", ""))
     return "TORCHELASTIC_RUN_ID" not in env and in_step(env) and not (world.isdigit() and int(world) < 2)
 
 
-def torchrun_contract(env: MutableMapping[str, str]) -> dict[str, str] | None:
+def torchrun_contract(env: Mapping[str, str]) -> dict[str, str] | None:
     """torchrun's variables for this srun task, from SLURM's; None for a process that is not one
     task of several. One ConfigError line for SLURM variables that disagree."""
     if not several_tasks(env):
@@ -155,13 +155,13 @@ def adopt(env: MutableMapping[str, str] = os.environ) -> bool:
     return True
 
 
-def restarted(env: MutableMapping[str, str] = os.environ) -> bool:
+def restarted(env: Mapping[str, str] = os.environ) -> bool:
     """SLURM requeued this job (``SLURM_RESTART_COUNT`` > 0): it runs again from the start."""
     count = env.get("SLURM_RESTART_COUNT", "0")
     return count.isdigit() and int(count) > 0
 
 
-def run_name(env: MutableMapping[str, str] = os.environ) -> str | None:
+def run_name(env: Mapping[str, str] = os.environ) -> str | None:
     """``slurm-JOB.STEP`` for a task of an srun step of several: the same in every task, and again
     when the job is requeued, where a timestamp differs between tasks (and attempts). None elsewhere
     (a one-task step, ``srun --pty bash``, runs one distsgd after another)."""
@@ -170,13 +170,13 @@ def run_name(env: MutableMapping[str, str] = os.environ) -> str | None:
     return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID'))}"
 
 
-def _given(env: MutableMapping[str, str], name: str) -> str:
+def _given(env: Mapping[str, str], name: str) -> str:
     if not env.get(name):
         raise ConfigError(f"{name} is not set in this srun task: is this a SLURM job step?")
     return env[name]
 
 
-def _number(env: MutableMapping[str, str], name: str) -> int:
+def _number(env: Mapping[str, str], name: str) -> int:
     text = _given(env, name)
     if not text.isdigit():
         raise ConfigError(f"{name}={text} is not a number")

@@ -1,0 +1,137 @@
+"""Launch environments (launch/environment.py), Kubeflow's PyTorchJob among them: a pod is told
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and nothing of local ranks. Before, distsgd took two
+such pods for torchrun's two ranks on one machine: half the cores each, and gloo where NCCL was due."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distsgd.config import cores
+from distsgd.errors import ConfigError
+from distsgd.launch import environment
+from distsgd.launch.rendezvous import free_port
+
+pytest.importorskip("sklearn")
+
+LAUNCHERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def pod(rank: int, world: int = 2, master: str = "127.0.0.1", port: int = 23456) -> dict[str, str]:
+    """A PyTorchJob replica's variables (the training operator's, as `kubectl describe pod` shows them)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def test_each_launcher_is_told_from_its_variables() -> None:
+    kubeflow = environment.detect(pod(1, master="mnist-master-0"))
+    assert isinstance(kubeflow, environment.Kubeflow)
+    assert (kubeflow.rank, kubeflow.world_size, kubeflow.local_rank, kubeflow.local_world_size) == (1, 2, 0, 1)
+    assert kubeflow.run_name == "kubeflow-mnist" and kubeflow.launched
+    torchrun = environment.detect({**pod(1), "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})
+    assert isinstance(torchrun, environment.Torchrun) and torchrun.local_world_size == 2
+    assert torchrun.restarted is None
+    assert environment.detect({**pod(0), "LOCAL_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}).restarted
+    local = environment.detect({})
+    assert isinstance(local, environment.Local) and not local.launched
+    with pytest.raises(ConfigError, match="RANK=2 is not one of WORLD_SIZE=2 ranks"):
+        environment.detect(pod(2)).contract()
+    with pytest.raises(ConfigError, match="RANK=one is not a number"):
+        environment.detect({**pod(0), "RANK": "one"}).contract()
+
+
+def test_a_pods_local_ranks_are_written_where_it_left_them_out() -> None:
+    env = pod(1)
+    environment.detect(env).adopt(env)
+    assert env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"
+
+
+def _pods(tmp_path: Path, args: list[str], extra: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Two pods of a PyTorchJob, each `python -m distsgd ARGS` with its replica's variables (and
+    none of a launcher's it might inherit), run to their end."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHERS and not k.startswith(("TORCHELASTIC", "SLURM"))}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "distsgd", *args],
+            env={**base, **pod(r, port=port), **(extra or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for r in range(2)
+    ]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+DIGITS = ["train", "--dataset", "digits", "--model", "mlp", "--algo", "allreduce", "--lr", "0.05"]
+
+
+@pytest.mark.slow
+def test_two_kubeflow_pods_train_as_two_machines(tmp_path: Path) -> None:
+    """Each pod a machine of its own: all its cores for its one worker (cores / 2 each before)."""
+    out = tmp_path / "run"
+    pods = _pods(tmp_path, [*DIGITS, "--max-samples", "1280", "--out", str(out), "--quiet"])
+    assert [p.returncode for p in pods] == [0, 0], pods[0].stderr[-2000:] + pods[1].stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["samples"] == 1280
+    assert summary["threads_per_worker"] == cores()
+
+
+KILLED_ONCE = '''
+import os, signal
+from pathlib import Path
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """An MLP whose pod KILL_RANK is SIGKILLed at its 12th step, the first time only (FIRST: a file
+    made then): Kubeflow tells a restarted pod nothing."""
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and os.environ["RANK"] == os.environ["KILL_RANK"] and not Path(os.environ["FIRST"]).exists():
+            self.calls += 1
+            if self.calls == 12:
+                Path(os.environ["FIRST"]).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+
+@pytest.mark.slow
+def test_kubeflow_pods_started_again_resume_from_their_checkpoint(tmp_path: Path) -> None:
+    """A pod killed mid-run (its peer's group breaks, and it fails too); both start their command
+    again, as restartPolicy OnFailure does, and resume from the checkpoint in their run directory."""
+    (tmp_path / "killed.py").write_text(KILLED_ONCE)
+    out = tmp_path / "run"
+    args = [
+        *DIGITS[:3], "--model", f"{tmp_path / 'killed.py'}:Net", *DIGITS[5:],
+        "--max-samples", "2560", "--checkpoint-every", "320", "--out", str(out),
+    ]  # fmt: skip
+    extra = {"KILL_RANK": "1", "FIRST": str(tmp_path / "first"), "OMP_NUM_THREADS": "1"}
+    first = _pods(tmp_path, args, extra)
+    assert first[1].returncode != 0 and first[0].returncode != 0, first[0].stderr[-2000:]
+    again = _pods(tmp_path, args, extra)
+    assert [p.returncode for p in again] == [0, 0], again[0].stderr[-2000:] + again[1].stderr[-2000:]
+    assert "a Kubeflow pod started again: resuming from the checkpoint" in again[0].stderr
+    assert json.loads((out / "summary.json").read_text())["samples"] >= 2560  # (an epoch's partial batch: 2588)
