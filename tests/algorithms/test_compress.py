@@ -193,3 +193,28 @@ def test_resumed_state_follows_the_model_to_its_device(group_of_one, algo: str, 
 
     floats = [t for t in tensors(resumed.state_dict()) if t.is_floating_point()]
     assert floats and all(t.device.type == "meta" for t in floats), [t.device for t in floats]
+
+
+class BF16(compress.Compressor):
+    """docs/ARCHITECTURE.md's "Adding a compressor": bfloat16 on the wire, as fp16 is."""
+
+    def allreduce_mean_(self, tensors: list[torch.Tensor], world: int) -> int:
+        from distsgd.algorithms.averaging import flatten, unflatten_into
+
+        flat = flatten(tensors).to(torch.bfloat16).div_(world)
+        if world > 1:
+            torch.distributed.all_reduce(flat)
+        unflatten_into(flat.to(tensors[0].dtype), tensors)
+        return flat.numel() * flat.element_size()
+
+
+def test_a_compressor_is_one_entry_of_the_table(monkeypatch: pytest.MonkeyPatch, group_of_one) -> None:
+    """The walk-through in docs/ARCHITECTURE.md, kept true: one entry makes --compress take it,
+    its errors name it, and make() builds it."""
+    monkeypatch.setitem(compress.METHODS, "bf16", compress.Method(lambda _: BF16()))
+    assert compress.parse("bf16") == ("bf16", 0)
+    with pytest.raises(distsgd.ConfigError, match=r"must be none, fp16, powersgd\[:RANK\] or bf16, got 'bf16:2'"):
+        compress.parse("bf16:2")
+    tensors = [torch.ones(3, 4), torch.full((5,), 2.0)]
+    sent = compress.make("bf16").allreduce_mean_(tensors, world=1)
+    assert sent == 17 * 2 and torch.equal(tensors[1], torch.full((5,), 2.0))

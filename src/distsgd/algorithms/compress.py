@@ -21,6 +21,7 @@ the bytes it handed to all-reduce (the caller turns them into bytes sent).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +39,29 @@ MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it save
 
 
 def parse(text: str) -> tuple[str, int]:
-    """``none``, ``fp16``, ``powersgd`` or ``powersgd:R`` -> (kind, rank)."""
-    kind, _, rank_text = text.partition(":")
-    if kind not in ("none", "fp16", "powersgd") or (rank_text and kind != "powersgd"):
-        raise ConfigError(f"--compress must be none, fp16 or powersgd[:RANK], got '{text}'")
+    """A ``--compress`` value (a method of :data:`METHODS`, ``:N`` after it where the method takes
+    a number) -> (method, its number: the method's default where not given, 0 where it takes none)."""
+    kind, colon, number_text = text.partition(":")
+    method = METHODS.get(kind)
+    if method is None or (colon and method.number is None):
+        raise ConfigError(f"--compress must be {_spelled()}, got '{text}'")
+    if method.number is None:
+        return kind, 0
     try:
-        rank = int(rank_text) if rank_text else 2
+        number = int(number_text) if colon else method.default
     except ValueError:
-        rank = 0
-    if rank < 1:
-        raise ConfigError(f"--compress powersgd:RANK needs a rank of at least 1, got '{rank_text}'")
-    return kind, rank
+        number = 0
+    if number < 1:
+        raise ConfigError(
+            f"--compress {kind}:{method.number} needs a {method.number.lower()} of at least 1, got '{number_text}'"
+        )
+    return kind, number
+
+
+def _spelled() -> str:
+    """The methods as --compress takes them: ``none, fp16 or powersgd[:RANK]``."""
+    names = [f"{k}[:{m.number}]" if m.number else k for k, m in METHODS.items()]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def _checked(text: str | int | float) -> str:
@@ -256,6 +269,25 @@ def _orthogonalize(m: torch.Tensor) -> None:
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
 
 
+@dataclass(frozen=True)
+class Method:
+    """A ``--compress`` method: how to make its :class:`Compressor` from its number (a rank, say;
+    0 where it takes none), the number's name in the flag (``RANK``: ``powersgd:RANK``) and default."""
+
+    make: Callable[[int], Compressor]
+    number: str | None = None
+    default: int = 0
+
+
+# --compress's methods: adding one is a Compressor subclass and one entry (docs/ARCHITECTURE.md)
+METHODS: dict[str, Method] = {
+    "none": Method(lambda _: Compressor()),
+    "fp16": Method(lambda _: FP16()),
+    "powersgd": Method(PowerSGD, number="RANK", default=2),
+}
+
+
 def make(text: str) -> Compressor:
-    kind, rank = parse(text)
-    return {"none": Compressor, "fp16": FP16}[kind]() if kind != "powersgd" else PowerSGD(rank)
+    """The compressor a ``--compress`` value names."""
+    kind, number = parse(text)
+    return METHODS[kind].make(number)
