@@ -9,6 +9,7 @@ import pytest
 from distsgd import config
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
+from distsgd.train import device
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
@@ -112,9 +113,9 @@ def test_validation(changes: dict, message: str) -> None:
 
 
 def test_threads_per_worker_default() -> None:
-    assert config.threads_per_worker(RunConfig(workers=1)) == max(1, config.cores())
-    assert config.threads_per_worker(RunConfig(workers=64)) == 1
-    assert config.threads_per_worker(RunConfig(threads_per_worker=3)) == 3
+    assert device.threads_per_worker(RunConfig(workers=1)) == max(1, config.cores())
+    assert device.threads_per_worker(RunConfig(workers=64)) == 1
+    assert device.threads_per_worker(RunConfig(threads_per_worker=3)) == 3
 
 
 def test_structured_strings_are_parsed_once_into_typed_values() -> None:

@@ -126,7 +126,10 @@ def test_hf_diloco_example() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("clusters")  # Ray's ports: never beside test_slurm's srun steps
 def test_ray_train_example(tmp_path: Path) -> None:
+    from conftest import reap
+
     pytest.importorskip("ray", reason="examples/ray_train.py needs Ray: pip install 'distsgd[ray]'")
     script = [sys.executable, str(EXAMPLES / "ray_train.py"), "--cpus-per-worker", "0.5", "--storage", str(tmp_path)]
     res = _run(script, ROOT)
@@ -135,6 +138,8 @@ def test_ray_train_example(tmp_path: Path) -> None:
     assert accuracy > 0.7, res.stdout
     run = Path(re.search(r"the run directory: (\S+)", res.stdout).group(1))  # rank 0's, kept by Ray
     assert json.loads((run / "summary.json").read_text())["workers"] == 2 and (run / "model.pt").is_file()
+    left = reap(30)  # Ray's daemons end by themselves after the script, in seconds (longer beside other tests)
+    assert not left, f"processes left behind by the example's Ray cluster: {left}"
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ evaluations and checkpoints, against the rules as the papers and the docs state 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from distsgd.config import Period, Periodic
+from distsgd.config import Period
+from distsgd.schedule import Periodic
 
 
 def fired(schedule: Periodic, counts: list[int]) -> list[int]:

@@ -30,8 +30,9 @@ from conftest import reap
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
 
-# one real SLURM cluster at a time (its files and ports are fixed): every test of it in one xdist process
-pytestmark = pytest.mark.xdist_group("slurm")
+# one real SLURM cluster at a time, and never beside Ray (whose workers listen on ports 10002-19999,
+# where an srun step's MASTER_PORT lies): every test of it in one xdist process, with Ray's tests
+pytestmark = pytest.mark.xdist_group("clusters")
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from distsgd.errors import BadField, ConfigError
+from distsgd.errors import ConfigError
 from distsgd.options import (
     at_least,
     check_value,
@@ -63,60 +63,6 @@ class Period:
     @property
     def each_epoch(self) -> bool:
         return self.count is None
-
-
-class Periodic:
-    """A :class:`Period`'s schedule: due when a count reaches or passes ``first``, ``first + every``,
-    ``first + 2 every``, ... (``first`` defaults to ``every``), once however many points it passed.
-    Steps advance by one, so an algorithm synchronises exactly after steps H, 2H, ...; samples
-    advance by a batch, so an evaluation comes at the first count past each multiple of N.
-    ``every`` None (each epoch's end) is never due. It also keeps whether steps were taken since
-    the last synchronisation (``pending``: the last, partial period an algorithm owes at the end)."""
-
-    def __init__(self, every: int | None, first: int | None = None) -> None:
-        if every is not None and every < 1:
-            raise ConfigError(f"a period must be at least 1, got {every}")
-        self.every = every
-        self.next = None if every is None else every if first is None else first  # the next point
-        self.pending = False
-
-    @classmethod
-    def of(cls, period: Period, first: int | None = None) -> "Periodic":
-        return cls(period.count, first)
-
-    @property
-    def each_epoch(self) -> bool:
-        return self.every is None
-
-    def due(self, count: int) -> bool:
-        """Whether ``count`` (the loop's step number, all workers' samples, ...) reached the next
-        point; if it did, the next point is the first one past ``count``."""
-        if self.every is None or self.next is None or count < self.next:
-            return False
-        self.next += ((count - self.next) // self.every + 1) * self.every
-        return True
-
-    def stepped(self) -> None:
-        """A step was taken: a synchronisation is owed, at the next point or at the end."""
-        self.pending = True
-
-    def synced(self) -> None:
-        self.pending = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next": self.next, "pending": self.pending}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        nxt, pending = state["next"], state["pending"]
-        if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
-            raise BadField("next", nxt, "a whole number >= 0, or none")
-        if not isinstance(pending, bool):
-            raise BadField("pending", pending, "true or false")
-        if self.every is not None and nxt is not None:  # (saved each epoch, now every N: from the first N on)
-            self.next = nxt
-        elif self.every is None:
-            self.next = None
-        self.pending = pending
 
 
 @dataclass(frozen=True)
@@ -528,35 +474,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-
-
-CHOSEN_THREADS = "DISTSGD_CHOSEN_THREADS"  # the launcher's choice for its workers (launch.cores sets it)
-
-
-def threads_per_worker(cfg: RunConfig) -> int:
-    """``--threads-per-worker``; unset, the launcher's choice from the cores other processes left
-    (``launch.cores``), or else this node's cores shared by its workers."""
-    if cfg.threads_per_worker is not None:
-        return cfg.threads_per_worker
-    chosen = os.environ.get(CHOSEN_THREADS, "")
-    if chosen.isdigit() and int(chosen) > 0:
-        return int(chosen)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
-    return max(1, cores() // local)
-
-
-def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
-    """Samples (all workers') between evaluations: ``--eval-every``; unset, None (each epoch's end)
-    for a run of at least :data:`EVALS` epochs, else its planned samples over :data:`EVALS`, so a
-    short run draws a curve too. ``per_epoch``: all workers' samples in an epoch (0: a stream's, not
-    known; then --max-samples over :data:`EVALS`, or each pass's end). Worked out where
-    it is used, not written back into the settings: a re-run with another budget gets its own."""
-    if cfg.eval_every is not None:
-        return cfg.eval_every
-    if not per_epoch:  # a stream, whose epochs' length is not known: its budget's, else each pass's end
-        return None if cfg.max_samples is None else max(1, math.ceil(cfg.max_samples / EVALS))
-    planned = cfg.max_samples if cfg.max_samples is not None else cfg.epochs * per_epoch
-    return None if planned >= EVALS * per_epoch else max(1, math.ceil(planned / EVALS))
 
 
 SETTLED = tuple(f.name for f in fields(RunConfig) if f.metadata.get("unset") is not None)

@@ -18,12 +18,13 @@ from torch import nn
 
 from distsgd import config as config_mod
 from distsgd import user
-from distsgd.config import RunConfig, threads_per_worker, validate
+from distsgd.config import RunConfig, validate
 from distsgd.data import Dataset, TrainingData, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import CheckpointError, ConfigError, DataError, ModelError
 from distsgd.metrics import Sink, first_reaching, lm_figures
 from distsgd.models import ModelSpec, build_model, describe
+from distsgd.train import device
 from distsgd.train.context import Job, WorkerResult
 from distsgd.train.evaluate import eval_event
 from distsgd.train.objective import loss_function
@@ -121,7 +122,7 @@ def build_summary(
             {k: e[k] for k in ("samples", "train_wall_s", "test_accuracy", "test_loss", "test_perplexity") if k in e}
             for e in chief.evals
         ],  # a language model's evaluations carry their perplexity
-        "threads_per_worker": threads_per_worker(cfg),
+        "threads_per_worker": device.threads_per_worker(cfg),
         **_where(results, cfg),
         "compile": cfg.compile,
         "torch_version": torch.__version__,

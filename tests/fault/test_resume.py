@@ -141,7 +141,7 @@ def test_previous_checkpoint_stays_until_the_new_one_is_whole(tmp_path) -> None:
 def test_a_saved_piece_without_a_key_it_reads_is_one_checkpoint_error() -> None:
     """A checkpoint whose pieces lack what this version reads (an older version's layout: a period
     that kept "pending" but not its "next" point) is one CheckpointError naming what is missing, not a KeyError."""
-    from distsgd.config import Periodic
+    from distsgd.schedule import Periodic
 
     with pytest.raises(CheckpointError, match=r"no 'next' in its 'period' part: it was written by an older"):
         checkpoint.scatter({"period": Periodic(4)}, {"period": {"pending": True}})

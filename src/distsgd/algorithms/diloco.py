@@ -49,9 +49,10 @@ from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.algorithms.periodic import period_option
 from distsgd.checkpoint import count
-from distsgd.config import OPTIMIZERS, Period, Periodic, RunConfig
+from distsgd.config import OPTIMIZERS, Period, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
+from distsgd.schedule import Periodic
 from distsgd.train.context import Start, Step, WorkerContext
 from distsgd.train.optim import build_optimizer
 

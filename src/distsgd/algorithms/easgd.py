@@ -47,9 +47,10 @@ from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_b
 from distsgd.algorithms.base import Algorithm, GroupAlgorithm, GroupFigures, Topology, register
 from distsgd.algorithms.param_server.rules import Elastic
 from distsgd.algorithms.param_server.worker import ServerAlgorithm, ServerTopology
-from distsgd.config import Periodic, RunConfig
+from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
+from distsgd.schedule import Periodic
 from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 

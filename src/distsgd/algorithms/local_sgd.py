@@ -37,9 +37,10 @@ from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, aver
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.algorithms.periodic import period_option
 from distsgd.checkpoint import count
-from distsgd.config import Period, Periodic, RunConfig
+from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
+from distsgd.schedule import Periodic
 from distsgd.train.context import Start, Step, WorkerContext
 
 

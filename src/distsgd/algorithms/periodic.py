@@ -1,5 +1,5 @@
 """The option an algorithm synchronises by, ``--sync-every H|epoch``: a :class:`~distsgd.config.Period`
-of steps, whose schedule (:class:`~distsgd.config.Periodic`) says when a synchronisation is due; the
+of steps, whose schedule (:class:`~distsgd.schedule.Periodic`) says when a synchronisation is due; the
 algorithm keeps how it is made, as torch's ``model_averaging`` keeps ``PeriodicModelAverager`` apart
 from ``average_parameters``.
 """

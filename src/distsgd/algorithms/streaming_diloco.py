@@ -58,9 +58,10 @@ from distsgd.algorithms.base import GroupFigures, register
 from distsgd.algorithms.diloco import InnerOuter, OuterOptions
 from distsgd.algorithms.periodic import period_option
 from distsgd.checkpoint import count
-from distsgd.config import Period, Periodic, RunConfig
+from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
+from distsgd.schedule import Periodic
 from distsgd.train.context import Start, Step, WorkerContext
 
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -21,7 +21,8 @@ import os
 import time
 from collections.abc import Iterator
 
-from distsgd.config import CHOSEN_THREADS, RunConfig, cores
+from distsgd.config import RunConfig, cores
+from distsgd.train.device import CHOSEN_THREADS
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 
+from distsgd.config import RunConfig, cores
 from distsgd.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -195,7 +197,24 @@ def describe(device: torch.device, precision: str) -> dict[str, Any]:
     return out
 
 
+CHOSEN_THREADS = "DISTSGD_CHOSEN_THREADS"  # the launcher's choice for its workers (launch.cores sets it)
+
+
+def threads_per_worker(cfg: RunConfig) -> int:
+    """``--threads-per-worker``; unset, the launcher's choice from the cores other processes left
+    (``launch.cores``), or else this node's cores shared by its workers."""
+    if cfg.threads_per_worker is not None:
+        return cfg.threads_per_worker
+    chosen = os.environ.get(CHOSEN_THREADS, "")
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
+    return max(1, cores() // local)
+
+
 __all__ = [
+    "CHOSEN_THREADS",
+    "threads_per_worker",
     "PRECISIONS",
     "cuda_count",
     "kind",

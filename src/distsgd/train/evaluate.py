@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable
 
@@ -12,10 +13,11 @@ from torch import nn
 
 from distsgd.callbacks import stops
 from distsgd.checkpoint import count, evaluations, of_type, seconds
-from distsgd.config import Periodic, eval_period
+from distsgd.config import EVALS, RunConfig
 from distsgd.data import TrainingData
 from distsgd.metrics import Sink, TrainClock, lm_figures
 from distsgd.models import logits_of
+from distsgd.schedule import Periodic
 from distsgd.train import device
 from distsgd.train.context import Job
 from distsgd.train.objective import loss_function
@@ -57,7 +59,7 @@ class Watcher:
 
     ``state()`` gives a consistent copy of the model now (in host memory: the watcher keeps one per
     evaluation point), evaluated on ``device``. Every ``eval_every`` samples (default:
-    :func:`~distsgd.config.eval_period`) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
+    :func:`eval_period`) :meth:`observe` files a copy, evaluated after training (:meth:`finish`) so that
     evaluation takes no CPU from the workers; with ``stop_at_target`` the copy is evaluated at once,
     to know when to stop. ``pause_to_copy``: the trainers wait while the copy is taken (the server's
     lock), so the clock stops meanwhile; so it does while ``hold`` holds them. Trainers that nothing
@@ -188,6 +190,20 @@ class Watcher:
             for s in snapshots
         ]
         self.earlier_s = seconds(state, "train_wall_s")
+
+
+def eval_period(cfg: RunConfig, per_epoch: int) -> int | None:
+    """Samples (all workers') between evaluations: ``--eval-every``; unset, None (each epoch's end)
+    for a run of at least :data:`EVALS` epochs, else its planned samples over :data:`EVALS`, so a
+    short run draws a curve too. ``per_epoch``: all workers' samples in an epoch (0: a stream's, not
+    known; then --max-samples over :data:`EVALS`, or each pass's end). Worked out where
+    it is used, not written back into the settings: a re-run with another budget gets its own."""
+    if cfg.eval_every is not None:
+        return cfg.eval_every
+    if not per_epoch:  # a stream, whose epochs' length is not known: its budget's, else each pass's end
+        return None if cfg.max_samples is None else max(1, math.ceil(cfg.max_samples / EVALS))
+    planned = cfg.max_samples if cfg.max_samples is not None else cfg.epochs * per_epoch
+    return None if planned >= EVALS * per_epoch else max(1, math.ceil(planned / EVALS))
 
 
 def eval_event(

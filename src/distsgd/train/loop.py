@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import torch
 
 from distsgd.checkpoint import RngState, optimizer_layout, scatter
-from distsgd.config import eval_period
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.train import device
 from distsgd.train.context import Start, WorkerContext, WorkerResult
-from distsgd.train.evaluate import equal_states, evaluate, snapshot
+from distsgd.train.evaluate import equal_states, eval_period, evaluate, snapshot
 from distsgd.train.graphs import GraphedSteps
 from distsgd.train.objective import loss_function
 from distsgd.train.own_loop import LoopState, Run, run_own_loop

@@ -55,12 +55,12 @@ from distsgd.checkpoint import (
     scatter,
     seconds,
 )
-from distsgd.config import Periodic, threads_per_worker
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
 from distsgd.errors import ConfigError, loop_failure, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
+from distsgd.schedule import Periodic
 from distsgd.train import device
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
@@ -206,7 +206,7 @@ class Run:
             if cfg.max_samples is None or not self.global_per_epoch
             else cfg.max_samples / self.global_per_epoch
         )
-        torch.set_num_threads(threads_per_worker(self.cfg))
+        torch.set_num_threads(device.threads_per_worker(self.cfg))
 
     # -- setting up ------------------------------------------------------------------------------
     def setup(self, *parts: Any, optimizer: Any = None) -> tuple[Any, ...]:

@@ -26,11 +26,11 @@ from distsgd.checkpoint import (
     scatter,
     worker_file,
 )
-from distsgd.config import Periodic
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError, Terminated
 from distsgd.metrics import Sink
 from distsgd.models import build_model
+from distsgd.schedule import Periodic
 from distsgd.train.context import Attendance, Figures, Job, WorkerResult
 from distsgd.train.evaluate import Watcher
 from distsgd.train.optim import build_optimizer
