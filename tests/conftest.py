@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -30,7 +31,11 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     marked ``alone`` (they read the machine's load): one of them waits until the tests running
     now have ended, and none starts while it runs. A lock file shared by the session's processes,
     held shared by every other test, exclusively by an ``alone`` one; a gate in front of it so
-    that the tests that keep coming cannot keep an ``alone`` one waiting."""
+    that the tests that keep coming cannot keep an ``alone`` one waiting. Tests marked
+    ``one_at_a_time(NAME)`` (a real SLURM's steps and Ray's clusters, whose ports collide) run
+    beside others, but never beside another of NAME. (pytest-xdist's ``xdist_group`` would do
+    that, but its loadgroup scheduling groups nothing under pytest 9.2: it renames ``_nodeid``,
+    which pytest no longer reads.)"""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
@@ -38,16 +43,16 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
     folder = tmp_path_factory.getbasetemp().parent  # the session's, above each process's own
     alone = request.node.get_closest_marker("alone") is not None
-    with open(folder / "gate.lock", "a") as gate, open(folder / "machine.lock", "a") as machine:
+    group = request.node.get_closest_marker("one_at_a_time")
+    with contextlib.ExitStack() as held:
+        gate, machine = (held.enter_context(open(folder / name, "a")) for name in ("gate.lock", "machine.lock"))
         fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
-            fcntl.flock(gate, fcntl.LOCK_UN)
+        if group is not None:
+            fcntl.flock(held.enter_context(open(folder / f"{group.args[0]}.lock", "a")), fcntl.LOCK_EX)
+        yield  # every lock is let go as its file closes
 
 
 @pytest.fixture(autouse=True)

@@ -169,4 +169,4 @@ def test_bench_says_how_far_a_configuration_is_while_it_trains(
     assert lines[0].startswith("[1/1] single x1 repeat 0: running") and "samples/s" in lines[-2], lines
     assert beats and len(beats) == len(lines) - 3, lines
     seen = [int(line.split(": ")[1].split()[0]) for line in beats]
-    assert seen == sorted(seen) and 0 < seen[-1] <= 40000, seen
+    assert seen == sorted(seen) and 0 < seen[-1] < 40000 + 64, seen  # the last step crosses the budget by < a batch

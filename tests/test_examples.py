@@ -126,7 +126,7 @@ def test_hf_diloco_example() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("clusters")  # Ray's ports: never beside test_slurm's srun steps
+@pytest.mark.one_at_a_time("clusters")  # Ray's ports: never beside test_slurm's srun steps
 def test_ray_train_example(tmp_path: Path) -> None:
     from conftest import reap
 

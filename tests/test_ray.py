@@ -24,7 +24,7 @@ from distsgd.launch.rendezvous import launched
 # Ray is imported by the tests alone: collecting the fast tier does not pay for its import (3 s)
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("clusters"),  # Ray's workers listen on ports 10002-19999, where SLURM's MASTER_PORT lies
+    pytest.mark.one_at_a_time("clusters"),  # Ray's workers listen on ports 10002-19999, where SLURM's MASTER_PORT lies
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="no Ray: pip install 'distsgd[ray]'"),
 ]
 HERE = Path(__file__).resolve().parent

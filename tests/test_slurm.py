@@ -31,8 +31,8 @@ from distsgd.errors import ConfigError
 from distsgd.launch import slurm
 
 # one real SLURM cluster at a time, and never beside Ray (whose workers listen on ports 10002-19999,
-# where an srun step's MASTER_PORT lies): every test of it in one xdist process, with Ray's tests
-pytestmark = pytest.mark.xdist_group("clusters")
+# where an srun step's MASTER_PORT lies): none of its tests beside another, or beside Ray's
+pytestmark = pytest.mark.one_at_a_time("clusters")
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
