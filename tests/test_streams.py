@@ -261,3 +261,41 @@ def test_a_streaming_hugging_face_dataset_trains_a_language_model(algo: str) -> 
     from distsgd.data import from_hf_stream
 
     assert torch.equal(from_hf_stream(streams, 16).test.tensors[0], mapped.x_test)
+
+
+def hf_items(n: int, shards: int):
+    """A streaming Hugging Face dataset of ``n`` dict items ``{"x": [id] * D, "y": id % 3}``."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"x": [[float(i)] * D for i in range(n)], "y": [i % 3 for i in range(n)]}
+    return datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=shards).with_format("torch")
+
+
+def hf_loop(run: distsgd.Run, folder: str) -> nn.Module:
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
+    seen = []
+    for batch in run.loader(hf_items(40, 4), batch_size=4, num_workers=2):
+        seen += batch["x"][:, 0].int().tolist()
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(batch["x"].float()), batch["y"]))
+        opt.step()
+    Path(folder, f"seen-{run.rank}").write_text(" ".join(map(str, seen)))
+    return run.final_model()
+
+
+def test_a_hugging_face_stream_read_by_loader_processes_is_read_whole(tmp_path) -> None:
+    """A streaming Hugging Face dataset gives each DataLoader process only its shards; split
+    again by process, as a torch stream is, half of it was never read (20 of 40 items, 2 loader
+    processes). Each item is read by exactly one worker."""
+    hf_items(1, 1)  # skips without the datasets package
+    distsgd.spawn(functools.partial(hf_loop, folder=str(tmp_path)), model=Net, algo="allreduce", workers=2, quiet=True)
+    seen = [list(map(int, (tmp_path / f"seen-{r}").read_text().split())) for r in range(2)]
+    assert sorted(seen[0] + seen[1]) == list(range(40)) and len(seen[0]) == len(seen[1])
+
+
+def test_a_test_stream_read_by_loader_processes_is_read_once() -> None:
+    """Each of 2 loader processes read the whole test stream: every test item evaluated twice."""
+    from distsgd.data.torchdata import TorchData
+
+    data = TorchData(Stream(50), Stream(30), num_classes=3).options(loader_workers=2)
+    ids = sorted(int(i) for x, _ in data.test_batches(8) for i in x[:, 0])
+    assert ids == list(range(30)) and data.n_test == 30

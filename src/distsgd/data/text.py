@@ -224,6 +224,11 @@ class TokenWindows(torch.utils.data.IterableDataset):
     def __init__(self, rows: Any, column: str, context: int, vocab: int, name: str) -> None:
         self.rows, self.column, self.context, self.vocab, self.name = rows, column, context, vocab, name
 
+    @property
+    def splits_itself(self) -> bool:
+        """Read in a DataLoader process, its rows are that process's shards (Hugging Face's)."""
+        return is_hf_stream(self.rows)
+
     def tokens(self) -> Any:
         for i, row in enumerate(self.rows):
             value = row[self.column]

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distsgd.data.formats import classes_from_labels
+from distsgd.data.text import is_hf_stream
 from distsgd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,12 @@ class StreamPart(IterableDataset):
     process the ones its index picks; the first ``skip`` (a resumed run's samples of this epoch)
     left out. A last row the stream does not fill (fewer than ``world`` items) is left out by
     every worker, so that all of them take as many items, and so as many steps, in every pass:
-    a worker with one step more than the others would meet them in the wrong collective."""
+    a worker with one step more than the others would meet them in the wrong collective.
+
+    A stream that splits itself between DataLoader processes (a streaming Hugging Face dataset:
+    each process reads only its shards) is not split again: each process's rows are of its own
+    share, the same share on every worker. (Split again, half of it was never read with 2 loader
+    processes.)"""
 
     def __init__(self, stream: Any, rank: int, world: int, skip: int = 0) -> None:
         self.stream, self.rank, self.world, self.skip = stream, rank, world, skip
@@ -69,6 +75,14 @@ class StreamPart(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         procs, me = (info.num_workers, info.id) if info is not None else (1, 0)
+        if procs > 1 and splits_itself(self.stream):
+            if self.skip:
+                raise DataError(
+                    "a pass over a streaming Hugging Face dataset read by several loader processes cannot "
+                    "go on where a resumed run stopped (each process reads its own shards): resume with "
+                    "--loader-workers 0 (run.loader(num_workers=0))"
+                )
+            procs, me = 1, 0  # this process's share is what it reads
         mine = 0  # this worker's items so far (all its loader processes')
         held: Any = None  # this row's item for this worker, until the row is complete
         last = self.world - 1
@@ -87,6 +101,14 @@ STREAM_REPLICATED = (
     "a stream (an IterableDataset) is split between the workers as it is read: --partition "
     "replicated (every worker all of it) is for map-style datasets"
 )
+
+
+def splits_itself(stream: Any) -> bool:
+    """Whether ``stream``, read in a DataLoader process, reads only that process's share: a
+    streaming Hugging Face dataset (its shards, by the process's index), or a stream of one's
+    rows (``splits_itself``: :class:`~distsgd.data.text.TokenWindows`)."""
+    own = getattr(stream, "splits_itself", None)
+    return bool(own) if own is not None else is_hf_stream(stream)
 
 
 def is_stream(obj: Any) -> bool:
@@ -246,7 +268,9 @@ class TorchData:
         return self._loader(StreamPart(self.train, rank, world, skip), batch_size=batch_size)
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self._loader(self.test, batch_size=batch_size)
+        """The test set's batches; a test stream read once, shared between the loader processes."""
+        test = StreamPart(self.test, 0, 1) if is_stream(self.test) else self.test
+        return self._loader(test, batch_size=batch_size)
 
     def share_memory_(self) -> "TorchData":
         """Move the tensors the Datasets hold into shared memory, so that worker processes read one
