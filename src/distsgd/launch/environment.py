@@ -50,22 +50,11 @@ class Environment(ABC):
     def contract(self) -> dict[str, str]:
         """torchrun's variables for this rank (empty: nothing to write, a group exists)."""
 
-    @property
-    def rank(self) -> int:
-        return int(self.contract()["RANK"])
-
-    @property
-    def world_size(self) -> int:
-        return int(self.contract()["WORLD_SIZE"])
-
-    @property
-    def local_rank(self) -> int:
-        return int(self.contract()["LOCAL_RANK"])
-
-    @property
-    def local_world_size(self) -> int:
-        """This machine's ranks: the processes that share its cores (and its GPUs)."""
-        return int(self.contract()["LOCAL_WORLD_SIZE"])
+    rank = property(lambda self: int(self.contract()["RANK"]))
+    world_size = property(lambda self: int(self.contract()["WORLD_SIZE"]))
+    local_rank = property(lambda self: int(self.contract()["LOCAL_RANK"]))
+    # this machine's ranks: the processes that share its cores (and its GPUs)
+    local_world_size = property(lambda self: int(self.contract()["LOCAL_WORLD_SIZE"]))
 
     @property
     def address(self) -> str | None:
@@ -183,10 +172,7 @@ class Slurm(Environment):
     def contract(self) -> dict[str, str]:
         contract = slurm.torchrun_contract(self.env)
         assert contract is not None, "detected"
-        port = self.env.get("MASTER_PORT", contract["MASTER_PORT"])  # the user's address and port win
-        if not (port.isdigit() and 0 < int(port) < 65536):
-            raise ConfigError(f"MASTER_PORT={port} is not a port (1 to 65535)")
-        return {**contract, "MASTER_ADDR": self.env.get("MASTER_ADDR", contract["MASTER_ADDR"]), "MASTER_PORT": port}
+        return slurm.with_users_address(self.env, contract)  # the user's address and port win
 
     def adopt(self, environ: MutableMapping[str, str]) -> None:
         slurm.adopt(environ)  # its own lines for SLURM's variables that disagree

@@ -147,12 +147,17 @@ def adopt(env: MutableMapping[str, str] = os.environ) -> bool:
                 f"{name}={env[name]} disagrees with {source} ({contract[name]}) in this srun task: unset "
                 f"{name} (srun gives every task its own), or start the tasks with torchrun"
             )
+    for name, value in with_users_address(env, contract).items():
+        env.setdefault(name, value)
+    return True
+
+
+def with_users_address(env: Mapping[str, str], contract: dict[str, str]) -> dict[str, str]:
+    """``contract`` with the user's ``MASTER_ADDR`` and ``MASTER_PORT``, where given (the port checked)."""
     port = env.get("MASTER_PORT", contract["MASTER_PORT"])
     if not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"MASTER_PORT={port} is not a port (1 to 65535)")
-    for name, value in contract.items():
-        env.setdefault(name, value)
-    return True
+    return {**contract, "MASTER_ADDR": env.get("MASTER_ADDR", contract["MASTER_ADDR"]), "MASTER_PORT": port}
 
 
 def restarted(env: Mapping[str, str] = os.environ) -> bool:
