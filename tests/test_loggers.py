@@ -18,6 +18,17 @@ from helpers import run_cli
 
 pytest.importorskip("sklearn")  # the digits dataset
 needs_safetensors = pytest.mark.skipif(find_spec("safetensors") is None, reason="pip install 'distsgd[safetensors]'")
+needs_wandb_mlflow = pytest.mark.skipif(
+    find_spec("wandb") is None or find_spec("mlflow") is None, reason="pip install 'distsgd[wandb,mlflow]'"
+)
+
+
+@pytest.fixture
+def default_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loggers' defaults: W&B offline, MLflow's store in the run directory, whatever is set here."""
+    for name in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+
 
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--lr", "0.05"]
 
@@ -177,19 +188,13 @@ def _items(items) -> dict[str, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    find_spec("wandb") is None or find_spec("mlflow") is None, reason="pip install 'distsgd[wandb,mlflow]'"
-)
-def test_wandb_offline_and_mlflow_record_the_run_as_summary_json_says(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@needs_wandb_mlflow
+def test_wandb_offline_and_mlflow_record_the_run_as_summary_json_says(tmp_path: Path, default_stores) -> None:
     """A parameter server's run logged to W&B (offline: no network) and MLflow (SQLite in the run
     directory), read back with W&B's own record format and MLflow's client: the run's settings,
     each evaluation at its samples, the summary's figures; then --overwrite replaces the run."""
     from mlflow.tracking import MlflowClient
 
-    for name in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
-        monkeypatch.delenv(name, raising=False)  # the defaults: offline, the run directory's store
     out = tmp_path / "run"
     args = ["train", *DIGITS, "--algo", "asgd", "--workers", "2", "--out", str(out), "--logger", "wandb,mlflow"]
     res = run_cli(*args)
@@ -268,20 +273,14 @@ def test_a_csv_reopened_keeps_its_rows(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    find_spec("wandb") is None or find_spec("mlflow") is None, reason="pip install 'distsgd[wandb,mlflow]'"
-)
-def test_a_run_resumed_in_place_goes_on_in_its_wandb_and_mlflow_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@needs_wandb_mlflow
+def test_a_run_resumed_in_place_goes_on_in_its_wandb_and_mlflow_runs(tmp_path: Path, default_stores) -> None:
     """--resume into the run's own directory: one W&B run (a second offline folder of the same id,
     its config's epochs updated, its history past the first part's) and one MLflow run (FINISHED
     again, every evaluation of summary.json in its history, the changed setting a tag, as
     MLflow's params cannot change); before, each resume started a run of its own."""
     from mlflow.tracking import MlflowClient
 
-    for name in ("WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
-        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "run"
     args = ["train", *DIGITS, "--algo", "allreduce", "--workers", "2", "--out", str(out), "--logger", "wandb,mlflow"]
     res = run_cli(*args, "--epochs", "1", "--checkpoint-every", "epoch")

@@ -361,7 +361,15 @@ def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
 def report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
     """Run a worker's body; send its result, or its error in one line, to the launcher (a user's
     mistake found in the worker, such as an unreadable image, as ``user-error``; a user's own loop
-    that failed, as ``fatal``: a whole line that names the worker)."""
+    that failed, as ``fatal``: a whole line that names the worker). A launcher already gone (it
+    ended the run, and said why) cannot be told anything: the worker exits, with no traceback."""
+    try:
+        _report(q, rank, body)
+    except BrokenPipeError:
+        raise SystemExit(1) from None
+
+
+def _report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
     try:
         q.put(("result", rank, pack(body())))
     except KeyboardInterrupt:
