@@ -63,6 +63,10 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.delenv("DISTSGD_DATA", raising=False)
     # cores / workers threads whatever else runs (launch.cores): runs compared bit for bit use one count
     monkeypatch.setenv("DISTSGD_THREADS_FROM_LOAD", "0")
+    # a run from Python adopts its launcher's variables into os.environ (torchrun's, which torch's
+    # env:// reads): recorded absent here, so that none outlives its test
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _become_subreaper() -> None:
