@@ -308,6 +308,13 @@ class RunConfig:
         "from the last checkpoint)",
         check=not_negative,
     )
+    min_workers: int | None = setting(
+        None,
+        "local allreduce runs: train on without a worker that dies while at least this many remain "
+        "(no restart: the others regroup, take the most advanced one's state and keep their shards)",
+        default_help="--workers: a worker's death stops the run",
+        check=at_least(1),
+    )
     # Benchmarks.
     straggler: str | None = setting(
         None, "RANK:FACTOR makes worker RANK FACTOR times slower (it sleeps in proportion to its step time)"
@@ -510,6 +517,8 @@ def validate(cfg: RunConfig) -> None:
     ):
         if name in cfg.loggers and cfg.out is None:
             raise ConfigError(f"--logger {name} writes {where}: give a run directory (--out; out= in Python)")
+    if cfg.min_workers is not None and cfg.min_workers > cfg.workers:
+        raise ConfigError(f"--min-workers {cfg.min_workers} is more than --workers {cfg.workers}")
     if cfg.straggler_spec is not None and cfg.straggler_spec.rank >= cfg.workers:
         raise ConfigError(
             f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"

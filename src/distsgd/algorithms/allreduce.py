@@ -40,6 +40,7 @@ from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
+from distsgd.train import membership
 from distsgd.train.context import Start, Step, WorkerContext
 
 
@@ -116,6 +117,7 @@ class AllReduceFigures(GroupFigures):
 class AllReduce(GroupAlgorithm[BucketOptions]):
     name = "allreduce"
     kind = "data parallel"
+    trains_through = True
     summary_line = "synchronous data parallel: gradients averaged by our bucketed all-reduce, overlapped with backward"
 
     compressor: compress.Compressor | None  # --compress: averages every gradient at once, after backward
@@ -207,7 +209,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         self._launch_in_order(force=True)
         for bucket in self.buckets:
             assert bucket.handle is not None  # every bucket was started above
-            bucket.handle.wait()
+            membership.wait(bucket.handle)
             bucket.buffer.div_(self.world)
             for p, offset in zip(bucket.params, bucket.offsets):
                 averaged = bucket.buffer[offset : offset + p.numel()].view_as(p)
@@ -218,6 +220,13 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             bucket.ready = 0
             bucket.handle = None
         self.next_bucket = 0
+
+    def regrouped(self, ctx: WorkerContext) -> None:
+        super().regrouped(ctx)
+        for bucket in self.buckets:  # what was in flight went with the old group: a collective left
+            # waiting there may still write into its buffer, so each bucket takes a new one
+            bucket.ready, bucket.handle, bucket.buffer = 0, None, torch.zeros_like(bucket.buffer)
+        self.next_bucket, self.accumulating = 0, False
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **({"compressor": self.compressor.state_dict()} if self.compressor else {})}

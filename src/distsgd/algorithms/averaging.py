@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distsgd.errors import ConfigError
+from distsgd.train import membership
 
 if TYPE_CHECKING:
     from distsgd.algorithms.easgd import EASGDOptions
@@ -84,7 +85,7 @@ def allreduce_mean_(tensors: list[torch.Tensor], world: int) -> int:
     if not tensors:
         return 0
     flat = flatten(tensors)
-    dist.all_reduce(flat)
+    membership.call(dist.all_reduce, flat)
     flat.div_(world)
     unflatten_into(flat, tensors)
     return flat.numel() * flat.element_size()
@@ -95,7 +96,7 @@ def broadcast_(tensors: list[torch.Tensor], src: int = 0) -> int:
     if not tensors:
         return 0
     flat = flatten(tensors)
-    dist.broadcast(flat, src=src)
+    membership.call(dist.broadcast, flat, src=src)
     unflatten_into(flat, tensors)
     return flat.numel() * flat.element_size()
 
@@ -141,6 +142,6 @@ def max_abs_diff(model: nn.Module, world: int) -> float:
     if world == 1 or flat.numel() == 0:
         return 0.0
     hi, lo = flat.clone(), flat.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    membership.call(dist.all_reduce, hi, op=dist.ReduceOp.MAX)
+    membership.call(dist.all_reduce, lo, op=dist.ReduceOp.MIN)
     return float((hi - lo).max())

@@ -92,6 +92,7 @@ from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.metrics import Sink
 from distsgd.options import Options, flag_of
+from distsgd.train import membership
 from distsgd.train.context import Figures, Start, Step
 from distsgd.train.optim import build_optimizer
 
@@ -280,6 +281,9 @@ class Algorithm(Generic[OptionsT]):
     # its step is the worker's GPU work alone (no collective, no server, no host lock), so that
     # --cuda-graphs can capture it whole (train/graphs.py)
     graphable: ClassVar[bool] = False
+    # its workers can lose one and train on (--min-workers): its collectives wait through
+    # distsgd.train.membership and its state is whole in state_dict (see regrouped)
+    trains_through: ClassVar[bool] = False
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options
@@ -309,6 +313,12 @@ class Algorithm(Generic[OptionsT]):
     def check(cls, cfg: RunConfig) -> None:
         """Reject settings this algorithm cannot honour (raise ConfigError)."""
         cls.parse_options(cfg).check(cfg)
+        if cfg.min_workers is not None and cfg.min_workers < cfg.workers and not cls.trains_through:
+            able = ", ".join(sorted(a.name for a in _REGISTRY.values() if a.trains_through))
+            raise ConfigError(
+                f"--min-workers: {cls.name} cannot train on without a lost worker yet (only {able} can); "
+                f"leave --min-workers out (--restart-workers restarts from the last checkpoint)"
+            )
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type["Algorithm"]:
@@ -355,11 +365,17 @@ class Algorithm(Generic[OptionsT]):
         pass
 
     def global_samples(self, ctx: "WorkerContext", local_samples: int) -> int:
-        """Samples processed by all workers, as this worker knows it (lockstep: local x world)."""
-        return local_samples * ctx.world
+        """Samples processed by all workers, as this worker knows it (lockstep: local x world, and
+        what workers the group lost had trained)."""
+        return local_samples * ctx.world + ctx.departed_samples
 
     def on_epoch_end(self, ctx: "WorkerContext", model: nn.Module, epoch: int) -> None:
         pass
+
+    def regrouped(self, ctx: "WorkerContext") -> None:
+        """The group lost a worker (``--min-workers``): ``ctx.rank`` and ``ctx.world`` are this
+        worker's place in the new group, and its state is about to be the most advanced
+        survivor's (``load_state_dict``). Forget what was in flight in the old group."""
 
     def evaluation_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """What this algorithm would return at this moment (the average, the centre, the module a
@@ -539,12 +555,12 @@ class GroupAlgorithm(Algorithm[OptionsT]):
         dist.barrier()
 
     def barrier(self, ctx: "WorkerContext") -> None:
-        dist.barrier()
+        membership.call(dist.barrier)
 
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         """Rank 0 decides (it evaluates); everyone follows."""
         t = torch.tensor([1 if flag else 0], device=ctx.device)
-        dist.broadcast(t, src=0)
+        membership.call(dist.broadcast, t, src=0)
         return bool(t.item())
 
     def max_of(self, ctx: "WorkerContext", values: list[int]) -> list[int] | None:
@@ -556,8 +572,12 @@ class GroupAlgorithm(Algorithm[OptionsT]):
         self._max = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
         if previous is None:
             return None
-        previous[0].wait()
+        membership.wait(previous[0])
         return [int(v) for v in previous[1].tolist()]
+
+    def regrouped(self, ctx: "WorkerContext") -> None:
+        self.world = ctx.world
+        self._max = None  # a reduction in the old group: the next call starts afresh
 
     def sent(self, nbytes: int, world: int) -> None:
         """Count an all-reduce of ``nbytes``: a ring all-reduce sends 2 (W-1)/W of it per worker."""
@@ -593,7 +613,7 @@ class GroupAlgorithm(Algorithm[OptionsT]):
 
     def finish(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         if self._max is not None:  # the last max_of's reduction, done before the collectives that follow
-            self._max[0].wait()
+            membership.wait(self._max[0])
             self._max = None
         return self.final_model(ctx, model)
 

@@ -33,6 +33,7 @@ from distsgd.algorithms.averaging import flatten, unflatten_into
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
+from distsgd.train import membership
 
 START_ITER = 2  # steps all-reduced as they are before compressing (torch's hook needs at least 2)
 MIN_COMPRESSION_RATE = 2.0  # torch's default: compress a matrix only if it saves at least half
@@ -97,7 +98,7 @@ class Compressor:
         """Average ``tensors`` across the group in place; return the bytes given to all-reduce."""
         flat = flatten(tensors)
         if world > 1:
-            dist.all_reduce(flat)
+            membership.call(dist.all_reduce, flat)
         unflatten_into(flat / world, tensors)
         return flat.numel() * flat.element_size()
 
@@ -115,7 +116,7 @@ class FP16(Compressor):
     def allreduce_mean_(self, tensors: list[torch.Tensor], world: int) -> int:
         flat = flatten(tensors).to(torch.float16).div_(world)  # as torch's fp16_compress_hook: cast, divide
         if world > 1:
-            dist.all_reduce(flat)
+            membership.call(dist.all_reduce, flat)
         unflatten_into(flat.to(tensors[0].dtype), tensors)
         return flat.numel() * flat.element_size()
 
@@ -136,7 +137,7 @@ class PowerSGD(Compressor):
             self.iter += 1
             flat = flatten(tensors) / world
             if world > 1:
-                dist.all_reduce(flat)
+                membership.call(dist.all_reduce, flat)
             unflatten_into(flat, tensors)
             return flat.numel() * flat.element_size()
         flat = flatten(tensors)
@@ -245,7 +246,7 @@ def _allreduce_all(mats: list[torch.Tensor], world: int, divide: bool) -> int:
         return 0
     flat = flatten(mats)
     if world > 1:
-        dist.all_reduce(flat)
+        membership.call(dist.all_reduce, flat)
     if divide:
         flat /= world
     unflatten_into(flat, mats)

@@ -58,6 +58,10 @@ class WorkerContext:
     reports: bool = True  # emits progress events (rank 0; every Hogwild! worker)
     evaluates: bool | None = None  # evaluates the model (default: same as reports)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where it trains (--device)
+    # the shard of the data this worker reads, as (rank, world), where it is not its place in the
+    # group (a group that lost a worker: the survivors keep their shards); None: (rank, world)
+    shard: tuple[int, int] | None = None
+    departed_samples: int = 0  # samples trained by workers the group has lost (--min-workers)
 
     def __post_init__(self) -> None:
         if self.evaluates is None:
@@ -66,6 +70,14 @@ class WorkerContext:
     @property
     def cfg(self) -> RunConfig:
         return self.job.cfg
+
+    @property
+    def data_rank(self) -> int:
+        return self.shard[0] if self.shard is not None else self.rank
+
+    @property
+    def data_world(self) -> int:
+        return self.shard[1] if self.shard is not None else self.world
 
     @property
     def dataset(self) -> TrainingData:
@@ -123,6 +135,9 @@ class Attendance:
     failed_workers: list[int] | None = None
     worker_errors: dict[str, str] | None = None  # worker -> its error, when any failed
     restarts: list[dict[str, Any]] | None = None  # one {worker, reason, at} per restart
+    # --min-workers: one per worker lost and trained through ({worker, reason, generation, at_s,
+    # recovery_s, samples, workers})
+    recoveries: list[dict[str, Any]] | None = None
 
     def summary(self) -> dict[str, Any]:
         """Its keys for summary.json: those recorded, and ``restarts`` only where there were some

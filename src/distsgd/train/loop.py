@@ -26,7 +26,7 @@ import torch
 from distsgd.checkpoint import RngState, optimizer_layout, scatter
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
-from distsgd.train import device
+from distsgd.train import device, membership
 from distsgd.train.context import Start, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_period, evaluate, snapshot
 from distsgd.train.graphs import GraphedSteps
@@ -59,31 +59,42 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
 
 
 def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
-    """The loop's epochs and steps, up to the run's budget, its target or a signal's stop."""
+    """The loop's epochs and steps, up to the run's budget, its target or a signal's stop. With
+    ``--min-workers``, a worker lost in the middle of any of it (:class:`membership.Lost`): the
+    others regroup (:meth:`_Worker.recover`) and go on from the next batch."""
     stop = False
     while not stop and w.more_epochs():
         for micro in _groups(w.epoch_batches(), ctx.cfg.accumulate):
             if w.out_of_samples() or not algo.keep_going(ctx):
                 stop = True
                 break
-            w.step(micro)
-            if w.signalled():
-                w.stop_for_signal()
-            # the run's last step: finish() evaluates the model returned, made on the training clock
-            if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate():
-                stop = True
-                break
-            if w.state.checkpoints_at.due(w.all_samples):
-                w.checkpoint()
+            try:
+                w.step(micro)
+                if w.signalled():
+                    w.stop_for_signal()
+                # the run's last step: finish() evaluates the model returned, made on the training clock
+                if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate():
+                    stop = True
+                    break
+                if w.state.checkpoints_at.due(w.all_samples):
+                    w.checkpoint()
+            except membership.Lost as lost:
+                w.recover(lost)
         if stop:
             break
-        w.end_epoch()
-        if w.eval_every is None and not w.budget_spent():
-            stop = w.evaluate()
-        if w.checkpoint_each_epoch:
-            w.checkpoint()
-    if w.signalled(at_once=True):  # one that came since the last look: this last step's checkpoint keeps it all
-        w.stop_for_signal()
+        try:
+            w.end_epoch()
+            if w.eval_every is None and not w.budget_spent():
+                stop = w.evaluate()
+            if w.checkpoint_each_epoch:
+                w.checkpoint()
+        except membership.Lost as lost:
+            w.recover(lost)
+    try:
+        if w.signalled(at_once=True):  # one that came since the last look: this last step's checkpoint keeps it all
+            w.stop_for_signal()
+    except membership.Lost as lost:
+        w.recover(lost)
 
 
 def check_saved(saved: dict[str, Any], model: torch.nn.Module) -> None:
@@ -152,6 +163,7 @@ class _Worker:
             run._where["compile_s"] = round(self.warm_compiled(), 3)
         self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
+        self.recovering: dict[str, Any] | None = None  # a recovery whose next step is yet to come
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
     def warm_compiled(self) -> float:
@@ -237,12 +249,14 @@ class _Worker:
         """This epoch's batches for this worker, from where the epoch stands (a resumed run's)."""
         ctx, ds, st = self.ctx, self.ctx.dataset, self.state
         if self.stream:
-            return cast("TorchData", ds).stream_batches(ctx.rank, ctx.world, st.start, self.cfg.batch_size)
+            return cast("TorchData", ds).stream_batches(ctx.data_rank, ctx.data_world, st.start, self.cfg.batch_size)
         return ds.batches(self.epoch_order(), st.start, self.cfg.batch_size)
 
     def epoch_order(self) -> torch.Tensor:
         ctx, cfg = self.ctx, self.cfg
-        return epoch_indices(ctx.dataset.n_train, self.state.epoch, ctx.rank, ctx.world, cfg.seed, cfg.partition)
+        return epoch_indices(
+            ctx.dataset.n_train, self.state.epoch, ctx.data_rank, ctx.data_world, cfg.seed, cfg.partition
+        )
 
     def step(self, micro: list[Batch]) -> None:
         """One update from ``micro`` (``--accumulate`` micro-batches): each one's loss is weighted
@@ -260,6 +274,65 @@ class _Worker:
         if self.slowdown:
             time.sleep(self.slowdown * (time.perf_counter() - started))
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
+        if self.recovering is not None:  # the first step since a recovery: it is done
+            self.recovered()
+
+    def recover(self, lost: membership.Lost) -> None:
+        """The group lost a worker (``--min-workers``): join the survivors' new group, take the
+        state of the most advanced of them (model, optimiser, algorithm, counters; not the random
+        state), and keep this worker's shard of the data. The step in flight here, if it did not
+        complete, is dropped: its batch is not trained."""
+        member = membership.current()
+        if member is None:  # (Lost is raised only where a membership waits)
+            raise lost
+        ctx, run, algo, st = self.ctx, self.run, self.algo, self.state
+        began = time.perf_counter()
+        log.info("worker %d: %s; regrouping", member.first_rank, lost)
+        old_world = ctx.world
+        gone = member.regroup(ctx.cfg.backend)
+        if ctx.shard is None:
+            ctx.shard = (ctx.rank, ctx.world)
+        ctx.rank, ctx.world = run.rank, run.world = member.rank, member.world
+        ctx.reports = ctx.evaluates = member.rank == 0
+        run._abandon_step()
+        algo.regrouped(ctx)
+        pieces = {k: v for k, v in run._pieces().items() if k != "rng"}  # each worker's own random state
+        evals = list(st.evals)  # this worker's record of the evaluations, if it made them
+        states = {k: v.state_dict() for k, v in pieces.items()}
+        loaded, source = membership.share_state(states, st.steps, ctx.device)
+        if loaded is not None:
+            scatter(pieces, loaded)
+            run._lr_set = None  # the learning rate is the source's, set by its schedule (maybe a step on)
+        if len(evals) > len(st.evals):
+            st.evals = evals
+        ctx.departed_samples += st.local * (old_world - ctx.world)  # they had trained as many as we all
+        self.all_samples = algo.global_samples(ctx, st.local)
+        self.next_check = st.steps  # signalled(): ask at the next step, in the new group
+        self.recovering = {
+            "generation": member.gen,
+            "lost": gone,
+            "began": began,
+            "from_worker": member.members[source],
+            "workers": ctx.world,
+        }
+
+    def recovered(self) -> None:
+        """The first step after a recovery completed: the reporting worker tells the launcher how
+        long it took (from the failed collective to this step's end)."""
+        rec, self.recovering = self.recovering, None
+        assert rec is not None
+        if self.ctx.reports:
+            self.ctx.sink.emit(
+                {
+                    "event": "recovery",
+                    "generation": rec["generation"],
+                    "lost": rec["lost"],
+                    "workers": rec["workers"],
+                    "state_from": rec["from_worker"],
+                    "recovery_s": round(time.perf_counter() - rec["began"], 3),
+                    "samples": self.all_samples,
+                }
+            )
 
     def eager_step(self, micro: list[Batch], n: int) -> None:
         run = self.run
@@ -335,7 +408,12 @@ class _Worker:
         the training clock, its checks outside), evaluated unless the last evaluation was of
         exactly this model (the same values in every parameter and buffer): the final figures
         always describe the model returned and saved, and nothing changes it afterwards."""
-        self.model = self.run.final_model()
+        while True:
+            try:
+                self.model = self.run.final_model()
+                break
+            except membership.Lost as lost:  # (--min-workers) the group lost a worker at the very end
+                self.recover(lost)
         if self.graphed is not None:
             self.run._where.update(self.graphed.summary())
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)

@@ -779,6 +779,14 @@ class Run:
         if self._clip:  # the synchronised gradient (every replica clips alike), before the update
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
 
+    def _abandon_step(self) -> None:
+        """Forget the step in flight (its collective failed: the group lost a worker)."""
+        self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = 0
+        self._stepped.clear()
+        self._current, self._unscaled, self._unsynced, self._in_backward = None, False, False, False
+        for opt in self._optimizers:
+            opt.zero_grad(set_to_none=True)
+
     def _replayed_step(self) -> None:
         """A step replayed from a CUDA graph (``--cuda-graphs``, distsgd's loop): its GPU work is
         queued (forward, backward, update, the loss added up); the rest of a step here."""
@@ -1000,12 +1008,13 @@ class Run:
             self._end_step()
         if self._ctx.job.main is not None:
             self._evaluations_joined()
-        self._returned = self._algo.finish(self._ctx, model)
+        returned = self._algo.finish(self._ctx, model)
         self._unhook()
         self._clock.pause()
         self._train_wall_s = self._clock.elapsed()
         self._made = None  # the model returned existed at train_wall_s: its last average included
-        self._algo.verify(self._ctx, self._returned)
+        self._algo.verify(self._ctx, returned)
+        self._returned = returned  # (made again from the start where a lost worker interrupted it)
         if self._nonfinite[0] > 1:
             log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
         return self._returned

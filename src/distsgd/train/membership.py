@@ -1,0 +1,234 @@
+"""Training through a lost worker (``--min-workers``): a lockstep group that loses a worker goes
+on with the others, without a restart and without a checkpoint.
+
+How it works, in a local run:
+
+- The launcher holds the group's store (a ``TCPStore`` on 127.0.0.1 that no worker's death takes
+  down) and watches its workers. When one dies (a process gone without a word: killed, out of
+  memory), it writes the next *generation*'s members to the store, ``gen/<g>``.
+- Every collective a worker waits on is waited on here (:func:`wait`, :func:`call`), in short
+  slices: the wait ends when the collective does, or raises :class:`Lost` when the collective
+  failed (a peer's connection closed) or the launcher announced a new generation. (A collective
+  waiting on a survivor that has itself given up would otherwise wait out ``--timeout``: gloo
+  closes no connection when one of its collectives fails.)
+- The loop then calls :meth:`Membership.regroup`: the survivors form the next generation's group
+  on the same store, under keys of its own, and every one takes the whole state (model,
+  optimiser, algorithm, counters) of the most advanced of them. A death can leave one survivor a
+  step ahead of another, never two (the next step's collective needs them all), and a step is
+  applied only after all its collectives completed, so no replica steps on a partial average and
+  the replicas are identical again. Each survivor keeps the data shard it had.
+
+Only the waits of a worker in such a run go through here; everywhere else :func:`wait` is
+``work.wait()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SLICE = datetime.timedelta(milliseconds=20)  # how often a wait looks whether the launcher announced a loss
+PREFIX = "gen"
+
+
+class Lost(RuntimeError):
+    """The group lost a worker while this one waited on a collective: the loop regroups."""
+
+
+def generation_key(gen: int) -> str:
+    return f"{PREFIX}/{gen}"
+
+
+def announce(store: dist.Store, gen: int, members: list[int]) -> None:
+    """The launcher's word: generation ``gen`` is ``members`` (the workers' first ranks, in order)."""
+    store.set(generation_key(gen), ",".join(str(r) for r in members))
+
+
+class Membership:
+    """One worker's place in a group that trains through losses: its first rank (that of its data
+    shard), the current generation and its members, and the store the launcher announces on."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        self.first_rank, self.first_world = rank, world
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
+        self.gen = 0
+        self.members = list(range(world))
+        self.lost: list[int] = []  # the first ranks lost, in the order the launcher announced them
+        self._announced = threading.Event()  # the launcher announced generation gen + 1
+        self._watching = True
+        self._watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
+        self._watcher = threading.Thread(target=self._watch, name="distsgd-membership", daemon=True)
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current generation's group."""
+        return self.members.index(self.first_rank)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def join(self, backend: str) -> None:
+        """Form generation 0's group, as the default group, and start watching for the next."""
+        self._init(backend)
+        self._watcher.start()
+
+    def _init(self, backend: str) -> None:
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"distsgd/{generation_key(self.gen)}", self.store),
+            rank=self.rank,
+            world_size=self.world,
+            timeout=self.timeout,
+        )
+
+    def _watch(self) -> None:
+        """Set ``_announced`` once the launcher names the next generation (a thread of its own, on
+        a store connection of its own: a blocked wait does not stop the worker)."""
+        seen = self.gen
+        while self._watching:
+            try:
+                self._watch_store.wait([generation_key(seen + 1)], datetime.timedelta(seconds=1))
+            except Exception:  # not yet (a timeout), or the store went away with the launcher
+                continue
+            seen += 1
+            self._announced.set()
+
+    def stop(self) -> None:
+        self._watching = False
+
+    def announced(self) -> bool:
+        return self._announced.is_set()
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``; :class:`Lost` if it failed, or if the launcher announced a loss
+        while it waited."""
+        while True:
+            try:
+                work.wait(SLICE)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # it failed: a peer is gone
+                    raise Lost(
+                        str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed"
+                    ) from None
+                if self._announced.is_set():
+                    raise Lost("the launcher announced a lost worker") from None
+
+    def regroup(self, backend: str) -> list[int]:
+        """Leave the broken group and join the next generation's (the launcher's word, waited for up
+        to ``--timeout``). Returns the first ranks lost since the last generation."""
+        before = set(self.members)
+        key = generation_key(self.gen + 1)
+        self.store.wait([key], self.timeout)
+        self.gen += 1
+        self._announced.clear()
+        if self._watch_store.check([generation_key(self.gen + 1)]):  # another loss already: skip to it
+            self._announced.set()
+        self.members = [int(r) for r in self.store.get(key).decode().split(",")]
+        _abandon_default_group()
+        self._init(backend)
+        gone = sorted(before - set(self.members))
+        self.lost += gone
+        return gone
+
+
+_GRAVE: list[Any] = []  # groups abandoned with a collective maybe still waiting in them: never freed
+# (freeing one joins its threads, which wait out --timeout)
+
+
+def _abandon_default_group() -> None:
+    """Forget the default group without waiting for what is in flight in it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._get_default_group()
+    _GRAVE.append(pg)
+    c10d._world.pg_map.pop(pg, None)
+    c10d._world.pg_names.pop(pg, None)
+    c10d._world.pg_group_ranks.pop(pg, None)
+    c10d._world.pg_backend_config.pop(pg, None)
+    c10d._world.pg_to_tag.pop(pg, None)
+    c10d._world.tags_to_pg.clear()
+    c10d._world.pg_coalesce_state.pop(pg, None)
+    c10d._update_default_pg(None)
+
+
+_current: Membership | None = None
+
+
+def current() -> Membership | None:
+    """This worker's membership when its run trains through losses; None otherwise."""
+    return _current
+
+
+def set_current(membership: Membership | None) -> None:
+    global _current
+    _current = membership
+
+
+def wait(work: Any) -> None:
+    """Wait for a collective's ``work`` (see :meth:`Membership.wait`)."""
+    if _current is None:
+        work.wait()
+    else:
+        _current.wait(work)
+
+
+def call(collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+    """Run ``collective`` (``dist.all_reduce``, ``dist.broadcast``, ...) to its end."""
+    if _current is None:
+        collective(*args, **kwargs)
+        return
+    try:
+        work = collective(*args, async_op=True, **kwargs)
+    except RuntimeError as exc:  # the group is broken already
+        raise Lost(str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed") from None
+    _current.wait(work)
+
+
+def share_state(states: dict[str, Any], steps: int, device: torch.device) -> tuple[dict[str, Any] | None, int]:
+    """In a group just formed: the state of the most advanced member (the most ``steps``; of
+    those, the lowest rank), for every other member to load (None for that member itself), and
+    that member's rank. ``states`` is this worker's, as a checkpoint holds it (tensors, numbers,
+    strings, lists and dicts: loaded back with ``weights_only``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([steps, -rank], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the most steps; of those who have them, the lowest rank
+    top = torch.tensor([steps, -rank if steps == int(t[0]) else -world], dtype=torch.int64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    source = -int(top[1])
+    size = torch.zeros(1, dtype=torch.int64)
+    payload = torch.zeros(0, dtype=torch.uint8)
+    if rank == source:
+        buf = io.BytesIO()
+        torch.save(_to_cpu(states), buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size[0] = payload.numel()
+    dist.broadcast(size, src=source)
+    if rank != source:
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(payload, src=source)
+    if rank == source:
+        return None, source
+    loaded = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=True)
+    return loaded, source
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

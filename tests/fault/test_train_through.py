@@ -1,0 +1,102 @@
+"""--min-workers: a lockstep group that loses a worker trains on with the others, without a
+restart and without a checkpoint (issue 47's first part: allreduce in local runs).
+
+A worker is killed (SIGKILL, by itself, inside its forward at a chosen step: a death mid-step,
+between the collectives of the step before and the gradient all-reduce of its own). What must
+hold, whatever the moment: the run ends with exit 0 and the full budget of samples, the
+survivors' replicas are identical (max abs difference 0, measured by the all-reduces of
+``verify``), the model trains (accuracy far above chance), and the recovery is recorded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+KILL_AT = '''
+import os, signal
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """mlp-like; the worker whose rank (its first: RANK) is in KILL_RANKS SIGKILLs itself at its
+    KILL_STEP-th training forward."""
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if os.environ.get("RANK") in os.environ["KILL_RANKS"].split(",") and self.calls == int(os.environ["KILL_STEP"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+
+@pytest.fixture
+def kill_at(tmp_path: Path) -> str:
+    path = tmp_path / "killat.py"
+    path.write_text(KILL_AT)
+    return f"{path}:Net"
+
+
+def _train(tmp_path: Path, model: str, **kw):
+    import distsgd
+
+    common = dict(
+        model=model,
+        data="digits",
+        algo="allreduce",
+        workers=3,
+        max_samples=12000,
+        batch_size=16,
+        lr=0.05,
+        schedule="cosine",
+        quiet=True,
+        seed=1,
+        out=str(tmp_path / "run"),
+    )
+    return distsgd.train(**{**common, **kw})
+
+
+@pytest.mark.parametrize("rank", ["1", "0"])
+def test_allreduce_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, rank: str, monkeypatch) -> None:
+    """Rank 1, and rank 0 (it reports and evaluates: the lowest survivor takes its place)."""
+    monkeypatch.setenv("KILL_RANKS", rank)
+    monkeypatch.setenv("KILL_STEP", "40")
+    s = _train(tmp_path, kill_at, min_workers=2).summary
+    assert len(s["recoveries"]) == 1
+    rec = s["recoveries"][0]
+    assert rec["worker"] == int(rank) and rec["reason"] == "killed by SIGKILL"
+    assert rec["workers"] == 2 and rec["recovery_s"] > 0
+    assert s["failed_workers"] == [int(rank)]
+    assert "restarts" not in s
+    assert s["samples"] >= 12000  # the survivors took the lost worker's share of the budget
+    assert s["replica_max_abs_diff"] == 0.0
+    assert s["final_test_accuracy"] > 0.8
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [int(rank)]
+    assert [e["generation"] for e in events if e["event"] == "recovery"] == [1]
+
+
+def test_below_min_workers_the_run_stops_in_one_line(tmp_path: Path, kill_at: str, monkeypatch) -> None:
+    from distsgd.errors import WorkerError
+
+    monkeypatch.setenv("KILL_RANKS", "1,2")
+    monkeypatch.setenv("KILL_STEP", "40")
+    with pytest.raises(WorkerError, match="killed by SIGKILL"):
+        _train(tmp_path, kill_at, min_workers=2)
+
+
+def test_min_workers_is_refused_where_it_cannot_work() -> None:
+    import distsgd
+    from distsgd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--min-workers: local-sgd cannot train on"):
+        distsgd.train(model="mlp", data="digits", algo="local-sgd", workers=2, min_workers=1, epochs=1, quiet=True)
+    with pytest.raises(ConfigError, match="more than --workers"):
+        distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, min_workers=3, epochs=1, quiet=True)
