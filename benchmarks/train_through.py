@@ -1,14 +1,17 @@
-"""Fault trials for --min-workers (docs/RELIABILITY.md): a random worker of a 3-worker allreduce
-run SIGKILLed at a random moment, trained through by the others, side by side with the same kill
-under --restart-workers (the group restarts from its last checkpoint).
+"""Fault trials for --min-workers (docs/RELIABILITY.md, docs/BENCHMARKS.md): a random worker of a
+3-worker run SIGKILLed at a random moment and trained through by the others (``through``); the
+same with ``--restart-workers 1``, where its replacement joins the others and takes a live peer's
+state (``join``); and the same kill where the group restarts from its last checkpoint instead
+(``--restart-workers 1 --checkpoint-every 6000``, ``restart``).
 
-Each trial: the same kill (worker, moment after the workers started) in both runs, and, once, an
-unkilled run of the same budget. Reported per trial and as medians: finished (exit 0), replicas
-apart (max abs difference, must be 0), accuracy against the unkilled run, the recovery (kill seen
-by the launcher to the next committed step, as the survivors measure it), and the wall time of
-each run.
+Each trial makes the same kill (worker, moment after the workers were listed) in every mode;
+each algorithm has one unkilled run of the same budget. Reported per trial and per mode: finished
+(exit 0), replicas apart (max abs difference, must be 0), accuracy against the unkilled run, the
+recovery (a failed collective to the next completed step, as the survivors measure it), the join
+(the replacement ready to its first step with the others) and the wall time.
 
-    python benchmarks/train_through.py --trials 10     # about 6 min on 2 cores
+    python benchmarks/train_through.py --trials 10                       # allreduce, ~6 min on 2 cores
+    python benchmarks/train_through.py --algos local-sgd,diloco --trials 5
 """
 
 from __future__ import annotations
@@ -27,16 +30,26 @@ from pathlib import Path
 
 BUDGET = 60_000
 COMMON = [
-    "--algo", "allreduce", "--workers", "3", "--dataset", "digits", "--model", "mlp", "--batch-size", "16",
-    "--lr", "0.05", "--schedule", "cosine", "--max-samples", str(BUDGET), "--eval-every", "20000", "--quiet",
+    "--workers", "3", "--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--schedule", "cosine",
+    "--max-samples", str(BUDGET), "--eval-every", "20000", "--quiet",
 ]  # fmt: skip
+ALGOS = {
+    "allreduce": ["--lr", "0.05"],
+    "local-sgd": ["--lr", "0.05", "--sync-every", "8"],
+    "diloco": ["--sync-every", "20"],  # its own inner AdamW
+}
+MODES = {
+    "through": ["--min-workers", "2"],
+    "join": ["--min-workers", "2", "--restart-workers", "1"],
+    "restart": ["--restart-workers", "1", "--checkpoint-every", "6000"],
+}
 
 
-def run(out: Path, extra: list[str], kill: tuple[int, float] | None) -> dict:
+def run(out: Path, args: list[str], kill: tuple[int, float] | None) -> dict:
     """One run into ``out``; ``kill``: (worker rank, seconds after the workers were listed)."""
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distsgd", "train", *COMMON, *extra, "--out", str(out)],
+        [sys.executable, "-m", "distsgd", "train", *COMMON, *args, "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -59,54 +72,67 @@ def run(out: Path, extra: list[str], kill: tuple[int, float] | None) -> dict:
     return {"rc": proc.returncode, "killed": killed, "wall_s": wall, "summary": summary, "stderr": err[-3000:]}
 
 
+def row(mode: str, r: dict, clean_acc: float) -> dict:
+    s = r["summary"]
+    recs = s.get("recoveries") or []
+    lost = [x for x in recs if not x.get("joined")]
+    joined = [x for x in recs if x.get("joined")]
+    out = {
+        "mode": mode,
+        "killed": r["killed"],
+        "finished": r["rc"] == 0,
+        "replica_diff": s.get("replica_max_abs_diff"),
+        "acc_diff": round(s["final_test_accuracy"] - clean_acc, 4) if s else None,
+        "samples": s.get("samples"),
+        "recovery_s": lost[0].get("recovery_s") if lost else None,
+        "join_s": joined[0].get("recovery_s") if joined else None,
+        "restarts": len(s.get("restarts") or []),
+        "wall_s": round(r["wall_s"], 2),
+    }
+    if r["rc"]:
+        out["stderr"] = r["stderr"]
+    return out
+
+
+def median(values: list) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.2f}" if values else "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algos", default="allreduce")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        base = run(Path(tmp) / "clean", [], None)
-        clean_acc = base["summary"]["final_test_accuracy"]
-        print(f"unkilled: accuracy {clean_acc:.4f}, {base['wall_s']:.1f} s", flush=True)
-        rows = []
-        for t in range(args.trials):
-            kill = (rng.randrange(3), rng.uniform(0.5, 6.0))
-            through = run(Path(tmp) / f"through{t}", ["--min-workers", "2"], kill)
-            restart = run(Path(tmp) / f"restart{t}", ["--restart-workers", "1", "--checkpoint-every", "6000"], kill)
-            s = through["summary"]
-            rec = (s.get("recoveries") or [{}])[0]
-            row = {
-                "worker": kill[0],
-                "at_s": round(kill[1], 2),
-                "killed": through["killed"],
-                "finished": through["rc"] == 0,
-                "replica_diff": s.get("replica_max_abs_diff"),
-                "acc_diff": round(s["final_test_accuracy"] - clean_acc, 4) if s else None,
-                "samples": s.get("samples"),
-                "recovery_s": rec.get("recovery_s"),
-                "wall_s": round(through["wall_s"], 2),
-                "restart_finished": restart["rc"] == 0,
-                "restart_acc_diff": round(restart["summary"]["final_test_accuracy"] - clean_acc, 4)
-                if restart["summary"]
-                else None,
-                "restart_wall_s": round(restart["wall_s"], 2),
-            }
-            if not row["finished"]:
-                row["stderr"] = through["stderr"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    killed = [r for r in rows if r["killed"]]
-    done = [r for r in killed if r["finished"]]
-    print(
-        f"\n{len(done)}/{len(killed)} killed runs finished without a restart; replicas equal in "
-        f"{sum(r['replica_diff'] == 0.0 for r in done)}; accuracy difference to the unkilled run: median "
-        f"{statistics.median(r['acc_diff'] for r in done):+.4f}, largest {max((r['acc_diff'] for r in done), key=abs):+.4f}; "
-        f"recovery median {statistics.median(r['recovery_s'] for r in done if r['recovery_s'] is not None):.2f} s; "
-        f"wall median {statistics.median(r['wall_s'] for r in done):.1f} s against "
-        f"{statistics.median(r['restart_wall_s'] for r in killed):.1f} s restarting from a checkpoint "
-        f"(unkilled {base['wall_s']:.1f} s)"
-    )
+        for algo in args.algos.split(","):
+            own = ["--algo", algo, *ALGOS[algo]]
+            base = run(Path(tmp) / f"{algo}-clean", own, None)
+            clean_acc = base["summary"]["final_test_accuracy"]
+            print(f"{algo} unkilled: accuracy {clean_acc:.4f}, {base['wall_s']:.1f} s", flush=True)
+            rows = []
+            for t in range(args.trials):
+                kill = (rng.randrange(3), rng.uniform(0.5, 6.0))
+                for mode in modes:  # alternating, the same kill in each
+                    r = row(mode, run(Path(tmp) / f"{algo}-{mode}{t}", own + MODES[mode], kill), clean_acc)
+                    rows.append({"algo": algo, "trial": t, "worker": kill[0], "at_s": round(kill[1], 2), **r})
+                    print(json.dumps(rows[-1]), flush=True)
+            for mode in modes:
+                mine = [r for r in rows if r["mode"] == mode and r["killed"]]
+                done = [r for r in mine if r["finished"]]
+                print(
+                    f"{algo} {mode}: {len(done)}/{len(mine)} killed runs finished; replicas equal in "
+                    f"{sum(r['replica_diff'] == 0.0 for r in done)}; accuracy against the unkilled run: median "
+                    f"{median([r['acc_diff'] for r in done])}, largest "
+                    f"{max((r['acc_diff'] for r in done), key=abs, default=0):+.4f}; recovery median "
+                    f"{median([r['recovery_s'] for r in done])} s, join median {median([r['join_s'] for r in done])} s; "
+                    f"wall median {median([r['wall_s'] for r in done])} s (unkilled {base['wall_s']:.1f} s)",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """--min-workers: a lockstep group that loses a worker trains on with the others, without a
-restart and without a checkpoint (issue 47's first part: allreduce in local runs).
+restart and without a checkpoint (issue 47's first part: allreduce, local-sgd and DiLoCo in local
+runs).
 
 A worker is killed (SIGKILL, by itself, inside its forward at a chosen step: a death mid-step,
 between the collectives of the step before and the gradient all-reduce of its own). What must
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 class Net(nn.Module):
     """mlp-like; the worker whose rank (its first: RANK) is in KILL_RANKS SIGKILLs itself at its
-    KILL_STEP-th training forward."""
+    KILL_STEP-th training forward (with KILL_MARKER, once: a file marks it done)."""
 
     def __init__(self, num_classes, input_shape):
         super().__init__()
@@ -31,7 +32,14 @@ class Net(nn.Module):
     def forward(self, x):
         if self.training:
             self.calls += 1
-            if os.environ.get("RANK") in os.environ["KILL_RANKS"].split(",") and self.calls == int(os.environ["KILL_STEP"]):
+            marker = os.environ.get("KILL_MARKER", "") + os.environ.get("RANK", "")
+            if (
+                os.environ.get("RANK") in os.environ["KILL_RANKS"].split(",")
+                and self.calls == int(os.environ["KILL_STEP"])
+                and not os.path.exists(marker)
+            ):
+                if os.environ.get("KILL_MARKER"):  # once: its replacement lives
+                    open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
         return self.net(x)
 '''
@@ -60,15 +68,23 @@ def _train(tmp_path: Path, model: str, **kw):
         seed=1,
         out=str(tmp_path / "run"),
     )
-    return distsgd.train(**{**common, **kw})
+    return distsgd.train(**{k: v for k, v in {**common, **kw}.items() if v is not None})
 
 
-@pytest.mark.parametrize("rank", ["1", "0"])
-def test_allreduce_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, rank: str, monkeypatch) -> None:
-    """Rank 1, and rank 0 (it reports and evaluates: the lowest survivor takes its place)."""
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo, rank, extra",
+    [
+        ("allreduce", "1", {}),
+        ("allreduce", "0", {}),  # rank 0 reports and evaluates: the lowest survivor takes its place
+        ("local-sgd", "2", {"sync_every": 4}),
+        ("diloco", "0", {"sync_every": 10, "lr": None}),  # DiLoCo's own inner AdamW lr
+    ],
+)
+def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, rank: str, extra, monkeypatch) -> None:
     monkeypatch.setenv("KILL_RANKS", rank)
     monkeypatch.setenv("KILL_STEP", "40")
-    s = _train(tmp_path, kill_at, min_workers=2).summary
+    s = _train(tmp_path, kill_at, algo=algo, min_workers=2, **extra).summary
     assert len(s["recoveries"]) == 1
     rec = s["recoveries"][0]
     assert rec["worker"] == int(rank) and rec["reason"] == "killed by SIGKILL"
@@ -81,8 +97,34 @@ def test_allreduce_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, ra
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [int(rank)]
     assert [e["generation"] for e in events if e["event"] == "recovery"] == [1]
+    # every evaluation, those rank 0 made before it was lost too, and the last is the model returned
+    assert [e["samples"] for e in s["evals"]] == sorted({e["samples"] for e in events if e["event"] == "eval"})
+    assert s["evals"][0]["samples"] < rec["samples"] and s["evals"][-1]["test_accuracy"] == s["final_test_accuracy"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", ["1", "0"])
+def test_a_replacement_joins_and_takes_a_live_peers_state(tmp_path: Path, kill_at: str, rank: str, monkeypatch) -> None:
+    """With --restart-workers, the dead worker's replacement joins the survivors at their next step
+    and takes the most advanced one's state (not a checkpoint's: there is none), then trains its
+    rank's shard: three workers again, identical replicas."""
+    monkeypatch.setenv("KILL_RANKS", rank)
+    monkeypatch.setenv("KILL_STEP", "40")
+    monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
+    s = _train(tmp_path, kill_at, min_workers=2, restart_workers=1).summary
+    assert (tmp_path / f"killed{rank}").exists()
+    lost, joined = s["recoveries"]
+    assert lost["worker"] == joined["worker"] == int(rank) and joined["joined"]
+    assert (lost["generation"], joined["generation"]) == (1, 2)
+    assert lost["workers"] == 2 and joined["workers"] == 3 and joined["recovery_s"] > 0
+    assert len(s["restarts"]) == 1 and s["failed_workers"] == []
+    assert s["samples"] >= 12000
+    assert s["replica_max_abs_diff"] == 0.0  # all three, the replacement too
+    assert s["final_test_accuracy"] > 0.8
+    assert not list((tmp_path / "run").glob("checkpoint*/*.pt"))  # nothing came from disk
+
+
+@pytest.mark.slow
 def test_below_min_workers_the_run_stops_in_one_line(tmp_path: Path, kill_at: str, monkeypatch) -> None:
     from distsgd.errors import WorkerError
 
@@ -96,7 +138,12 @@ def test_min_workers_is_refused_where_it_cannot_work() -> None:
     import distsgd
     from distsgd.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--min-workers: local-sgd cannot train on"):
-        distsgd.train(model="mlp", data="digits", algo="local-sgd", workers=2, min_workers=1, epochs=1, quiet=True)
+    with pytest.raises(ConfigError, match="--min-workers: ddp cannot train on"):
+        distsgd.train(model="mlp", data="digits", algo="ddp", workers=2, min_workers=1, epochs=1, quiet=True)
+    with pytest.raises(ConfigError, match="not with --init-method"):
+        distsgd.train(
+            model="mlp", data="digits", algo="allreduce", workers=2, min_workers=1, epochs=1, quiet=True,
+            init_method="tcp://127.0.0.1:29999",
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="more than --workers"):
         distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, min_workers=3, epochs=1, quiet=True)

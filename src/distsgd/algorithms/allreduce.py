@@ -148,8 +148,10 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
         params = [p for p in model.parameters() if p.requires_grad]
-        # Start from rank 0's weights and buffers, whatever the model's constructor did.
-        broadcast_(params + list(model.buffers()))
+        # Start from rank 0's weights and buffers, whatever the model's constructor did (a
+        # replacement joining a group that trains through losses takes a live member's state instead)
+        if not (start is Start.REPLACEMENT and membership.current() is not None):
+            broadcast_(params + list(model.buffers()))
         self.params = params
         self.float_buffers = float_buffers(model)
         self.buckets = make_buckets(list(reversed(params)), int(self.opts.bucket_mb * 1024 * 1024))

@@ -74,16 +74,28 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
     group that loses a worker restarts from its last checkpoint, ``--restart-workers`` times."""
     if torchrun:
         return _run_torchrun(job, algo_cls, sink)
-    if job.main is not None and job.cfg.min_workers is not None and job.cfg.min_workers < job.cfg.workers:
-        raise ConfigError("--min-workers trains on without a lost worker in distsgd's loop only, not in a user's loop")
+    if job.cfg.min_workers is not None and job.cfg.min_workers < job.cfg.workers:
+        if job.main is not None:
+            raise ConfigError(
+                "--min-workers trains on without a lost worker in distsgd's loop only, not in a user's loop"
+            )
+        return _run_through(job, algo_cls, sink)
     return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
 
 
 def _entry(
-    rank: int, world: int, job: Job, algo_cls: type[Algorithm], init_method: str, store_port: int, out: Connection
+    rank: int,
+    world: int,
+    job: Job,
+    algo_cls: type[Algorithm],
+    init_method: str,
+    store_port: int,
+    replacement: bool,
+    out: Connection,
 ) -> None:
     """The body of a worker process. ``store_port``: the launcher's store, where a run that trains
-    through losses (0: one that does not) forms its groups."""
+    through losses forms its groups (0: a run that does not); ``replacement``: it takes the place
+    of a worker of such a run that died, joining the others."""
     q = procs.Outbox(out)
     procs.begin_worker(f"worker {rank}", rank, world, job.cfg.quiet)
     cfg = job.cfg
@@ -94,8 +106,9 @@ def _entry(
         where = device.use(cfg.device, rank)
         if store_port:
             member = membership.Membership(LOOPBACK, store_port, rank, world, cfg.timeout_s)
-            member.join(cfg.backend)
             membership.set_current(member)
+            if not replacement:  # (a replacement joins once it is built: run_worker)
+                member.join(cfg.backend)
         else:
             init_group(cfg, rank, world, init_method)
         ctx = WorkerContext(
@@ -104,10 +117,10 @@ def _entry(
             world=world,
             # with --min-workers any worker may come to report (the lowest rank left)
             sink=procs.QueueSink(q) if rank == 0 or store_port else NullSink(),
-            reports=rank == 0,
+            reports=rank == 0 and not replacement,
             device=where,
         )
-        return run_worker(ctx, algo_cls(cfg))
+        return run_worker(ctx, algo_cls(cfg), replacement)
 
     try:
         procs.report(q, rank, body)
@@ -124,59 +137,126 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
     world = cfg.workers
     init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
     job.data.share_memory_()  # every worker reads one copy
-    through = cfg.min_workers is not None and cfg.min_workers < world  # --min-workers: train through losses
-    store = dist.TCPStore(LOOPBACK, 0, world, is_master=True, wait_for_workers=False) if through else None
-    recoveries: list[dict[str, Any]] = []
-    gen = 0  # the group's generation: one more each time the launcher announces a loss
-
-    def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") == "recovery":  # the reporting worker's word on a loss it trained through
-            for rec in recoveries:
-                if rec["generation"] == event["generation"]:
-                    rec.update({k: v for k, v in event.items() if k not in ("event", "lost", "generation")})
-        sink.emit(event)
-
-    started = time.monotonic()
     with procs.spawned(
         cfg,
         _entry,
         [("worker", r) for r in range(world)],
-        lambda r, out, _: (r, world, job, algo_cls, init_method, store.port if store is not None else 0, out),
+        lambda r, out, _: (r, world, job, algo_cls, init_method, 0, False, out),
         signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
     ) as team:
-        sup = procs.Supervisor(team.procs, team.inbox, on_event, own=job.main is not None)
-        members = list(range(world))
-        while not all(r in sup.results for r in members):
+        sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
+        while len(sup.results) < world:  # fail fast: a lockstep group cannot go on without a worker
             sup.poll(0.2)
-            failed = sup.failed() & set(members)
-            if not failed:
-                continue
-            # fail fast: a lockstep group cannot go on without a worker, unless --min-workers lets it
-            # leave behind one that died without a word (one that raised would raise again)
-            if store is None or failed & set(sup.said) or len(members) - len(failed) < (cfg.min_workers or world):
+            if sup.failed():
                 raise sup.blame()
-            members = [r for r in members if r not in failed]
-            gen += 1
-            for r in sorted(failed):
-                reason = sup.reason(r)
+    return [procs.unpack(sup.results[r], job) for r in range(world)]
+
+
+def _run_through(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
+    """A local group that trains through losses (``--min-workers``): see :class:`_Generations`."""
+    cfg = job.cfg
+    job.data.share_memory_()  # every worker reads one copy
+    gens = _Generations(cfg, sink)
+    with procs.spawned(
+        cfg,
+        _entry,
+        [("worker", r) for r in range(cfg.workers)],
+        lambda r, out, replacement: (r, cfg.workers, job, algo_cls, "", gens.store.port, replacement, out),
+        signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
+    ) as team:
+        sup = procs.Supervisor(team.procs, team.inbox, gens.on_event, own=False)
+        while not all(r in sup.results for r in gens.members):
+            sup.poll(0.2)
+            gens.admit_ready()
+            gens.leave_behind(team, sup)
+    results = [procs.unpack(sup.results[r], job) for r in gens.members]
+    # the reporting worker's own record starts where it took over: the run's is every one made
+    # (one made again after a regrouping, at the same samples, replaces the first)
+    results[0].evals = list({e["samples"]: e for e in gens.evals}.values())
+    attendance = results[0].attendance = results[0].attendance or Attendance()
+    attendance.recoveries = gens.recoveries
+    attendance.restarts = gens.restarts
+    attendance.failed_workers = [r for r in range(cfg.workers) if r not in gens.members]
+    return results
+
+
+class _Generations:
+    """The launcher's side of a group that trains through losses: it holds the group's store; a
+    worker that dies without a word is left behind while ``--min-workers`` remain (the next
+    generation of the group is announced without it) and, with ``--restart-workers``, its
+    replacement joins once it says it is ready (a generation with it). A worker that raised fails
+    the run: it would raise again."""
+
+    def __init__(self, cfg: RunConfig, sink: Sink) -> None:
+        self.cfg, self.sink = cfg, sink
+        self.least = cfg.min_workers or cfg.workers
+        self.store = dist.TCPStore(LOOPBACK, 0, cfg.workers, is_master=True, wait_for_workers=False)
+        self.gen = 0
+        self.members = list(range(cfg.workers))  # the current generation's, by first rank
+        self.joining: set[int] = set()  # replacements started, not yet in the group
+        self.recoveries: list[dict[str, Any]] = []  # one per worker lost or joined, with its generation
+        self.restarts: list[dict[str, Any]] = []  # the replacements started
+        self.evals: list[dict[str, Any]] = []  # every evaluation the reporting workers made
+        self.started = time.monotonic()
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "eval":
+            self.evals.append(event)
+        elif event.get("event") == "recovery":  # the reporting worker's word on a regrouping
+            for rec in self.recoveries:
+                if rec["generation"] == event["generation"]:
+                    rec.update({k: v for k, v in event.items() if k not in ("event", "lost", "joined", "generation")})
+        self.sink.emit(event)
+
+    def announce(self, records: list[dict[str, Any]]) -> None:
+        """The next generation is ``self.members``; ``records`` say why (one per worker lost or joined)."""
+        self.gen += 1
+        membership.announce(self.store, self.gen, self.members)
+        at = round(time.monotonic() - self.started, 3)
+        self.recoveries.extend({**record, "generation": self.gen, "at_s": at} for record in records)
+
+    def admit_ready(self) -> None:
+        """A generation with each replacement that is ready to join."""
+        for r in sorted(self.joining):
+            token = membership.ready_to_join(self.store, r)
+            if token is None:
+                continue
+            self.joining.discard(r)
+            self.members = sorted(self.members + [r])
+            self.announce([{"worker": r, "joined": True}])
+            membership.admit(self.store, token, self.gen)
+            log.warning("a replacement for worker %d joins the other %d", r, len(self.members) - 1)
+            self.sink.emit({"event": "worker_joined", "worker": r, "workers": len(self.members)})
+
+    def leave_behind(self, team: procs.Team, sup: procs.Supervisor) -> None:
+        """A generation without the workers that died (and a replacement for each, where
+        ``--restart-workers`` has one left); the run's end (one error line) where one raised or
+        fewer than ``--min-workers`` remain."""
+        failed = sup.failed() & (set(self.members) | self.joining)
+        if not failed:
+            return
+        if failed & set(sup.said) or len(set(self.members) - failed) < self.least:
+            raise sup.blame()
+        lost = sorted(failed & set(self.members))
+        if lost:
+            self.members = [r for r in self.members if r not in failed]
+            for r in lost:
                 log.warning(
                     "worker %d died (%s): the other %d train on without it (--min-workers %d)",
                     r,
-                    reason,
-                    len(members),
-                    cfg.min_workers,
+                    sup.reason(r),
+                    len(self.members),
+                    self.least,
                 )
-                recoveries.append(
-                    {"worker": r, "reason": reason, "generation": gen, "at_s": round(time.monotonic() - started, 3)}
+                self.sink.emit(
+                    {"event": "worker_lost", "worker": r, "reason": sup.reason(r), "workers": len(self.members)}
                 )
-                sink.emit({"event": "worker_lost", "worker": r, "reason": reason, "workers": len(members)})
-            membership.announce(store, gen, members)
-    results = [procs.unpack(sup.results[r], job) for r in members]
-    if recoveries:
-        attendance = results[0].attendance = results[0].attendance or Attendance()
-        attendance.recoveries = recoveries
-        attendance.failed_workers = [rec["worker"] for rec in recoveries]
-    return results
+            self.announce([{"worker": r, "reason": sup.reason(r)} for r in lost])
+        for r in sorted(failed):
+            if procs.replace(team, sup, r, f"worker {r}", self.sink, self.restarts):
+                self.joining.add(r)
+            else:
+                self.joining.discard(r)
 
 
 def _run_torchrun(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:

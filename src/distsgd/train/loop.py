@@ -51,50 +51,50 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     if ctx.job.main is not None:
         return run_own_loop(ctx, algo, replacement)
     w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
+    if replacement and membership.current() is not None:  # joins a group that trains through losses
+        w.join()
     w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
-        _train(w, ctx, algo)
-    return w.finish()
+        while True:
+            try:
+                _train(w, ctx, algo)
+                return w.finish()
+            except membership.Lost as lost:
+                # --min-workers: the group lost a worker. The survivors regroup and take the most
+                # advanced one's state, then train on from its counters: each may have been lost at
+                # another point (a step, an evaluation, the end), so each starts the loop again there
+                w.recover(lost)
 
 
 def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
-    """The loop's epochs and steps, up to the run's budget, its target or a signal's stop. With
-    ``--min-workers``, a worker lost in the middle of any of it (:class:`membership.Lost`): the
-    others regroup (:meth:`_Worker.recover`) and go on from the next batch."""
+    """The loop's epochs and steps, up to the run's budget, its target or a signal's stop: from
+    where the counters stand (a resumed run's, or those a regrouped group took), so that every
+    worker that enters it with the same counters goes through the same collectives."""
     stop = False
     while not stop and w.more_epochs():
         for micro in _groups(w.epoch_batches(), ctx.cfg.accumulate):
             if w.out_of_samples() or not algo.keep_going(ctx):
                 stop = True
                 break
-            try:
-                w.step(micro)
-                if w.signalled():
-                    w.stop_for_signal()
-                # the run's last step: finish() evaluates the model returned, made on the training clock
-                if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate():
-                    stop = True
-                    break
-                if w.state.checkpoints_at.due(w.all_samples):
-                    w.checkpoint()
-            except membership.Lost as lost:
-                w.recover(lost)
+            w.step(micro)
+            if w.signalled():
+                w.stop_for_signal()
+            # the run's last step: finish() evaluates the model returned, made on the training clock
+            if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate():
+                stop = True
+                break
+            if w.state.checkpoints_at.due(w.all_samples):
+                w.checkpoint()
         if stop:
             break
-        try:
-            w.end_epoch()
-            if w.eval_every is None and not w.budget_spent():
-                stop = w.evaluate()
-            if w.checkpoint_each_epoch:
-                w.checkpoint()
-        except membership.Lost as lost:
-            w.recover(lost)
-    try:
-        if w.signalled(at_once=True):  # one that came since the last look: this last step's checkpoint keeps it all
-            w.stop_for_signal()
-    except membership.Lost as lost:
-        w.recover(lost)
+        w.end_epoch()
+        if w.eval_every is None and not w.budget_spent():
+            stop = w.evaluate()
+        if w.checkpoint_each_epoch:
+            w.checkpoint()
+    if w.signalled(at_once=True):  # one that came since the last look: this last step's checkpoint keeps it all
+        w.stop_for_signal()
 
 
 def check_saved(saved: dict[str, Any], model: torch.nn.Module) -> None:
@@ -276,22 +276,38 @@ class _Worker:
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
         if self.recovering is not None:  # the first step since a recovery: it is done
             self.recovered()
+        membership.joined()  # a replacement ready to join: the group forms again, with it
 
     def recover(self, lost: membership.Lost) -> None:
-        """The group lost a worker (``--min-workers``): join the survivors' new group, take the
-        state of the most advanced of them (model, optimiser, algorithm, counters; not the random
-        state), and keep this worker's shard of the data. The step in flight here, if it did not
-        complete, is dropped: its batch is not trained."""
+        """The group lost a worker, or a replacement is ready to join (``--min-workers``): join the
+        next generation's group, take the state of the most advanced member (model, optimiser,
+        algorithm, counters; not the random state), and keep this worker's shard of the data.
+        The step in flight here, if it did not complete, is dropped, and the loop starts again from
+        the counters taken."""
         member = membership.current()
         if member is None:  # (Lost is raised only where a membership waits)
             raise lost
-        ctx, run, algo, st = self.ctx, self.run, self.algo, self.state
         began = time.perf_counter()
         log.info("worker %d: %s; regrouping", member.first_rank, lost)
-        old_world = ctx.world
-        gone = member.regroup(ctx.cfg.backend)
+        gone, joined = member.regroup(self.cfg.backend)
+        self.take_over(member, began, gone, joined)
+
+    def join(self) -> None:
+        """A replacement (``--min-workers`` with ``--restart-workers``): built, it joins the group
+        at the others' next step and takes the most advanced member's state, not the checkpoint's."""
+        member = membership.current()
+        assert member is not None
+        began = time.perf_counter()
+        member.enter(self.cfg.backend)
+        self.take_over(member, began, [], [member.first_rank])
+
+    def take_over(self, member: membership.Membership, began: float, gone: list[int], joined: list[int]) -> None:
+        """This worker's place in the group ``member`` just formed, and the state of its most
+        advanced member."""
+        ctx, run, algo, st = self.ctx, self.run, self.algo, self.state
         if ctx.shard is None:
-            ctx.shard = (ctx.rank, ctx.world)
+            ctx.shard = (member.first_rank, member.first_world)
+        old_world = ctx.world
         ctx.rank, ctx.world = run.rank, run.world = member.rank, member.world
         ctx.reports = ctx.evaluates = member.rank == 0
         run._abandon_step()
@@ -299,18 +315,23 @@ class _Worker:
         pieces = {k: v for k, v in run._pieces().items() if k != "rng"}  # each worker's own random state
         evals = list(st.evals)  # this worker's record of the evaluations, if it made them
         states = {k: v.state_dict() for k, v in pieces.items()}
+        states["group"] = {"departed_samples": ctx.departed_samples, "world": old_world}
         loaded, source = membership.share_state(states, st.steps, ctx.device)
+        group = states["group"]
         if loaded is not None:
+            group = loaded.pop("group")
             scatter(pieces, loaded)
             run._lr_set = None  # the learning rate is the source's, set by its schedule (maybe a step on)
         if len(evals) > len(st.evals):
             st.evals = evals
-        ctx.departed_samples += st.local * (old_world - ctx.world)  # they had trained as many as we all
+        # the workers lost had trained as many samples as each member; one that joined, none
+        ctx.departed_samples = int(group["departed_samples"]) + st.local * (int(group["world"]) - ctx.world)
         self.all_samples = algo.global_samples(ctx, st.local)
         self.next_check = st.steps  # signalled(): ask at the next step, in the new group
         self.recovering = {
             "generation": member.gen,
             "lost": gone,
+            "joined": joined,
             "began": began,
             "from_worker": member.members[source],
             "workers": ctx.world,
@@ -327,6 +348,7 @@ class _Worker:
                     "event": "recovery",
                     "generation": rec["generation"],
                     "lost": rec["lost"],
+                    "joined": rec["joined"],
                     "workers": rec["workers"],
                     "state_from": rec["from_worker"],
                     "recovery_s": round(time.perf_counter() - rec["began"], 3),
@@ -408,12 +430,9 @@ class _Worker:
         the training clock, its checks outside), evaluated unless the last evaluation was of
         exactly this model (the same values in every parameter and buffer): the final figures
         always describe the model returned and saved, and nothing changes it afterwards."""
-        while True:
-            try:
-                self.model = self.run.final_model()
-                break
-            except membership.Lost as lost:  # (--min-workers) the group lost a worker at the very end
-                self.recover(lost)
+        self.model = self.run.final_model()
+        if self.recovering is not None:  # regrouped at the very end: the model returned is the step after
+            self.recovered()
         if self.graphed is not None:
             self.run._where.update(self.graphed.summary())
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)

@@ -53,6 +53,30 @@ def announce(store: dist.Store, gen: int, members: list[int]) -> None:
     store.set(generation_key(gen), ",".join(str(r) for r in members))
 
 
+def joining_key(rank: int) -> str:
+    """Where a replacement for worker ``rank`` says it is ready to join (its value: a token of its own)."""
+    return f"joining/{rank}"
+
+
+def admitted_key(token: str) -> str:
+    """Where the launcher tells the replacement with ``token`` the generation it joins."""
+    return f"admitted/{token}"
+
+
+def ready_to_join(store: dist.Store, rank: int) -> str | None:
+    """The launcher's look: the token of a replacement for ``rank`` that is ready to join, if one is."""
+    key = joining_key(rank)
+    if not store.check([key]):
+        return None
+    token = store.get(key).decode()
+    store.delete_key(key)
+    return token
+
+
+def admit(store: dist.Store, token: str, gen: int) -> None:
+    store.set(admitted_key(token), str(gen))
+
+
 class Membership:
     """One worker's place in a group that trains through losses: its first rank (that of its data
     shard), the current generation and its members, and the store the launcher announces on."""
@@ -64,7 +88,7 @@ class Membership:
         self.gen = 0
         self.members = list(range(world))
         self.lost: list[int] = []  # the first ranks lost, in the order the launcher announced them
-        self._announced = threading.Event()  # the launcher announced generation gen + 1
+        self._latest = 0  # the last generation the launcher announced, as the watcher saw it
         self._watching = True
         self._watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
         self._watcher = threading.Thread(target=self._watch, name="distsgd-membership", daemon=True)
@@ -83,6 +107,20 @@ class Membership:
         self._init(backend)
         self._watcher.start()
 
+    def enter(self, backend: str) -> None:
+        """A replacement's way in: say it is ready, wait (up to ``--timeout``) for the generation
+        the launcher admits it to, form that generation's group with the others (who see it
+        announced at their next step), and start watching for the next."""
+        import secrets
+
+        token = secrets.token_hex(8)
+        self.store.set(joining_key(self.first_rank), token)
+        self.store.wait([admitted_key(token)], self.timeout)
+        self.gen = int(self.store.get(admitted_key(token)).decode())
+        self.members = [int(r) for r in self.store.get(generation_key(self.gen)).decode().split(",")]
+        self._init(backend)
+        self._watcher.start()
+
     def _init(self, backend: str) -> None:
         dist.init_process_group(
             backend=backend,
@@ -93,22 +131,22 @@ class Membership:
         )
 
     def _watch(self) -> None:
-        """Set ``_announced`` once the launcher names the next generation (a thread of its own, on
-        a store connection of its own: a blocked wait does not stop the worker)."""
-        seen = self.gen
+        """Keep ``_latest``, the last generation the launcher announced (a thread of its own, on a
+        store connection of its own: a blocked wait does not stop the worker)."""
+        self._latest = self.gen
         while self._watching:
             try:
-                self._watch_store.wait([generation_key(seen + 1)], datetime.timedelta(seconds=1))
+                self._watch_store.wait([generation_key(self._latest + 1)], datetime.timedelta(seconds=1))
             except Exception:  # not yet (a timeout), or the store went away with the launcher
                 continue
-            seen += 1
-            self._announced.set()
+            self._latest += 1
 
     def stop(self) -> None:
         self._watching = False
 
     def announced(self) -> bool:
-        return self._announced.is_set()
+        """Whether the launcher announced a generation after this worker's."""
+        return self._latest > self.gen
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``; :class:`Lost` if it failed, or if the launcher announced a loss
@@ -122,25 +160,22 @@ class Membership:
                     raise Lost(
                         str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed"
                     ) from None
-                if self._announced.is_set():
-                    raise Lost("the launcher announced a lost worker") from None
+                if self.announced():
+                    raise Lost("the launcher announced a new generation") from None
 
-    def regroup(self, backend: str) -> list[int]:
-        """Leave the broken group and join the next generation's (the launcher's word, waited for up
-        to ``--timeout``). Returns the first ranks lost since the last generation."""
+    def regroup(self, backend: str) -> tuple[list[int], list[int]]:
+        """Leave the group and join the next generation's (the launcher's word, waited for up to
+        ``--timeout``). Returns the first ranks lost and those that joined since the last one."""
         before = set(self.members)
         key = generation_key(self.gen + 1)
         self.store.wait([key], self.timeout)
         self.gen += 1
-        self._announced.clear()
-        if self._watch_store.check([generation_key(self.gen + 1)]):  # another loss already: skip to it
-            self._announced.set()
         self.members = [int(r) for r in self.store.get(key).decode().split(",")]
         _abandon_default_group()
         self._init(backend)
         gone = sorted(before - set(self.members))
         self.lost += gone
-        return gone
+        return gone, sorted(set(self.members) - before)
 
 
 _GRAVE: list[Any] = []  # groups abandoned with a collective maybe still waiting in them: never freed
@@ -148,11 +183,30 @@ _GRAVE: list[Any] = []  # groups abandoned with a collective maybe still waiting
 
 
 def _abandon_default_group() -> None:
-    """Forget the default group without waiting for what is in flight in it."""
+    """Forget the default group without waiting for what is in flight in it (destroying it
+    joins its threads: a collective left waiting there would hold the survivors for --timeout).
+    torch has no public way to do this for gloo: where its private registry is not as expected,
+    the group is destroyed, which may wait."""
     from torch.distributed import distributed_c10d as c10d
 
+    try:
+        _forget(c10d)
+    except AttributeError:  # pragma: no cover - another torch's registry
+        log.warning("this torch's process-group registry is not the one distsgd knows: the old group is destroyed")
+        dist.destroy_process_group()
+
+
+def _forget(c10d: Any) -> None:
+    """What ``destroy_process_group`` does to torch's registry of groups, for the default group,
+    without shutting it down. The group's name is what its store keys start with: the next
+    default group is named as a first one is (its counter back to 0), so that a replacement's
+    first group and the survivors' next meet under the same keys."""
     pg = c10d._get_default_group()
     _GRAVE.append(pg)
+    name = c10d._world.pg_names.get(pg)
+    if name is not None:
+        c10d._unregister_process_group(name)
+    c10d._world.group_count = 0
     c10d._world.pg_map.pop(pg, None)
     c10d._world.pg_names.pop(pg, None)
     c10d._world.pg_group_ranks.pop(pg, None)
@@ -194,6 +248,13 @@ def call(collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
     except RuntimeError as exc:  # the group is broken already
         raise Lost(str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed") from None
     _current.wait(work)
+
+
+def joined() -> None:
+    """At a step's end: :class:`Lost` if the launcher announced a new generation (a replacement
+    is ready to join), so that the group forms again with it. (A loss is seen in a collective.)"""
+    if _current is not None and _current.announced():
+        raise Lost("a replacement is ready to join")
 
 
 def share_state(states: dict[str, Any], steps: int, device: torch.device) -> tuple[dict[str, Any] | None, int]:

@@ -61,7 +61,7 @@ from distsgd.errors import ConfigError, loop_failure, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
-from distsgd.train import device
+from distsgd.train import device, membership
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
 from distsgd.train.optim import build_optimizer, schedule_lr, schedule_needs_epochs
@@ -433,7 +433,8 @@ class Run:
     def _begin(self, earlier_s: float = 0.0) -> None:
         """Training starts: every worker together (the algorithm's barrier), the clock from here
         (plus ``earlier_s`` of a resumed run)."""
-        self._algo.before_training(self._ctx)
+        if not (self._replacement and membership.current() is not None):  # one that joined the others, past it
+            self._algo.before_training(self._ctx)
         self._clock.restart()
         self._clock.add(earlier_s)
 
