@@ -120,7 +120,10 @@ def _entry(
             reports=rank == 0 and not replacement,
             device=where,
         )
-        return run_worker(ctx, algo_cls(cfg), replacement)
+        result = run_worker(ctx, algo_cls(cfg), replacement)
+        joined = membership.current()
+        result.generation = joined.gen if joined is not None else None
+        return result
 
     try:
         procs.report(q, rank, body)
@@ -163,12 +166,15 @@ def _run_through(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[Worker
         [("worker", r) for r in range(cfg.workers)],
         lambda r, out, replacement: (r, cfg.workers, job, algo_cls, "", gens.store.port, replacement, out),
         signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
+        leave_s=2.0,  # the members end by themselves once they sent their results (a SIGTERM in their exit: a traceback)
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, gens.on_event, own=False)
-        while not all(r in sup.results for r in gens.members):
+        while not gens.finished(team, sup):
             sup.poll(0.2)
             gens.admit_ready()
             gens.leave_behind(team, sup)
+        for r in gens.joining:  # replacements the run ended before: they hold nothing yet
+            team.procs[r].kill()
     results = [procs.unpack(sup.results[r], job) for r in gens.members]
     # the reporting worker's own record starts where it took over: the run's is every one made
     # (one made again after a regrouping, at the same samples, replaces the first)
@@ -194,6 +200,7 @@ class _Generations:
         self.gen = 0
         self.members = list(range(cfg.workers))  # the current generation's, by first rank
         self.joining: set[int] = set()  # replacements started, not yet in the group
+        self.admitted: dict[int, int] = {}  # a replacement taken into the group -> that generation
         self.recoveries: list[dict[str, Any]] = []  # one per worker lost or joined, with its generation
         self.restarts: list[dict[str, Any]] = []  # the replacements started
         self.evals: list[dict[str, Any]] = []  # every evaluation the reporting workers made
@@ -215,6 +222,22 @@ class _Generations:
         at = round(time.monotonic() - self.started, 3)
         self.recoveries.extend({**record, "generation": self.gen, "at_s": at} for record in records)
 
+    def finished(self, team: procs.Team, sup: procs.Supervisor) -> bool:
+        """Whether every member has sent its result. A replacement admitted after the others
+        finished (they take one in only where all agree to, at the last at their loop's end) will
+        never meet them: it is stopped, and the run ends without it."""
+        ended = [sup.results[r].get("generation") for r in self.members if r in sup.results]
+        oldest = min((g for g in ended if g is not None), default=None)
+        for r in [r for r in self.members if r not in sup.results]:
+            if oldest is not None and self.admitted.get(r, -1) > oldest:
+                log.warning("the others finished before the replacement for worker %d could join them", r)
+                team.procs[r].kill()
+                self.members.remove(r)
+                for rec in self.recoveries:
+                    if rec["worker"] == r and rec.get("joined") and rec["generation"] == self.admitted[r]:
+                        rec["joined"], rec["too_late"] = False, True
+        return all(r in sup.results for r in self.members)
+
     def admit_ready(self) -> None:
         """A generation with each replacement that is ready to join."""
         for r in sorted(self.joining):
@@ -225,6 +248,7 @@ class _Generations:
             self.members = sorted(self.members + [r])
             self.announce([{"worker": r, "joined": True}])
             membership.admit(self.store, token, self.gen)
+            self.admitted[r] = self.gen
             log.warning("a replacement for worker %d joins the other %d", r, len(self.members) - 1)
             self.sink.emit({"event": "worker_joined", "worker": r, "workers": len(self.members)})
 

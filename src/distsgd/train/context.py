@@ -159,3 +159,4 @@ class WorkerResult:
     attendance: Attendance | None = None
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
     data_len: int | None = None  # a user's loop: the training set's length its run.loader saw (its epochs)
+    generation: int | None = None  # --min-workers: the generation of the group it finished in

@@ -276,7 +276,6 @@ class _Worker:
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
         if self.recovering is not None:  # the first step since a recovery: it is done
             self.recovered()
-        membership.joined()  # a replacement ready to join: the group forms again, with it
 
     def recover(self, lost: membership.Lost) -> None:
         """The group lost a worker, or a replacement is ready to join (``--min-workers``): join the
@@ -387,16 +386,25 @@ class _Worker:
         same steps: every few steps, as many as take about :data:`CHECK_S` (each worker proposes
         a number from its own step time; all take the largest, which they learn with the answer),
         so that the asking costs nothing much and the stop comes within a fraction of a second.
-        ``at_once``: ask now (every worker does, at the loop's end)."""
+        ``at_once``: ask now (every worker does, at the loop's end).
+
+        With ``--min-workers`` they ask, the same way, whether the launcher announced a
+        replacement ready to join: if any saw it, all raise :class:`membership.Lost` at the same
+        step and form the group again with it (a join is taken in only where all agree to; the
+        last chance is the loop's end)."""
         st = self.state
-        if not STOP.listening or (st.steps < self.next_check and not at_once):
+        member = membership.current()
+        if not (STOP.listening or member is not None) or (st.steps < self.next_check and not at_once):
             return False
         now = time.perf_counter()
         per_step = (now - self.checked[0]) / max(1, st.steps - self.checked[1])
         every = max(1, min(1000, int(CHECK_S / per_step))) if per_step > 0 else 1
         self.checked = (now, st.steps)
-        seen = self.algo.max_of(self.ctx, [int(STOP.requested is not None), every])
+        joins = int(member is not None and member.announced())
+        seen = self.algo.max_of(self.ctx, [int(STOP.requested is not None), every, joins])
         self.next_check = st.steps + (seen[1] if seen is not None else 1)
+        if seen is not None and seen[2]:
+            raise membership.Lost("a replacement is ready to join")
         return seen is not None and bool(seen[0])
 
     def stop_for_signal(self) -> NoReturn:

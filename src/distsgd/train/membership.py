@@ -48,9 +48,17 @@ def generation_key(gen: int) -> str:
     return f"{PREFIX}/{gen}"
 
 
+LATEST = f"{PREFIX}/latest"
+
+
 def announce(store: dist.Store, gen: int, members: list[int]) -> None:
     """The launcher's word: generation ``gen`` is ``members`` (the workers' first ranks, in order)."""
     store.set(generation_key(gen), ",".join(str(r) for r in members))
+    store.set(LATEST, str(gen))
+
+
+def _members(store: dist.Store, gen: int) -> list[int]:
+    return [int(r) for r in store.get(generation_key(gen)).decode().split(",")]
 
 
 def joining_key(rank: int) -> str:
@@ -117,7 +125,7 @@ class Membership:
         self.store.set(joining_key(self.first_rank), token)
         self.store.wait([admitted_key(token)], self.timeout)
         self.gen = int(self.store.get(admitted_key(token)).decode())
-        self.members = [int(r) for r in self.store.get(generation_key(self.gen)).decode().split(",")]
+        self.members = _members(self.store, self.gen)
         self._init(backend)
         self._watcher.start()
 
@@ -145,8 +153,15 @@ class Membership:
         self._watching = False
 
     def announced(self) -> bool:
-        """Whether the launcher announced a generation after this worker's."""
+        """Whether the launcher announced a generation after this worker's (a loss, or a
+        replacement ready to join: the workers agree on when to take one in, see the loop)."""
         return self._latest > self.gen
+
+    def loss_announced(self) -> bool:
+        """Whether the launcher announced a generation without a member of this one."""
+        if self._latest <= self.gen:
+            return False
+        return not set(self.members) <= set(_members(self.store, self._latest))
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``; :class:`Lost` if it failed, or if the launcher announced a loss
@@ -160,17 +175,16 @@ class Membership:
                     raise Lost(
                         str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed"
                     ) from None
-                if self.announced():
-                    raise Lost("the launcher announced a new generation") from None
+                if self.loss_announced():  # (a survivor waits on another that gave up)
+                    raise Lost("the launcher announced a lost worker") from None
 
     def regroup(self, backend: str) -> tuple[list[int], list[int]]:
         """Leave the group and join the next generation's (the launcher's word, waited for up to
         ``--timeout``). Returns the first ranks lost and those that joined since the last one."""
         before = set(self.members)
-        key = generation_key(self.gen + 1)
-        self.store.wait([key], self.timeout)
-        self.gen += 1
-        self.members = [int(r) for r in self.store.get(key).decode().split(",")]
+        self.store.wait([generation_key(self.gen + 1)], self.timeout)
+        self.gen = int(self.store.get(LATEST).decode())  # the newest, where several came at once
+        self.members = _members(self.store, self.gen)
         _abandon_default_group()
         self._init(backend)
         gone = sorted(before - set(self.members))
@@ -248,13 +262,6 @@ def call(collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
     except RuntimeError as exc:  # the group is broken already
         raise Lost(str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed") from None
     _current.wait(work)
-
-
-def joined() -> None:
-    """At a step's end: :class:`Lost` if the launcher announced a new generation (a replacement
-    is ready to join), so that the group forms again with it. (A loss is seen in a collective.)"""
-    if _current is not None and _current.announced():
-        raise Lost("a replacement is ready to join")
 
 
 def share_state(states: dict[str, Any], steps: int, device: torch.device) -> tuple[dict[str, Any] | None, int]:
