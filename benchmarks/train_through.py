@@ -5,7 +5,8 @@ state (``join``); and the same kill where the group restarts from its last check
 (``--restart-workers 1 --checkpoint-every 6000``, ``restart``).
 
 Each trial makes the same kill (worker, moment after the workers were listed) in every mode;
-each algorithm has one unkilled run of the same budget. Reported per trial and per mode: finished
+each algorithm has one unkilled run of the same budget, and the kills fall in 10-90% of its time
+from the workers' listing to its end. Reported per trial and per mode: finished
 (exit 0), replicas apart (max abs difference, must be 0), accuracy against the unkilled run, the
 recovery (a failed collective to the next completed step, as the survivors measure it), the join
 (the replacement ready to its first step with the others) and the wall time.
@@ -55,10 +56,11 @@ def run(out: Path, args: list[str], kill: tuple[int, float] | None) -> dict:
         text=True,
     )
     killed = False
+    listed = out / "workers.json"
+    while not listed.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    listed_at = time.monotonic()
     if kill is not None:
-        listed = out / "workers.json"
-        while not listed.exists() and proc.poll() is None:
-            time.sleep(0.02)
         time.sleep(kill[1])
         try:
             pids = {e["rank"]: e["pid"] for e in json.loads(listed.read_text()) if e["role"] == "worker"}
@@ -69,7 +71,14 @@ def run(out: Path, args: list[str], kill: tuple[int, float] | None) -> dict:
     _, err = proc.communicate(timeout=600)
     wall = time.monotonic() - started
     summary = json.loads((out / "summary.json").read_text()) if proc.returncode == 0 else {}
-    return {"rc": proc.returncode, "killed": killed, "wall_s": wall, "summary": summary, "stderr": err[-3000:]}
+    return {
+        "rc": proc.returncode,
+        "killed": killed,
+        "wall_s": wall,
+        "window_s": time.monotonic() - listed_at,  # from the workers' listing to the end
+        "summary": summary,
+        "stderr": err[-3000:],
+    }
 
 
 def row(mode: str, r: dict, clean_acc: float) -> dict:
@@ -116,7 +125,7 @@ def main() -> None:
             print(f"{algo} unkilled: accuracy {clean_acc:.4f}, {base['wall_s']:.1f} s", flush=True)
             rows = []
             for t in range(args.trials):
-                kill = (rng.randrange(3), rng.uniform(0.5, 6.0))
+                kill = (rng.randrange(3), rng.uniform(0.1, 0.9) * base["window_s"])  # within the unkilled run
                 for mode in modes:  # alternating, the same kill in each
                     r = row(mode, run(Path(tmp) / f"{algo}-{mode}{t}", own + MODES[mode], kill), clean_acc)
                     rows.append({"algo": algo, "trial": t, "worker": kill[0], "at_s": round(kill[1], 2), **r})

@@ -145,5 +145,15 @@ def test_min_workers_is_refused_where_it_cannot_work() -> None:
             model="mlp", data="digits", algo="allreduce", workers=2, min_workers=1, epochs=1, quiet=True,
             init_method="tcp://127.0.0.1:29999",
         )  # fmt: skip
+    with pytest.raises(ConfigError, match="--min-workers with --checkpoint-every"):
+        distsgd.train(
+            model="mlp", data="digits", algo="allreduce", workers=2, min_workers=1, epochs=1, quiet=True,
+            checkpoint_every="epoch", out="unused",
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="--compress powersgd keeps each worker's own error feedback"):
+        distsgd.train(
+            model="mlp", data="digits", algo="allreduce", workers=2, min_workers=1, epochs=1, quiet=True,
+            compress="powersgd",
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="more than --workers"):
         distsgd.train(model="mlp", data="digits", algo="allreduce", workers=2, min_workers=3, epochs=1, quiet=True)

@@ -377,6 +377,14 @@ class Algorithm(Generic[OptionsT]):
         worker's place in the new group, and its state is about to be the most advanced
         survivor's (``load_state_dict``). Forget what was in flight in the old group."""
 
+    def sent_counts(self) -> dict[str, int]:
+        """This worker's own counts of what it sent (kept when it takes another's state)."""
+        return {"bytes_sent": self.bytes_sent}
+
+    def restore_sent_counts(self, counts: dict[str, int]) -> None:
+        for name, value in counts.items():
+            setattr(self, name, value)
+
     def evaluation_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """What this algorithm would return at this moment (the average, the centre, the module a
         DDP wrapper holds). Every worker calls it at an evaluation point, so it may communicate."""
@@ -578,6 +586,14 @@ class GroupAlgorithm(Algorithm[OptionsT]):
     def regrouped(self, ctx: "WorkerContext") -> None:
         self.world = ctx.world
         self._max = None  # a reduction in the old group: the next call starts afresh
+
+    def sent_counts(self) -> dict[str, int]:
+        return {
+            **super().sent_counts(),
+            "sent_alike": self.sent_alike,
+            "eval_share": self.eval_share,
+            "largest": self.largest,
+        }
 
     def sent(self, nbytes: int, world: int) -> None:
         """Count an all-reduce of ``nbytes``: a ring all-reduce sends 2 (W-1)/W of it per worker."""

@@ -215,10 +215,12 @@ class _Generations:
                     rec.update({k: v for k, v in event.items() if k not in ("event", "lost", "joined", "generation")})
         self.sink.emit(event)
 
-    def announce(self, records: list[dict[str, Any]]) -> None:
-        """The next generation is ``self.members``; ``records`` say why (one per worker lost or joined)."""
+    def announce(self, records: list[dict[str, Any]], finished: set[int]) -> None:
+        """The next generation is ``self.members`` but those ``finished`` (they sent their results:
+        a last collective can complete on one worker and fail on another); ``records`` say why
+        (one per worker lost or joined)."""
         self.gen += 1
-        membership.announce(self.store, self.gen, self.members)
+        membership.announce(self.store, self.gen, [r for r in self.members if r not in finished])
         at = round(time.monotonic() - self.started, 3)
         self.recoveries.extend({**record, "generation": self.gen, "at_s": at} for record in records)
 
@@ -246,7 +248,7 @@ class _Generations:
                 continue
             self.joining.discard(r)
             self.members = sorted(self.members + [r])
-            self.announce([{"worker": r, "joined": True}])
+            self.announce([{"worker": r, "joined": True}], set())
             membership.admit(self.store, token, self.gen)
             self.admitted[r] = self.gen
             log.warning("a replacement for worker %d joins the other %d", r, len(self.members) - 1)
@@ -275,7 +277,7 @@ class _Generations:
                 self.sink.emit(
                     {"event": "worker_lost", "worker": r, "reason": sup.reason(r), "workers": len(self.members)}
                 )
-            self.announce([{"worker": r, "reason": sup.reason(r)} for r in lost])
+            self.announce([{"worker": r, "reason": sup.reason(r)} for r in lost], set(sup.results))
         for r in sorted(failed):
             if procs.replace(team, sup, r, f"worker {r}", self.sink, self.restarts):
                 self.joining.add(r)

@@ -58,7 +58,9 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
         while True:
             try:
-                _train(w, ctx, algo)
+                if not w.done:  # (a regrouped group whose loop had ended on any member goes to the end)
+                    _train(w, ctx, algo)
+                w.done = True
                 return w.finish()
             except membership.Lost as lost:
                 # --min-workers: the group lost a worker. The survivors regroup and take the most
@@ -164,6 +166,7 @@ class _Worker:
         self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.recovering: dict[str, Any] | None = None  # a recovery whose next step is yet to come
+        self.done = False  # the loop has ended (--min-workers: shared when the group regroups)
         self.all_samples = algo.global_samples(ctx, self.state.local)  # all workers' samples, read once a step
 
     def warm_compiled(self) -> float:
@@ -313,14 +316,20 @@ class _Worker:
         algo.regrouped(ctx)
         pieces = {k: v for k, v in run._pieces().items() if k != "rng"}  # each worker's own random state
         evals = list(st.evals)  # this worker's record of the evaluations, if it made them
+        sent = algo.sent_counts()  # what this worker sent is its own
+        st.train_wall_s = run._clock.elapsed()  # a replacement's clock goes on from the others'
         states = {k: v.state_dict() for k, v in pieces.items()}
         states["group"] = {"departed_samples": ctx.departed_samples, "world": old_world}
-        loaded, source = membership.share_state(states, st.steps, ctx.device)
+        loaded, source, self.done = membership.share_state(states, st.steps, ctx.device, self.done)
         group = states["group"]
         if loaded is not None:
             group = loaded.pop("group")
             scatter(pieces, loaded)
             run._lr_set = None  # the learning rate is the source's, set by its schedule (maybe a step on)
+            if member.first_rank not in joined:
+                algo.restore_sent_counts(sent)
+            else:  # a replacement: its counts from nothing (its clock starts from the others' time)
+                algo.restore_sent_counts({k: 0 for k in sent})
         if len(evals) > len(st.evals):
             st.evals = evals
         # the workers lost had trained as many samples as each member; one that joined, none
@@ -411,7 +420,8 @@ class _Worker:
         """A signal asked the run to stop: every worker is at this step. A checkpoint of it (where
         the run has a directory), so that ``--resume`` (a requeued job's, by itself) loses no step;
         then :class:`Terminated`, which the command reports with that ``--resume``."""
-        if self.cfg.out and self.algo.checkpoints:
+        # (not in a group short of a worker it lost: that worker's part would be missing)
+        if self.cfg.out and self.algo.checkpoints and self.ctx.world == self.ctx.data_world:
             self.checkpoint()
             self.algo.barrier(self.ctx)  # rank 0 has committed it: no worker's exit (srun's --kill-on-bad-exit,
             # torchrun's stop of the others) can end rank 0 before

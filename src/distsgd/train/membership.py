@@ -158,10 +158,9 @@ class Membership:
         return self._latest > self.gen
 
     def loss_announced(self) -> bool:
-        """Whether the launcher announced a generation without a member of this one."""
-        if self._latest <= self.gen:
-            return False
-        return not set(self.members) <= set(_members(self.store, self._latest))
+        """Whether the launcher announced, since this worker's generation, one without a member
+        of it (a later one may have a replacement in its place)."""
+        return any(not set(self.members) <= set(_members(self.store, g)) for g in range(self.gen + 1, self._latest + 1))
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``; :class:`Lost` if it failed, or if the launcher announced a loss
@@ -264,14 +263,18 @@ def call(collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
     _current.wait(work)
 
 
-def share_state(states: dict[str, Any], steps: int, device: torch.device) -> tuple[dict[str, Any] | None, int]:
+def share_state(
+    states: dict[str, Any], steps: int, device: torch.device, done: bool = False
+) -> tuple[dict[str, Any] | None, int, bool]:
     """In a group just formed: the state of the most advanced member (the most ``steps``; of
-    those, the lowest rank), for every other member to load (None for that member itself), and
-    that member's rank. ``states`` is this worker's, as a checkpoint holds it (tensors, numbers,
-    strings, lists and dicts: loaded back with ``weights_only``)."""
+    those, the lowest rank), for every other member to load (None for that member itself), that
+    member's rank, and whether any member's loop had ended (``done``: all then go to the end).
+    ``states`` is this worker's, as a checkpoint holds it (tensors, numbers, strings, lists and
+    dicts: loaded back with ``weights_only``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.tensor([steps, -rank], dtype=torch.int64)
+    t = torch.tensor([steps, -rank, int(done)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the most steps; of those who have them, the lowest rank
+    any_done = bool(t[2])
     top = torch.tensor([steps, -rank if steps == int(t[0]) else -world], dtype=torch.int64)
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     source = -int(top[1])
@@ -287,9 +290,9 @@ def share_state(states: dict[str, Any], steps: int, device: torch.device) -> tup
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
     dist.broadcast(payload, src=source)
     if rank == source:
-        return None, source
+        return None, source, any_done
     loaded = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=True)
-    return loaded, source
+    return loaded, source, any_done
 
 
 def _to_cpu(obj: Any) -> Any:
