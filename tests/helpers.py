@@ -118,3 +118,41 @@ def flat_params(model):
     import torch
 
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+KILL_AT_STEP = '''
+import os, signal
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """mlp-like; a worker whose rank (RANK) is in KILL_RANK (comma-separated) SIGKILLs itself at
+    its KILL_STEP-th training forward; with KILL_MARKER, once (the file marks it done: a
+    replacement lives)."""
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            marker = os.environ.get("KILL_MARKER")
+            if (
+                os.environ.get("RANK") in os.environ.get("KILL_RANK", "").split(",")
+                and self.calls == int(os.environ["KILL_STEP"])
+                and not (marker and os.path.exists(marker))
+            ):
+                if marker:
+                    open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+
+def kill_at_step_model(folder: Path) -> str:
+    """``--model`` for :data:`KILL_AT_STEP`, written into ``folder``."""
+    path = folder / "killatstep.py"
+    path.write_text(KILL_AT_STEP)
+    return f"{path}:Net"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import kill_at_step_model, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -99,37 +99,12 @@ def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     )
 
 
-KILL_ONCE = '''
-import os, signal
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    """mlp-like; the process whose RANK is KILL_RANK SIGKILLs itself at its 20th training step, once
-    (a marker file stops its replacement from doing the same)."""
-
-    def __init__(self, num_classes, input_shape):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            marker = os.environ["KILL_MARKER"]
-            if os.environ.get("RANK") == os.environ.get("KILL_RANK") and self.calls == 20 and not os.path.exists(marker):
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.net(x)
-'''
-
-
 @pytest.fixture
 def kill_once(tmp_path: Path, monkeypatch) -> str:
-    path = tmp_path / "killonce.py"
-    path.write_text(KILL_ONCE)
+    """The process whose RANK is KILL_RANK SIGKILLs itself at its 20th training step, once."""
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
-    return f"{path}:Net"
+    monkeypatch.setenv("KILL_STEP", "20")
+    return kill_at_step_model(tmp_path)
 
 
 @pytest.mark.parametrize("algo, rank", [("hogwild", "1"), ("asgd", "2"), ("hogwild++", "1"), ("ssp", "2")])

@@ -2,7 +2,7 @@
 restart and without a checkpoint (issue 47's first part: allreduce, local-sgd and DiLoCo in local
 runs).
 
-A worker is killed (SIGKILL, by itself, inside its forward at a chosen step: a death mid-step,
+A worker is killed (SIGKILL, by itself, inside its forward at a chosen step: helpers.KILL_AT_STEP; a death mid-step,
 between the collectives of the step before and the gradient all-reduce of its own). What must
 hold, whatever the moment: the run ends with exit 0 and the full budget of samples, the
 survivors' replicas are identical (max abs difference 0, measured by the all-reduces of
@@ -15,41 +15,12 @@ from pathlib import Path
 
 import pytest
 
-KILL_AT = '''
-import os, signal
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    """mlp-like; the worker whose rank (its first: RANK) is in KILL_RANKS SIGKILLs itself at its
-    KILL_STEP-th training forward (with KILL_MARKER, once: a file marks it done)."""
-
-    def __init__(self, num_classes, input_shape):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            marker = os.environ.get("KILL_MARKER", "") + os.environ.get("RANK", "")
-            if (
-                os.environ.get("RANK") in os.environ["KILL_RANKS"].split(",")
-                and self.calls == int(os.environ["KILL_STEP"])
-                and not os.path.exists(marker)
-            ):
-                if os.environ.get("KILL_MARKER"):  # once: its replacement lives
-                    open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.net(x)
-'''
+from helpers import kill_at_step_model
 
 
 @pytest.fixture
 def kill_at(tmp_path: Path) -> str:
-    path = tmp_path / "killat.py"
-    path.write_text(KILL_AT)
-    return f"{path}:Net"
+    return kill_at_step_model(tmp_path)
 
 
 def _train(tmp_path: Path, model: str, **kw):
@@ -82,7 +53,7 @@ def _train(tmp_path: Path, model: str, **kw):
     ],
 )
 def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, rank: str, extra, monkeypatch) -> None:
-    monkeypatch.setenv("KILL_RANKS", rank)
+    monkeypatch.setenv("KILL_RANK", rank)
     monkeypatch.setenv("KILL_STEP", "40")
     s = _train(tmp_path, kill_at, algo=algo, min_workers=2, **extra).summary
     assert len(s["recoveries"]) == 1
@@ -108,11 +79,11 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(tmp_path: Path, kill_a
     """With --restart-workers, the dead worker's replacement joins the survivors at their next step
     and takes the most advanced one's state (not a checkpoint's: there is none), then trains its
     rank's shard: three workers again, identical replicas."""
-    monkeypatch.setenv("KILL_RANKS", rank)
+    monkeypatch.setenv("KILL_RANK", rank)
     monkeypatch.setenv("KILL_STEP", "40")
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
     s = _train(tmp_path, kill_at, min_workers=2, restart_workers=1).summary
-    assert (tmp_path / f"killed{rank}").exists()
+    assert (tmp_path / "killed").exists()
     lost, joined = s["recoveries"]
     assert lost["worker"] == joined["worker"] == int(rank) and joined["joined"]
     assert (lost["generation"], joined["generation"]) == (1, 2)
@@ -128,7 +99,7 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(tmp_path: Path, kill_a
 def test_below_min_workers_the_run_stops_in_one_line(tmp_path: Path, kill_at: str, monkeypatch) -> None:
     from distsgd.errors import WorkerError
 
-    monkeypatch.setenv("KILL_RANKS", "1,2")
+    monkeypatch.setenv("KILL_RANK", "1,2")
     monkeypatch.setenv("KILL_STEP", "40")
     with pytest.raises(WorkerError, match="killed by SIGKILL"):
         _train(tmp_path, kill_at, min_workers=2)

@@ -315,7 +315,6 @@ class _Worker:
         run._abandon_step()
         algo.regrouped(ctx)
         pieces = {k: v for k, v in run._pieces().items() if k != "rng"}  # each worker's own random state
-        evals = list(st.evals)  # this worker's record of the evaluations, if it made them
         sent = algo.sent_counts()  # what this worker sent is its own
         st.train_wall_s = run._clock.elapsed()  # a replacement's clock goes on from the others'
         states = {k: v.state_dict() for k, v in pieces.items()}
@@ -330,8 +329,6 @@ class _Worker:
                 algo.restore_sent_counts(sent)
             else:  # a replacement: its counts from nothing (its clock starts from the others' time)
                 algo.restore_sent_counts({k: 0 for k in sent})
-        if len(evals) > len(st.evals):
-            st.evals = evals
         # the workers lost had trained as many samples as each member; one that joined, none
         ctx.departed_samples = int(group["departed_samples"]) + st.local * (int(group["world"]) - ctx.world)
         self.all_samples = algo.global_samples(ctx, st.local)

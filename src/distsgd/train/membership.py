@@ -95,7 +95,6 @@ class Membership:
         self.store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
         self.gen = 0
         self.members = list(range(world))
-        self.lost: list[int] = []  # the first ranks lost, in the order the launcher announced them
         self._latest = 0  # the last generation the launcher announced, as the watcher saw it
         self._watching = True
         self._watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
@@ -186,9 +185,7 @@ class Membership:
         self.members = _members(self.store, self.gen)
         _abandon_default_group()
         self._init(backend)
-        gone = sorted(before - set(self.members))
-        self.lost += gone
-        return gone, sorted(set(self.members) - before)
+        return sorted(before - set(self.members)), sorted(set(self.members) - before)
 
 
 _GRAVE: list[Any] = []  # groups abandoned with a collective maybe still waiting in them: never freed
@@ -272,14 +269,16 @@ def share_state(
     ``states`` is this worker's, as a checkpoint holds it (tensors, numbers, strings, lists and
     dicts: loaded back with ``weights_only``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.tensor([steps, -rank, int(done)], dtype=torch.int64)
+    # gloo on the host: these small tensors, and the state's bytes, stay on the CPU (a GPU
+    # worker's state is moved there by _to_cpu and back by map_location)
+    t = torch.tensor([steps, -rank, int(done)], dtype=torch.int64, device="cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the most steps; of those who have them, the lowest rank
     any_done = bool(t[2])
-    top = torch.tensor([steps, -rank if steps == int(t[0]) else -world], dtype=torch.int64)
+    top = torch.tensor([steps, -rank if steps == int(t[0]) else -world], dtype=torch.int64, device="cpu")
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     source = -int(top[1])
-    size = torch.zeros(1, dtype=torch.int64)
-    payload = torch.zeros(0, dtype=torch.uint8)
+    size = torch.zeros(1, dtype=torch.int64, device="cpu")
+    payload = torch.zeros(0, dtype=torch.uint8, device="cpu")
     if rank == source:
         buf = io.BytesIO()
         torch.save(_to_cpu(states), buf)
@@ -287,7 +286,7 @@ def share_state(
         size[0] = payload.numel()
     dist.broadcast(size, src=source)
     if rank != source:
-        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        payload = torch.empty(int(size[0]), dtype=torch.uint8, device="cpu")
     dist.broadcast(payload, src=source)
     if rank == source:
         return None, source, any_done
