@@ -38,6 +38,7 @@ ALGOS = {
     "allreduce": ["--lr", "0.05"],
     "local-sgd": ["--lr", "0.05", "--sync-every", "8"],
     "diloco": ["--sync-every", "20"],  # its own inner AdamW
+    "easgd": ["--lr", "0.05", "--tau", "4"],  # sync mode
 }
 MODES = {
     "through": ["--min-workers", "2"],

@@ -1,6 +1,6 @@
 """--min-workers: a lockstep group that loses a worker trains on with the others, without a
-restart and without a checkpoint (issue 47's first part: allreduce, local-sgd and DiLoCo in local
-runs).
+restart and without a checkpoint (issue 47's first part: allreduce, local-sgd, DiLoCo and sync EASGD
+in local runs).
 
 A worker is killed (SIGKILL, by itself, inside its forward at a chosen step: helpers.KILL_AT_STEP; a death mid-step,
 between the collectives of the step before and the gradient all-reduce of its own). What must
@@ -50,6 +50,7 @@ def _train(tmp_path: Path, model: str, **kw):
         ("allreduce", "0", {}),  # rank 0 reports and evaluates: the lowest survivor takes its place
         ("local-sgd", "2", {"sync_every": 4}),
         ("diloco", "0", {"sync_every": 10, "lr": None}),  # DiLoCo's own inner AdamW lr
+        ("easgd", "1", {"tau": 4}),  # the replicas compared: the centre, the model returned
     ],
 )
 def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, rank: str, extra, monkeypatch) -> None:

@@ -51,15 +51,16 @@ from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import Options, option
 from distsgd.schedule import Periodic
+from distsgd.train import membership
 from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 
 def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int) -> int:
     """One synchronous EASGD exchange; returns the bytes all-reduced."""
     diff = flatten(x) - flatten(center)
-    total = diff.clone()
+    total = diff.clone()  # a new buffer each time: an all-reduce abandoned with a lost worker writes nowhere used
     if world > 1:
-        dist.all_reduce(total)
+        membership.call(dist.all_reduce, total)
     unflatten_into(flatten(x) - alpha * diff, x)
     unflatten_into(flatten(center) + alpha * total, center)
     return total.numel() * total.element_size()
@@ -101,6 +102,7 @@ class AsyncEASGDFigures(Figures):
 class EASGD(GroupAlgorithm[EASGDOptions]):
     name = "easgd"
     kind = "model averaging"
+    trains_through = True  # its one collective through the membership, on a fresh buffer
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
     period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)
@@ -135,6 +137,12 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         self.x_ints, self.center_ints = int_buffers(model), int_buffers(self.center_model)
         return model
 
+    def regrouped(self, ctx: WorkerContext) -> None:
+        """A lost worker (``--min-workers``): the default strength follows the workers (beta = N alpha
+        stays 0.9); the survivors then take the most advanced one's state, its x_i and the centre."""
+        super().regrouped(ctx)
+        self.alpha = elastic_alpha(self.opts, ctx.world)
+
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the elastic exchange from x_i as it was when the gradient
         was computed; then the optimiser's step."""
@@ -153,11 +161,18 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         return self.center_model
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "center": flatten(self.center), "period": self.period.state_dict()}
+        return {
+            **super().state_dict(),
+            "center": flatten(self.center),
+            "center_ints": flatten(self.center_ints),  # the counters copied at the last exchange
+            "period": self.period.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         unflatten_into(state["center"], self.center)
+        if "center_ints" in state:  # (checkpoints written before it was kept: the model's, as it loads)
+            unflatten_into(state["center_ints"], self.center_ints)
         self.period.load_state_dict(state["period"])
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
