@@ -14,15 +14,42 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` need CUDA: skipped, saying so, on a machine without it (CI)."""
+    """The ``slow`` tests first and the ``alone`` ones last (otherwise in their files' order), so
+    that the test processes (pytest-xdist) end together rather than one finishing a long test alone,
+    and an ``alone`` test waits for nobody. Tests marked ``gpu`` need CUDA: skipped, saying so, on a
+    machine without it (CI)."""
     import torch
 
+    items.sort(key=lambda item: ("alone" in item.keywords, "slow" not in item.keywords))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+ALL_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+
+
+def _own_cores() -> frozenset[int]:
+    """Under pytest-xdist, this test process's share of the cores: with N processes and C cores,
+    every min(N, C)-th core from its own (gw0 the first, gw1 the second, ...; with more processes
+    than cores, two share one). What a test starts (a run's launcher and workers) inherits it, so
+    that a run's threads per worker are its share / workers and no two runs' OpenMP threads,
+    spinning at every barrier, fight over the same cores (two such runs on the same 2 cores ran up
+    to 80x slower). Else (one process) every core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()) or not ALL_CORES:
+        return ALL_CORES
+    ordered = sorted(ALL_CORES)
+    k = min(int(count), len(ordered))
+    return ALL_CORES if k < 2 else frozenset(ordered[int(worker[2:]) % k :: k])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if ALL_CORES and _own_cores() != ALL_CORES:
+        os.sched_setaffinity(0, _own_cores())
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +79,9 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             fcntl.flock(gate, fcntl.LOCK_UN)
         if group is not None:
             fcntl.flock(held.enter_context(open(folder / f"{group.args[0]}.lock", "a")), fcntl.LOCK_EX)
+        if alone and ALL_CORES:  # the machine is this test's: all of it
+            os.sched_setaffinity(0, ALL_CORES)
+            held.callback(os.sched_setaffinity, 0, _own_cores())
         yield  # every lock is let go as its file closes
 
 

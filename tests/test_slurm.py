@@ -31,8 +31,9 @@ from distsgd.errors import ConfigError
 from distsgd.launch import slurm
 
 # one real SLURM cluster at a time, and never beside Ray (whose workers listen on ports 10002-19999,
-# where an srun step's MASTER_PORT lies): none of its tests beside another, or beside Ray's
-pytestmark = pytest.mark.one_at_a_time("clusters")
+# where an srun step's MASTER_PORT lies): none of its runs (the slow tests) beside another, or beside
+# Ray's; the tests of the variables alone run beside anything
+CLUSTERS = pytest.mark.one_at_a_time("clusters")
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -300,6 +301,7 @@ def _one_line(p: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_bad_slurm_setup_is_one_line(tmp_path: Path) -> None:
     """Each stops before any group forms: one `error:` line, exit 2, no run directory. (The cases
     run side by side.)"""
@@ -318,6 +320,7 @@ def test_a_bad_slurm_setup_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_group_that_cannot_form_fails_within_the_timeout(tmp_path: Path) -> None:
     """One task of two alone, with --timeout 3: task 1 cannot reach the first host (an address
     routed nowhere, a name no resolver knows); task 0 waits for a peer that never comes. Each gives
@@ -539,6 +542,7 @@ def _sbatch(env: dict[str, str], cwd: Path, *argv: str, timeout: float = 240) ->
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_real_srun_trains_two_workers(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """`srun -N1 -n2 python -m distsgd train --algo allreduce` on a real slurmctld and slurmd;
     without --out every task writes into the one directory named by the job and step."""
@@ -555,6 +559,7 @@ def test_a_real_srun_trains_two_workers(real_slurm: dict[str, str], tmp_path: Pa
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_real_srun_over_two_nodes_serves_from_the_first(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """`srun -N2 -n3 ... --algo asgd`: SLURM writes the nodes as `127.0.0.[1-2]` and the tasks per
     node as 2,1; task 0 serves on the first node, the other two train, one on each node."""
@@ -581,6 +586,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_real_srun_runs_a_script_on_the_python_api(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """`srun -n2 python script.py`, the script calling distsgd.train: task 0 alone gets the model."""
     pytest.importorskip("sklearn")
@@ -593,10 +599,11 @@ def test_a_real_srun_runs_a_script_on_the_python_api(real_slurm: dict[str, str],
     assert s["workers"] == 2 and s["algo"] == "allreduce" and s["final_test_accuracy"] > 0.6
 
 
-WHO = "import os, sys\nfrom distsgd.launch import slurm\nprint(sys.argv[1], slurm.adopt(), os.environ.get('RANK'))\n"
+WHO = "import os, sys\nfrom distsgd.launch import slurm\nprint(sys.argv[1], slurm.adopt(os.environ), os.environ.get('RANK'))\n"
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_only_the_steps_tasks_are_taken_for_a_group(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """In a real `sbatch -n2` job: its script's own shell (a job id, task 0 of 2, no step), a
     one-task step and the processes torchrun starts in each task of `srun -n2 torchrun` are left
@@ -648,6 +655,7 @@ DYING_MODEL = STEP_15_MODEL.format(
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_sbatch_job_whose_task_died_goes_on_from_its_checkpoint(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """examples/slurm_nodes.sbatch on the two nodes, one task each: task 1 is SIGKILLed mid-run;
     task 0 stops (its peer gone, or srun --kill-on-bad-exit's SIGTERM) and says so in one line, and the script runs the step
@@ -681,6 +689,7 @@ REQUEUING_MODEL = STEP_15_MODEL.format(
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """examples/slurm_one_node.sbatch, its job requeued mid-run (as a preemption would): SLURM runs
     it again and distsgd goes on from the newest checkpoint of the first attempt, to the budget."""
@@ -705,6 +714,7 @@ def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(real_slurm: dict[str,
 
 
 @pytest.mark.slow
+@CLUSTERS
 def test_a_job_preempted_with_sigterm_loses_no_step(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """A preemption mid-epoch of a run whose periodic checkpoints are far apart (every 100,000
     samples: none before it): ``scontrol requeue`` from task 0 at its 15th step sends every task
