@@ -50,6 +50,27 @@ def test_each_launcher_is_told_from_its_variables() -> None:
         environment.detect({**pod(0), "RANK": "one"}).contract()
 
 
+def test_the_launch_code_asks_the_runs_environment_not_the_process_variables(monkeypatch) -> None:
+    """While a run lasts, ``environment.current()`` is the one ``api.run`` detected, whatever
+    ``os.environ`` holds; rank, size, host, port and torchrun's attempt come from it."""
+    from distsgd.launch import rendezvous
+
+    monkeypatch.setenv("MASTER_ADDR", "elsewhere")  # not what this run was told
+    restarted = environment.detect(
+        {**pod(1, master="10.1.2.3", port=29400), "LOCAL_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "2",
+         "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    )  # fmt: skip
+    assert isinstance(restarted, environment.Torchrun) and (restarted.attempt, restarted.agent_store) == (2, True)
+    with environment.using(restarted):
+        assert environment.current() is restarted and environment.launched()
+        assert rendezvous.place() == (1, 2) and rendezvous.group_host() == "10.1.2.3"
+        assert (restarted.address, restarted.port) == ("10.1.2.3", 29400)
+    assert isinstance(environment.current(), environment.Local)  # detected now: no RANK here
+    spawned = environment.Spawned(2, 3)  # a worker distsgd's own launcher started: every rank on this machine
+    assert (spawned.rank, spawned.world_size, spawned.local_rank, spawned.local_world_size) == (2, 3, 2, 3)
+    assert not spawned.launched and spawned.attempt == 0 and not environment.Spawned.detect({})
+
+
 def test_a_pods_local_ranks_are_written_where_it_left_them_out() -> None:
     env = pod(1)
     environment.detect(env).adopt(env)

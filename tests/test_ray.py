@@ -19,7 +19,7 @@ import torch
 
 import distsgd
 from distsgd import cli
-from distsgd.launch.rendezvous import launched
+from distsgd.launch.environment import launched
 
 # Ray is imported by the tests alone: collecting the fast tier does not pay for its import (3 s)
 pytestmark = [

@@ -43,7 +43,8 @@ from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
 from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm
 from distsgd.launch import cores, environment, procs
-from distsgd.launch.rendezvous import group_host, launched, place
+from distsgd.launch.environment import launched
+from distsgd.launch.rendezvous import group_host, place
 from distsgd.metrics import (
     CsvWriter,
     Fanout,
@@ -221,7 +222,9 @@ def run(
     :class:`~distsgd.errors.Terminated` (a KeyboardInterrupt) when SIGTERM or SIGUSR1 stopped it."""
     restore = _stop_on_signals()
     try:
-        return _run(cfg, model_spec, dataset, progress, code, evaluate)
+        # who this process is, detected once: its own launcher, or a rank of a launcher's group
+        with environment.using(environment.detect()):
+            return _run(cfg, model_spec, dataset, progress, code, evaluate)
     finally:
         restore()
 
@@ -251,7 +254,7 @@ def _run(
     code: dict[str, Any] | None,
     evaluate: Callable | None,
 ) -> TrainResult:
-    where = environment.detect()  # who this process is: its own launcher, or a rank of one's group
+    where = environment.current()
     if where.launched:
         where.adopt(os.environ)  # torchrun's variables (an srun task's, a Kubeflow pod's local ones)
     torchrun = launched()  # one rank of a group torchrun, SLURM, Kubeflow or Ray Train formed

@@ -18,18 +18,42 @@ writes those the launcher left out. Adding a launcher is one class here, and its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import ClassVar
+
+import torch.distributed as dist
 
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
-from distsgd.launch.rendezvous import formed_group
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what every launched rank is told
 LOCAL = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def formed_group() -> bool:
+    """True when this process is a rank of a default process group formed before distsgd ran (Ray
+    Train's ``TorchTrainer`` forms one in each worker before ``train_loop_per_worker``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def ray_train_workers() -> int:
+    """The workers of the Ray Train run whose training function this process is in; 0 outside one.
+    (A process Ray Train runs a function in has imported ray.train: distsgd never imports it.)"""
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray Train V1 answers 1 outside a training function, with a warning
+            return int(train.get_context().get_world_size())
+    except Exception:  # V2 raises outside a training function (and in a Tune trial)
+        return 0
 
 
 class Environment(ABC):
@@ -60,6 +84,24 @@ class Environment(ABC):
     def address(self) -> str | None:
         """Where the group meets (rank 0's host)."""
         return self.contract().get("MASTER_ADDR")
+
+    @property
+    def port(self) -> int | None:
+        """The port of the group's store on :attr:`address`."""
+        port = self.contract().get("MASTER_PORT")
+        return None if port is None else int(port)
+
+    @property
+    def attempt(self) -> int:
+        """How many times the launcher started this group again (torchrun's restarts): each
+        attempt forms its group under store keys of its own."""
+        return 0
+
+    @property
+    def agent_store(self) -> bool:
+        """The launcher's agent serves the store at :attr:`address` (torchrun's, where it says so):
+        rank 0 must not start one."""
+        return False
 
     @property
     def restarted(self) -> str | None:
@@ -116,14 +158,10 @@ class RayTrain(Environment):
 
     @property
     def rank(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_rank()
 
     @property
     def world_size(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_world_size()
 
     @property
@@ -155,9 +193,17 @@ class Torchrun(Environment):
         return given
 
     @property
-    def restarted(self) -> str | None:
+    def attempt(self) -> int:
         count = self.env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return "torchrun restarted the group" if count.isdigit() and int(count) > 0 else None
+        return int(count) if count.isdigit() else 0
+
+    @property
+    def agent_store(self) -> bool:
+        return self.env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+    @property
+    def restarted(self) -> str | None:
+        return "torchrun restarted the group" if self.attempt > 0 else None
 
 
 class Slurm(Environment):
@@ -218,6 +264,30 @@ class Kubeflow(Environment):
         return f"kubeflow-{match.group(1)}" if match else None
 
 
+class Spawned(Environment):
+    """A worker process distsgd's own launcher started on this machine (``procs.begin_worker``):
+    rank ``rank`` of ``world``, every one of them here. Never detected: the process says so
+    (:func:`become`)."""
+
+    name, launched = "distsgd's own launcher", False
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__({})
+        self.given = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str]) -> bool:
+        return False
+
+    def contract(self) -> dict[str, str]:
+        return dict(self.given)
+
+
 # the first that detects: a formed group before any variables; SLURM's tasks before the variables
 # an adopted one wrote; a pod's four variables alone before torchrun's (which has them too)
 ENVIRONMENTS: tuple[type[Environment], ...] = (RayTrain, Slurm, Kubeflow, Torchrun, Local)
@@ -229,4 +299,62 @@ def detect(env: Mapping[str, str] | None = None) -> Environment:
     return next(kind(env) for kind in ENVIRONMENTS if kind.detect(env))
 
 
-__all__ = ["Environment", "Local", "RayTrain", "Torchrun", "Slurm", "Kubeflow", "ENVIRONMENTS", "detect"]
+_current: Environment | None = None  # the run's, while api.run runs it (using)
+
+
+@contextlib.contextmanager
+def using(where: Environment) -> Iterator[Environment]:
+    """While a run lasts, :func:`current` is ``where`` (``api.run`` detects it once)."""
+    global _current
+    was, _current = _current, where
+    try:
+        yield where
+    finally:
+        _current = was
+
+
+def become(where: Environment) -> None:
+    """This process is ``where`` from now on (a worker process distsgd started: :class:`Spawned`)."""
+    global _current
+    _current = where
+
+
+def current() -> Environment:
+    """The environment of the run in progress (:func:`using`); outside one, detected now (a
+    worker process distsgd started here: its launcher's variables are in its environment)."""
+    return _current if _current is not None else detect()
+
+
+def launched() -> bool:
+    """True when a launcher made this process one rank of a run: torchrun's variables (SLURM's,
+    Kubeflow's), or a process group that exists already. One of several Ray Train workers in no
+    torch process group is one ConfigError line: each would otherwise train a run of its own."""
+    if current().launched:
+        return True
+    workers = ray_train_workers()
+    if workers > 1:
+        raise ConfigError(
+            f"this Ray Train worker is one of {workers} in no torch process group, each of which would train a run "
+            f"of its own: run distsgd in the train_loop_per_worker of a ray.train.torch.TorchTrainer, which forms "
+            f"the group distsgd joins"
+        )
+    return False
+
+
+__all__ = [
+    "Environment",
+    "Local",
+    "RayTrain",
+    "Torchrun",
+    "Slurm",
+    "Kubeflow",
+    "Spawned",
+    "ENVIRONMENTS",
+    "detect",
+    "using",
+    "become",
+    "current",
+    "launched",
+    "formed_group",
+    "ray_train_workers",
+]

@@ -14,7 +14,6 @@ lockstep.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from distsgd.algorithms.base import Algorithm
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
-from distsgd.launch import procs
+from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import (
     LOOPBACK,
     check_backend,
@@ -50,7 +49,7 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     rendezvous must work here."""
     if torchrun:
         cfg = cfg.replace(workers=place()[1])
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers)) if torchrun else cfg.workers
+    local = environment.current().local_world_size if torchrun else cfg.workers
     cfg = resolve_backend(cfg, local)
     check_backend(cfg, local)
     check_init_method(cfg.init_method)
@@ -286,7 +285,7 @@ class _Generations:
 
 
 def _run_torchrun(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
-    where = device.use(job.cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
+    where = device.use(job.cfg.device, environment.current().local_rank)
     with launcher_group(job.cfg) as (rank, world):
         ctx = WorkerContext(
             job, rank=rank, world=world, sink=sink if rank == 0 else NullSink(), reports=rank == 0, device=where

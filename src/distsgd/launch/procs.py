@@ -45,6 +45,7 @@ from distsgd.errors import (
     on_sigterm,
     peer_symptom,
 )
+from distsgd.launch import environment
 from distsgd.metrics import Sink
 from distsgd.models import build_model
 from distsgd.train.context import Attendance, Job, WorkerResult
@@ -227,6 +228,7 @@ def begin_worker(label: str, rank: int, world: int, quiet: bool = False) -> None
     if quiet:
         warnings.simplefilter("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    environment.become(environment.Spawned(rank, world))
 
 
 def record_workers(cfg: RunConfig, procs: list[BaseProcess], roles: list[tuple[str, int]]) -> None:

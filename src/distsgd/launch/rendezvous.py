@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -34,6 +33,8 @@ import torch.distributed.nn.functional  # noqa: F401  # isort: skip
 
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
+from distsgd.launch import environment
+from distsgd.launch.environment import formed_group
 from distsgd.train import device
 
 log = logging.getLogger(__name__)
@@ -47,59 +48,20 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def under_torchrun() -> bool:
-    """True when torchrun (or any launcher using its variables) started this process."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def formed_group() -> bool:
-    """True when this process is a rank of a default process group formed before distsgd ran (Ray
-    Train's ``TorchTrainer`` forms one in each worker before ``train_loop_per_worker``)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def launched() -> bool:
-    """True when a launcher made this process one rank of a run: torchrun's variables, or a process
-    group that exists already. One of several Ray Train workers in no torch group is one
-    ConfigError line: each would otherwise train a run of its own."""
-    if under_torchrun() or formed_group():
-        return True
-    workers = _ray_train_workers()
-    if workers > 1:
-        raise ConfigError(
-            f"this Ray Train worker is one of {workers} in no torch process group, each of which would train a run "
-            f"of its own: run distsgd in the train_loop_per_worker of a ray.train.torch.TorchTrainer, which forms "
-            f"the group distsgd joins"
-        )
-    return False
-
-
-def _ray_train_workers() -> int:
-    """The workers of the Ray Train run whose training function this process is in; 0 outside one.
-    (A process Ray Train runs a function in has imported ray.train: distsgd never imports it.)"""
-    train = sys.modules.get("ray.train")
-    if train is None:
-        return 0
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Train V1 answers 1 outside a training function, with a warning
-            return int(train.get_context().get_world_size())
-    except Exception:  # V2 raises outside a training function (and in a Tune trial)
-        return 0
-
-
 def place() -> tuple[int, int]:
     """This process's rank and the size of its launcher's group (the group's own once it exists)."""
     if formed_group():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = environment.current()
+    return where.rank, where.world_size
 
 
 def group_host() -> str | None:
     """Rank 0's host, where the launcher's group keeps its store: ``MASTER_ADDR`` (torchrun's, Ray
     Train's), else the TCP store of a group formed with ``tcp://``; None where neither says."""
-    if "MASTER_ADDR" in os.environ:
-        return os.environ["MASTER_ADDR"]
+    address = environment.current().address
+    if address is not None:
+        return address
     if formed_group():
         from torch.distributed import distributed_c10d
 
@@ -212,7 +174,8 @@ def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
         with _native_stderr_held():
             _join_torchrun_group(cfg, rank, world)
     except dist.DistError as exc:  # DistNetworkError, DistStoreError: the rendezvous, not a collective
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        here = environment.current()
+        where = f"{here.address}:{here.port}"
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
             f"the process group at {where} (MASTER_ADDR:MASTER_PORT) did not form within --timeout "
@@ -242,19 +205,14 @@ def _native_stderr_held() -> Iterator[None]:
 def _join_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
     """After a torchrun restart, the store may still hold the previous attempt's addresses under
     the default keys, so each attempt uses keys of its own."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart == "0":
-        init_group(cfg, rank, world, "env://")
+    here = environment.current()
+    restart = here.attempt
+    if restart == 0:
+        init_group(cfg, rank, world, "env://")  # torch reads the variables adopt wrote
         return
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=not agent_store and rank == 0,
-        timeout=timeout,
-    )
+    assert here.address is not None and here.port is not None  # a launched environment's contract
+    store = dist.TCPStore(here.address, here.port, world, is_master=not here.agent_store and rank == 0, timeout=timeout)
     dist.init_process_group(
         backend=cfg.backend,
         store=dist.PrefixStore(f"distsgd/attempt-{restart}", store),

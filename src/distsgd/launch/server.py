@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import secrets
 from multiprocessing.connection import Connection
 from typing import Any
@@ -25,7 +24,7 @@ from distsgd.algorithms.base import Algorithm, Server, ServerSeat
 from distsgd.checkpoint import resume_hint
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, MainGuardError, Terminated
-from distsgd.launch import procs
+from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, group_host, launcher_group, place
 from distsgd.metrics import NullSink, Sink
 from distsgd.train import device
@@ -69,7 +68,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
         return _run_local(job, algo_cls, sink)
     from torch.distributed import distributed_c10d
 
-    key = f"distsgd/server/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_RUNS)}"
+    key = f"distsgd/server/{environment.current().attempt}/{next(_RUNS)}"
     with launcher_group(job.cfg.replace(backend="gloo")) as (rank, world):  # its store: where the server listens
         store = distributed_c10d._get_default_store()
         if rank == 0:
@@ -92,7 +91,8 @@ def _work(
 ) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N; its device, by its index on its
     machine (the server computes on the CPU: what it sends and receives are host bytes)."""
-    local = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else rank - 1
+    where = environment.current()
+    local = rank - 1 if isinstance(where, environment.Local) else where.local_rank
     ctx = WorkerContext(
         job,
         rank=rank - 1,

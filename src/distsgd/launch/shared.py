@@ -43,8 +43,9 @@ from distsgd.config import RunConfig, graphs_refusal
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, MainGuardError, Terminated, WorkerError
 from distsgd.launch import procs
+from distsgd.launch.environment import formed_group
 from distsgd.launch.group import gather_results
-from distsgd.launch.rendezvous import formed_backend, formed_group, launcher_group, place
+from distsgd.launch.rendezvous import formed_backend, launcher_group, place
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import build_model
 from distsgd.train import device

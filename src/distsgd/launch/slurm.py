@@ -15,12 +15,12 @@ other, where distsgd starts its own workers. Processes that torchrun started (``
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, MutableMapping
 
+import torch.distributed as dist
+
 from distsgd.errors import ConfigError
-from distsgd.launch.rendezvous import formed_group
 
 FIRST_SPECIAL_STEP = 0xFFFFFFF0  # step ids from here up are SLURM's own (batch, extern, interactive), not srun's
 PORTS = (15000, 32000)  # MASTER_PORT's range: unprivileged, below Linux's ephemeral ports (32768 and up)
@@ -131,11 +131,12 @@ def torchrun_contract(env: Mapping[str, str]) -> dict[str, str] | None:
     }
 
 
-def adopt(env: MutableMapping[str, str] = os.environ) -> bool:
+def adopt(env: MutableMapping[str, str]) -> bool:
     """Under srun, a task of several: write torchrun's variables into ``env`` (the user's
     ``MASTER_ADDR`` and ``MASTER_PORT`` win; a ``RANK`` or ``WORLD_SIZE`` already there must be
     SLURM's). True when it did."""
-    if formed_group():  # its launcher's ranks, not SLURM's tasks (Ray's workers inherit srun's variables)
+    if dist.is_available() and dist.is_initialized():  # a group formed before: its launcher's ranks, not
+        # SLURM's tasks (Ray's workers inherit srun's variables)
         return False
     contract = torchrun_contract(env)
     if contract is None:
@@ -160,13 +161,13 @@ def with_users_address(env: Mapping[str, str], contract: dict[str, str]) -> dict
     return {**contract, "MASTER_ADDR": env.get("MASTER_ADDR", contract["MASTER_ADDR"]), "MASTER_PORT": port}
 
 
-def restarted(env: Mapping[str, str] = os.environ) -> bool:
+def restarted(env: Mapping[str, str]) -> bool:
     """SLURM requeued this job (``SLURM_RESTART_COUNT`` > 0): it runs again from the start."""
     count = env.get("SLURM_RESTART_COUNT", "0")
     return count.isdigit() and int(count) > 0
 
 
-def run_name(env: Mapping[str, str] = os.environ) -> str | None:
+def run_name(env: Mapping[str, str]) -> str | None:
     """``slurm-JOB.STEP`` for a task of an srun step of several: the same in every task, and again
     when the job is requeued, where a timestamp differs between tasks (and attempts). None elsewhere
     (a one-task step, ``srun --pty bash``, runs one distsgd after another)."""
