@@ -52,6 +52,18 @@ def pytest_configure(config: pytest.Config) -> None:
         os.sched_setaffinity(0, _own_cores())
 
 
+def _quiet(limit_s: float) -> None:
+    """Wait (at most ``limit_s``) until the machine is idle: the processes of the tests that just
+    ended (a run's workers, torchrun's agents) may still be on their way out when the lock frees."""
+    from distsgd.launch import cores
+
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        busy = cores.Look().busy()
+        if busy is None or busy < 0.3:
+            return
+
+
 @pytest.fixture(autouse=True)
 def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests run in parallel (pytest-xdist's processes, ``-n`` in pyproject.toml), except those
@@ -82,6 +94,8 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         if alone and ALL_CORES:  # the machine is this test's: all of it
             os.sched_setaffinity(0, ALL_CORES)
             held.callback(os.sched_setaffinity, 0, _own_cores())
+        if alone:
+            _quiet(10.0)
         yield  # every lock is let go as its file closes
 
 

@@ -295,7 +295,8 @@ def _run(
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
     sinks = _sinks(job, out, tb_dir, started, settings_text, chief) + [progress]
     try:
-        with cores.chosen(cfg, first_look, cfg.workers):  # the threads the other processes leave
+        # the threads the other processes leave to this machine's workers
+        with cores.chosen(cfg, first_look, where.local_world_size if torchrun else cfg.workers):
             results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
             if job.main is not None and chief:
                 own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)

@@ -87,14 +87,16 @@ def look() -> Look | None:
 
 @contextlib.contextmanager
 def chosen(cfg: RunConfig, first: Look | None, local_workers: int) -> Iterator[None]:
-    """While the run lasts: its workers' thread count (the cores other processes left since
-    ``first``, shared by ``local_workers``) in ``config.CHOSEN_THREADS``, unless the user chose one."""
-    busy = first.busy() if first is not None and cfg.threads_per_worker is None else None
-    if busy is None:
+    """While the run lasts: its workers' thread count in ``config.CHOSEN_THREADS``, unless the user
+    chose one: the cores other processes left since ``first`` (None: not measured, the cores
+    as they are) shared by ``local_workers``, this machine's (under torchrun, its ranks)."""
+    if cfg.threads_per_worker is not None:
         yield
         return
+    busy = first.busy() if first is not None else None
     workers = max(1, local_workers)
-    threads, even = max(1, round(cores() - busy)) // workers or 1, max(1, cores() // workers)
+    even = max(1, cores() // workers)
+    threads = even if busy is None else max(1, round(cores() - busy)) // workers or 1
     if threads < even:
         log.info(
             "other processes kept %.1f of %d cores busy: %d thread(s) per worker, not %d (--threads-per-worker to choose)",

@@ -201,15 +201,15 @@ CHOSEN_THREADS = "DISTSGD_CHOSEN_THREADS"  # the launcher's choice for its worke
 
 
 def threads_per_worker(cfg: RunConfig) -> int:
-    """``--threads-per-worker``; unset, the launcher's choice from the cores other processes left
-    (``launch.cores``), or else this node's cores shared by its workers."""
+    """``--threads-per-worker``; unset, the launcher's choice (``launch.cores``: this machine's
+    cores other processes left, shared by the workers on it), or else the cores shared by the
+    run's workers (outside a run)."""
     if cfg.threads_per_worker is not None:
         return cfg.threads_per_worker
     chosen = os.environ.get(CHOSEN_THREADS, "")
     if chosen.isdigit() and int(chosen) > 0:
         return int(chosen)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or cfg.workers  # torchrun: workers on this node
-    return max(1, cores() // local)
+    return max(1, cores() // cfg.workers)
 
 
 __all__ = [
