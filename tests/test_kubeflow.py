@@ -16,6 +16,7 @@ from distsgd.config import cores
 from distsgd.errors import ConfigError
 from distsgd.launch import environment
 from distsgd.launch.rendezvous import free_port
+from helpers import kill_at_step_model
 
 pytest.importorskip("sklearn")
 
@@ -114,42 +115,17 @@ def test_two_kubeflow_pods_train_as_two_machines(tmp_path: Path) -> None:
     assert summary["threads_per_worker"] == cores()
 
 
-KILLED_ONCE = '''
-import os, signal
-from pathlib import Path
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    """An MLP whose pod KILL_RANK is SIGKILLed at its 12th step, the first time only (FIRST: a file
-    made then): Kubeflow tells a restarted pod nothing."""
-
-    def __init__(self, num_classes, input_shape):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training and os.environ["RANK"] == os.environ["KILL_RANK"] and not Path(os.environ["FIRST"]).exists():
-            self.calls += 1
-            if self.calls == 12:
-                Path(os.environ["FIRST"]).touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.net(x)
-'''
-
-
 @pytest.mark.slow
 def test_kubeflow_pods_started_again_resume_from_their_checkpoint(tmp_path: Path) -> None:
     """A pod killed mid-run (its peer's group breaks, and it fails too); both start their command
     again, as restartPolicy OnFailure does, and resume from the checkpoint in their run directory."""
-    (tmp_path / "killed.py").write_text(KILLED_ONCE)
     out = tmp_path / "run"
     args = [
-        *DIGITS[:3], "--model", f"{tmp_path / 'killed.py'}:Net", *DIGITS[5:],
+        *DIGITS[:3], "--model", kill_at_step_model(tmp_path), *DIGITS[5:],
         "--max-samples", "2560", "--checkpoint-every", "320", "--out", str(out),
     ]  # fmt: skip
-    extra = {"KILL_RANK": "1", "FIRST": str(tmp_path / "first"), "OMP_NUM_THREADS": "1"}
+    # pod 1 SIGKILLed at its 12th step, the first time only (Kubeflow tells a restarted pod nothing)
+    extra = {"KILL_RANK": "1", "KILL_STEP": "12", "KILL_MARKER": str(tmp_path / "first"), "OMP_NUM_THREADS": "1"}
     first = _pods(tmp_path, args, extra)
     assert first[1].returncode != 0 and first[0].returncode != 0, first[0].stderr[-2000:]
     again = _pods(tmp_path, args, extra)
