@@ -572,8 +572,7 @@ def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:
     launcher's group, whose ranks are the workers (or the server), but for its Hogwild! clusters.
     (Ray Train sends the functions of the driver's script by value: pickled again by reference
     here, they would not be found.)"""
-    kind = algo_cls.topology.kind
-    return kind == "shared" or (kind != "one" and not torchrun)
+    return algo_cls.topology.spawns(torchrun)
 
 
 def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module:

@@ -73,7 +73,7 @@ def own_final_figures(
         chief.evals.append(event)
         sink.emit(event)
         chief.final_test_accuracy, chief.final_test_loss = values.get("test_accuracy"), values.get("test_loss")
-    elif algo_cls.topology.kind in ("shared", "server"):
+    elif algo_cls.topology.shared_model:
         chief.final_test_accuracy = chief.final_test_loss = None
 
 

@@ -66,7 +66,11 @@ CASES = [
     for extra in SETTINGS.get(name, [{}])
     for c in (("none", "fp16", "powersgd") if "compress" in registry.get(name).Options.names() else ("none",))
 ]
-SYNCHRONOUS = {name for name in registry.names() if registry.get(name).topology.kind == "group"}
+SYNCHRONOUS = {
+    name
+    for name in registry.names()
+    if registry.get(name).topology.process_group and not registry.get(name).topology.in_process
+}
 
 
 def _id(algo: str, extra: dict) -> str:

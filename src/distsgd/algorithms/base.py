@@ -107,12 +107,24 @@ KINDS = ("baseline", "data parallel", "shared memory", "parameter server", "mode
 
 
 class Topology:
-    """How an algorithm's processes are arranged; ``kind`` picks the launcher module. ``lockstep``:
-    every worker takes its steps with the others, so a stop asked for by a signal (a preemption)
-    can end them all at one step, with a final checkpoint there."""
+    """How an algorithm's processes are arranged, and what follows from it: the code that runs,
+    reports and checks a run asks these rather than which topology it is."""
 
-    kind: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # the launcher module that runs it (launch/<kind>.py), and its name in listings
+    # every worker takes its steps with the others, so a stop asked for by a signal (a preemption)
+    # can end them all at one step, with a final checkpoint there
     lockstep: ClassVar[bool] = False
+    in_process: ClassVar[bool] = False  # one worker, trained in the calling process: no launcher
+    process_group: ClassVar[bool] = False  # the workers are the ranks of one torch.distributed group
+    # the workers step a model they do not own (the server's, or one in shared memory): none holds
+    # a replica of its own to evaluate
+    shared_model: ClassVar[bool] = False
+    server: ClassVar[bool] = False  # a server process holds the model and applies the updates
+
+    def spawns(self, torchrun: bool) -> bool:
+        """Whether the run starts worker processes here (not in a launcher's group, whose ranks
+        are the workers)."""
+        return not self.in_process and not torchrun
 
 
 class Single(Topology):
@@ -120,6 +132,8 @@ class Single(Topology):
 
     kind = "one"
     lockstep = True
+    in_process = True
+    process_group = True  # a group of one: what needs one works
 
 
 class Group(Topology):
@@ -127,6 +141,7 @@ class Group(Topology):
 
     kind = "group"
     lockstep = True
+    process_group = True
 
 
 @dataclass
@@ -155,6 +170,10 @@ class SharedMemory(Topology):
     evaluates and checkpoints them. The defaults are Hogwild!'s: one model, nothing else shared."""
 
     kind = "shared"
+    shared_model = True
+
+    def spawns(self, torchrun: bool) -> bool:
+        return True  # its workers, under torchrun too (one Hogwild! cluster a machine)
 
     def models(self, cfg: RunConfig) -> int:
         """How many models the launcher keeps in shared memory."""
@@ -239,6 +258,7 @@ class Server(Topology):
     """A server process (rank 0) holds the model; workers (ranks 1..N) reach it over TCP."""
 
     kind = "server"
+    shared_model = server = True
     exact_checkpoints: bool = False  # every worker saves at the same round (sync-ps): lockstep restarts
 
     def serve(

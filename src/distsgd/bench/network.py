@@ -116,9 +116,11 @@ def layout(cfg: RunConfig, hosts: int = 2) -> tuple[int, ...] | None:
     one machine only."""
     assert cfg.algo is not None  # the bench names the algorithm of every run
     topology = registry.resolve(cfg.algo, cfg).topology
-    if topology.kind == "server":
+    if topology.server:
         return (1, 2) if hosts == 2 else (1,) * (hosts + 1)
-    if topology.kind == "group" or (isinstance(topology, SharedMemory) and topology.per_machine(cfg, 1) is not None):
+    if (topology.process_group and not topology.in_process) or (
+        isinstance(topology, SharedMemory) and topology.per_machine(cfg, 1) is not None
+    ):
         return (1,) * hosts
     return None
 

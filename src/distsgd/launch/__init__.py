@@ -40,7 +40,7 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     """The settings this algorithm's topology runs with (raises ConfigError for impossible ones).
     Under torchrun (or srun) the group's processes say how many workers there are; a ``--workers``
     other than 1 that says otherwise is a mistake (asgd's server takes one process)."""
-    if algo_cls.topology.kind == "one":
+    if algo_cls.topology.in_process:
         return cfg
     planned = _topology(algo_cls).plan(cfg, algo_cls, torchrun)
     if torchrun and cfg.workers not in (1, planned.workers):
@@ -53,7 +53,7 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
 
 def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Results of every worker, rank 0 first (under torchrun, rank > 0 gets only its own)."""
-    if algo_cls.topology.kind == "one":
+    if algo_cls.topology.in_process:
         from distsgd.train import device
         from distsgd.train.loop import run_worker
 

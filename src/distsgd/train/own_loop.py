@@ -311,7 +311,7 @@ class Run:
         for param in module.parameters():
             if param.requires_grad:
                 self._handles.append(param.register_post_accumulate_grad_hook(accumulated))
-        if self._algo.topology.kind == "server":
+        if self._algo.topology.server:
             self._handles.append(register_optimizer_step_pre_hook(self._foreign_step))
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -393,12 +393,12 @@ class Run:
         model.train()
         if saved is not None:
             load_model_state(model, saved)
-        shared = algo.topology.kind in ("server", "shared")
+        shared = algo.topology.shared_model
         before = snapshot(model) if given is not None and start is Start.FRESH and shared else None
         self._model = algo.setup(ctx, model, start)
         if before is not None:
             if not equal_states(algo.unwrap(self._model).state_dict(), before):
-                where = "the server's" if algo.topology.kind == "server" else "the one shared"
+                where = "the server's" if algo.topology.server else "the one shared"
                 raise ConfigError(
                     f"under {cfg.algo} every worker trains {where} model, built from spawn(model=...) with "
                     f"the run's seed: the model given to run.setup() has other weights, which would be "
@@ -611,8 +611,7 @@ class Run:
 
     def _group_only(self, what: str) -> None:
         """``what`` needs the workers in one process group (or one worker)."""
-        kind = self._algo.topology.kind
-        if self.world > 1 and (kind not in ("group", "one") or not dist.is_initialized()):
+        if self.world > 1 and (not self._algo.topology.process_group or not dist.is_initialized()):
             raise ConfigError(
                 f"{what} needs a process group, and under {self.cfg.algo} the workers have none (they "
                 f"share a model or a server): report each worker's figures with run.log(), or evaluate "
