@@ -36,6 +36,7 @@ COMMON = [
 ]  # fmt: skip
 ALGOS = {
     "allreduce": ["--lr", "0.05"],
+    "ddp": ["--lr", "0.05"],  # its all-reduces waited on in a communication hook
     "local-sgd": ["--lr", "0.05", "--sync-every", "8"],
     "diloco": ["--sync-every", "20"],  # its own inner AdamW
     "easgd": ["--lr", "0.05", "--tau", "4"],  # sync mode

@@ -51,6 +51,7 @@ def _train(tmp_path: Path, model: str, **kw):
         ("local-sgd", "2", {"sync_every": 4}),
         ("diloco", "0", {"sync_every": 10, "lr": None}),  # DiLoCo's own inner AdamW lr
         ("easgd", "1", {"tau": 4}),  # the replicas compared: the centre, the model returned
+        ("ddp", "0", {}),
     ],
 )
 def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, rank: str, extra, monkeypatch) -> None:
@@ -75,15 +76,27 @@ def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", ["1", "0"])
-def test_a_replacement_joins_and_takes_a_live_peers_state(tmp_path: Path, kill_at: str, rank: str, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "algo, rank, extra",
+    [  # each algorithm loses rank 0 here or above, and another rank in the other
+        ("allreduce", "1", {}),
+        ("allreduce", "0", {}),
+        ("ddp", "1", {}),  # its DDP built on the group it entered, without DDP's first broadcast
+        ("local-sgd", "0", {"sync_every": 4}),
+        ("diloco", "2", {"sync_every": 10, "lr": None}),
+        ("easgd", "0", {"tau": 4}),
+    ],
+)
+def test_a_replacement_joins_and_takes_a_live_peers_state(
+    tmp_path: Path, kill_at: str, algo: str, rank: str, extra, monkeypatch
+) -> None:
     """With --restart-workers, the dead worker's replacement joins the survivors at their next step
     and takes the most advanced one's state (not a checkpoint's: there is none), then trains its
     rank's shard: three workers again, identical replicas."""
     monkeypatch.setenv("KILL_RANK", rank)
     monkeypatch.setenv("KILL_STEP", "40")
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
-    s = _train(tmp_path, kill_at, min_workers=2, restart_workers=1).summary
+    s = _train(tmp_path, kill_at, algo=algo, min_workers=2, restart_workers=1, **extra).summary
     assert (tmp_path / "killed").exists()
     lost, joined = s["recoveries"]
     assert lost["worker"] == joined["worker"] == int(rank) and joined["joined"]
@@ -110,8 +123,14 @@ def test_min_workers_is_refused_where_it_cannot_work() -> None:
     import distsgd
     from distsgd.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--min-workers: ddp cannot train on"):
-        distsgd.train(model="mlp", data="digits", algo="ddp", workers=2, min_workers=1, epochs=1, quiet=True)
+    with pytest.raises(ConfigError, match="--min-workers: streaming-diloco cannot train on"):
+        distsgd.train(
+            model="mlp", data="digits", algo="streaming-diloco", workers=2, min_workers=1, epochs=1, quiet=True
+        )
+    with pytest.raises(ConfigError, match="ddp --compress with --min-workers"):
+        distsgd.train(
+            model="mlp", data="digits", algo="ddp", workers=2, min_workers=1, epochs=1, quiet=True, compress="fp16"
+        )
     with pytest.raises(ConfigError, match="not with --init-method"):
         distsgd.train(
             model="mlp", data="digits", algo="allreduce", workers=2, min_workers=1, epochs=1, quiet=True,

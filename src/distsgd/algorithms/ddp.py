@@ -15,13 +15,28 @@ Buffers (BatchNorm statistics): DDP's own rule, ``broadcast_buffers=True``: befo
 rank 0's buffers are broadcast to the others, so each step's statistics are rank 0's. After the
 last step rank 0's buffers are broadcast once more, so every replica ends equal to the model
 that is returned, evaluated and saved (rank 0's).
+
+Training through a lost worker (``--min-workers``): every bucket's all-reduce goes through a
+communication hook that waits on it through the membership (a wait DDP's reducer makes itself
+cannot see a loss announced, and would wait out ``--timeout``), so the all-reduce no longer
+overlaps the rest of backward. A loss seen there is raised after backward, with DDP's reducer left
+whole; the survivors then move DDP onto the new group. Buffers are
+broadcast from rank 0 after each step, through the membership, in place of DDP's own broadcast
+before each forward (the same statistics at the next forward; with ``--accumulate``, a step's
+later micro-batches run on each worker's own). A replacement's DDP is built on the group it
+entered, without DDP's initial broadcast (it takes a live member's state); at every
+regroup each member's DDP builds its reducer anew, so that all have the same buckets. Not covered: a loss
+during DDP's bucket rebuild (its first forward, and the first after a regroup: a broadcast DDP
+waits on itself); ``--compress`` (torch's hooks wait on their own collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -32,7 +47,16 @@ from distsgd.algorithms.allreduce import BucketOptions, refuse_powersgd_resync
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import RunConfig
+from distsgd.errors import ConfigError
+from distsgd.train import membership
 from distsgd.train.context import Start, Step, WorkerContext
+
+# torch 2.13 names DDP's broadcast before each forward forward_sync_buffers (broadcast_buffers before)
+_NO_FORWARD_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 @register
@@ -40,15 +64,29 @@ class DDP(GroupAlgorithm[BucketOptions]):
     name = "ddp"
     kind = "data parallel"
     summary_line = "the same through PyTorch's DistributedDataParallel, the reference"
+    trains_through = True  # (see the module's docstring for what it covers)
 
-    hooked: bool  # --compress: a communication hook of torch's counts what it sends
+    hooked: bool  # --compress, or training through losses: a communication hook counts what it sends
+    through: bool  # --min-workers: collectives waited on through the membership
+    lost: membership.Lost | None  # a loss the hook saw during backward, raised after it
     # built by setup:
+    ddp: DistributedDataParallel
     grad_bytes: int  # what DDP all-reduces a step without a hook
     buffer_bytes: int  # what rank 0 broadcasts before every forward
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         self.hooked = self.opts.compress != "none"
+        self.through, self.lost = False, None
+
+    @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        super().check(cfg)
+        if cfg.min_workers is not None and cls.parse_options(cfg).compress != "none":
+            raise ConfigError(
+                "ddp --compress with --min-workers: torch's compression hooks wait on their own "
+                "all-reduces, where a lost worker cannot be seen; use allreduce --compress fp16"
+            )
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
@@ -58,10 +96,18 @@ class DDP(GroupAlgorithm[BucketOptions]):
         bucket_mb = self.opts.bucket_mb
         if how == "powersgd" and dist.get_backend() == "gloo":
             bucket_mb = max(bucket_mb, self.grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
+        self.through = membership.current() is not None
+        through: dict[str, Any] = {}  # buffers broadcast after each step instead (after_step);
+        if self.through:  # a replacement's state comes from a live member
+            through = {**_NO_FORWARD_SYNC, **({"init_sync": False} if start is Start.REPLACEMENT else {})}
         ddp = DistributedDataParallel(
-            model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None
+            model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )
-        if how == "fp16":
+        self.ddp = ddp
+        if self.through:
+            self.hooked = True
+            ddp.register_comm_hook(None, self._through_membership)
+        elif how == "fp16":
             ddp.register_comm_hook(
                 None, self._counting(default_hooks.fp16_compress_hook, lambda b: b.buffer().numel() * 2)
             )
@@ -97,6 +143,22 @@ class DDP(GroupAlgorithm[BucketOptions]):
 
         return counted
 
+    def _through_membership(self, state, bucket):
+        """Training through losses: a bucket's average, waited on through the membership. A loss
+        is kept for ``after_backward`` (raised inside backward, it would leave DDP's reducer half
+        way through), and the buckets after it are left as they are."""
+        buffer = bucket.buffer()
+        if self.lost is None:
+            try:
+                membership.call(dist.all_reduce, buffer)
+                buffer.div_(self.world)
+                self.sent(buffer.numel() * buffer.element_size(), self.world)
+            except membership.Lost as lost:
+                self.lost = lost
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
     def no_sync(self, ctx: WorkerContext, model: nn.Module) -> contextlib.AbstractContextManager:
         assert isinstance(model, DistributedDataParallel)  # the model setup returned
         return model.no_sync()  # DDP's own: accumulate, reduce at the last micro-batch
@@ -107,10 +169,38 @@ class DDP(GroupAlgorithm[BucketOptions]):
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         # DDP has already averaged the gradients during backward; count what it sent (a hook counts
         # its own), and, on rank 0, the buffers it broadcast before the forward.
+        if self.lost is not None:  # the group lost a worker during backward: the loop regroups
+            lost, self.lost = self.lost, None
+            raise lost
         if not self.hooked:
             self.sent(self.grad_bytes, self.world)
-        if ctx.rank == 0:
+        if ctx.rank == 0 and not self.through:
             self.bytes_sent += self.buffer_bytes * (self.world - 1)
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        if self.through and self.buffer_bytes:  # rank 0's buffers, as DDP's broadcast would give the next forward
+            sent = broadcast_(list(self.ddp.module.buffers()))
+            if ctx.rank == 0:
+                self.bytes_sent += sent * (self.world - 1)
+
+    def regrouped(self, ctx: WorkerContext) -> None:
+        super().regrouped(ctx)
+        self.lost = None
+        self._fresh_reducer()
+
+    def _fresh_reducer(self) -> None:
+        """DDP's reducer built anew on the new default group, on every member alike: its buckets
+        as at construction, rebuilt after the first step. (torch's ``_update_process_group`` keeps
+        a member's rebuilt buckets, and a replacement's new DDP has a constructor's: their first
+        all-reduces would add up different parameters.) The wrapper stays the one the loop and a
+        user's own loop hold."""
+        ddp = self.ddp
+        ddp.process_group = dist.distributed_c10d._get_default_group()
+        parameters, sparse = ddp._build_params_for_reducer()
+        ddp._ddp_init_helper(parameters, sparse, ddp._build_debug_param_to_name_mapping(parameters), ddp.static_graph)
+        ddp._has_rebuilt_buckets = False
+        ddp._comm_hooks = []
+        ddp.register_comm_hook(None, self._through_membership)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         # Evaluating through the wrapper would run DDP's forward (and its collectives) on rank 0 alone.

@@ -106,7 +106,9 @@ def _entry(
         if store_port:
             member = membership.Membership(LOOPBACK, store_port, rank, world, cfg.timeout_s)
             membership.set_current(member)
-            if not replacement:  # (a replacement joins once it is built: run_worker)
+            if replacement:  # at the others' next step (the loop then takes a live member's state)
+                member.enter(cfg.backend)
+            else:
                 member.join(cfg.backend)
         else:
             init_group(cfg, rank, world, init_method)

@@ -295,13 +295,13 @@ class _Worker:
         self.take_over(member, began, gone, joined)
 
     def join(self) -> None:
-        """A replacement (``--min-workers`` with ``--restart-workers``): built, it joins the group
-        at the others' next step and takes the most advanced member's state, not the checkpoint's."""
+        """A replacement (``--min-workers`` with ``--restart-workers``): in the group it entered at
+        the others' next step (before it was built: DDP builds on a group; the others wait for its
+        build, counted in its recovery), it takes the most advanced member's state, not the
+        checkpoint's."""
         member = membership.current()
         assert member is not None
-        began = time.perf_counter()
-        member.enter(self.cfg.backend)
-        self.take_over(member, began, [], [member.first_rank])
+        self.take_over(member, member.entered_at, [], [member.first_rank])
 
     def take_over(self, member: membership.Membership, began: float, gone: list[int], joined: list[int]) -> None:
         """This worker's place in the group ``member`` just formed, and the state of its most

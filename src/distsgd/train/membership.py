@@ -28,6 +28,7 @@ import datetime
 import io
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,7 @@ class Membership:
         self._watching = True
         self._watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
         self._watcher = threading.Thread(target=self._watch, name="distsgd-membership", daemon=True)
+        self.entered_at = 0.0  # a replacement's: when it said it was ready (perf_counter)
 
     @property
     def rank(self) -> int:
@@ -121,6 +123,7 @@ class Membership:
         import secrets
 
         token = secrets.token_hex(8)
+        self.entered_at = time.perf_counter()
         self.store.set(joining_key(self.first_rank), token)
         self.store.wait([admitted_key(token)], self.timeout)
         self.gen = int(self.store.get(admitted_key(token)).decode())
