@@ -40,6 +40,14 @@ ALGOS = {
     "local-sgd": ["--lr", "0.05", "--sync-every", "8"],
     "diloco": ["--sync-every", "20"],  # its own inner AdamW
     "easgd": ["--lr", "0.05", "--tau", "4"],  # sync mode
+    "streaming-diloco": [
+        "--sync-every",
+        "20",
+        "--fragments",
+        "4",
+        "--overlap",
+        "2",
+    ],  # a fragment in flight 2 of every 5 steps
 }
 MODES = {
     "through": ["--min-workers", "2"],

@@ -310,7 +310,7 @@ class RunConfig:
     )
     min_workers: int | None = setting(
         None,
-        "local runs of allreduce, ddp, local-sgd, diloco, sync easgd: train on without a worker that dies while at least this many remain "
+        "local runs of allreduce, ddp, local-sgd, diloco, streaming-diloco, sync easgd: train on without a worker that dies while at least this many remain "
         "(no restart: the others regroup, take the most advanced one's state and keep their shards)",
         default_help="--workers: a worker's death stops the run",
         check=at_least(1),

@@ -52,6 +52,9 @@ def _train(tmp_path: Path, model: str, **kw):
         ("diloco", "0", {"sync_every": 10, "lr": None}),  # DiLoCo's own inner AdamW lr
         ("easgd", "1", {"tau": 4}),  # the replicas compared: the centre, the model returned
         ("ddp", "0", {}),
+        # fragments of 20 steps staggered by 5, one in flight for 2 steps: the kill at step 40 lands
+        # inside a round, with the next fragment's send due
+        ("streaming-diloco", "2", {"sync_every": 20, "fragments": 4, "overlap": 2, "lr": None}),
     ],
 )
 def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, rank: str, extra, monkeypatch) -> None:
@@ -85,6 +88,7 @@ def test_trains_through_a_lost_worker(tmp_path: Path, kill_at: str, algo: str, r
         ("local-sgd", "0", {"sync_every": 4}),
         ("diloco", "2", {"sync_every": 10, "lr": None}),
         ("easgd", "0", {"tau": 4}),
+        ("streaming-diloco", "0", {"sync_every": 20, "fragments": 4, "overlap": 2, "lr": None}),
     ],
 )
 def test_a_replacement_joins_and_takes_a_live_peers_state(
@@ -123,10 +127,8 @@ def test_min_workers_is_refused_where_it_cannot_work() -> None:
     import distsgd
     from distsgd.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--min-workers: streaming-diloco cannot train on"):
-        distsgd.train(
-            model="mlp", data="digits", algo="streaming-diloco", workers=2, min_workers=1, epochs=1, quiet=True
-        )
+    with pytest.raises(ConfigError, match="--min-workers: hogwild cannot train on"):
+        distsgd.train(model="mlp", data="digits", algo="hogwild", workers=2, min_workers=1, epochs=1, quiet=True)
     with pytest.raises(ConfigError, match="ddp --compress with --min-workers"):
         distsgd.train(
             model="mlp", data="digits", algo="ddp", workers=2, min_workers=1, epochs=1, quiet=True, compress="fp16"

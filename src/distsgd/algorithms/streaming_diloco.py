@@ -38,6 +38,9 @@ ending on copies, so what is measured is what would be returned. Checkpoints hol
 momenta and a fragment in flight (its average, waited for): a resumed run ends with exactly the
 loss of an uninterrupted one.
 
+Training through a lost worker (``--min-workers``): every wait goes through the membership; a
+fragment in flight when the group lost a worker is dropped (``regrouped``).
+
 Communication: ``bytes_sent`` counts every all-reduce (a ring's 2 (W-1)/W share) and, for fp16 or
 bf16, every all-gather ((W-1) x the fragment's bytes); ``largest_transfer_bytes`` is the largest
 single collective one worker took part in.
@@ -62,6 +65,7 @@ from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
 from distsgd.options import option
 from distsgd.schedule import Periodic
+from distsgd.train import membership
 from distsgd.train.context import Start, Step, WorkerContext
 
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -128,7 +132,7 @@ class Flight:
     def average(self, world: int) -> torch.Tensor:
         if self.mean is None:
             assert self.handle is not None and self.payload is not None  # started, not yet waited for
-            self.handle.wait()
+            membership.wait(self.handle)
             if isinstance(self.payload, list):
                 self.mean = torch.stack([g.float() for g in self.payload]).sum(dim=0) / world
             else:
@@ -157,6 +161,9 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)"
     )
     collective_evaluation = True  # in the middle of a round, the average of the workers' models
+    trains_through = (
+        True  # every wait through the membership; a fragment in flight in a lost group is dropped (regrouped)
+    )
 
     periods: list[Periodic]  # fragment p sends at steps o_p - tau + k H; whether it owes one (checkpointed)
     dtype: torch.dtype  # what outer gradients travel in
@@ -218,6 +225,16 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         with torch.no_grad():
             for theta, (a, b) in zip(self.globals.thetas, self.bounds):
                 theta.copy_(self.flat[a:b])
+
+    def regrouped(self, ctx: WorkerContext) -> None:
+        """A lost worker (``--min-workers``): a fragment whose average had not arrived went with
+        the old group, and is dropped: that fragment skips this round's outer step, and its
+        pseudo-gradient (theta_p - x_p, still measured from the same theta) goes with its next send,
+        H steps on. One whose average had arrived (waited for by an evaluation) still lands. The
+        survivors then take the most advanced one's state, flight included."""
+        super().regrouped(ctx)
+        if self.flight is not None and self.flight.mean is None:
+            self.flight = None
 
     # -- the schedule ----------------------------------------------------------------------------
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
