@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable, ParamSpec, TypeVar, cast
+from typing import Any, Callable, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -30,14 +30,13 @@ from distsgd.algorithms.base import Algorithm
 from distsgd.callbacks import CallbackSink
 from distsgd.checkpoint import (
     atomic_write_bytes,
-    atomic_write_json,
     read_manifest,
     remove_uncommitted,
     require_safetensors,
-    save_model,
+    save_run,
     usable_checkpoint,
 )
-from distsgd.config import RunConfig, graphs_refusal, resolve, validate
+from distsgd.config import RunConfig, settled
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, from_hf_stream, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
@@ -46,21 +45,17 @@ from distsgd.launch import cores, environment, procs
 from distsgd.launch.environment import launched
 from distsgd.launch.rendezvous import group_host, place
 from distsgd.metrics import (
-    CsvWriter,
     Fanout,
-    JsonlWriter,
-    MlflowWriter,
     Sink,
-    TensorBoardWriter,
-    WandbWriter,
     make_progress,
-    require_logger,
-    require_tensorboard,
+    open_sinks,
+    require_extras,
 )
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
 from distsgd.train.context import Job
+from distsgd.train.graphs import graphs_refusal
 from distsgd.train.loop import check_saved
 from distsgd.train.objective import loss_function
 from distsgd.train.optim import schedule_needs_epochs
@@ -261,7 +256,9 @@ def _run(
     cfg, algo_cls = settle(cfg, torchrun, where)
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
-    _require_extras(cfg, tb_dir)
+    require_extras(cfg.loggers, tb_dir is not None)  # before any data is read or any process starts
+    if "safetensors" in cfg.save_formats:
+        require_safetensors()
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -313,81 +310,17 @@ def _run(
     if out is not None:
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
-        _save_run(out, model, cfg, dataset, summary)
+        save_run(out, model, cfg, dataset, summary)
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
-
-
-def _save_run(out: Path, model: nn.Module, cfg: RunConfig, dataset: TrainingData, summary: dict[str, Any]) -> None:
-    """The model in each --save-format, then summary.json: a run whose summary.json exists has
-    its model."""
-    try:
-        for form in cfg.save_formats:
-            if form == "hf":
-                _save_pretrained(model, out / "hf")
-                continue
-            save_model(
-                out / f"model.{form}",
-                model,
-                model_spec=cfg.model,
-                dataset=dataset.name,
-                input_shape=dataset.input_shape,
-                num_classes=dataset.num_classes,
-                config=cfg.to_dict(),
-            )
-        atomic_write_json(summary, out / "summary.json")
-    except OSError as exc:
-        raise OutputError.of(exc) from None
-
-
-def _save_pretrained(model: nn.Module, folder: Path) -> None:
-    """A transformers model's own folder (its config and weights, as safetensors), which
-    ``from_pretrained`` reads; each file it wrote recorded in the run directory's ledger."""
-    folder.mkdir(parents=True, exist_ok=True)
-    before = set(folder.iterdir())
-    cast(Any, model).save_pretrained(str(folder))
-    rundir.record(*(set(folder.iterdir()) - before))
 
 
 def _sinks(
     job: Job, out: Path | None, tb_dir: Path | None, started: float, settings_text: str, chief: bool
 ) -> list[Sink]:
-    """Where the run's events go besides the progress display: metrics.jsonl, the loggers,
-    TensorBoard, the callbacks' on_checkpoint and on_end (the chief's)."""
-    writer = JsonlWriter(out / "metrics.jsonl") if out is not None else None
-    tb = TensorBoardWriter(tb_dir, started, settings_text) if tb_dir is not None else None
-    hooks = CallbackSink(job.callbacks) if job.callbacks and chief else None
-    return [sink for sink in (writer, *_loggers(job.cfg, out), tb, hooks) if sink is not None]
-
-
-def _loggers(cfg: RunConfig, out: Path | None) -> list[Sink]:
-    """``--logger``'s sinks beside metrics.jsonl (tensorboard is ``--tensorboard``'s): the chief's,
-    which writes the run directory."""
-    if out is None:
-        return []
-    config = cfg.to_dict()
-    made: list[Sink] = []
-    if "csv" in cfg.loggers:
-        made.append(CsvWriter(out / "metrics.csv"))
-    in_place = bool(cfg.resume) and Path(str(cfg.resume)).resolve() == out.resolve()  # goes on in its logger runs
-    for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
-        if name in cfg.loggers:
-            try:
-                made.append(kind(out, out.name, config, resumed=in_place))
-            except Exception as exc:  # its settings (WANDB_MODE, MLFLOW_TRACKING_URI), its store: one line
-                said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-                raise ConfigError(f"--logger {name} could not start its run: {said[:400]}") from None
-    return made
-
-
-def _require_extras(cfg: RunConfig, tb_dir: Path | None) -> None:
-    """The packages the run's loggers and save formats need, there: else one line naming the
-    extra, before any data is read or any process starts."""
-    if tb_dir is not None:
-        require_tensorboard()
-    for name in cfg.loggers:
-        require_logger(name)
-    if "safetensors" in cfg.save_formats:
-        require_safetensors()
+    """Where the run's events go besides the progress display: metrics.jsonl, the loggers and
+    TensorBoard (:func:`~distsgd.metrics.open_sinks`), the callbacks' on_checkpoint and on_end (the chief's)."""
+    hooks = [CallbackSink(job.callbacks)] if job.callbacks and chief else []
+    return open_sinks(job.cfg, out, tb_dir, started, settings_text) + hooks
 
 
 def _prepare_out(cfg: RunConfig, settings_text: str) -> Path:
@@ -436,14 +369,19 @@ def settle(
     algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
     if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
         log.warning("%s", registry.chose(cfg.workers, cli=False))
-    cfg = cfg.replace(algo=algo)
     algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
-    # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's
-    algo_own = algo_cls.default_settings(cfg)
+    # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's;
     # an algorithm that names its workers' optimiser (DiLoCo's inner one) has the last word on it
-    cfg = resolve(cfg, {**algo_own, **recommended_settings(cfg.model), **_only(algo_own, "optimizer")})
-    validate(cfg)
+    algo_own = algo_cls.default_settings(cfg)
+    own = {**algo_own, **recommended_settings(cfg.model), **_only(algo_own, "optimizer")}
+    again = where.restarted if where is not None else None  # torchrun restarted, SLURM requeued
+    resume = cfg.resume
+    if again and cfg.out and not cfg.resume and read_manifest(Path(cfg.out)) is not None:
+        log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
+        resume = cfg.out
+    # the options complete (every one with its value), so that config.toml records them all
+    cfg = settled(cfg, own, algo=algo, options=opts.to_mapping(), resume=resume)
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
@@ -455,11 +393,6 @@ def settle(
         )
     if cfg.cuda_graphs and (why := graphs_refusal(cfg, device.kind(cfg.device))) is not None:
         raise ConfigError(f"--cuda-graphs: {why}")
-    cfg = cfg.replace(options=opts.to_mapping())
-    again = where.restarted if where is not None else None  # torchrun restarted, SLURM requeued
-    if again and cfg.out and not cfg.resume and read_manifest(Path(cfg.out)) is not None:
-        log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
-        cfg = cfg.replace(resume=cfg.out)
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")
     if cfg.resume:

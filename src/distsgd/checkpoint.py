@@ -16,13 +16,17 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 import torch
 from torch import nn
 
 from distsgd.errors import BadField, CheckpointError, ConfigError, OutputError
 from distsgd.rundir import record
+
+if TYPE_CHECKING:
+    from distsgd.config import RunConfig
+    from distsgd.data import TrainingData
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,37 @@ def save_model(
         atomic_write_bytes(path, save(tensors, metadata={"distsgd": described}))
     else:
         atomic_save(data, path)
+
+
+def save_run(out: Path, model: nn.Module, cfg: "RunConfig", dataset: "TrainingData", summary: dict[str, Any]) -> None:
+    """A finished run's model in each --save-format, then summary.json, into its run directory
+    ``out``: a run whose summary.json exists has its model."""
+    try:
+        for form in cfg.save_formats:
+            if form == "hf":
+                _save_pretrained(model, out / "hf")
+                continue
+            save_model(
+                out / f"model.{form}",
+                model,
+                model_spec=cfg.model,
+                dataset=dataset.name,
+                input_shape=dataset.input_shape,
+                num_classes=dataset.num_classes,
+                config=cfg.to_dict(),
+            )
+        atomic_write_json(summary, out / "summary.json")
+    except OSError as exc:
+        raise OutputError.of(exc) from None
+
+
+def _save_pretrained(model: nn.Module, folder: Path) -> None:
+    """A transformers model's own folder (its config and weights, as safetensors), which
+    ``from_pretrained`` reads; each file it wrote recorded in the run directory's ledger."""
+    folder.mkdir(parents=True, exist_ok=True)
+    before = set(folder.iterdir())
+    cast(Any, model).save_pretrained(str(folder))
+    record(*(set(folder.iterdir()) - before))
 
 
 def require_safetensors() -> None:

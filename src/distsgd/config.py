@@ -398,8 +398,8 @@ def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any
     run goes: the :data:`NOT_RECORDED` keys that older versions wrote into it are ignored."""
     path = Path(path)
     try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
+        raw = path.read_bytes()
+        data = tomllib.loads(raw.decode())
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except IsADirectoryError:
@@ -412,7 +412,7 @@ def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any
         raise ConfigError(f"config file {path} is not valid TOML: {str(exc).splitlines()[0]}") from None
     if set(data) == {"train"} and isinstance(data["train"], dict):
         data = data["train"]
-    if is_run_config(path):
+    if raw.startswith(HEADER.encode()):  # a run's own config.toml
         data = {k: v for k, v in data.items() if k.replace("-", "_") not in NOT_RECORDED}
     return from_mapping(data, base, source=str(path), option_names=option_names)
 
@@ -422,15 +422,6 @@ HEADER = "# distsgd run configuration"  # the first line of every config.toml a 
 # whether it printed. They belong to the command that made the run, not to the run: a file that kept
 # them re-ran into (or over) its own run, and a resumed run inherited a --quiet it was not given.
 NOT_RECORDED = ("out", "overwrite", "resume", "quiet")
-
-
-def is_run_config(path: str | Path) -> bool:
-    """Whether ``path`` is a config.toml that a run wrote (its first line is :data:`HEADER`)."""
-    try:
-        with Path(path).open("rb") as fh:
-            return fh.read(len(HEADER)) == HEADER.encode()
-    except OSError:
-        return False
 
 
 def to_toml(cfg: RunConfig, rerun: str | None = None, from_python: list[str] | tuple[str, ...] = ()) -> str:
@@ -494,6 +485,14 @@ def resolve(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
     return cfg.replace(**changes) if changes else cfg
 
 
+def settled(cfg: RunConfig, own: dict[str, Any] | None = None, **given: Any) -> RunConfig:
+    """``cfg`` with ``given`` (what the run settled: its algorithm, its complete options) and every
+    unset setting resolved (:func:`resolve`), validated (:func:`validate`): what a run uses."""
+    cfg = resolve(cfg.replace(**given), own)
+    validate(cfg)
+    return cfg
+
+
 def validate(cfg: RunConfig) -> None:
     """Reject impossible settings with one clear line each: each field's own check (beside it in
     :class:`RunConfig`), then those between settings. The algorithm's own settings are its
@@ -528,23 +527,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"
         )
-
-
-def graphs_refusal(cfg: RunConfig, kind: str) -> str | None:
-    """Why a worker's step cannot be captured in a CUDA graph with these settings on a ``kind``
-    device ('cuda' or 'cpu'; None: it can). What a graph replays is fixed at capture: kernels,
-    shapes, and any number the host gave them."""
-    if cfg.precision == "fp16":
-        return "fp16's loss scaler reads the GPU every step to skip overflowed ones; use --precision bf16 or fp32"
-    if cfg.schedule != "constant" or cfg.lr_warmup_steps:
-        return "the learning rate is fixed in a captured step: --schedule constant, no --lr-warmup-steps"
-    if cfg.accumulate != 1:
-        return "one batch a step (--accumulate 1)"
-    if cfg.compile:
-        return "--compile is the other way to cut launches (torch.compile's own graphs): choose one"
-    if kind != "cuda":
-        return "needs a CUDA GPU (--device cuda), and this run's device is the CPU"
-    return None
 
 
 def init_method_error(init_method: str) -> str | None:

@@ -37,10 +37,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from distsgd.errors import ConfigError
 from distsgd.rundir import record
+
+if TYPE_CHECKING:
+    from distsgd.config import RunConfig
 
 
 class Sink(Protocol):
@@ -557,3 +560,38 @@ def first_reaching(
         if reached(e, target_accuracy, target_loss):
             return e
     return None
+
+
+def open_sinks(
+    cfg: "RunConfig", out: Path | None, tb_dir: Path | None, started: float, settings_text: str
+) -> list[Sink]:
+    """A run's files of events: metrics.jsonl and ``--logger``'s sinks in the run directory ``out``
+    (the chief's, which writes it), and ``--tensorboard``'s event file in ``tb_dir``."""
+    made: list[Sink] = []
+    if out is not None:
+        made.append(JsonlWriter(out / "metrics.jsonl"))
+        if "csv" in cfg.loggers:
+            made.append(CsvWriter(out / "metrics.csv"))
+        config = cfg.to_dict()
+        in_place = bool(cfg.resume) and Path(str(cfg.resume)).resolve() == out.resolve()  # goes on in its logger runs
+        for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
+            if name in cfg.loggers:
+                try:
+                    made.append(kind(out, out.name, config, resumed=in_place))
+                except Exception as exc:  # its settings (WANDB_MODE, MLFLOW_TRACKING_URI), its store: one line
+                    said = (
+                        " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+                    )
+                    raise ConfigError(f"--logger {name} could not start its run: {said[:400]}") from None
+    if tb_dir is not None:
+        made.append(TensorBoardWriter(tb_dir, started, settings_text))
+    return made
+
+
+def require_extras(loggers: tuple[str, ...] | list[str], tensorboard: bool) -> None:
+    """The packages ``--logger``'s names and ``--tensorboard`` need, there: else one line naming
+    the extra."""
+    if tensorboard:
+        require_tensorboard()
+    for name in loggers:
+        require_logger(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from distsgd.config import is_run_config
+from distsgd.config import HEADER
 from distsgd.errors import ConfigError
 
 MARKER = ".distsgd"
@@ -24,7 +24,11 @@ def is_ours(folder: Path) -> bool:
     """Whether ``folder`` is a directory distsgd made (its marker, or a run's config.toml from before it)."""
     if (folder / MARKER).is_file():
         return True
-    return is_run_config(folder / "config.toml")
+    try:  # a config.toml that a run wrote: its first line is config.HEADER
+        with (folder / "config.toml").open("rb") as fh:
+            return fh.read(len(HEADER)) == HEADER.encode()
+    except OSError:
+        return False
 
 
 def record(*paths: Path) -> None:

@@ -39,7 +39,7 @@ from distsgd.checkpoint import (
     save_worker_state,
     scatter,
 )
-from distsgd.config import RunConfig, graphs_refusal
+from distsgd.config import RunConfig
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, MainGuardError, Terminated, WorkerError
 from distsgd.launch import procs
@@ -51,6 +51,7 @@ from distsgd.models import build_model
 from distsgd.train import device
 from distsgd.train.context import Attendance, Figures, Job, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Watcher
+from distsgd.train.graphs import graphs_refusal
 from distsgd.train.loop import run_worker
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ another shape (the epoch's last, partial one) and evaluations run eagerly; the g
 optimiser's state are the same tensors either way (``zero_grad(set_to_none=False)``).
 
 What a graph replays is fixed when it is captured: the settings that would change it are refused
-(``config.graphs_refusal``), and so are algorithms whose step talks to other processes
+(:func:`graphs_refusal`), and so are algorithms whose step talks to other processes
 (``Algorithm.graphable``). A capture that fails (an optimiser without ``capturable``, an operation
 a graph cannot hold) says why in one warning and the worker trains eagerly.
 """
@@ -31,6 +31,7 @@ from torch import nn
 from distsgd.train import device
 
 if TYPE_CHECKING:
+    from distsgd.config import RunConfig
     from distsgd.train.own_loop import Run
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,23 @@ WARMUP = 3  # eager full-batch steps before the capture (PyTorch's examples take
 # ("operation failed due to a previous error during capture"), and a capture that fails leaves the
 # CUDA generator marked as capturing: every later dropout in the process then raised.
 _GPU = threading.RLock()
+
+
+def graphs_refusal(cfg: "RunConfig", kind: str) -> str | None:
+    """Why a worker's step cannot be captured in a CUDA graph with these settings on a ``kind``
+    device ('cuda' or 'cpu'; None: it can). What a graph replays is fixed at capture: kernels,
+    shapes, and any number the host gave them."""
+    if cfg.precision == "fp16":
+        return "fp16's loss scaler reads the GPU every step to skip overflowed ones; use --precision bf16 or fp32"
+    if cfg.schedule != "constant" or cfg.lr_warmup_steps:
+        return "the learning rate is fixed in a captured step: --schedule constant, no --lr-warmup-steps"
+    if cfg.accumulate != 1:
+        return "one batch a step (--accumulate 1)"
+    if cfg.compile:
+        return "--compile is the other way to cut launches (torch.compile's own graphs): choose one"
+    if kind != "cuda":
+        return "needs a CUDA GPU (--device cuda), and this run's device is the CPU"
+    return None
 
 
 class GraphedSteps:
