@@ -554,6 +554,21 @@ __all__ = [
 ]
 
 
+# What one worker sends in a collective of ``n`` bytes among ``w`` workers (``n``: the tensor each
+# passes in; an all-gather's piece is its own). Bandwidth-optimal algorithms, as NCCL and gloo run
+# them on large tensors: a ring all-reduce sends each 1/W chunk W - 1 times in its reduce-scatter
+# and again in its all-gather; an all-gather passes each piece on to the W - 1 others; a
+# broadcast's root sends to the W - 1 others (the others send nothing: counted on the root); a
+# point-to-point send (gossip, a token) sends n.
+SHARES: dict[str, Callable[[int, int], int]] = {
+    "all_reduce": lambda n, w: 2 * (w - 1) * n // w,
+    "all_gather": lambda n, w: (w - 1) * n,
+    "broadcast": lambda n, w: (w - 1) * n,
+    "send": lambda n, w: n,
+}
+ALIKE = ("all_reduce", "all_gather")  # every worker sends the same share (a broadcast, a send: only the sender)
+
+
 class GroupAlgorithm(Algorithm[OptionsT]):
     """Symmetric workers in a torch.distributed process group, stepping in lockstep."""
 
@@ -615,22 +630,27 @@ class GroupAlgorithm(Algorithm[OptionsT]):
             "largest": self.largest,
         }
 
-    def sent(self, nbytes: int, world: int) -> None:
-        """Count an all-reduce of ``nbytes``: a ring all-reduce sends 2 (W-1)/W of it per worker."""
-        share = int(2 * (world - 1) * nbytes / world)
+    def sent(self, nbytes: int, world: int, collective: str = "all_reduce") -> None:
+        """Count this worker's share of a ``collective`` (a name of :data:`SHARES`) of ``nbytes``
+        among ``world`` workers. A broadcast or a send is counted by its sender alone."""
+        share = SHARES[collective](nbytes, world)
         self.bytes_sent += share
-        self.sent_alike += share
+        if collective in ALIKE:
+            self.sent_alike += share
         self.largest = max(self.largest, share)
 
-    def sent_to_evaluate(self, nbytes: int, world: int) -> None:
-        """Count an all-reduce of ``nbytes`` that an evaluation needed (the average of the workers'
-        models in the middle of a period, say): sent, but not by the algorithm, so not in
-        ``bytes_sent``; summary.json has it as ``eval_bytes_sent`` (all workers')."""
-        self.eval_share += int(2 * (world - 1) * nbytes / world)
+    def sent_to_evaluate(self, nbytes: int, world: int, collective: str = "all_reduce") -> None:
+        """Count a collective that an evaluation needed (the average of the workers' models in the
+        middle of a period, say), as :meth:`sent` does: sent, but not by the algorithm, so not in
+        ``bytes_sent``; summary.json has it as ``eval_bytes_sent`` (all workers', so every
+        worker's is alike: an all-reduce or an all-gather)."""
+        assert collective in ALIKE, collective
+        self.eval_share += SHARES[collective](nbytes, world)
 
     def progress_figures(self, ctx: "WorkerContext") -> dict[str, float]:
         """All workers' bytes so far, without asking them: every worker sends what ``sent`` counts
-        alike, and only this reporting worker (rank 0) sends anything else (DDP's broadcasts)."""
+        alike, and only this reporting worker (rank 0) sends anything else (DDP's broadcasts: an
+        algorithm whose other workers broadcast or send has its own)."""
         return {"bytes_sent": self.bytes_sent + (ctx.world - 1) * self.sent_alike}
 
     def state_dict(self) -> dict[str, Any]:

@@ -175,13 +175,13 @@ class DDP(GroupAlgorithm[BucketOptions]):
         if not self.hooked:
             self.sent(self.grad_bytes, self.world)
         if ctx.rank == 0 and not self.through:
-            self.bytes_sent += self.buffer_bytes * (self.world - 1)
+            self.sent(self.buffer_bytes, self.world, "broadcast")
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if self.through and self.buffer_bytes:  # rank 0's buffers, as DDP's broadcast would give the next forward
             sent = broadcast_(list(self.ddp.module.buffers()))
             if ctx.rank == 0:
-                self.bytes_sent += sent * (self.world - 1)
+                self.sent(sent, self.world, "broadcast")
 
     def regrouped(self, ctx: WorkerContext) -> None:
         super().regrouped(ctx)
@@ -210,7 +210,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
         module = self.unwrap(model)
         sent = broadcast_(list(module.buffers()))
         if ctx.rank == 0:
-            self.bytes_sent += sent * (self.world - 1)
+            self.sent(sent, self.world, "broadcast")
         return module
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

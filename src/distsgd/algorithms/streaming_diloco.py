@@ -70,7 +70,7 @@ from distsgd.train.context import Start, Step, WorkerContext
 
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-Count = Callable[[int, int], None]  # counts a collective's bytes: the algorithm's own sent, or sent_to_evaluate
+Count = Callable[[int, int, str], None]  # counts a collective's bytes: the algorithm's own sent, or sent_to_evaluate
 
 
 @dataclass(frozen=True)
@@ -264,14 +264,12 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         if self.dtype == torch.float32:
             flight.payload = delta.clone()
             flight.handle = dist.all_reduce(flight.payload, async_op=True)
-            count(delta.numel() * 4, self.world)
+            count(delta.numel() * 4, self.world, "all_reduce")
         else:
             sent = delta.to(self.dtype)
             flight.payload = [torch.empty_like(sent) for _ in range(self.world)]
             flight.handle = dist.all_gather(flight.payload, sent, async_op=True)
-            # an all-gather: each worker's piece reaches the W - 1 others; sent() counts a ring's
-            # 2 (W - 1) / W share, so it is given (W / 2) x the piece to count (W - 1) x it
-            count(sent.numel() * sent.element_size() * self.world // 2, self.world)
+            count(sent.numel() * sent.element_size(), self.world, "all_gather")
 
     def _land(
         self,
@@ -310,7 +308,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         with torch.no_grad():
             for local, global_ in zip(model.buffers(), g.model.buffers()):
                 global_.copy_(local)
-        count(average_buffers_(g.model, self.world), self.world)
+        count(average_buffers_(g.model, self.world), self.world, "all_reduce")
         with torch.no_grad():
             for local, global_ in zip(model.buffers(), g.model.buffers()):
                 local.copy_(global_)
