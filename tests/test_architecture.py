@@ -168,3 +168,33 @@ def test_the_readme_layout_names_every_module_and_only_what_exists() -> None:
     modules = {str(p.relative_to(ROOT)) for p in SRC.rglob("*.py") if p.name != "__init__.py"}
     assert sorted(modules - named) == [], "modules missing from the README's layout block"
     assert sorted(p for p in named if not (ROOT / p).exists()) == [], "paths in the layout that do not exist"
+
+
+def test_what_an_algorithm_cannot_run_without_is_required_at_import() -> None:
+    """A hook forgotten is an error where the class is made, not a run that trains otherwise: a
+    process group's algorithm that exchanges nothing, one without its summary line, a server
+    topology without its ``serve``."""
+    from distsgd.algorithms.base import GroupAlgorithm, Server, register
+
+    class Apart(GroupAlgorithm):  # every worker trains its own model: W models, none averaged
+        name = "apart"
+        kind = "data parallel"
+        summary_line = "workers that never meet"
+
+    with pytest.raises(ValueError, match="apart: a process group's algorithm exchanges something in one of setup"):
+        register(Apart)
+
+    class Unsaid(GroupAlgorithm):
+        name = "unsaid"
+        kind = "data parallel"
+
+        def after_step(self, ctx, model, step) -> None: ...
+
+    with pytest.raises(ValueError, match="unsaid: give it a summary_line"):
+        register(Unsaid)
+
+    class NoRule(Server):
+        pass
+
+    with pytest.raises(TypeError, match="abstract method.*serve"):
+        NoRule()

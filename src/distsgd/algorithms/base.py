@@ -77,6 +77,7 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
@@ -106,9 +107,10 @@ KINDS = ("baseline", "data parallel", "shared memory", "parameter server", "mode
 # -- topologies: how processes are arranged, and what each launcher asks of an algorithm ---------
 
 
-class Topology:
+class Topology(ABC):
     """How an algorithm's processes are arranged, and what follows from it: the code that runs,
-    reports and checks a run asks these rather than which topology it is."""
+    reports and checks a run asks these rather than which topology it is. What a topology cannot
+    run without is abstract (``Server.serve``): a topology that lacks it cannot be made."""
 
     kind: ClassVar[str] = ""  # the launcher module that runs it (launch/<kind>.py), and its name in listings
     # every worker takes its steps with the others, so a stop asked for by a signal (a preemption)
@@ -261,6 +263,7 @@ class Server(Topology):
     shared_model = server = True
     exact_checkpoints: bool = False  # every worker saves at the same round (sync-ps): lockstep restarts
 
+    @abstractmethod
     def serve(
         self,
         job: "Job",
@@ -273,7 +276,6 @@ class Server(Topology):
         secret: bytes = b"",
     ) -> "WorkerResult":
         """Be the server of ``workers`` workers of ``algo_cls`` at ``address`` until they are all done."""
-        raise NotImplementedError
 
 
 # -- the interface --------------------------------------------------------------------------------
@@ -471,12 +473,28 @@ class Algorithm(Generic[OptionsT]):
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
 
+# A process group's algorithm exchanges something through at least one of these (GroupAlgorithm's
+# own do nothing of the kind): one that overrides none would train W models apart, silently
+SYNC_HOOKS = ("setup", "after_backward", "apply_step", "after_step")
+
+
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Register an algorithm under its ``name``; its options get it as their owner (messages)."""
+    """Register an algorithm under its ``name``; its options get it as their owner (messages).
+    What it must declare or define is checked here, at import, so that a forgotten one is an
+    error and not a run that trains otherwise."""
     if not cls.name or cls.name in _REGISTRY:
         raise ValueError(f"bad or duplicate algorithm name {cls.name!r}")
     if cls.kind not in KINDS:
         raise ValueError(f"{cls.name}: kind {cls.kind!r} is not one of {KINDS}")
+    if not cls.summary_line:
+        raise ValueError(f"{cls.name}: give it a summary_line (`distsgd algorithms` and the README list it)")
+    if isinstance(cls.topology, Group) and not any(
+        getattr(cls, hook) is not getattr(GroupAlgorithm, hook) for hook in SYNC_HOOKS
+    ):
+        raise ValueError(
+            f"{cls.name}: a process group's algorithm exchanges something in one of {', '.join(SYNC_HOOKS)}; "
+            f"it defines none of them"
+        )
     _REGISTRY[cls.name] = cls
     if cls.Options is not NoOptions and not cls.Options.__dict__.get("owner"):
         cls.Options.owner = cls.name
