@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -57,6 +58,45 @@ def run_cli(
         env={**os.environ, **(env or {})},
         cwd=cwd,
     )
+
+
+def torchrun(
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    restarts: int | None = None,
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC [--max-restarts N] -m distsgd train ARGS``
+    (``python -m torch.distributed.run``), one thread a process unless ``env`` says otherwise."""
+    again = ["--max-restarts", str(restarts)] if restarts is not None else []
+    return run_cli(
+        "--standalone", "--nproc-per-node", str(nproc), *again, "-m", "distsgd", "train", *args,
+        module="torch.distributed.run", timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd,
+    )  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no one listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, seconds: float, proc: subprocess.Popen | None = None) -> None:
+    """Until ``predicate()``: failing after ``seconds``, or as soon as ``proc`` (if given) has ended."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert proc is None or proc.poll() is None, proc.communicate()[1][-3000:] if proc else ""
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def progress_seen(out: Path) -> bool:
+    """Whether the run writing into ``out`` logged a progress event yet (it is training)."""
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and '"progress"' in metrics.read_text()
 
 
 def _group_member(rank: int, world: int, init: str, fn, args: tuple, out: str) -> None:
@@ -121,14 +161,15 @@ def flat_params(model):
 
 
 KILL_AT_STEP = '''
-import os, signal
+import os, signal, time
 import torch.nn as nn
 
 
 class Net(nn.Module):
     """mlp-like; a worker whose rank (RANK) is in KILL_RANK (comma-separated) SIGKILLs itself at
     its KILL_STEP-th training forward; with KILL_MARKER, once (the file marks it done: a
-    replacement lives)."""
+    replacement lives), and with SLOW_AFTER_KILL (seconds) every worker's forward sleeps that long
+    once the kill was made (so that the others are still training when a replacement has started)."""
 
     def __init__(self, num_classes, input_shape):
         super().__init__()
@@ -147,6 +188,8 @@ class Net(nn.Module):
                 if marker:
                     open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if marker and os.environ.get("SLOW_AFTER_KILL") and os.path.exists(marker):
+                time.sleep(float(os.environ["SLOW_AFTER_KILL"]))
         return self.net(x)
 '''
 

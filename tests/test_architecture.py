@@ -145,18 +145,8 @@ def test_layout_paths_reads_folders_by_indentation() -> None:
         "other/  x/ y/  and prose\n"
     )
     assert layout_paths(block) == {
-        "top/",
-        "top/a.py",
-        "top/b.py",
-        "top/pkg/",
-        "top/pkg/c.py",
-        "top/pkg/d.py",
-        "top/pkg/sub/",
-        "top/pkg/sub/e.py",
-        "top/g.py",
-        "other/",
-        "other/x/",
-        "other/y/",
+        *"top/ top/a.py top/b.py top/pkg/ top/pkg/c.py top/pkg/d.py top/pkg/sub/ top/pkg/sub/e.py top/g.py".split(),
+        *"other/ other/x/ other/y/".split(),
     }
 
 

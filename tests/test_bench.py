@@ -19,24 +19,8 @@ pytest.importorskip("sklearn")
 def test_tiny_bench_writes_json_table_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     res = run_cli(
-        "bench",
-        "--algos",
-        "single,local-sgd[sync_every=4]",
-        "--workers",
-        "1,2",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "1",
-        "--lr",
-        "0.05",
-        "--target-accuracy",
-        "0.3",
-        "--eval-every",
-        "400",
-        "--out",
+        *"bench --algos single,local-sgd[sync_every=4] --workers 1,2 --dataset digits --model mlp --epochs 1".split(),
+        *"--lr 0.05 --target-accuracy 0.3 --eval-every 400 --out".split(),
         str(out),
         timeout=240,
     )

@@ -22,18 +22,7 @@ def distsgd(*args: str, timeout: float = 120, cwd: Path | None = None) -> subpro
 def test_train_eval_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = distsgd(
-        "train",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "3",
-        "--lr",
-        "0.05",
-        "--target-accuracy",
-        "0.5",
-        "--out",
+        *"train --dataset digits --model mlp --epochs 3 --lr 0.05 --target-accuracy 0.5 --out".split(),
         str(out),
     )
     assert res.returncode == 0, res.stderr
@@ -66,17 +55,7 @@ def test_rerunning_a_runs_config_makes_a_new_run(tmp_path: Path) -> None:
     holds an older version's ``out`` and ``overwrite``."""
     first = tmp_path / "runs" / "x"
     res = distsgd(
-        "train",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "3",
-        "--out",
-        "runs/x",
-        "--overwrite",
-        "--quiet",
+        *"train --dataset digits --model mlp --epochs 3 --out runs/x --overwrite --quiet".split(),
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr
@@ -113,20 +92,9 @@ def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
     grad-stride warning for resnet20's one-channel first convolution, once a worker)."""
     (tmp_path / "data.py").write_text(QUIET_DATA)
     res = distsgd(
-        "train",
-        "--algo",
-        "ddp",
-        "--workers",
-        "2",
-        "--dataset",
+        *"train --algo ddp --workers 2 --dataset".split(),
         f"{tmp_path / 'data.py'}:make",
-        "--model",
-        "resnet20",
-        "--max-samples",
-        "64",
-        "--batch-size",
-        "16",
-        "--quiet",
+        *"--model resnet20 --max-samples 64 --batch-size 16 --quiet".split(),
     )
     assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stderr[-2000:]
 

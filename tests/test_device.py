@@ -279,19 +279,7 @@ def test_auto_is_the_cpu_without_cuda() -> None:
 # -- on a GPU ------------------------------------------------------------------------------------
 
 EVERY = [
-    "single",
-    "allreduce",
-    "ddp",
-    "hogwild",
-    "hogwild++",
-    "asgd",
-    "sync-ps",
-    "ssp",
-    "dcasgd",
-    "local-sgd",
-    "easgd",
-    "diloco",
-    "streaming-diloco",
+    *"single allreduce ddp hogwild hogwild++ asgd sync-ps ssp dcasgd local-sgd easgd diloco streaming-diloco".split(),
 ]
 
 

@@ -147,22 +147,9 @@ def test_nccl_runs_say_nothing_on_stderr(tmp_path: Path) -> None:
     lines alone."""
     workers = min(2, torch.cuda.device_count())
     res = run_cli(
-        "train",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--algo",
-        "allreduce",
-        "--workers",
+        *"train --dataset digits --model mlp --algo allreduce --workers".split(),
         str(workers),
-        "--device",
-        "cuda",
-        "--backend",
-        "nccl",
-        "--epochs",
-        "1",
-        "--out",
+        *"--device cuda --backend nccl --epochs 1 --out".split(),
         str(tmp_path / "r"),
         timeout=300,
     )
@@ -189,14 +176,7 @@ def test_a_gpu_run_ends_with_nothing_on_stderr_but_its_progress(tmp_path: Path, 
 def test_nccl_with_two_workers_on_one_gpu_is_one_error_line(tmp_path: Path) -> None:
     workers = torch.cuda.device_count() + 1
     res = run_cli(
-        "train",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--algo",
-        "allreduce",
-        "--workers",
+        *"train --dataset digits --model mlp --algo allreduce --workers".split(),
         str(workers),
         "--device",
         "cuda",

@@ -106,12 +106,7 @@ def test_gpt_computes_what_gpt2_computes() -> None:
 def test_gpt_size_options_are_checked() -> None:
     assert len(build_model("gpt[layers=1;width=16,heads=2]", (8,), 20).blocks) == 1
     for bad in (
-        "gpt[depth=2]",
-        "gpt[layers=0]",
-        "gpt[layers=x]",
-        "gpt[width=30,heads=4]",
-        "mlp[layers=2]",
-        "gpt[dropout=1.5]",
+        *"gpt[depth=2] gpt[layers=0] gpt[layers=x] gpt[width=30,heads=4] mlp[layers=2] gpt[dropout=1.5]".split(),
     ):
         with pytest.raises(ModelError):
             build_model(bad, (8,), 20)
@@ -254,19 +249,8 @@ def test_gpt_trains_on_pythons_own_sources_and_eval_agrees(tmp_path: Path) -> No
         "train",
         "--model",
         TINY,
-        "--context",
-        "32",
-        "--max-samples",
-        "512",
-        "--batch-size",
-        "32",
-        "--eval-every",
-        "256",
-        "--lr",
-        "0.003",
-        "--lr-warmup-steps",
-        "4",
-        "--out",
+        *"--context 32 --max-samples 512 --batch-size 32 --eval-every 256 --lr 0.003 --lr-warmup-steps 4".split(),
+        *"--out".split(),
         str(run),
         timeout=300,
     )

@@ -29,6 +29,7 @@ import pytest
 from conftest import reap
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
+from helpers import free_port
 
 # one real SLURM cluster at a time, and never beside Ray (whose workers listen on ports 10002-19999,
 # where an srun step's MASTER_PORT lies): none of its runs (the slow tests) beside another, or beside
@@ -388,12 +389,6 @@ SPARED: list[int] = []  # the real cluster's daemons: they live as long as the m
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scontrol", "scancel")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(autouse=True)
 def reap_children():
     """conftest's reaper after each test, less the real cluster's daemons (and the steps they run:
@@ -439,9 +434,9 @@ def real_slurm(tmp_path_factory):
         SLURM_CONF.format(
             user=getpass.getuser(),
             dir=folder,
-            ctld_port=_free_port(),
-            port1=_free_port(),
-            port2=_free_port(),
+            ctld_port=free_port(),
+            port1=free_port(),
+            port2=free_port(),
             cpus=os.cpu_count() or 1,
         )
     )

@@ -38,20 +38,7 @@ def read_scalars(logdir: Path) -> dict[str, list[Any]]:
 def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = run_cli(
-        "train",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "2",
-        "--lr",
-        "0.05",
-        "--log-every",
-        "5",
-        "--target-accuracy",
-        "0.3",
-        "--out",
+        *"train --dataset digits --model mlp --epochs 2 --lr 0.05 --log-every 5 --target-accuracy 0.3 --out".split(),
         str(out),
         "--tensorboard",
     )
@@ -59,14 +46,8 @@ def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     scalars = read_scalars(out / "tb")  # the flag alone: <out>/tb
     for tag in (
-        "train/loss",
-        "train/lr",
-        "train/samples_per_s",
-        "test/accuracy",
-        "test/loss",
-        "summary/final_test_accuracy",
-        "summary/samples_per_s",
-        "summary/time_to_target_s",
+        *"train/loss train/lr train/samples_per_s test/accuracy test/loss summary/final_test_accuracy".split(),
+        *"summary/samples_per_s summary/time_to_target_s".split(),
     ):
         assert scalars.get(tag), f"no {tag} in {sorted(scalars)}"
     assert "server/staleness_mean" not in scalars and "comm/bytes_sent" not in scalars  # single: neither
@@ -88,20 +69,7 @@ def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
 def test_a_parameter_server_run_logs_staleness_and_bytes(tmp_path: Path) -> None:
     out = tmp_path / "ps"
     res = run_cli(
-        "train",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "1",
-        "--log-every",
-        "3",
-        "--out",
+        *"train --algo asgd --workers 2 --dataset digits --model mlp --epochs 1 --log-every 3 --out".split(),
         str(out),
         "--tensorboard",
         str(tmp_path / "tb"),

@@ -278,26 +278,9 @@ def test_run_directory_and_checkpoint(tmp_path: Path) -> None:
     ]
     summary = json.loads((out / "summary.json").read_text())
     for key in (
-        "algo",
-        "workers",
-        "dataset",
-        "model",
-        "epochs",
-        "batch_size",
-        "samples",
-        "wall_s",
-        "train_wall_s",
-        "samples_per_s",
-        "final_test_accuracy",
-        "final_test_loss",
-        "target_accuracy",
-        "time_to_target_s",
-        "samples_to_target",
-        "evals",
-        "threads_per_worker",
-        "torch_version",
-        "started_at",
-        "host",
+        *"algo workers dataset model epochs batch_size samples wall_s train_wall_s samples_per_s".split(),
+        *"final_test_accuracy final_test_loss target_accuracy time_to_target_s samples_to_target evals".split(),
+        *"threads_per_worker torch_version started_at host".split(),
     ):
         assert key in summary, key
     assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_wall_s"])

@@ -11,7 +11,7 @@ from torch import nn
 
 import distsgd
 from distsgd.train.context import Start
-from helpers import flat_params
+from helpers import flat_params, torchrun
 from quadratics import config
 
 # -- HogWild++ (Zhang, Hsieh, Akella, ICDM 2016) -------------------------------------------------
@@ -327,39 +327,12 @@ def test_hogwildpp_across_processes_passes_the_token_by_point_to_point(tmp_path)
     own samples by the run's samples per epoch: cosine ended at half the lr with 2 clusters)."""
     import json
 
-    from helpers import run_cli
-
-    res = run_cli(
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "hogwild++",
-        "--cluster-size",
-        "2",
-        "--update-delay",
-        "4",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "3",
-        "--lr",
-        "0.05",
-        "--schedule",
-        "cosine",
-        "--log-every",
-        "1",
-        "--out",
+    res = torchrun(
+        *"--algo hogwild++ --cluster-size 2 --update-delay 4 --dataset digits --model mlp --epochs 3".split(),
+        *"--lr 0.05 --schedule cosine --log-every 1 --out".split(),
         str(tmp_path / "run"),
         "--quiet",
-        module="torch.distributed.run",
         timeout=180,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -418,38 +391,17 @@ def test_the_training_clock_across_machines_covers_every_clusters_samples(tmp_pa
     clock that pauses for evaluations, or starts after a cluster that started early, reports more."""
     import json
 
-    from helpers import run_cli
-
     step_s, batch = 0.02, 32
     (tmp_path / "slow.py").write_text(SLOW_MODEL.format(step_s=step_s, eval_s=0.3, start_s=2.0))
-    res = run_cli(
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "hogwild++",
-        "--dataset",
-        "digits",
-        "--model",
+    res = torchrun(
+        *"--algo hogwild++ --dataset digits --model".split(),
         f"{tmp_path / 'slow.py'}:Slow",
         "--batch-size",
         str(batch),
-        "--max-samples",
-        "2872",
-        "--eval-every",
-        "256",
-        "--target-accuracy",
-        "1.0",
-        "--stop-at-target",
-        "--out",
+        *"--max-samples 2872 --eval-every 256 --target-accuracy 1.0 --stop-at-target --out".split(),
         str(tmp_path / "run"),
         "--quiet",
-        module="torch.distributed.run",
         timeout=180,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     fastest = 2 * batch / step_s  # samples/s

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import distsgd
-from helpers import flat_params, run_cli
+from helpers import flat_params, run_cli, torchrun
 
 pytest.importorskip("sklearn")
 
@@ -118,14 +118,7 @@ def test_ssp_does_not_wait_forever_for_a_dead_worker(digits, killer, monkeypatch
 def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
     start = time.monotonic()
     res = run_cli(
-        "train",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
-        "--dataset",
-        "digits",
-        "--model",
+        *"train --algo asgd --workers 2 --dataset digits --model".split(),
         killer,
         "--epochs",
         "50",
@@ -143,28 +136,11 @@ def test_a_dead_server_fails_the_run_quickly(killer, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_torchrun_rank_zero_serves(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli(
-        "--standalone",
-        "--nproc-per-node",
-        "3",
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "asgd",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "2",
-        "--lr",
-        "0.05",
-        "--out",
+    res = torchrun(
+        *"--algo asgd --dataset digits --model mlp --epochs 2 --lr 0.05 --out".split(),
         str(out),
-        module="torch.distributed.run",
+        nproc=3,
         timeout=180,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import distsgd
-from helpers import in_group, run_cli
+from helpers import in_group, run_cli, torchrun
 
 pytest.importorskip("sklearn")
 
@@ -70,14 +70,7 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
     model.write_text(FAILING_MODEL)
     start = time.monotonic()
     res = run_cli(
-        "train",
-        "--algo",
-        "allreduce",
-        "--workers",
-        "2",
-        "--dataset",
-        "digits",
-        "--model",
+        *"train --algo allreduce --workers 2 --dataset digits --model".split(),
         f"{model}:Failing",
         "--epochs",
         "50",
@@ -99,28 +92,10 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
 @pytest.mark.slow
 def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli(
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "allreduce",
-        "--dataset",
-        "digits",
-        "--model",
-        "mlp",
-        "--epochs",
-        "2",
-        "--lr",
-        "0.05",
-        "--out",
+    res = torchrun(
+        *"--algo allreduce --dataset digits --model mlp --epochs 2 --lr 0.05 --out".split(),
         str(out),
-        module="torch.distributed.run",
         timeout=180,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -140,20 +115,8 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "distsgd",
-            "train",
-            "--algo",
-            "allreduce",
-            "--workers",
-            "2",
-            "--dataset",
-            "digits",
-            "--model",
-            "mlp",
-            "--epochs",
-            "100000",
-            "--out",
+            *"-m distsgd train --algo allreduce --workers 2 --dataset digits --model mlp --epochs 100000".split(),
+            *"--out".split(),
             str(tmp_path / "run"),
         ],
         stdout=subprocess.PIPE,
@@ -193,20 +156,7 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "distsgd",
-            "train",
-            "--algo",
-            "asgd",
-            "--workers",
-            "2",
-            "--dataset",
-            "digits",
-            "--model",
-            "mlp",
-            "--epochs",
-            "100000",
-            "--out",
+            *"-m distsgd train --algo asgd --workers 2 --dataset digits --model mlp --epochs 100000 --out".split(),
             str(out),
             "--quiet",
         ],

@@ -33,19 +33,7 @@ BUDGET, EVERY = 57_440, 4_000  # 40 epochs of digits, 2 workers; a checkpoint ev
 # uninterrupted ssp runs here ended 1.7 points apart (5 runs: 0.967-0.983); with cosine, 0.3 (one
 # of the 360 test digits).
 COMMON = [
-    "--workers",
-    "2",
-    "--dataset",
-    "digits",
-    "--model",
-    "mlp",
-    "--batch-size",
-    "16",
-    "--lr",
-    "0.05",
-    "--schedule",
-    "cosine",
-    "--max-samples",
+    *"--workers 2 --dataset digits --model mlp --batch-size 16 --lr 0.05 --schedule cosine --max-samples".split(),
     str(BUDGET),
     "--eval-every",
     "14360",
@@ -282,14 +270,7 @@ class Net(nn.Module):
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
     run = tmp_path / "run"
     res = run_cli(
-        "train",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
-        "--dataset",
-        "digits",
-        "--model",
+        *"train --algo asgd --workers 2 --dataset digits --model".split(),
         f"{path}:Net",
         "--epochs",
         "30",

@@ -26,7 +26,7 @@ import pytest
 from distsgd import checkpoint
 from distsgd.errors import DataError
 from distsgd.launch.procs import MAIN_GUARD
-from helpers import run_cli
+from helpers import free_port, run_cli, wait_for
 
 pytest.importorskip("sklearn")
 
@@ -107,14 +107,6 @@ def test_overwrite_never_replaces_the_run_being_resumed(tmp_path: Path, capsys: 
 # --- 2. SIGTERM is a clean stop -----------------------------------------------------------------
 
 
-def _wait_for(predicate, seconds: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert proc is None or proc.poll() is None, proc.communicate()[1][-3000:] if proc else ""
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _dead(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -135,27 +127,14 @@ def test_sigterm_stops_a_run_cleanly(tmp_path: Path, whole_group: bool) -> None:
     out = tmp_path / "run"
     cmd = [
         sys.executable,
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "hogwild",
-        "--workers",
-        "2",
+        *"-m distsgd train --algo hogwild --workers 2".split(),
         *SMALL,
-        "--epochs",
-        "200",
-        "--checkpoint-every",
-        "2000",
-        "--log-every",
-        "20",
-        "--quiet",
-        "--out",
+        *"--epochs 200 --checkpoint-every 2000 --log-every 20 --quiet --out".split(),
         str(out),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: (out / "workers.json").exists() and checkpoint.read_manifest(out) is not None, 120, proc)
+        wait_for(lambda: (out / "workers.json").exists() and checkpoint.read_manifest(out) is not None, 120, proc)
         pids = [e["pid"] for e in json.loads((out / "workers.json").read_text())]
         if whole_group:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -170,7 +149,7 @@ def test_sigterm_stops_a_run_cleanly(tmp_path: Path, whole_group: bool) -> None:
     line = one_error_line(err)  # no "leaked semaphore" warning either
     assert "terminated by SIGTERM" in line and f"--resume {out}" in line
     assert not (out / "workers.json").exists()
-    _wait_for(lambda: all(_dead(p) for p in pids), 10)
+    wait_for(lambda: all(_dead(p) for p in pids), 10)
     manifest = checkpoint.usable_checkpoint(out)  # the last whole checkpoint, every file loads
     assert manifest["samples"] >= 2000
 
@@ -200,28 +179,16 @@ def test_a_finished_run_says_nothing_on_stderr(tmp_path: Path, algo: str) -> Non
 # --- 3. A stranger on the parameter server's port -------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_stranger_on_the_server_port_cannot_stop_the_run(tmp_path: Path) -> None:
     """During an asgd run, a stranger connects and says HELLO for worker 0, then PUSHes a gradient
     claiming 2**62 samples; another holds 100 connections open; another trickles a byte a second.
     On 767cbe8 the real worker 0 was dropped and the run never finished. Now every one is refused
     and the run ends as it would have."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     cmd = [
         sys.executable,
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
+        *"-m distsgd train --algo asgd --workers 2".split(),
         *SMALL,
         "--epochs",
         "40",
@@ -237,7 +204,7 @@ def test_a_stranger_on_the_server_port_cannot_stop_the_run(tmp_path: Path) -> No
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     held: list[socket.socket] = []
     try:
-        _wait_for(
+        wait_for(
             lambda: (out / "metrics.jsonl").exists() and '"progress"' in (out / "metrics.jsonl").read_text(), 120, proc
         )
         header = struct.pack("4q", 0, 1, 0, 1)  # HELLO for rank 1 (worker 0), "replacing a dead one", as on 767cbe8
@@ -336,13 +303,7 @@ def test_a_worker_killed_holding_a_lock_does_not_stop_the_others(tmp_path: Path,
         "digits",
         "--model",
         f"{model}:Net",
-        "--batch-size",
-        "16",
-        "--lr",
-        "0.05",
-        "--epochs",
-        "6",
-        "--out",
+        *"--batch-size 16 --lr 0.05 --epochs 6 --out".split(),
         str(tmp_path / "run"),
     ]  # not --quiet: it
     env = {

@@ -24,6 +24,7 @@ import torch
 from distsgd import checkpoint
 from distsgd.algorithms.param_server import ParameterServer, transport, wire
 from distsgd.config import RunConfig, resolve
+from helpers import free_port, progress_seen, wait_for
 
 pytest.importorskip("sklearn")
 
@@ -105,25 +106,6 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(predicate, seconds: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert proc is None or proc.poll() is None, proc.communicate()[1][-3000:] if proc else ""
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def _progress(out: Path) -> bool:
-    metrics = out / "metrics.jsonl"
-    return metrics.exists() and '"progress"' in metrics.read_text()
-
-
 # --- 1. A thread that cannot start ------------------------------------------------------------
 
 
@@ -195,17 +177,11 @@ def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path)
     every process imports) meets a flood of 20 connections. On 43f33af: exit 2, `the parameter
     server failed: RuntimeError: cannot join thread before it is started`, no model.pt, no
     summary.json, though both workers had trained every sample."""
-    model, flag, out, port = tmp_path / "nothreads.py", tmp_path / "no-threads", tmp_path / "run", _free_port()
+    model, flag, out, port = tmp_path / "nothreads.py", tmp_path / "no-threads", tmp_path / "run", free_port()
     model.write_text(NO_THREADS_MODEL)
     cmd = [
         sys.executable,
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
+        *"-m distsgd train --algo asgd --workers 2".split(),
         *SMALL,
         "--model",
         f"{model}:Net",
@@ -223,7 +199,7 @@ def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path)
     )
     held: list[socket.socket] = []
     try:
-        _wait_for(lambda: _progress(out), 120, proc)
+        wait_for(lambda: progress_seen(out), 120, proc)
         flag.touch()
         for _ in range(20):
             try:
@@ -321,7 +297,7 @@ def test_only_a_dead_workers_place_can_be_taken() -> None:
 
         waiting = threading.Thread(target=dies, daemon=True)
         waiting.start()
-        _wait_for(lambda: ps.clocks[1] == 2, 10)
+        wait_for(lambda: ps.clocks[1] == 2, 10)
         one.channel.close()
         waiting.join(10)
         replacement = _client(ps, service, 1, rejoining=True)
@@ -409,29 +385,14 @@ def test_a_worker_dropped_for_silence_is_in_failed_workers(tmp_path: Path) -> No
     out = tmp_path / "run"
     cmd = [
         sys.executable,
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
+        *"-m distsgd train --algo asgd --workers 2".split(),
         *SMALL,
-        "--model",
-        "mlp",
-        "--epochs",
-        "5",
-        "--log-every",
-        "20",
-        "--timeout",
-        "5",
-        "--quiet",
-        "--out",
+        *"--model mlp --epochs 5 --log-every 20 --timeout 5 --quiet --out".split(),
         str(out),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: (out / "workers.json").exists() and _progress(out), 120, proc)
+        wait_for(lambda: (out / "workers.json").exists() and progress_seen(out), 120, proc)
         entries = json.loads((out / "workers.json").read_text())
         victim = next(e for e in entries if e["role"] == "worker" and e["rank"] == 1)
         os.kill(victim["pid"], signal.SIGSTOP)
@@ -467,7 +428,7 @@ def test_a_stopped_process_is_terminated_not_killed(tmp_path: Path) -> None:
     mark = str(tmp_path / "terminated")
     p = multiprocessing.get_context("fork").Process(target=_marks_its_sigterm, args=(mark,))
     p.start()
-    _wait_for(lambda: os.path.exists(mark + ".ready"), 30)
+    wait_for(lambda: os.path.exists(mark + ".ready"), 30)
     os.kill(p.pid, signal.SIGSTOP)
     procs.stop_all([p], grace_s=2.0)
     assert p.exitcode == 0 and os.path.exists(mark)
@@ -521,7 +482,7 @@ def test_a_worker_waiting_for_a_round_hears_the_server_live() -> None:
             target=lambda: answered.append(one.push(grads, 0, 8, None, ps.hypers.read(ps.optimizer))[0]), daemon=True
         )
         waiting.start()
-        _wait_for(lambda: ps.clocks[1] == 1, 10)
+        wait_for(lambda: ps.clocks[1] == 1, 10)
         sent = ps.bytes_sent
         time.sleep(1.5)  # worker 2 computes a long step (its client PINGs meanwhile)
         beats = (ps.bytes_sent - sent) // 32

@@ -24,7 +24,7 @@ import distsgd
 from distsgd import checkpoint, cli
 from distsgd.data import formats
 from distsgd.errors import DataError
-from helpers import run_cli
+from helpers import progress_seen, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -360,11 +360,6 @@ BUDGET = 50 * 1437  # digits' training samples, fifty epochs: the signal lands m
 # of training under local-sgd, and a signal after the loop's end keeps its last step, not a mid-run one)
 
 
-def _progress_seen(out: Path) -> bool:
-    metrics = out / "metrics.jsonl"
-    return metrics.exists() and '"progress"' in metrics.read_text()
-
-
 def _signalled_mid_run(common: list[str], out: Path, how: str) -> tuple[subprocess.Popen, str]:
     """``distsgd train *common --out out``, sent SIGTERM or SIGUSR1 (``how``; "... to the process
     group": to every process) once its first progress line is in metrics.jsonl; the process
@@ -378,7 +373,7 @@ def _signalled_mid_run(common: list[str], out: Path, how: str) -> tuple[subproce
     )
     try:
         deadline = time.monotonic() + 120
-        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
+        while not progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before the signal"
         sig = signal.SIGUSR1 if how == "SIGUSR1" else signal.SIGTERM
@@ -528,7 +523,7 @@ def test_a_signal_to_a_python_api_run_stops_it_as_the_command_does(tmp_path: Pat
     )
     try:
         deadline = time.monotonic() + 120
-        while not _progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
+        while not progress_seen(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before the signal"
         proc.send_signal(signal.SIGTERM)

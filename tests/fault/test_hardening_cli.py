@@ -109,16 +109,7 @@ def test_a_checkpoint_resumes_only_under_its_own_algorithm(
     r = run_cli(
         "train",
         *SMALL,
-        "--quiet",
-        "--algo",
-        "asgd",
-        "--workers",
-        "2",
-        "--max-samples",
-        "256",
-        "--checkpoint-every",
-        "128",
-        "--out",
+        *"--quiet --algo asgd --workers 2 --max-samples 256 --checkpoint-every 128 --out".split(),
         str(run),
         timeout=180,
     )
@@ -292,13 +283,7 @@ def test_a_diverged_run_says_its_loss_is_nan_once_with_a_count(
         capsys,
         "train",
         *SMALL,
-        "--lr",
-        "1e30",
-        "--max-samples",
-        "640",
-        "--log-every",
-        "1",
-        "--out",
+        *"--lr 1e30 --max-samples 640 --log-every 1 --out".split(),
         str(tmp_path / "o"),
     )
     assert r.returncode == 0, r.stderr

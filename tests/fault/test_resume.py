@@ -11,7 +11,7 @@ import torch
 import distsgd
 from distsgd import checkpoint
 from distsgd.errors import CheckpointError, WorkerError
-from helpers import run_cli
+from helpers import run_cli, torchrun
 
 pytest.importorskip("sklearn")
 
@@ -218,36 +218,15 @@ def test_bad_resume(tmp_path) -> None:
 @pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
     args = [
-        "train",
-        "--algo",
-        "allreduce",
-        "--dataset",
-        "digits",
-        "--model",
+        *"--algo allreduce --dataset digits --model".split(),
         dropout_model,
-        "--max-samples",
-        "2872",
-        "--lr",
-        "0.05",
-        "--checkpoint-every",
-        "400",
+        *"--max-samples 2872 --lr 0.05 --checkpoint-every 400".split(),
     ]  # not --quiet: it would hide the warning looked for
-    torchrun = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "distsgd"]
-    env = {"OMP_NUM_THREADS": "1", "KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
-    res = run_cli(
-        *torchrun, *args, "--out", str(tmp_path / "restarted"), module="torch.distributed.run", timeout=240, env=env
-    )
+    env = {"KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
+    res = torchrun(*args, "--out", str(tmp_path / "restarted"), restarts=1, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming from the checkpoint" in res.stderr
-    res = run_cli(
-        *torchrun,
-        *args,
-        "--out",
-        str(tmp_path / "clean"),
-        module="torch.distributed.run",
-        timeout=240,
-        env={**env, "KILL_RANK": "none"},
-    )
+    res = torchrun(*args, "--out", str(tmp_path / "clean"), restarts=1, timeout=240, env={**env, "KILL_RANK": "none"})
     assert res.returncode == 0, res.stderr[-3000:]
     restarted = json.loads((tmp_path / "restarted" / "summary.json").read_text())
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
@@ -263,32 +242,15 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     scratch) and finish it. (With a 5,744-sample budget the survivor used to finish the whole run
     before torchrun noticed: the test passed without anything being resumed mid-run.)"""
     out = tmp_path / "restarted"
-    res = run_cli(
-        "--standalone",
-        "--nproc-per-node",
-        "3",
-        "--max-restarts",
-        "1",
-        "-m",
-        "distsgd",
-        "train",
-        "--algo",
-        "asgd",
-        "--dataset",
-        "digits",
-        "--model",
+    res = torchrun(
+        *"--algo asgd --dataset digits --model".split(),
         dropout_model,
-        "--max-samples",
-        "14360",
-        "--lr",
-        "0.05",
-        "--checkpoint-every",
-        "400",
-        "--out",
+        *"--max-samples 14360 --lr 0.05 --checkpoint-every 400 --out".split(),
         str(out),  # not --quiet: its warnings are looked for
-        module="torch.distributed.run",
+        nproc=3,
+        restarts=1,
         timeout=240,
-        env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "10"},
+        env={"KILL_RANK": "2", "KILL_STEP": "10"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "exitcode: -9" in res.stderr and "resuming from the checkpoint" in res.stderr
