@@ -306,6 +306,11 @@ class Algorithm(Generic[OptionsT]):
     # its workers can lose one and train on (--min-workers): its collectives wait through
     # distsgd.train.membership and its state is whole in state_dict (see regrouped)
     trains_through: ClassVar[bool] = False
+    # between its synchronisations each worker's model and optimiser state are its own (model
+    # averaging): after a regroup a survivor keeps them and takes only the shared state (the
+    # algorithm's, the counters) from the most advanced member, so its work since the last
+    # synchronisation is not lost. Otherwise (replicas kept equal) every member takes it all.
+    local_model: ClassVar[bool] = False
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options

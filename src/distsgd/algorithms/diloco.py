@@ -150,6 +150,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
     name = "diloco"
     kind = "low communication"
     trains_through = True  # every collective through the averaging helpers and compressors, on fresh buffers
+    local_model = True
     summary_line = "DiLoCo: H inner AdamW steps, then outer Nesterov SGD on the averaged pseudo-gradient"
     collective_evaluation = True  # in the middle of a round, the average of the workers' models
 

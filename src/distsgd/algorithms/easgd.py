@@ -103,6 +103,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     name = "easgd"
     kind = "model averaging"
     trains_through = True  # its one collective through the membership, on a fresh buffer
+    local_model = True  # x_i
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
     period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)
@@ -139,7 +140,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
 
     def regrouped(self, ctx: WorkerContext) -> None:
         """A lost worker (``--min-workers``): the default strength follows the workers (beta = N alpha
-        stays 0.9); the survivors then take the most advanced one's state, its x_i and the centre."""
+        stays 0.9); the survivors then take the most advanced one's centre, and keep their own x_i."""
         super().regrouped(ctx)
         self.alpha = elastic_alpha(self.opts, ctx.world)
 

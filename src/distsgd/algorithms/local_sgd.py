@@ -65,6 +65,7 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
     name = "local-sgd"
     kind = "model averaging"
     trains_through = True  # every collective through the averaging helpers and compressors, on fresh buffers
+    local_model = True
     summary_line = "H local steps, then average the models (--sync-every H|epoch, --warmup-steps for post-local SGD)"
     collective_evaluation = True  # in the middle of a period, the average of the workers' models
 

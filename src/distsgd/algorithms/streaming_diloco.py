@@ -161,9 +161,9 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         "overlapped with inner steps (--fragments, --overlap, --merge, --outer-dtype)"
     )
     collective_evaluation = True  # in the middle of a round, the average of the workers' models
-    trains_through = (
-        True  # every wait through the membership; a fragment in flight in a lost group is dropped (regrouped)
-    )
+    # every wait through the membership; a fragment in flight in a lost group is dropped (regrouped)
+    trains_through = True
+    local_model = True
 
     periods: list[Periodic]  # fragment p sends at steps o_p - tau + k H; whether it owes one (checkpointed)
     dtype: torch.dtype  # what outer gradients travel in

@@ -283,7 +283,8 @@ class _Worker:
     def recover(self, lost: membership.Lost) -> None:
         """The group lost a worker, or a replacement is ready to join (``--min-workers``): join the
         next generation's group, take the state of the most advanced member (model, optimiser,
-        algorithm, counters; not the random state), and keep this worker's shard of the data.
+        algorithm, counters; not the random state; an algorithm whose models are local keeps
+        its own model and optimiser), and keep this worker's shard of the data.
         The step in flight here, if it did not complete, is dropped, and the loop starts again from
         the counters taken."""
         member = membership.current()
@@ -305,13 +306,15 @@ class _Worker:
 
     def take_over(self, member: membership.Membership, began: float, gone: list[int], joined: list[int]) -> None:
         """This worker's place in the group ``member`` just formed, and the state of its most
-        advanced member."""
+        advanced member (all of it; a survivor of an algorithm whose models are local between its
+        synchronisations, ``Algorithm.local_model``, keeps its own model and optimisers)."""
         ctx, run, algo, st = self.ctx, self.run, self.algo, self.state
         if ctx.shard is None:
             ctx.shard = (member.first_rank, member.first_world)
         old_world = ctx.world
         ctx.rank, ctx.world = run.rank, run.world = member.rank, member.world
         ctx.reports = ctx.evaluates = member.rank == 0
+        in_flight = run._batch_samples  # this worker's step in flight: computed, and dropped here
         run._abandon_step()
         algo.regrouped(ctx)
         pieces = {k: v for k, v in run._pieces().items() if k != "rng"}  # each worker's own random state
@@ -320,9 +323,12 @@ class _Worker:
         states = {k: v.state_dict() for k, v in pieces.items()}
         states["group"] = {"departed_samples": ctx.departed_samples, "world": old_world}
         loaded, source, self.done = membership.share_state(states, st.steps, ctx.device, self.done)
+        dropped = membership.total(in_flight)
         group = states["group"]
         if loaded is not None:
             group = loaded.pop("group")
+            if algo.local_model and member.first_rank not in joined:  # a survivor's own model and optimisers stay
+                pieces = {k: v for k, v in pieces.items() if k != "model" and not k.startswith("optimizer")}
             scatter(pieces, loaded)
             run._lr_set = None  # the learning rate is the source's, set by its schedule (maybe a step on)
             if member.first_rank not in joined:
@@ -340,6 +346,7 @@ class _Worker:
             "began": began,
             "from_worker": member.members[source],
             "workers": ctx.world,
+            "dropped": dropped,
         }
 
     def recovered(self) -> None:
@@ -358,6 +365,10 @@ class _Worker:
                     "state_from": rec["from_worker"],
                     "recovery_s": round(time.perf_counter() - rec["began"], 3),
                     "samples": self.all_samples,
+                    # the survivors' steps in flight, dropped (at most: a step whose collective
+                    # completed on the most advanced member is in the model it gave the others);
+                    # what the lost worker trained since its last synchronisation is not known here
+                    "samples_lost": rec["dropped"],
                 }
             )
 

@@ -297,6 +297,13 @@ def share_state(
     return loaded, source, any_done
 
 
+def total(value: int) -> int:
+    """The sum of every member's ``value`` in a group just formed (small numbers, on the host)."""
+    t = torch.tensor([value], dtype=torch.int64, device="cpu")
+    dist.all_reduce(t)
+    return int(t[0])
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
