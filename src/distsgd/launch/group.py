@@ -28,8 +28,8 @@ from distsgd.launch.rendezvous import (
     LOOPBACK,
     check_backend,
     check_init_method,
-    free_port,
     init_group,
+    init_on_store,
     launcher_group,
     leave_group,
     loopback_only,
@@ -92,9 +92,10 @@ def _entry(
     replacement: bool,
     out: Connection,
 ) -> None:
-    """The body of a worker process. ``store_port``: the launcher's store, where a run that trains
-    through losses forms its groups (0: a run that does not); ``replacement``: it takes the place
-    of a worker of such a run that died, joining the others."""
+    """The body of a worker process. ``init_method``: the user's ``--init-method`` ("" without
+    one); else ``store_port`` is the launcher's store, where the group forms (a run that trains
+    through losses forms each generation's there); ``replacement``: it takes the place of a worker
+    of such a run that died, joining the others."""
     q = procs.Outbox(out)
     procs.begin_worker(f"worker {rank}", rank, world, job.cfg.quiet)
     cfg = job.cfg
@@ -103,15 +104,17 @@ def _entry(
 
     def body() -> WorkerResult:
         where = device.use(cfg.device, rank)
-        if store_port:
+        if init_method:
+            init_group(cfg, rank, world, init_method)
+        elif not (cfg.min_workers is not None and cfg.min_workers < cfg.workers):
+            init_on_store(cfg, rank, world, store_port)
+        else:
             member = membership.Membership(LOOPBACK, store_port, rank, world, cfg.timeout_s)
             membership.set_current(member)
             if replacement:  # at the others' next step (the loop then takes a live member's state)
                 member.enter(cfg.backend)
             else:
                 member.join(cfg.backend)
-        else:
-            init_group(cfg, rank, world, init_method)
         ctx = WorkerContext(
             job,
             rank=rank,
@@ -139,13 +142,15 @@ def _entry(
 def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     cfg = job.cfg
     world = cfg.workers
-    init_method = cfg.init_method or f"tcp://{LOOPBACK}:{free_port()}"
+    # the group forms on a store this launcher holds (listening before any worker starts), or at the user's --init-method
+    store = None if cfg.init_method else dist.TCPStore(LOOPBACK, 0, world, is_master=True, wait_for_workers=False)
+    port = store.port if store is not None else 0
     job.data.share_memory_()  # every worker reads one copy
     with procs.spawned(
         cfg,
         _entry,
         [("worker", r) for r in range(world)],
-        lambda r, out, _: (r, world, job, algo_cls, init_method, 0, False, out),
+        lambda r, out, _: (r, world, job, algo_cls, cfg.init_method or "", port, False, out),
         signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)

@@ -161,6 +161,23 @@ def init_group(cfg: RunConfig, rank: int, world: int, init_method: str) -> None:
     )
 
 
+def init_on_store(cfg: RunConfig, rank: int, world: int, port: int) -> None:
+    """Join the default process group through the launcher's store on 127.0.0.1:``port``, as
+    :func:`init_group` does otherwise. The launcher listens there from before any worker starts: a
+    port chosen free, closed and handed to worker 0 to bind could be taken meanwhile by another
+    process's connection (EADDRINUSE: seen once in a whole test run beside another run)."""
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend=cfg.backend,
+        store=dist.PrefixStore("distsgd/group", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=_bound(cfg),
+    )
+
+
 def _bound(cfg: RunConfig) -> torch.device | None:
     """NCCL's group is bound to this worker's GPU (the current device, which ``device.use`` set):
     its barrier and communicators use that one rather than guess (and warn). None: unbound."""
