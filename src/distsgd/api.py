@@ -369,6 +369,7 @@ def settle(
     algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
     if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
         log.warning("%s", registry.chose(cfg.workers, cli=False))
+    cfg = cfg.replace(algo=algo)  # (the options' messages, and the algorithm's own defaults, name it)
     algo_cls = registry.resolve(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's;
@@ -381,7 +382,7 @@ def settle(
         log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         resume = cfg.out
     # the options complete (every one with its value), so that config.toml records them all
-    cfg = settled(cfg, own, algo=algo, options=opts.to_mapping(), resume=resume)
+    cfg = settled(cfg, own, options=opts.to_mapping(), resume=resume)
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)

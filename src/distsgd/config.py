@@ -329,6 +329,11 @@ class RunConfig:
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def trains_through(self) -> bool:
+        """``--min-workers`` below ``--workers``: the group trains on without a worker it loses."""
+        return self.min_workers is not None and self.min_workers < self.workers
+
     @functools.cached_property
     def checkpoint_period(self) -> Period | None:
         """``--checkpoint-every`` parsed: N samples, each epoch, or None (no checkpoints)."""
@@ -412,7 +417,7 @@ def load_toml(path: str | Path, base: RunConfig | None = None, option_names: Any
         raise ConfigError(f"config file {path} is not valid TOML: {str(exc).splitlines()[0]}") from None
     if set(data) == {"train"} and isinstance(data["train"], dict):
         data = data["train"]
-    if raw.startswith(HEADER.encode()):  # a run's own config.toml
+    if written_by_a_run(raw):
         data = {k: v for k, v in data.items() if k.replace("-", "_") not in NOT_RECORDED}
     return from_mapping(data, base, source=str(path), option_names=option_names)
 
@@ -422,6 +427,11 @@ HEADER = "# distsgd run configuration"  # the first line of every config.toml a 
 # whether it printed. They belong to the command that made the run, not to the run: a file that kept
 # them re-ran into (or over) its own run, and a resumed run inherited a --quiet it was not given.
 NOT_RECORDED = ("out", "overwrite", "resume", "quiet")
+
+
+def written_by_a_run(head: bytes) -> bool:
+    """Whether a config file that begins with ``head`` is one a run wrote (its first line is :data:`HEADER`)."""
+    return head.startswith(HEADER.encode())
 
 
 def to_toml(cfg: RunConfig, rerun: str | None = None, from_python: list[str] | tuple[str, ...] = ()) -> str:
@@ -486,7 +496,7 @@ def resolve(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
 
 
 def settled(cfg: RunConfig, own: dict[str, Any] | None = None, **given: Any) -> RunConfig:
-    """``cfg`` with ``given`` (what the run settled: its algorithm, its complete options) and every
+    """``cfg`` with ``given`` (what the run settled: its complete options, a restart's resume) and every
     unset setting resolved (:func:`resolve`), validated (:func:`validate`): what a run uses."""
     cfg = resolve(cfg.replace(**given), own)
     validate(cfg)
@@ -518,7 +528,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"--logger {name} writes {where}: give a run directory (--out; out= in Python)")
     if cfg.min_workers is not None and cfg.min_workers > cfg.workers:
         raise ConfigError(f"--min-workers {cfg.min_workers} is more than --workers {cfg.workers}")
-    if cfg.min_workers is not None and cfg.min_workers < cfg.workers and cfg.checkpoint_period is not None:
+    if cfg.trains_through and cfg.checkpoint_period is not None:
         raise ConfigError(
             "--min-workers with --checkpoint-every: a checkpoint taken after a loss would lack the lost "
             "worker's part, which distsgd cannot commit yet; choose one of them"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from distsgd.config import HEADER
+from distsgd.config import HEADER, written_by_a_run
 from distsgd.errors import ConfigError
 
 MARKER = ".distsgd"
@@ -24,9 +24,9 @@ def is_ours(folder: Path) -> bool:
     """Whether ``folder`` is a directory distsgd made (its marker, or a run's config.toml from before it)."""
     if (folder / MARKER).is_file():
         return True
-    try:  # a config.toml that a run wrote: its first line is config.HEADER
+    try:  # a config.toml that a run wrote
         with (folder / "config.toml").open("rb") as fh:
-            return fh.read(len(HEADER)) == HEADER.encode()
+            return written_by_a_run(fh.read(len(HEADER)))
     except OSError:
         return False
 

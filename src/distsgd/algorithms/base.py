@@ -340,7 +340,7 @@ class Algorithm(Generic[OptionsT]):
     def check(cls, cfg: RunConfig) -> None:
         """Reject settings this algorithm cannot honour (raise ConfigError)."""
         cls.parse_options(cfg).check(cfg)
-        if cfg.min_workers is not None and cfg.min_workers < cfg.workers and not cls.trains_through:
+        if cfg.trains_through and not cls.trains_through:
             able = ", ".join(sorted(a.name for a in _REGISTRY.values() if a.trains_through))
             raise ConfigError(
                 f"--min-workers: {cls.name} cannot train on without a lost worker yet (only {able} can); "

@@ -89,7 +89,7 @@ class CompressOptions(Options):
                 "--compress powersgd does not go with --precision fp16 (an overflowed step would "
                 "poison its error feedback); use --precision bf16"
             )
-        if parse(self.compress)[0] == "powersgd" and cfg.min_workers is not None and cfg.min_workers < cfg.workers:
+        if parse(self.compress)[0] == "powersgd" and cfg.trains_through:
             # its error feedback is each worker's own residual: a regrouped group takes one worker's
             raise ConfigError(
                 "--compress powersgd keeps each worker's own error feedback, which a group that lost "

@@ -82,7 +82,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
         super().check(cfg)
-        if cfg.min_workers is not None and cls.parse_options(cfg).compress != "none":
+        if cfg.trains_through and cls.parse_options(cfg).compress != "none":
             raise ConfigError(
                 "ddp --compress with --min-workers: torch's compression hooks wait on their own "
                 "all-reduces, where a lost worker cannot be seen; use allreduce --compress fp16"

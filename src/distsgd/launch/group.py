@@ -53,7 +53,7 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     cfg = resolve_backend(cfg, local)
     check_backend(cfg, local)
     check_init_method(cfg.init_method)
-    if cfg.min_workers is not None and cfg.min_workers < cfg.workers:
+    if cfg.trains_through:
         where = (
             "under torchrun (use its --max-restarts, with --checkpoint-every)"
             if torchrun
@@ -73,7 +73,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
     group that loses a worker restarts from its last checkpoint, ``--restart-workers`` times."""
     if torchrun:
         return _run_torchrun(job, algo_cls, sink)
-    if job.cfg.min_workers is not None and job.cfg.min_workers < job.cfg.workers:
+    if job.cfg.trains_through:
         if job.main is not None:
             raise ConfigError(
                 "--min-workers trains on without a lost worker in distsgd's loop only, not in a user's loop"
@@ -106,7 +106,7 @@ def _entry(
         where = device.use(cfg.device, rank)
         if init_method:
             init_group(cfg, rank, world, init_method)
-        elif not (cfg.min_workers is not None and cfg.min_workers < cfg.workers):
+        elif not cfg.trains_through:
             init_on_store(cfg, rank, world, store_port)
         else:
             member = membership.Membership(LOOPBACK, store_port, rank, world, cfg.timeout_s)
