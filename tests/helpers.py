@@ -161,35 +161,41 @@ def flat_params(model):
 
 
 KILL_AT_STEP = '''
-import os, signal, time
+import glob, os, signal, time
 import torch.nn as nn
 
 
 class Net(nn.Module):
     """mlp-like; a worker whose rank (RANK) is in KILL_RANK (comma-separated) SIGKILLs itself at
-    its KILL_STEP-th training forward; with KILL_MARKER, once (the file marks it done: a
-    replacement lives), and with SLOW_AFTER_KILL (seconds) every worker's forward sleeps that long
-    once the kill was made (so that the others are still training when a replacement has started)."""
+    its KILL_STEP-th training forward (0: as it builds the model, before the group's first step);
+    with KILL_MARKER, once (the file KILL_MARKER.RANK marks it done: a replacement lives), and with SLOW_AFTER_KILL
+    (seconds) every worker's forward sleeps that long once the kill was made (so that the others
+    are still training when a replacement has started)."""
 
     def __init__(self, num_classes, input_shape):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, num_classes))
         self.calls = 0
+        self.maybe_die()
+
+    def maybe_die(self):
+        marker = os.environ.get("KILL_MARKER")
+        rank = os.environ.get("RANK")
+        if (
+            rank in os.environ.get("KILL_RANK", "").split(",")
+            and self.calls == int(os.environ["KILL_STEP"])
+            and not (marker and os.path.exists(f"{marker}.{rank}"))
+        ):
+            if marker:
+                open(f"{marker}.{rank}", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if marker and os.environ.get("SLOW_AFTER_KILL") and glob.glob(f"{marker}.*") and self.calls:
+            time.sleep(float(os.environ["SLOW_AFTER_KILL"]))
 
     def forward(self, x):
         if self.training:
             self.calls += 1
-            marker = os.environ.get("KILL_MARKER")
-            if (
-                os.environ.get("RANK") in os.environ.get("KILL_RANK", "").split(",")
-                and self.calls == int(os.environ["KILL_STEP"])
-                and not (marker and os.path.exists(marker))
-            ):
-                if marker:
-                    open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
-            if marker and os.environ.get("SLOW_AFTER_KILL") and os.path.exists(marker):
-                time.sleep(float(os.environ["SLOW_AFTER_KILL"]))
+            self.maybe_die()
         return self.net(x)
 '''
 

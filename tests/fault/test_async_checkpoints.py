@@ -116,7 +116,7 @@ def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, 
         quiet=True,
         **({"staleness": 2} if algo == "ssp" else {}),
     ).summary
-    assert (tmp_path / "killed").exists()  # the worker was killed
+    assert (tmp_path / f"killed.{rank}").exists()  # the worker was killed
     assert len(s["restarts"]) == 1 and s["restarts"][0]["reason"] == "killed by SIGKILL"
     assert s["failed_workers"] == []
     shard = 1436 // 2  # its replacement carried on from the dead worker's samples to the end of its share
@@ -143,7 +143,7 @@ def test_the_only_worker_is_replaced(tmp_path: Path, kill_once: str, monkeypatch
         out=str(tmp_path / "run"),
         quiet=True,
     ).summary
-    assert (tmp_path / "killed").exists() and len(s["restarts"]) == 1 and s["failed_workers"] == []
+    assert (tmp_path / "killed.1").exists() and len(s["restarts"]) == 1 and s["failed_workers"] == []
     assert s["samples_per_worker"][0] >= 2 * 1436 - 16
 
 

@@ -106,7 +106,7 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(
     # fresh process importing torch) has joined before they finish (else it is stopped, too late)
     monkeypatch.setenv("SLOW_AFTER_KILL", "0.02")
     s = _train(tmp_path, kill_at, algo=algo, min_workers=2, restart_workers=1, **extra).summary
-    assert (tmp_path / "killed").exists()
+    assert (tmp_path / f"killed.{rank}").exists()
     lost, joined = s["recoveries"]
     assert lost["worker"] == joined["worker"] == int(rank) and joined["joined"]
     assert (lost["generation"], joined["generation"]) == (1, 2)
@@ -116,6 +116,45 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(
     assert s["replica_max_abs_diff"] == 0.0  # all three, the replacement too
     assert s["final_test_accuracy"] > 0.8
     assert not list((tmp_path / "run").glob("checkpoint*/*.pt"))  # nothing came from disk
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, rank", [("allreduce", "0"), ("ddp", "1"), ("easgd", "2")])
+def test_a_worker_lost_before_the_first_step(tmp_path: Path, kill_at: str, algo: str, rank: str, monkeypatch) -> None:
+    """Killed as it builds its model: the others are building, broadcasting the starting point or
+    at the barrier that starts the clock. They build again in the next generation's group (from
+    the run's seed: nothing trained is lost) and train the whole budget."""
+    monkeypatch.setenv("KILL_RANK", rank)
+    monkeypatch.setenv("KILL_STEP", "0")
+    s = _train(tmp_path, kill_at, algo=algo, min_workers=2, **({"tau": 4} if algo == "easgd" else {})).summary
+    (rec,) = s["recoveries"]
+    assert rec["worker"] == int(rank) and rec["reason"] == "killed by SIGKILL"
+    assert rec["workers"] == 2 and rec["recovery_s"] > 0 and rec["samples_lost"] == 0
+    assert s["failed_workers"] == [int(rank)]
+    assert s["samples"] >= 12000
+    assert s["replica_max_abs_diff"] == 0.0
+    assert s["final_test_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+def test_losses_and_joins_during_a_regrouping(tmp_path: Path, kill_at: str, monkeypatch) -> None:
+    """Two of four workers die at the same step (the second loss may come while the survivors
+    regroup after the first), and a replacement for each joins (maybe while the others regroup):
+    the group goes on through every one, back to four identical replicas."""
+    monkeypatch.setenv("KILL_RANK", "1,2")
+    monkeypatch.setenv("KILL_STEP", "40")
+    monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))  # once each: not their replacements
+    monkeypatch.setenv("SLOW_AFTER_KILL", "0.02")
+    s = _train(tmp_path, kill_at, workers=4, max_samples=16000, min_workers=2, restart_workers=2).summary
+    lost = [r for r in s["recoveries"] if not r.get("joined")]
+    joined = [r for r in s["recoveries"] if r.get("joined")]
+    assert sorted(r["worker"] for r in lost) == [1, 2]
+    assert sorted(r["worker"] for r in joined) == [1, 2]
+    assert all(r["recovery_s"] > 0 for r in s["recoveries"])
+    assert joined[-1]["workers"] == 4 and s["failed_workers"] == [] and len(s["restarts"]) == 2
+    assert s["samples"] >= 16000
+    assert s["replica_max_abs_diff"] == 0.0  # all four, the replacements too
+    assert s["final_test_accuracy"] > 0.8
 
 
 @pytest.mark.slow

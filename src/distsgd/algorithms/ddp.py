@@ -23,8 +23,9 @@ overlaps the rest of backward. A loss seen there is raised after backward, with 
 whole; the survivors then move DDP onto the new group. Buffers are
 broadcast from rank 0 after each step, through the membership, in place of DDP's own broadcast
 before each forward (the same statistics at the next forward; with ``--accumulate``, a step's
-later micro-batches run on each worker's own). A replacement's DDP is built on the group it
-entered, without DDP's initial broadcast (it takes a live member's state); at every
+later micro-batches run on each worker's own). DDP's initial broadcast is made through the
+membership before DDP is built (a loss there: the survivors build again, see the loop), and a
+replacement's DDP is built on the group it entered without one (it takes a live member's state); at every
 regroup each member's DDP builds its reducer anew, so that all have the same buckets. Not covered: a loss
 during DDP's bucket rebuild (its first forward, and the first after a regroup: a broadcast DDP
 waits on itself); ``--compress`` (torch's hooks wait on their own collectives).
@@ -98,8 +99,11 @@ class DDP(GroupAlgorithm[BucketOptions]):
             bucket_mb = max(bucket_mb, self.grad_bytes / 2**20 + 1)  # one bucket: see the module's docstring
         self.through = membership.current() is not None
         through: dict[str, Any] = {}  # buffers broadcast after each step instead (after_step);
-        if self.through:  # a replacement's state comes from a live member
-            through = {**_NO_FORWARD_SYNC, **({"init_sync": False} if start is Start.REPLACEMENT else {})}
+        if self.through:  # DDP's own first broadcast cannot be left when a worker is lost: ours, through the
+            # membership (a replacement's state comes from a live member instead)
+            through = {**_NO_FORWARD_SYNC, "init_sync": False}
+            if start is not Start.REPLACEMENT:
+                broadcast_(list(model.parameters()) + list(model.buffers()))
         ddp = DistributedDataParallel(
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )

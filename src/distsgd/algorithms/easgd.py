@@ -131,7 +131,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         self.alpha = elastic_alpha(self.opts, ctx.world)
         if start is Start.FRESH:
             for p in model.parameters():  # one starting point for workers and centre
-                dist.broadcast(p.data, src=0)
+                membership.call(dist.broadcast, p.data, src=0)
         self.center_model = copy.deepcopy(model)
         self.center = averaged(self.center_model)
         self.x = averaged(model)

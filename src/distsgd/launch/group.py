@@ -216,8 +216,10 @@ class _Generations:
         if event.get("event") == "eval":
             self.evals.append(event)
         elif event.get("event") == "recovery":  # the reporting worker's word on a regrouping
-            for rec in self.recoveries:
-                if rec["generation"] == event["generation"]:
+            for rec in self.recoveries:  # (one that came during another's regrouping: the group formed after both)
+                if rec["generation"] == event["generation"] or (
+                    rec["generation"] < event["generation"] and "recovery_s" not in rec
+                ):
                     rec.update({k: v for k, v in event.items() if k not in ("event", "lost", "joined", "generation")})
         self.sink.emit(event)
 

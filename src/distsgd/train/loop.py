@@ -50,10 +50,8 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     user's (``distsgd.spawn``) calls their ``main(run)`` instead."""
     if ctx.job.main is not None:
         return run_own_loop(ctx, algo, replacement)
-    w = _Worker(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
-    if replacement and membership.current() is not None:  # joins a group that trains through losses
-        w.join()
-    w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
+    w = _start(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
+    algo = w.algo
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
         while True:
@@ -67,6 +65,50 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
                 # advanced one's state, then train on from its counters: each may have been lost at
                 # another point (a step, an evaluation, the end), so each starts the loop again there
                 w.recover(lost)
+
+
+def _start(ctx: WorkerContext, algo: "Algorithm", replacement: bool) -> "_Worker":
+    """The worker built (model, optimiser, counters; restored from --resume), joined to its group
+    and at the training clock's start. In a group that trains through losses (``--min-workers``),
+    a member lost before the first step (while the others build, or at the barrier that starts
+    the clock) makes the survivors build again in the next generation's group, with a fresh
+    algorithm: every worker builds from the run's seed, so nothing trained is lost; the recovery is
+    recorded at the first step."""
+    began: float | None = None
+    gone: list[int] = []
+    while True:
+        try:
+            w = _Worker(ctx, algo, replacement)
+            if replacement and membership.current() is not None:  # joins a group that trains through losses
+                w.join()
+            w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
+        except membership.Lost as lost:
+            member = membership.current()
+            if member is None or replacement:  # (a replacement's losses while it joins: w.join regroups)
+                raise
+            began = time.perf_counter() if began is None else began
+            log.info("worker %d: %s before the first step; building again", member.first_rank, lost)
+            g, _ = member.regroup(ctx.cfg.backend)
+            gone = sorted(set(gone) | set(g))
+            if ctx.shard is None:
+                ctx.shard = (member.first_rank, member.first_world)
+            ctx.rank, ctx.world = member.rank, member.world
+            ctx.reports = ctx.evaluates = member.rank == 0
+            algo = type(algo)(ctx.cfg)
+            continue
+        if began is not None:
+            member = membership.current()
+            assert member is not None
+            w.recovering = {
+                "generation": member.gen,
+                "lost": gone,
+                "joined": [],
+                "began": began,
+                "from_worker": None,  # (none: every member built its state afresh)
+                "workers": ctx.world,
+                "dropped": 0,
+            }
+        return w
 
 
 def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
@@ -290,10 +332,8 @@ class _Worker:
         member = membership.current()
         if member is None:  # (Lost is raised only where a membership waits)
             raise lost
-        began = time.perf_counter()
         log.info("worker %d: %s; regrouping", member.first_rank, lost)
-        gone, joined = member.regroup(self.cfg.backend)
-        self.take_over(member, began, gone, joined)
+        self._take_over_through(member, time.perf_counter(), [], [], regroup=True)
 
     def join(self) -> None:
         """A replacement (``--min-workers`` with ``--restart-workers``): in the group it entered at
@@ -302,20 +342,47 @@ class _Worker:
         checkpoint's."""
         member = membership.current()
         assert member is not None
-        self.take_over(member, member.entered_at, [], [member.first_rank])
+        self._take_over_through(member, member.entered_at, [], [member.first_rank], regroup=False)
 
-    def take_over(self, member: membership.Membership, began: float, gone: list[int], joined: list[int]) -> None:
-        """This worker's place in the group ``member`` just formed, and the state of its most
-        advanced member (all of it; a survivor of an algorithm whose models are local between its
-        synchronisations, ``Algorithm.local_model``, keeps its own model and optimisers)."""
+    def _take_over_through(
+        self, member: membership.Membership, began: float, gone: list[int], joined: list[int], regroup: bool
+    ) -> None:
+        """:meth:`take_over` in the next generation's group (``regroup``) or the one just formed,
+        again in the one after where the group loses a member while its state is shared (a second
+        loss during a regrouping: each is one more generation, and one recovery)."""
+        world = self.ctx.world  # the group's size before the loss (the departed samples' count)
+        in_flight = self.run._batch_samples  # this worker's step in flight: computed, and dropped
+        self.run._abandon_step()
+        while True:
+            if regroup:
+                g, j = member.regroup(self.cfg.backend)
+                gone, joined = sorted(set(gone) | set(g)), sorted(set(joined) | set(j))
+            try:
+                self.take_over(member, began, gone, joined, world, in_flight)
+                return
+            except membership.Lost as again:
+                log.info("worker %d: %s while regrouping; regrouping again", member.first_rank, again)
+                regroup = True
+
+    def take_over(
+        self,
+        member: membership.Membership,
+        began: float,
+        gone: list[int],
+        joined: list[int],
+        old_world: int,
+        in_flight: int,
+    ) -> None:
+        """This worker's place in the group ``member`` just formed (of ``old_world`` workers before;
+        ``in_flight``: the samples of this worker's step that was dropped),
+        and the state of its most advanced member (all of it; a survivor of an algorithm whose
+        models are local between its synchronisations, ``Algorithm.local_model``, keeps its own
+        model and optimisers). :class:`membership.Lost` where that group loses a member meanwhile."""
         ctx, run, algo, st = self.ctx, self.run, self.algo, self.state
         if ctx.shard is None:
             ctx.shard = (member.first_rank, member.first_world)
-        old_world = ctx.world
         ctx.rank, ctx.world = run.rank, run.world = member.rank, member.world
         ctx.reports = ctx.evaluates = member.rank == 0
-        in_flight = run._batch_samples  # this worker's step in flight: computed, and dropped here
-        run._abandon_step()
         algo.regrouped(ctx)
         pieces = {k: v for k, v in run._pieces().items() if k != "rng"}  # each worker's own random state
         sent = algo.sent_counts()  # what this worker sent is its own

@@ -62,6 +62,14 @@ def _members(store: dist.Store, gen: int) -> list[int]:
     return [int(r) for r in store.get(generation_key(gen)).decode().split(",")]
 
 
+def arrived_key(gen: int, rank: int) -> str:
+    """Where worker ``rank`` says it has come to form generation ``gen``'s group."""
+    return f"arrived/{gen}/{rank}"
+
+
+_GATHER_SLICE = datetime.timedelta(milliseconds=100)
+
+
 def joining_key(rank: int) -> str:
     """Where a replacement for worker ``rank`` says it is ready to join (its value: a token of its own)."""
     return f"joining/{rank}"
@@ -132,6 +140,9 @@ class Membership:
         self._watcher.start()
 
     def _init(self, backend: str) -> None:
+        """Form the current generation's group, once all its members have come to form it (see
+        :meth:`_gather`)."""
+        self._gather()
         dist.init_process_group(
             backend=backend,
             store=dist.PrefixStore(f"distsgd/{generation_key(self.gen)}", self.store),
@@ -139,6 +150,32 @@ class Membership:
             world_size=self.world,
             timeout=self.timeout,
         )
+
+    def _gather(self) -> None:
+        """Wait, up to ``--timeout``, until every member of the current generation has come to
+        form its group, moving on to a newer generation where the launcher announces one meanwhile
+        (a member lost before it came, or while the others regrouped: forming a group with it would
+        wait out ``--timeout``). A member lost once it came is waited for by the group's forming
+        (that window is the group's own few milliseconds)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            self.store.set(arrived_key(self.gen, self.first_rank), "1")
+            try:
+                self.store.wait([arrived_key(self.gen, r) for r in self.members], _GATHER_SLICE)
+                return
+            except RuntimeError:  # DistStoreError: not all of them yet
+                pass
+            latest = int(self.store.get(LATEST).decode()) if self.store.check([LATEST]) else 0
+            if latest > self.gen:
+                self.gen, self.members = latest, _members(self.store, latest)
+                if self.first_rank not in self.members:  # (the launcher leaves out only the dead and the finished)
+                    raise RuntimeError(f"generation {latest} of the group goes on without worker {self.first_rank}")
+            elif time.monotonic() > deadline:
+                missing = [r for r in self.members if not self.store.check([arrived_key(self.gen, r)])]
+                raise RuntimeError(
+                    f"workers {missing} did not come to form the group within --timeout "
+                    f"({self.timeout.total_seconds():g} s)"
+                )
 
     def _watch(self) -> None:
         """Keep ``_latest``, the last generation the launcher announced (a thread of its own, on a
@@ -275,10 +312,10 @@ def share_state(
     # gloo on the host: these small tensors, and the state's bytes, stay on the CPU (a GPU
     # worker's state is moved there by _to_cpu and back by map_location)
     t = torch.tensor([steps, -rank, int(done)], dtype=torch.int64, device="cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the most steps; of those who have them, the lowest rank
+    call(dist.all_reduce, t, op=dist.ReduceOp.MAX)  # the most steps; of those who have them, the lowest rank
     any_done = bool(t[2])
     top = torch.tensor([steps, -rank if steps == int(t[0]) else -world], dtype=torch.int64, device="cpu")
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    call(dist.all_reduce, top, op=dist.ReduceOp.MAX)
     source = -int(top[1])
     size = torch.zeros(1, dtype=torch.int64, device="cpu")
     payload = torch.zeros(0, dtype=torch.uint8, device="cpu")
@@ -287,10 +324,10 @@ def share_state(
         torch.save(_to_cpu(states), buf)
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         size[0] = payload.numel()
-    dist.broadcast(size, src=source)
+    call(dist.broadcast, size, src=source)
     if rank != source:
         payload = torch.empty(int(size[0]), dtype=torch.uint8, device="cpu")
-    dist.broadcast(payload, src=source)
+    call(dist.broadcast, payload, src=source)
     if rank == source:
         return None, source, any_done
     loaded = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=True)
@@ -300,7 +337,7 @@ def share_state(
 def total(value: int) -> int:
     """The sum of every member's ``value`` in a group just formed (small numbers, on the host)."""
     t = torch.tensor([value], dtype=torch.int64, device="cpu")
-    dist.all_reduce(t)
+    call(dist.all_reduce, t)
     return int(t[0])
 
 
