@@ -369,8 +369,7 @@ def settle(
     algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
     if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
         log.warning("%s", registry.chose(cfg.workers, cli=False))
-    cfg = cfg.replace(algo=algo)  # (the options' messages, and the algorithm's own defaults, name it)
-    algo_cls = registry.resolve(algo, cfg)
+    algo_cls = registry.class_for(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's;
     # an algorithm that names its workers' optimiser (DiLoCo's inner one) has the last word on it
@@ -382,23 +381,28 @@ def settle(
         log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         resume = cfg.out
     # the options complete (every one with its value), so that config.toml records them all
-    cfg = settled(cfg, own, options=opts.to_mapping(), resume=resume)
+    # (and a resumed run's held against what it recorded, before anything else of it is read)
+    cfg = settled(
+        cfg, own, (algo_cls.Options, registry.option_names()), algo=algo, options=opts.to_mapping(), resume=resume
+    )
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
     algo_cls.check(cfg)
-    if cfg.cuda_graphs and not algo_cls.graphable:
-        raise ConfigError(
-            f"--cuda-graphs captures a worker's whole step, and {cfg.algo}'s step also talks to other "
-            f"processes (gradients, weights, a server) or takes a host lock, which a graph cannot hold: "
-            f"use it with single or hogwild"
-        )
-    if cfg.cuda_graphs and (why := graphs_refusal(cfg, device.kind(cfg.device))) is not None:
-        raise ConfigError(f"--cuda-graphs: {why}")
+    if cfg.cuda_graphs:
+        computes_on = device.kind(cfg.device)
+        if not algo_cls.graphable:
+            raise ConfigError(
+                f"--cuda-graphs captures a worker's whole step, and {cfg.algo}'s step also talks to other "
+                f"processes (gradients, weights, a server) or takes a host lock, which a graph cannot hold: "
+                f"use it with single or hogwild"
+            )
+        if (why := graphs_refusal(cfg, computes_on)) is not None:
+            raise ConfigError(f"--cuda-graphs: {why}")
     if (cfg.checkpoint_every or cfg.resume) and not algo_cls.checkpoints:
         raise ConfigError(f"checkpoints and --resume are not supported for {cfg.algo}")
     if cfg.resume:
         # Every check before anything is written (a fallback below rewrites the manifest; the run, its
-        # config.toml): the manifest's algorithm and workers, then the settings the state depends on.
+        # config.toml): the settings the state depends on (settled), then the manifest's algorithm and workers.
         manifest = read_manifest(Path(cfg.resume))
         if manifest is None:
             raise CheckpointError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
@@ -412,7 +416,6 @@ def settle(
                 f"the checkpoint in {cfg.resume} was written by {manifest['algo']}, not {cfg.algo}; "
                 f"resume it with --algo {manifest['algo']}"
             )
-        config_mod.check_resume_settings(cfg.resume, cfg, algo_cls.Options, registry.option_names())
     host = group_host() if torchrun and place()[0] == 0 else None
     if host is not None and host not in LOCAL_NAMES:
         log.warning(

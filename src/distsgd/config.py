@@ -495,10 +495,17 @@ def resolve(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
     return cfg.replace(**changes) if changes else cfg
 
 
-def settled(cfg: RunConfig, own: dict[str, Any] | None = None, **given: Any) -> RunConfig:
-    """``cfg`` with ``given`` (what the run settled: its complete options, a restart's resume) and every
-    unset setting resolved (:func:`resolve`), validated (:func:`validate`): what a run uses."""
+def settled(
+    cfg: RunConfig, own: dict[str, Any] | None = None, resumed_as: tuple[Any, Any] | None = None, **given: Any
+) -> RunConfig:
+    """``cfg`` with ``given`` (what the run settled: its algorithm, its complete options, a restart's
+    resume) and every unset setting resolved (:func:`resolve`), validated (:func:`validate`) and,
+    where it resumes a run, held against the settings that run recorded
+    (:func:`check_resume_settings`; ``resumed_as``: the algorithm's Options class and every
+    algorithm's option names, to read its config.toml): what a run uses."""
     cfg = resolve(cfg.replace(**given), own)
+    if cfg.resume and resumed_as is not None:
+        check_resume_settings(cfg.resume, cfg, *resumed_as)
     validate(cfg)
     return cfg
 
@@ -608,7 +615,8 @@ RESUME_FIXED: dict[str, Callable[[Any], object]] = {
 
 def check_resume_settings(run_dir: str | Path, cfg: RunConfig, options_cls: Any, option_names: Any = ()) -> None:
     """Raise a ConfigError naming the first setting of :data:`RESUME_FIXED`, or option of
-    ``options_cls`` (the run's algorithm's Options), that the settled ``cfg`` gives otherwise than
+    ``options_cls`` (the run's algorithm's Options; where the run was another algorithm's, its
+    manifest's check says so instead), that the settled ``cfg`` gives otherwise than
     the run in ``run_dir`` recorded in its config.toml (the settings its checkpoints were written
     with: a resume rewrites that file only once it passed this check). Nothing recorded: nothing
     to compare (the checkpoint's own checks still hold)."""
@@ -621,7 +629,10 @@ def check_resume_settings(run_dir: str | Path, cfg: RunConfig, options_cls: Any,
     pairs = [
         (flag_of(_FIELDS[name]), getattr(saved, name), getattr(cfg, name), key) for name, key in RESUME_FIXED.items()
     ]
-    pairs += [("--" + k.replace("_", "-"), recorded[k], v, _itself) for k, v in cfg.options.items() if k in recorded]
+    if saved.algo == cfg.algo:  # (another algorithm's run: the manifest's check names the algorithm)
+        pairs += [
+            ("--" + k.replace("_", "-"), recorded[k], v, _itself) for k, v in cfg.options.items() if k in recorded
+        ]
     for flag, before, now, key in pairs:
         if before is not None and now is not None and key(before) != key(now):
             raise ConfigError(

@@ -59,8 +59,7 @@ class JsonlWriter:
     """Appends one JSON event per line and flushes, so a crashed run keeps what it logged."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        record(path)
+        self.path = path  # (in the run directory's ledger: open_sinks records it)
         self._fh = path.open("a", encoding="utf-8")
 
     def emit(self, event: dict[str, Any]) -> None:
@@ -91,8 +90,7 @@ class CsvWriter:
     FIRST = ("event", "samples", "epoch", "train_wall_s")
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        record(path)
+        self.path = path  # (in the run directory's ledger: open_sinks records it)
         self.columns: list[str] = list(self.FIRST)
         self.rows: list[dict[str, Any]] = []
         if path.is_file():  # a run resumed in place: its rows so far stay (as metrics.jsonl's lines do)
@@ -569,9 +567,9 @@ def open_sinks(
     (the chief's, which writes it), and ``--tensorboard``'s event file in ``tb_dir``."""
     made: list[Sink] = []
     if out is not None:
-        made.append(JsonlWriter(out / "metrics.jsonl"))
-        if "csv" in cfg.loggers:
-            made.append(CsvWriter(out / "metrics.csv"))
+        tables = [out / "metrics.jsonl", *([out / "metrics.csv"] if "csv" in cfg.loggers else [])]
+        record(*tables)  # in the run directory's ledger before they are written: what --overwrite may delete
+        made += [JsonlWriter(tables[0]), *(CsvWriter(path) for path in tables[1:])]
         config = cfg.to_dict()
         in_place = bool(cfg.resume) and Path(str(cfg.resume)).resolve() == out.resolve()  # goes on in its logger runs
         for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):

@@ -92,8 +92,8 @@ def build_summary(
     """summary.json: the keys later tools and the benchmarks read (see docs/RUNS.md, "What a run writes")."""
     chief = results[0]
     samples = chief.global_samples
-    hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
     epochs = epochs_trained(cfg, dataset, results)
+    hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
     summary: dict[str, Any] = {
         "algo": cfg.algo,
         "workers": cfg.workers,

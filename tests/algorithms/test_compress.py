@@ -154,7 +154,7 @@ def test_resumed_state_follows_the_model_to_its_device(group_of_one, algo: str, 
     from quadratics import context
 
     cfg = resolve(RunConfig(algo=algo, workers=1, options=options))
-    cls = registry.resolve(algo, cfg)
+    cls = registry.class_for(algo, cfg)
     ctx = context(0, 1)
     torch.manual_seed(0)
     model = torch.nn.Linear(30, 20)

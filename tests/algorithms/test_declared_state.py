@@ -95,7 +95,7 @@ def test_a_checkpoint_holds_the_keys_it_always_held(group_of_one, algo: str, opt
     from distsgd.train.context import Start, Step
 
     cfg = resolve(RunConfig(algo=algo, workers=1, options=options))
-    cls = registry.resolve(algo, cfg)
+    cls = registry.class_for(algo, cfg)
     ctx = SimpleNamespace(
         world=1, rank=0, device=torch.device("cpu"), job=SimpleNamespace(optimizer=None, param_groups=None)
     )

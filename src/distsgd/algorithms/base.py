@@ -513,7 +513,7 @@ def get(name: str) -> type[Algorithm]:
         raise ConfigError(f"unknown algorithm '{name}' (choose from {', '.join(names())})") from None
 
 
-def resolve(name: str, cfg: RunConfig) -> type[Algorithm]:
+def class_for(name: str, cfg: RunConfig) -> type[Algorithm]:
     """The class that runs algorithm ``name`` with these settings."""
     return get(name).variant(cfg)
 
@@ -547,7 +547,7 @@ def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Options:
         if key not in own:
             whose = owners.get(key, [])
             flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {cfg.algo}")
+            raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {algo_cls.name}")
     return algo_cls.parse_options(cfg)
 
 
@@ -565,7 +565,7 @@ __all__ = [
     "KINDS",
     "register",
     "get",
-    "resolve",
+    "class_for",
     "names",
     "baseline",
     "option_owners",
@@ -618,7 +618,7 @@ class GroupAlgorithm(Algorithm[OptionsT]):
 
     def before_training(self, ctx: "WorkerContext") -> None:
         """Start every worker's clock together, not when each finished building its model."""
-        dist.barrier()
+        membership.call(dist.barrier)
 
     def barrier(self, ctx: "WorkerContext") -> None:
         membership.call(dist.barrier)

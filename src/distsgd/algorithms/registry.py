@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 
 import distsgd.algorithms as _package
-from distsgd.algorithms.base import Algorithm, baseline, get, names, option_owners, options_of, resolve  # noqa: F401
+from distsgd.algorithms.base import Algorithm, baseline, class_for, get, names, option_owners, options_of  # noqa: F401
 from distsgd.config import RunConfig
 
 
@@ -51,7 +51,7 @@ def chose(workers: int, cli: bool = True) -> str:
 def own_options(cfg: RunConfig) -> list[str]:
     """The names of the options of the algorithm ``cfg`` runs (when it names none, the one
     :func:`default_for` its workers gives)."""
-    return resolve(cfg.algo or default_for(cfg.workers), cfg).Options.names()
+    return class_for(cfg.algo or default_for(cfg.workers), cfg).Options.names()
 
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
     "default_for",
     "get",
     "names",
-    "resolve",
+    "class_for",
     "option_owners",
     "options_of",
     "option_names",

@@ -115,7 +115,7 @@ def layout(cfg: RunConfig, hosts: int = 2) -> tuple[int, ...] | None:
     """Processes on each host (a, b, ...) for a run of ``cfg.algo`` with ``hosts`` workers; None:
     one machine only."""
     assert cfg.algo is not None  # the bench names the algorithm of every run
-    topology = registry.resolve(cfg.algo, cfg).topology
+    topology = registry.class_for(cfg.algo, cfg).topology
     if topology.server:
         return (1, 2) if hosts == 2 else (1,) * (hosts + 1)
     if (topology.process_group and not topology.in_process) or (
@@ -219,7 +219,7 @@ class Network:
         nprocs = layout(cfg, self.hosts)
         if nprocs is None:
             raise ConfigError(f"{cfg.algo} runs on one machine only")
-        topology = registry.resolve(cfg.algo, cfg).topology
+        topology = registry.class_for(cfg.algo, cfg).topology
         if isinstance(topology, SharedMemory):  # one worker on each host
             one = topology.per_machine(cfg, 1)
             assert one is not None  # layout found it runs across machines

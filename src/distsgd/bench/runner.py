@@ -139,7 +139,7 @@ def _plan(
             try:
                 config_mod.validate(cfg)
                 assert cfg.algo is not None  # set just above, to the spec's
-                algo_cls = registry.resolve(cfg.algo, cfg)
+                algo_cls = registry.class_for(cfg.algo, cfg)
                 registry.options_of(cfg, algo_cls)
                 algo_cls.check(cfg)
                 if network is not None and layout(cfg, hosts) is None:
