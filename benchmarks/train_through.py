@@ -6,13 +6,14 @@ state (``join``); and the same kill where the group restarts from its last check
 
 Each trial makes the same kill (worker, moment after the workers were listed) in every mode;
 each algorithm has one unkilled run of the same budget, and the kills fall in 10-90% of its time
-from the workers' listing to its end. Reported per trial and per mode: finished
+from the workers' listing to its end (``--window``). Reported per trial and per mode: finished
 (exit 0), replicas apart (max abs difference, must be 0), accuracy against the unkilled run, the
 recovery (a failed collective to the next completed step, as the survivors measure it), the join
 (the replacement ready to its first step with the others) and the wall time.
 
     python benchmarks/train_through.py --trials 10                       # allreduce, ~6 min on 2 cores
     python benchmarks/train_through.py --algos local-sgd,diloco --trials 5
+    python benchmarks/train_through.py --algos diloco --modes through,join --window 0,0.1   # early kills
 """
 
 from __future__ import annotations
@@ -124,7 +125,14 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--window",
+        default="0.1,0.9",
+        help="where the kills fall, as fractions of the unkilled run's time from the workers' listing to "
+        "its end (0,0.1: while the workers start, build and take their first steps)",
+    )
     args = ap.parse_args()
+    lo, hi = (float(x) for x in args.window.split(","))
     rng = random.Random(args.seed)
     modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,7 +143,7 @@ def main() -> None:
             print(f"{algo} unkilled: accuracy {clean_acc:.4f}, {base['wall_s']:.1f} s", flush=True)
             rows = []
             for t in range(args.trials):
-                kill = (rng.randrange(3), rng.uniform(0.1, 0.9) * base["window_s"])  # within the unkilled run
+                kill = (rng.randrange(3), rng.uniform(lo, hi) * base["window_s"])  # within the unkilled run
                 for mode in modes:  # alternating, the same kill in each
                     r = row(mode, run(Path(tmp) / f"{algo}-{mode}{t}", own + MODES[mode], kill), clean_acc)
                     rows.append({"algo": algo, "trial": t, "worker": kill[0], "at_s": round(kill[1], 2), **r})
