@@ -182,8 +182,8 @@ class _Worker:
         cfg, ds = ctx.cfg, ctx.dataset
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
         self.stream = getattr(ds, "stream", False)  # an epoch is a pass over a stream: its length is not known
-        if not self.stream and shard_size(ds.n_train, ctx.world, cfg.partition) == 0:
-            raise ConfigError(f"{ds.n_train} training samples cannot be shared among {ctx.world} workers")
+        if not self.stream and shard_size(ds.n_train, ctx.data_world, cfg.partition) == 0:
+            raise ConfigError(f"{ds.n_train} training samples cannot be shared among {ctx.data_world} workers")
         self.run = run = Run(ctx, algo, replacement)
         self.per_epoch = run.per_epoch
         self.loss_fn = loss_function(cfg.loss, ctx.job.loss, ds.task)

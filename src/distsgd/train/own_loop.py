@@ -198,8 +198,10 @@ class Run:
         assert warmup is not None and clip is not None, "a settled configuration"
         self._warmup, self._clip = warmup, clip
         n = getattr(ctx.dataset, "n_train", 0) or 0
-        self.per_epoch = shard_size(n, ctx.world, self.cfg.partition)  # this worker's samples an epoch (0: unknown)
-        self.global_per_epoch = self.per_epoch * ctx.world
+        # this worker's samples an epoch (0: unknown), of its shard: the group's first world's (a group that
+        # trains through a loss keeps its shards; one built again after a loss before its first step too)
+        self.per_epoch = shard_size(n, ctx.data_world, self.cfg.partition)
+        self.global_per_epoch = self.per_epoch * ctx.data_world
         cfg = self.cfg
         self.total_epochs = (
             cfg.epochs
