@@ -679,7 +679,9 @@ def test_a_sbatch_job_whose_task_died_goes_on_from_its_checkpoint(real_slurm: di
 # task 0 requeues its own job in the first attempt (a preemption)
 REQUEUING_MODEL = STEP_15_MODEL.format(
     when='os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and os.environ["RANK"] == "0"',
-    act='subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True); self.slow = True',
+    # not check=True: the requeue's own SIGTERM can reach scontrol (task 0's child) before it returns
+    # (seen once in the suite, a loaded machine); a requeue that failed shows as Restarts=0
+    act='subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]]); self.slow = True',
 )
 
 
