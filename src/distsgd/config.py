@@ -629,7 +629,7 @@ def check_resume_settings(run_dir: str | Path, cfg: RunConfig, options_cls: Any,
     pairs = [
         (flag_of(_FIELDS[name]), getattr(saved, name), getattr(cfg, name), key) for name, key in RESUME_FIXED.items()
     ]
-    if saved.algo == cfg.algo:  # (another algorithm's run: the manifest's check names the algorithm)
+    if saved.algo in (None, cfg.algo):  # (another algorithm's run: the manifest's check names the algorithm)
         pairs += [
             ("--" + k.replace("_", "-"), recorded[k], v, _itself) for k, v in cfg.options.items() if k in recorded
         ]

@@ -158,8 +158,8 @@ class Membership:
         wait out ``--timeout``). A member lost once it came is waited for by the group's forming
         (that window is the group's own few milliseconds)."""
         deadline = time.monotonic() + self.timeout.total_seconds()
+        self.store.set(arrived_key(self.gen, self.first_rank), "1")
         while True:
-            self.store.set(arrived_key(self.gen, self.first_rank), "1")
             try:
                 self.store.wait([arrived_key(self.gen, r) for r in self.members], _GATHER_SLICE)
                 return
@@ -170,6 +170,7 @@ class Membership:
                 self.gen, self.members = latest, _members(self.store, latest)
                 if self.first_rank not in self.members:  # (the launcher leaves out only the dead and the finished)
                     raise RuntimeError(f"generation {latest} of the group goes on without worker {self.first_rank}")
+                self.store.set(arrived_key(self.gen, self.first_rank), "1")
             elif time.monotonic() > deadline:
                 missing = [r for r in self.members if not self.store.check([arrived_key(self.gen, r)])]
                 raise RuntimeError(
