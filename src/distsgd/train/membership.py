@@ -45,6 +45,11 @@ class Lost(RuntimeError):
     """The group lost a worker while this one waited on a collective: the loop regroups."""
 
 
+def _first_line(exc: BaseException, otherwise: str) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else otherwise
+
+
 def generation_key(gen: int) -> str:
     return f"{PREFIX}/{gen}"
 
@@ -209,11 +214,17 @@ class Membership:
             try:
                 work.wait(SLICE)
                 return
-            except RuntimeError as exc:
-                if work.is_completed():  # it failed: a peer is gone
-                    raise Lost(
-                        str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed"
-                    ) from None
+            except RuntimeError:  # the slice ended ("Operation timed out!"), or the collective failed
+                if work.is_completed():
+                    # It failed (a peer is gone), or it completed just after the slice ended: a
+                    # worker preempted between the two saw that once in every few DiLoCo runs on 2
+                    # cores, took its completed collective for a loss and left the others waiting
+                    # in the next one. The completed work's own wait says which.
+                    try:
+                        work.wait()
+                    except RuntimeError as exc:
+                        raise Lost(_first_line(exc, "a collective failed")) from None
+                    return
                 if self.loss_announced():  # (a survivor waits on another that gave up)
                     raise Lost("the launcher announced a lost worker") from None
 
@@ -297,7 +308,7 @@ def call(collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
     try:
         work = collective(*args, async_op=True, **kwargs)
     except RuntimeError as exc:  # the group is broken already
-        raise Lost(str(exc).strip().splitlines()[0] if str(exc).strip() else "a collective failed") from None
+        raise Lost(_first_line(exc, "a collective failed")) from None
     _current.wait(work)
 
 
