@@ -60,10 +60,13 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
                     _train(w, ctx, algo)
                 w.done = True
                 return w.finish()
-            except membership.Lost as lost:
+            except RuntimeError as exc:
                 # --min-workers: the group lost a worker. The survivors regroup and take the most
                 # advanced one's state, then train on from its counters: each may have been lost at
                 # another point (a step, an evaluation, the end), so each starts the loop again there
+                lost = membership.as_loss(exc)
+                if lost is None:
+                    raise
                 w.recover(lost)
 
 
@@ -82,9 +85,10 @@ def _start(ctx: WorkerContext, algo: "Algorithm", replacement: bool) -> "_Worker
             if replacement and membership.current() is not None:  # joins a group that trains through losses
                 w.join()
             w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
-        except membership.Lost as lost:
-            member = membership.current()
-            if member is None or replacement:  # (a replacement's losses while it joins: w.join regroups)
+        except RuntimeError as exc:
+            member, lost = membership.current(), membership.as_loss(exc)
+            # (a replacement's losses while it joins: w.join regroups)
+            if member is None or lost is None or replacement:
                 raise
             began = time.perf_counter() if began is None else began
             log.info("worker %d: %s before the first step; building again", member.first_rank, lost)

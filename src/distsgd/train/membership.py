@@ -114,6 +114,7 @@ class Membership:
         self._watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
         self._watcher = threading.Thread(target=self._watch, name="distsgd-membership", daemon=True)
         self.entered_at = 0.0  # a replacement's: when it said it was ready (perf_counter)
+        self._stores: list[_Forming] = []  # the stores its groups formed on (see _Forming)
 
     @property
     def rank(self) -> int:
@@ -146,15 +147,51 @@ class Membership:
 
     def _init(self, backend: str) -> None:
         """Form the current generation's group, once all its members have come to form it (see
-        :meth:`_gather`)."""
-        self._gather()
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(f"distsgd/{generation_key(self.gen)}", self.store),
-            rank=self.rank,
-            world_size=self.world,
-            timeout=self.timeout,
-        )
+        :meth:`_gather`). A member lost while the group forms (it came, then died before it gave
+        the others its address, or before they connected to it) fails the forming on every other
+        member: each waits (up to ``--timeout``) for the launcher's next generation and forms that
+        one instead. The forming's waits on the store end as soon as the launcher announces such a
+        loss (:class:`_Forming`; they would wait out ``--timeout``)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            self._gather()
+            c10d._world.group_count = 0  # (a failed forming counted a group: the next is named as a first)
+            try:
+                dist.init_process_group(
+                    backend=backend,
+                    store=dist.PrefixStore(f"distsgd/{generation_key(self.gen)}", _Forming(self)),
+                    rank=self.rank,
+                    world_size=self.world,
+                    timeout=self.timeout,
+                )
+                return
+            except RuntimeError as exc:  # (a Lost, a store's timeout, gloo's refused connection)
+                failed = exc
+            log.info("worker %d: generation %d's group did not form (%s)", self.first_rank, self.gen, failed)
+            while self._latest_announced() <= self.gen:
+                if time.monotonic() > deadline:
+                    raise failed
+                time.sleep(_GATHER_SLICE.total_seconds())
+            self._follow(self._latest_announced())
+
+    def _latest_announced(self) -> int:
+        return int(self.store.get(LATEST).decode()) if self.store.check([LATEST]) else 0
+
+    def _follow(self, latest: int) -> None:
+        """Take generation ``latest`` as this worker's, and say it came to form it."""
+        self.gen, self.members = latest, _members(self.store, latest)
+        if self.first_rank not in self.members:  # (the launcher leaves out only the dead and the finished)
+            raise RuntimeError(f"generation {latest} of the group goes on without worker {self.first_rank}")
+        self.store.set(arrived_key(self.gen, self.first_rank), "1")
+
+    def lost_since_forming(self, store: dist.Store) -> bool:
+        """Whether the launcher announced, since this worker's generation, one without a member
+        of it (read on ``store``, a connection to the launcher's: this worker's watcher may not
+        have seen it yet)."""
+        latest = int(store.get(LATEST).decode()) if store.check([LATEST]) else 0
+        return any(not set(self.members) <= set(_members(store, g)) for g in range(self.gen + 1, latest + 1))
 
     def _gather(self) -> None:
         """Wait, up to ``--timeout``, until every member of the current generation has come to
@@ -170,12 +207,9 @@ class Membership:
                 return
             except RuntimeError:  # DistStoreError: not all of them yet
                 pass
-            latest = int(self.store.get(LATEST).decode()) if self.store.check([LATEST]) else 0
+            latest = self._latest_announced()
             if latest > self.gen:
-                self.gen, self.members = latest, _members(self.store, latest)
-                if self.first_rank not in self.members:  # (the launcher leaves out only the dead and the finished)
-                    raise RuntimeError(f"generation {latest} of the group goes on without worker {self.first_rank}")
-                self.store.set(arrived_key(self.gen, self.first_rank), "1")
+                self._follow(latest)
             elif time.monotonic() > deadline:
                 missing = [r for r in self.members if not self.store.check([arrived_key(self.gen, r)])]
                 raise RuntimeError(
@@ -238,6 +272,61 @@ class Membership:
         _abandon_default_group()
         self._init(backend)
         return sorted(before - set(self.members)), sorted(set(self.members) - before)
+
+
+class _Forming(dist.Store):
+    """The store a generation's group forms on: the launcher's, whose waits (gloo waits there for
+    every member's address) end with :class:`Lost` as soon as the launcher announces that a
+    member of the generation was lost, rather than after ``--timeout``."""
+
+    def __init__(self, member: Membership, store: dist.Store | None = None) -> None:
+        super().__init__()
+        self.member, self.store = member, store if store is not None else member.store
+        # torch calls a Python store's methods through the Python object, which it does not keep
+        # alive: the member does, as long as it lives
+        member._stores.append(self)
+
+    def clone(self) -> "_Forming":  # (gloo's connections take a store connection of their own)
+        return _Forming(self.member, self.store.clone())  # type: ignore[attr-defined]  # (not in torch's stubs)
+
+    def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (timeout or self.member.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                self.store.wait(keys, _GATHER_SLICE)
+                return
+            except RuntimeError:  # DistStoreError: not yet
+                pass
+            if self.member.lost_since_forming(self.store):
+                raise Lost(f"a member of generation {self.member.gen} was lost while its group formed")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit:g} s, keys: {keys}")
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._wait([key])
+        return self.store.get(key)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.store.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
 
 
 _GRAVE: list[Any] = []  # groups abandoned with a collective maybe still waiting in them: never freed
@@ -344,6 +433,26 @@ def share_state(
         return None, source, any_done
     loaded = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=True)
     return loaded, source, any_done
+
+
+LOSS_GRACE_S = 5.0  # how long a collective that failed outside these waits looks for the launcher's word of a loss
+
+
+def as_loss(exc: RuntimeError) -> Lost | None:
+    """A collective that failed outside these waits (one of torch's own: DDP's reducer broadcasts
+    its buckets' order in the second step's forward) as a :class:`Lost`, where the launcher
+    announces a lost worker within :data:`LOSS_GRACE_S` (it sees a death within a fraction of a
+    second); None where it does not, or where this worker's run does not train through losses:
+    the error is then the worker's own."""
+    if _current is None or isinstance(exc, Lost):
+        return exc if isinstance(exc, Lost) else None
+    deadline = time.monotonic() + LOSS_GRACE_S
+    while True:
+        if _current.lost_since_forming(_current.store):
+            return Lost(_first_line(exc, "a collective failed"))
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def total(value: int) -> int:
