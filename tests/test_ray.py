@@ -84,13 +84,15 @@ def _seen(tmp_path: Path, ranks: int) -> list[dict]:
 
 
 def train_rank(config: dict) -> None:
-    """A train_loop_per_worker: distsgd trains this rank in Ray's group, which is still there after."""
+    """A train_loop_per_worker: distsgd trains this rank in Ray's group, which is still there after
+    (and, with ``refuse``, then refuses those settings: see :func:`refusal`)."""
     import torch.distributed as dist
 
     result = distsgd.train(model="mlp", data="digits", out=config["out"], quiet=True, **config["settings"])
     after = torch.ones(1)
     dist.all_reduce(after)
-    _record(config, {"model": result.model is not None, "after": after.item()})
+    refused = refusal(config["refuse"]["settings"], config["refuse"]["argv"]) if "refuse" in config else {}
+    _record(config, {"model": result.model is not None, "after": after.item(), **refused})
 
 
 def own_loop_rank(config: dict) -> None:
@@ -103,17 +105,22 @@ def own_loop_rank(config: dict) -> None:
     _record(config, {"model": result.model is not None})
 
 
-def refused_rank(config: dict) -> None:
-    """A train_loop_per_worker: what distsgd.train raises, and what the CLI says, for the settings."""
+def refusal(settings: dict, argv: list[str]) -> dict:
+    """What distsgd.train raises, and what the CLI says, for the settings, in this Ray worker."""
     try:
-        distsgd.train(model="mlp", data="digits", quiet=True, **config["settings"])
+        distsgd.train(model="mlp", data="digits", quiet=True, **settings)
         raised = None
     except distsgd.DistsgdError as exc:
         raised = f"{type(exc).__name__}: {exc}"
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        code = cli.main(["train", "--model", "mlp", "--dataset", "digits", "--quiet", *config["argv"]])
-    _record(config, {"raised": raised, "code": code, "stderr": stderr.getvalue()})
+        code = cli.main(["train", "--model", "mlp", "--dataset", "digits", "--quiet", *argv])
+    return {"raised": raised, "code": code, "stderr": stderr.getvalue()}
+
+
+def refused_rank(config: dict) -> None:
+    """A train_loop_per_worker: :func:`refusal` of the settings."""
+    _record(config, refusal(config["settings"], config["argv"]))
 
 
 DIGITS_TRAIN = 1437
@@ -131,9 +138,14 @@ DIGITS_TRAIN = 1437
 )
 def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path, algo: str, settings: dict) -> None:
     """Each Ray worker is one rank (hogwild++: one cluster of the ring); rank 0 writes the run and
-    gets the model; Ray's group still works after the run."""
+    gets the model; Ray's group still works after the run.
+
+    And in the same Ray workers (one cluster's start less for the suite), after the run: Hogwild!'s
+    workers share one model in memory, and Ray's are separate processes with none between them:
+    the API raises, the CLI says one error line and exits 2."""
     (tmp_path / "seen").mkdir()
     config = {"out": str(tmp_path / "run"), "seen": str(tmp_path / "seen"), "settings": {"algo": algo, **settings}}
+    config["refuse"] = {"settings": {"algo": "hogwild"}, "argv": ["--algo", "hogwild"]}
     _fit(train_rank, 2, config, tmp_path)
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["algo"] == algo and s["workers"] == 2 and s["backend"] == "gloo"
@@ -147,6 +159,10 @@ def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path, 
     seen = _seen(tmp_path, 2)
     assert [r["model"] for r in seen] == [True, False]
     assert [r["after"] for r in seen] == [2.0, 2.0]
+    for r in seen:  # hogwild refused
+        assert r["raised"].startswith("ConfigError: hogwild shares memory") and "Ray Train" in r["raised"]
+        assert r["code"] == 2 and r["stderr"].startswith("error: hogwild shares memory")
+        assert r["stderr"].count("\n") == 1, r["stderr"]
 
 
 def test_a_parameter_server_under_ray_serves_from_rank_0(cluster, tmp_path: Path) -> None:
@@ -161,18 +177,6 @@ def test_a_parameter_server_under_ray_serves_from_rank_0(cluster, tmp_path: Path
     assert s["samples"] == pytest.approx(3 * DIGITS_TRAIN, rel=0.02)
     assert s["server_bytes_received"] > s["server_bytes_sent"] > 0 and s["failed_workers"] == []
     assert [r["model"] for r in _seen(tmp_path, 3)] == [True, False, False]
-
-
-def test_hogwild_under_ray_is_one_line(cluster, tmp_path: Path) -> None:
-    """Hogwild!'s workers share one model in memory; Ray's are separate processes with none between
-    them: the API raises, the CLI says one error line and exits 2."""
-    (tmp_path / "seen").mkdir()
-    config = {"seen": str(tmp_path / "seen"), "settings": {"algo": "hogwild"}, "argv": ["--algo", "hogwild"]}
-    _fit(refused_rank, 2, config, tmp_path)
-    for seen in _seen(tmp_path, 2):
-        assert seen["raised"].startswith("ConfigError: hogwild shares memory") and "Ray Train" in seen["raised"]
-        assert seen["code"] == 2 and seen["stderr"].startswith("error: hogwild shares memory")
-        assert seen["stderr"].count("\n") == 1, seen["stderr"]
 
 
 def test_ray_workers_without_a_group_are_one_line(cluster, tmp_path: Path) -> None:
