@@ -86,9 +86,11 @@ def _start(ctx: WorkerContext, algo: "Algorithm", replacement: bool) -> "_Worker
                 w.join()
             w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
         except RuntimeError as exc:
-            member, lost = membership.current(), membership.as_loss(exc)
-            # (a replacement's losses while it joins: w.join regroups)
-            if member is None or lost is None or replacement:
+            member = membership.current()
+            if member is None or replacement:  # (a replacement's losses while it joins: w.join regroups)
+                raise
+            lost = membership.as_loss(exc)
+            if lost is None:
                 raise
             began = time.perf_counter() if began is None else began
             log.info("worker %d: %s before the first step; building again", member.first_rank, lost)

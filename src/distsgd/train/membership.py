@@ -149,12 +149,12 @@ class Membership:
         """Form the current generation's group, once all its members have come to form it (see
         :meth:`_gather`). A member lost while the group forms (it came, then died before it gave
         the others its address, or before they connected to it) fails the forming on every other
-        member: each waits (up to ``--timeout``) for the launcher's next generation and forms that
-        one instead. The forming's waits on the store end as soon as the launcher announces such a
-        loss (:class:`_Forming`; they would wait out ``--timeout``)."""
+        member: each forms the launcher's next generation instead. The forming's waits on the store
+        end as soon as the launcher announces such a loss (:class:`_Forming`; they would wait out
+        ``--timeout``); a failure the launcher announces no loss for (within :data:`LOSS_GRACE_S`)
+        is this worker's own, and raised."""
         from torch.distributed import distributed_c10d as c10d
 
-        deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
             self._gather()
             c10d._world.group_count = 0  # (a failed forming counted a group: the next is named as a first)
@@ -167,13 +167,15 @@ class Membership:
                     timeout=self.timeout,
                 )
                 return
-            except RuntimeError as exc:  # (a Lost, a store's timeout, gloo's refused connection)
+            except RuntimeError as exc:  # (a Lost, gloo's refused connection, a store's timeout)
                 failed = exc
+            if dist.is_initialized():  # (formed, and failed after: TORCH_DIST_INIT_BARRIER's barrier)
+                _abandon_default_group()
+            # a failure that is not a loss the launcher announces (within a few seconds of a
+            # death) is this worker's own: raised, not waited on
+            if not isinstance(failed, Lost) and not _announced_soon(self, self.store):
+                raise failed
             log.info("worker %d: generation %d's group did not form (%s)", self.first_rank, self.gen, failed)
-            while self._latest_announced() <= self.gen:
-                if time.monotonic() > deadline:
-                    raise failed
-                time.sleep(_GATHER_SLICE.total_seconds())
             self._follow(self._latest_announced())
 
     def _latest_announced(self) -> int:
@@ -444,15 +446,25 @@ def as_loss(exc: RuntimeError) -> Lost | None:
     announces a lost worker within :data:`LOSS_GRACE_S` (it sees a death within a fraction of a
     second); None where it does not, or where this worker's run does not train through losses:
     the error is then the worker's own."""
-    if _current is None or isinstance(exc, Lost):
-        return exc if isinstance(exc, Lost) else None
+    if isinstance(exc, Lost):
+        return exc
+    if _current is None or not _announced_soon(_current, _current.store):
+        return None
+    log.info("a collective failed with a lost worker: %s", exc)
+    lost = Lost(_first_line(exc, "a collective failed"))
+    lost.__cause__ = exc
+    return lost
+
+
+def _announced_soon(member: Membership, store: dist.Store) -> bool:
+    """Whether the launcher announces, within :data:`LOSS_GRACE_S`, a generation without a member
+    of ``member``'s (read on ``store``)."""
     deadline = time.monotonic() + LOSS_GRACE_S
-    while True:
-        if _current.lost_since_forming(_current.store):
-            return Lost(_first_line(exc, "a collective failed"))
+    while not member.lost_since_forming(store):
         if time.monotonic() > deadline:
-            return None
+            return False
         time.sleep(0.05)
+    return True
 
 
 def total(value: int) -> int:
