@@ -63,6 +63,11 @@ def announce(store: dist.Store, gen: int, members: list[int]) -> None:
     store.set(LATEST, str(gen))
 
 
+def _latest(store: dist.Store) -> int:
+    """The last generation the launcher announced (0: none yet)."""
+    return int(store.get(LATEST).decode()) if store.check([LATEST]) else 0
+
+
 def _members(store: dist.Store, gen: int) -> list[int]:
     return [int(r) for r in store.get(generation_key(gen)).decode().split(",")]
 
@@ -176,10 +181,7 @@ class Membership:
             if not isinstance(failed, Lost) and not _announced_soon(self, self.store):
                 raise failed
             log.info("worker %d: generation %d's group did not form (%s)", self.first_rank, self.gen, failed)
-            self._follow(self._latest_announced())
-
-    def _latest_announced(self) -> int:
-        return int(self.store.get(LATEST).decode()) if self.store.check([LATEST]) else 0
+            self._follow(_latest(self.store))
 
     def _follow(self, latest: int) -> None:
         """Take generation ``latest`` as this worker's, and say it came to form it."""
@@ -187,13 +189,6 @@ class Membership:
         if self.first_rank not in self.members:  # (the launcher leaves out only the dead and the finished)
             raise RuntimeError(f"generation {latest} of the group goes on without worker {self.first_rank}")
         self.store.set(arrived_key(self.gen, self.first_rank), "1")
-
-    def lost_since_forming(self, store: dist.Store) -> bool:
-        """Whether the launcher announced, since this worker's generation, one without a member
-        of it (read on ``store``, a connection to the launcher's: this worker's watcher may not
-        have seen it yet)."""
-        latest = int(store.get(LATEST).decode()) if store.check([LATEST]) else 0
-        return any(not set(self.members) <= set(_members(store, g)) for g in range(self.gen + 1, latest + 1))
 
     def _gather(self) -> None:
         """Wait, up to ``--timeout``, until every member of the current generation has come to
@@ -209,7 +204,7 @@ class Membership:
                 return
             except RuntimeError:  # DistStoreError: not all of them yet
                 pass
-            latest = self._latest_announced()
+            latest = _latest(self.store)
             if latest > self.gen:
                 self._follow(latest)
             elif time.monotonic() > deadline:
@@ -238,10 +233,13 @@ class Membership:
         replacement ready to join: the workers agree on when to take one in, see the loop)."""
         return self._latest > self.gen
 
-    def loss_announced(self) -> bool:
+    def loss_announced(self, store: dist.Store | None = None) -> bool:
         """Whether the launcher announced, since this worker's generation, one without a member
-        of it (a later one may have a replacement in its place)."""
-        return any(not set(self.members) <= set(_members(self.store, g)) for g in range(self.gen + 1, self._latest + 1))
+        of it (a later one may have a replacement in its place): as this worker's watcher saw it,
+        or read on ``store`` (a connection to the launcher's: the watcher may not have seen it yet)."""
+        on = self.store if store is None else store
+        latest = self._latest if store is None else _latest(on)
+        return any(not set(self.members) <= set(_members(on, g)) for g in range(self.gen + 1, latest + 1))
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``; :class:`Lost` if it failed, or if the launcher announced a loss
@@ -300,7 +298,7 @@ class _Forming(dist.Store):
                 return
             except RuntimeError:  # DistStoreError: not yet
                 pass
-            if self.member.lost_since_forming(self.store):
+            if self.member.loss_announced(self.store):
                 raise Lost(f"a member of generation {self.member.gen} was lost while its group formed")
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"wait timeout after {limit:g} s, keys: {keys}")
@@ -460,7 +458,7 @@ def _announced_soon(member: Membership, store: dist.Store) -> bool:
     """Whether the launcher announces, within :data:`LOSS_GRACE_S`, a generation without a member
     of ``member``'s (read on ``store``)."""
     deadline = time.monotonic() + LOSS_GRACE_S
-    while not member.lost_since_forming(store):
+    while not member.loss_announced(store):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
