@@ -211,15 +211,19 @@ def run(
     progress: Sink | None = None,
     code: dict[str, Any] | None = None,
     evaluate: Callable | None = None,
+    fresh: bool = False,
 ) -> TrainResult:
     """Run one training job as configured. ``code``: the user's ``loss``, ``optimizer`` and
-    ``param_groups`` functions, if any. Raises DistsgdError subclasses for user mistakes, and
-    :class:`~distsgd.errors.Terminated` (a KeyboardInterrupt) when SIGTERM or SIGUSR1 stopped it."""
+    ``param_groups`` functions, if any. ``fresh``: this process has done nothing yet but import
+    and read its settings (the command), so its workers' fork server is forked from it
+    (:func:`~distsgd.launch.procs.prefork_server`). Raises DistsgdError subclasses for user
+    mistakes, and :class:`~distsgd.errors.Terminated` (a KeyboardInterrupt) when SIGTERM or SIGUSR1
+    stopped it."""
     restore = _stop_on_signals()
     try:
         # who this process is, detected once: its own launcher, or a rank of a launcher's group
         with environment.using(environment.detect()):
-            return _run(cfg, model_spec, dataset, progress, code, evaluate)
+            return _run(cfg, model_spec, dataset, progress, code, evaluate, fresh)
     finally:
         restore()
 
@@ -248,12 +252,15 @@ def _run(
     progress: Sink | None,
     code: dict[str, Any] | None,
     evaluate: Callable | None,
+    fresh: bool,
 ) -> TrainResult:
     where = environment.current()
     if where.launched:
         where.adopt(os.environ)  # torchrun's variables (an srun task's, a Kubeflow pod's local ones)
     torchrun = launched()  # one rank of a group torchrun, SLURM, Kubeflow or Ray Train formed
     cfg, algo_cls = settle(cfg, torchrun, where)
+    if fresh and algo_cls.topology.spawns(torchrun):
+        procs.prefork_server()  # before any data is read: it imports the rest meanwhile
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     require_extras(cfg.loggers, tb_dir is not None)  # before any data is read or any process starts

@@ -208,7 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = cfg.replace(algo=algo)
     if cfg.out is None:
         cfg = cfg.replace(out=str(default_out(algo, beside=_saved_run(args))))
-    result = run(cfg)
+    result = run(cfg, fresh=_early.the_command())  # this process is the command: nothing has run in it yet
     s = result.summary
     if not cfg.quiet and result.out is not None:  # under torchrun, only rank 0 reports
         target = ""

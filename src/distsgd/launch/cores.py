@@ -50,8 +50,33 @@ def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its children, the ended and the live ones (its fork
+    server, forked from it while the data loads: ``procs.prefork_server``)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + _live_children_cpu_s()
+
+
+def _live_children_cpu_s() -> float:
+    """CPU seconds of this process's children still running, from /proc (0 where unreadable)."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime (the 14th and 15th fields)
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class Look:

@@ -102,7 +102,7 @@ def mp_context() -> SpawnContext | ForkServerContext:
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["distsgd._preload"])
+    ctx.set_forkserver_preload([PRELOAD])
     # The server starts ignoring Ctrl-C (the launcher handles it and stops the workers; otherwise
     # a Ctrl-C while the server imports torch prints its traceback). Workers restore the handler.
     with child_env(TORCH_CPP_LOG_LEVEL="ERROR"), _sigint_ignored(), _main_only_if_readable():
@@ -123,10 +123,99 @@ def mp_context() -> SpawnContext | ForkServerContext:
 
 
 _WARM_SERVER: int | None = None
+PRELOAD = "distsgd._preload"
+_FILTERS = warnings.filters[:]  # Python's warning filters before the command changed them (--quiet)
 
 
 def _nothing() -> None:
     pass
+
+
+def prefork_server() -> bool:
+    """Start the fork server now, by forking this process, rather than as a new interpreter that
+    imports torch again (1.8 s of CPU, and the run's start waited for it). Only from a process
+    that has done nothing yet but import distsgd and read its settings (the ``distsgd`` command,
+    before it loads any data: no torch operation has run, no thread of its own started, no CUDA),
+    and only where torch has no CUDA (finding a GPU initialises the driver, which a forked child
+    cannot use: there the server is a new interpreter, as elsewhere). The server imports the rest
+    (:data:`PRELOAD`: torch._dynamo, 1.2 s) while this process loads the data. Python's
+    ``multiprocessing.forkserver`` is then handed this server, where its internals are the ones
+    known (3.10 to 3.13); False where nothing was started."""
+    import inspect
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server: Any = forkserver._forkserver  # Python's own internals, checked below
+    known = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
+    if (
+        not sys.platform.startswith("linux")
+        or "forkserver" not in mp.get_all_start_methods()
+        or torch.backends.cuda.is_built()
+        or threading.active_count() > 1
+        or not all(hasattr(server, name) for name in known)
+        or list(inspect.signature(forkserver.main).parameters)
+        != ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+        or server._forkserver_pid is not None
+    ):
+        return False
+    mp.get_context("forkserver").set_forkserver_preload([PRELOAD])
+    with server._lock:
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = cast(Any, connection).arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # the server ends when its write end closes: this process has ended
+            sys.stdout.flush()
+            sys.stderr.flush()  # nothing written and unflushed is written again by a worker
+            pid = os.fork()
+            if pid == 0:
+                _serve_forked(listener.fileno(), alive_r, alive_w)
+            os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+    import atexit
+
+    atexit.register(_end_server, pid)  # it may still be importing when this process ends early (an error)
+    return True
+
+
+def _serve_forked(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """The forked fork server: what a new interpreter would have been (the command's logging, its
+    ``--quiet`` warning filters and its signal handlers undone: the fork server ignores Ctrl-C and
+    SIGTERM, as :func:`_sigint_ignored` makes a new one do), then Python's fork server. Never returns."""
+    import signal
+    import traceback
+    from multiprocessing import forkserver
+
+    status = 0
+    try:
+        os.close(alive_w)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        root = logging.getLogger()
+        root.handlers.clear()
+        root.setLevel(logging.WARNING)
+        warnings.filters[:] = _FILTERS  # type: ignore[index]  # a list, typed as a Sequence
+        forkserver.main(listener_fd, alive_r, [PRELOAD])
+    except SystemExit:  # its launcher has ended
+        pass
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    finally:
+        os._exit(status)
+
+
+def _end_server(pid: int) -> None:
+    """At this process's end: its forked fork server ends too (every worker has been reaped by now)."""
+    import signal
+
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 @contextlib.contextmanager
