@@ -270,7 +270,7 @@ def _run(
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     dataset_given = dataset is not None
-    first_look = None if torchrun else cores.look()  # how busy the cores are, while the data loads
+    first_look = None if torchrun else cores.look(procs.forked_server())  # how busy the cores are, while the data loads
     if dataset is None:
         assert cfg.dataset is not None  # settle resolved it
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from distsgd.config import RunConfig, cores
 from distsgd.train.device import CHOSEN_THREADS
@@ -49,47 +49,35 @@ def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
     return (busy, total) if total else None
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and of its children, the ended and the live ones (its fork
-    server, forked from it while the data loads: ``procs.prefork_server``)."""
+def _own_cpu_s(helpers: Collection[int] = ()) -> float:
+    """CPU seconds of this process, its ended children, and its ``helpers`` (processes of its own
+    still running: the fork server forked from it while the data loads, ``procs.prefork_server``)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system + _live_children_cpu_s()
+    return t.user + t.system + t.children_user + t.children_system + sum(_cpu_s(pid) for pid in helpers)
 
 
-def _live_children_cpu_s() -> float:
-    """CPU seconds of this process's children still running, from /proc (0 where unreadable)."""
-    total = 0
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a live process has used, from /proc (0 where unreadable: it has ended)."""
     try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the 14th, 15th
+    except (OSError, ValueError, IndexError):
         return 0.0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                children = f.read().split()
-        except OSError:
-            continue
-        for pid in children:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime (the 14th and 15th fields)
-            except (OSError, ValueError, IndexError):
-                continue
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 class Look:
     """A first look at the cores (:func:`look`); :meth:`busy` takes the second and says how many
     cores' worth other processes used between the two."""
 
-    def __init__(self) -> None:
+    def __init__(self, helpers: Collection[int] = ()) -> None:
         try:
             self.cpus = os.sched_getaffinity(0)
         except AttributeError:  # pragma: no cover - not Linux
             self.cpus = set()
+        self.helpers = tuple(helpers)
         self.at = time.monotonic()
-        self.own = _own_cpu_s()
+        self.own = _own_cpu_s(self.helpers)
         self.ticks = _cpu_ticks(self.cpus)
 
     def busy(self) -> float | None:
@@ -97,7 +85,7 @@ class Look:
         if self.ticks is None:
             return None
         time.sleep(max(0.0, MIN_WINDOW_S - (time.monotonic() - self.at)))
-        now, own = _cpu_ticks(self.cpus), _own_cpu_s()
+        now, own = _cpu_ticks(self.cpus), _own_cpu_s(self.helpers)
         elapsed = time.monotonic() - self.at
         if now is None or now[1] <= self.ticks[1] or elapsed <= 0:
             return None
@@ -105,9 +93,9 @@ class Look:
         return max(0.0, share * len(self.cpus) - (own - self.own) / elapsed)
 
 
-def look() -> Look | None:
-    """The first look, unless :data:`FROM_LOAD` is ``0``."""
-    return None if os.environ.get(FROM_LOAD, "1").strip() == "0" else Look()
+def look(helpers: Collection[int] = ()) -> Look | None:
+    """The first look, unless :data:`FROM_LOAD` is ``0``; ``helpers``: see :func:`_own_cpu_s`."""
+    return None if os.environ.get(FROM_LOAD, "1").strip() == "0" else Look(helpers)
 
 
 @contextlib.contextmanager

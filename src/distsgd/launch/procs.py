@@ -179,7 +179,18 @@ def prefork_server() -> bool:
     import atexit
 
     atexit.register(_end_server, pid)  # it may still be importing when this process ends early (an error)
+    global _FORKED_SERVER
+    _FORKED_SERVER = pid
     return True
+
+
+_FORKED_SERVER: int | None = None
+
+
+def forked_server() -> list[int]:
+    """The fork server :func:`prefork_server` forked from this process ([] if none): its CPU is the
+    run's own, not another process's load (``cores.look``)."""
+    return [] if _FORKED_SERVER is None else [_FORKED_SERVER]
 
 
 def _serve_forked(listener_fd: int, alive_r: int, alive_w: int) -> None:
