@@ -883,6 +883,11 @@ class Run:
             return 0.0, 1.0  # a warm-up alone
         if not per_epoch:
             raise ConfigError(schedule_needs_epochs(cfg.schedule, own_loop=True))
+        if cfg.max_samples is None and self.per_epoch and self._algo.topology.lockstep:
+            # by --epochs, in lockstep: every worker trains its shard's epochs, so the run is where each
+            # worker is (the same number before a loss; after one, the run's samples count the lost
+            # worker's shard short, and a schedule over them would end before its end)
+            return self.samples / self.per_epoch, self.total_epochs
         total = self.total_epochs if self.global_per_epoch or cfg.max_samples is None else cfg.max_samples / per_epoch
         return self.global_samples() / per_epoch, total
 
