@@ -374,8 +374,11 @@ import multiprocessing, os, torch
 def make(input_shape, num_classes):
     me = multiprocessing.current_process().name
     if me.startswith("distsgd-worker"):
+        child = multiprocessing.Process(target=os.getpid)  # the worker's default start: the fork server's
+        child.start()
+        child.join(60)
         with open(os.path.join(os.environ["PARENTS"], me), "wb") as f:
-            f.write(open(f"/proc/{os.getppid()}/cmdline", "rb").read())
+            f.write(open(f"/proc/{os.getppid()}/cmdline", "rb").read() + str(child.exitcode).encode())
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes))
 """
 
@@ -387,7 +390,9 @@ def test_the_commands_workers_are_forked_from_the_command_itself(tmp_path: Path,
     """``distsgd train`` forks its workers' fork server from itself before it reads any data,
     rather than starting a second interpreter that imports torch again (1.8 s of CPU, and the run
     waited for it): a worker's parent has the command's own command line. Quietly: the server
-    forked from the command logs and warns as a new one would (--quiet: nothing on stderr)."""
+    forked from the command logs and warns as a new one would (--quiet: nothing on stderr), and a
+    worker can start processes of its own (the first version forked the server holding
+    multiprocessing's fork-server lock: a worker's first process waited for it for ever)."""
     (tmp_path / "net.py").write_text(FORKED)
     parents = tmp_path / "parents"
     parents.mkdir()
@@ -400,3 +405,4 @@ def test_the_commands_workers_are_forked_from_the_command_itself(tmp_path: Path,
     assert sorted(said) == ["distsgd-worker-0", "distsgd-worker-1"], said
     for argv in said.values():
         assert b"distsgd" in argv and b"train" in argv and b"--workers" in argv, argv
+        assert argv[-1] == b"0", argv  # the worker's own child ran and exited 0

@@ -259,13 +259,13 @@ def _run(
         where.adopt(os.environ)  # torchrun's variables (an srun task's, a Kubeflow pod's local ones)
     torchrun = launched()  # one rank of a group torchrun, SLURM, Kubeflow or Ray Train formed
     cfg, algo_cls = settle(cfg, torchrun, where)
-    if fresh and algo_cls.topology.spawns(torchrun):
-        procs.prefork_server()  # before any data is read: it imports the rest meanwhile
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     require_extras(cfg.loggers, tb_dir is not None)  # before any data is read or any process starts
     if "safetensors" in cfg.save_formats:
         require_safetensors()
+    if fresh and algo_cls.topology.spawns(torchrun):
+        procs.prefork_server()  # before any data is read: it imports the rest meanwhile
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -28,7 +28,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, NoReturn, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -140,10 +140,11 @@ def prefork_server() -> bool:
     cannot use: there the server is a new interpreter, as elsewhere). The server imports the rest
     (:data:`PRELOAD`: torch._dynamo, 1.2 s) while this process loads the data. Python's
     ``multiprocessing.forkserver`` is then handed this server, where its internals are the ones
-    known (3.10 to 3.13); False where nothing was started."""
+    known (3.10 to 3.13; 3.14 authenticates its clients); False where nothing was started."""
     import inspect
+    import signal
     import socket
-    from multiprocessing import connection, forkserver, resource_tracker, util
+    from multiprocessing import connection, forkserver, util
 
     server: Any = forkserver._forkserver  # Python's own internals, checked below
     known = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
@@ -159,28 +160,39 @@ def prefork_server() -> bool:
     ):
         return False
     mp.get_context("forkserver").set_forkserver_preload([PRELOAD])
-    with server._lock:
-        resource_tracker.ensure_running()
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = cast(Any, connection).arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            if not util.is_abstract_socket_namespace(address):
-                os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()  # the server ends when its write end closes: this process has ended
-            sys.stdout.flush()
-            sys.stderr.flush()  # nothing written and unflushed is written again by a worker
-            pid = os.fork()
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
+    with server._lock, socket.socket(socket.AF_UNIX) as listener:
+        address = cast(Any, connection).arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server ends when its write end closes: this process has ended
+        sys.stdout.flush()
+        sys.stderr.flush()  # nothing written and unflushed is written again by a worker
+        # a Ctrl-C or SIGTERM now waits: the child must not run this process's handlers, nor this
+        # process leave the child unrecorded
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        try:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # 3.12's word on forking with threads
+                    pid = os.fork()
+            except OSError:  # no memory or processes left for it: a new interpreter, later
+                os.close(alive_r)
+                os.close(alive_w)
+                return False
             if pid == 0:
-                _serve_forked(listener.fileno(), alive_r, alive_w)
+                _serve_forked(listener.fileno(), alive_r, alive_w, blocked)
             os.close(alive_r)
-        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-
-    import atexit
-
-    atexit.register(_end_server, pid)  # it may still be importing when this process ends early (an error)
-    global _FORKED_SERVER
-    _FORKED_SERVER = pid
+            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+            # after the workers are joined at this process's exit (the server may still be importing
+            # if this process ends early, on an error)
+            util.Finalize(None, _end_server, (pid,), exitpriority=-100)
+            global _FORKED_SERVER
+            _FORKED_SERVER = pid
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return True
 
 
@@ -193,23 +205,26 @@ def forked_server() -> list[int]:
     return [] if _FORKED_SERVER is None else [_FORKED_SERVER]
 
 
-def _serve_forked(listener_fd: int, alive_r: int, alive_w: int) -> None:
+def _serve_forked(listener_fd: int, alive_r: int, alive_w: int, mask: set[int | signal.Signals]) -> NoReturn:
     """The forked fork server: what a new interpreter would have been (the command's logging, its
     ``--quiet`` warning filters and its signal handlers undone: the fork server ignores Ctrl-C and
-    SIGTERM, as :func:`_sigint_ignored` makes a new one do), then Python's fork server. Never returns."""
-    import signal
+    SIGTERM, as :func:`_sigint_ignored` makes a new one do; the fork server's lock, held by the
+    parent as it forked, a new one), then Python's fork server. Never returns."""
     import traceback
     from multiprocessing import forkserver
 
     status = 0
     try:
-        os.close(alive_w)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what came meanwhile is ignored
+        os.close(alive_w)
+        cast(Any, forkserver)._forkserver._lock = threading.Lock()  # a worker that starts a process takes it
         root = logging.getLogger()
         root.handlers.clear()
         root.setLevel(logging.WARNING)
         warnings.filters[:] = _FILTERS  # type: ignore[index]  # a list, typed as a Sequence
+        warnings._filters_mutated()  # type: ignore[attr-defined]
         forkserver.main(listener_fd, alive_r, [PRELOAD])
     except SystemExit:  # its launcher has ended
         pass
@@ -221,9 +236,13 @@ def _serve_forked(listener_fd: int, alive_r: int, alive_w: int) -> None:
 
 
 def _end_server(pid: int) -> None:
-    """At this process's end: its forked fork server ends too (every worker has been reaped by now)."""
-    import signal
+    """At this process's end, after its workers are joined: the fork server forked from it ends
+    too, if it is still the one multiprocessing uses (a server that died was replaced, and its
+    pid may be another process's now)."""
+    from multiprocessing import forkserver
 
+    if cast(Any, forkserver)._forkserver._forkserver_pid != pid:
+        return
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -764,7 +764,8 @@ class Run:
                     f"the learning rate changed between steps while --schedule {cfg.schedule} "
                     f"(or --lr-warmup-steps) sets it: use your LR scheduler or the run's schedule, not both"
                 )
-            # the run's progress (all workers'), not this worker's; the warm-up by this worker's own steps
+            # the run's progress (all workers'; by --epochs in lockstep, each worker's, the same); the
+            # warm-up by this worker's own steps
             progress, total = self._schedule_position()
             for opt in self._optimizers:
                 schedule_lr(opt, cfg, progress, total, self.steps + 1)
@@ -873,8 +874,10 @@ class Run:
 
     def _schedule_position(self) -> tuple[float, float]:
         """Where the run is in --schedule's epochs, and how many it has: all workers' samples over
-        an epoch's (the training set's length, ``spawn(train_size=)``'s or run.loader's dataset's).
-        A schedule over epochs of unknown length (a stream's) is refused: it would stay at its start."""
+        an epoch's (the training set's length, ``spawn(train_size=)``'s or run.loader's dataset's);
+        by --epochs in a lockstep group, this worker's samples over its shard (the same on every
+        worker, and still the run's end after a loss). A schedule over epochs of unknown length (a
+        stream's) is refused: it would stay at its start."""
         cfg = self.cfg
         per_epoch = self.global_per_epoch or (
             shard_size(self._data_len, self.world, cfg.partition) * self.world if self._data_len else 0
