@@ -22,7 +22,7 @@ from helpers import run_cli
 pytest.importorskip("sklearn")
 # they read the machine's load: run while no other test does (conftest's _the_machine); the wait for
 # the tests running then is part of their time
-pytestmark = [pytest.mark.alone, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(600)]  # alone: a wait for an idle machine each
 
 
 @contextmanager

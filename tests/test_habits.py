@@ -307,6 +307,7 @@ def evaluates_alone(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 def test_refusals_name_what_to_do() -> None:
     """A second optimiser under the parameter server (its head never trained), run.setup('sgd')
     under DiLoCo (AdamW ran), and rank 0 alone in DiLoCo's collective evaluation (a gloo abort)."""
@@ -358,6 +359,7 @@ def stream_loop(run: distsgd.Run, folder: str) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 def test_a_stream_is_split_between_the_workers_and_their_loader_processes(tmp_path) -> None:
     """An IterableDataset: each item trained by exactly one worker (2 workers x 2 loader
     processes), all of it trained; run.all_reduce / all_gather / barrier in a process group."""

@@ -140,6 +140,7 @@ def test_dict_items_are_refused_in_one_line_that_says_what_to_do() -> None:
         distsgd.train(model="mlp", data=(Dicts(), Dicts()), quiet=True)
 
 
+@pytest.mark.slow
 def test_a_transformers_model_saved_as_hf_is_what_from_pretrained_scores(tmp_path: Path) -> None:
     """--save-format hf: the run's model as its own save_pretrained folder; from_pretrained of it
     scores on the held-out text the test loss the run reported (examples/hf_diloco.py's loop and

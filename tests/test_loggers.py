@@ -103,6 +103,7 @@ def test_csv_without_a_run_directory_is_one_line() -> None:
     assert str(info.value) == "--logger csv writes <out>/metrics.csv: give a run directory (--out; out= in Python)"
 
 
+@pytest.mark.slow
 @needs_safetensors
 def test_model_safetensors_holds_the_model_pt_weights_and_eval_reads_it(tmp_path: Path) -> None:
     from safetensors import safe_open

@@ -463,6 +463,7 @@ def _torchrun_loop(tmp_path, algo: str, procs: int, epochs: int = 3):
     )
 
 
+@pytest.mark.slow
 def test_the_group_a_run_joined_under_torchrun_is_gone_when_it_returns(tmp_path) -> None:
     """distsgd joins torchrun's group and leaves it: no gloo thread outlives the run. One that did
     (the group kept alive by a reference) could drop its last finished work while the interpreter

@@ -282,6 +282,7 @@ def hf_loop(run: distsgd.Run, folder: str) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 def test_a_hugging_face_stream_read_by_loader_processes_is_read_whole(tmp_path) -> None:
     """A streaming Hugging Face dataset gives each DataLoader process only its shards; split
     again by process, as a torch stream is, half of it was never read (20 of 40 items, 2 loader

@@ -172,6 +172,7 @@ class Net(nn.Module):
 """
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_lost_to_threads_that_cannot_start(tmp_path: Path) -> None:
     """An asgd run whose server can start no more threads (injected through the model file, which
     every process imports) meets a flood of 20 connections. On 43f33af: exit 2, `the parameter

@@ -281,6 +281,7 @@ def _form(rank: int, port: int, came_and_died: bool, out) -> None:
         member.stop()
 
 
+@pytest.mark.slow
 def test_a_member_lost_while_its_group_forms_leaves_the_others_to_form_the_next() -> None:
     """Worker 1 of 3 comes to form the first group (its arrival key on the launcher's store), then
     dies before the forming; the launcher announces the next generation without it. The other
@@ -339,6 +340,7 @@ def _raw(rank: int, port: int, out) -> None:
         member.stop()
 
 
+@pytest.mark.slow
 def test_a_collective_of_torchs_own_that_fails_with_a_loss_is_a_loss() -> None:
     """A collective that fails outside distsgd's waits (DDP's reducer broadcasts its buckets'
     order in the second step's forward) because a member died is a loss, as soon as the launcher
