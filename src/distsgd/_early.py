@@ -37,16 +37,18 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 def install() -> None:
     """In the ``distsgd`` command, before anything else is imported: SIGTERM, SIGUSR1 (SLURM's
-    ``--signal``) and SIGINT end it with one line (see the module); and torch's C++ log keeps to
-    errors unless ``TORCH_CPP_LOG_LEVEL`` says otherwise (torch reads it once, as it is imported: a
-    worker forked from this process, ``procs.prefork_server``, logs as this process does, and the
-    workers have kept to errors since the first launcher: a run's end closes connections, which
-    C++ logs as warnings)."""
+    ``--signal``) and SIGINT end it with one line (see the module); and, in a command that is not
+    one rank of a launcher's group (no ``RANK``: those keep torch's default), torch's C++ log keeps
+    to errors unless ``TORCH_CPP_LOG_LEVEL`` says otherwise (torch reads it once, as it is imported:
+    a worker forked from this process, ``procs.prefork_server``, logs as this process does, and the
+    workers have kept to errors since the first launcher: a lost peer's closed connections are
+    warnings there)."""
     global _COMMAND
     _COMMAND = _the_command()
     if not _COMMAND:
         return
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if "RANK" not in os.environ:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, _stop)
