@@ -41,8 +41,8 @@ def install() -> None:
     one rank of a launcher's group (no ``RANK``: those keep torch's default), torch's C++ log keeps
     to errors unless ``TORCH_CPP_LOG_LEVEL`` says otherwise (torch reads it once, as it is imported:
     a worker forked from this process, ``procs.prefork_server``, logs as this process does, and the
-    workers have kept to errors since the first launcher: a lost peer's closed connections are
-    warnings there)."""
+    workers have kept to errors since the first launcher, whose RPC logged every closed pipe at
+    shutdown as a warning)."""
     global _COMMAND
     _COMMAND = _the_command()
     if not _COMMAND:
