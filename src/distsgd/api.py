@@ -40,7 +40,7 @@ from distsgd.config import RunConfig, settled
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, from_hf_stream, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
-from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm
+from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm, one_line
 from distsgd.launch import cores, environment, procs
 from distsgd.launch.environment import launched
 from distsgd.launch.rendezvous import group_host, place
@@ -92,7 +92,7 @@ def _one_line_when_unguarded(entry: Callable[_P, _R]) -> Callable[_P, _R]:
         try:
             return entry(*args, **kwargs)
         except MainGuardError as exc:
-            sys.stderr.write(f"error: {exc}\n")
+            sys.stderr.write(f"error: {one_line(exc)}\n")
             sys.stderr.flush()
             raise SystemExit(exc.exit_code) from None
 

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from distsgd import __version__, _early, options
 from distsgd import config as config_mod
 from distsgd.config import RunConfig
-from distsgd.errors import DistsgdError, Terminated, on_sigterm
+from distsgd.errors import DistsgdError, Terminated, on_sigterm, one_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # one line, like every other user mistake
-        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        sys.stderr.write(f"error: {one_line(message)} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
 
     # argparse's overloads also take a namespace to fill and return; distsgd never gives one
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return COMMANDS[args.command](args)
     except DistsgdError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(exc)}\n")
         return exc.exit_code
     except Terminated as exc:
         sys.stderr.write(f"error: terminated by {exc.signal_name}{_resume_hint(args)}\n")
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as exc:  # a path the user gave that cannot be read or written: their mistake
         where = f" {exc.filename}" if exc.filename else ""
-        sys.stderr.write(f"error: cannot write or read{where}: {exc.strerror or exc}\n")
+        sys.stderr.write(f"error: {one_line(f'cannot write or read{where}: {exc.strerror or exc}')}\n")
         return 2
     finally:
         # The command has ended and said how: a SIGTERM from now on (srun's --kill-on-bad-exit,

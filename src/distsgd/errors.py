@@ -163,6 +163,16 @@ def peer_symptom(text: str) -> bool:
     return any(s in text for s in PEER_SYMPTOMS)
 
 
+# what str.splitlines() splits at: a user's text (a path, a name read from a damaged file) that holds
+# one would make an ``error:`` line two
+_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def one_line(text: object) -> str:
+    """``text`` as one line: every line break in it written as its escape (``\\n``), as repr does."""
+    return str(text).translate(_BREAKS)
+
+
 def error_text(exc: BaseException) -> str:
     """An exception in one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
