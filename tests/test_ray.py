@@ -84,15 +84,19 @@ def _seen(tmp_path: Path, ranks: int) -> list[dict]:
 
 
 def train_rank(config: dict) -> None:
-    """A train_loop_per_worker: distsgd trains this rank in Ray's group, which is still there after
-    (and, with ``refuse``, then refuses those settings: see :func:`refusal`)."""
+    """A train_loop_per_worker: distsgd trains this rank in Ray's group, once for each of
+    ``config["runs"]`` (algorithm settings, run directory) in turn; the group is still there after
+    each (and, with ``refuse``, then refuses those settings: see :func:`refusal`)."""
     import torch.distributed as dist
 
-    result = distsgd.train(model="mlp", data="digits", out=config["out"], quiet=True, **config["settings"])
-    after = torch.ones(1)
-    dist.all_reduce(after)
+    seen: dict = {}
+    for name, (settings, out) in config["runs"].items():
+        result = distsgd.train(model="mlp", data="digits", out=out, quiet=True, **settings)
+        after = torch.ones(1)
+        dist.all_reduce(after)
+        seen[name] = {"model": result.model is not None, "after": after.item()}
     refused = refusal(config["refuse"]["settings"], config["refuse"]["argv"]) if "refuse" in config else {}
-    _record(config, {"model": result.model is not None, "after": after.item(), **refused})
+    _record(config, {**seen, **refused})
 
 
 def own_loop_rank(config: dict) -> None:
@@ -129,36 +133,38 @@ DIGITS_TRAIN = 1437
 # One algorithm per way of joining Ray's group: a lockstep process group (allreduce; any other of
 # the Group topology, diloco or local-sgd, is launched alike: the launcher names no algorithm) and
 # the hogwild++ ring, one cluster a rank. The parameter server's is the test after.
-@pytest.mark.parametrize(
-    "algo, settings",
-    [
-        ("allreduce", {"epochs": 4, "batch_size": 32, "lr": 0.05}),
-        ("hogwild++", {"epochs": 4, "batch_size": 32, "lr": 0.05, "cluster_size": 1}),
-    ],
-)
-def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path, algo: str, settings: dict) -> None:
-    """Each Ray worker is one rank (hogwild++: one cluster of the ring); rank 0 writes the run and
-    gets the model; Ray's group still works after the run.
+RUNS = {
+    "allreduce": {"algo": "allreduce", "epochs": 4, "batch_size": 32, "lr": 0.05},
+    "hogwild++": {"algo": "hogwild++", "epochs": 4, "batch_size": 32, "lr": 0.05, "cluster_size": 1},
+}
 
-    And in the same Ray workers (one cluster's start less for the suite), after the run: Hogwild!'s
-    workers share one model in memory, and Ray's are separate processes with none between them:
-    the API raises, the CLI says one error line and exits 2."""
+
+def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) -> None:
+    """Each Ray worker is one rank (hogwild++: one cluster of the ring); rank 0 writes the run and
+    gets the model; Ray's group still works after the run. Both algorithms, one after the other, in
+    the same two Ray workers (a second TorchTrainer's start, 15 s here, less for the suite).
+
+    And in the same Ray workers, after the runs: Hogwild!'s workers share one model in memory, and
+    Ray's are separate processes with none between them: the API raises, the CLI says one error
+    line and exits 2."""
     (tmp_path / "seen").mkdir()
-    config = {"out": str(tmp_path / "run"), "seen": str(tmp_path / "seen"), "settings": {"algo": algo, **settings}}
+    runs = {algo: (settings, str(tmp_path / algo)) for algo, settings in RUNS.items()}
+    config = {"runs": runs, "seen": str(tmp_path / "seen")}
     config["refuse"] = {"settings": {"algo": "hogwild"}, "argv": ["--algo", "hogwild"]}
     _fit(train_rank, 2, config, tmp_path)
-    s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["algo"] == algo and s["workers"] == 2 and s["backend"] == "gloo"
-    assert s["final_test_accuracy"] > 0.85, s["final_test_accuracy"]
-    assert s["samples"] == pytest.approx(settings["epochs"] * DIGITS_TRAIN, rel=0.01)
-    assert s["bytes_sent"] > 0
-    if algo == "hogwild++":
-        assert s["clusters"] == 2 and s["token_passes"] > 0
-    else:
-        assert len(s["bytes_sent_per_worker"]) == 2 and min(s["bytes_sent_per_worker"]) > 0
     seen = _seen(tmp_path, 2)
-    assert [r["model"] for r in seen] == [True, False]
-    assert [r["after"] for r in seen] == [2.0, 2.0]
+    for algo, settings in RUNS.items():
+        s = json.loads((tmp_path / algo / "summary.json").read_text())
+        assert s["algo"] == algo and s["workers"] == 2 and s["backend"] == "gloo"
+        assert s["final_test_accuracy"] > 0.85, (algo, s["final_test_accuracy"])
+        assert s["samples"] == pytest.approx(settings["epochs"] * DIGITS_TRAIN, rel=0.01)
+        assert s["bytes_sent"] > 0
+        if algo == "hogwild++":
+            assert s["clusters"] == 2 and s["token_passes"] > 0
+        else:
+            assert len(s["bytes_sent_per_worker"]) == 2 and min(s["bytes_sent_per_worker"]) > 0
+        assert [r[algo]["model"] for r in seen] == [True, False]
+        assert [r[algo]["after"] for r in seen] == [2.0, 2.0]
     for r in seen:  # hogwild refused
         assert r["raised"].startswith("ConfigError: hogwild shares memory") and "Ray Train" in r["raised"]
         assert r["code"] == 2 and r["stderr"].startswith("error: hogwild shares memory")
