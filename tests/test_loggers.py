@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distsgd import cli
-from helpers import run_cli
+from helpers import cli_here, run_cli
 
 pytest.importorskip("sklearn")  # the digits dataset
 needs_safetensors = pytest.mark.skipif(find_spec("safetensors") is None, reason="pip install 'distsgd[safetensors]'")
@@ -37,7 +37,7 @@ def test_the_csv_has_a_row_per_event_of_metrics_jsonl(tmp_path: Path) -> None:
     """A parameter server's run (progress, eval and server events, with their own figures): each
     row of metrics.csv is that event of metrics.jsonl, every figure in its column."""
     out = tmp_path / "run"
-    res = run_cli(
+    res = cli_here(
         "train", *DIGITS, "--algo", "asgd", "--workers", "2", "--log-every", "3", "--out", str(out), "--logger", "csv"
     )
     assert res.returncode == 0, res.stderr
@@ -69,7 +69,7 @@ def test_the_csv_has_a_row_per_event_of_metrics_jsonl(tmp_path: Path) -> None:
 @pytest.mark.skipif(find_spec("tensorboard") is None, reason="pip install 'distsgd[tensorboard]'")
 def test_logger_tensorboard_is_the_tensorboard_flag(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli("train", *DIGITS, "--max-samples", "400", "--out", str(out), "--logger", "csv,tensorboard")
+    res = cli_here("train", *DIGITS, "--max-samples", "400", "--out", str(out), "--logger", "csv,tensorboard")
     assert res.returncode == 0, res.stderr
     assert (out / "metrics.csv").is_file() and any((out / "tb").iterdir())
 
@@ -110,7 +110,7 @@ def test_model_safetensors_holds_the_model_pt_weights_and_eval_reads_it(tmp_path
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    res = run_cli("train", *DIGITS, "--max-samples", "2000", "--out", str(out), "--save-format", "pt,safetensors")
+    res = cli_here("train", *DIGITS, "--max-samples", "2000", "--out", str(out), "--save-format", "pt,safetensors")
     assert res.returncode == 0, res.stderr
     pt = torch.load(out / "model.pt", weights_only=True)
     tensors = load_file(out / "model.safetensors")  # safetensors' own reader
@@ -121,7 +121,7 @@ def test_model_safetensors_holds_the_model_pt_weights_and_eval_reads_it(tmp_path
         described = json.loads(f.metadata()["distsgd"])
     assert described["model"] == "mlp" and described["dataset"] == pt["dataset"]
     summary = json.loads((out / "summary.json").read_text())
-    res = run_cli("eval", "--checkpoint", str(out / "model.safetensors"), "--json")
+    res = cli_here("eval", "--checkpoint", str(out / "model.safetensors"), "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
 
@@ -130,11 +130,11 @@ def test_model_safetensors_holds_the_model_pt_weights_and_eval_reads_it(tmp_path
 @needs_safetensors
 def test_a_run_saved_as_safetensors_alone_is_evaluated_from_its_directory(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli("train", *DIGITS, "--max-samples", "1000", "--out", str(out), "--save-format", "safetensors")
+    res = cli_here("train", *DIGITS, "--max-samples", "1000", "--out", str(out), "--save-format", "safetensors")
     assert res.returncode == 0, res.stderr
     assert (out / "model.safetensors").is_file() and not (out / "model.pt").exists()
     summary = json.loads((out / "summary.json").read_text())
-    res = run_cli("eval", "--checkpoint", str(out), "--json")
+    res = cli_here("eval", "--checkpoint", str(out), "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
     (out / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import kill_at_step_model, run_cli
+from helpers import cli_here, kill_at_step_model, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -52,7 +52,7 @@ def _manifest(run: Path) -> dict | None:
 @pytest.mark.parametrize("algo, extra", ASYNC, ids=[a for a, _ in ASYNC])
 def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Path, algo: str, extra: list[str]) -> None:
     args = ["train", "--algo", algo, *COMMON, *extra]
-    whole = run_cli(*args, "--out", str(tmp_path / "whole"), timeout=300)
+    whole = cli_here(*args, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     run = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -76,7 +76,7 @@ def test_killed_mid_run_resumes_and_ends_like_an_uninterrupted_run(tmp_path: Pat
             os.killpg(proc.pid, signal.SIGKILL)
     kept = _manifest(run)
     assert kept["samples"] >= done - EVERY - 2 * 16 * 50  # lost at most an interval (and the progress lag)
-    resumed = run_cli("train", "--resume", str(run), "--max-samples", str(BUDGET), "--quiet", timeout=300)
+    resumed = cli_here("train", "--resume", str(run), "--max-samples", str(BUDGET), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     a = json.loads((tmp_path / "whole" / "summary.json").read_text())
     b = json.loads((run / "summary.json").read_text())
@@ -285,6 +285,6 @@ class Net(nn.Module):
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: the parameter server failed: killed by SIGKILL; continue from the last checkpoint with --resume {run}"
     )
-    resumed = run_cli("train", "--resume", str(run), "--quiet", timeout=120)
+    resumed = cli_here("train", "--resume", str(run), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "summary.json").read_text())["samples"] >= 30 * 1436

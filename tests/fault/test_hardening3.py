@@ -24,7 +24,7 @@ import distsgd
 from distsgd import checkpoint, cli
 from distsgd.data import formats
 from distsgd.errors import DataError
-from helpers import progress_seen, run_cli
+from helpers import cli_here, progress_seen, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -411,7 +411,7 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
         *SMALL, "--algo", algo, "--workers", str(workers), "--max-samples", str(BUDGET), "--lr", "0.05",
         "--eval-every", "4000", "--log-every", "5", "--quiet",
     ]  # fmt: skip
-    r = run_cli("train", *common, "--out", str(tmp_path / "whole"), timeout=300)
+    r = cli_here("train", *common, "--out", str(tmp_path / "whole"))
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "stopped"
     proc, err = _signalled_mid_run(common, out, how)
@@ -428,7 +428,7 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     assert sorted(p.name for p in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*.pt")) == [
         checkpoint.worker_file(Path(), manifest["seq"], r).name for r in range(workers)
     ]  # that checkpoint's, every worker's part, and no other
-    r = run_cli("train", "--resume", str(out), "--quiet", timeout=300)
+    r = cli_here("train", "--resume", str(out), "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     whole, resumed = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "stopped"))
     assert resumed["samples"] == whole["samples"] >= BUDGET
@@ -487,7 +487,7 @@ def test_a_signal_to_an_asynchronous_run_writes_its_coordinators_checkpoint(
     assert sorted(p.name for p in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*.pt")) == [
         checkpoint.worker_file(Path(), manifest["seq"], "coordinator").name
     ]
-    r = run_cli("train", "--resume", str(out), "--quiet", timeout=300)
+    r = cli_here("train", "--resume", str(out), "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = json.loads((out / "summary.json").read_text())
     assert BUDGET <= resumed["samples"] < BUDGET + 2 * 32 * 2, resumed["samples"]  # a step a worker at most past it
@@ -539,7 +539,7 @@ def test_a_signal_to_a_python_api_run_stops_it_as_the_command_does(tmp_path: Pat
     assert sorted(p.name for p in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*.pt")) == [
         checkpoint.worker_file(Path(), manifest["seq"], r).name for r in range(2)
     ]
-    r = run_cli("train", "--resume", str(out), "--quiet", timeout=300)
+    r = cli_here("train", "--resume", str(out), "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     assert BUDGET <= json.loads((out / "summary.json").read_text())["samples"] < BUDGET + 2 * 32  # its last step's
 
