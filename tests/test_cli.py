@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distsgd import cli
-from helpers import make_idx_dataset, run_cli
+from helpers import cli_here, make_idx_dataset, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -32,7 +32,7 @@ def test_train_eval_end_to_end(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algo"] == "single" and summary["epochs"] == 3 and summary["final_test_accuracy"] > 0.8
     assert "lr = 0.05" in (out / "config.toml").read_text()
-    res = distsgd("eval", "--checkpoint", str(out), "--json")
+    res = cli_here("eval", "--checkpoint", str(out), "--json")  # the command's wiring: the train above
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"])
 
@@ -102,11 +102,11 @@ def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_listing_commands() -> None:
-    res = distsgd("algorithms")
+    res = cli_here("algorithms")
     assert res.returncode == 0 and res.stdout.startswith("single")
-    res = distsgd("datasets")
+    res = cli_here("datasets")
     assert res.returncode == 0 and "digits" in res.stdout and "npz:PATH" in res.stdout
-    assert distsgd("--version").stdout.startswith("distsgd ")
+    assert distsgd("--version").stdout.startswith("distsgd ")  # and the command's own
 
 
 def test_every_help_page_prints(capsys: pytest.CaptureFixture) -> None:
