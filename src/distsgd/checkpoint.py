@@ -745,6 +745,21 @@ class Checkpointer:
         caller scatters them, the model before the algorithm wraps it, the rest after."""
         return load_worker_state(Path(self.resume), self.rank) if self.resume else None
 
+    def load_peers(self) -> dict[str, Any] | None:
+        """For a worker of a lockstep group with no part in the checkpoint given to ``--resume``
+        (the group had lost it, and trained through, before that checkpoint: ``--min-workers``):
+        the part of the lowest worker that has one, less its random state, as a replacement that
+        joins such a group takes a live peer's state (model, optimiser, algorithm, counters).
+        None where the checkpoint has no worker's part (a coordinator's alone)."""
+        manifest = read_manifest(Path(self.resume)) if self.resume else None
+        ranks = manifest.get("ranks", []) if manifest is not None and not manifest.get("coordinator") else []
+        if not ranks:
+            return None
+        peer = load_worker_state(Path(cast(str, self.resume)), min(ranks))
+        if peer is not None:
+            peer.pop("rng", None)
+        return peer
+
     def save(self, seq: int, pieces: dict[str, Stateful]) -> None:
         """This worker's part of checkpoint ``seq``; a file that cannot be written (a full disk) is
         an OutputError naming it."""

@@ -535,11 +535,6 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"--logger {name} writes {where}: give a run directory (--out; out= in Python)")
     if cfg.min_workers is not None and cfg.min_workers > cfg.workers:
         raise ConfigError(f"--min-workers {cfg.min_workers} is more than --workers {cfg.workers}")
-    if cfg.trains_through and cfg.checkpoint_period is not None:
-        raise ConfigError(
-            "--min-workers with --checkpoint-every: a checkpoint taken after a loss would lack the lost "
-            "worker's part, which distsgd cannot commit yet; choose one of them"
-        )
     if cfg.straggler_spec is not None and cfg.straggler_spec.rank >= cfg.workers:
         raise ConfigError(
             f"--straggler names worker {cfg.straggler_spec.rank}, but there are only {cfg.workers} workers"

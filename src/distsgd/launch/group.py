@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distsgd.algorithms.base import Algorithm
+from distsgd.checkpoint import resume_hint
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.launch import environment, procs
@@ -269,8 +270,11 @@ class _Generations:
         failed = sup.failed() & (set(self.members) | self.joining)
         if not failed:
             return
-        if failed & set(sup.said) or len(set(self.members) - failed) < self.least:
+        if failed & set(sup.said):
             raise sup.blame()
+        if len(set(self.members) - failed) < self.least:  # where the run has a checkpoint, how to go on from it
+            error = sup.blame()
+            raise type(error)(f"{error}; fewer than --min-workers {self.least} remain{resume_hint(self.cfg.out)}")
         lost = sorted(failed & set(self.members))
         if lost:
             self.members = [r for r in self.members if r not in failed]

@@ -501,8 +501,8 @@ class _Worker:
         """A signal asked the run to stop: every worker is at this step. A checkpoint of it (where
         the run has a directory), so that ``--resume`` (a requeued job's, by itself) loses no step;
         then :class:`Terminated`, which the command reports with that ``--resume``."""
-        # (not in a group short of a worker it lost: that worker's part would be missing)
-        if self.cfg.out and self.algo.checkpoints and self.ctx.world == self.ctx.data_world:
+        # (in a group short of workers it lost, of the workers it has: a resume gives the others a peer's)
+        if self.cfg.out and self.algo.checkpoints:
             self.checkpoint()
             self.algo.barrier(self.ctx)  # rank 0 has committed it: no worker's exit (srun's --kill-on-bad-exit,
             # torchrun's stop of the others) can end rank 0 before

@@ -236,6 +236,11 @@ class Run:
         ctx, cfg = self._ctx, self.cfg
         self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
         saved = self._checkpointer.load()
+        # a lockstep group's checkpoint taken after it lost workers and trained through (--min-workers)
+        # has no part of theirs: such a rank takes a peer's, as a replacement joining it would have
+        peer = saved is None and bool(cfg.resume) and not self._replacement and self._algo.topology.lockstep
+        if peer:
+            saved = self._checkpointer.load_peers()
         # as in distsgd's loop: a replacement (or, resumed, a rank with no part in the checkpoint)
         # rejoins the running model and goes on from the samples its rank had trained
         start = (
@@ -246,12 +251,15 @@ class Run:
             else Start.FRESH
         )
         model = self._build(saved["model"] if saved is not None else None, start, given, makers, objects)
-        if saved is not None:
-            scatter({k: v for k, v in self._pieces().items() if k != "model"}, saved)
+        if saved is not None:  # (a peer's part: this rank keeps its own random state, and sent nothing yet)
+            scatter({k: v for k, v in self._pieces().items() if k != "model" and not (peer and k == "rng")}, saved)
+            if peer:
+                self._algo.restore_sent_counts({k: 0 for k in self._algo.sent_counts()})
         self._started = start
         if start is Start.RESUMED:
             self.resumed = self._user.value
             self._skip, self._first_epoch = self._state.start, self._state.epoch
+            self._resumed_short(ctx)
         elif start is Start.REPLACEMENT:
             self._state.local = self._rejoined = self._algo.starting_samples(ctx)
             if cfg.resume:  # (a checkpoint with no part of its, a coordinator's final one): number on above it
@@ -262,6 +270,17 @@ class Run:
         if not self._begin_later:
             self._begin(self._state.train_wall_s)
         return (model, *self._optimizers)
+
+    def _resumed_short(self, ctx: WorkerContext) -> None:
+        """Resumed from a lockstep group's checkpoint that lacks the parts of workers it had lost
+        (``--min-workers``): every rank now trains on from the same counters, and the samples
+        those workers did not train are told apart, so that the run's count (the manifest's at
+        the checkpoint) goes on from where it was rather than from every rank's count x workers."""
+        manifest = read_manifest(Path(cast(str, self.cfg.resume)))
+        if manifest is None or manifest.get("coordinator") or not self._algo.topology.lockstep:
+            return
+        if len(manifest.get("ranks", range(manifest["world"]))) < manifest["world"]:
+            ctx.departed_samples = int(manifest["samples"]) - self._state.local * ctx.world
 
     def _check_setup(self, given: nn.Module | None, makers: list[Any]) -> list[torch.optim.Optimizer]:
         """What run.setup() was given, checked (one line for each mistake); the optimiser objects."""
@@ -366,8 +385,13 @@ class Run:
             checkpointer.save(seq, self._pieces())
             where = {"samples": self.global_samples() if samples is None else samples, "epoch": st.epoch}
 
+            # a group that lost workers and trains through them (--min-workers) commits the parts
+            # of the workers it has; a resume gives each of the others a peer's (Checkpointer.load_peers)
+            member = membership.current()
+            ranks = sorted(member.members) if member is not None and len(member.members) < member.first_world else None
+
             def commit() -> None:
-                checkpointer.commit(seq, {**where, "algo": cfg.algo})
+                checkpointer.commit(seq, {**where, "algo": cfg.algo}, ranks=ranks)
                 self._ctx.sink.emit({"event": "checkpoint", "seq": seq, **where, "train_wall_s": st.train_wall_s})
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)
