@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import kill_at_step_model
+from helpers import cli_here, kill_at_step_model
 
 
 @pytest.fixture
@@ -237,6 +237,47 @@ def test_a_checkpoint_after_a_loss_holds_the_survivors_parts_and_a_resume_gives_
     events = [json.loads(line) for line in (more / "metrics.jsonl").read_text().splitlines()]
     first = min(e["samples"] for e in events if e["event"] == "progress")
     assert manifest["samples"] < first <= manifest["samples"] + 5 * 3 * 16, (first, manifest["samples"])
+
+
+@pytest.mark.slow
+def test_a_signal_after_a_loss_writes_the_survivors_checkpoint(tmp_path: Path, kill_at: str) -> None:
+    """SIGTERM once the group trained through a loss: the survivors stop at one step and write its
+    checkpoint, their parts (before 2026-11-27 the run stopped without one: the lost worker's part
+    was missing), and the --resume trains all three to the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from distsgd import checkpoint
+    from helpers import wait_for
+
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "distsgd", "train", "--model", kill_at, "--dataset", "digits", "--algo", "allreduce",
+        "--workers", "3", "--min-workers", "2", "--batch-size", "16", "--max-samples", "400000", "--log-every", "5",
+        "--out", str(run), "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "KILL_RANK": "2", "KILL_STEP": "40"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(
+            lambda: (run / "metrics.jsonl").exists() and '"recovery"' in (run / "metrics.jsonl").read_text(), 120, proc
+        )
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    manifest = checkpoint.read_manifest(run)
+    assert proc.returncode == 128 + signal.SIGTERM and manifest is not None, err[-3000:]
+    assert manifest["ranks"] == [0, 1] and 1920 < manifest["samples"] < 400000
+    assert err.strip().endswith(f"goes on with distsgd train --resume {run}"), err[-3000:]
+    r = cli_here("train", "--resume", str(run), "--max-samples", str(manifest["samples"] + 3000), "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["workers"] == 3 and s["failed_workers"] == [] and s["replica_max_abs_diff"] == 0.0
 
 
 def test_min_workers_is_refused_where_it_cannot_work() -> None:
