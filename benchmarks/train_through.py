@@ -2,7 +2,9 @@
 3-worker run SIGKILLed at a random moment and trained through by the others (``through``); the
 same with ``--restart-workers 1``, where its replacement joins the others and takes a live peer's
 state (``join``); and the same kill where the group restarts from its last checkpoint instead
-(``--restart-workers 1 --checkpoint-every 6000``, ``restart``).
+(``--restart-workers 1 --checkpoint-every 6000``, ``restart``); and trained through with
+checkpoints all along (``--min-workers 2 --checkpoint-every 6000``, ``checkpointed``: those taken
+after the loss hold the survivors' parts, the last one's listed as ``ckpt_ranks``).
 
 Each trial makes the same kill (worker, moment after the workers were listed) in every mode;
 each algorithm has one unkilled run of the same budget, and the kills fall in 10-90% of its time
@@ -54,6 +56,8 @@ MODES = {
     "through": ["--min-workers", "2"],
     "join": ["--min-workers", "2", "--restart-workers", "1"],
     "restart": ["--restart-workers", "1", "--checkpoint-every", "6000"],
+    # trained through, checkpointed all along: a checkpoint after the loss holds the survivors' parts
+    "checkpointed": ["--min-workers", "2", "--checkpoint-every", "6000"],
 }
 
 
@@ -82,7 +86,12 @@ def run(out: Path, args: list[str], kill: tuple[int, float] | None) -> dict:
     _, err = proc.communicate(timeout=600)
     wall = time.monotonic() - started
     summary = json.loads((out / "summary.json").read_text()) if proc.returncode == 0 else {}
+    try:  # the last checkpoint's workers (its parts), where the run took checkpoints
+        ranks = json.loads((out / "checkpoint" / "manifest.json").read_text())["ranks"]
+    except (OSError, ValueError, KeyError):
+        ranks = None
     return {
+        "ckpt_ranks": ranks,
         "rc": proc.returncode,
         "killed": killed,
         "wall_s": wall,
@@ -109,6 +118,8 @@ def row(mode: str, r: dict, clean_acc: float) -> dict:
         "restarts": len(s.get("restarts") or []),
         "wall_s": round(r["wall_s"], 2),
     }
+    if r["ckpt_ranks"] is not None:
+        out["ckpt_ranks"] = r["ckpt_ranks"]
     if r["rc"]:
         out["stderr"] = r["stderr"]
     return out
