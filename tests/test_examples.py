@@ -3,7 +3,6 @@ script in a fresh process, offline, to its end (exit status 0, its figures print
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -123,23 +122,6 @@ def test_hf_diloco_example() -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     loss = float(re.search(r"diloco: test loss ([0-9.]+) nats", res.stdout).group(1))
     assert loss < 2.9, res.stdout  # below a guess from the bytes' frequencies (about 2.9), far below ln 256
-
-
-@pytest.mark.slow
-@pytest.mark.one_at_a_time("clusters")  # Ray's ports: never beside test_slurm's srun steps
-def test_ray_train_example(tmp_path: Path) -> None:
-    from conftest import reap
-
-    pytest.importorskip("ray", reason="examples/ray_train.py needs Ray: pip install 'distsgd[ray]'")
-    script = [sys.executable, str(EXAMPLES / "ray_train.py"), "--cpus-per-worker", "0.5", "--storage", str(tmp_path)]
-    res = _run(script, ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    accuracy = float(re.search(r"test accuracy ([0-9.]+)", res.stdout).group(1))
-    assert accuracy > 0.7, res.stdout
-    run = Path(re.search(r"the run directory: (\S+)", res.stdout).group(1))  # rank 0's, kept by Ray
-    assert json.loads((run / "summary.json").read_text())["workers"] == 2 and (run / "model.pt").is_file()
-    left = reap(30)  # Ray's daemons end by themselves after the script, in seconds (longer beside other tests)
-    assert not left, f"processes left behind by the example's Ray cluster: {left}"
 
 
 @pytest.mark.gpu

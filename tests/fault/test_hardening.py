@@ -26,7 +26,7 @@ import pytest
 from distsgd import checkpoint
 from distsgd.errors import DataError
 from distsgd.launch.procs import MAIN_GUARD
-from helpers import free_port, run_cli, wait_for
+from helpers import cli_here, free_port, run_cli, wait_for
 
 pytest.importorskip("sklearn")
 
@@ -363,7 +363,12 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
     """On 767cbe8 only one generation was kept: a damaged newest checkpoint was a clean error and
     the run could not go on. A killed writer's temporary files stayed for ever."""
     out = tmp_path / "run"
-    assert train_cli("--max-samples", "600", "--checkpoint-every", "200", "--out", str(out)).returncode == 0
+    assert (
+        cli_here(
+            "train", *SMALL, "--quiet", "--max-samples", "600", "--checkpoint-every", "200", "--out", str(out)
+        ).returncode
+        == 0
+    )
     ckpt = out / "checkpoint"
     newest = checkpoint.read_manifest(out)
     previous = json.loads((ckpt / checkpoint.PREVIOUS).read_text())
@@ -403,7 +408,12 @@ def test_a_full_disk_is_one_line_and_loses_no_checkpoint(tmp_path: Path) -> None
     disk = _tmpfs(tmp_path / "disk", "4m")
     try:
         out = disk / "run"
-        assert train_cli("--max-samples", "400", "--checkpoint-every", "200", "--out", str(out)).returncode == 0
+        assert (
+            cli_here(
+                "train", *SMALL, "--quiet", "--max-samples", "400", "--checkpoint-every", "200", "--out", str(out)
+            ).returncode
+            == 0
+        )
         whole = checkpoint.read_manifest(out)
         filler = disk / "filler"
         with open(filler, "wb") as fh:  # fill the disk to its last byte
@@ -422,7 +432,7 @@ def test_a_full_disk_is_one_line_and_loses_no_checkpoint(tmp_path: Path) -> None
         assert not (out / "summary.json").exists()
         filler.unlink()
         assert checkpoint.usable_checkpoint(out)["seq"] >= whole["seq"]  # a whole checkpoint, still
-        r = run_cli("train", "--resume", str(out), "--max-samples", "1200", "--out", str(out), "--quiet")
+        r = cli_here("train", "--resume", str(out), "--max-samples", "1200", "--out", str(out), "--quiet")
         assert r.returncode == 0, r.stderr
         assert json.loads((out / "summary.json").read_text())["samples"] == 1200
     finally:
