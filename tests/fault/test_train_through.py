@@ -125,10 +125,20 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(
 def test_a_worker_lost_before_the_first_step(tmp_path: Path, kill_at: str, algo: str, rank: str, monkeypatch) -> None:
     """Killed as it builds its model: the others are building, broadcasting the starting point or
     at the barrier that starts the clock. They build again in the next generation's group (from
-    the run's seed: nothing trained is lost) and train the whole budget."""
+    the run's seed: nothing trained is lost) and train the whole budget. Their checkpoints are
+    their parts under their first ranks (rebuilt in the new group, rank 1 is its rank 0: before
+    the fix the files were named by the new places, and the commit found worker 2's missing)."""
+    from distsgd import checkpoint
+
     monkeypatch.setenv("KILL_RANK", rank)
     monkeypatch.setenv("KILL_STEP", "0")
-    s = _train(tmp_path, kill_at, algo=algo, min_workers=2, **({"tau": 4} if algo == "easgd" else {})).summary
+    extra = {"tau": 4} if algo == "easgd" else {}
+    s = _train(tmp_path, kill_at, algo=algo, min_workers=2, checkpoint_every="4000", **extra).summary
+    manifest = checkpoint.read_manifest(tmp_path / "run")
+    survivors = [r for r in range(3) if r != int(rank)]
+    assert manifest is not None and manifest["ranks"] == survivors
+    parts = (tmp_path / "run" / checkpoint.CHECKPOINT_DIR).glob(f"ckpt-{manifest['seq']:06d}-*.pt")
+    assert sorted(p.name for p in parts) == [checkpoint.worker_file(Path(), manifest["seq"], r).name for r in survivors]
     (rec,) = s["recoveries"]
     assert rec["worker"] == int(rank) and rec["reason"] == "killed by SIGKILL"
     assert rec["workers"] == 2 and rec["recovery_s"] > 0 and rec["samples_lost"] == 0

@@ -234,7 +234,9 @@ class Run:
             self.cfg = self._algo.cfg = self.cfg.replace(optimizer=makers[0])
             makers = []
         ctx, cfg = self._ctx, self.cfg
-        self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.rank, ctx.world)
+        # a worker's files are named by its first rank (a group that lost a worker before its first
+        # step builds again with the survivors' places in the new group: their shards stay their own)
+        self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.data_rank, ctx.data_world)
         saved = self._checkpointer.load()
         # a lockstep group's checkpoint taken after it lost workers and trained through (--min-workers)
         # has no part of theirs: such a rank takes a peer's, as a replacement joining it would have
