@@ -75,7 +75,8 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     held shared by every other test, exclusively by an ``alone`` one; a gate in front of it so
     that the tests that keep coming cannot keep an ``alone`` one waiting. Tests marked
     ``one_at_a_time(NAME)`` (a real SLURM's steps and Ray's clusters, whose ports collide) run
-    beside others, but never beside another of NAME. (pytest-xdist's ``xdist_group`` would do
+    beside others, but never beside another of NAME; tests marked ``every_core`` run beside others
+    on every core, not on their process's share. (pytest-xdist's ``xdist_group`` would do
     that, but its loadgroup scheduling groups nothing under pytest 9.2: it renames ``_nodeid``,
     which pytest no longer reads.)"""
     if "PYTEST_XDIST_WORKER" not in os.environ:
@@ -94,7 +95,9 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             fcntl.flock(gate, fcntl.LOCK_UN)
         if group is not None:
             fcntl.flock(held.enter_context(open(folder / f"{group.args[0]}.lock", "a")), fcntl.LOCK_EX)
-        if alone and ALL_CORES:  # the machine is this test's: all of it
+        # the machine is an ``alone`` test's: all of it. An ``every_core`` test spreads what it starts
+        # over every core (a bench's hosts pinned to cores of their own), beside the other tests.
+        if (alone or request.node.get_closest_marker("every_core") is not None) and ALL_CORES:
             os.sched_setaffinity(0, ALL_CORES)
             held.callback(os.sched_setaffinity, 0, _own_cores())
         if alone:

@@ -9,7 +9,7 @@ import pytest
 
 from distsgd import cli
 from distsgd.bench.compare import _labels
-from helpers import run_cli
+from helpers import cli_here, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -35,7 +35,7 @@ def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     out.mkdir()
     (out / "notes.txt").write_text("mine")  # an existing --out keeps what it had
-    res = run_cli("compare", str(base), str(two), "--out", str(out))
+    res = cli_here("compare", str(base), str(two), "--out", str(out))
     assert res.returncode == 0, res.stderr
     s_base, s_two = (json.loads((d / "summary.json").read_text()) for d in two_runs)
     # the terminal table: a header, a rule, one row a run

@@ -27,7 +27,7 @@ from distsgd.models import GPT, build_model, check_fits
 from distsgd.train.evaluate import evaluate
 from distsgd.train.objective import loss_function
 from distsgd.train.optim import build_optimizer, schedule_lr, warmup_factor
-from helpers import run_cli
+from helpers import cli_here
 
 TINY = "gpt[layers=1,heads=2,width=32]"
 
@@ -245,14 +245,13 @@ def test_gpt_trains_on_pythons_own_sources_and_eval_agrees(tmp_path: Path) -> No
     """`distsgd train --model gpt` needs no dataset: Python's standard library as text. What it
     reports is what `distsgd eval` measures of model.pt."""
     run = tmp_path / "run"
-    res = run_cli(
+    res = cli_here(
         "train",
         "--model",
         TINY,
         *"--context 32 --max-samples 512 --batch-size 32 --eval-every 256 --lr 0.003 --lr-warmup-steps 4".split(),
         *"--out".split(),
         str(run),
-        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "perplexity" in res.stdout and "unigram entropy" in res.stdout
@@ -297,7 +296,7 @@ def test_bench_and_compare_show_a_language_models_loss_and_perplexity(tmp_path: 
         )
         runs.append(str(run))
     out = tmp_path / "cmp"
-    res = run_cli("compare", *runs, "--out", str(out))
+    res = cli_here("compare", *runs, "--out", str(out))
     assert res.returncode == 0, res.stderr
     table = (out / "compare.md").read_text()
     assert "time to loss 5 (s)" in table and "final perplexity" in table

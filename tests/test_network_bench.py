@@ -139,7 +139,7 @@ def test_bench_across_four_shaped_hosts(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # every core of the machine, so that the two hosts are given cores of their own
+@pytest.mark.every_core  # so that the two hosts are given cores of their own (beside the other tests: it reads no load)
 def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     """One run of each topology across the link (a process group, a parameter server, the
     hogwild++ ring; each host's torchrun is told the run's settings and the algorithm's options);

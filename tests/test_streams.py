@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
 import distsgd
-from helpers import run_cli
+from helpers import cli_here
 
 D = 12  # features; the label is the largest of the first three
 
@@ -140,7 +140,7 @@ def test_a_dataset_function_may_return_a_stream(tmp_path) -> None:
     read whole at each evaluation."""
     (tmp_path / "streamed.py").write_text(STREAM_FILE)
     out = tmp_path / "run"
-    done = run_cli(
+    done = cli_here(
         "train", "--dataset", f"{tmp_path / 'streamed.py'}:make", "--model", "mlp", "--algo", "allreduce",
         "--workers", "2", "--epochs", "2", "--batch-size", "10", "--out", str(out), "--quiet",
     )  # fmt: skip

@@ -16,7 +16,7 @@ import distsgd
 from distsgd import cli
 from distsgd.config import from_mapping
 from distsgd.metrics import BarProgress, LineProgress
-from helpers import run_cli
+from helpers import cli_here
 
 pytest.importorskip("sklearn")
 needs_tensorboard = pytest.mark.skipif(
@@ -37,7 +37,7 @@ def read_scalars(logdir: Path) -> dict[str, list[Any]]:
 @needs_tensorboard
 def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_cli(
+    res = cli_here(
         *"train --dataset digits --model mlp --epochs 2 --lr 0.05 --log-every 5 --target-accuracy 0.3 --out".split(),
         str(out),
         "--tensorboard",
@@ -68,12 +68,11 @@ def test_a_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
 @needs_tensorboard
 def test_a_parameter_server_run_logs_staleness_and_bytes(tmp_path: Path) -> None:
     out = tmp_path / "ps"
-    res = run_cli(
+    res = cli_here(
         *"train --algo asgd --workers 2 --dataset digits --model mlp --epochs 1 --log-every 3 --out".split(),
         str(out),
         "--tensorboard",
         str(tmp_path / "tb"),
-        timeout=180,
     )
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())

@@ -12,7 +12,7 @@ import torch
 
 import distsgd
 from distsgd.data import load_dataset
-from helpers import run_cli
+from helpers import cli_here, run_cli
 
 pytest.importorskip("sklearn")
 
@@ -112,7 +112,7 @@ def test_an_npz_of_float_targets_is_a_regression_trained_with_mse(tmp_path: Path
     x = rng.normal(size=(600, 5)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5, 0.0, 3.0]) + 0.05 * rng.normal(size=600)).astype(np.float32)
     np.savez(tmp_path / "reg.npz", x=x, y=y)
-    res = run_cli(
+    res = cli_here(
         "train",
         "--dataset",
         f"npz:{tmp_path / 'reg.npz'}",
@@ -181,7 +181,7 @@ def test_a_corrupt_image_is_one_error_line(tmp_path: Path) -> None:
         for i in range(3):
             Image.fromarray(np.full((8, 8), 40 * i, dtype=np.uint8)).save(tmp_path / "train" / cls / f"{i}.png")
     (tmp_path / "train" / "b" / "2.png").write_bytes(b"\x89PNG\r\n this is not an image")
-    res = run_cli("train", "--dataset", f"folder:{tmp_path}", "--model", "mlp", "--out", str(tmp_path / "run"))
+    res = cli_here("train", "--dataset", f"folder:{tmp_path}", "--model", "mlp", "--out", str(tmp_path / "run"))
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot read image {tmp_path / 'train' / 'b' / '2.png'}: ")
@@ -214,7 +214,7 @@ def make():
 def test_a_bad_sample_found_while_training_is_one_error_line(tmp_path: Path, args: list[str]) -> None:
     path = tmp_path / "flaky.py"
     path.write_text(BAD_ITEM)
-    res = run_cli(
+    res = cli_here(
         "train",
         "--dataset",
         f"{path}:make",

@@ -23,7 +23,7 @@ import torch
 import distsgd
 from distsgd.algorithms import registry
 from distsgd.api import evaluate_checkpoint
-from helpers import needs_fashion, run_cli
+from helpers import cli_here, needs_fashion
 
 pytest.importorskip("sklearn")
 
@@ -206,11 +206,11 @@ def test_diloco_with_every_default_reports_its_saved_model(tmp_path: Path) -> No
     averaged (--partial-round average): no outer step. It used to report 0.0495, the untrained
     theta, and save a model that scored 0.65."""
     run = tmp_path / "run"
-    res = run_cli("train", "--algo", "diloco", "--workers", "2", "--out", str(run), "--quiet", timeout=300)
+    res = cli_here("train", "--algo", "diloco", "--workers", "2", "--out", str(run), "--quiet")
     assert res.returncode == 0, res.stderr[-2000:]
     s = json.loads((run / "summary.json").read_text())
     assert s["outer_steps"] == 0
-    ev = run_cli("eval", "--checkpoint", str(run / "model.pt"), "--json")
+    ev = cli_here("eval", "--checkpoint", str(run / "model.pt"), "--json")
     assert ev.returncode == 0, ev.stderr
     saved = json.loads(ev.stdout)
     assert s["final_test_accuracy"] == pytest.approx(saved["test_accuracy"], abs=1e-6)

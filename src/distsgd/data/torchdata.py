@@ -245,9 +245,9 @@ class TorchData:
             # default is that method: each epoch's loader processes would start a fork server of
             # their own and import torch again (seconds an epoch). Fork them, as PyTorch does by default.
             kwargs["multiprocessing_context"] = "fork"
-        loader = DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs)
+        batches = iter(DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs))
         try:
-            for x, y in loader:
+            for x, y in batches:
                 x = x.float() if x.dtype == torch.float64 else x
                 y = y.float() if y.dtype == torch.float64 else y
                 yield (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) if gpu else (x, y)
@@ -255,6 +255,12 @@ class TorchData:
             if "Original Traceback" not in str(exc):
                 raise
             raise _loader_error(exc) from None
+        finally:
+            # its loader processes end now: an error's traceback holds the iterator, and a caller of
+            # distsgd.train that caught the error kept them until a garbage collection
+            stop = getattr(batches, "_shutdown_workers", None)  # (torch's, for loader processes)
+            if stop is not None:
+                stop()
 
     def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This worker's training batches: ``order`` (its shard of the epoch) from ``start``."""
