@@ -2,9 +2,10 @@
 3-worker run SIGKILLed at a random moment and trained through by the others (``through``); the
 same with ``--restart-workers 1``, where its replacement joins the others and takes a live peer's
 state (``join``); and the same kill where the group restarts from its last checkpoint instead
-(``--restart-workers 1 --checkpoint-every 6000``, ``restart``); and trained through with
-checkpoints all along (``--min-workers 2 --checkpoint-every 6000``, ``checkpointed``: those taken
-after the loss hold the survivors' parts, the last one's listed as ``ckpt_ranks``).
+(``--restart-workers 1 --checkpoint-every B/10``, ``restart``, B the samples a run, ``--samples``,
+60,000 by default); and trained through with checkpoints all along (``--min-workers 2
+--checkpoint-every B/10``, ``checkpointed``: those taken after the loss hold the survivors' parts,
+the last one's listed as ``ckpt_ranks``).
 
 Each trial makes the same kill (worker, moment after the workers were listed) in every mode;
 each algorithm has one unkilled run of the same budget, and the kills fall in 10-90% of its time
@@ -16,6 +17,7 @@ recovery (a failed collective to the next completed step, as the survivors measu
     python benchmarks/train_through.py --trials 10                       # allreduce, ~6 min on 2 cores
     python benchmarks/train_through.py --algos local-sgd,diloco --trials 5
     python benchmarks/train_through.py --algos diloco --modes through,join --window 0,0.1   # early kills
+    python benchmarks/train_through.py --algos allreduce,diloco --modes through,restart --samples 300000
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-BUDGET = 60_000
+BUDGET = 60_000  # samples a run (--samples); three evaluations, and a checkpoint every tenth (restart, checkpointed)
 COMMON = [
-    "--workers", "3", "--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--schedule", "cosine",
-    "--max-samples", str(BUDGET), "--eval-every", "20000", "--quiet",
+    "--workers", "3", "--dataset", "digits", "--model", "mlp", "--batch-size", "16", "--schedule", "cosine", "--quiet",
 ]  # fmt: skip
 ALGOS = {
     "allreduce": ["--lr", "0.05"],
@@ -55,10 +56,18 @@ ALGOS = {
 MODES = {
     "through": ["--min-workers", "2"],
     "join": ["--min-workers", "2", "--restart-workers", "1"],
-    "restart": ["--restart-workers", "1", "--checkpoint-every", "6000"],
+    "restart": ["--restart-workers", "1", "--checkpoint-every", "{every}"],
     # trained through, checkpointed all along: a checkpoint after the loss holds the survivors' parts
-    "checkpointed": ["--min-workers", "2", "--checkpoint-every", "6000"],
+    "checkpointed": ["--min-workers", "2", "--checkpoint-every", "{every}"],
 }
+
+
+def budget_flags(budget: int) -> list[str]:
+    return ["--max-samples", str(budget), "--eval-every", str(budget // 3)]
+
+
+def mode_flags(mode: str, budget: int) -> list[str]:
+    return [a.format(every=budget // 10) for a in MODES[mode]]
 
 
 def run(out: Path, args: list[str], kill: tuple[int, float] | None) -> dict:
@@ -136,6 +145,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=BUDGET, help="samples a run (default %(default)s)")
     ap.add_argument(
         "--window",
         default="0.1,0.9",
@@ -148,7 +158,7 @@ def main() -> None:
     modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for algo in args.algos.split(","):
-            own = ["--algo", algo, *ALGOS[algo]]
+            own = ["--algo", algo, *ALGOS[algo], *budget_flags(args.samples)]
             base = run(Path(tmp) / f"{algo}-clean", own, None)
             clean_acc = base["summary"]["final_test_accuracy"]
             print(f"{algo} unkilled: accuracy {clean_acc:.4f}, {base['wall_s']:.1f} s", flush=True)
@@ -156,7 +166,11 @@ def main() -> None:
             for t in range(args.trials):
                 kill = (rng.randrange(3), rng.uniform(lo, hi) * base["window_s"])  # within the unkilled run
                 for mode in modes:  # alternating, the same kill in each
-                    r = row(mode, run(Path(tmp) / f"{algo}-{mode}{t}", own + MODES[mode], kill), clean_acc)
+                    r = row(
+                        mode,
+                        run(Path(tmp) / f"{algo}-{mode}{t}", own + mode_flags(mode, args.samples), kill),
+                        clean_acc,
+                    )
                     rows.append({"algo": algo, "trial": t, "worker": kill[0], "at_s": round(kill[1], 2), **r})
                     print(json.dumps(rows[-1]), flush=True)
             for mode in modes:
