@@ -1,8 +1,7 @@
 """distsgd inside Ray Train: a ``TorchTrainer`` forms the torch process group in each of its workers
 before ``train_loop_per_worker`` runs, and distsgd joins that group (``distsgd.train`` trains this
-rank; ``distsgd.spawn`` runs the user's loop here) and leaves it as it found it. Each test trains
-two workers (asgd: a server and two workers, three ranks) on one local Ray cluster that the module
-shares (it takes seconds to start on 2 cores); what each rank saw comes back in files.
+rank; ``distsgd.spawn`` runs the user's loop here) and leaves it as it found it. The tests share
+one local Ray cluster (it takes seconds to start on 2 cores); what each rank saw comes back in files.
 """
 
 from __future__ import annotations
@@ -88,9 +87,12 @@ def _seen(tmp_path: Path, ranks: int) -> list[dict]:
 
 def train_rank(config: dict) -> None:
     """A train_loop_per_worker: distsgd trains this rank in Ray's group, once for each of
-    ``config["runs"]`` (algorithm settings, run directory) in turn; the group is still there after
-    each (and, with ``refuse``, then refuses those settings: see :func:`refusal`)."""
+    ``config["runs"]`` (algorithm settings, run directory) in turn (the group is still there after
+    each); then the user's own loop on a parameter server (test_own_loop's, on distsgd.spawn); then,
+    with ``refuse``, what those settings get (see :func:`refusal`)."""
     import torch.distributed as dist
+
+    from test_own_loop import Net, evaluate_net, tuple_loop
 
     seen: dict = {}
     for name, (settings, out) in config["runs"].items():
@@ -98,18 +100,11 @@ def train_rank(config: dict) -> None:
         after = torch.ones(1)
         dist.all_reduce(after)
         seen[name] = {"model": result.model is not None, "after": after.item()}
+    own = config["own_loop"]
+    result = distsgd.spawn(tuple_loop, model=Net, evaluate=evaluate_net, out=own["out"], quiet=True, **own["settings"])
+    seen["own_loop"] = {"model": result.model is not None}
     refused = refusal(config["refuse"]["settings"], config["refuse"]["argv"]) if "refuse" in config else {}
     _record(config, {**seen, **refused})
-
-
-def own_loop_rank(config: dict) -> None:
-    """A train_loop_per_worker: the user's own loop (test_own_loop's) on distsgd.spawn."""
-    from test_own_loop import Net, evaluate_net, tuple_loop
-
-    result = distsgd.spawn(
-        tuple_loop, model=Net, evaluate=evaluate_net, out=config["out"], quiet=True, **config["settings"]
-    )
-    _record(config, {"model": result.model is not None})
 
 
 def refusal(settings: dict, argv: list[str]) -> dict:
@@ -134,18 +129,22 @@ DIGITS_TRAIN = 1437
 
 
 # One algorithm per way of joining Ray's group: a lockstep process group (allreduce; any other of
-# the Group topology, diloco or local-sgd, is launched alike: the launcher names no algorithm) and
-# the hogwild++ ring, one cluster a rank. The parameter server's is the test after.
+# the Group topology, diloco or local-sgd, is launched alike: the launcher names no algorithm), the
+# hogwild++ ring (one cluster a rank), and the parameter server (rank 0 serves; the user's loop).
+RANKS = 3
 RUNS = {
     "allreduce": {"algo": "allreduce", "epochs": 4, "batch_size": 32, "lr": 0.05},
     "hogwild++": {"algo": "hogwild++", "epochs": 4, "batch_size": 32, "lr": 0.05, "cluster_size": 1},
 }
+SERVER = {"algo": "asgd", "epochs": 3, "batch_size": 32, "lr": 0.05}
 
 
-def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) -> None:
-    """Each Ray worker is one rank (hogwild++: one cluster of the ring); rank 0 writes the run and
-    gets the model; Ray's group still works after the run. Both algorithms, one after the other, in
-    the same two Ray workers (a second TorchTrainer's start, 15 s here, less for the suite).
+def test_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) -> None:
+    """Three Ray workers of one TorchTrainer, one rank each (hogwild++: one cluster of the ring);
+    allreduce, hogwild++ and a parameter server (asgd: rank 0 serves, ranks 1 and 2 run the user's
+    loop on distsgd.spawn), one after the other in the same Ray workers (a TorchTrainer's start is
+    20-30 s here, mostly waiting: one for all three, for the suite). Rank 0 writes each run and gets
+    the model; Ray's group still works after the runs.
 
     And in the same Ray workers, after the runs: Hogwild!'s workers share one model in memory, and
     Ray's are separate processes with none between them: the API raises, the CLI says one error
@@ -153,39 +152,32 @@ def test_two_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) 
     (tmp_path / "seen").mkdir()
     runs = {algo: (settings, str(tmp_path / algo)) for algo, settings in RUNS.items()}
     config = {"runs": runs, "seen": str(tmp_path / "seen")}
+    config["own_loop"] = {"out": str(tmp_path / "server"), "settings": SERVER}
     config["refuse"] = {"settings": {"algo": "hogwild"}, "argv": ["--algo", "hogwild"]}
-    _fit(train_rank, 2, config, tmp_path)
-    seen = _seen(tmp_path, 2)
+    _fit(train_rank, RANKS, config, tmp_path)
+    seen = _seen(tmp_path, RANKS)
     for algo, settings in RUNS.items():
         s = json.loads((tmp_path / algo / "summary.json").read_text())
-        assert s["algo"] == algo and s["workers"] == 2 and s["backend"] == "gloo"
+        assert s["algo"] == algo and s["workers"] == RANKS and s["backend"] == "gloo"
         assert s["final_test_accuracy"] > 0.85, (algo, s["final_test_accuracy"])
         assert s["samples"] == pytest.approx(settings["epochs"] * DIGITS_TRAIN, rel=0.01)
         assert s["bytes_sent"] > 0
         if algo == "hogwild++":
-            assert s["clusters"] == 2 and s["token_passes"] > 0
+            assert s["clusters"] == RANKS and s["token_passes"] > 0
         else:
-            assert len(s["bytes_sent_per_worker"]) == 2 and min(s["bytes_sent_per_worker"]) > 0
-        assert [r[algo]["model"] for r in seen] == [True, False]
-        assert [r[algo]["after"] for r in seen] == [2.0, 2.0]
+            assert len(s["bytes_sent_per_worker"]) == RANKS and min(s["bytes_sent_per_worker"]) > 0
+        assert [r[algo]["model"] for r in seen] == [True, False, False]
+        assert [r[algo]["after"] for r in seen] == [float(RANKS)] * RANKS
+    s = json.loads((tmp_path / "server" / "summary.json").read_text())
+    assert s["algo"] == "asgd" and s["workers"] == RANKS - 1  # rank 0 serves
+    assert s["final_test_accuracy"] > 0.85, s["final_test_accuracy"]
+    assert s["samples"] == pytest.approx(SERVER["epochs"] * DIGITS_TRAIN, rel=0.02)
+    assert s["server_bytes_received"] > s["server_bytes_sent"] > 0 and s["failed_workers"] == []
+    assert [r["own_loop"]["model"] for r in seen] == [True, False, False]
     for r in seen:  # hogwild refused
         assert r["raised"].startswith("ConfigError: hogwild shares memory") and "Ray Train" in r["raised"]
         assert r["code"] == 2 and r["stderr"].startswith("error: hogwild shares memory")
         assert r["stderr"].count("\n") == 1, r["stderr"]
-
-
-def test_a_parameter_server_under_ray_serves_from_rank_0(cluster, tmp_path: Path) -> None:
-    """asgd with three Ray workers: rank 0 serves, ranks 1 and 2 run the user's loop (distsgd.spawn)."""
-    (tmp_path / "seen").mkdir()
-    settings = {"algo": "asgd", "epochs": 3, "batch_size": 32, "lr": 0.05}
-    config = {"out": str(tmp_path / "run"), "seen": str(tmp_path / "seen"), "settings": settings}
-    _fit(own_loop_rank, 3, config, tmp_path)
-    s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["algo"] == "asgd" and s["workers"] == 2
-    assert s["final_test_accuracy"] > 0.85, s["final_test_accuracy"]
-    assert s["samples"] == pytest.approx(3 * DIGITS_TRAIN, rel=0.02)
-    assert s["server_bytes_received"] > s["server_bytes_sent"] > 0 and s["failed_workers"] == []
-    assert [r["model"] for r in _seen(tmp_path, 3)] == [True, False, False]
 
 
 def test_ray_workers_without_a_group_are_one_line(cluster, tmp_path: Path) -> None:
