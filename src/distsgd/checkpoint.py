@@ -434,8 +434,12 @@ def manifest_problem(manifest: object) -> str | None:
     ranks = manifest.get("ranks", list(range(manifest["world"])))
     if not isinstance(ranks, list) or not all(whole(r) and 0 <= r < manifest["world"] for r in ranks):
         return f"ranks {ranks!r}"
+    if len(set(ranks)) < len(ranks):
+        return f"ranks {ranks!r}: a worker listed twice"
     if not isinstance(manifest.get("coordinator", False), bool):
         return f"coordinator {manifest.get('coordinator')!r}"
+    if not ranks and not manifest.get("coordinator", False):  # (a coordinator's checkpoint may hold its part alone)
+        return "ranks []: no worker's part and no coordinator's"
     if not isinstance(manifest.get("algo", ""), str):
         return f"algo {manifest['algo']!r}"
     for key in ("samples", "epoch", "step"):

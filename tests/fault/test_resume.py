@@ -265,3 +265,23 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     assert seqs[0] < 14360 // 400 // 2 and seqs == sorted(set(seqs))  # checkpoints from early on, none again:
     # the second attempt took up where the first one's last checkpoint was
     assert [e["samples"] for e in events if e["event"] == "eval"] == [e["samples"] for e in s["evals"]]  # one end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [[], [0, 0]])
+def test_a_manifest_that_lists_no_workers_part_or_one_twice_is_one_error_line(tmp_path, ranks) -> None:
+    """A lockstep group's checkpoint whose manifest (hand-edited) lists no worker's part, or one
+    twice: the resume is refused in one line. (With no part listed, every worker would have gone on
+    without a part of its own and with no peer's to take.)"""
+    run = tmp_path / "run"
+    common = ["--dataset", "digits", "--model", "logreg", "--algo", "allreduce", "--workers", "2", "--quiet"]
+    res = cli_here("train", *common, "--max-samples", "128", "--checkpoint-every", "64", "--out", str(run))
+    assert res.returncode == 0, res.stderr
+    path = run / "checkpoint" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["ranks"] == [0, 1] and not manifest.get("coordinator")
+    path.write_text(json.dumps({**manifest, "ranks": ranks}))
+    res = cli_here("train", "--resume", str(run), "--max-samples", "256")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and "ranks" in lines[0], lines[0]
