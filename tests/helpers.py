@@ -114,6 +114,21 @@ def wait_for(predicate, seconds: float, proc: subprocess.Popen | None = None) ->
         time.sleep(0.05)
 
 
+def signal_when(proc: subprocess.Popen, ready, sig: int, within: float = 120, timeout: float = 120) -> str:
+    """Send ``sig`` to ``proc`` once ``ready()`` (within ``within`` seconds, while it runs), wait up to
+    ``timeout`` for its end, and return its stderr; a process still running then is killed (a failed
+    test leaves none behind)."""
+    try:
+        wait_for(ready, within, proc)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return err
+
+
 def progress_seen(out: Path) -> bool:
     """Whether the run writing into ``out`` logged a progress event yet (it is training)."""
     metrics = out / "metrics.jsonl"

@@ -8,6 +8,7 @@ only, never code.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -452,7 +453,11 @@ def load_worker_state(run_dir: Path, rank: int | str) -> dict[str, Any] | None:
     """This worker's (or, with rank ``COORDINATOR``, the coordinator's) state from the newest whole
     checkpoint in ``run_dir`` (weights only); None when that checkpoint has none for it (an
     asynchronous run's worker that had died)."""
-    manifest = read_manifest(run_dir)
+    return _worker_state(run_dir, read_manifest(run_dir), rank)
+
+
+def _worker_state(run_dir: Path, manifest: dict[str, Any] | None, rank: int | str) -> dict[str, Any] | None:
+    """:func:`load_worker_state` of the checkpoint ``manifest`` (``run_dir``'s, already read) names."""
     if manifest is None:
         raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
     if rank == COORDINATOR and not manifest.get("coordinator"):
@@ -744,10 +749,16 @@ class Checkpointer:
         self.dir = Path(out) / CHECKPOINT_DIR if out else None
         self.resume, self.rank, self.world = resume, rank, world
 
+    @functools.cached_property
+    def manifest(self) -> dict[str, Any] | None:
+        """The manifest of the run given to ``--resume``, read once (None: a fresh run, or no
+        checkpoint there)."""
+        return read_manifest(Path(self.resume)) if self.resume else None
+
     def load(self) -> dict[str, Any] | None:
         """This worker's saved pieces from the run given to ``--resume`` (None: a fresh run). The
         caller scatters them, the model before the algorithm wraps it, the rest after."""
-        return load_worker_state(Path(self.resume), self.rank) if self.resume else None
+        return _worker_state(Path(self.resume), self.manifest, self.rank) if self.resume else None
 
     def load_peers(self) -> dict[str, Any] | None:
         """For a worker of a lockstep group with no part in the checkpoint given to ``--resume``
@@ -755,11 +766,11 @@ class Checkpointer:
         the part of the lowest worker that has one, less its random state, as a replacement that
         joins such a group takes a live peer's state (model, optimiser, algorithm, counters).
         None where the checkpoint has no worker's part (a coordinator's alone)."""
-        manifest = read_manifest(Path(self.resume)) if self.resume else None
+        manifest = self.manifest
         ranks = manifest.get("ranks", []) if manifest is not None and not manifest.get("coordinator") else []
         if not ranks:
             return None
-        peer = load_worker_state(Path(cast(str, self.resume)), min(ranks))
+        peer = _worker_state(Path(cast(str, self.resume)), manifest, min(ranks))
         if peer is not None:
             peer.pop("rng", None)
         return peer

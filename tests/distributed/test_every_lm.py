@@ -71,7 +71,8 @@ def test_every_algorithm_trains_a_gpt(tmp_path: Path, corpus: str, algo: str, wo
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["dcasgd", "diloco"])
 def test_every_default_trains_the_gpt(algo: str) -> None:
-    """`distsgd train --model gpt --algo A --workers 2` with nothing else set trains: the model's
+    """`distsgd train --model gpt --algo A --workers 2` with nothing else set but the model's depth
+    (width, for dcasgd: a smaller model for the suite's time) trains: the model's
     own settings (AdamW, lr 1e-3, warm-up, clipping) come before the algorithm's paper defaults
     (DiLoCo's inner lr 4e-4), and dcasgd's corrected gradient goes to that AdamW (with SGD at the
     model's lr it ended at 4.50 nats/token, above the unigram entropy)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import distsgd
-from helpers import in_group, run_cli, torchrun
+from helpers import in_group, run_cli, signal_when, torchrun
 
 pytest.importorskip("sklearn")
 
@@ -126,18 +126,8 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
         # script run with &, say) with Ctrl-C ignored, and children inherit that
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    try:
-        deadline = time.monotonic() + 60
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
-            time.sleep(0.2)  # wait until the workers are training
-        assert metrics.exists(), "the run never started"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    metrics = tmp_path / "run" / "metrics.jsonl"  # the signal once the workers are training
+    err = signal_when(proc, lambda: metrics.exists() and metrics.stat().st_size > 0, signal.SIGINT, 60, 30)
     assert proc.returncode == 130, err
     # the workers, stopped by the launcher's SIGTERM, may first write a checkpoint of their step: then
     # the line names the --resume that goes on from it

@@ -260,7 +260,7 @@ def test_a_signal_after_a_loss_writes_the_survivors_checkpoint(tmp_path: Path, k
     import sys
 
     from distsgd import checkpoint
-    from helpers import wait_for
+    from helpers import signal_when
 
     run = tmp_path / "run"
     cmd = [
@@ -270,16 +270,8 @@ def test_a_signal_after_a_loss_writes_the_survivors_checkpoint(tmp_path: Path, k
     ]  # fmt: skip
     env = {**os.environ, "KILL_RANK": "2", "KILL_STEP": "40"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        wait_for(
-            lambda: (run / "metrics.jsonl").exists() and '"recovery"' in (run / "metrics.jsonl").read_text(), 120, proc
-        )
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    metrics = run / "metrics.jsonl"
+    err = signal_when(proc, lambda: metrics.exists() and '"recovery"' in metrics.read_text(), signal.SIGTERM)
     manifest = checkpoint.read_manifest(run)
     assert proc.returncode == 128 + signal.SIGTERM and manifest is not None, err[-3000:]
     assert manifest["ranks"] == [0, 1] and 1920 < manifest["samples"] < 400000

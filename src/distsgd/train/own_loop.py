@@ -33,7 +33,6 @@ import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
@@ -51,7 +50,6 @@ from distsgd.checkpoint import (
     count,
     evaluations,
     load_model_state,
-    read_manifest,
     scatter,
     seconds,
 )
@@ -261,11 +259,11 @@ class Run:
         if start is Start.RESUMED:
             self.resumed = self._user.value
             self._skip, self._first_epoch = self._state.start, self._state.epoch
-            self._resumed_short(ctx)
+            self._resumed_short(ctx, self._checkpointer.manifest)
         elif start is Start.REPLACEMENT:
             self._state.local = self._rejoined = self._algo.starting_samples(ctx)
             if cfg.resume:  # (a checkpoint with no part of its, a coordinator's final one): number on above it
-                manifest = read_manifest(Path(cfg.resume))
+                manifest = self._checkpointer.manifest
                 self._state.seq = max(self._state.seq, int(manifest["seq"]) if manifest is not None else 0)
         if self._ctx.job.main is not None:  # distsgd's loop calls run.backward and loads no weights itself
             self._own_loop_hooks()
@@ -273,12 +271,11 @@ class Run:
             self._begin(self._state.train_wall_s)
         return (model, *self._optimizers)
 
-    def _resumed_short(self, ctx: WorkerContext) -> None:
+    def _resumed_short(self, ctx: WorkerContext, manifest: dict[str, Any] | None) -> None:
         """Resumed from a lockstep group's checkpoint that lacks the parts of workers it had lost
         (``--min-workers``): every rank now trains on from the same counters, and the samples
         those workers did not train are told apart, so that the run's count (the manifest's at
         the checkpoint) goes on from where it was rather than from every rank's count x workers."""
-        manifest = read_manifest(Path(cast(str, self.cfg.resume)))
         if manifest is None or manifest.get("coordinator") or not self._algo.topology.lockstep:
             return
         if len(manifest.get("ranks", range(manifest["world"]))) < manifest["world"]:
