@@ -204,9 +204,10 @@ import torch.nn as nn
 class Net(nn.Module):
     """mlp-like; a worker whose rank (RANK) is in KILL_RANK (comma-separated) SIGKILLs itself at
     its KILL_STEP-th training forward (0: as it builds the model, before the group's first step);
-    with KILL_MARKER, once (the file KILL_MARKER.RANK marks it done: a replacement lives), and with SLOW_AFTER_KILL
-    (seconds) every worker's forward sleeps that long once the kill was made (so that the others
-    are still training when a replacement has started)."""
+    with KILL_MARKER, once (the file KILL_MARKER.RANK marks it done: a replacement lives), and with
+    SLOW_UNTIL_WHOLE (a number of workers) every worker's forward sleeps 0.02 s once the kill was
+    made while its process group has fewer members (so that the others are still training when a
+    replacement has started and joins; from the moment the group is whole, at full speed)."""
 
     def __init__(self, num_classes, input_shape):
         super().__init__()
@@ -225,8 +226,12 @@ class Net(nn.Module):
             if marker:
                 open(f"{marker}.{rank}", "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        if marker and os.environ.get("SLOW_AFTER_KILL") and glob.glob(f"{marker}.*") and self.calls:
-            time.sleep(float(os.environ["SLOW_AFTER_KILL"]))
+        whole = int(os.environ.get("SLOW_UNTIL_WHOLE", "0"))
+        if marker and whole and self.calls and glob.glob(f"{marker}.*"):
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_world_size() < whole:
+                time.sleep(0.02)
 
     def forward(self, x):
         if self.training:

@@ -108,9 +108,9 @@ def test_a_loop_that_stops_in_one_worker_ends_the_run_naming_it(algo: str, victi
     """Its process alive (its parameter-server client still sends heartbeats): after --timeout
     without a step it fails where it stopped, and the peer waiting for it is not blamed."""
     with pytest.raises(LoopError) as raised:
-        spawn(algo, "hang", victim, timeout_s=5)
+        spawn(algo, "hang", victim, timeout_s=3)
     message = str(raised.value)
-    assert message == f"worker {victim} made no progress for 5 s (--timeout), in main (tests/{HERE}:{line_of('hangs')})"
+    assert message == f"worker {victim} made no progress for 3 s (--timeout), in main (tests/{HERE}:{line_of('hangs')})"
 
 
 @pytest.mark.slow

@@ -59,14 +59,12 @@ def reap_children(cluster):
     yield
 
 
-def _fit(loop, ranks: int, config: dict, tmp_path: Path, group: bool = True) -> None:
-    """``loop`` in ``ranks`` Ray workers of a TorchTrainer (or, without ``group``, of a trainer that
-    forms no torch group)."""
+def _fit(loop, ranks: int, config: dict, tmp_path: Path) -> None:
+    """``loop`` in ``ranks`` Ray workers of a TorchTrainer."""
     import ray.train
     from ray.train.torch import TorchTrainer
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    (TorchTrainer if group else DataParallelTrainer)(
+    TorchTrainer(
         loop,
         train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(num_workers=ranks, resources_per_worker={"CPU": 0.5}),
@@ -89,7 +87,9 @@ def train_rank(config: dict) -> None:
     """A train_loop_per_worker: distsgd trains this rank in Ray's group, once for each of
     ``config["runs"]`` (algorithm settings, run directory) in turn (the group is still there after
     each); then the user's own loop on a parameter server (test_own_loop's, on distsgd.spawn); then,
-    with ``refuse``, what those settings get (see :func:`refusal`)."""
+    with ``refuse``, what those settings get (see :func:`refusal`); last, with ``no_group``, what
+    those get once the torch group is gone and with it TorchTrainer's variables (the state of a
+    worker of a Ray Train trainer that forms no group)."""
     import torch.distributed as dist
 
     from test_own_loop import Net, evaluate_net, tuple_loop
@@ -104,6 +104,11 @@ def train_rank(config: dict) -> None:
     result = distsgd.spawn(tuple_loop, model=Net, evaluate=evaluate_net, out=own["out"], quiet=True, **own["settings"])
     seen["own_loop"] = {"model": result.model is not None}
     refused = refusal(config["refuse"]["settings"], config["refuse"]["argv"]) if "refuse" in config else {}
+    if "no_group" in config:  # then as a worker of a trainer that forms no group
+        dist.destroy_process_group()
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)  # TorchTrainer's, for its group: a DataParallelTrainer sets none
+        refused["no_group"] = refusal(config["no_group"]["settings"], config["no_group"]["argv"])
     _record(config, {**seen, **refused})
 
 
@@ -118,11 +123,6 @@ def refusal(settings: dict, argv: list[str]) -> dict:
     with contextlib.redirect_stderr(stderr):
         code = cli.main(["train", "--model", "mlp", "--dataset", "digits", "--quiet", *argv])
     return {"raised": raised, "code": code, "stderr": stderr.getvalue()}
-
-
-def refused_rank(config: dict) -> None:
-    """A train_loop_per_worker: :func:`refusal` of the settings."""
-    _record(config, refusal(config["settings"], config["argv"]))
 
 
 DIGITS_TRAIN = 1437
@@ -148,12 +148,19 @@ def test_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) -> N
 
     And in the same Ray workers, after the runs: Hogwild!'s workers share one model in memory, and
     Ray's are separate processes with none between them: the API raises, the CLI says one error
-    line and exits 2."""
+    line and exits 2. Then each destroys Ray's group and drops TorchTrainer's variables: a worker of
+    a Ray Train trainer that forms no torch group (a DataParallelTrainer's), where each worker would
+    train a run of its own, so distsgd refuses it in one line. (A DataParallelTrainer of its own ran
+    that until 2026-11-28: a trainer's start, 20 s of the suite.)"""
     (tmp_path / "seen").mkdir()
     runs = {algo: (settings, str(tmp_path / algo)) for algo, settings in RUNS.items()}
     config = {"runs": runs, "seen": str(tmp_path / "seen")}
     config["own_loop"] = {"out": str(tmp_path / "server"), "settings": SERVER}
     config["refuse"] = {"settings": {"algo": "hogwild"}, "argv": ["--algo", "hogwild"]}
+    config["no_group"] = {
+        "settings": {"algo": "allreduce", "workers": 2},
+        "argv": ["--algo", "allreduce", "--workers", "2"],
+    }
     _fit(train_rank, RANKS, config, tmp_path)
     seen = _seen(tmp_path, RANKS)
     for algo, settings in RUNS.items():
@@ -178,22 +185,12 @@ def test_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) -> N
         assert r["raised"].startswith("ConfigError: hogwild shares memory") and "Ray Train" in r["raised"]
         assert r["code"] == 2 and r["stderr"].startswith("error: hogwild shares memory")
         assert r["stderr"].count("\n") == 1, r["stderr"]
-
-
-def test_ray_workers_without_a_group_are_one_line(cluster, tmp_path: Path) -> None:
-    """A Ray Train trainer that forms no torch group (not a TorchTrainer): each of its two workers
-    would train a run of its own, so distsgd refuses it in one line."""
-    (tmp_path / "seen").mkdir()
-    config = {
-        "seen": str(tmp_path / "seen"),
-        "settings": {"algo": "allreduce", "workers": 2},
-        "argv": ["--algo", "allreduce", "--workers", "2"],
-    }
-    _fit(refused_rank, 2, config, tmp_path, group=False)
-    for seen in _seen(tmp_path, 2):
-        assert seen["raised"].startswith("ConfigError: this Ray Train worker is one of 2 in no torch process group")
-        assert seen["code"] == 2 and seen["stderr"].count("\n") == 1
-        assert seen["stderr"].startswith("error: this Ray Train worker is one of 2 in no torch"), seen["stderr"]
+        no = r["no_group"]  # no group
+        assert no["raised"].startswith(
+            f"ConfigError: this Ray Train worker is one of {RANKS} in no torch process group"
+        )
+        assert no["code"] == 2 and no["stderr"].count("\n") == 1
+        assert no["stderr"].startswith(f"error: this Ray Train worker is one of {RANKS} in no torch"), no["stderr"]
     assert not launched()  # this driver has imported ray.train but is no Ray Train worker: it runs locally
 
 

@@ -104,9 +104,10 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(
     monkeypatch.setenv("KILL_RANK", rank)
     monkeypatch.setenv("KILL_STEP", "40")
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
-    # the survivors' 210 steps left take 4 s or more: a replacement started beside other tests (a
-    # fresh process importing torch) has joined before they finish (else it is stopped, too late)
-    monkeypatch.setenv("SLOW_AFTER_KILL", "0.02")
+    # the survivors train at 0.02 s a step until the replacement is in (else, on a busy machine,
+    # they may finish first and it is stopped, too late): from then on at full speed (until
+    # 2026-11-28, slowed for all of their 210 steps left, 4.2 s, whenever it came in)
+    monkeypatch.setenv("SLOW_UNTIL_WHOLE", "3")
     s = _train(tmp_path, kill_at, algo=algo, min_workers=2, restart_workers=1, **extra).summary
     assert (tmp_path / f"killed.{rank}").exists()
     lost, joined = s["recoveries"]
@@ -156,7 +157,7 @@ def test_losses_and_joins_during_a_regrouping(tmp_path: Path, kill_at: str, monk
     monkeypatch.setenv("KILL_RANK", "1,2")
     monkeypatch.setenv("KILL_STEP", "40")
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))  # once each: not their replacements
-    monkeypatch.setenv("SLOW_AFTER_KILL", "0.02")
+    monkeypatch.setenv("SLOW_UNTIL_WHOLE", "4")  # until both replacements are in
     s = _train(tmp_path, kill_at, workers=4, max_samples=16000, min_workers=2, restart_workers=2).summary
     lost = [r for r in s["recoveries"] if not r.get("joined")]
     joined = [r for r in s["recoveries"] if r.get("joined")]
