@@ -51,6 +51,51 @@ def test_each_launcher_is_told_from_its_variables() -> None:
         environment.detect({**pod(0), "RANK": "one"}).contract()
 
 
+def test_torchruns_ranks_share_the_name_of_their_run() -> None:
+    """torchrun's rendezvous id names the run's directory (a uuid with --standalone: its first 8
+    characters; --rdzv-id as given, made a file name); its default id ``none`` names nothing."""
+    ranks = {**pod(1), "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    standalone = environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "f2d06232-9a1b-4c2d-8e3f-0123456789ab"})
+    assert standalone.run_name == "torchrun-f2d06232"
+    assert environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "job 42/a"}).run_name == "torchrun-job_42_a"
+    assert environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "none"}).run_name is None
+
+
+def test_a_launchers_processes_are_the_workers_an_algorithm_is_chosen_for(monkeypatch) -> None:
+    """In a group of torchrun's 2 processes with no algorithm named, allreduce, said in the
+    launcher's words; ``single`` there is one line (each process would train a run of its own,
+    into the same files: what no --algo did until 2026-11-28)."""
+    from distsgd.api import settle
+    from distsgd.config import RunConfig
+
+    cfg = RunConfig(dataset="digits", model="mlp", quiet=False)
+    group = environment.detect({**pod(0), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
+    with environment.using(group):
+        assert settle(cfg, torchrun=True, where=group)[0].algo == "allreduce"
+        with pytest.raises(
+            ConfigError, match="single trains in one process, and this is one of 2 processes of torchrun"
+        ):
+            settle(cfg.replace(algo="single"), torchrun=True, where=group)
+    alone = environment.detect({**pod(0, world=1), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    with environment.using(alone):
+        assert settle(cfg, torchrun=True, where=alone)[0].algo == "single"  # a group of one: the baseline
+
+
+def test_runs_started_here_in_the_same_second_get_directories_of_their_own(tmp_path: Path, monkeypatch) -> None:
+    from distsgd import api
+
+    monkeypatch.chdir(tmp_path)
+    for name in LAUNCHERS:
+        monkeypatch.delenv(name, raising=False)
+    first = api.default_out("single")
+    first.mkdir(parents=True)
+    second = api.default_out("single")
+    if second.name.startswith(first.name):  # the same second (else the next one's: another name)
+        assert second == first.parent / f"{first.name}-2"
+    second.mkdir()
+    assert api.default_out("single") not in (first, second)
+
+
 def test_the_launch_code_asks_the_runs_environment_not_the_process_variables(monkeypatch) -> None:
     """While a run lasts, ``environment.current()`` is the one ``api.run`` detected, whatever
     ``os.environ`` holds; rank, size, host, port and torchrun's attempt come from it."""

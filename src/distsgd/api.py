@@ -196,12 +196,20 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
 
 
 def default_out(algo: str, beside: Path | None = None) -> Path:
-    """``runs/<timestamp>-<algo>`` (where the launcher names the run, its name: in an srun step,
-    ``runs/slurm-<job>.<step>-<algo>``, in a Kubeflow PyTorchJob ``runs/kubeflow-<job>-<algo>``, the
-    same in every rank and when it is started again); with ``beside`` (a run directory), in the
+    """``runs/<timestamp>-<algo>`` (``-2``, ``-3``, ... after it where that exists); where the
+    launcher names the run, its name: in an srun step ``runs/slurm-<job>.<step>-<algo>``, in a
+    Kubeflow PyTorchJob ``runs/kubeflow-<job>-<algo>``, under torchrun ``runs/torchrun-<rdzv id>-<algo>``,
+    the same in every rank and when it is started again; with ``beside`` (a run directory), in the
     folder that holds it."""
-    stamp = environment.detect().run_name or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return (Path("runs") if beside is None else Path(os.path.relpath(beside.resolve().parent))) / f"{stamp}-{algo}"
+    where = environment.detect()
+    stamp = where.run_name or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    folder = Path("runs") if beside is None else Path(os.path.relpath(beside.resolve().parent))
+    out, again = folder / f"{stamp}-{algo}", 2
+    # a second run started here in the same second: <timestamp>-<algo>-2 (a launcher's ranks each
+    # name the run themselves: they keep the one name)
+    while not where.launched and out.exists():
+        out, again = folder / f"{stamp}-{algo}-{again}", again + 1
+    return out
 
 
 def run(
@@ -373,9 +381,11 @@ def settle(
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
-    algo = cfg.algo if cfg.algo is not None else registry.default_for(cfg.workers)
+    workers = place()[1] if torchrun else cfg.workers  # a launcher's group: its processes
+    algo = cfg.algo if cfg.algo is not None else registry.default_for(workers)
     if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
-        log.warning("%s", registry.chose(cfg.workers, cli=False))
+        launcher = environment.current().name if torchrun else None
+        log.warning("%s", registry.chose(workers, cli=False, launcher=launcher))
     algo_cls = registry.class_for(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's;

@@ -4,12 +4,14 @@ group formed before distsgd runs."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 import distsgd
+from distsgd import checkpoint
 from helpers import in_group, run_cli, signal_when, torchrun
 
 pytest.importorskip("sklearn")
@@ -91,13 +93,21 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
 
 @pytest.mark.slow
 def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+    """Neither --algo nor --out: torchrun's processes are the workers, so the default is allreduce
+    (until 2026-11-28 it was --workers' 1: single, a run of its own in each process, into the same
+    files), said once; the run's directory is named by torchrun's rendezvous id, every rank's (each
+    rank's own clock named it: where their starts straddled a second, their checkpoint parts went
+    into two directories, and the run stopped, "checkpoint 1 is missing the files of workers [1]")."""
     res = torchrun(
-        *"--algo allreduce --dataset digits --model mlp --epochs 2 --lr 0.05 --out".split(),
-        str(out),
-        timeout=180,
+        *"--dataset digits --model mlp --epochs 2 --lr 0.05 --checkpoint-every epoch".split(), timeout=180, cwd=tmp_path
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("2 processes of torchrun without --algo: training with allreduce") == 1, res.stderr
+    (out,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"torchrun-[0-9a-f]{8}-allreduce", out.name), out.name
+    manifest = checkpoint.read_manifest(out)  # the last checkpoint: both ranks' parts, in the run's directory
+    assert manifest is not None and manifest["samples"] == 2 * 1436
+    assert all(checkpoint.worker_file(out / checkpoint.CHECKPOINT_DIR, manifest["seq"], r).is_file() for r in (0, 1))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["algo"] == "allreduce" and summary["global_batch_size"] == 128
     assert summary["samples"] == 2 * 1436

@@ -37,11 +37,14 @@ def default_for(workers: int) -> str:
     return SEVERAL_WORKERS if workers > 1 else baseline()
 
 
-def chose(workers: int, cli: bool = True) -> str:
+def chose(workers: int, cli: bool = True, launcher: str | None = None) -> str:
     """The line that says which algorithm a run of ``workers`` that named none trains with, in the
-    words of the command line (``cli``) or of the Python API."""
+    words of the command line (``cli``) or of the Python API; ``launcher``: the workers are the
+    processes of that launcher's group (torchrun's, ...), not ``--workers``."""
     algo = default_for(workers)
     given, flag = (f"--workers {workers}", "--algo") if cli else (f"workers={workers}", "algo=")
+    if launcher is not None:
+        given = f"{workers} processes of {launcher}"
     return (
         f"{given} without {flag}: training with {algo} ({get(algo).summary_line}); "
         f"{flag} chooses another (distsgd algorithms lists them)"

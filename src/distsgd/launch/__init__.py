@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, WorkerError
-from distsgd.launch import procs
+from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import place
 from distsgd.metrics import Sink
 from distsgd.train.context import Job, WorkerContext, WorkerResult
@@ -41,6 +41,12 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     Under torchrun (or srun) the group's processes say how many workers there are; a ``--workers``
     other than 1 that says otherwise is a mistake (asgd's server takes one process)."""
     if algo_cls.topology.in_process:
+        if torchrun and place()[1] > 1:  # each rank would train a run of its own, into the same files
+            raise ConfigError(
+                f"{cfg.algo} trains in one process, and this is one of {place()[1]} processes of "
+                f"{environment.current().name}: each would train a run of its own; leave --algo "
+                f"out (allreduce) or name an algorithm of several workers (distsgd algorithms lists them)"
+            )
         return cfg
     planned = _topology(algo_cls).plan(cfg, algo_cls, torchrun)
     if torchrun and cfg.workers not in (1, planned.workers):

@@ -205,6 +205,19 @@ class Torchrun(Environment):
     def restarted(self) -> str | None:
         return "torchrun restarted the group" if self.attempt > 0 else None
 
+    @property
+    def run_name(self) -> str | None:
+        """``torchrun-<id>``, its rendezvous id (``--rdzv-id``; with ``--standalone`` a new uuid, of
+        which the first 8 characters): every rank's, and again when torchrun restarts the group
+        (each rank's own clock's would differ where their starts straddle a second: their
+        checkpoint files in two directories). None for torchrun's default id, ``none``."""
+        run_id = self.env.get("TORCHELASTIC_RUN_ID", "")
+        if run_id in ("", "none"):
+            return None
+        if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", run_id):
+            run_id = run_id[:8]
+        return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+
 
 class Slurm(Environment):
     """A task of an ``srun`` step of several: SLURM's variables, as torchrun's."""
