@@ -62,7 +62,6 @@ def run_copy(saved_run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(saved_run, tmp_path / "run"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, value, recorded",
     [
@@ -78,34 +77,32 @@ def test_a_resume_with_another_model_or_dataset_names_the_setting(
     """Item 1: on main, --model logreg was a traceback from load_state_dict (exit 1); --optimizer
     adam said the checkpoint "was written by an older distsgd". Now: one line naming the setting
     and its two values, before anything is written or loaded."""
-    r = run_cli("train", "--resume", str(run_copy), flag, value, "--max-samples", "384", "--quiet", timeout=120)
+    r = cli_here("train", "--resume", str(run_copy), flag, value, "--max-samples", "384", "--quiet")
     line = one_error_line(r)
     assert f"written with {flag} {recorded}, not {value}" in line, line
     assert "older distsgd" not in line
 
 
-@pytest.mark.slow
 def test_a_resume_with_another_algorithm_option_names_it(tmp_path: Path) -> None:
     """Item 1, an algorithm's option (local-sgd's --sync-every): on main it resumed with the new
     period read from the old one's saved state."""
     run = tmp_path / "run"
-    r = run_cli(
+    r = cli_here(
         "train", *SMALL, "--algo", "local-sgd", "--workers", "2", "--sync-every", "4", "--max-samples", "256",
-        "--checkpoint-every", "128", "--out", str(run), "--quiet", timeout=120,
+        "--checkpoint-every", "128", "--out", str(run), "--quiet",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("train", "--resume", str(run), "--sync-every", "8", "--max-samples", "512", "--quiet", timeout=120)
+    r = cli_here("train", "--resume", str(run), "--sync-every", "8", "--max-samples", "512", "--quiet")
     assert "written with --sync-every 4, not 8" in one_error_line(r)
 
 
-@pytest.mark.slow
 def test_a_failed_resume_leaves_config_toml_and_the_plain_resume_works(run_copy: Path) -> None:
     """Item 2: on main a resume with --model logreg failed after rewriting the run's config.toml
     with model = "logreg", so the plain ``--resume DIR`` failed too."""
     before = (run_copy / "config.toml").read_bytes()
-    one_error_line(run_cli("train", "--resume", str(run_copy), "--model", "logreg", "--quiet", timeout=120))
+    one_error_line(cli_here("train", "--resume", str(run_copy), "--model", "logreg", "--quiet"))
     assert (run_copy / "config.toml").read_bytes() == before
-    r = run_cli("train", "--resume", str(run_copy), "--max-samples", "384", "--quiet", timeout=120)
+    r = cli_here("train", "--resume", str(run_copy), "--max-samples", "384", "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'model = "mlp"' in (run_copy / "config.toml").read_text()
 
@@ -336,7 +333,6 @@ def test_an_npz_that_is_not_a_file_says_what_it_is(capsys, path: str, said: str)
 # --- 7. which model the final figures describe -------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_the_final_figures_say_which_model_they_describe(tmp_path: Path) -> None:
     """Item 7: an asynchronous EASGD worker's local steps after its last exchange (or a killed
     worker's) never reach the centre, the model returned: on main its last evaluation was at
@@ -344,9 +340,9 @@ def test_the_final_figures_say_which_model_they_describe(tmp_path: Path) -> None
     are of. Here one worker exchanges every 4 steps of 32 samples: the centre last changes at 256
     samples, and the run trains 320."""
     out = tmp_path / "run"
-    r = run_cli(
+    r = cli_here(
         "train", *SMALL, "--algo", "easgd", "--easgd-mode", "async", "--tau", "4", "--workers", "1",
-        "--max-samples", "320", "--eval-every", "64", "--out", str(out), timeout=120,
+        "--max-samples", "320", "--eval-every", "64", "--out", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -576,7 +572,6 @@ def test_a_stopping_launcher_reads_what_its_workers_still_send() -> None:
     inbox.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "edit, said",
     [
@@ -593,9 +588,9 @@ def test_a_wrong_value_in_a_coordinators_file_is_one_line(tmp_path: Path, edit, 
     the evaluations): on main a counts tensor of another shape was a RuntimeError traceback from
     copy_, and a nan training time went into the summary."""
     out = tmp_path / "run"
-    r = run_cli(
+    r = cli_here(
         "train", *SMALL, "--algo", "hogwild", "--workers", "2", "--max-samples", "512", "--checkpoint-every", "256",
-        "--out", str(out), "--quiet", timeout=120,
+        "--out", str(out), "--quiet",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     for path in (out / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rankcoordinator.pt"):
@@ -605,5 +600,5 @@ def test_a_wrong_value_in_a_coordinators_file_is_one_line(tmp_path: Path, edit, 
     newest = checkpoint.worker_file(
         out / checkpoint.CHECKPOINT_DIR, checkpoint.read_manifest(out)["seq"], "coordinator"
     )
-    line = one_error_line(run_cli("train", "--resume", str(out), "--max-samples", "1024", "--quiet", timeout=120))
+    line = one_error_line(cli_here("train", "--resume", str(out), "--max-samples", "1024", "--quiet"))
     assert line.startswith(f"error: cannot resume from {newest}: {said}"), line
