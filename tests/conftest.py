@@ -55,6 +55,28 @@ def pytest_configure(config: pytest.Config) -> None:
         os.sched_setaffinity(0, _own_cores())
 
 
+def _session_folder(config: pytest.Config) -> Path:
+    """The folder the session's test processes share (above each one's own basetemp)."""
+    return config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Say that this test process has collected: an ``alone`` test waits for every process to have
+    (collecting imports torch and every test module: a core's work for seconds, which no lock
+    covers, and which an ``alone`` test at the session's start read as load, 2026-11-28)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        (_session_folder(session.config) / f"collected-{worker}").touch()
+
+
+def _collected(folder: Path, limit_s: float) -> None:
+    """Wait (at most ``limit_s``) until every test process of the session has collected."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    end = time.monotonic() + limit_s
+    while len(list(folder.glob("collected-gw*"))) < count and time.monotonic() < end:
+        time.sleep(0.1)
+
+
 def _quiet(limit_s: float) -> None:
     """Wait (at most ``limit_s``) until the machine is idle: the processes of the tests that just
     ended (a run's workers, torchrun's agents) may still be on their way out when the lock frees."""
@@ -101,6 +123,7 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             os.sched_setaffinity(0, ALL_CORES)
             held.callback(os.sched_setaffinity, 0, _own_cores())
         if alone:
+            _collected(folder, 120.0)
             _quiet(10.0)
         yield  # every lock is let go as its file closes
 
