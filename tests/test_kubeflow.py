@@ -81,6 +81,32 @@ def test_a_launchers_processes_are_the_workers_an_algorithm_is_chosen_for(monkey
         assert settle(cfg, torchrun=True, where=alone)[0].algo == "single"  # a group of one: the baseline
 
 
+def test_a_restarted_group_without_a_checkpoint_trains_again_in_its_runs_place(tmp_path: Path) -> None:
+    """torchrun restarted the group (or SLURM requeued it) into its run's directory (its name is the
+    launcher's, the same again) with no checkpoint there: from the start, in its place, said so
+    (before: "already exists", exit 2, where each attempt used to get a directory of its own). A
+    finished run there is left alone (that line), and a directory distsgd did not make is not ours."""
+    from distsgd import rundir
+    from distsgd.api import settle
+    from distsgd.config import RunConfig
+
+    out = tmp_path / "runs" / "torchrun-f2d06232-allreduce"
+    rundir.prepare(out, overwrite=False)
+    (out / "metrics.jsonl").write_text("")
+    cfg = RunConfig(dataset="digits", model="mlp", algo="allreduce", out=str(out))
+    again = environment.detect(
+        {**pod(0), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    )
+    first = environment.detect({**pod(0), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
+    with environment.using(again):
+        assert settle(cfg, torchrun=True, where=again)[0].overwrite
+    with environment.using(first):
+        assert not settle(cfg, torchrun=True, where=first)[0].overwrite  # a first start: "already exists"
+    (out / "summary.json").write_text("{}")
+    with environment.using(again):
+        assert not settle(cfg, torchrun=True, where=again)[0].overwrite
+
+
 def test_runs_started_here_in_the_same_second_get_directories_of_their_own(tmp_path: Path, monkeypatch) -> None:
     from distsgd import api
 

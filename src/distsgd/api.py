@@ -393,14 +393,27 @@ def settle(
     algo_own = algo_cls.default_settings(cfg)
     own = {**algo_own, **recommended_settings(cfg.model), **_only(algo_own, "optimizer")}
     again = where.restarted if where is not None else None  # torchrun restarted, SLURM requeued
-    resume = cfg.resume
-    if again and cfg.out and not cfg.resume and read_manifest(Path(cfg.out)) is not None:
-        log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
-        resume = cfg.out
+    resume, overwrite = cfg.resume, cfg.overwrite
+    if again and cfg.out and not cfg.resume:
+        out = Path(cfg.out)
+        if read_manifest(out) is not None:
+            log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
+            resume = cfg.out
+        elif out.is_dir() and not (out / "summary.json").exists() and rundir.is_ours(out):
+            # its own unfinished run (a launcher's name, the same when started again): nothing to
+            # resume from, so from the start, in its place
+            log.warning("%s: no checkpoint in %s: training again from the start", again, cfg.out)
+            overwrite = True
     # the options complete (every one with its value), so that config.toml records them all
     # (and a resumed run's held against what it recorded, before anything else of it is read)
     cfg = settled(
-        cfg, own, (algo_cls.Options, registry.option_names()), algo=algo, options=opts.to_mapping(), resume=resume
+        cfg,
+        own,
+        (algo_cls.Options, registry.option_names()),
+        algo=algo,
+        options=opts.to_mapping(),
+        resume=resume,
+        overwrite=overwrite,
     )
     device.check(cfg.device, cfg.precision)
     cfg = launch.plan(cfg, algo_cls, torchrun)
