@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,12 +54,17 @@ def test_each_launcher_is_told_from_its_variables() -> None:
 
 def test_torchruns_ranks_share_the_name_of_their_run() -> None:
     """torchrun's rendezvous id names the run's directory (a uuid with --standalone: its first 8
-    characters; --rdzv-id as given, made a file name); its default id ``none`` names nothing."""
+    characters; --rdzv-id as given, made a file name); with its default id ``none``, on one
+    machine, torchrun's agent (every rank's parent) does; across machines nothing does."""
     ranks = {**pod(1), "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     standalone = environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "f2d06232-9a1b-4c2d-8e3f-0123456789ab"})
-    assert standalone.run_name == "torchrun-f2d06232"
-    assert environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "job 42/a"}).run_name == "torchrun-job_42_a"
-    assert environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "none"}).run_name is None
+    assert standalone.run_name == "torchrun-f2d06232" and standalone.launch_named
+    given = environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "job 42/a"})
+    assert given.run_name == "torchrun-job_42_a" and not given.launch_named  # a user's id may come again
+    one_machine = environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "none"})
+    assert re.fullmatch(r"torchrun-[0-9a-f]{8}", one_machine.run_name or "") and one_machine.launch_named
+    across = {**pod(1), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "none"}
+    assert environment.detect(across).run_name is None  # the agents differ: --out or --rdzv-id names it
 
 
 def test_a_launchers_processes_are_the_workers_an_algorithm_is_chosen_for(monkeypatch) -> None:
@@ -82,10 +88,11 @@ def test_a_launchers_processes_are_the_workers_an_algorithm_is_chosen_for(monkey
 
 
 def test_a_restarted_group_without_a_checkpoint_trains_again_in_its_runs_place(tmp_path: Path) -> None:
-    """torchrun restarted the group (or SLURM requeued it) into its run's directory (its name is the
-    launcher's, the same again) with no checkpoint there: from the start, in its place, said so
-    (before: "already exists", exit 2, where each attempt used to get a directory of its own). A
-    finished run there is left alone (that line), and a directory distsgd did not make is not ours."""
+    """torchrun restarted the group (or SLURM requeued it) into its run's directory, named by this
+    launch alone (torchrun's uuid, SLURM's job id), with no checkpoint there: from the start, in its
+    place, said so (before: "already exists", exit 2). Not a first start's, a finished run's, one
+    named by a user's --rdzv-id or a Kubeflow job's name (another job's may have it), nor one the
+    launcher did not name: those stay "already exists"."""
     from distsgd import rundir
     from distsgd.api import settle
     from distsgd.config import RunConfig
@@ -94,17 +101,29 @@ def test_a_restarted_group_without_a_checkpoint_trains_again_in_its_runs_place(t
     rundir.prepare(out, overwrite=False)
     (out / "metrics.jsonl").write_text("")
     cfg = RunConfig(dataset="digits", model="mlp", algo="allreduce", out=str(out))
-    again = environment.detect(
-        {**pod(0), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
-    )
-    first = environment.detect({**pod(0), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
-    with environment.using(again):
-        assert settle(cfg, torchrun=True, where=again)[0].overwrite
-    with environment.using(first):
-        assert not settle(cfg, torchrun=True, where=first)[0].overwrite  # a first start: "already exists"
+    uuid = "f2d06232-9a1b-4c2d-8e3f-0123456789ab"
+    ranks = {**pod(0), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": uuid}
+    again = environment.detect({**ranks, "TORCHELASTIC_RESTART_COUNT": "1"})
+
+    def overwrites(where: environment.Environment, settings: RunConfig = cfg) -> bool:
+        with environment.using(where):
+            return settle(settings, torchrun=True, where=where)[0].overwrite
+
+    assert overwrites(again)
+    assert not overwrites(environment.detect(ranks))  # a first start
+    mine = cfg.replace(out=str(tmp_path / "runs" / "torchrun-job-allreduce"))
+    rundir.prepare(Path(mine.out), overwrite=False)
+    given = environment.detect({**ranks, "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert not overwrites(given, mine)
+    kubeflow = environment.detect(pod(0, master="mnist-master-0"))
+    named = cfg.replace(out=str(tmp_path / "runs" / "kubeflow-mnist-allreduce"))
+    rundir.prepare(Path(named.out), overwrite=False)
+    assert kubeflow.restarted and not overwrites(kubeflow, named)
+    elsewhere = cfg.replace(out=str(tmp_path / "elsewhere"))
+    rundir.prepare(Path(elsewhere.out), overwrite=False)
+    assert not overwrites(again, elsewhere)
     (out / "summary.json").write_text("{}")
-    with environment.using(again):
-        assert not settle(cfg, torchrun=True, where=again)[0].overwrite
+    assert not overwrites(again)  # a finished run
 
 
 def test_runs_started_here_in_the_same_second_get_directories_of_their_own(tmp_path: Path, monkeypatch) -> None:

@@ -381,7 +381,8 @@ def settle(
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
-    workers = place()[1] if torchrun else cfg.workers  # a launcher's group: its processes
+    # a launcher's group: its processes (a --workers above them is plan()'s one line)
+    workers = max(place()[1], cfg.workers) if torchrun else cfg.workers
     algo = cfg.algo if cfg.algo is not None else registry.default_for(workers)
     if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
         launcher = environment.current().name if torchrun else None
@@ -399,10 +400,17 @@ def settle(
         if read_manifest(out) is not None:
             log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
             resume = cfg.out
-        elif out.is_dir() and not (out / "summary.json").exists() and rundir.is_ours(out):
-            # its own unfinished run (a launcher's name, the same when started again): nothing to
-            # resume from, so from the start, in its place
-            log.warning("%s: no checkpoint in %s: training again from the start", again, cfg.out)
+        elif (
+            where is not None
+            and where.launch_named
+            and out.name.startswith(f"{where.run_name}-")
+            and out.is_dir()
+            and not (out / "summary.json").exists()
+            and rundir.is_ours(out)
+        ):  # an earlier attempt's unfinished run (named by this launch alone): nothing to resume
+            # from, so from the start, in its place
+            if place()[0] == 0:
+                log.warning("%s: no checkpoint in %s: training again from the start", again, cfg.out)
             overwrite = True
     # the options complete (every one with its value), so that config.toml records them all
     # (and a resumed run's held against what it recorded, before anything else of it is read)

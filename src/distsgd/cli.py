@@ -205,7 +205,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _hush(cfg.quiet)
     # under a launcher (torchrun, srun, ...) its processes are the workers: the default is theirs
     where = environment.detect()
-    workers = where.world_size if where.launched else cfg.workers
+    workers = max(where.world_size, cfg.workers) if where.launched else cfg.workers
     algo = cfg.algo if cfg.algo is not None else registry.default_for(workers)
     if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not where.launched or where.rank == 0):
         sys.stderr.write(registry.chose(workers, launcher=where.name if where.launched else None) + "\n")

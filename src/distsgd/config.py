@@ -83,7 +83,7 @@ class RunConfig:
     algo: str | None = setting(
         None,
         "training algorithm (see `distsgd algorithms`)",
-        default_help="single, the baseline (one process); with --workers N > 1, allreduce",
+        default_help="single, the baseline (one process); with --workers N > 1, or in a launcher's group of N > 1 processes (torchrun, srun), allreduce",
     )
     workers: int = setting(1, "number of worker processes", check=at_least(1))
     dataset: str | None = setting(

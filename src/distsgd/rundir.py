@@ -91,7 +91,8 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
             raise ConfigError(
                 f"--out {out} would replace the run being resumed ({keep}): resume into it, or give another --out"
             )
-    if out.is_dir() and any(out.iterdir()):
+    existed = out.is_dir()
+    if existed and any(out.iterdir()):
         if not overwrite:
             raise ConfigError(f"{kind} directory {out} already exists; choose another --out or pass --overwrite")
         if not is_ours(out):
@@ -121,7 +122,10 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
             except OSError:
                 pass
     record(out)  # in the ledger of a distsgd directory that holds this one (a bench's runs)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # made now, by this run alone: another started with the same name a moment ago is refused
+        out.mkdir(parents=True, exist_ok=existed)
+    except FileExistsError:
+        raise ConfigError(f"{kind} directory {out} already exists; choose another --out or pass --overwrite") from None
     (out / MARKER).write_text(f"{LEDGER}\n")
     return out
 

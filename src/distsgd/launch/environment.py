@@ -113,6 +113,12 @@ class Environment(ABC):
         """A name every rank of the run shares (its default run directory's), or None."""
         return None
 
+    @property
+    def launch_named(self) -> bool:
+        """:attr:`run_name` names this launch alone (no earlier job's run has it): a directory of that
+        name that distsgd made is an earlier attempt's of this run."""
+        return False
+
     def adopt(self, environ: MutableMapping[str, str]) -> None:
         """Write the contract's variables the launcher left out into ``environ``; one the launcher
         set otherwise is one error line."""
@@ -207,16 +213,38 @@ class Torchrun(Environment):
 
     @property
     def run_name(self) -> str | None:
-        """``torchrun-<id>``, its rendezvous id (``--rdzv-id``; with ``--standalone`` a new uuid, of
-        which the first 8 characters): every rank's, and again when torchrun restarts the group
-        (each rank's own clock's would differ where their starts straddle a second: their
-        checkpoint files in two directories). None for torchrun's default id, ``none``."""
+        """``torchrun-<id>``: its rendezvous id (``--rdzv-id``; a new uuid with ``--standalone`` or on
+        one node, of which the first 8 characters), every rank's and again when torchrun restarts the
+        group (each rank's own clock's would differ where their starts straddle a second: their
+        checkpoint files in two directories). Its default id, ``none`` (older torch on one node, a
+        static rendezvous): on one machine, 8 hex digits of the agent's pid and start time (every
+        rank's parent); across machines, None."""
         run_id = self.env.get("TORCHELASTIC_RUN_ID", "")
-        if run_id in ("", "none"):
-            return None
-        if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", run_id):
-            run_id = run_id[:8]
-        return "torchrun-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+        if run_id not in ("", "none"):
+            return "torchrun-" + (run_id[:8] if _UUID.fullmatch(run_id) else re.sub(r"[^A-Za-z0-9_.-]", "_", run_id))
+        agent = _agent_id() if self.local_world_size == self.world_size else None
+        return None if agent is None else f"torchrun-{agent}"
+
+    @property
+    def launch_named(self) -> bool:
+        run_id = self.env.get("TORCHELASTIC_RUN_ID", "")
+        return self.run_name is not None and (_UUID.fullmatch(run_id) is not None or run_id in ("", "none"))
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _agent_id() -> str | None:
+    """8 hex digits of this process's parent's pid and start time (torchrun's agent: every local
+    rank's), or None where /proc does not say."""
+    import hashlib
+
+    parent = os.getppid()
+    try:
+        started = open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return hashlib.sha1(f"{parent}:{started}".encode()).hexdigest()[:8]
 
 
 class Slurm(Environment):
@@ -243,6 +271,10 @@ class Slurm(Environment):
     @property
     def run_name(self) -> str | None:
         return slurm.run_name(self.env)
+
+    @property
+    def launch_named(self) -> bool:
+        return self.run_name is not None  # its job's id
 
 
 class Kubeflow(Environment):
