@@ -63,7 +63,7 @@ def _session_folder(config: pytest.Config) -> Path:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Say that this test process has collected: an ``alone`` test waits for every process to have
     (collecting imports torch and every test module: a core's work for seconds, which no lock
-    covers, and which an ``alone`` test at the session's start read as load, 2026-11-28)."""
+    covers, and which an ``alone`` test at the session's start read as load, 2026-11-27)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         (_session_folder(session.config) / f"collected-{worker}").touch()

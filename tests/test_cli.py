@@ -399,7 +399,7 @@ def test_the_commands_workers_are_forked_from_the_command_itself(tmp_path: Path,
     multiprocessing's fork-server lock: a worker's first process waited for it for ever). That
     child is one worker's, under allreduce: the fork server is the same under every topology,
     and a worker's first child starts a fork server of its own, an interpreter that imports torch
-    (until 2026-11-28 every worker of every run here started one: 20 of the 32 s of CPU)."""
+    (until 2026-11-27 every worker of every run here started one: 20 of the 32 s of CPU)."""
     (tmp_path / "net.py").write_text(FORKED)
     child_in = "distsgd-worker-0" if algo == "allreduce" else ""
     parents = tmp_path / "parents"

@@ -70,7 +70,7 @@ def test_torchruns_ranks_share_the_name_of_their_run() -> None:
 def test_a_launchers_processes_are_the_workers_an_algorithm_is_chosen_for(monkeypatch) -> None:
     """In a group of torchrun's 2 processes with no algorithm named, allreduce, said in the
     launcher's words; ``single`` there is one line (each process would train a run of its own,
-    into the same files: what no --algo did until 2026-11-28)."""
+    into the same files: what no --algo did until 2026-11-27)."""
     from distsgd.api import settle
     from distsgd.config import RunConfig
 

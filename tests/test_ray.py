@@ -151,7 +151,7 @@ def test_ray_workers_train_in_the_group_ray_formed(cluster, tmp_path: Path) -> N
     line and exits 2. Then each destroys Ray's group and drops TorchTrainer's variables: a worker of
     a Ray Train trainer that forms no torch group (a DataParallelTrainer's), where each worker would
     train a run of its own, so distsgd refuses it in one line. (A DataParallelTrainer of its own ran
-    that until 2026-11-28: a trainer's start, 20 s of the suite.)"""
+    that until 2026-11-27: a trainer's start, 20 s of the suite.)"""
     (tmp_path / "seen").mkdir()
     runs = {algo: (settings, str(tmp_path / algo)) for algo, settings in RUNS.items()}
     config = {"runs": runs, "seen": str(tmp_path / "seen")}

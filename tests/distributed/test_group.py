@@ -94,7 +94,7 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
 @pytest.mark.slow
 def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     """Neither --algo nor --out: torchrun's processes are the workers, so the default is allreduce
-    (until 2026-11-28 it was --workers' 1: single, a run of its own in each process, into the same
+    (until 2026-11-27 it was --workers' 1: single, a run of its own in each process, into the same
     files), said once; the run's directory is named by torchrun's rendezvous id, every rank's (each
     rank's own clock named it: where their starts straddled a second, their checkpoint parts went
     into two directories, and the run stopped, "checkpoint 1 is missing the files of workers [1]")."""

@@ -106,7 +106,7 @@ def test_a_replacement_joins_and_takes_a_live_peers_state(
     monkeypatch.setenv("KILL_MARKER", str(tmp_path / "killed"))
     # the survivors train at 0.02 s a step until the replacement is in (else, on a busy machine,
     # they may finish first and it is stopped, too late): from then on at full speed (until
-    # 2026-11-28, slowed for all of their 210 steps left, 4.2 s, whenever it came in)
+    # 2026-11-27, slowed for all of their 210 steps left, 4.2 s, whenever it came in)
     monkeypatch.setenv("SLOW_UNTIL_WHOLE", "3")
     s = _train(tmp_path, kill_at, algo=algo, min_workers=2, restart_workers=1, **extra).summary
     assert (tmp_path / f"killed.{rank}").exists()
