@@ -374,6 +374,32 @@ def _only(settings: dict[str, Any], *names: str) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k in names}
 
 
+def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tuple[str | None, bool]:
+    """The run's ``resume`` and ``overwrite`` when its launcher started it again (torchrun's restart,
+    SLURM's requeue, a Kubeflow pod) into its run directory: it resumes from the checkpoint there;
+    with none, an earlier attempt's unfinished run (its directory named by this launch alone) is
+    replaced: from the start, in its place."""
+    again = where.restarted if where is not None else None
+    if not (again and cfg.out and not cfg.resume):
+        return cfg.resume, cfg.overwrite
+    assert where is not None
+    out = Path(cfg.out)
+    if read_manifest(out) is not None:
+        log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
+        return cfg.out, cfg.overwrite
+    if (
+        where.launch_named
+        and out.name.startswith(f"{where.run_name}-")
+        and out.is_dir()
+        and not (out / "summary.json").exists()
+        and rundir.is_ours(out)
+    ):
+        if place()[0] == 0:
+            log.warning("%s: no checkpoint in %s: training again from the start", again, cfg.out)
+        return cfg.resume, True
+    return cfg.resume, cfg.overwrite
+
+
 def settle(
     cfg: RunConfig, torchrun: bool, where: environment.Environment | None = None
 ) -> tuple[RunConfig, type[Algorithm]]:
@@ -393,25 +419,7 @@ def settle(
     # an algorithm that names its workers' optimiser (DiLoCo's inner one) has the last word on it
     algo_own = algo_cls.default_settings(cfg)
     own = {**algo_own, **recommended_settings(cfg.model), **_only(algo_own, "optimizer")}
-    again = where.restarted if where is not None else None  # torchrun restarted, SLURM requeued
-    resume, overwrite = cfg.resume, cfg.overwrite
-    if again and cfg.out and not cfg.resume:
-        out = Path(cfg.out)
-        if read_manifest(out) is not None:
-            log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
-            resume = cfg.out
-        elif (
-            where is not None
-            and where.launch_named
-            and out.name.startswith(f"{where.run_name}-")
-            and out.is_dir()
-            and not (out / "summary.json").exists()
-            and rundir.is_ours(out)
-        ):  # an earlier attempt's unfinished run (named by this launch alone): nothing to resume
-            # from, so from the start, in its place
-            if place()[0] == 0:
-                log.warning("%s: no checkpoint in %s: training again from the start", again, cfg.out)
-            overwrite = True
+    resume, overwrite = _after_restart(cfg, where)
     # the options complete (every one with its value), so that config.toml records them all
     # (and a resumed run's held against what it recorded, before anything else of it is read)
     cfg = settled(
