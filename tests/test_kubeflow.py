@@ -65,6 +65,7 @@ def test_torchruns_ranks_share_the_name_of_their_run() -> None:
     assert re.fullmatch(r"torchrun-[0-9a-f]{8}", one_machine.run_name or "") and one_machine.launch_named
     across = {**pod(1), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "none"}
     assert environment.detect(across).run_name is None  # the agents differ: --out or --rdzv-id names it
+    assert environment.detect(ranks).run_name is None  # no torchrun's id: processes started some other way
 
 
 def test_a_launchers_processes_are_the_workers_an_algorithm_is_chosen_for(monkeypatch) -> None:

@@ -222,13 +222,14 @@ class Torchrun(Environment):
         run_id = self.env.get("TORCHELASTIC_RUN_ID", "")
         if run_id not in ("", "none"):
             return "torchrun-" + (run_id[:8] if _UUID.fullmatch(run_id) else re.sub(r"[^A-Za-z0-9_.-]", "_", run_id))
-        agent = _agent_id() if self.local_world_size == self.world_size else None
+        # its agent is every local rank's parent (not so for processes a user started with these variables)
+        agent = _agent_id() if run_id == "none" and self.local_world_size == self.world_size else None
         return None if agent is None else f"torchrun-{agent}"
 
     @property
     def launch_named(self) -> bool:
         run_id = self.env.get("TORCHELASTIC_RUN_ID", "")
-        return self.run_name is not None and (_UUID.fullmatch(run_id) is not None or run_id in ("", "none"))
+        return self.run_name is not None and (_UUID.fullmatch(run_id) is not None or run_id == "none")
 
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
