@@ -374,6 +374,20 @@ def _only(settings: dict[str, Any], *names: str) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k in names}
 
 
+def default_algo(cfg: RunConfig, where: environment.Environment, cli: bool = True) -> tuple[str, str | None]:
+    """The algorithm a run that names none trains with, and the line that says so (None: the
+    baseline, said by nobody, or a rank other than 0): chosen for ``--workers``, or under a
+    launcher (torchrun, srun, ...) for its processes, which are the run's workers. A ``--workers``
+    that disagrees with them gets no line: :func:`~distsgd.launch.plan` refuses it in one."""
+    workers = cfg.workers
+    if where.launched:
+        workers = max(where.world_size, cfg.workers)
+    algo = registry.default_for(workers)
+    quiet = algo == registry.baseline() or (where.launched and (where.rank != 0 or workers != where.world_size))
+    launcher = where.name if where.launched else None
+    return algo, None if quiet else registry.chose(workers, cli=cli, launcher=launcher)
+
+
 def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tuple[str | None, bool]:
     """The run's ``resume`` and ``overwrite`` when its launcher started it again (torchrun's restart,
     SLURM's requeue, a Kubeflow pod) into its run directory: it resumes from the checkpoint there;
@@ -407,12 +421,11 @@ def settle(
     algorithm's), the general checks with the model's and the algorithm's own defaults, the topology's plan, the
     algorithm's own checks, then what resuming needs. The options come out complete (every one
     with its value), so config.toml records them all."""
-    # a launcher's group: its processes (a --workers above them is plan()'s one line)
-    workers = max(place()[1], cfg.workers) if torchrun else cfg.workers
-    algo = cfg.algo if cfg.algo is not None else registry.default_for(workers)
-    if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not torchrun or place()[0] == 0):
-        launcher = environment.current().name if torchrun else None
-        log.warning("%s", registry.chose(workers, cli=False, launcher=launcher))
+    algo = cfg.algo
+    if algo is None:
+        algo, said = default_algo(cfg, where if where is not None else environment.current(), cli=False)
+        if said and not cfg.quiet:
+            log.warning("%s", said)
     algo_cls = registry.class_for(algo, cfg)
     opts = registry.options_of(cfg, algo_cls)
     # unset settings: the model's own (gpt's, tuned for it), else the algorithm's (its paper's), else the field's;

@@ -197,18 +197,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from distsgd.algorithms import registry
-    from distsgd.api import default_out, run
+    from distsgd.api import default_algo, default_out, run
     from distsgd.launch import environment
 
     cfg = config_from_args(args)
     _hush(cfg.quiet)
-    # under a launcher (torchrun, srun, ...) its processes are the workers: the default is theirs
-    where = environment.detect()
-    workers = max(where.world_size, cfg.workers) if where.launched else cfg.workers
-    algo = cfg.algo if cfg.algo is not None else registry.default_for(workers)
-    if cfg.algo is None and algo != registry.baseline() and not cfg.quiet and (not where.launched or where.rank == 0):
-        sys.stderr.write(registry.chose(workers, launcher=where.name if where.launched else None) + "\n")
+    algo = cfg.algo
+    if algo is None:
+        algo, said = default_algo(cfg, environment.detect())
+        if said and not cfg.quiet:
+            sys.stderr.write(said + "\n")
     cfg = cfg.replace(algo=algo)
     if cfg.out is None:
         cfg = cfg.replace(out=str(default_out(algo, beside=_saved_run(args))))
