@@ -142,8 +142,8 @@ def test_bench_across_four_shaped_hosts(tmp_path: Path) -> None:
 @pytest.mark.every_core  # so that the two hosts are given cores of their own (beside the other tests: it reads no load)
 def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     """A run of a process group and of the hogwild++ ring across the link (each host's torchrun is
-    told the run's settings and the algorithm's options); single is left out: it runs on one
-    machine. (The parameter server across shaped hosts: the 4-host test above, its server on a host
+    told the run's settings and the algorithm's options; test_multihost's asgd starts them by
+    hand); single is left out: it runs on one machine. (The parameter server across shaped hosts: the 4-host test above, its server on a host
     of its own. It ran here too until 2026-11-27, a third of this test's 48 s in the suite.)"""
     from distsgd.bench.network import _cannot
 
@@ -166,6 +166,9 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     for s in ran.values():
         assert s["network"] == "50mbit" and s["samples"] >= 3000 and s["bytes_sent"] > 0
         assert s["workers"] == 2 and s["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
+    assert len(ran["allreduce"]["bytes_sent_per_worker"]) == 2 and min(ran["allreduce"]["bytes_sent_per_worker"]) > 0
+    ring = ran["hogwild++[update_delay=4,lr=0.05]"]
+    assert ring["clusters"] == 2 and ring["token_passes"] > 0  # each host a cluster: the token crossed the link
     cores = len(os.sched_getaffinity(0))
     for entry in bench["runs"]:  # each run's own summary.json says it crossed the link, and how it ran
         own = json.loads((tmp_path / "b" / entry["run_dir"] / "summary.json").read_text())

@@ -243,7 +243,9 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     after a few checkpoints; torchrun stops the group before the survivor finishes the budget and
     restarts the server and both workers, which resume from the server's last checkpoint (not from
     scratch) and finish it. (With a 5,744-sample budget the survivor used to finish the whole run
-    before torchrun noticed: the test passed without anything being resumed mid-run.)"""
+    before torchrun noticed: the test passed without anything being resumed mid-run.) Rank 0
+    serves: 2 workers of 3 processes (test_param_server_runs' test_torchrun_rank_zero_serves until
+    2026-11-28, a torchrun run of its own that this one's checks cover)."""
     out = tmp_path / "restarted"
     res = torchrun(
         *"--algo asgd --dataset digits --model".split(),
@@ -259,7 +261,8 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
     assert "exitcode: -9" in res.stderr and "resuming from the checkpoint" in res.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["samples"] >= 14360 and s["final_test_accuracy"] > 0.8
-    assert all(n > 0 for n in s["samples_per_worker"])
+    assert s["workers"] == 2 and len(s["samples_per_worker"]) == 2 and all(n > 0 for n in s["samples_per_worker"])
+    assert s["algo"] == "asgd" and s["staleness"]["histogram"]
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seqs = [e["seq"] for e in events if e["event"] == "checkpoint"]
     assert seqs[0] < 14360 // 400 // 2 and seqs == sorted(set(seqs))  # checkpoints from early on, none again:
