@@ -2,6 +2,7 @@
 
     python examples/ray_train.py                           # a local Ray cluster: allreduce, 2 workers
     python examples/ray_train.py --algo asgd               # a server and 2 workers: 3 Ray workers
+    python examples/ray_train.py --dataset /data/my.npz    # any --dataset distsgd reads
     RAY_ADDRESS=HEAD:6379 python examples/ray_train.py --workers 8 --storage s3://bucket/runs
 
 Ray Train's TorchTrainer forms the torch process group in every worker before it calls
@@ -29,7 +30,7 @@ def train_loop_per_worker(config: dict) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "run")  # rank 0's, handed to Ray below; the others write nothing
         result = distsgd.train(
-            model="mlp", data="fashion-mnist", algo=config["algo"], max_samples=12_000, lr=0.05, out=out, quiet=True
+            model="mlp", data=config["data"], algo=config["algo"], max_samples=12_000, lr=0.05, out=out, quiet=True
         )
         metrics = {k: result.summary[k] for k in ("final_test_accuracy", "samples_per_s", "workers")}
         run = ray.train.Checkpoint.from_directory(out) if rank == 0 else None
@@ -39,6 +40,7 @@ def train_loop_per_worker(config: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--algo", default="allreduce")
+    parser.add_argument("--dataset", default="fashion-mnist", help="as distsgd train's --dataset")
     parser.add_argument("--workers", type=int, default=2, help="training workers (a parameter server adds a rank)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--storage", default=None, help="where Ray keeps the run (default: ~/ray_results)")
@@ -47,7 +49,7 @@ if __name__ == "__main__":
     ray.init()  # RAY_ADDRESS: a running cluster; else a local one on this machine
     result = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"algo": args.algo},
+        train_loop_config={"algo": args.algo, "data": args.dataset},
         scaling_config=ray.train.ScalingConfig(
             num_workers=args.workers + serves, resources_per_worker={"CPU": args.cpus_per_worker}
         ),

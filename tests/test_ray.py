@@ -202,12 +202,13 @@ def test_the_ray_example_on_a_running_cluster(cluster, tmp_path: Path) -> None:
     import ray
 
     script = [sys.executable, str(HERE.parent / "examples" / "ray_train.py"), "--cpus-per-worker", "0.5"]
+    script += ["--dataset", "digits"]  # Fashion-MNIST's 70,000 images took each worker 5 s to read here
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONUNBUFFERED": "1"}
     res = subprocess.run(
         [*script, "--storage", str(tmp_path)], cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=240
     )
     assert res.returncode == 0, res.stderr[-3000:]
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", res.stdout).group(1))
-    assert accuracy > 0.7, res.stdout
+    assert accuracy > 0.85, res.stdout
     run = Path(re.search(r"the run directory: (\S+)", res.stdout).group(1))
     assert json.loads((run / "summary.json").read_text())["workers"] == 2 and (run / "model.pt").is_file()
