@@ -352,8 +352,9 @@ def test_the_final_figures_say_which_model_they_describe(tmp_path: Path) -> None
 
 # --- a signal's stop keeps the work: a final checkpoint at the next step -----------------------------
 
-BUDGET = 50 * 1437  # digits' training samples, fifty epochs: the signal lands mid-run (ten took 0.16 s
-# of training under local-sgd, and a signal after the loop's end keeps its last step, not a mid-run one)
+BUDGET = 30 * 1437  # digits' training samples, thirty epochs: the signal lands mid-run (ten took 0.16 s
+# of training under local-sgd on 2 cores, and a signal after the loop's end keeps its last step, not a
+# mid-run one). Fifty until 2026-11-28: each test trains the budget twice, 20 s of the suite's wall.
 
 
 def _signalled_mid_run(common: list[str], out: Path, how: str) -> tuple[subprocess.Popen, str]:
