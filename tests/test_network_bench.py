@@ -143,8 +143,9 @@ def test_bench_across_four_shaped_hosts(tmp_path: Path) -> None:
 def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     """A run of a process group and of the hogwild++ ring across the link (each host's torchrun is
     told the run's settings and the algorithm's options; test_multihost's asgd starts them by
-    hand); single is left out: it runs on one machine. (The parameter server across shaped hosts: the 4-host test above, its server on a host
-    of its own. It ran here too until 2026-11-27, a third of this test's 48 s in the suite.)"""
+    hand); single is left out: it runs on one machine. (The parameter server across shaped hosts:
+    the 4-host test above, its server on a host of its own. It ran here too until 2026-11-27, a
+    third of this test's 48 s in the suite.)"""
     from distsgd.bench.network import _cannot
 
     why = _cannot()

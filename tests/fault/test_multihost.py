@@ -121,7 +121,8 @@ def test_torchrun_across_two_hosts(two_hosts, tmp_path: Path) -> None:
     commands start them. (allreduce and hogwild++, each host one cluster of the ring, ran here too
     until 2026-11-28, 26 s of the suite: the same `torchrun --nnodes 2` across two namespaces is
     test_network_bench's test_bench_across_a_shaped_network, whose bench starts each host's
-    torchrun as this test does, and checks the same figures of both runs.)"""
+    torchrun as this test does, and checks both runs' figures: workers, bytes, the ring's clusters
+    and token passes.)"""
     names, veth = two_hosts
     out = tmp_path / "run"
     results = _run_on_both(names, veth, "asgd", out, 29512)
