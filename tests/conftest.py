@@ -89,8 +89,19 @@ def _quiet(limit_s: float) -> None:
             return
 
 
-@pytest.fixture(autouse=True)
-def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Each test's whole protocol (setup, call, teardown) holds :func:`_the_machine`'s locks: the
+    fixtures of a module or session a test is the first to need are set up in its setup, so they
+    start under the locks too (a module's fixture in one test process, a run or a Ray cluster
+    started outside them, was load to an ``alone`` test in the other: it read 2 cores busy where 1
+    was, at the start of the suite of 2026-11-28)."""
+    with _the_machine(item):
+        yield
+
+
+@contextlib.contextmanager
+def _the_machine(item: pytest.Item) -> Iterator[None]:
     """Tests run in parallel (pytest-xdist's processes, ``-n`` in pyproject.toml), except those
     marked ``alone`` (they read the machine's load): one of them waits until the tests running
     now have ended, and none starts while it runs. A lock file shared by the session's processes,
@@ -106,9 +117,9 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         return
     import fcntl
 
-    folder = tmp_path_factory.getbasetemp().parent  # the session's, above each process's own
-    alone = request.node.get_closest_marker("alone") is not None
-    group = request.node.get_closest_marker("one_at_a_time")
+    folder = _session_folder(item.config)
+    alone = item.get_closest_marker("alone") is not None
+    group = item.get_closest_marker("one_at_a_time")
     with contextlib.ExitStack() as held:
         gate, machine = (held.enter_context(open(folder / name, "a")) for name in ("gate.lock", "machine.lock"))
         fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
@@ -119,7 +130,7 @@ def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
             fcntl.flock(held.enter_context(open(folder / f"{group.args[0]}.lock", "a")), fcntl.LOCK_EX)
         # the machine is an ``alone`` test's: all of it. An ``every_core`` test spreads what it starts
         # over every core (a bench's hosts pinned to cores of their own), beside the other tests.
-        if (alone or request.node.get_closest_marker("every_core") is not None) and ALL_CORES:
+        if (alone or item.get_closest_marker("every_core") is not None) and ALL_CORES:
             os.sched_setaffinity(0, ALL_CORES)
             held.callback(os.sched_setaffinity, 0, _own_cores())
         if alone:
