@@ -408,7 +408,7 @@ def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tup
         and not (out / "summary.json").exists()
         and rundir.is_ours(out)
     ):
-        if place()[0] == 0:
+        if where.rank == 0:
             log.warning("%s: no checkpoint in %s: training again from the start", again, cfg.out)
         return cfg.resume, True
     return cfg.resume, cfg.overwrite
