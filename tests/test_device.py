@@ -449,3 +449,27 @@ print("left cleanly", landing.done, real(signal.SIGTERM, signal.SIG_DFL) == sign
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     assert res.stdout.strip() == "left cleanly True True"
+
+
+def test_a_sigterm_landing_as_the_workers_last_call_begins_prints_no_traceback() -> None:
+    """The second GPU run's form of it (every allreduce, DiLoCo and hogwild example there):
+    the launcher's SIGTERM arrived while the worker's body was being torn down in C++ (CUDA's
+    frees), and Python ran its handler at the next call, the one into ``_stop_just_ends_it``:
+    ``procs.py line 307, in _bootstrap: _stop_just_ends_it()``, ``line 310 ... def
+    _stop_just_ends_it()``, ``raise Terminated``. Made certain here with a real SIGTERM, sent by
+    the worker to itself as that call begins."""
+    code = """
+import os, pickle, signal
+from distsgd.launch import procs
+procs._exit_with_launcher = lambda: None  # no launcher to watch: this is the process's own main
+real = procs._stop_just_ends_it
+def landing():
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler raises Terminated here, as the call begins
+    real()
+procs._stop_just_ends_it = landing
+procs._bootstrap(dict(os.environ), lambda: None, procs._Later(None, pickle.dumps(())))
+print("left cleanly", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert res.stdout.strip() == "left cleanly True"

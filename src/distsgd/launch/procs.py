@@ -304,7 +304,11 @@ def _bootstrap(env: dict[str, str], target: Callable[..., None], args: _Later) -
         # worker still leaving its process group once every result is in): nothing more to say
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     finally:
-        _stop_just_ends_it()
+        try:
+            _stop_just_ends_it()
+        except Terminated:  # it landed as the call began (a GPU worker's teardown, before it), before the
+            # call's own guard: the handler has set SIG_IGN as it raised, so this one runs to its end
+            _stop_just_ends_it()
 
 
 def _stop_just_ends_it() -> None:
