@@ -91,3 +91,26 @@ def test_hogwild_threads_train_one_model_in_one_process() -> None:
     assert threads["samples_per_worker"] == processes["samples_per_worker"]
     # Hogwild!'s spread on this job is wide (0.77 and 0.92 from one setting): both far above chance (0.1)
     assert threads["final_test_accuracy"] > 0.6 and processes["final_test_accuracy"] > 0.6
+
+
+def pytorch_hogwild_loop(run: distsgd.Run, model: torch.nn.Module) -> None:
+    """pytorch/examples' mnist_hogwild habit: the model comes in ``args``, the optimiser is built on it."""
+    data = torch.utils.data.TensorDataset(torch.randn(256, 64), torch.randint(0, 10, (256,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = run.setup(model, opt)
+    for x, y in run.loader(data, batch_size=32):
+        opt.zero_grad()
+        run.backward(torch.nn.functional.cross_entropy(model(x), y))
+        opt.step()
+
+
+def test_a_user_loop_under_hogwild_threads_is_refused_in_one_line() -> None:
+    """Threads would share the caller's model and optimiser objects, where processes each get a copy
+    of ``main``'s args: one thread's ``optimizer.step()`` changed tensors another's autograd had saved
+    (the GPU run of 2026-11-28: examples/mnist_hogwild with --cuda, 'modified by an inplace
+    operation'). ``on`` is refused in one line; ``auto`` (threads on one GPU) keeps processes for a
+    user's loop, which tests/test_examples.py's mnist_hogwild --cuda run shows on a GPU."""
+    model = torch.nn.Linear(64, 10)
+    with pytest.raises(distsgd.ConfigError, match="leave it at auto") as info:
+        distsgd.spawn(pytorch_hogwild_loop, model, "hogwild", 2, args=(model,), hogwild_threads="on", quiet=True)
+    assert "\n" not in str(info.value)

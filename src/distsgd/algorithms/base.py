@@ -181,9 +181,10 @@ class SharedMemory(Topology):
         """How many models the launcher keeps in shared memory."""
         return 1
 
-    def threads(self, cfg: RunConfig) -> bool:
+    def threads(self, cfg: RunConfig, own_loop: bool = False) -> bool:
         """Whether the workers run as threads of the launching process (sharing its models
-        outright) rather than processes (sharing them through shared memory or CUDA IPC)."""
+        outright) rather than processes (sharing them through shared memory or CUDA IPC).
+        ``own_loop``: the workers run a user's loop (``distsgd.spawn``)."""
         return False
 
     def extras(self, cfg: RunConfig, mpc: BaseContext, models: list[nn.Module]) -> object:

@@ -288,13 +288,23 @@ class HogwildThreadOptions(HogwildOptions):
 class HogwildTopology(HogwildMemory):
     """Hogwild!'s, and where its workers run: processes, or threads of the launching process."""
 
-    def threads(self, cfg: RunConfig) -> bool:
+    def threads(self, cfg: RunConfig, own_loop: bool = False) -> bool:
         """Whether the workers run as threads of one process: asked (``--hogwild-threads on``), or
         by default where several share one GPU (processes' kernels on one GPU take turns: 1, 2 and
         4 processes ran resnet20 at 16.3k, 15.7k and 15.5k samples/s on an H200; threads, each
         step a CUDA graph on its own stream, 28k, 38k and 46k). A lock round every update is a
-        process lock: with --hogwild-lock the workers stay processes."""
+        process lock: with --hogwild-lock the workers stay processes. So do a user's loop's: each
+        must get its own copy of ``main``'s arguments, as a process does (threads would share the
+        caller's model and optimiser objects, and one thread's ``optimizer.step()`` would change
+        tensors another's autograd had saved: the GPU run of 2026-11-28's mnist_hogwild example)."""
         opts = HogwildThreadOptions.pick(cfg.options)
+        if own_loop:  # a process gets its own copy of main's args, a thread the caller's very objects
+            if opts.hogwild_threads == "on":
+                raise ConfigError(
+                    "--hogwild-threads on runs a loop's workers as threads, which would share your "
+                    "model, optimiser and other args instead of each getting its own copy: leave it at auto"
+                )
+            return False
         if opts.hogwild_threads != "auto":
             return opts.hogwild_threads == "on"
         one_gpu = cfg.device.startswith("cuda:") or device.cuda_count() == 1

@@ -201,7 +201,7 @@ class Machine:
         self.link = link(self.models[0], self.handles) if link is not None else None
         # Hogwild! workers sharing one GPU: threads of this process, each step a CUDA graph (when the
         # settings allow one) replayed on the thread's own stream; processes' kernels would take turns
-        self.threaded = link is None and topology.threads(cfg)
+        self.threaded = link is None and topology.threads(cfg, own_loop=self.own)
         self.handles.threads = self.threaded
         graphs = (
             self.threaded
