@@ -222,6 +222,7 @@ def reap(grace_s: float = 5, spare: Collection[int] = ()) -> list[int]:
         _reap_zombies()
         left = live()
     for pid in left:
+        _LAST_SEEN[pid] = _what(pid)  # read before it is killed: the failure message names it
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -230,12 +231,25 @@ def reap(grace_s: float = 5, spare: Collection[int] = ()) -> list[int]:
     return left
 
 
+_LAST_SEEN: dict[int, str] = {}
+
+
+def _what(pid: int) -> str:
+    """A process as the failure message names it: its parent and command line."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        ppid = next(x.split()[1] for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("PPid:"))
+    except (OSError, StopIteration):
+        return f"{pid} (gone)"
+    return f"{pid} (parent {ppid}): {cmd[:300]}"
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     """Fail a test that leaves processes behind, and kill them so the next test starts clean."""
     yield
     left = reap()
-    assert not left, f"processes left behind: {left}"
+    assert not left, "processes left behind: " + "; ".join(_LAST_SEEN.get(p, str(p)) for p in left)
 
 
 # Helpers that live as long as the test process by design, not workers of a run. (The fork server
