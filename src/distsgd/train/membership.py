@@ -203,7 +203,7 @@ class Membership:
                 self.store.wait([arrived_key(self.gen, r) for r in self.members], _GATHER_SLICE)
                 return
             except RuntimeError:  # DistStoreError: not all of them yet
-                pass
+                _stop_if_asked()
             latest = _latest(self.store)
             if latest > self.gen:
                 self._follow(latest)
@@ -266,12 +266,35 @@ class Membership:
         """Leave the group and join the next generation's (the launcher's word, waited for up to
         ``--timeout``). Returns the first ranks lost and those that joined since the last one."""
         before = set(self.members)
-        self.store.wait([generation_key(self.gen + 1)], self.timeout)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:  # in slices: a stop asked for meanwhile ends the wait (see _stop_if_asked)
+            try:
+                self.store.wait([generation_key(self.gen + 1)], _GATHER_SLICE)
+                break
+            except RuntimeError:  # DistStoreError: not yet
+                _stop_if_asked()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the launcher announced no next generation of the group within --timeout "
+                        f"({self.timeout.total_seconds():g} s)"
+                    ) from None
         self.gen = int(self.store.get(LATEST).decode())  # the newest, where several came at once
         self.members = _members(self.store, self.gen)
         _abandon_default_group()
         self._init(backend)
         return sorted(before - set(self.members)), sorted(set(self.members) - before)
+
+
+def _stop_if_asked() -> None:
+    """Raise :class:`~distsgd.errors.Terminated` where a signal asked this worker to stop while it
+    waits for the next generation, or for its group to form: no step comes that it could stop at. The launcher that ends a
+    run below --min-workers announces no generation and stops its survivors with SIGTERM; a
+    survivor waiting here held on until its SIGKILL, 5 s later (a wait past the announcement
+    returns first: a stop asked for then comes at the next step, as usual)."""
+    from distsgd.errors import STOP, Terminated
+
+    if STOP.requested is not None:
+        raise Terminated(*STOP.requested)
 
 
 class _Forming(dist.Store):
@@ -297,7 +320,7 @@ class _Forming(dist.Store):
                 self.store.wait(keys, _GATHER_SLICE)
                 return
             except RuntimeError:  # DistStoreError: not yet
-                pass
+                _stop_if_asked()
             if self.member.loss_announced(self.store):
                 raise Lost(f"a member of generation {self.member.gen} was lost while its group formed")
             if time.monotonic() > deadline:
@@ -461,6 +484,7 @@ def _announced_soon(member: Membership, store: dist.Store) -> bool:
     while not member.loss_announced(store):
         if time.monotonic() > deadline:
             return False
+        _stop_if_asked()
         time.sleep(0.05)
     return True
 
