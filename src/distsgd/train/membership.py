@@ -287,10 +287,11 @@ class Membership:
 
 def _stop_if_asked() -> None:
     """Raise :class:`~distsgd.errors.Terminated` where a signal asked this worker to stop while it
-    waits for the next generation, or for its group to form: no step comes that it could stop at. The launcher that ends a
-    run below --min-workers announces no generation and stops its survivors with SIGTERM; a
-    survivor waiting here held on until its SIGKILL, 5 s later (a wait past the announcement
-    returns first: a stop asked for then comes at the next step, as usual)."""
+    waits for the next generation, or for its group to form: no step comes that it could stop at.
+    The launcher that ends a run below --min-workers announces no generation and stops its
+    survivors with SIGTERM; a survivor waiting here held on until its SIGKILL, 5 s later (a wait
+    that the announcement ends first returns: a stop asked for then comes at the next step, as
+    usual). A launcher stopped by a signal announces nothing more either."""
     from distsgd.errors import STOP, Terminated
 
     if STOP.requested is not None:
