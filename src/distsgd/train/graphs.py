@@ -6,7 +6,9 @@ docs/BENCHMARKS.md). Captured, the forward, the loss, the backward, --clip-grad-
 optimiser's update are one launch. Following PyTorch's "whole network capture": the first
 ``WARMUP`` full batches train eagerly on a side stream (cuDNN picks its kernels, the optimiser
 makes its state), then the step is captured with the batch in static buffers, and every later full
-batch is copied into them and replayed. What the step does on the host (the counters, the
+batch is copied into them and replayed. Where the training tensors are on the device (no
+``--augment``), the graph gathers each batch from them itself, and only the batch's indices are
+copied in: a step's host work is then one copy and the replay. What the step does on the host (the counters, the
 algorithm's ``after_step``, progress) runs after each replay, as ``run.step`` would. A batch of
 another shape (the epoch's last, partial one) and evaluations run eagerly; the gradients and the
 optimiser's state are the same tensors either way (``zero_grad(set_to_none=False)``).
@@ -65,20 +67,31 @@ def graphs_refusal(cfg: "RunConfig", kind: str) -> str | None:
 class GraphedSteps:
     """One worker's captured step (see the module's docstring)."""
 
-    def __init__(self, run: "Run", model: nn.Module, loss_fn: Callable, where: torch.device) -> None:
+    def __init__(
+        self,
+        run: "Run",
+        model: nn.Module,
+        loss_fn: Callable,
+        where: torch.device,
+        source: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self.run, self.model, self.loss_fn = run, model, loss_fn
+        # the training tensors on the device, when the graph gathers each batch from them itself:
+        # a step is then one copy (the batch's indices) and the replay, where it was two gathers,
+        # two copies and the replay (half the host's time a step, benchmarks/host_step.py)
+        self.source = source
         self.stream = torch.cuda.Stream(where) if where.type == "cuda" else None
         self.graph: Any = None
         self.shape: tuple | None = None  # the full batch's shapes and dtypes, from the first batch
         self.warm = 0
         self.failed: str | None = None  # why the capture failed (the worker then trains eagerly)
         self.replays = 0
-        self.static: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.static: tuple[torch.Tensor, ...] | None = None  # the graph's inputs: (x, y), or (indices,)
 
-    def take(self, x: torch.Tensor, y: torch.Tensor, eager: Callable[[], None]) -> None:
-        """One step on the batch (x, y): replayed once captured, if the batch is a full one; else
-        ``eager()``, the loop's own step."""
-        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+    def take(self, batch: tuple[torch.Tensor, ...], eager: Callable[[], None]) -> None:
+        """One step on ``batch``, (x, y) or, with ``source``, (indices into it,): replayed once
+        captured, if the batch is a full one; else ``eager()``, the loop's own step."""
+        key = tuple((tuple(t.shape), t.dtype) for t in batch)
         if self.shape is None:
             self.shape = key
         with _GPU:
@@ -92,7 +105,7 @@ class GraphedSteps:
                 return
             if self.graph is None:
                 try:
-                    self._capture(x, y)
+                    self._capture(batch)
                 except Exception as exc:  # noqa: BLE001 - any capture failure: say so once, train eagerly
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     self.failed = f"{type(exc).__name__}: {first}"
@@ -100,7 +113,7 @@ class GraphedSteps:
                     self.graph = None
                     eager()
                     return
-            self._replay(x, y)
+            self._replay(batch)
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
@@ -112,8 +125,8 @@ class GraphedSteps:
             yield
         torch.cuda.current_stream().wait_stream(self.stream)
 
-    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.static = (x.clone(), y.clone())
+    def _capture(self, batch: tuple[torch.Tensor, ...]) -> None:
+        self.static = tuple(t.clone() for t in batch)
         with self._side_stream():
             self.graph = device.capture_step(self._device_step, self.stream)
 
@@ -121,7 +134,10 @@ class GraphedSteps:
         """The step's GPU work, as captured: no host bookkeeping here (it would run once only)."""
         run = self.run
         assert self.static is not None
-        sx, sy = self.static
+        if self.source is not None:  # the batch gathered here, in the graph, from its indices
+            sx, sy = (t.index_select(0, self.static[0]) for t in self.source)
+        else:
+            sx, sy = self.static
         for opt in run._optimizers:
             opt.zero_grad(set_to_none=False)
         loss = self.loss_fn(self.model(sx), sy)
@@ -132,11 +148,10 @@ class GraphedSteps:
         for real in run._real:
             real.update()
 
-    def _replay(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _replay(self, batch: tuple[torch.Tensor, ...]) -> None:
         assert self.static is not None
-        sx, sy = self.static
-        sx.copy_(x, non_blocking=True)
-        sy.copy_(y, non_blocking=True)
+        for static, t in zip(self.static, batch):
+            static.copy_(t, non_blocking=True)
         self.graph.replay()
         self.replays += 1
         self.run._replayed_step()

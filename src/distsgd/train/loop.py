@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import torch
 
 from distsgd.checkpoint import RngState, optimizer_layout, scatter
+from distsgd.data import Dataset
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.train import device, membership
@@ -208,7 +209,12 @@ class _Worker:
             st.epoch, st.start = divmod(st.local, self.per_epoch) if self.per_epoch else (0, st.local)
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
-        self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device) if cfg.cuda_graphs else None
+        # --cuda-graphs on tensors on the device (no --augment, whose crops are drawn on the host):
+        # the graph gathers each batch itself, and the loop gives it the batch's indices only
+        ds = ctx.dataset
+        self.gathers = cfg.cuda_graphs and isinstance(ds, Dataset) and not ds.augment
+        source = (ds.x_train, ds.y_train) if self.gathers and isinstance(ds, Dataset) else None
+        self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device, source) if cfg.cuda_graphs else None
         if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
             run._where["compile_s"] = round(self.warm_compiled(), 3)
         self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
@@ -301,6 +307,10 @@ class _Worker:
         ctx, ds, st = self.ctx, self.ctx.dataset, self.state
         if self.stream:
             return cast("TorchData", ds).stream_batches(ctx.data_rank, ctx.data_world, st.start, self.cfg.batch_size)
+        if self.gathers:  # a batch's indices, as a 1-tuple: the graph, or eager_step, gathers it
+            order = self.epoch_order().to(cast(Dataset, ds).x_train.device)
+            bs = self.cfg.batch_size
+            return ((order[first : first + bs],) for first in range(st.start, len(order), bs))
         return ds.batches(self.epoch_order(), st.start, self.cfg.batch_size)
 
     def epoch_order(self) -> torch.Tensor:
@@ -315,11 +325,10 @@ class _Worker:
         algorithm synchronises only after the last one."""
         run = self.run
         started = time.perf_counter()
-        n = sum(len(y) for _, y in micro)
+        n = sum(len(batch[-1]) for batch in micro)  # (x, y)'s y, or (indices,)
         run.count(n)
         if self.graphed is not None:  # --cuda-graphs: replayed once captured (a partial batch: eagerly)
-            x, y = micro[0]
-            self.graphed.take(x, y, lambda: self.eager_step(micro, n))
+            self.graphed.take(micro[0], lambda: self.eager_step(micro, n))
         else:
             self.eager_step(micro, n)
         if self.slowdown:
@@ -445,11 +454,19 @@ class _Worker:
                 }
             )
 
+    def gathered(self, batch: tuple[torch.Tensor, ...]) -> Batch:
+        """(x, y) of a batch given as such or, where the graph gathers (``self.gathers``), as its indices."""
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        ds = cast(Dataset, self.ctx.dataset)
+        return ds.x_train[batch[0]], ds.y_train[batch[0]]
+
     def eager_step(self, micro: list[Batch], n: int) -> None:
         run = self.run
         # with --cuda-graphs the gradients stay the tensors the graph writes
         run.optimizer.zero_grad(set_to_none=self.graphed is None)
-        for i, (x, y) in enumerate(micro):
+        for i, batch in enumerate(micro):
+            x, y = self.gathered(batch)
             with run.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 loss = self.loss_fn(self.model(x), y)  # the forward under --precision's autocast (run.setup)
                 run.backward(loss, len(y) / n if len(micro) > 1 else 1.0)
