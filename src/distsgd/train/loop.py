@@ -209,9 +209,8 @@ class _Worker:
             st.epoch, st.start = divmod(st.local, self.per_epoch) if self.per_epoch else (0, st.local)
         straggler = cfg.straggler_spec  # a simulated straggler sleeps (factor - 1) x its own step time
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
-        # --cuda-graphs on tensors on the device (no --augment, whose crops are drawn on the host):
+        # --cuda-graphs on tensors on the device (no --augment: a graph would replay the same crops):
         # the graph gathers each batch itself, and the loop gives it the batch's indices only
-        ds = ctx.dataset
         self.gathers = cfg.cuda_graphs and isinstance(ds, Dataset) and not ds.augment
         source = (ds.x_train, ds.y_train) if self.gathers and isinstance(ds, Dataset) else None
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device, source) if cfg.cuda_graphs else None
