@@ -8,8 +8,8 @@ optimiser's update are one launch. Following PyTorch's "whole network capture": 
 makes its state), then the step is captured with the batch in static buffers, and every later full
 batch is copied into them and replayed. Where the training tensors are on the device (no
 ``--augment``), the graph gathers each batch from them itself, and only the batch's indices are
-copied in: a step's host work is then one copy and the replay. What the step does on the host (the counters, the
-algorithm's ``after_step``, progress) runs after each replay, as ``run.step`` would. A batch of
+copied in: a step's host work is then one copy and the replay. What the step does on the host (the
+counters, the algorithm's ``after_step``, progress) runs after each replay, as ``run.step`` would. A batch of
 another shape (the epoch's last, partial one) and evaluations run eagerly; the gradients and the
 optimiser's state are the same tensors either way (``zero_grad(set_to_none=False)``).
 
