@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Item = tuple[torch.Tensor, ...]  # what the loop steps on: a Batch, or (where the graph gathers) (indices,)
 CHECK_S = 0.1  # about how often the workers ask one another whether a signal asked the run to stop
 
 
@@ -167,9 +168,9 @@ class _Layout:
         optimizer_layout(state)
 
 
-def _groups(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:
+def _groups(batches: Iterator[Item], k: int) -> Iterator[list[Item]]:
     """The micro-batches of each step: ``k`` at a time (the epoch's last step may have fewer)."""
-    group: list[Batch] = []
+    group: list[Item] = []
     for batch in batches:
         group.append(batch)
         if len(group) == k:
@@ -301,7 +302,7 @@ class _Worker:
         # a stream's last step is known only once its pass has ended: an evaluation may fall on it
         return st.epoch > last or (st.epoch == last and bool(self.per_epoch) and st.start >= self.per_epoch)
 
-    def epoch_batches(self) -> Iterator[Batch]:
+    def epoch_batches(self) -> Iterator[Item]:
         """This epoch's batches for this worker, from where the epoch stands (a resumed run's)."""
         ctx, ds, st = self.ctx, self.ctx.dataset, self.state
         if self.stream:
@@ -318,7 +319,7 @@ class _Worker:
             ctx.dataset.n_train, self.state.epoch, ctx.data_rank, ctx.data_world, cfg.seed, cfg.partition
         )
 
-    def step(self, micro: list[Batch]) -> None:
+    def step(self, micro: list[Item]) -> None:
         """One update from ``micro`` (``--accumulate`` micro-batches): each one's loss is weighted
         by its share of the step's samples, so the gradient is the mean over all of them, and the
         algorithm synchronises only after the last one."""
@@ -453,14 +454,14 @@ class _Worker:
                 }
             )
 
-    def gathered(self, batch: tuple[torch.Tensor, ...]) -> Batch:
+    def gathered(self, batch: Item) -> Batch:
         """(x, y) of a batch given as such or, where the graph gathers (``self.gathers``), as its indices."""
         if len(batch) == 2:
             return batch[0], batch[1]
         ds = cast(Dataset, self.ctx.dataset)
         return ds.x_train[batch[0]], ds.y_train[batch[0]]
 
-    def eager_step(self, micro: list[Batch], n: int) -> None:
+    def eager_step(self, micro: list[Item], n: int) -> None:
         run = self.run
         # with --cuda-graphs the gradients stay the tensors the graph writes
         run.optimizer.zero_grad(set_to_none=self.graphed is None)
