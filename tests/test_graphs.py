@@ -38,12 +38,23 @@ def replayed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return captures
 
 
-def test_a_captured_step_replayed_ends_with_the_eager_runs_weights(replayed: list[int]) -> None:
+@pytest.mark.parametrize("augment", [False, True])
+def test_a_captured_step_replayed_ends_with_the_eager_runs_weights(
+    replayed: list[int], monkeypatch: pytest.MonkeyPatch, augment: bool
+) -> None:
     """digits: 1437 training samples, 22 full batches of 64 and a partial one per epoch: 3 eager
     warm-up steps, one capture, 41 replays, the two partial batches eager; every update the eager
-    run's, and the counters and the training loss those of 46 steps."""
-    eager = distsgd.train(algo="single", **COMMON)
-    graphed = distsgd.train(algo="single", cuda_graphs=True, **COMMON)
+    run's, and the counters and the training loss those of 46 steps. Without --augment the graph
+    gathers each batch from its indices (what it was given is the indices); with it, the loop
+    gathers and crops each batch and copies it in (x and y)."""
+    given: list[int] = []
+    take = graphs.GraphedSteps.take
+    monkeypatch.setattr(
+        graphs.GraphedSteps, "take", lambda self, batch, eager: (given.append(len(batch)), take(self, batch, eager))[1]
+    )
+    eager = distsgd.train(algo="single", augment=augment, **COMMON)
+    graphed = distsgd.train(algo="single", cuda_graphs=True, augment=augment, **COMMON)
+    assert set(given) == ({2} if augment else {1})
     assert replayed == [1]
     assert torch.equal(_state(graphed.model), _state(eager.model))
     s = graphed.summary
