@@ -304,26 +304,22 @@ def _bootstrap(env: dict[str, str], target: Callable[..., None], args: _Later) -
         # worker still leaving its process group once every result is in): nothing more to say
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     finally:
+        # From here on a SIGTERM ends the worker (its body is done, or failed and said so). The
+        # launcher's SIGTERM may land here, as the handler's Terminated, anywhere from the call on
+        # (a slow exit, CUDA's or NCCL's, made that common: a traceback printed after a run that had
+        # succeeded): its work is what this does, so it is swallowed, and the second call, the
+        # handler having set SIG_IGN as it raised, runs to its end.
         try:
             _stop_just_ends_it()
-        except Terminated:  # it landed as the call began (a GPU worker's teardown, before it), before the
-            # call's own guard: the handler has set SIG_IGN as it raised, so this one runs to its end
+        except Terminated:
             _stop_just_ends_it()
 
 
 def _stop_just_ends_it() -> None:
-    """From here on a SIGTERM ends the worker (its body is done, or failed and said so). The
-    launcher's SIGTERM may land while this runs, as the handler's Terminated: its work is what this
-    does, so it is swallowed (a slow exit, CUDA's or NCCL's, made that common: a traceback
-    printed after a run that had succeeded)."""
+    """SIGTERM's default action from now on (see :func:`_bootstrap`'s last lines)."""
     import signal
 
-    for _ in range(2):  # the second time, the handler that raised has set SIG_IGN: no more raises
-        try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            return
-        except Terminated:
-            continue
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _exit_with_launcher() -> None:

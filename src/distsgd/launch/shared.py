@@ -204,11 +204,7 @@ class Machine:
         self.threaded = link is None and topology.threads(cfg, own_loop=self.own)
         self.handles.threads = self.threaded
         graphs = (
-            self.threaded
-            and self.device.type == "cuda"
-            and job.main is None  # a user's loop takes its own steps
-            and not cfg.cuda_graphs
-            and graphs_refusal(cfg, "cuda") is None
+            self.threaded and self.device.type == "cuda" and not cfg.cuda_graphs and graphs_refusal(cfg, "cuda") is None
         )
         self.worker_job = job.replace(cfg=cfg.replace(cuda_graphs=True)) if graphs else job
         per_epoch = samples_per_epoch(dataset.n_train, self.data_world, cfg.partition)

@@ -212,8 +212,8 @@ class _Worker:
         self.slowdown = straggler.factor - 1 if straggler is not None and straggler.rank == ctx.rank else 0.0
         # --cuda-graphs on tensors on the device (no --augment: a graph would replay the same crops):
         # the graph gathers each batch itself, and the loop gives it the batch's indices only
-        self.gathers = cfg.cuda_graphs and isinstance(ds, Dataset) and not ds.augment
-        source = (ds.x_train, ds.y_train) if self.gathers and isinstance(ds, Dataset) else None
+        source = (ds.x_train, ds.y_train) if cfg.cuda_graphs and isinstance(ds, Dataset) and not ds.augment else None
+        self.gathers = source is not None
         self.graphed = GraphedSteps(run, self.model, self.loss_fn, ctx.device, source) if cfg.cuda_graphs else None
         if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
             run._where["compile_s"] = round(self.warm_compiled(), 3)

@@ -198,12 +198,7 @@ class Membership:
         (that window is the group's own few milliseconds)."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         self.store.set(arrived_key(self.gen, self.first_rank), "1")
-        while True:
-            try:
-                self.store.wait([arrived_key(self.gen, r) for r in self.members], _GATHER_SLICE)
-                return
-            except RuntimeError:  # DistStoreError: not all of them yet
-                _stop_if_asked()
+        while not _arrived(self.store, [arrived_key(self.gen, r) for r in self.members]):
             latest = _latest(self.store)
             if latest > self.gen:
                 self._follow(latest)
@@ -267,22 +262,28 @@ class Membership:
         ``--timeout``). Returns the first ranks lost and those that joined since the last one."""
         before = set(self.members)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:  # in slices: a stop asked for meanwhile ends the wait (see _stop_if_asked)
-            try:
-                self.store.wait([generation_key(self.gen + 1)], _GATHER_SLICE)
-                break
-            except RuntimeError:  # DistStoreError: not yet
-                _stop_if_asked()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the launcher announced no next generation of the group within --timeout "
-                        f"({self.timeout.total_seconds():g} s)"
-                    ) from None
+        while not _arrived(self.store, [generation_key(self.gen + 1)]):  # (a stop asked for ends it)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the launcher announced no next generation of the group within --timeout "
+                    f"({self.timeout.total_seconds():g} s)"
+                )
         self.gen = int(self.store.get(LATEST).decode())  # the newest, where several came at once
         self.members = _members(self.store, self.gen)
         _abandon_default_group()
         self._init(backend)
         return sorted(before - set(self.members)), sorted(set(self.members) - before)
+
+
+def _arrived(store: dist.Store, keys: list[str]) -> bool:
+    """Whether every one of ``keys`` is set, waited for one slice; a stop asked for meanwhile
+    raises (:func:`_stop_if_asked`)."""
+    try:
+        store.wait(keys, _GATHER_SLICE)
+        return True
+    except RuntimeError:  # DistStoreError: not yet
+        _stop_if_asked()
+        return False
 
 
 def _stop_if_asked() -> None:
@@ -316,12 +317,7 @@ class _Forming(dist.Store):
     def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         limit = (timeout or self.member.timeout).total_seconds()
         deadline = time.monotonic() + limit
-        while True:
-            try:
-                self.store.wait(keys, _GATHER_SLICE)
-                return
-            except RuntimeError:  # DistStoreError: not yet
-                _stop_if_asked()
+        while not _arrived(self.store, keys):
             if self.member.loss_announced(self.store):
                 raise Lost(f"a member of generation {self.member.gen} was lost while its group formed")
             if time.monotonic() > deadline:
