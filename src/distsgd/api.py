@@ -273,6 +273,8 @@ def _run(
     if "safetensors" in cfg.save_formats:
         require_safetensors()
     if fresh and algo_cls.topology.spawns(torchrun):
+        # (not for a torchrun process that keeps a worker: a rank keeps torch's C++ warnings, which
+        # a server forked from it would pass on; a new one keeps its workers' to errors)
         procs.prefork_server()  # before any data is read: it imports the rest meanwhile
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
@@ -563,12 +565,13 @@ class _WithArgs:
         return self.main(run, *self.args)
 
 
-def _spawns(algo_cls: type[Algorithm], torchrun: bool) -> bool:
+def _spawns(algo_cls: type[Algorithm], torchrun: bool, cfg: RunConfig) -> bool:
     """Whether the run starts worker processes, which the user's code must travel to: not in a
-    launcher's group, whose ranks are the workers (or the server), but for its Hogwild! clusters.
+    launcher's group, whose ranks are the workers (or the server), but for its Hogwild! clusters,
+    and for a group that trains through losses (each process keeps one worker: launch.keepers).
     (Ray Train sends the functions of the driver's script by value: pickled again by reference
     here, they would not be found.)"""
-    return algo_cls.topology.spawns(torchrun)
+    return algo_cls.topology.spawns(torchrun) or (torchrun and cfg.trains_through)
 
 
 def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module:
@@ -586,7 +589,7 @@ def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module
             "with torch.cuda.graph (run.backward and opt.step inside it are the algorithm's)"
         )
     probe = build_model(job.model, (), 0, job.cfg.init, seed=job.cfg.seed)  # a model the workers can build
-    if _spawns(algo_cls, torchrun):
+    if _spawns(algo_cls, torchrun, cfg):
         _check_travels(
             (("main", job.main), ("model", job.model), ("optimizer", job.optimizer), ("callbacks", job.callbacks))
         )
@@ -617,7 +620,7 @@ def _check_job(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module
     probe = build_model(spec, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
     check_fits(probe, data.input_shape, data.num_classes, describe(spec), data.name, data.task)
     loss_function(cfg.loss, job.loss, data.task)
-    if _spawns(algo_cls, torchrun):
+    if _spawns(algo_cls, torchrun, cfg):
         datasets = [type(data.train), type(data.test)] if isinstance(data, TorchData) else []
         _check_travels(
             (

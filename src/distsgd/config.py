@@ -533,7 +533,7 @@ def validate(cfg: RunConfig) -> None:
     ):
         if name in cfg.loggers and cfg.out is None:
             raise ConfigError(f"--logger {name} writes {where}: give a run directory (--out; out= in Python)")
-    if cfg.min_workers is not None and cfg.min_workers > cfg.workers:
+    if cfg.min_workers is not None and cfg.min_workers > cfg.workers > 1:  # (--workers 1: torchrun's may say more)
         raise ConfigError(f"--min-workers {cfg.min_workers} is more than --workers {cfg.workers}")
     if cfg.straggler_spec is not None and cfg.straggler_spec.rank >= cfg.workers:
         raise ConfigError(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_here, kill_at_step_model
+from helpers import cli_here, kill_at_step_model, torchrun
 
 
 @pytest.fixture
@@ -285,6 +285,82 @@ def test_a_signal_after_a_loss_writes_the_survivors_checkpoint(tmp_path: Path, k
     assert s["workers"] == 3 and s["failed_workers"] == [] and s["replica_max_abs_diff"] == 0.0
 
 
+def _torchrun(tmp_path: Path, model: str, *args: str, **env: str):
+    """``torchrun --standalone --nproc-per-node 3`` of a run with --min-workers 2, its summary (None
+    where it failed) and what it said."""
+    run = tmp_path / "run"
+    res = torchrun(
+        "--model", model, "--dataset", "digits", "--min-workers", "2", "--max-samples", "12000",
+        "--batch-size", "16", "--schedule", "cosine", "--seed", "1", "--quiet", "--out", str(run), *args,
+        nproc=3, env=env,
+    )  # fmt: skip
+    summary = json.loads((run / "summary.json").read_text()) if res.returncode == 0 else None
+    return res, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo, rank, extra",
+    [
+        ("allreduce", "0", ["--lr", "0.05"]),  # the model returned comes from rank 1's keeper, on the store
+        ("diloco", "2", ["--sync-every", "10"]),
+    ],
+)
+def test_under_torchrun_a_lost_worker_is_trained_through(tmp_path: Path, kill_at: str, algo: str, rank: str, extra):
+    """Under torchrun each process keeps one worker (launch.keepers): a worker's death is no
+    process failure that torchrun's agent acts on (it would stop the node's every process), and the
+    others train on in the next generation, formed on the agent's store."""
+    res, s = _torchrun(tmp_path, kill_at, "--algo", algo, *extra, KILL_RANK=rank, KILL_STEP="40")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "waitForInput" not in res.stderr, res.stderr[-3000:]
+    assert s is not None and s["workers"] == 3
+    (rec,) = s["recoveries"]
+    assert rec["worker"] == int(rank) and rec["reason"] == "killed by SIGKILL" and rec["generation"] == 1
+    assert rec["workers"] == 2 and rec["recovery_s"] > 0
+    assert s["failed_workers"] == [int(rank)] and "restarts" not in s
+    assert s["samples"] >= 12000 and s["replica_max_abs_diff"] == 0.0 and s["final_test_accuracy"] > 0.8
+    assert s["bytes_sent"] > 0
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [int(rank)]
+    # every evaluation, those made before the loss and after, by whichever worker reported them
+    assert [e["samples"] for e in s["evals"]] == sorted({e["samples"] for e in events if e["event"] == "eval"})
+    assert s["evals"][0]["samples"] < rec["samples"] < s["evals"][-1]["samples"]
+    assert s["evals"][-1]["test_accuracy"] == s["final_test_accuracy"]
+    saved = cli_here("eval", "--checkpoint", str(tmp_path / "run"), "--model", kill_at, "--json")
+    assert saved.returncode == 0, saved.stderr[-2000:]  # the model saved is the one the summary describes
+    assert json.loads(saved.stdout)["test_accuracy"] == s["final_test_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, rank", [("ddp", "1"), ("allreduce", "0")])
+def test_under_torchrun_a_replacement_joins_and_takes_a_live_peers_state(tmp_path: Path, kill_at: str, algo, rank):
+    """With --restart-workers, the keeper whose worker died starts a replacement, which joins
+    the others at their next step and takes a live peer's state: three workers again."""
+    res, s = _torchrun(
+        tmp_path, kill_at, "--algo", algo, "--lr", "0.05", "--restart-workers", "1",
+        KILL_RANK=rank, KILL_STEP="40", KILL_MARKER=str(tmp_path / "killed"), SLOW_UNTIL_WHOLE="3",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / f"killed.{rank}").exists() and s is not None
+    lost, joined = s["recoveries"]
+    assert lost["worker"] == joined["worker"] == int(rank) and joined["joined"]
+    assert (lost["generation"], joined["generation"]) == (1, 2) and joined["workers"] == 3
+    assert len(s["restarts"]) == 1 and s["failed_workers"] == []
+    assert s["samples"] >= 12000 and s["replica_max_abs_diff"] == 0.0 and s["final_test_accuracy"] > 0.8
+    assert not list((tmp_path / "run").glob("checkpoint*/*.pt"))  # nothing came from disk
+
+
+@pytest.mark.slow
+def test_under_torchrun_below_min_workers_the_run_stops_in_one_line(tmp_path: Path, kill_at: str) -> None:
+    res, _ = _torchrun(tmp_path, kill_at, "--algo", "allreduce", "--lr", "0.05", KILL_RANK="1,2", KILL_STEP="40")
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert lines and set(lines) <= {
+        f"error: worker {r} failed: killed by SIGKILL; fewer than --min-workers 2 remain" for r in (1, 2)
+    }, res.stderr[-3000:]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_min_workers_is_refused_where_it_cannot_work() -> None:
     import distsgd
     from distsgd.errors import ConfigError
@@ -340,7 +416,7 @@ def test_a_collective_that_completes_as_its_wait_slice_ends_is_no_loss() -> None
     from distsgd.train import membership
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    member = membership.Membership("127.0.0.1", store.port, 0, 1, timeout_s=5)
+    member = membership.Membership(membership.StoreAt("127.0.0.1", store.port), 0, 1, timeout_s=5)
     try:
         member.wait(_Work(None))  # returns
         with pytest.raises(membership.Lost, match=r"^\[gloo/transport/tcp/pair.cc:553\] Connection closed by peer$"):
@@ -360,7 +436,7 @@ def _form(rank: int, port: int, came_and_died: bool, out) -> None:
 
     from distsgd.train import membership
 
-    member = membership.Membership("127.0.0.1", port, rank, 3, timeout_s=20)
+    member = membership.Membership(membership.StoreAt("127.0.0.1", port), rank, 3, timeout_s=20)
     if came_and_died:
         member.store.set(membership.arrived_key(0, rank), "1")
         os._exit(9)
@@ -419,7 +495,7 @@ def _raw(rank: int, port: int, out) -> None:
 
     from distsgd.train import membership
 
-    member = membership.Membership("127.0.0.1", port, rank, 3, timeout_s=20)
+    member = membership.Membership(membership.StoreAt("127.0.0.1", port), rank, 3, timeout_s=20)
     membership.set_current(member)
     member.join("gloo")
     if rank == 1:
@@ -475,7 +551,7 @@ import torch.distributed as dist
 from distsgd.errors import STOP, Terminated
 from distsgd.train import membership
 store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-member = membership.Membership("127.0.0.1", store.port, 0, 2, timeout_s=20)
+member = membership.Membership(membership.StoreAt("127.0.0.1", store.port), 0, 2, timeout_s=20)
 # the group it was in (here of one: the other member is never started), which it leaves
 dist.init_process_group("gloo", store=dist.PrefixStore("before", store), rank=0, world_size=1)
 if {announced}:

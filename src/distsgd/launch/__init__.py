@@ -41,6 +41,8 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     Under torchrun (or srun) the group's processes say how many workers there are; a ``--workers``
     other than 1 that says otherwise is a mistake (asgd's server takes one process)."""
     if algo_cls.topology.in_process:
+        if cfg.min_workers is not None and cfg.min_workers > 1:
+            raise ConfigError(f"--min-workers {cfg.min_workers}: {cfg.algo} trains in one process")
         if torchrun and place()[1] > 1:  # each rank would train a run of its own, into the same files
             raise ConfigError(
                 f"{cfg.algo} trains in one process, and this is one of {place()[1]} processes of "
@@ -54,6 +56,8 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
             f"--workers {cfg.workers}, but the group's {place()[1]} processes make "
             f"{planned.workers} {cfg.algo} workers: give --workers {planned.workers}, or leave it out"
         )
+    if cfg.min_workers is not None and cfg.min_workers > planned.workers:
+        raise ConfigError(f"--min-workers {cfg.min_workers} is more than the run's {planned.workers} workers")
     return planned
 
 

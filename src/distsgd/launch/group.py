@@ -6,7 +6,7 @@ lockstep.
   rank 0 also sends its metrics events, which the launching process writes. If a worker raises
   or dies, the others are stopped at once and the run fails with one line naming that worker;
   with ``--min-workers K`` (below ``--workers``) a worker that dies is left behind instead, and
-  the others train on while K remain (:mod:`distsgd.train.membership`).
+  the others train on while K remain (:mod:`distsgd.train.membership`; under torchrun, :mod:`.keepers`).
 - **torchrun, Ray Train**: this process *is* one worker. It joins the group its launcher formed
   (torchrun's ``env://``; Ray Train's, which exists already); rank 0 gathers the others' figures.
 """
@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from distsgd.algorithms.base import Algorithm
 from distsgd.checkpoint import resume_hint
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError
+from distsgd.errors import ConfigError, WorkerError
 from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import (
     LOOPBACK,
     check_backend,
     check_init_method,
+    formed_group,
     init_group,
     init_on_store,
     launcher_group,
@@ -56,8 +59,8 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     check_init_method(cfg.init_method)
     if cfg.trains_through:
         where = (
-            "under torchrun (use its --max-restarts, with --checkpoint-every)"
-            if torchrun
+            "in a process group formed before the run (Ray Train's): use torchrun, or --workers"
+            if torchrun and formed_group()
             else "with --init-method (the launcher holds the group's store on 127.0.0.1)"
             if cfg.init_method is not None
             else "on nccl (a failed NCCL collective cannot be left behind here): use --backend gloo"
@@ -65,52 +68,65 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
             else None
         )
         if where is not None:
-            raise ConfigError(f"--min-workers trains on without a lost worker in local gloo runs only, not {where}")
+            raise ConfigError(f"--min-workers trains on without a lost worker in gloo runs only, not {where}")
     return cfg
 
 
 def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
     """Every worker's result, rank 0 first (under torchrun, a rank > 0 gets only its own). A local
-    group that loses a worker restarts from its last checkpoint, ``--restart-workers`` times."""
+    group that loses a worker restarts from its last checkpoint, ``--restart-workers`` times; with
+    ``--min-workers`` it trains through the loss (under torchrun: :mod:`.keepers`)."""
+    if job.cfg.trains_through and job.main is not None:
+        raise ConfigError("--min-workers trains on without a lost worker in distsgd's loop only, not in a user's loop")
     if torchrun:
+        if job.cfg.trains_through:
+            from distsgd.launch import keepers  # (it builds on this module)
+
+            return keepers.run(job, algo_cls, sink)
         return _run_torchrun(job, algo_cls, sink)
     if job.cfg.trains_through:
-        if job.main is not None:
-            raise ConfigError(
-                "--min-workers trains on without a lost worker in distsgd's loop only, not in a user's loop"
-            )
         return _run_through(job, algo_cls, sink)
     return procs.with_restarts(job, sink, lambda j: _run_local(j, algo_cls, sink))
 
 
-def _entry(
-    rank: int,
-    world: int,
-    job: Job,
-    algo_cls: type[Algorithm],
-    init_method: str,
-    store_port: int,
-    replacement: bool,
-    out: Connection,
-) -> None:
-    """The body of a worker process. ``init_method``: the user's ``--init-method`` ("" without
-    one); else ``store_port`` is the launcher's store, where the group forms (a run that trains
-    through losses forms each generation's there); ``replacement``: it takes the place of a worker
-    of such a run that died, joining the others."""
+@dataclass(frozen=True)
+class Seat:
+    """Where a worker process sits: its rank and the group's size, and how the group forms.
+    ``init_method``: the user's ``--init-method`` ("" without one); else ``store_port`` is the
+    launcher's store, where the group forms; ``through``: a group that trains through losses forms
+    each generation's there instead. ``slot``: the index it reports to its launcher under (its rank
+    where None: a torchrun process's one child reports as 0); ``local_rank``: its device's index
+    (its rank where None); ``loopback``: a local run's, whose gloo listens on 127.0.0.1 only."""
+
+    rank: int
+    world: int
+    init_method: str = ""
+    store_port: int = 0
+    through: membership.StoreAt | None = None
+    slot: int | None = None
+    local_rank: int | None = None
+    loopback: bool = True
+    grace_s: float | None = None
+
+
+def _entry(seat: Seat, job: Job, algo_cls: type[Algorithm], replacement: bool, out: Connection) -> None:
+    """The body of a worker process. ``replacement``: it takes the place of a worker of a run that
+    trains through losses that died, joining the others."""
+    rank, world = seat.rank, seat.world
     q = procs.Outbox(out)
     procs.begin_worker(f"worker {rank}", rank, world, job.cfg.quiet)
     cfg = job.cfg
-    if cfg.init_method is None:
+    if cfg.init_method is None and seat.loopback:
         loopback_only()
 
     def body() -> WorkerResult:
-        where = device.use(cfg.device, rank)
-        if init_method:
-            init_group(cfg, rank, world, init_method)
-        elif not cfg.trains_through:
-            init_on_store(cfg, rank, world, store_port)
+        where = device.use(cfg.device, rank if seat.local_rank is None else seat.local_rank)
+        if seat.init_method:
+            init_group(cfg, rank, world, seat.init_method)
+        elif seat.through is None:
+            init_on_store(cfg, rank, world, seat.store_port)
         else:
-            member = membership.Membership(LOOPBACK, store_port, rank, world, cfg.timeout_s)
+            member = membership.Membership(seat.through, rank, world, cfg.timeout_s, seat.grace_s)
             membership.set_current(member)
             if replacement:  # at the others' next step (the loop then takes a live member's state)
                 member.enter(cfg.backend)
@@ -121,7 +137,7 @@ def _entry(
             rank=rank,
             world=world,
             # with --min-workers any worker may come to report (the lowest rank left)
-            sink=procs.QueueSink(q) if rank == 0 or store_port else NullSink(),
+            sink=procs.QueueSink(q) if rank == 0 or seat.through is not None else NullSink(),
             reports=rank == 0 and not replacement,
             device=where,
         )
@@ -131,7 +147,7 @@ def _entry(
         return result
 
     try:
-        procs.report(q, rank, body)
+        procs.report(q, rank if seat.slot is None else seat.slot, body)
     finally:
         member = membership.current()
         if member is not None:
@@ -151,7 +167,7 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
         cfg,
         _entry,
         [("worker", r) for r in range(world)],
-        lambda r, out, _: (r, world, job, algo_cls, cfg.init_method or "", port, False, out),
+        lambda r, out, _: (Seat(r, world, cfg.init_method or "", port), job, algo_cls, False, out),
         signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, sink.emit, own=job.main is not None)
@@ -163,53 +179,111 @@ def _run_local(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerRe
 
 
 def _run_through(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
-    """A local group that trains through losses (``--min-workers``): see :class:`_Generations`."""
+    """A local group that trains through losses (``--min-workers``): see :class:`Generations`."""
     cfg = job.cfg
     job.data.share_memory_()  # every worker reads one copy
-    gens = _Generations(cfg, sink)
+    gens = Generations(cfg, sink)
     with procs.spawned(
         cfg,
         _entry,
         [("worker", r) for r in range(cfg.workers)],
-        lambda r, out, replacement: (r, cfg.workers, job, algo_cls, "", gens.store.port, replacement, out),
+        lambda r, out, replacement: (Seat(r, cfg.workers, through=gens.at), job, algo_cls, replacement, out),
         signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
         leave_s=2.0,  # the members end by themselves once they sent their results (a SIGTERM in their exit: a traceback)
     ) as team:
         sup = procs.Supervisor(team.procs, team.inbox, gens.on_event, own=False)
-        while not gens.finished(team, sup):
+        here = _Local(team, sup, sink, gens.restarts)
+        while not gens.finished(here):
             sup.poll(0.2)
             gens.admit_ready()
-            gens.leave_behind(team, sup)
+            gens.leave_behind(here)
         for r in gens.joining:  # replacements the run ended before: they hold nothing yet
             team.procs[r].kill()
-    results = [procs.unpack(sup.results[r], job) for r in gens.members]
-    # the reporting worker's own record starts where it took over: the run's is every one made
-    # (one made again after a regrouping, at the same samples, replaces the first)
-    results[0].evals = list({e["samples"]: e for e in gens.evals}.values())
-    attendance = results[0].attendance = results[0].attendance or Attendance()
-    attendance.recoveries = gens.recoveries
-    attendance.restarts = gens.restarts
-    attendance.failed_workers = [r for r in range(cfg.workers) if r not in gens.members]
-    return results
+    return gens.results([procs.unpack(sup.results[r], job) for r in gens.members])
 
 
-class _Generations:
-    """The launcher's side of a group that trains through losses: it holds the group's store; a
-    worker that dies without a word is left behind while ``--min-workers`` remain (the next
-    generation of the group is announced without it) and, with ``--restart-workers``, its
-    replacement joins once it says it is ready (a generation with it). A worker that raised fails
-    the run: it would raise again."""
+class Workers(Protocol):
+    """The workers of a group that trains through losses, as :class:`Generations` sees them, by
+    first rank: their results (plain data, as :func:`procs.pack` makes them), who failed and why."""
 
-    def __init__(self, cfg: RunConfig, sink: Sink) -> None:
+    @property
+    def results(self) -> Mapping[int, dict[str, Any]]: ...
+
+    def failed(self) -> set[int]:
+        """Workers that died or raised, and were not yet replaced."""
+
+    def raised(self) -> set[int]:
+        """Those of the failed that raised (they would raise again: the run ends)."""
+
+    def blame(self) -> WorkerError: ...
+
+    def reason(self, rank: int) -> str: ...
+
+    def replace(self, rank: int) -> bool:
+        """Start a replacement for ``rank``, which failed, where ``--restart-workers`` has one
+        left (its failure is then history); whether one starts."""
+
+    def kill(self, rank: int) -> None: ...
+
+
+class _Local:
+    """A local group's workers: the processes this launcher started."""
+
+    def __init__(self, team: procs.Team, sup: procs.Supervisor, sink: Sink, restarts: list[dict[str, Any]]) -> None:
+        self.team, self.sup, self.sink, self.restarts = team, sup, sink, restarts
+
+    @property
+    def results(self) -> Mapping[int, dict[str, Any]]:
+        return self.sup.results
+
+    def failed(self) -> set[int]:
+        return self.sup.failed()
+
+    def raised(self) -> set[int]:
+        return set(self.sup.said)
+
+    def blame(self) -> WorkerError:
+        return self.sup.blame()
+
+    def reason(self, rank: int) -> str:
+        return self.sup.reason(rank)
+
+    def replace(self, rank: int) -> bool:
+        return procs.replace(self.team, self.sup, rank, f"worker {rank}", self.sink, self.restarts)
+
+    def kill(self, rank: int) -> None:
+        self.team.procs[rank].kill()
+
+
+class Generations:
+    """The launcher's side of a group that trains through losses: it holds the group's store (or,
+    under torchrun, a connection to the agent's: ``store``, at ``at``); a worker that dies without a
+    word is left behind while ``--min-workers`` remain (the next generation of the group is
+    announced without it) and, with ``--restart-workers``, its replacement joins once it says it is
+    ready (a generation with it). A worker that raised fails the run: it would raise again."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        sink: Sink,
+        store: dist.Store | None = None,
+        at: membership.StoreAt | None = None,
+        restarts_heard: bool = False,
+    ) -> None:
         self.cfg, self.sink = cfg, sink
         self.least = cfg.min_workers or cfg.workers
-        self.store = dist.TCPStore(LOOPBACK, 0, cfg.workers, is_master=True, wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(LOOPBACK, 0, cfg.workers, is_master=True, wait_for_workers=False)
+            at = membership.StoreAt(LOOPBACK, store.port)
+        assert at is not None
+        self.store, self.at = store, at
         self.gen = 0
         self.members = list(range(cfg.workers))  # the current generation's, by first rank
         self.joining: set[int] = set()  # replacements started, not yet in the group
         self.admitted: dict[int, int] = {}  # a replacement taken into the group -> that generation
         self.recoveries: list[dict[str, Any]] = []  # one per worker lost or joined, with its generation
         self.restarts: list[dict[str, Any]] = []  # the replacements started
+        self.restarts_heard = restarts_heard  # (under torchrun each keeper starts its own, and says so)
         self.evals: list[dict[str, Any]] = []  # every evaluation the reporting workers made
         self.started = time.monotonic()
 
@@ -222,9 +296,22 @@ class _Generations:
                     rec["generation"] < event["generation"] and "recovery_s" not in rec
                 ):
                     rec.update({k: v for k, v in event.items() if k not in ("event", "lost", "joined", "generation")})
+        elif event.get("event") == "restart" and self.restarts_heard:
+            self.restarts.append({k: v for k, v in event.items() if k != "event"})
         self.sink.emit(event)
 
-    def announce(self, records: list[dict[str, Any]], finished: set[int]) -> None:
+    def results(self, results: list[WorkerResult]) -> list[WorkerResult]:
+        """The members' ``results`` (the first member's first) with what the launcher saw."""
+        # the reporting worker's own record starts where it took over: the run's is every one made
+        # (one made again after a regrouping, at the same samples, replaces the first)
+        results[0].evals = list({e["samples"]: e for e in self.evals}.values())
+        attendance = results[0].attendance = results[0].attendance or Attendance()
+        attendance.recoveries = self.recoveries
+        attendance.restarts = self.restarts
+        attendance.failed_workers = [r for r in range(self.cfg.workers) if r not in self.members]
+        return results
+
+    def announce(self, records: list[dict[str, Any]], finished: Collection[int]) -> None:
         """The next generation is ``self.members`` but those ``finished`` (they sent their results:
         a last collective can complete on one worker and fail on another); ``records`` say why
         (one per worker lost or joined)."""
@@ -233,21 +320,22 @@ class _Generations:
         at = round(time.monotonic() - self.started, 3)
         self.recoveries.extend({**record, "generation": self.gen, "at_s": at} for record in records)
 
-    def finished(self, team: procs.Team, sup: procs.Supervisor) -> bool:
+    def finished(self, workers: Workers) -> bool:
         """Whether every member has sent its result. A replacement admitted after the others
         finished (they take one in only where all agree to, at the last at their loop's end) will
         never meet them: it is stopped, and the run ends without it."""
-        ended = [sup.results[r].get("generation") for r in self.members if r in sup.results]
+        results = workers.results
+        ended = [results[r].get("generation") for r in self.members if r in results]
         oldest = min((g for g in ended if g is not None), default=None)
-        for r in [r for r in self.members if r not in sup.results]:
+        for r in [r for r in self.members if r not in results]:
             if oldest is not None and self.admitted.get(r, -1) > oldest:
                 log.warning("the others finished before the replacement for worker %d could join them", r)
-                team.procs[r].kill()
+                workers.kill(r)
                 self.members.remove(r)
                 for rec in self.recoveries:
                     if rec["worker"] == r and rec.get("joined") and rec["generation"] == self.admitted[r]:
                         rec["joined"], rec["too_late"] = False, True
-        return all(r in sup.results for r in self.members)
+        return all(r in results for r in self.members)
 
     def admit_ready(self) -> None:
         """A generation with each replacement that is ready to join."""
@@ -263,17 +351,17 @@ class _Generations:
             log.warning("a replacement for worker %d joins the other %d", r, len(self.members) - 1)
             self.sink.emit({"event": "worker_joined", "worker": r, "workers": len(self.members)})
 
-    def leave_behind(self, team: procs.Team, sup: procs.Supervisor) -> None:
+    def leave_behind(self, workers: Workers) -> None:
         """A generation without the workers that died (and a replacement for each, where
         ``--restart-workers`` has one left); the run's end (one error line) where one raised or
         fewer than ``--min-workers`` remain."""
-        failed = sup.failed() & (set(self.members) | self.joining)
+        failed = workers.failed() & (set(self.members) | self.joining)
         if not failed:
             return
-        if failed & set(sup.said):
-            raise sup.blame()
+        if failed & workers.raised():
+            raise workers.blame()
         if len(set(self.members) - failed) < self.least:  # where the run has a checkpoint, how to go on from it
-            error = sup.blame()
+            error = workers.blame()
             raise type(error)(f"{error}; fewer than --min-workers {self.least} remain{resume_hint(self.cfg.out)}")
         lost = sorted(failed & set(self.members))
         if lost:
@@ -282,16 +370,16 @@ class _Generations:
                 log.warning(
                     "worker %d died (%s): the other %d train on without it (--min-workers %d)",
                     r,
-                    sup.reason(r),
+                    workers.reason(r),
                     len(self.members),
                     self.least,
                 )
                 self.sink.emit(
-                    {"event": "worker_lost", "worker": r, "reason": sup.reason(r), "workers": len(self.members)}
+                    {"event": "worker_lost", "worker": r, "reason": workers.reason(r), "workers": len(self.members)}
                 )
-            self.announce([{"worker": r, "reason": sup.reason(r)} for r in lost], set(sup.results))
+            self.announce([{"worker": r, "reason": workers.reason(r)} for r in lost], set(workers.results))
         for r in sorted(failed):
-            if procs.replace(team, sup, r, f"worker {r}", self.sink, self.restarts):
+            if workers.replace(r):
                 self.joining.add(r)
             else:
                 self.joining.discard(r)

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -104,19 +105,38 @@ def admit(store: dist.Store, token: str, gen: int) -> None:
     store.set(admitted_key(token), str(gen))
 
 
+@dataclass(frozen=True)
+class StoreAt:
+    """Where a group that trains through losses keeps its generations: a ``TCPStore`` at
+    ``host:port`` (a local launcher's; under torchrun, its agent's), under ``prefix``."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    def connect(self, world: int, timeout: datetime.timedelta) -> dist.Store:
+        """A connection of its own to the store (a client's)."""
+        store = dist.TCPStore(self.host, self.port, world, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+
 class Membership:
     """One worker's place in a group that trains through losses: its first rank (that of its data
-    shard), the current generation and its members, and the store the launcher announces on."""
+    shard), the current generation and its members, and the store the launcher announces on.
+    ``grace_s``: how long a collective that failed outside its waits looks for the launcher's word
+    of a loss (:func:`as_loss`; under torchrun longer: a host gone silent is a loss only after
+    :data:`SILENT_S`)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, at: StoreAt, rank: int, world: int, timeout_s: float, grace_s: float | None = None) -> None:
         self.first_rank, self.first_world = rank, world
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
+        self.grace_s = LOSS_GRACE_S if grace_s is None else grace_s
+        self.store = at.connect(world, self.timeout)
         self.gen = 0
         self.members = list(range(world))
         self._latest = 0  # the last generation the launcher announced, as the watcher saw it
         self._watching = True
-        self._watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=self.timeout)
+        self._watch_store = at.connect(world, self.timeout)
         self._watcher = threading.Thread(target=self._watch, name="distsgd-membership", daemon=True)
         self.entered_at = 0.0  # a replacement's: when it said it was ready (perf_counter)
         self._stores: list[_Forming] = []  # the stores its groups formed on (see _Forming)
@@ -156,7 +176,7 @@ class Membership:
         the others its address, or before they connected to it) fails the forming on every other
         member: each forms the launcher's next generation instead. The forming's waits on the store
         end as soon as the launcher announces such a loss (:class:`_Forming`; they would wait out
-        ``--timeout``); a failure the launcher announces no loss for (within :data:`LOSS_GRACE_S`)
+        ``--timeout``); a failure the launcher announces no loss for (within its ``grace_s``)
         is this worker's own, and raised."""
         from torch.distributed import distributed_c10d as c10d
 
@@ -456,13 +476,15 @@ def share_state(
 
 
 LOSS_GRACE_S = 5.0  # how long a collective that failed outside these waits looks for the launcher's word of a loss
+SILENT_S = 10.0  # under torchrun: a process whose heartbeat stops this long is lost (its host, killed)
 
 
 def as_loss(exc: RuntimeError) -> Lost | None:
     """A collective that failed outside these waits (one of torch's own: DDP's reducer broadcasts
     its buckets' order in the second step's forward) as a :class:`Lost`, where the launcher
     announces a lost worker within :data:`LOSS_GRACE_S` (it sees a death within a fraction of a
-    second); None where it does not, or where this worker's run does not train through losses:
+    second; under torchrun, a host's silence within :data:`SILENT_S`); None where it does not, or
+    where this worker's run does not train through losses:
     the error is then the worker's own."""
     if isinstance(exc, Lost):
         return exc
@@ -475,9 +497,9 @@ def as_loss(exc: RuntimeError) -> Lost | None:
 
 
 def _announced_soon(member: Membership, store: dist.Store) -> bool:
-    """Whether the launcher announces, within :data:`LOSS_GRACE_S`, a generation without a member
+    """Whether the launcher announces, within its ``grace_s``, a generation without a member
     of ``member``'s (read on ``store``)."""
-    deadline = time.monotonic() + LOSS_GRACE_S
+    deadline = time.monotonic() + member.grace_s
     while not member.loss_announced(store):
         if time.monotonic() > deadline:
             return False
