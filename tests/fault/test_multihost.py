@@ -1,5 +1,6 @@
 """A real multi-host run: two network namespaces joined by a veth pair, torchrun --nnodes 2 across them
-for asgd (a process group's and hogwild++'s: test_network_bench).
+for asgd (a process group's and hogwild++'s: test_network_bench), and a group that trains through
+the loss of a host (--min-workers).
 
 Each namespace is a host with its own network stack and address (10.99.0.1 and 10.99.0.2 on a
 private link that exists only inside this test); traffic between them crosses the veth pair, with
@@ -9,11 +10,14 @@ be created (not root, no iproute2, no permission).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -136,3 +140,60 @@ def test_torchrun_across_two_hosts(two_hosts, tmp_path: Path) -> None:
     # the workers' sends are in other processes: the server counts what it received
     assert summary["bytes_sent"] == summary["server_bytes_sent"] + summary["server_bytes_received"]
     assert summary["server_bytes_received"] > summary["server_bytes_sent"] > 0
+
+
+@pytest.mark.slow
+def test_min_workers_trains_through_a_host_killed(two_hosts, tmp_path: Path) -> None:
+    """allreduce with --min-workers 2 on two hosts of two workers each (torchrun --nnodes 2
+    --nproc-per-node 2): host b's every process is killed mid-run (its torchrun agent, the keepers
+    and their workers: SIGKILL to each process in its namespace). Host a's keeper 0 hears nothing
+    more from b's keepers and, SILENT_S later, announces the next generation without them: host
+    a's two workers train on to the full budget with identical replicas, and the run says why.
+    (Host a's torchrun agent then waits out torchrun's own exit barrier for b's, 300 s: the test
+    ends once host a's distsgd processes have, all but that agent.)"""
+    names, veth = two_hosts
+    out = tmp_path / "run"
+    procs, logs = [], []
+    for node, h in enumerate(HOSTS):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": veth[h], "TP_SOCKET_IFNAME": veth[h], "OMP_NUM_THREADS": "1"}
+        cmd = [
+            "ip", "netns", "exec", names[h], sys.executable,
+            *"-m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank".split(), str(node),
+            "--master-addr", HOSTS["a"], "--master-port", "29513", "-m", "distsgd", "train",
+            *"--algo allreduce --dataset digits --model mlp --batch-size 16 --lr 0.05 --max-samples 24000".split(),
+            "--min-workers", "2", "--timeout", "60", "--out", str(out),
+        ]  # fmt: skip
+        logs.append((tmp_path / f"{h}.out", tmp_path / f"{h}.err"))
+        with open(logs[-1][0], "w") as stdout, open(logs[-1][1], "w") as stderr:
+            procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env))
+
+    def waited(done, seconds: float, what: str) -> None:
+        deadline = time.monotonic() + seconds
+        while not done():
+            assert time.monotonic() < deadline, f"{what}: {logs[0][1].read_text()[-3000:]}"
+            time.sleep(0.1)
+
+    try:
+        metrics = out / "metrics.jsonl"
+        waited(lambda: metrics.exists() and '"progress"' in metrics.read_text(), 120, "the run did not start training")
+        time.sleep(1.0)
+        pids = _ip("netns", "pids", names["b"]).stdout.split()
+        assert pids, "host b runs nothing"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        waited(lambda: "run saved in" in logs[0][0].read_text(), 180, "the run did not end")
+        # its keepers and their workers end; torchrun's agent waits at its exit barrier
+        waited(lambda: len(_ip("netns", "pids", names["a"]).stdout.split()) == 1, 60, "host a's processes did not end")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    err = logs[0][1].read_text()
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 4 and sorted(s["failed_workers"]) == [2, 3]
+    assert sorted(rec["worker"] for rec in s["recoveries"]) == [2, 3]
+    assert all("went silent" in rec["reason"] for rec in s["recoveries"])
+    assert s["samples"] >= 24000 and s["replica_max_abs_diff"] == 0.0 and s["final_test_accuracy"] > 0.8
