@@ -155,7 +155,9 @@ class _Keeper:
         raised = 0 in sup.said
         error = sup.blame(lambda _: name) if raised else None
         reason = sup.reason(0)
-        replaced = not raised and procs.replace(team, sup, 0, name, self.say, self.restarts)
+        # --restart-workers N: N replacements in the whole run, as in a local one (claimed on the store)
+        claimed = not raised and self.store.add("restarts", 1) <= self.job.cfg.restart_workers
+        replaced = claimed and procs.replace(team, sup, 0, name, self.say, self.restarts)
         state = {"life": self.lives, "reason": reason, "replaced": replaced, "error": str(error) if error else None}
         self.store.set(f"state/{self.rank}", json.dumps(state))
         if error is not None:
