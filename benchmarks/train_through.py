@@ -18,6 +18,11 @@ recovery (a failed collective to the next completed step, as the survivors measu
     python benchmarks/train_through.py --algos local-sgd,diloco --trials 5
     python benchmarks/train_through.py --algos diloco --modes through,join --window 0,0.1   # early kills
     python benchmarks/train_through.py --algos allreduce,diloco --modes through,restart --samples 300000
+    python benchmarks/train_through.py --torchrun --modes through,join,restart --trials 5
+
+``--torchrun``: the same 3 workers as ``torchrun --standalone --nproc-per-node 3`` (each process
+keeps one worker with --min-workers: the kill is of that worker, found under its torchrun process;
+``restart`` is then torchrun's own ``--max-restarts 1`` with ``--checkpoint-every``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+TORCHRUN = [*"-m torch.distributed.run --standalone --nproc-per-node 3".split()]
 
 BUDGET = 60_000  # samples a run (--samples); three evaluations, and a checkpoint every tenth (restart, checkpointed)
 COMMON = [
@@ -70,27 +77,75 @@ def mode_flags(mode: str, budget: int) -> list[str]:
     return [a.format(every=budget // 10) for a in MODES[mode]]
 
 
-def run(out: Path, args: list[str], kill: tuple[int, float] | None) -> dict:
-    """One run into ``out``; ``kill``: (worker rank, seconds after the workers were listed)."""
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def torchrun_workers(agent: int, kept: bool) -> dict[int, int]:
+    """Each rank's worker under torchrun: the processes torchrun's agent started (RANK in their
+    environment) or, with --min-workers (``kept``), the child of the fork server each of those started."""
+    children, workers = _children(), {}
+    for process in children.get(agent, []):  # (python -m torch.distributed.run: this process is the agent)
+        try:
+            text = Path(f"/proc/{process}/environ").read_text()
+        except OSError:
+            continue
+        env = dict(kv.split("=", 1) for kv in text.split("\0") if "=" in kv)
+        if "RANK" not in env:
+            continue
+        if not kept:
+            workers[int(env["RANK"])] = process
+        for server in children.get(process, []) if kept else []:
+            for worker in children.get(server, []):
+                workers[int(env["RANK"])] = worker
+    return workers
+
+
+def run(out: Path, args: list[str], kill: tuple[int, float] | None, torchrun: list[str] | None = None) -> dict:
+    """One run into ``out``; ``kill``: (worker rank, seconds after the workers were listed: under
+    torchrun (``torchrun``: its own flags), once every rank's worker is found)."""
     started = time.monotonic()
+    command = (
+        [*TORCHRUN, *torchrun, "-m", "distsgd", "train", *COMMON[2:]]
+        if torchrun is not None
+        else ["-m", "distsgd", "train", *COMMON]
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distsgd", "train", *COMMON, *args, "--out", str(out)],
+        [sys.executable, *command, *args, "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"} if torchrun is not None else None,
     )
     killed = False
     listed = out / "workers.json"
-    while not listed.exists() and proc.poll() is None:
+
+    def workers() -> dict[int, int]:
+        if torchrun is not None:
+            return torchrun_workers(proc.pid, "--min-workers" in args)
+        try:
+            return {e["rank"]: e["pid"] for e in json.loads(listed.read_text()) if e["role"] == "worker"}
+        except (OSError, ValueError):
+            return {}
+
+    while len(workers()) < 3 and proc.poll() is None:
         time.sleep(0.02)
     listed_at = time.monotonic()
     if kill is not None:
         time.sleep(kill[1])
         try:
-            pids = {e["rank"]: e["pid"] for e in json.loads(listed.read_text()) if e["role"] == "worker"}
-            os.kill(pids[kill[0]], signal.SIGKILL)
+            os.kill(workers()[kill[0]], signal.SIGKILL)
             killed = True
-        except (OSError, ValueError, KeyError):  # the run ended first
+        except (OSError, KeyError):  # the run ended first
             pass
     _, err = proc.communicate(timeout=600)
     wall = time.monotonic() - started
@@ -145,6 +200,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torchrun", action="store_true", help="the workers as torchrun's 3 processes on this machine")
     ap.add_argument("--samples", type=int, default=BUDGET, help="samples a run (default %(default)s)")
     ap.add_argument(
         "--window",
@@ -159,18 +215,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for algo in args.algos.split(","):
             own = ["--algo", algo, *ALGOS[algo], *budget_flags(args.samples)]
-            base = run(Path(tmp) / f"{algo}-clean", own, None)
+            base = run(Path(tmp) / f"{algo}-clean", own, None, [] if args.torchrun else None)
             clean_acc = base["summary"]["final_test_accuracy"]
             print(f"{algo} unkilled: accuracy {clean_acc:.4f}, {base['wall_s']:.1f} s", flush=True)
             rows = []
             for t in range(args.trials):
                 kill = (rng.randrange(3), rng.uniform(lo, hi) * base["window_s"])  # within the unkilled run
                 for mode in modes:  # alternating, the same kill in each
-                    r = row(
-                        mode,
-                        run(Path(tmp) / f"{algo}-{mode}{t}", own + mode_flags(mode, args.samples), kill),
-                        clean_acc,
-                    )
+                    flags, launcher = mode_flags(mode, args.samples), None
+                    if args.torchrun:  # restart: torchrun's own restart of the group, from the checkpoint
+                        launcher = ["--max-restarts", "1"] if mode == "restart" else []
+                        flags = flags[2:] if mode == "restart" else flags  # (not --restart-workers 1)
+                    r = row(mode, run(Path(tmp) / f"{algo}-{mode}{t}", own + flags, kill, launcher), clean_acc)
                     rows.append({"algo": algo, "trial": t, "worker": kill[0], "at_s": round(kill[1], 2), **r})
                     print(json.dumps(rows[-1]), flush=True)
             for mode in modes:

@@ -86,7 +86,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     keeper = _Keeper(job, store, at, rank, world, sink)
     try:
         with procs.spawned(
-            cfg,
+            cfg.replace(out=None),  # (no workers.json: each process would write its own one worker over the others')
             _entry,
             [("worker", rank)],
             lambda _, out, replacement: (seat, job, algo_cls, replacement, out),
