@@ -137,11 +137,19 @@ def run(out: Path, args: list[str], kill: tuple[int, float] | None, torchrun: li
         except (OSError, ValueError):
             return {}
 
-    while len(workers()) < 3 and proc.poll() is None:
+    # the moment kills count from: the workers listed (local); under torchrun, the run's metrics
+    # file made (rank 0 is about to start its worker: its processes, torchrun's, started before
+    # the data loaded, and with --min-workers each starts its worker after a fork server of its own)
+    started_training = (
+        (lambda: (out / "metrics.jsonl").exists()) if torchrun is not None else lambda: len(workers()) == 3
+    )
+    while not started_training() and proc.poll() is None:
         time.sleep(0.02)
     listed_at = time.monotonic()
     if kill is not None:
         time.sleep(kill[1])
+        while len(workers()) < 3 and proc.poll() is None:
+            time.sleep(0.02)
         try:
             os.kill(workers()[kill[0]], signal.SIGKILL)
             killed = True

@@ -361,6 +361,50 @@ def test_under_torchrun_below_min_workers_the_run_stops_in_one_line(tmp_path: Pa
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("algo", ["allreduce", "ddp", "local-sgd", "diloco", "easgd", "streaming-diloco"])
+def test_a_result_crosses_torchruns_store_whole(algo: str) -> None:
+    """Under torchrun a worker's result reaches keeper 0 as JSON on the store: every field comes
+    back equal, the figures as the algorithm's own class (the summary's keys come from it), and
+    a class named on the store that is not one of distsgd's figures is not made."""
+    import dataclasses
+
+    from distsgd.launch import keepers, procs
+    from distsgd.train.context import Attendance, WorkerResult
+
+    def values(cls):  # every field of a figures class set, by its type
+        kinds = {"int": 7, "float": 0.25, "str": "sync"}
+        return {f.name: kinds.get(str(f.type).split(" ")[0], 3) for f in dataclasses.fields(cls)}
+
+    for cls in {
+        c for c in _figures_classes() if c.__module__.endswith(algo.replace("-", "_")) or c.__name__ == "GroupFigures"
+    }:
+        result = WorkerResult(
+            rank=2, samples=100, global_samples=300, train_wall_s=1.5, evals=[{"samples": 50, "test_accuracy": 0.5}],
+            final_test_accuracy=0.75, final_test_loss=0.5, model=None, figures=cls(**values(cls)),
+            attendance=Attendance(failed_workers=[1]), where={"device": "cpu"}, generation=1,
+        )  # fmt: skip
+        back = keepers._heavy(json.loads(keepers._light(procs.pack(result))))
+        assert back.pop("model_state") is None
+        assert back == {k: v for k, v in vars(result).items() if k != "model"}
+        assert type(back["figures"]) is cls
+    forged = json.loads(keepers._light(procs.pack(result)))
+    forged["figures"]["type"] = "os:system"
+    with pytest.raises(TypeError):  # (Figures takes bytes_sent only: not a class of the sender's choosing)
+        keepers._heavy(forged)
+
+
+def _figures_classes():
+    from distsgd.algorithms import registry  # noqa: F401  (every algorithm's module, imported)
+    from distsgd.train.context import Figures
+
+    found, todo = set(), [Figures]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.add(sub)
+            todo.append(sub)
+    return found
+
+
 def test_min_workers_is_refused_where_it_cannot_work() -> None:
     import distsgd
     from distsgd.errors import ConfigError

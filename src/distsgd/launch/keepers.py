@@ -29,6 +29,7 @@ host (torchrun's ``--rdzv-endpoint``, or rank 0's) is the one host whose loss en
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -95,8 +96,9 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
         ) as team:
             return keeper.keep(team)
     except BaseException as exc:
-        if rank == 0:  # the others stop too, with the same line
-            store.set("end", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        if rank == 0:  # the others stop too, with the same line (where the store is still there to say it)
+            with contextlib.suppress(RuntimeError):
+                store.set("end", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         raise
 
 
@@ -148,7 +150,8 @@ class _Keeper:
         worker that raised ends the run, once keeper 0 has had a moment to hear why."""
         self.lives += 1
         name = f"worker {self.rank}"
-        if self.store.check([f"silent/{self.rank}"]):  # keeper 0 took it for lost: its worker's end is no news
+        if self.store.check([f"silent/{self.rank}"]) or self.store.check([f"stop/{self.rank}"]):
+            # keeper 0 took it for lost, or stopped it (a replacement too late): its end is no news
             log.info("%s ended after the group went on without it (%s)", name, sup.reason(0))
             sup.forget(0)
             return
@@ -213,7 +216,8 @@ class _Keeper:
             payload = _heavy(self.peers.results[r])
             if r == members[0]:
                 self.store.set(f"send/{r}", "1")
-                _wait_for(self.store, f"model/{r}", self.job.cfg.timeout_s)
+                if not _wait_for(self.store, f"model/{r}", self.job.cfg.timeout_s):
+                    raise WorkerError(f"worker {r}'s process did not send its model within --timeout")
                 payload["model_state"] = self.store.get(f"model/{r}") or None
             results.append(procs.unpack(payload, self.job))
         self.store.set("done", "1")
@@ -321,12 +325,14 @@ class _Gathered:
         self.gens.on_event(event)
 
 
-def _wait_for(store: dist.Store, key: str, seconds: float) -> None:
+def _wait_for(store: dist.Store, key: str, seconds: float) -> bool:
+    """Whether ``key`` is set within ``seconds``."""
     deadline = time.monotonic() + seconds
     while not store.check([key]):
         if time.monotonic() > deadline:
-            raise WorkerError(f"no word on {key!r} from the other processes within {seconds:g} s")
+            return False
         time.sleep(0.05)
+    return True
 
 
 def _light(payload: dict[str, Any]) -> str:
