@@ -130,8 +130,12 @@ def run(out: Path, args: list[str], kill: tuple[int, float] | None, torchrun: li
     listed = out / "workers.json"
 
     def workers() -> dict[int, int]:
-        if torchrun is not None:
-            return torchrun_workers(proc.pid, "--min-workers" in args)
+        if torchrun is not None:  # (those seen twice, 0.2 s apart: not the fork server's short-lived warm-up)
+            first = torchrun_workers(proc.pid, "--min-workers" in args)
+            time.sleep(0.2)
+            return {
+                r: pid for r, pid in torchrun_workers(proc.pid, "--min-workers" in args).items() if first.get(r) == pid
+            }
         try:
             return {e["rank"]: e["pid"] for e in json.loads(listed.read_text()) if e["role"] == "worker"}
         except (OSError, ValueError):
@@ -169,7 +173,7 @@ def run(out: Path, args: list[str], kill: tuple[int, float] | None, torchrun: li
         "wall_s": wall,
         "window_s": time.monotonic() - listed_at,  # from the workers' listing to the end
         "summary": summary,
-        "stderr": err[-3000:],
+        "stderr": "\n".join([line for line in err.splitlines() if line.startswith("error:")] + [err[-1500:]]),
     }
 
 

@@ -137,7 +137,7 @@ def _entry(seat: Seat, job: Job, algo_cls: type[Algorithm], replacement: bool, o
             rank=rank,
             world=world,
             # with --min-workers any worker may come to report (the lowest rank left)
-            sink=procs.QueueSink(q) if rank == 0 or seat.through is not None else NullSink(),
+            sink=procs.QueueSink(q) if rank == 0 or seat.store_port or seat.through is not None else NullSink(),
             reports=rank == 0 and not replacement,
             device=where,
         )

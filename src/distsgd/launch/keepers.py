@@ -207,6 +207,8 @@ class _Keeper:
         """Rank 0: every member's result, the first member's with its model (from its keeper,
         asked for on the store, where it is not this one's), then ``done``."""
         assert self.gens is not None and self.peers is not None
+        # the events a worker sent before its result (its keeper passed them on first), read since
+        self.peers.read_events(self.gens.on_event)
         members = self.gens.members
         results = []
         for r in members:
