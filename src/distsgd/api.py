@@ -299,7 +299,7 @@ def _run(
         usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe))
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
-    out = _prepare_out(cfg, settings_text) if cfg.out and chief else None
+    out = _prepare_out(cfg, settings_text, where) if cfg.out and chief else None
     if progress is None:
         planned = (
             cfg.max_samples or cfg.epochs * samples_per_epoch(dataset.n_train, cfg.workers, cfg.partition)
@@ -340,9 +340,14 @@ def _sinks(
     return open_sinks(job.cfg, out, tb_dir, started, settings_text) + hooks
 
 
-def _prepare_out(cfg: RunConfig, settings_text: str) -> Path:
+LAUNCH = "launch"  # in a run directory made under a launcher that names its launch: that name
+
+
+def _prepare_out(cfg: RunConfig, settings_text: str, where: environment.Environment) -> Path:
     """The run directory, made (or, resumed in place, kept), with the run's config.toml: a resumed
-    run's too, written once the resume has passed its checks."""
+    run's too, written once the resume has passed its checks. Made by the first attempt of a
+    launch that has a name (torchrun's rendezvous id), it holds that name (:data:`LAUNCH`): a
+    restart of the same launch that finds no checkpoint in it may train again in its place."""
     assert cfg.out is not None
     resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
     try:
@@ -352,6 +357,8 @@ def _prepare_out(cfg: RunConfig, settings_text: str) -> Path:
             else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
         )
         atomic_write_bytes(out / "config.toml", settings_text.encode())
+        if where.launched and where.run_name is not None and where.restarted is None:
+            atomic_write_bytes(out / LAUNCH, f"{where.run_name}\n".encode())
     except OSError as exc:
         raise OutputError.of(exc) from None
     return out
@@ -393,8 +400,9 @@ def default_algo(cfg: RunConfig, where: environment.Environment, cli: bool = Tru
 def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tuple[str | None, bool]:
     """The run's ``resume`` and ``overwrite`` when its launcher started it again (torchrun's restart,
     SLURM's requeue, a Kubeflow pod) into its run directory: it resumes from the checkpoint there;
-    with none, an earlier attempt's unfinished run (its directory named by this launch alone) is
-    replaced: from the start, in its place."""
+    with none, an earlier attempt's unfinished run (its directory named by this launch alone, or
+    one ``--out`` named that this launch's first attempt made: :data:`LAUNCH`) is replaced: from
+    the start, in its place."""
     again = where.restarted if where is not None else None
     if not (again and cfg.out and not cfg.resume):
         return cfg.resume, cfg.overwrite
@@ -403,9 +411,9 @@ def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tup
     if read_manifest(out) is not None:
         log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         return cfg.out, cfg.overwrite
+    made_here = (out / LAUNCH).is_file() and (out / LAUNCH).read_text().strip() == where.run_name
     if (
-        where.launch_named
-        and out.name.startswith(f"{where.run_name}-")
+        ((where.launch_named and out.name.startswith(f"{where.run_name}-")) or (where.run_name and made_here))
         and out.is_dir()
         and not (out / "summary.json").exists()
         and rundir.is_ours(out)

@@ -11,7 +11,7 @@ import torch
 import distsgd
 from distsgd import checkpoint
 from distsgd.errors import CheckpointError, WorkerError
-from helpers import cli_here, run_cli, torchrun
+from helpers import cli_here, kill_at_step_model, run_cli, torchrun
 
 pytest.importorskip("sklearn")
 
@@ -235,6 +235,30 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_mod
     clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
     assert restarted["samples"] == clean["samples"] == 2872
     assert restarted["final_test_loss"] == clean["final_test_loss"]
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_before_any_checkpoint_trains_again_in_the_out_it_was_given(tmp_path) -> None:
+    """allreduce under torchrun --max-restarts 1 with an --out of the user's: rank 1 SIGKILLed
+    (once) at its 3rd step, before any checkpoint. The restart finds no checkpoint in the directory
+    its first attempt made (that attempt wrote the launch's name there) and trains again from the
+    start in its place. Until 2026-11-28 rank 0 refused it ("run directory ... already exists",
+    exit 2) and the others waited for it until torchrun killed them: 3 of 7 DiLoCo restarts of
+    `benchmarks/train_through.py --torchrun`. A directory that this launch did not make stays
+    refused (test_kubeflow's and test_cli's)."""
+    out = tmp_path / "run"
+    res = torchrun(
+        *"--algo allreduce --dataset digits --lr 0.05 --max-samples 1436 --checkpoint-every 100000 --model".split(),
+        kill_at_step_model(tmp_path),
+        "--out", str(out),
+        restarts=1, timeout=240,
+        env={"KILL_RANK": "1", "KILL_STEP": "3", "KILL_MARKER": str(tmp_path / "killed")},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "killed.1").exists() and "exitcode: -9" in res.stderr
+    assert "no checkpoint in" in res.stderr and "training again from the start" in res.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["samples"] >= 1436 and s["workers"] == 2
 
 
 @pytest.mark.slow
