@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_here, kill_at_step_model, torchrun
+from helpers import cli_here, free_port, kill_at_step_model, torchrun
 
 
 @pytest.fixture
@@ -359,6 +360,50 @@ def test_under_torchrun_below_min_workers_the_run_stops_in_one_line(tmp_path: Pa
         f"error: worker {r} failed: killed by SIGKILL; fewer than --min-workers 2 remain" for r in (1, 2)
     }, res.stderr[-3000:]
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_without_torchruns_agent_rank_0s_process_holds_the_store(tmp_path: Path, kill_at: str) -> None:
+    """Processes with torchrun's variables and no agent (srun's tasks, a Kubeflow pod's): rank 0's
+    process holds the store at MASTER_ADDR:MASTER_PORT, the others keep their workers on it, and
+    rank 0's worker is lost and trained through; rank 0's process waits for the others to hear
+    that the run is done before its store goes (else they printed the store's native errors)."""
+    port = free_port()
+    procs = []
+    for r in range(3):
+        env = {
+            **os.environ, "RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+            "KILL_RANK": "0", "KILL_STEP": "40",
+        }  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "train",
+            "--model",
+            kill_at,
+            "--dataset",
+            "digits",
+            "--algo",
+            "allreduce",
+        ]
+        cmd += [
+            *"--lr 0.05 --min-workers 2 --max-samples 12000 --batch-size 16 --quiet --out".split(),
+            str(tmp_path / "run"),
+        ]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        ended = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, ended):
+        assert p.returncode == 0 and not err.strip(), err[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [rec["worker"] for rec in s["recoveries"]] == [0] and s["failed_workers"] == [0]
+    assert s["samples"] >= 12000 and s["replica_max_abs_diff"] == 0.0 and s["final_test_accuracy"] > 0.8
 
 
 @pytest.mark.parametrize("algo", ["allreduce", "ddp", "local-sgd", "diloco", "easgd", "streaming-diloco"])

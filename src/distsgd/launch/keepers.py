@@ -84,7 +84,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
         grace_s=membership.LOSS_GRACE_S + membership.SILENT_S,  # a host's silence is a loss after SILENT_S
     )
     job.data.share_memory_()  # a replacement reads the same copy
-    keeper = _Keeper(job, store, at, rank, world, sink)
+    keeper = _Keeper(job, store, at, rank, world, sink, hosts=not here.agent_store and rank == 0)
     try:
         with procs.spawned(
             cfg.replace(out=None),  # (no workers.json: each process would write its own one worker over the others')
@@ -105,8 +105,11 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
 class _Keeper:
     """One torchrun process's part: its worker, its heartbeat and, for rank 0, the generations."""
 
-    def __init__(self, job: Job, store: dist.Store, at: membership.StoreAt, rank: int, world: int, sink: Sink) -> None:
+    def __init__(
+        self, job: Job, store: dist.Store, at: membership.StoreAt, rank: int, world: int, sink: Sink, hosts: bool
+    ) -> None:
         self.job, self.store, self.rank, self.world = job, store, rank, world
+        self.hosts = hosts  # this process holds the store (no torchrun agent does: srun's tasks)
         self.gens = Generations(job.cfg, sink, store, at, restarts_heard=True) if rank == 0 else None
         # what this keeper's worker says (its events, a restart) goes to the run's writer: rank 0
         self.say: Sink = _Gathered(self.gens) if self.gens is not None else _Forward(store, rank)
@@ -165,7 +168,7 @@ class _Keeper:
         self.store.set(f"state/{self.rank}", json.dumps(state))
         if error is not None:
             if self.rank != 0:  # keeper 0 hears it and ends the run with this line
-                _wait_for(self.store, "end", 5.0)
+                _wait_for(self.store, ["end"], 5.0)
             raise error
 
     def _told_to_end(self, team: procs.Team, sup: procs.Supervisor) -> bool:
@@ -178,6 +181,7 @@ class _Keeper:
             state: bytes = sup.results[0]["model_state"] or b""
             self.store.set(f"model/{self.rank}", state)  # type: ignore[arg-type]  # (bytes go as they are)
         if self.store.check(["done"]):
+            self.store.set(f"bye/{self.rank}", "1")
             return True
         count = self.store.add("alive/0", 0)
         if count != self.zero[0]:
@@ -218,11 +222,14 @@ class _Keeper:
             payload = _heavy(self.peers.results[r])
             if r == members[0]:
                 self.store.set(f"send/{r}", "1")
-                if not _wait_for(self.store, f"model/{r}", self.job.cfg.timeout_s):
+                if not _wait_for(self.store, [f"model/{r}"], self.job.cfg.timeout_s):
                     raise WorkerError(f"worker {r}'s process did not send its model within --timeout")
                 payload["model_state"] = self.store.get(f"model/{r}") or None
             results.append(procs.unpack(payload, self.job))
         self.store.set("done", "1")
+        if self.hosts:  # the store ends with this process: the others first hear that the run is done
+            live = [r for r in range(1, self.world) if r not in self.peers.silent]
+            _wait_for(self.store, [f"bye/{r}" for r in live], membership.SILENT_S)
         return self.gens.results(results)
 
 
@@ -327,10 +334,10 @@ class _Gathered:
         self.gens.on_event(event)
 
 
-def _wait_for(store: dist.Store, key: str, seconds: float) -> bool:
-    """Whether ``key`` is set within ``seconds``."""
+def _wait_for(store: dist.Store, keys: list[str], seconds: float) -> bool:
+    """Whether every one of ``keys`` is set within ``seconds``."""
     deadline = time.monotonic() + seconds
-    while not store.check([key]):
+    while not store.check(keys):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
