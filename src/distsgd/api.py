@@ -340,14 +340,22 @@ def _sinks(
     return open_sinks(job.cfg, out, tb_dir, started, settings_text) + hooks
 
 
-LAUNCH = "launch"  # in a run directory made under a launcher that names its launch: that name
+LAUNCH = "launch"  # in a run directory made under a launcher that tells its launch apart: what does
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _prepare_out(cfg: RunConfig, settings_text: str, where: environment.Environment) -> Path:
     """The run directory, made (or, resumed in place, kept), with the run's config.toml: a resumed
     run's too, written once the resume has passed its checks. Made by the first attempt of a
-    launch that has a name (torchrun's rendezvous id), it holds that name (:data:`LAUNCH`): a
-    restart of the same launch that finds no checkpoint in it may train again in its place."""
+    launch that can be told apart (torchrun's: its rendezvous id and its agent), it says which
+    (:data:`LAUNCH`): a restart of the same launch that finds no checkpoint in it may train again
+    in its place."""
     assert cfg.out is not None
     resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
     try:
@@ -357,8 +365,8 @@ def _prepare_out(cfg: RunConfig, settings_text: str, where: environment.Environm
             else rundir.prepare(Path(cfg.out), cfg.overwrite, Path(cfg.resume) if cfg.resume else None)
         )
         atomic_write_bytes(out / "config.toml", settings_text.encode())
-        if where.launched and where.run_name is not None and where.restarted is None:
-            atomic_write_bytes(out / LAUNCH, f"{where.run_name}\n".encode())
+        if where.launched and where.launch_id is not None and where.restarted is None:
+            atomic_write_bytes(out / LAUNCH, f"{where.launch_id}\n".encode())
     except OSError as exc:
         raise OutputError.of(exc) from None
     return out
@@ -411,9 +419,9 @@ def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tup
     if read_manifest(out) is not None:
         log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         return cfg.out, cfg.overwrite
-    made_here = (out / LAUNCH).is_file() and (out / LAUNCH).read_text().strip() == where.run_name
+    made_here = where.launch_id is not None and (out / LAUNCH).is_file() and _read(out / LAUNCH) == where.launch_id
     if (
-        ((where.launch_named and out.name.startswith(f"{where.run_name}-")) or (where.run_name and made_here))
+        ((where.launch_named and out.name.startswith(f"{where.run_name}-")) or made_here)
         and out.is_dir()
         and not (out / "summary.json").exists()
         and rundir.is_ours(out)

@@ -432,10 +432,17 @@ def test_a_result_crosses_torchruns_store_whole(algo: str) -> None:
         assert back.pop("model_state") is None
         assert back == {k: v for k, v in vars(result).items() if k != "model"}
         assert type(back["figures"]) is cls
-    forged = json.loads(keepers._light(procs.pack(result)))
-    forged["figures"]["type"] = "os:system"
-    with pytest.raises(TypeError):  # (Figures takes bytes_sent only: not a class of the sender's choosing)
-        keepers._heavy(forged)
+    import sys
+
+    from distsgd.train.context import Figures
+
+    plain = json.loads(keepers._light(procs.pack(WorkerResult(**{**vars(result), "figures": Figures(bytes_sent=5)}))))
+    imported = "distsgd.__main__" in sys.modules
+    for name in ("collections:OrderedDict", "distsgd.__main__:main", "builtins:dict"):  # (each takes bytes_sent=)
+        forged = {**plain, "figures": {**plain["figures"], "type": name}}
+        made = keepers._heavy(forged)["figures"]
+        assert type(made) is Figures and made.bytes_sent == 5
+    assert ("distsgd.__main__" in sys.modules) == imported  # nothing was imported for a name on the store
 
 
 def _figures_classes():

@@ -3,7 +3,8 @@
 - :mod:`.procs`: process plumbing (fork server, pipes, supervision, blame); knows no algorithm;
 - :mod:`.group`: a ``torch.distributed`` process group (the ``Group`` topology);
 - :mod:`.shared`: models in shared memory on one machine (``SharedMemory``);
-- :mod:`.server`: a parameter server and its workers (``Server``).
+- :mod:`.server`: a parameter server and its workers (``Server``);
+- :mod:`.keepers`: a process group that trains through a lost worker under torchrun.
 
 Each topology module has a ``plan`` (its rules about settings: how many workers torchrun's group
 means, which backend) and a ``run``. Locally (``--workers N``) the launcher starts the processes;
@@ -73,6 +74,10 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
             result.model.cpu()
         return [result]
     try:
+        if torchrun and job.cfg.trains_through and job.main is None:  # (a user's loop: the group's one line)
+            from distsgd.launch import keepers  # each process keeps one worker, and lives on when it dies
+
+            return keepers.run(job, algo_cls, sink)
         return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
     except RuntimeError as exc:  # under torchrun or srun no launcher blames the process that died: say it here
         if not (torchrun and procs.peer_symptom(str(exc))):

@@ -114,6 +114,12 @@ class Environment(ABC):
         return None
 
     @property
+    def launch_id(self) -> str | None:
+        """What tells this launch from any other, its restarts' first processes included (None:
+        nothing does): a restart may replace a run directory its first attempt made."""
+        return None
+
+    @property
     def launch_named(self) -> bool:
         """:attr:`run_name` names this launch alone (no earlier job's run has it): a directory of that
         name that distsgd made is an earlier attempt's of this run."""
@@ -225,6 +231,14 @@ class Torchrun(Environment):
         # its agent is every local rank's parent (not so for processes a user started with these variables)
         agent = _agent_id() if run_id == "none" and self.local_world_size == self.world_size else None
         return None if agent is None else f"torchrun-{agent}"
+
+    @property
+    def launch_id(self) -> str | None:
+        """What tells this launch from another of the same name (a ``--rdzv-id`` given again):
+        its rendezvous id and its agent's pid and start time (a restart's rank 0 under the same
+        agent has the same); None where /proc does not say."""
+        agent = _agent_id()
+        return None if agent is None or self.run_name is None else f"{self.run_name} {agent}"
 
     @property
     def launch_named(self) -> bool:

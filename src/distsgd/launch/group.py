@@ -78,11 +78,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
     ``--min-workers`` it trains through the loss (under torchrun: :mod:`.keepers`)."""
     if job.cfg.trains_through and job.main is not None:
         raise ConfigError("--min-workers trains on without a lost worker in distsgd's loop only, not in a user's loop")
-    if torchrun:
-        if job.cfg.trains_through:
-            from distsgd.launch import keepers  # (it builds on this module)
-
-            return keepers.run(job, algo_cls, sink)
+    if torchrun:  # (with --min-workers: launch.keepers, which builds on this module)
         return _run_torchrun(job, algo_cls, sink)
     if job.cfg.trains_through:
         return _run_through(job, algo_cls, sink)

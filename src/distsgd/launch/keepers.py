@@ -32,11 +32,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import importlib
 import json
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -85,6 +85,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     )
     job.data.share_memory_()  # a replacement reads the same copy
     keeper = _Keeper(job, store, at, rank, world, sink, hosts=not here.agent_store and rank == 0)
+    keeper.beating(store.clone())  # type: ignore[attr-defined]  # (not in torch's stubs)
     try:
         with procs.spawned(
             cfg.replace(out=None),  # (no workers.json: each process would write its own one worker over the others')
@@ -94,12 +95,16 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
             signalled_grace_s=cfg.timeout_s if cfg.out else procs.STOP_GRACE_S,  # for a final checkpoint
             leave_s=2.0,  # the worker ends by itself once it sent its result
         ) as team:
-            return keeper.keep(team)
+            try:
+                return keeper.keep(team)
+            except BaseException as exc:
+                keeper.end(exc)  # before this process stops its worker (seconds, for a final checkpoint)
+                raise
     except BaseException as exc:
-        if rank == 0:  # the others stop too, with the same line (where the store is still there to say it)
-            with contextlib.suppress(RuntimeError):
-                store.set("end", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        keeper.end(exc)
         raise
+    finally:
+        keeper.beats = False
 
 
 class _Keeper:
@@ -115,20 +120,42 @@ class _Keeper:
         self.say: Sink = _Gathered(self.gens) if self.gens is not None else _Forward(store, rank)
         self.peers = _Keepers(store, world) if rank == 0 else None
         self.lives = 0  # this rank's workers that failed
+        self.gone = False  # its worker died and none replaces it
         self.restarts: list[dict[str, Any]] = []
-        self.beat_at = 0.0
+        self.beats = True
         self.posted = False
-        self.zero = (-1, time.monotonic())  # keeper 0's heartbeat: its count, and since when
+        self.zero = (0, time.monotonic())  # keeper 0's heartbeat: its count, and since when
+        self.ended = False
+
+    def beating(self, store: dist.Store) -> None:
+        """Say that this process lives every HEARTBEAT_S, from a thread of its own on a store
+        connection of its own (whatever the keeper waits on meanwhile), until the keeper ends."""
+
+        def beat() -> None:
+            while self.beats:
+                with contextlib.suppress(RuntimeError):  # (the store gone: the others judge)
+                    store.add(f"alive/{self.rank}", 1)
+                time.sleep(HEARTBEAT_S)
+
+        threading.Thread(target=beat, name="distsgd-keeper-heartbeat", daemon=True).start()
+
+    def end(self, exc: BaseException) -> None:
+        """Rank 0: the run failed; the others stop too, with the same line (where the store is
+        still there to say it)."""
+        if self.rank != 0 or self.ended:
+            return
+        self.ended = True
+        with contextlib.suppress(RuntimeError):
+            self.store.set("end", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
 
     def keep(self, team: procs.Team) -> list[WorkerResult]:
         sup = procs.Supervisor(team.procs, team.inbox, self.say.emit, own=False)
         while True:
             sup.poll(0.2)
-            self._beat()
             if 0 in sup.results and not self.posted:
                 self.store.set(f"result/{self.rank}", _light(sup.results[0]))
                 self.posted = True
-            if 0 in sup.failed():
+            if 0 in sup.failed() and not self.gone:
                 self._failed(team, sup)
             if self.store.check([f"stop/{self.rank}"]) and team.procs[0].is_alive():
                 team.procs[0].kill()  # a replacement the others finished before
@@ -142,21 +169,17 @@ class _Keeper:
             elif self._told_to_end(team, sup):
                 return [self._mine(sup)]
 
-    def _beat(self) -> None:
-        now = time.monotonic()
-        if now - self.beat_at >= HEARTBEAT_S:
-            self.store.add(f"alive/{self.rank}", 1)
-            self.beat_at = now
-
     def _failed(self, team: procs.Team, sup: procs.Supervisor) -> None:
         """This keeper's worker died or raised: say so (with whether a replacement starts); a
         worker that raised ends the run, once keeper 0 has had a moment to hear why."""
         self.lives += 1
         name = f"worker {self.rank}"
+        for message in team.inbox.finish(team.pipes[0], 2.0):  # what it still said: why it ended
+            sup.file(*message)
         if self.store.check([f"silent/{self.rank}"]) or self.store.check([f"stop/{self.rank}"]):
             # keeper 0 took it for lost, or stopped it (a replacement too late): its end is no news
             log.info("%s ended after the group went on without it (%s)", name, sup.reason(0))
-            sup.forget(0)
+            self.gone = True
             return
         raised = 0 in sup.said
         error = sup.blame(lambda _: name) if raised else None
@@ -164,6 +187,7 @@ class _Keeper:
         # --restart-workers N: N replacements in the whole run, as in a local one (claimed on the store)
         claimed = not raised and self.store.add("restarts", 1) <= self.job.cfg.restart_workers
         replaced = claimed and procs.replace(team, sup, 0, name, self.say, self.restarts)
+        self.gone = not replaced
         state = {"life": self.lives, "reason": reason, "replaced": replaced, "error": str(error) if error else None}
         self.store.set(f"state/{self.rank}", json.dumps(state))
         if error is not None:
@@ -186,7 +210,7 @@ class _Keeper:
         count = self.store.add("alive/0", 0)
         if count != self.zero[0]:
             self.zero = (count, time.monotonic())
-        elif time.monotonic() - self.zero[1] > membership.SILENT_S:
+        elif count > 0 and time.monotonic() - self.zero[1] > membership.SILENT_S:  # (not before its first)
             raise WorkerError(
                 f"process 0, which writes the run, went silent for {membership.SILENT_S:g} s (its host lost?)"
             )
@@ -240,7 +264,8 @@ class _Keepers:
         self.store, self.world = store, world
         self.taken = [0] * world  # per rank: the how-many-th of its workers whose failure was taken
         self.states: dict[int, dict[str, Any]] = {}
-        self.silent: set[int] = set()
+        self.silent: set[int] = set()  # keepers taken for lost (silent/<r> said)
+        self.quiet: set[int] = set()  # of those, the ones not yet taken by the generations
         self.beats: dict[int, tuple[int, float]] = {}
         self._results: dict[int, dict[str, Any]] = {}
         self.seen = [0] * world  # events read, per rank
@@ -257,7 +282,13 @@ class _Keepers:
         for r in range(self.world):
             if self.store.check([f"state/{r}"]):
                 self.states[r] = json.loads(self.store.get(f"state/{r}"))
-            if self.states.get(r, {}).get("life", 0) > self.taken[r] or (r not in self._results and self._silent(r)):
+            if r not in self._results and self._silent(r):
+                # said before the generation without it is announced: its worker's end (at that
+                # announcement, or a lost collective) is then no news to its keeper, if it lives
+                self.store.set(f"silent/{r}", "1")
+                self.silent.add(r)
+                self.quiet.add(r)
+            if self.states.get(r, {}).get("life", 0) > self.taken[r] or r in self.quiet:
                 failed.add(r)
         return failed
 
@@ -293,14 +324,13 @@ class _Keepers:
         if state is not None and state["life"] > self.taken[rank]:
             self.taken[rank] = state["life"]
             return bool(state["replaced"])
-        self.silent.add(rank)
-        self.store.set(f"silent/{rank}", "1")
+        self.quiet.discard(rank)
         return False
 
     def kill(self, rank: int) -> None:
         self.store.set(f"stop/{rank}", "1")
 
-    def read_events(self, emit: Any) -> None:
+    def read_events(self, emit: Callable[[dict[str, Any]], None]) -> None:
         """Pass on the events the other keepers' workers sent, in each one's order."""
         for r in range(1, self.world):
             count = self.store.add(f"ev/{r}/n", 0)
@@ -360,15 +390,17 @@ def _light(payload: dict[str, Any]) -> str:
 
 def _heavy(light: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`_light`'s JSON back as :func:`procs.unpack` takes it (no model). The figures' class
-    is one of distsgd's (a subclass of ``Figures``, by name: nothing else is made)."""
+    is one of the ``Figures`` classes this process has loaded, by name (no other is made, and
+    nothing is imported: a name on the store is anybody's who can reach it)."""
     payload = dict(light)
     figures = dict(payload.pop("figures"))
-    module, _, name = figures.pop("type").partition(":")
-    cls: Any = Figures
-    if module.startswith("distsgd."):
-        found = getattr(importlib.import_module(module), name, None)
-        cls = found if isinstance(found, type) and issubclass(found, Figures) else Figures
-    payload["figures"] = cls(**figures)
+    named = figures.pop("type")
+    loaded, todo = {}, [Figures]  # the classes of figures this process has (nothing is imported)
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            loaded[f"{sub.__module__}:{sub.__qualname__}"] = sub
+            todo.append(sub)
+    payload["figures"] = loaded.get(named, Figures)(**figures)
     attendance = payload.pop("attendance")
     payload["attendance"] = None if attendance is None else Attendance(**attendance)
     payload["model_state"] = None
