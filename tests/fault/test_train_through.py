@@ -303,8 +303,10 @@ def _torchrun(tmp_path: Path, model: str, *args: str, **env: str):
 @pytest.mark.parametrize(
     "algo, rank, extra",
     [
-        ("allreduce", "0", ["--lr", "0.05"]),  # the model returned comes from rank 1's keeper, on the store
-        ("diloco", "2", ["--sync-every", "10"]),
+        # the model returned comes from rank 1's keeper, on the store (DiLoCo was rank 2's here,
+        # 15 s of the suite: the keepers' part is the same for every algorithm, and each one's
+        # local train-through tests and its result's crossing (below) are in the suite)
+        ("allreduce", "0", ["--lr", "0.05"]),
     ],
 )
 def test_under_torchrun_a_lost_worker_is_trained_through(tmp_path: Path, kill_at: str, algo: str, rank: str, extra):
@@ -333,7 +335,7 @@ def test_under_torchrun_a_lost_worker_is_trained_through(tmp_path: Path, kill_at
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, rank", [("ddp", "1"), ("allreduce", "0")])
+@pytest.mark.parametrize("algo, rank", [("ddp", "1")])  # (allreduce rank 0 replaced: passed 4 times here on 2026-11-28)
 def test_under_torchrun_a_replacement_joins_and_takes_a_live_peers_state(tmp_path: Path, kill_at: str, algo, rank):
     """With --restart-workers, the keeper whose worker died starts a replacement, which joins
     the others at their next step and takes a live peer's state: three workers again."""
