@@ -325,27 +325,41 @@ def test_a_bad_slurm_setup_is_one_line(tmp_path: Path) -> None:
 def test_a_group_that_cannot_form_fails_within_the_timeout(tmp_path: Path) -> None:
     """One task of two alone, with --timeout 3: task 1 cannot reach the first host (an address
     routed nowhere, a name no resolver knows); task 0 waits for a peer that never comes. Each gives
-    up after the timeout with one line, not a traceback or torch's 30 minutes. (Side by side.)"""
+    up after the timeout with one line, not a traceback or torch's 30 minutes. (Side by side.) With
+    --min-workers, task 1's process keeps a worker, and first reaches the store itself (until
+    2026-11-28 a DistNetworkError's traceback there)."""
     cases = [
-        (1, "192.0.2.1"),  # TEST-NET-1: routed nowhere
-        (1, "nosuchnode.invalid"),
-        (0, "localhost"),  # task 1 never comes
+        (1, "192.0.2.1", []),  # TEST-NET-1: routed nowhere
+        (1, "nosuchnode.invalid", []),
+        (0, "localhost", []),  # task 1 never comes
+        (1, "192.0.2.1", ["--min-workers", "1"]),
     ]
     started = time.monotonic()
     procs = [
         _alone(
-            [sys.executable, *TRAIN, "--algo", "allreduce", "--timeout", "3", "--out", str(tmp_path / f"run{i}")],
+            [
+                sys.executable,
+                *TRAIN,
+                "--algo",
+                "allreduce",
+                "--timeout",
+                "3",
+                *extra,
+                "--out",
+                str(tmp_path / f"run{i}"),
+            ],
             task,
             **{
                 name: host
                 for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURMD_NODENAME")
             },
         )
-        for i, (task, host) in enumerate(cases)
+        for i, (task, host, extra) in enumerate(cases)
     ]
-    for p, (_, host) in zip(procs, cases):
+    for p, (_, host, extra) in zip(procs, cases):
         line = _one_line(p)
-        assert line.startswith(f"error: the process group at {host}:") and "within --timeout 3 s" in line, line
+        what = "the store" if extra else "the process group"
+        assert line.startswith(f"error: {what} at {host}:") and "within --timeout 3 s" in line, line
     assert time.monotonic() - started < 60  # the start (imports, data), then 3 s, not a hang
 
 

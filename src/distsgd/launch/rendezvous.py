@@ -187,16 +187,24 @@ def _bound(cfg: RunConfig) -> torch.device | None:
 def init_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
     """Join the group torchrun (or srun) formed, within ``--timeout``: a first host that cannot be
     reached, a peer that never comes or a port already taken is one ConfigError line."""
+    with rendezvous_errors(cfg, "the process group", "form"):
+        _join_torchrun_group(cfg, rank, world)
+
+
+@contextlib.contextmanager
+def rendezvous_errors(cfg: RunConfig, what: str, failed: str) -> Iterator[None]:
+    """Reaching the launcher's store at MASTER_ADDR:MASTER_PORT (the group's, or with
+    --min-workers the keepers' own connection): a DistError (the rendezvous, not a collective)
+    is one ConfigError line, and torch's native log of each failed try is held meanwhile."""
     try:
         with _native_stderr_held():
-            _join_torchrun_group(cfg, rank, world)
-    except dist.DistError as exc:  # DistNetworkError, DistStoreError: the rendezvous, not a collective
+            yield
+    except dist.DistError as exc:  # DistNetworkError, DistStoreError
         here = environment.current()
         where = f"{here.address}:{here.port}"
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
-            f"the process group at {where} (MASTER_ADDR:MASTER_PORT) did not form within --timeout "
-            f"{cfg.timeout_s:g} s: {cause}"
+            f"{what} at {where} (MASTER_ADDR:MASTER_PORT) did not {failed} within --timeout {cfg.timeout_s:g} s: {cause}"
         ) from None
 
 
