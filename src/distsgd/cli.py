@@ -502,6 +502,18 @@ COMMANDS = {
 }
 
 
+def _ended() -> None:
+    """The command has ended: a SIGTERM or SIGUSR1 from now on (srun's --kill-on-bad-exit ends a task
+    that has just said its peer failed) asks for what is already happening, so it is ignored rather
+    than raised inside the handler that says how the command ended. (One that came before this, while
+    the command's exception was on its way here, is caught below as any Terminated is.)"""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     restore = on_sigterm()  # from here to the end, as from the command's first instruction (distsgd._early)
     _early.settled()
@@ -509,15 +521,21 @@ def main(argv: list[str] | None = None) -> int:
     level, filters = root.level, warnings.filters[:]  # what --quiet changes, put back at the end
     args: argparse.Namespace | None = None
     try:
-        parser = build_parser()  # imports every algorithm: a signal may come meanwhile
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return 2
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s"
-        )
-        return COMMANDS[args.command](args)
+        try:
+            parser = build_parser()  # imports every algorithm: a signal may come meanwhile
+            args = parser.parse_args(argv)
+            if args.command is None:
+                parser.print_help()
+                return 2
+            logging.basicConfig(
+                level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s"
+            )
+            code = COMMANDS[args.command](args)
+        except BaseException:
+            _ended()  # the line below says how it ended; a SIGTERM raised now would escape it, a traceback
+            raise
+        _ended()
+        return code
     except DistsgdError as exc:
         sys.stderr.write(f"error: {one_line(exc)}\n")
         return exc.exit_code
