@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import threading
@@ -45,7 +44,7 @@ from distsgd.algorithms.base import Algorithm
 from distsgd.errors import WorkerError
 from distsgd.launch import environment, procs
 from distsgd.launch.group import Generations, Seat, _entry
-from distsgd.launch.rendezvous import place, rendezvous_errors
+from distsgd.launch.rendezvous import launcher_store, place, rendezvous_errors
 from distsgd.metrics import Sink
 from distsgd.train import membership
 from distsgd.train.context import Attendance, Figures, Job, WorkerResult
@@ -63,16 +62,8 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[WorkerResult]:
     here = environment.current()
     rank, world = place()
     assert here.address is not None and here.port is not None  # a launched environment's contract
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
     with rendezvous_errors(cfg, "the store", "answer"):  # (rank 0's own, where no agent holds it)
-        host = dist.TCPStore(
-            here.address,
-            here.port,
-            world,
-            is_master=not here.agent_store and rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        host = launcher_store(cfg, rank, world, wait_for_workers=False)
     at = membership.StoreAt(here.address, here.port, f"distsgd/through/attempt-{here.attempt}")
     store = dist.PrefixStore(at.prefix, host)
     seat = Seat(

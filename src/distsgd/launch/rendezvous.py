@@ -235,16 +235,31 @@ def _join_torchrun_group(cfg: RunConfig, rank: int, world: int) -> None:
     if restart == 0:
         init_group(cfg, rank, world, "env://")  # torch reads the variables adopt wrote
         return
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    assert here.address is not None and here.port is not None  # a launched environment's contract
-    store = dist.TCPStore(here.address, here.port, world, is_master=not here.agent_store and rank == 0, timeout=timeout)
+    store = launcher_store(cfg, rank, world)
     dist.init_process_group(
         backend=cfg.backend,
         store=dist.PrefixStore(f"distsgd/attempt-{restart}", store),
         rank=rank,
         world_size=world,
-        timeout=timeout,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
         device_id=_bound(cfg),
+    )
+
+
+def launcher_store(cfg: RunConfig, rank: int, world: int, wait_for_workers: bool = True) -> dist.TCPStore:
+    """A connection to the store the launcher runs at MASTER_ADDR:MASTER_PORT (torchrun's agent's);
+    where no agent holds one (srun's tasks, a pod given torchrun's variables), rank 0 hosts it.
+    ``wait_for_workers``: rank 0's host waits, up to --timeout, for the other ``world - 1`` to
+    connect before it returns."""
+    here = environment.current()
+    assert here.address is not None and here.port is not None  # a launched environment's contract
+    return dist.TCPStore(
+        here.address,
+        here.port,
+        world,
+        is_master=not here.agent_store and rank == 0,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        wait_for_workers=wait_for_workers,
     )
 
 
