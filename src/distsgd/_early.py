@@ -29,6 +29,13 @@ def _the_command() -> bool:
     return os.path.basename(argv[0]) == "distsgd"
 
 
+def _keeps_a_worker(argv: list[str]) -> bool:
+    """A rank asked to train through lost workers (``--min-workers``) trains in a worker process
+    of its own (``launch.keepers``), which it keeps and does not train itself: it logs as the
+    launcher's workers do (to errors), and its fork server can be forked from it."""
+    return any(a == "--min-workers" or a.startswith("--min-workers=") for a in argv)
+
+
 def _stop(signum: int, frame: FrameType | None) -> None:
     said = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
     os.write(2, f"error: {said}\n".encode())
@@ -38,7 +45,8 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 def install() -> None:
     """In the ``distsgd`` command, before anything else is imported: SIGTERM, SIGUSR1 (SLURM's
     ``--signal``) and SIGINT end it with one line (see the module); and, in a command that is not
-    one rank of a launcher's group (no ``RANK``: those keep torch's default), torch's C++ log keeps
+    one rank of a launcher's group that trains (no ``RANK``, or a rank that keeps a worker: the ranks
+    that train keep torch's default), torch's C++ log keeps
     to errors unless ``TORCH_CPP_LOG_LEVEL`` says otherwise (torch reads it once, as it is imported:
     a worker forked from this process, ``procs.prefork_server``, logs as this process does, and the
     workers have kept to errors since the first launcher, whose RPC logged every closed pipe at
@@ -47,7 +55,7 @@ def install() -> None:
     _COMMAND = _the_command()
     if not _COMMAND:
         return
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ or _keeps_a_worker(sys.argv):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):

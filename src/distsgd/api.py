@@ -272,9 +272,10 @@ def _run(
     require_extras(cfg.loggers, tb_dir is not None)  # before any data is read or any process starts
     if "safetensors" in cfg.save_formats:
         require_safetensors()
-    if fresh and algo_cls.topology.spawns(torchrun):
-        # (not for a torchrun process that keeps a worker: a rank keeps torch's C++ warnings, which
-        # a server forked from it would pass on; a new one keeps its workers' to errors)
+    keeps = torchrun and cfg.trains_through and not algo_cls.topology.spawns(torchrun)  # (launch.keepers)
+    # a rank that keeps a worker forks its server only where it logs as its worker must, to errors
+    # (distsgd._early: a rank that trains keeps torch's C++ warnings, a server forked would pass them on)
+    if fresh and (algo_cls.topology.spawns(torchrun) or (keeps and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR")):
         procs.prefork_server()  # before any data is read: it imports the rest meanwhile
     spec: ModelSpec = model_spec if model_spec is not None else cfg.model
     started = time.time()
