@@ -241,7 +241,9 @@ class Wide(torch.nn.Module):
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="open: under threads, 278,021,120 bytes more at 29 points than at 1, the same to the "
-                "byte in both runs of 2026-11-28 (H100): about one model per worker per point; cause not found",
+                "byte in both runs of 2026-11-28 (H100): about one model per worker per point; cause not found "
+                "(not on the CPU, where both ways grow alike: the launcher's copies, in host memory; "
+                "benchmarks/gpu_memory.py, in gpu_check.sh, reads where on a GPU)",
             ),
         ),
     ],
