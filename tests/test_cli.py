@@ -244,33 +244,42 @@ def test_sigterm_raises_only_while_a_command_runs(tmp_path: Path, capsys: pytest
     assert capsys.readouterr().err.startswith("error: ")
 
 
-def test_a_sigterm_while_the_error_line_is_said_raises_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """srun --kill-on-bad-exit's SIGTERM can land as a task says its own error line (its peer died):
-    it must not raise Terminated inside main's handler, out of main (the interpreter's traceback in
-    the job's log, seen in the suite under real SLURM). Here the SIGTERM is sent while the line is
-    written; a handler of the test's own stands before main's, so a SIGTERM let through is counted,
-    not fatal to pytest."""
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_error_line_is_said_raises_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """srun --kill-on-bad-exit's SIGTERM can land as a task says its own error line (its peer died),
+    and so can a second Ctrl-C: neither may raise inside main's handler, out of main (the
+    interpreter's traceback in the job's log, seen in the suite under real SLURM). Here the signal
+    is sent while the line is written; a handler of the test's own stands before main's, so a
+    signal let through is counted, not fatal to pytest; main puts it back as it was."""
     import io
     import os
     import signal
 
+    sig = getattr(signal, name)
     let_through: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: let_through.append(signum))
+
+    def counted(signum: int, frame: object) -> None:
+        let_through.append(signum)
+
+    before = signal.signal(sig, counted)
     try:
 
-        class Terminating(io.StringIO):
+        class Signalling(io.StringIO):
             def write(self, text: str) -> int:
-                os.kill(os.getpid(), signal.SIGTERM)  # Python runs its handler at the next instruction
+                os.kill(os.getpid(), sig)  # Python runs its handler at the next instruction
                 return super().write(text)
 
-        err = Terminating()
+        err = Signalling()
         monkeypatch.setattr(sys, "stderr", err)
         code = cli.main(["train", "--workers", "0", "--out", str(tmp_path / "out")])
         monkeypatch.undo()
         assert code == 2 and err.getvalue().startswith("error: ") and len(err.getvalue().splitlines()) == 1
         assert not let_through  # ignored: the command had ended
+        assert signal.getsignal(sig) is counted
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(sig, before)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -502,16 +502,25 @@ COMMANDS = {
 }
 
 
-def _ended() -> None:
-    """The command has ended: a SIGTERM or SIGUSR1 from now on (srun's --kill-on-bad-exit ends a task
-    that has just said its peer failed) asks for what is already happening, so it is ignored rather
-    than raised inside the handler that says how the command ended. (One that came before this, while
-    the command's exception was on its way here, is caught below as any Terminated is.)"""
+def _ended() -> Callable[[], None]:
+    """The command has ended: a SIGTERM, SIGUSR1 or Ctrl-C from now on (srun's --kill-on-bad-exit
+    ends a task that has just said its peer failed; a second Ctrl-C) asks for what is already
+    happening, so it is ignored rather than raised inside the handler that says how the command
+    ended. (One that came before this, while the command's exception was on its way here, is caught
+    below as any Terminated or KeyboardInterrupt is.) Returns what puts Ctrl-C's handler back (main's
+    end puts SIGTERM's and SIGUSR1's back)."""
     import signal
 
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def put_back() -> None:
+        signal.signal(signal.SIGINT, interrupt)
+
+    return put_back
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     root = logging.getLogger()
     level, filters = root.level, warnings.filters[:]  # what --quiet changes, put back at the end
     args: argparse.Namespace | None = None
+    interrupts: Callable[[], None] = lambda: None  # noqa: E731
     try:
         try:
             parser = build_parser()  # imports every algorithm: a signal may come meanwhile
@@ -532,9 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             code = COMMANDS[args.command](args)
         except BaseException:
-            _ended()  # the line below says how it ended; a SIGTERM raised now would escape it, a traceback
+            interrupts = _ended()  # the line below says how it ended; a SIGTERM raised now would escape it
             raise
-        _ended()
+        interrupts = _ended()
         return code
     except DistsgdError as exc:
         sys.stderr.write(f"error: {one_line(exc)}\n")
@@ -554,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         # after this task's own error line) must not raise inside the interpreter's exit and print
         # a traceback there, nor say a second line; it ends the process as a SIGTERM does.
         restore()
+        interrupts()
         _early.settled()
         # a command called in this process (a test, a notebook) leaves no --quiet behind it
         root.setLevel(level)
