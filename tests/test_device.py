@@ -424,6 +424,47 @@ def test_a_gpu_checkpoint_resumes_and_model_pt_loads_on_the_cpu(tmp_path: Path) 
     assert summary["cuda_version"] == torch.version.cuda
 
 
+@pytest.mark.slow
+def test_a_workers_compile_workers_end_before_it_does() -> None:
+    """The first GPU run's teardown errors: a ddp or asgd worker with --compile left inductor's
+    sidecar (``compile_worker/__main__.py --parent=PID``) behind it. A worker ends with os._exit,
+    past inductor's atexit hook; torch 2.11 (the GPU machine's) had no other (pytorch#185070 added a
+    multiprocessing finalizer, in this CPU build's torch: cancelled here, as 2.11 has none), and the
+    sidecar then waits for the end of its pipe, which a child the worker forked holds too (here for
+    2 s). The worker shuts its compile workers down itself: the sidecar is gone when it is."""
+    code = """
+import multiprocessing as mp, multiprocessing.util as util, os, pickle, time
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "2"  # a pool, whatever the cores
+from distsgd.launch import procs
+ctx = mp.get_context("fork")
+said = ctx.Queue()
+def compiles():
+    from torch._inductor.async_compile import AsyncCompile
+    pool = AsyncCompile.process_pool()
+    assert pool.submit(int, "7").result(timeout=120) == 7  # the sidecar is up and has worked
+    for f in list(util._finalizer_registry.values()):  # torch before pytorch#185070 had none
+        if getattr(f, "_callback", None) == pool.shutdown:
+            f.cancel()
+    if os.fork() == 0:  # a child of the worker's (a loader's), which holds the sidecar's pipe a while
+        time.sleep(2)
+        os._exit(0)
+    said.put(pool.process.pid)
+if __name__ == "__main__":
+    worker = ctx.Process(target=procs._bootstrap, args=(dict(os.environ), compiles, procs._Later(None, pickle.dumps(()))))
+    worker.start()
+    sidecar = said.get(timeout=120)
+    worker.join(120)
+    try:
+        os.kill(sidecar, 0)
+        print("exit", worker.exitcode, "the sidecar outlived its worker")
+    except ProcessLookupError:
+        print("exit", worker.exitcode, "the sidecar ended first")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "exit 0 the sidecar ended first", res.stdout + res.stderr[-2000:]
+
+
 def test_a_sigterm_landing_as_a_worker_leaves_prints_no_traceback() -> None:
     """The launcher stops a worker whose result is in with SIGTERM; on a GPU its exit is slow
     (CUDA, NCCL), and the signal often landed in ``_bootstrap``'s last line: 'Process

@@ -313,6 +313,19 @@ def _bootstrap(env: dict[str, str], target: Callable[..., None], args: _Later) -
             _stop_just_ends_it()
         except Terminated:
             _stop_just_ends_it()
+        _end_compile_workers()
+
+
+def _end_compile_workers() -> None:
+    """torch.compile's compile workers (inductor's sidecar process and its pool), where this worker
+    compiled, shut down before it ends. A worker process ends with ``os._exit``, past the atexit
+    hook inductor shuts them down with; torch since pytorch#185070 (2026-05) also registers a
+    multiprocessing finalizer for them, but earlier ones (2.11, the GPU machine's) left the sidecar
+    behind its worker while anything else held its pipe (a child the worker forked)."""
+    compiling = sys.modules.get("torch._inductor.async_compile")
+    if compiling is not None:
+        with contextlib.suppress(Exception):  # (a pool already gone, or broken: nothing left to end)
+            compiling.shutdown_compile_workers()
 
 
 def _stop_just_ends_it() -> None:
