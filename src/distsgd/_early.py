@@ -32,7 +32,9 @@ def _the_command() -> bool:
 def _keeps_a_worker(argv: list[str]) -> bool:
     """A rank asked to train through lost workers (``--min-workers``) trains in a worker process
     of its own (``launch.keepers``), which it keeps and does not train itself: it logs as the
-    launcher's workers do (to errors), and its fork server can be forked from it."""
+    launcher's workers do (to errors), and its fork server can be forked from it. (One read from
+    ``--config`` or a resumed run's config.toml is not seen here: that rank keeps torch's default,
+    and its server is a new interpreter, which its worker's C++ log keeps to errors in.)"""
     return any(a == "--min-workers" or a.startswith("--min-workers=") for a in argv)
 
 
