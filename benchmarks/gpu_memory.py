@@ -34,9 +34,11 @@ OURS = ("distsgd", "benchmarks")  # the frames a group is named by, where the st
 
 def live_at_peak(trace: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
     """The bytes allocated at the history's peak, and the entries (``alloc`` actions) alive then.
-    The allocator's own count (``allocated_bytes``) rises at ``alloc`` and falls at
-    ``free_requested`` (a block still used by another stream is completed later, but is no longer
-    allocated); a block freed that was allocated before the history began is not counted."""
+    The allocator's own count (``allocated_bytes``) rises at ``alloc`` and falls in its ``free()``,
+    where it records ``free_requested`` (a block still used by another stream is completed later,
+    but is no longer allocated); a block freed that was allocated before the history began is not
+    counted. The history's sizes are the sizes asked for, not the allocator's rounded blocks, so its
+    peak is a little under ``max_memory_allocated``."""
 
     def replay(upto: int | None) -> tuple[int, int, dict[int, dict[str, Any]]]:
         live: dict[int, dict[str, Any]] = {}

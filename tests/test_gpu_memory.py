@@ -1,7 +1,10 @@
 """benchmarks/gpu_memory.py's reading of PyTorch's allocator history, on the CPU: a history in the
 format ``torch.cuda.memory._snapshot()`` documents (its ``TraceEntry``: ``action`` alloc,
 free_requested, free_completed, segment_alloc, ...; ``addr``, ``size``, ``stream``, ``frames``
-innermost first, each ``filename``, ``line``, ``name``), made up here with a known peak."""
+innermost first, each ``filename``, ``line``, ``name``), made up here with a known peak. What
+counts as allocated is the caching allocator's own rule: ``free()`` lowers ``allocated_bytes`` and
+records ``free_requested`` together; ``free_completed`` comes when another stream's use of the block
+is over (PyTorch's CUDACachingAllocator.cpp, ``DeviceCachingAllocator::free``)."""
 
 from __future__ import annotations
 

@@ -420,7 +420,7 @@ def _after_restart(cfg: RunConfig, where: environment.Environment | None) -> tup
     if read_manifest(out) is not None:
         log.warning("%s: resuming from the checkpoint in %s", again, cfg.out)
         return cfg.out, cfg.overwrite
-    made_here = where.launch_id is not None and (out / LAUNCH).is_file() and _read(out / LAUNCH) == where.launch_id
+    made_here = where.launch_id is not None and _read(out / LAUNCH) == where.launch_id
     if (
         ((where.launch_named and out.name.startswith(f"{where.run_name}-")) or made_here)
         and out.is_dir()
