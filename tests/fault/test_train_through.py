@@ -434,8 +434,6 @@ def test_a_result_crosses_torchruns_store_whole(algo: str) -> None:
         assert back.pop("model_state") is None
         assert back == {k: v for k, v in vars(result).items() if k != "model"}
         assert type(back["figures"]) is cls
-    import sys
-
     from distsgd.train.context import Figures
 
     plain = json.loads(keepers._light(procs.pack(WorkerResult(**{**vars(result), "figures": Figures(bytes_sent=5)}))))
