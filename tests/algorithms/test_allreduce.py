@@ -57,7 +57,11 @@ def test_two_workers_equal_single_with_the_global_batch(digits, single_reference
     assert (ours - single_reference).abs().max() < 1e-4
     per_worker = s["bytes_sent_per_worker"]
     n_params = ours.numel()
-    assert per_worker == [STEPS * n_params * 4] * 2  # ring all-reduce of 2 workers: 2(W-1)/W = 1x the gradient
+    # ours: and one flag a parameter tensor (which had a gradient on any worker)
+    flags = len(list(result.model.parameters())) if algo == "allreduce" else 0
+    assert (
+        per_worker == [STEPS * (n_params + flags) * 4] * 2
+    )  # ring all-reduce of 2 workers: 2(W-1)/W = 1x the gradient
     if algo == "allreduce":
         assert s["buckets"] == (1 if bucket_mb == 25.0 else 4)
 
@@ -66,5 +70,7 @@ def test_buckets_keep_order_and_cap() -> None:
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 5, 5, 200)]
     buckets = make_buckets(params, cap_bytes=1200)
     assert [[p.numel() for p in b.params] for b in buckets] == [[10], [300], [5, 5, 200]]
-    assert [b.buffer.numel() for b in buckets] == [10, 300, 210]
+    # each bucket's gradients, then one "has a gradient" flag per parameter
+    assert [b.buffer.numel() for b in buckets] == [10 + 1, 300 + 1, 210 + 3]
+    assert [b.flags.numel() for b in buckets] == [1, 1, 3]
     assert [p for b in buckets for p in b.params] == params

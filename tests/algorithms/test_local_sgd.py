@@ -97,8 +97,9 @@ def test_local_sgd_h8_sends_an_eighth_of_allreduce(digits) -> None:
     steps = 2 * -(-718 // 16)  # 90 steps per worker
     assert local["samples"] == ar["samples"]
     assert local["averagings"] == -(-steps // 8)  # every 8 steps, the last (partial) period at the end
-    per_step = ar["bytes_sent_per_worker"][0] / steps  # one gradient all-reduce
-    assert local["bytes_sent_per_worker"] == [local["averagings"] * per_step] * 2  # one model each time
+    model = distsgd.models.build_model("mlp", (1, 8, 8), 10).parameters()
+    per_model = sum(p.numel() * p.element_size() for p in model)  # (allreduce's steps: this and a flag a parameter)
+    assert local["bytes_sent_per_worker"] == [local["averagings"] * per_model] * 2  # one model each time
     assert local["bytes_sent_per_sample"] <= ar["bytes_sent_per_sample"] / 8 * (1 + 8 / steps)
 
 

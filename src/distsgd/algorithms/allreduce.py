@@ -10,7 +10,11 @@ its gradient is accumulated; once every gradient of a bucket is ready, the bucke
 into one buffer and its all-reduce starts asynchronously, while backward carries on with the
 earlier layers. Buckets start strictly in order, so every rank issues the same collectives in the
 same order. After backward, the loop waits for the buckets, divides by W and copies the averages
-back into ``.grad``. One collective per bucket, not one per tensor (Li et al., "PyTorch
+back into ``.grad``. A parameter with no gradient on a rank (unused in its forward, or frozen after
+setup) counts as zero there, and each bucket carries one flag per parameter, summed with the
+gradients: a parameter no rank had a gradient for keeps ``.grad`` None, so the optimiser leaves
+it alone (no weight decay, no momentum), as in one process and as DDP does. One that was frozen at
+setup and has a gradient later is refused (its gradient would stay each replica's own). One collective per bucket, not one per tensor (Li et al., "PyTorch
 Distributed", VLDB 2020, describe the same scheme for DDP).
 
 ``--compress fp16|powersgd[:R]`` (:mod:`distsgd.algorithms.compress`): the gradients are
@@ -47,10 +51,16 @@ from distsgd.train.context import Start, Step, WorkerContext
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # the gradients, flat, then one "has a gradient" flag per parameter
     ready: int = 0
     handle: dist.Work | None = None  # its all-reduce, while in flight
     offsets: list[int] = field(default_factory=list)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """The buffer's last ``len(params)`` values: 1 where this rank's parameter has a gradient;
+        reduced with the gradients, then > 0 where any rank's had one."""
+        return self.buffer[self.buffer.numel() - len(self.params) :]
 
 
 def make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[Bucket]:
@@ -76,7 +86,9 @@ def _bucket(params: list[nn.Parameter]) -> Bucket:
         offsets.append(total)
         total += p.numel()
     return Bucket(
-        params=params, buffer=torch.zeros(total, dtype=params[0].dtype, device=params[0].device), offsets=offsets
+        params=params,
+        buffer=torch.zeros(total + len(params), dtype=params[0].dtype, device=params[0].device),
+        offsets=offsets,
     )
 
 
@@ -108,6 +120,18 @@ def refuse_powersgd_resync(algo: str, spec: str) -> None:
         )
 
 
+def refuse_unfrozen(algo: str, frozen: list[nn.Parameter]) -> None:
+    """A parameter frozen (``requires_grad=False``) when the model was set up, which now has a
+    gradient: the algorithm synchronises the gradients of the parameters that took them then, so
+    this one's would stay each replica's own, and the replicas would part."""
+    if any(p.grad is not None for p in frozen):
+        raise ConfigError(
+            f"{algo} synchronises the gradients of the parameters that had requires_grad=True at "
+            f"run.setup(), and one frozen then has a gradient now: set requires_grad before run.setup() "
+            f"(freezing later is fine: a parameter with no gradient is left alone)"
+        )
+
+
 @dataclass
 class AllReduceFigures(GroupFigures):
     buckets: int | None = None  # gradient buckets (none with --compress: reduced all at once)
@@ -125,6 +149,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     next_bucket: int  # the next bucket to start, in order (every rank starts them in the same order)
     # built by setup:
     params: list[nn.Parameter]  # those that take gradients
+    frozen: list[nn.Parameter]  # those that did not, at setup (their gradients are not synchronised)
     float_buffers: list[torch.Tensor]  # averaged after every step
     buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
     bucket_of: dict[int, Bucket]  # id(param) -> its bucket
@@ -148,6 +173,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
         params = [p for p in model.parameters() if p.requires_grad]
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         # Start from rank 0's weights and buffers, whatever the model's constructor did (a
         # replacement joining a group that trains through losses takes a live member's state instead)
         if not (start is Start.REPLACEMENT and membership.current() is not None):
@@ -186,10 +212,13 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             bucket = self.buckets[self.next_bucket]
             if not force and bucket.ready < len(bucket.params):
                 return
-            for p, offset in zip(bucket.params, bucket.offsets):
+            flags = bucket.flags
+            flags.fill_(1)
+            for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 view = bucket.buffer[offset : offset + p.numel()]
-                if p.grad is None:  # unused in this forward: contributes zero
+                if p.grad is None:  # no gradient here (unused in this forward, or frozen): zero, flagged
                     view.zero_()
+                    flags[i] = 0
                 else:
                     view.copy_(p.grad.reshape(-1))
             bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
@@ -197,13 +226,20 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             self.next_bucket += 1
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        refuse_unfrozen(self.name, self.frozen)
         if self.compressor is not None:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            absent = [p.grad is None for p in self.params]
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
-            for p, g in zip(self.params, grads):
-                p.grad = g
-        else:
-            self._reduce_buckets()
+            # which parameters had a gradient on any rank, reduced with the buffers (the compressor's
+            # error feedback would carry flags over into the next step's)
+            flags = torch.tensor([0.0 if gone else 1.0 for gone in absent], device=self.params[0].device)
+            self.sent(allreduce_mean_([*self.float_buffers, flags], self.world), self.world)
+            for i, (p, g, gone) in enumerate(zip(self.params, grads, absent)):
+                if not gone or flags[i] > 0:  # (read only where this rank had none: no GPU wait otherwise)
+                    p.grad = g
+            return
+        self._reduce_buckets()
         if self.float_buffers:
             self.sent(allreduce_mean_(self.float_buffers, self.world), self.world)
 
@@ -213,12 +249,13 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             assert bucket.handle is not None  # every bucket was started above
             membership.wait(bucket.handle)
             bucket.buffer.div_(self.world)
-            for p, offset in zip(bucket.params, bucket.offsets):
+            for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 averaged = bucket.buffer[offset : offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = averaged.clone()
-                else:
+                if p.grad is not None:
                     p.grad.copy_(averaged)
+                elif bucket.flags[i] > 0:  # another rank's had one (read only here: no GPU wait otherwise)
+                    p.grad = averaged.clone()
+                # else no rank's had one: it stays None, and the optimiser leaves the parameter alone
             bucket.ready = 0
             bucket.handle = None
         self.next_bucket = 0

@@ -77,6 +77,7 @@ Each algorithm's docstring states its update rule, its paper, and what happens t
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -703,6 +704,13 @@ class GroupAlgorithm(Algorithm[OptionsT]):
         self.replica_max_abs_diff = max_abs_diff(model, ctx.world)
         state = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()))
         self.sent_to_evaluate(2 * 8 * state, ctx.world)
+        if self.replica_max_abs_diff > 0 and ctx.reports:
+            logging.getLogger(__name__).warning(
+                "the workers' models differ at the end (replica_max_abs_diff %.3g): something changed one "
+                "worker's model only (weights loaded, or a parameter set, on one rank), and the model "
+                "returned and saved is worker 0's",
+                self.replica_max_abs_diff,
+            )
 
     def final_model(self, ctx: "WorkerContext", model: nn.Module) -> nn.Module:
         """The model every replica returns (after any last synchronisation)."""

@@ -44,7 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.allreduce import BucketOptions, refuse_powersgd_resync
+from distsgd.algorithms.allreduce import BucketOptions, refuse_powersgd_resync, refuse_unfrozen
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import RunConfig
@@ -72,6 +72,9 @@ class DDP(GroupAlgorithm[BucketOptions]):
     lost: membership.Lost | None  # a loss the hook saw during backward, raised after it
     # built by setup:
     ddp: DistributedDataParallel
+    synced: list[nn.Parameter]  # the parameters DDP synchronises (those with requires_grad at setup)
+    frozen: list[nn.Parameter]  # the others
+    forwards: int  # forwards through DDP that prepared its reducer for a backward, since the last sync
     grad_bytes: int  # what DDP all-reduces a step without a hook
     buffer_bytes: int  # what rank 0 broadcasts before every forward
 
@@ -79,6 +82,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
         super().__init__(cfg, seat)
         self.hooked = self.opts.compress != "none"
         self.through, self.lost = False, None
+        self.forwards = 0
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -91,7 +95,9 @@ class DDP(GroupAlgorithm[BucketOptions]):
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
-        self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.synced = [p for p in model.parameters() if p.requires_grad]
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self.synced)
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         how, rank = compress.parse(self.opts.compress)
         bucket_mb = self.opts.bucket_mb
@@ -108,6 +114,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )
         self.ddp = ddp
+        ddp.register_forward_pre_hook(self._forward)
         if self.through:
             self.hooked = True
             ddp.register_comm_hook(None, self._through_membership)
@@ -136,6 +143,11 @@ class DDP(GroupAlgorithm[BucketOptions]):
                 ),
             )
         return ddp
+
+    def _forward(self, ddp: nn.Module, args: Any) -> None:
+        # (DDP's forward prepares its reducer for a backward in the same case)
+        if torch.is_grad_enabled() and self.ddp.require_backward_grad_sync:
+            self.forwards += 1
 
     def _counting(self, hook: Callable, nbytes: Callable[[dist.GradBucket], int]) -> Callable:
         """torch's ``hook``, and the bytes it all-reduces for each bucket counted first. (No
@@ -176,10 +188,33 @@ class DDP(GroupAlgorithm[BucketOptions]):
         if self.lost is not None:  # the group lost a worker during backward: the loop regroups
             lost, self.lost = self.lost, None
             raise lost
+        self._check_synced()
         if not self.hooked:
             self.sent(self.grad_bytes, self.world)
         if ctx.rank == 0 and not self.through:
             self.sent(self.buffer_bytes, self.world, "broadcast")
+
+    def _check_synced(self) -> None:
+        """What DDP leaves unsynchronised, without a word (it would raise, if at all, at the next
+        forward, after this step applied its replica's own gradients): refused in one line."""
+        refuse_unfrozen(self.name, self.frozen)
+        forwards, self.forwards = self.forwards, 0
+        if not forwards:
+            raise ConfigError(
+                "ddp synchronises a backward pass through a forward of the model run.setup() returned, and "
+                "this one followed none (a forward through model.module or one of its methods, or a second "
+                "backward through one forward): its gradients are this worker's own; call the model "
+                "run.setup() returned, once a backward, or use --algo allreduce, which synchronises any backward"
+            )
+        missing = next((p for p in self.synced if p.grad is None), None)
+        if missing is not None:
+            name = next((n for n, p in self.ddp.module.named_parameters() if p is missing), "?")
+            raise ConfigError(
+                f"ddp synchronises every parameter that trains, every step, and {name} has no gradient in "
+                f"this one (unused in the forward, or frozen after run.setup()): DDP then leaves its bucket's "
+                f"gradients unsynchronised; use --algo allreduce, which takes such parameters (and leaves "
+                f"them alone)"
+            )
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if self.through and self.buffer_bytes:  # rank 0's buffers, as DDP's broadcast would give the next forward
@@ -189,7 +224,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
 
     def regrouped(self, ctx: WorkerContext) -> None:
         super().regrouped(ctx)
-        self.lost = None
+        self.lost, self.forwards = None, 0
         self._fresh_reducer()
 
     def _fresh_reducer(self) -> None:
