@@ -516,6 +516,93 @@ def test_a_push_that_lies_ends_that_connection_and_changes_nothing(lie: str) -> 
         service.close()
 
 
+def test_a_push_whose_presence_is_not_0_or_1_is_refused_and_changes_nothing() -> None:
+    """A push says, one byte a parameter, which have a gradient (1) and which have none (0: frozen or
+    unused in the forward). A forged byte of 2 ends that connection, as any other malformed request;
+    the same frame with a 1 there is applied."""
+    import socket
+
+    from distsgd.algorithms.param_server import transport, wire
+
+    ps, role, layout, service = _serving()
+    service.start()
+    try:
+        host, port = service.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            channel = transport.Channel(sock)
+            sock.sendall(wire.hello_message(1, SECRET, groups=ps.hypers.describe()))
+            answer = wire.Frame(layout.answer_bytes)
+            answer.recv(channel)
+            push = wire.Frame(layout.request_bytes)
+            layout.params.whole(push).fill_(1.0)
+            layout.hypers.whole(push).copy_(torch.tensor([0.1, 0.0, 0.0], dtype=torch.float64))
+            layout.present.whole(push).copy_(torch.tensor([1, 1], dtype=torch.uint8))
+            push.send(channel, wire.PUSH, 0, 8, 0)
+            assert answer.recv(channel)[0] == 1  # honest: applied, version 1
+            before = flatten(list(ps.model.parameters())).clone()
+            layout.present.whole(push).copy_(torch.tensor([1, 2], dtype=torch.uint8))
+            push.send(channel, wire.PUSH, 1, 16, 0)
+            assert _closed_by_server(sock)
+        deadline = time.monotonic() + 5
+        while ("gone", 1) not in role.said and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert role.said == [("hello", 1), ("gone", 1)]
+        assert ps.version == 1 and ps.counts[1] == 8 and torch.equal(flatten(list(ps.model.parameters())), before)
+    finally:
+        service.close()
+
+
+class _Plain:
+    """Plain PyTorch's SGD (lr 0.1, momentum 0.9, weight decay 0.01) on a copy of ``model``."""
+
+    def __init__(self, model: nn.Linear) -> None:
+        self.model = nn.Linear(3, 2)
+        self.model.load_state_dict(model.state_dict())
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+    def step(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """One step with these ``.grad``s (None: no gradient, skipped); the weights, flat."""
+        for p, g in zip(self.model.parameters(), grads):
+            p.grad = None if g is None else g.view_as(p).clone()
+        self.opt.step()
+        return flatten(list(self.model.parameters())).detach()
+
+
+@pytest.mark.parametrize("mode", ["asgd", "ssp", "dcasgd"])
+def test_a_parameter_absent_from_an_asynchronous_push_is_not_stepped(mode: str) -> None:
+    """Absent (no gradient on the worker): ``.grad`` None in that step, so the optimiser skips it, no
+    weight decay, no momentum, whatever the frame held there; present ones step as plain PyTorch."""
+    ps = make_server(mode, momentum=0.9, weight_decay=0.01)
+    plain, hypers = _Plain(ps.model), ps.hypers.read(ps.optimizer)
+    ps.pull(1), ps.pull(2)
+    g = grad(1)
+    expected = plain.step([g[:6], None])
+    result(ps.push(1, g.clone(), 0, 5, hypers=hypers, present=[True, False]))
+    torch.testing.assert_close(flatten(list(ps.model.parameters())).detach(), expected, rtol=0, atol=1e-7)
+    before = flatten(list(ps.model.parameters())).detach().clone()
+    result(ps.push(2, grad(2), 0, 5, hypers=hypers, present=[False, False]))  # nothing to step
+    assert torch.equal(flatten(list(ps.model.parameters())).detach(), before)
+    assert "momentum_buffer" not in ps.optimizer.state[ps.model.bias]
+
+
+def test_sync_ps_averages_with_zeros_for_the_absent_and_skips_what_no_push_has() -> None:
+    """As DDP: the round's mean counts a worker without a parameter's gradient as zero; a parameter
+    no worker of the round has gets no ``.grad`` (the optimiser skips it: its momentum too)."""
+    ps = make_server("sync-ps", momentum=0.9, weight_decay=0.01)
+    plain, hypers = _Plain(ps.model), ps.hypers.read(ps.optimizer)
+    g1, g2 = grad(1), grad(2)
+    expected = plain.step([(g1[:6] + g2[:6]) / 2, g2[6:] / 2])
+    ps.push(1, g1.clone(), 0, 5, hypers=hypers, present=[True, False])
+    result(ps.push(2, g2.clone(), 0, 5, hypers=hypers, present=[True, True]))
+    torch.testing.assert_close(flatten(list(ps.model.parameters())).detach(), expected, rtol=0, atol=1e-7)
+    weight = ps.model.weight.detach().clone()
+    expected = plain.step([None, (g1[6:] + g2[6:]) / 2])
+    ps.push(1, g1.clone(), 1, 10, hypers=hypers, present=[False, True])
+    result(ps.push(2, g2.clone(), 1, 10, hypers=hypers, present=[False, True]))
+    assert torch.equal(ps.model.weight.detach(), weight)
+    torch.testing.assert_close(flatten(list(ps.model.parameters())).detach(), expected, rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("accept", [False, True])
 def test_a_nan_gradient_is_not_applied_unless_the_user_accepts_it(accept: bool) -> None:
     from distsgd.algorithms.param_server import transport, wire

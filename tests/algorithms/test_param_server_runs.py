@@ -45,12 +45,13 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     layout = Layout.of(model, 3)
     n_params = flat_params(model).numel()
     # A worker sends one message a step: a 4 x int64 header, the float32 gradient (its section
-    # padded to a multiple of 16 bytes) and SGD's lr, momentum and weight decay (3 float64, padded to
-    # 32 bytes), for 4 epochs of ceil(718 / 64) steps; three control requests of the same size (the
-    # first pull, the start barrier, done: every request has one size); and the HELLO, a header, the
-    # run's 32-byte secret and its optimiser's one parameter group (3 int64).
+    # padded to a multiple of 16 bytes), SGD's lr, momentum and weight decay (3 float64, padded to
+    # 32 bytes) and which parameters have a gradient (a byte each, padded to 16 bytes), for 4 epochs
+    # of ceil(718 / 64) steps; three control requests of the same size (the first pull, the start
+    # barrier, done: every request has one size); and the HELLO, a header, the run's 32-byte secret
+    # and its optimiser's one parameter group (3 int64).
     assert layout.answer_bytes == -(-4 * n_params // 16) * 16  # no buffers here
-    assert layout.request_bytes == layout.answer_bytes + 32
+    assert layout.request_bytes == layout.answer_bytes + 32 + -(-len(list(model.parameters())) // 16) * 16
     steps = 4 * -(-718 // 64)
     message = 32 + layout.request_bytes
     hello = 32 + 32 + 24

@@ -69,8 +69,11 @@ def test_every_part_comes_back_bit_for_bit(spec, seed: int, hypers: int) -> None
     settings_ = _values(torch.float64, hypers, seed + 300)  # the optimiser's, after the buffers
     if hypers:
         layout.hypers.whole(request).copy_(settings_)
+    present = torch.tensor([(seed + i) % 2 for i in range(len(param_sizes))], dtype=torch.uint8)
+    layout.present.whole(request).copy_(present)  # which parameters have a gradient, after those
     got = _through_the_wire(request)
     assert not hypers or torch.equal(layout.hypers.whole(got), settings_)
+    assert torch.equal(layout.present.whole(got), present)
     flat = layout.params.whole(got)
     expected = torch.cat(params) if params else torch.empty(0, dtype=param_dtype)
     assert flat.numel() == expected.numel() and (not params or flat.dtype == param_dtype)
@@ -87,7 +90,8 @@ def test_every_part_comes_back_bit_for_bit(spec, seed: int, hypers: int) -> None
     assert all(torch.equal(h, w) for h, w in zip(layout.floats.unpack(back), fbufs))
 
     # Sections are aligned, in order and disjoint, and the frame holds them.
-    sections = [s for p in (layout.params, layout.floats, layout.ints, layout.hypers) for s in p.sections]
+    packings = (layout.params, layout.floats, layout.ints, layout.hypers, layout.present)
+    sections = [s for p in packings for s in p.sections]
     for a, b in zip(sections, sections[1:]):
         assert a.offset + a.nbytes <= b.offset
     assert all(s.offset % ALIGN == 0 for s in sections)
@@ -145,22 +149,24 @@ class _Recorder:
 def test_the_bytes_of_each_message_are_pinned() -> None:
     """The format written out by hand, little-endian as every supported machine is: a push of a
     Linear(2, 1) (3 float32 values, padded to 16 bytes) with a BatchNorm1d(1)'s running mean and
-    variance (2 float32 at 16, padded to 32), num_batches_tracked (an int64 at 32, padded to 48) and
-    SGD's lr, momentum and weight decay (3 float64 at 48, padded to 80); the HELLO with its one
-    parameter group, the refusal of a HELLO, the PING and the BEAT. A change here breaks every worker
-    and server of another version."""
+    variance (2 float32 at 16, padded to 32), num_batches_tracked (an int64 at 32, padded to 48),
+    SGD's lr, momentum and weight decay (3 float64 at 48, padded to 80) and which of the 2
+    parameters have a gradient (2 uint8 at 80, padded to 96); the HELLO with its one parameter
+    group, the refusal of a HELLO, the PING and the BEAT. A change here breaks every worker and
+    server of another version."""
     assert (wire.HELLO, wire.PULL, wire.PUSH, wire.EXCHANGE, wire.DONE, wire.BARRIER) == (0, 1, 2, 3, 4, 5)
     assert (wire.CHECKPOINTED, wire.PING, wire.STOP, wire.BEAT, wire.REFUSED) == (6, 7, 8, -1, -2)
     f32 = torch.float32
     layout = wire.Layout([(f32, 2), (f32, 1)], [(f32, 1), (f32, 1)], [(torch.int64, 1)], hypers=3)
-    assert (layout.request_bytes, layout.answer_bytes) == (80, 32)
+    assert (layout.request_bytes, layout.answer_bytes) == (96, 32)
     push = wire.Frame(layout.request_bytes)
     layout.params.pack(push, [torch.tensor([1.5, -2.0]), torch.tensor([0.25])])
     layout.floats.pack(push, [torch.tensor([3.0]), torch.tensor([0.5])])
     layout.ints.pack(push, [torch.tensor([7])])
     layout.hypers.whole(push).copy_(torch.tensor([0.05, 0.9, 1e-4], dtype=torch.float64))
+    layout.present.whole(push).copy_(torch.tensor([1, 0], dtype=torch.uint8))  # the bias has no gradient
     stream = _Recorder()
-    assert push.send(stream, wire.PUSH, 5, 64, 1) == 32 + 80
+    assert push.send(stream, wire.PUSH, 5, 64, 1) == 32 + 96
     assert stream.sent == (
         struct.pack("<4q", 2, 5, 64, 1)
         + struct.pack("<3f", 1.5, -2.0, 0.25)
@@ -171,8 +177,11 @@ def test_the_bytes_of_each_message_are_pinned() -> None:
         + bytes(8)
         + struct.pack("<3d", 0.05, 0.9, 1e-4)
         + bytes(8)
+        + bytes([1, 0])
+        + bytes(14)
     )
-    assert wire.Layout([(f32, 2), (f32, 1)], [], [], hypers=0).request_bytes == 16  # none: not a byte more
+    # no buffers, no hyperparameters: not a byte for them, the presence right after the parameters
+    assert wire.Layout([(f32, 2), (f32, 1)], [], [], hypers=0).request_bytes == 32
     assert wire.hello_message(3, b"run", rejoining=True) == struct.pack("<4q", 0, 3, 0, 1) + b"run" + bytes(29)
     assert wire.hello_message(1, bytes(range(40)))[32:] == bytes(range(32))  # a longer secret is cut
     group = (0b1011, 2, 12345)  # lr, momentum, weight_decay over 2 tensors; which ones: a digest

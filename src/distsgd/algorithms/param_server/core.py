@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -31,14 +31,19 @@ if TYPE_CHECKING:
     from distsgd.algorithms.param_server.rules import Rule
 
 Answer = tuple[torch.Tensor, int, int, bool]  # weights, version, all workers' samples, stop
+Present = list[bool] | None  # which parameters a push has a gradient of, in the model's order (None: all)
 
 log = logging.getLogger(__name__)
 
 
 class ParameterServer:
     """The server's state. ``pull(rank)`` returns (weights, version); ``push(rank, grad,
-    version_read, local_samples, buffers, hypers)`` returns a Future of an :data:`Answer`;
+    version_read, local_samples, buffers, hypers, present)`` returns a Future of an :data:`Answer`;
     ``exchange`` is async EASGD's elastic exchange. Worker ranks are 1..N.
+
+    A parameter that has no gradient on the worker (frozen, or unused in the forward: its ``.grad``
+    is None there) is absent from the push (``present``): as in plain PyTorch, the optimiser skips
+    it, with no weight decay and no momentum (sync-ps: see :class:`.rules.SyncRound`).
 
     The optimiser steps with the hyperparameters each push carries (``hypers``: the worker's
     optimiser's at that step, laid out as :attr:`hypers` says): they are the one source of the lr,
@@ -65,6 +70,7 @@ class ParameterServer:
         self.rule = rule
         self.params = params(model)
         self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation
+        self.spans = list(_spans(self.params))  # where each parameter lies in a flat gradient
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, model)
         # what each push carries of the worker's optimiser (nothing where the optimiser never steps)
         self.hypers = Hyperparameters.of(self.optimizer, model) if rule.steps else Hyperparameters.none()
@@ -137,16 +143,29 @@ class ParameterServer:
         local_samples: int,
         buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
         hypers: list[float] | None = None,
+        present: Present = None,
     ) -> Future:
         """Worker ``rank``'s flat gradient, its (floating-point, other) buffers, each flat, in
-        the model's order, and its optimiser's hyperparameters at that step. A gradient with NaN or
-        inf is taken as zero (the rule's rounds stay in step), unless ``accept_nonfinite``;
+        the model's order, its optimiser's hyperparameters at that step, and which parameters it
+        has a gradient of (``present``; None: all). The server keeps ``grad`` (the transport's own
+        copy) and zeroes it where a parameter is absent, whatever it held there. A gradient with NaN
+        or inf is taken as zero (the rule's rounds stay in step), unless ``accept_nonfinite``;
         hyperparameters the optimiser cannot step with (NaN, a negative lr) are a lie: a
         ConnectionError, and nothing changes."""
         if hypers is not None:
             problem = self.hypers.invalid(hypers)
             if problem is not None:
                 raise ConnectionError(f"worker {rank - 1} pushed {problem}")
+        if present is not None:
+            if len(present) != len(self.spans):
+                raise ConnectionError(
+                    f"worker {rank - 1} said which of {len(present)} parameters it has, not {len(self.spans)}"
+                )
+            if all(present):
+                present = None
+            for has, (offset, n) in zip(present or [], self.spans):
+                if not has:
+                    grad[offset : offset + n].zero_()
         fut: Future = Future()
         if not self._finite(grad, *(buffers[0] if buffers else [])):
             grad = torch.zeros_like(grad)
@@ -156,7 +175,7 @@ class ParameterServer:
             self.clocks[rank] += 1
             if buffers is not None:
                 self._buffers[rank], self._ints = buffers
-            self.rule.on_push(self, rank, grad, version_read, hypers, fut)
+            self.rule.on_push(self, rank, grad, version_read, hypers, present, fut)
             self.rule.release(self)
             done = self._take_done()
         _complete(done)
@@ -215,14 +234,14 @@ class ParameterServer:
     def total_samples(self) -> int:
         return sum(self.counts)
 
-    def apply(self, grad: torch.Tensor, hypers: list[float] | None = None) -> None:
+    def apply(self, grad: torch.Tensor, hypers: list[float] | None = None, present: Present = None) -> None:
         """One optimiser step with ``grad`` (flat), its groups set to ``hypers`` first (checked by
-        :meth:`push`; None: as they stand)."""
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = grad[offset : offset + n].view_as(p)  # views: grad is this update's own tensor
-            offset += n
+        :meth:`push`; None: as they stand); a parameter absent from ``present`` (None: none is)
+        gets no ``.grad``, so the optimiser skips it (no weight decay, no momentum), as PyTorch's
+        does a parameter without a gradient."""
+        for i, (p, (offset, n)) in enumerate(zip(self.params, self.spans)):
+            # views: grad is this update's own tensor
+            p.grad = grad[offset : offset + n].view_as(p) if present is None or present[i] else None
         if hypers is not None:
             self.hypers.apply(self.optimizer, hypers)
         self.optimizer.step()
@@ -315,6 +334,14 @@ class ParameterServer:
             out["staleness_mean"] = sum(v * c for v, c in self.staleness.items()) / n
             out["staleness_max"] = max(self.staleness)
         return out
+
+
+def _spans(tensors: list[torch.Tensor]) -> Iterator[tuple[int, int]]:
+    """(offset, numel) of each of ``tensors`` in their flat concatenation."""
+    offset = 0
+    for t in tensors:
+        yield offset, t.numel()
+        offset += t.numel()
 
 
 def _fitting(saved: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -43,6 +43,11 @@ the server's groups just before that step. So lr_r below is the lr of the push, 
 - sync-ps: one step on the mean of the round's gradients, with the hyperparameters of the round's
   lowest live rank (every worker's schedule is at the same step; a round whose workers pushed
   different values steps with that rank's, and the server warns once).
+
+A parameter without a gradient on the worker (frozen, or unused in the forward) is absent from its
+push, as plain PyTorch's optimiser would skip it: asgd, ssp, dcasgd step without it (its ``.grad``
+None: no weight decay, no momentum); sync-ps's mean counts a push without it as zero (as DDP
+averages), and a parameter absent from every push of the round is skipped.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ if TYPE_CHECKING:  # the algorithms' options, in the modules that import these r
 log = logging.getLogger(__name__)
 
 Hypers = list[float] | None  # a push's hyperparameters (.hyper.Hyperparameters.read), or none
+Present = list[bool] | None  # which parameters a push has a gradient of (.core.Present; None: all)
 
 
 def dc_lambda(opts: DCASGDOptions) -> float:
@@ -90,7 +96,14 @@ class Rule:
         """Worker ``rank`` read ``weights``."""
 
     def on_push(
-        self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, hypers: Hypers, fut: Future
+        self,
+        ps: "ParameterServer",
+        rank: int,
+        grad: torch.Tensor,
+        version_read: int,
+        hypers: Hypers,
+        present: Present,
+        fut: Future,
     ) -> None:
         raise NotImplementedError(f"{type(self).__name__} takes no gradients")
 
@@ -112,14 +125,21 @@ class Asynchronous(Rule):
     opts: StalenessOptions
 
     def on_push(
-        self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, hypers: Hypers, fut: Future
+        self,
+        ps: "ParameterServer",
+        rank: int,
+        grad: torch.Tensor,
+        version_read: int,
+        hypers: Hypers,
+        present: Present,
+        fut: Future,
     ) -> None:
         tau = ps.version - version_read
         ps.staleness[tau] += 1
         grad = self.correct(ps, rank, grad)
         if self.opts.staleness_lr and tau > 1:
             grad = grad / tau
-        ps.apply(grad, hypers)
+        ps.apply(grad, hypers, present)
         if not self.hold(ps, rank, fut):
             self.answer(ps, rank, fut)
 
@@ -197,9 +217,10 @@ class DelayCompensated(Asynchronous):
 
 
 class SyncRound(Rule):
-    """sync-ps: one step with the mean of every live worker's gradient."""
+    """sync-ps: one step with the mean of every live worker's gradient (zero where a worker had
+    none of a parameter; one that no worker of the round had is not stepped)."""
 
-    gathered: dict[int, tuple[torch.Tensor, Hypers, Future]]  # this round's pushes so far, by rank
+    gathered: dict[int, tuple[torch.Tensor, Hypers, Present, Future]]  # this round's pushes so far, by rank
     mixed: bool  # a round's workers pushed different hyperparameters (warned of once)
 
     def __init__(self, cfg: RunConfig, opts: Options) -> None:
@@ -208,9 +229,16 @@ class SyncRound(Rule):
         self.mixed = False
 
     def on_push(
-        self, ps: "ParameterServer", rank: int, grad: torch.Tensor, version_read: int, hypers: Hypers, fut: Future
+        self,
+        ps: "ParameterServer",
+        rank: int,
+        grad: torch.Tensor,
+        version_read: int,
+        hypers: Hypers,
+        present: Present,
+        fut: Future,
     ) -> None:
-        self.gathered[rank] = (grad, hypers, fut)
+        self.gathered[rank] = (grad, hypers, present, fut)
         self._maybe_step(ps)
 
     def on_leave(self, ps: "ParameterServer", rank: int) -> None:
@@ -232,11 +260,20 @@ class SyncRound(Rule):
                 "the server steps with worker %d's (the round's lowest rank), here and in every such round",
                 ranks[0] - 1,
             )
-        ps.apply(total / len(ranks), hypers)
+        ps.apply(total / len(ranks), hypers, _any_present([self.gathered[r][2] for r in ranks]))
         reply = ps.answer()
         for r in ranks:
-            ps.reply(self.gathered[r][2], reply)
+            ps.reply(self.gathered[r][3], reply)
         self.gathered = {}
+
+
+def _any_present(pushes: list[Present]) -> Present:
+    """The parameters any of a round's pushes has a gradient of (None: all)."""
+    partial = [present for present in pushes if present is not None]
+    if len(partial) < len(pushes):
+        return None
+    union = [any(has) for has in zip(*partial)]
+    return None if all(union) else union
 
 
 class Elastic(Rule):

@@ -177,8 +177,8 @@ class Service:
     one, so a flood of strangers cannot keep a real worker (which says HELLO as soon as it
     connects) out for long. Then every request is checked: a known op, sample counts that only
     grow, by at most what the worker can have trained since its last message, a version the
-    server has made, a checkpoint whose file the worker wrote (in the role), and (in the core)
-    finite gradients and hyperparameters the optimiser can step with; a frame must arrive within
+    server has made, a push's presence bytes 0 or 1, a checkpoint whose file the worker wrote (in
+    the role), and (in the core) finite gradients and hyperparameters the optimiser can step with; a frame must arrive within
     ``--timeout``. An ``accept()`` error
     (too many open files), or a connection's thread that cannot start (the process's thread limit:
     that connection is closed and counted refused), is logged at most every
@@ -392,6 +392,7 @@ class _Connection:
         self.server, self.role, self.layout = service.server, service.role, service.layout
         self.request, self.answer = Frame(self.layout.request_bytes), Frame(self.layout.answer_bytes)
         self.hypers = self.layout.hypers.whole(self.request).numpy()  # a push's hyperparameters (a view)
+        self.present = self.layout.present.whole(self.request).numpy()  # which parameters it has a gradient of
         self.sending = threading.Lock()  # answers and BEATs, one message at a time
         self.waiting: float | None = None  # since when the worker has heard nothing while it waits for an answer
         self.reply(
@@ -459,7 +460,13 @@ class _Connection:
                     else None
                 )
                 hypers = self.hypers.tolist() if server.hypers.count else None
-                flat, v, total, stop = server.push(rank, grad, version, samples, buffers, hypers).wait()
+                if (self.present > 1).any():
+                    raise Refused(
+                        f"a push whose parameter {int((self.present > 1).argmax())} has a gradient "
+                        f"{int(self.present.max())} times (0: none, 1: one)"
+                    )
+                present = None if self.present.all() else [bool(v) for v in self.present]
+                flat, v, total, stop = server.push(rank, grad, version, samples, buffers, hypers, present).wait()
                 self.reply(v, total, stop, flat)
             elif op == EXCHANGE:
                 x = layout.params.whole(request).clone()
@@ -527,6 +534,7 @@ class Client:
         pinned = weights.device.type == "cuda"
         self.request, self.answer = Frame(layout.request_bytes, pinned), Frame(layout.answer_bytes, pinned)
         self.hyper_view = layout.hypers.whole(self.request).numpy()  # where a push's hyperparameters go
+        self.present_view = layout.present.whole(self.request).numpy()  # and which parameters have a gradient
         self.bytes_sent = 0
         self.total = 0  # every worker's samples, as the answer to the HELLO or the last pull said
         self.address, self.timeout_s = address, timeout_s
@@ -621,10 +629,14 @@ class Client:
         samples: int,
         buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
         hypers: list[float] | None = None,
+        present: list[bool] | None = None,
     ) -> tuple[int, int, bool]:
         """A gradient (the parameters' gradients, in order) computed on ``version``, the
-        (floating-point, other) buffers, and the optimiser's hyperparameters at that step (as
-        :meth:`.hyper.Hyperparameters.read` lists them); the new weights land in ``weights``."""
+        (floating-point, other) buffers, the optimiser's hyperparameters at that step (as
+        :meth:`.hyper.Hyperparameters.read` lists them) and which parameters have a gradient
+        (``present``, one bool a parameter, as the worker knows it without a look at the values;
+        None: all; an absent one's gradient in ``grad`` is zeros); the new weights land in
+        ``weights``."""
         layout = self.layout
         layout.params.pack(self.request, grad)
         if buffers is not None:
@@ -633,6 +645,7 @@ class Client:
         if self.hypers.count:
             assert hypers is not None and len(hypers) == self.hypers.count, "the optimiser's hyperparameters"
             self.hyper_view[:] = hypers
+        self.present_view[:] = 1 if present is None else present
         version, total, stop, _ = self._call(PUSH, version, samples, int(buffers is not None))
         self.weights.copy_(layout.params.whole(self.answer))
         return version, total, stop

@@ -3,8 +3,8 @@
 A message is one :class:`Frame`: a header of four int64 ``[op, version, samples, flag]`` (a
 request) or ``[version, all workers' samples, stop, nbytes]`` (an answer), then a payload. Every
 request (and every answer) of a run has the same size: the largest any op needs (a push's
-gradient, buffers and the optimiser's hyperparameters, an exchange's x); the control messages
-(pull, barrier, done) carry an unused payload. The payload's parts are the sections of a
+gradient, buffers, the optimiser's hyperparameters and which parameters have a gradient, an
+exchange's x); the control messages (pull, barrier, done) carry an unused payload. The payload's parts are the sections of a
 :class:`Layout`, each aligned to :data:`ALIGN` bytes. Four messages are shorter: a worker's first,
 the HELLO (a header, the run's secret and its optimiser's parameter groups, :func:`hello_message`),
 the server's refusal of a HELLO whose groups are not its own (:func:`refusal_message`), a worker's
@@ -149,11 +149,14 @@ class Packing:
 
 class Layout:
     """What a message of a model holds, and where: its parameters (one dtype: the flat weights, a
-    gradient or an exchange's x), its floating-point buffers, its other buffers (integer, bool) and
+    gradient or an exchange's x), its floating-point buffers, its other buffers (integer, bool),
     ``hypers`` float64 values (the optimiser's hyperparameters at a push's step:
-    :mod:`.hyper`), each part in aligned sections. A request holds all four; an answer the first two
-    (weights, or an exchange's difference). The server and each worker build it from the same
-    architecture and the same optimiser factory."""
+    :mod:`.hyper`) and ``present``, one uint8 a parameter (a push's: 1 where the worker's
+    parameter has a gradient, 0 where it has none, frozen or unused in the forward, and its
+    gradient's values are zeros; nothing else is valid), each part in aligned sections. A request
+    holds all five (an exchange ignores the last two); an answer the first two (weights, or an
+    exchange's difference). The server and each worker build it from the same architecture and the
+    same optimiser factory."""
 
     def __init__(
         self,
@@ -171,7 +174,8 @@ class Layout:
         self.floats = Packing(floats, self.params.end)
         self.ints = Packing(ints, self.floats.end)
         self.hypers = Packing([(torch.float64, hypers)] if hypers else [], self.ints.end)
-        self.request_bytes = self.hypers.end
+        self.present = Packing([(torch.uint8, len(params))] if params else [], self.hypers.end)
+        self.request_bytes = self.present.end
         self.answer_bytes = self.floats.end
 
     @classmethod

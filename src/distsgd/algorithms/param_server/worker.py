@@ -120,7 +120,8 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     settings the server steps with. It is built in ``setup``, before the worker connects, so
     that the HELLO describes its parameter groups (:mod:`.hyper`); each step, ``apply_step``
     reads its lr, momentum, betas and weight decay as the run's schedule or a user's LR scheduler
-    left them, and ``after_step`` pushes them with the gradient."""
+    left them, and ``after_step`` pushes them with the gradient and which parameters have one (a
+    frozen or unused one has none: the server's optimiser skips it, as PyTorch's would)."""
 
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
@@ -215,10 +216,13 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
+        # which parameters have a gradient (host knowledge: no look at a GPU's values); those without
+        # (frozen, unused in the forward) travel as zeros and the server's optimiser skips them
+        present = [p.grad is not None for p in self.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
         self.version, self.total, self.stop = self.client.push(
-            grads, self.version, step.samples, buffers, self.pushed if self.hypers.count else None
+            grads, self.version, step.samples, buffers, self.pushed if self.hypers.count else None, present
         )
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
