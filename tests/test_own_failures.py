@@ -70,6 +70,10 @@ def failing_loop(run: distsgd.Run, victim: int, how: str) -> nn.Module:
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif how == "refused":
                     opt.step()
+                elif how == "exit":
+                    sys.exit(1)  # exits
+    if how == "exit0":
+        sys.exit(0)  # a script's habit at the end of main: as a return
     return run.final_model()
 
 
@@ -111,6 +115,21 @@ def test_a_loop_that_stops_in_one_worker_ends_the_run_naming_it(algo: str, victi
         spawn(algo, "hang", victim, timeout_s=3)
     message = str(raised.value)
     assert message == f"worker {victim} made no progress for 3 s (--timeout), in main (tests/{HERE}:{line_of('hangs')})"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd"])
+def test_sys_exit_in_one_workers_loop_ends_the_run_and_sys_exit_0_returns(algo: str) -> None:
+    """sys.exit(1) in worker 1: before, Hogwild! and asgd took it for a dead worker and returned
+    a model, exit 0 (SystemExit is no Exception); sys.exit(0) at the end of main: before, allreduce
+    failed ("worker 0 failed: SystemExit: 0") and asgd reported both workers failed."""
+    with pytest.raises(LoopError) as raised:
+        spawn(algo, "exit")
+    assert str(raised.value) == f"worker 1 failed in main (tests/{HERE}:{line_of('exits')}): SystemExit: 1"
+    result = spawn(algo, "exit0")
+    assert result.model is not None and result.summary["samples"] == 3 * 384
+    assert not result.summary.get("failed_workers")
 
 
 @pytest.mark.slow

@@ -244,7 +244,7 @@ class _Code:
         return None
 
 
-def loop_failure(exc: Exception, worker: str) -> LoopError | None:
+def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
     """What ``exc``, raised out of a user's ``main(run)`` in ``worker``, means: a :class:`LoopError`
     naming the worker and the innermost line of the user's code in its traceback; None when it is
     not the loop's failure but the symptom of a fault elsewhere (raised where the worker waits for

@@ -181,6 +181,7 @@ class Run:
         # the step count and training-clock time at which the model run.evaluation_model() last
         # returned existed (see :meth:`_evaluated_at`)
         self._made: tuple[int, float] | None = None
+        self._warned_own = False  # test figures of a worker's own model were logged (said once)
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
@@ -860,7 +861,9 @@ class Run:
         if "test_accuracy" in values or "test_loss" in values:
             reached = False
             with self.paused():
-                if writes:
+                if writes and self._of_a_workers_own_model():
+                    self._demoted(values)
+                elif writes:
                     reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
                 # worker that reached it stops the others
@@ -876,6 +879,42 @@ class Run:
                     **values,
                 }
             )
+
+    def _of_a_workers_own_model(self) -> bool:
+        """Whether test figures logged now were measured on this worker's own model where that is not
+        the model the run returns (local-sgd's, DiLoCo's, EASGD's replicas between their averages):
+        in a user's loop, of an algorithm whose models are local, with no run.evaluation_model()
+        since the last step and before run.final_model()."""
+        made = self._made
+        return (
+            self._ctx.job.main is not None
+            and self._algo.local_model
+            and self._returned is None
+            and not (made is not None and made[0] == self.steps)
+        )
+
+    def _demoted(self, values: dict[str, Any]) -> None:
+        """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`): a ``log`` event,
+        not an evaluation (not the final figures, nor a time to target); said once."""
+        if not self._warned_own:
+            self._warned_own = True
+            log.warning(
+                "run.log(test_...) at %d samples: no run.evaluation_model() since the last step, so the "
+                "figures are of this worker's own model, and %s returns another (its average): logged, but "
+                "not taken as the run's evaluations (final figures, time to target); measure "
+                "run.evaluation_model() (or the model run.final_model() returns)",
+                self.global_samples(),
+                self.cfg.algo,
+            )
+        self._ctx.sink.emit(
+            {
+                "event": "log",
+                "samples": self.global_samples(),
+                "rank": self.rank,
+                "train_wall_s": self._clock.elapsed(),
+                **values,
+            }
+        )
 
     def _evaluation(self, figures: dict[str, Any]) -> bool:
         """This worker's evaluation (its ``test_accuracy``, ``test_loss`` and any other figures):
@@ -1076,6 +1115,11 @@ class Run:
         final = self.final_model()
         if returned is not None and returned is not final:
             unwrapped = self._algo.unwrap(self._model) if self._model is not None else None
+            if not isinstance(returned, nn.Module):
+                raise ConfigError(
+                    f"main(run) returned a {type(returned).__name__}: return run.final_model() (or nothing), "
+                    f"and report figures with run.log(...)"
+                )
             if returned is not unwrapped and returned is not self._model:
                 raise ConfigError(
                     "main(run) returned a model that is not run.final_model(): return run.final_model() (or nothing)"
@@ -1287,11 +1331,14 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     try:
         with stall_watch(worker, progress, ctx.cfg.timeout_s):
             returned = main(run)
-    except Exception as exc:
-        failure = loop_failure(exc, worker)
-        if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
-            raise
-        raise failure from exc
+    except (Exception, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):  # sys.exit(0) in main: as a return
+            returned = None
+        else:  # an exception, or sys.exit(1) (or any other code): the worker failed
+            failure = loop_failure(exc, worker)
+            if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
+                raise
+            raise failure from exc
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
