@@ -104,22 +104,32 @@ def test_the_data_has_steps_where_one_worker_uses_aux_and_the_other_does_not() -
     assert [False, False] in used or [True, True] in used, used
 
 
-@pytest.mark.parametrize("compress", ["none", "fp16"])
+SYNCHRONOUS = [
+    ("allreduce", {"compress": "none"}),
+    ("allreduce", {"compress": "fp16"}),
+    ("local-sgd", {"warmup_steps": 100}),  # post-local SGD's first steps: allreduce's
+]
+
+
+@pytest.mark.parametrize("algo, extra", SYNCHRONOUS, ids=["allreduce", "allreduce-fp16", "local-sgd-warmup"])
 @pytest.mark.parametrize("freeze_body", [False, True], ids=["unused", "unused-and-frozen"])
-def test_allreduce_leaves_a_parameter_no_worker_had_a_gradient_for_alone(compress: str, freeze_body: bool) -> None:
+def test_a_parameter_no_worker_had_a_gradient_for_is_left_alone(algo: str, extra: dict, freeze_body: bool) -> None:
     """With weight decay and momentum: ``never`` (no forward) and the frozen ``body`` stay exactly as
     one process leaves them, and ``aux``, used by one worker's batch in some steps, moves by the
-    mean gradient. Before: every parameter without a gradient was all-reduced as zeros and got
-    ``.grad`` = 0, so weight decay and momentum moved it (``never`` by 0.003 in 4 steps)."""
+    mean gradient. Before: allreduce all-reduced every parameter without a gradient as zeros and
+    gave it ``.grad`` = 0, so weight decay and momentum moved it (``never`` by 0.003 in 4 steps);
+    local-sgd's warm-up all-reduced only the gradients each worker had (of other lengths where
+    one worker used ``aux`` and the other did not)."""
+    compress = extra.get("compress", "none")
     result = distsgd.spawn(
         functools.partial(loop, freeze_body=freeze_body),
         model=Net,
-        algo="allreduce",
+        algo=algo,
         workers=2,
         batch_size=B,
         max_samples=STEPS * 2 * B,
-        compress=compress,
         quiet=True,
+        **extra,
         **SGD,
     )
     assert result.model is not None
@@ -223,3 +233,61 @@ def test_ddp_trains_as_one_process_when_every_parameter_takes_a_gradient() -> No
         opt.step()
     got, ref = weights(result.model), weights(model)
     assert max((got[k] - ref[k]).abs().max().item() for k in got) < 1e-5
+
+
+def stale_frozen() -> Net:
+    """``never`` frozen with a gradient of an earlier pass left on it (a loop that never clears it)."""
+    net = never_frozen()
+    net.never.weight.grad = torch.ones_like(net.never.weight)
+    return net
+
+
+def trainable_only(run: distsgd.Run) -> nn.Module:
+    """An optimiser of the trainable parameters alone: its zero_grad never clears ``never``'s."""
+    model, opt = run.setup(lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1))
+    for x, y in run.loader(dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert getattr(model, "module", model).never.weight.grad is not None
+    return run.final_model()
+
+
+def test_a_frozen_parameters_old_gradient_is_not_taken_for_an_unfreezing() -> None:
+    result = distsgd.spawn(
+        trainable_only, model=stale_frozen, algo="allreduce", workers=2, batch_size=B, max_samples=2 * 2 * B, quiet=True
+    )
+    assert result.model is not None
+
+
+def freezes_at_a_round(run: distsgd.Run) -> nn.Module:
+    """``body`` frozen after the first round (2 steps): it must end as it was then."""
+    model, opt = run.setup()
+    module = getattr(model, "module", model)
+    then = None
+    for x, y in run.loader(dataset(), batch_size=B):
+        if run.steps == 2:
+            module.body.requires_grad_(False)
+            then = module.body[0].weight.detach().clone()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    final = run.final_model()
+    assert then is not None and torch.equal(final.body[0].weight, then), "the frozen body moved"
+    return final
+
+
+def test_diloco_leaves_a_parameter_frozen_during_the_run_alone() -> None:
+    """Its pseudo-gradient is zero from then on, but was given to the outer Nesterov SGD, whose
+    momentum moved it on for rounds (before)."""
+    result = distsgd.spawn(
+        freezes_at_a_round,
+        model=Net,
+        algo="diloco",
+        workers=2,
+        batch_size=B,
+        max_samples=STEPS * 2 * B,
+        sync_every="2",
+        quiet=True,
+    )
+    assert result.model is not None

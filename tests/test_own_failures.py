@@ -132,6 +132,28 @@ def test_sys_exit_in_one_workers_loop_ends_the_run_and_sys_exit_0_returns(algo: 
     assert not result.summary.get("failed_workers")
 
 
+def stops_early(run: distsgd.Run) -> nn.Module:
+    """Worker 1 leaves its loop after 3 steps, on its own criterion (``if loss < x: break``)."""
+    model, opt = run.setup()
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        if run.rank == 1 and run.steps == 3:
+            break
+    return run.final_model()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["local-sgd", "diloco"])
+def test_a_worker_that_stops_early_in_a_lockstep_group_is_one_line(algo: str) -> None:
+    """A period longer than the run: no collective before the end. Before, the run ended with
+    exit 0 and the samples of steps worker 1 never took (12 x 16 a worker counted, 3 x 16 trained)."""
+    with pytest.raises(distsgd.DistsgdError, match="the workers took from 3 to 12 steps") as raised:
+        distsgd.spawn(stops_early, model=Tiny, algo=algo, workers=2, sync_every="100", quiet=True)
+    assert "\n" not in str(raised.value)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algo", ["hogwild", "asgd"])

@@ -120,11 +120,28 @@ def refuse_powersgd_resync(algo: str, spec: str) -> None:
         )
 
 
-def refuse_unfrozen(algo: str, frozen: list[nn.Parameter]) -> None:
-    """A parameter frozen (``requires_grad=False``) when the model was set up, which now has a
-    gradient: the algorithm synchronises the gradients of the parameters that took them then, so
-    this one's would stay each replica's own, and the replicas would part."""
-    if any(p.grad is not None for p in frozen):
+class Frozen:
+    """The parameters frozen (``requires_grad=False``) when the model was set up, and the gradient
+    each had then (a stale one a user's loop never cleared: left as it is)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [p for p in model.parameters() if not p.requires_grad]
+        self.grads = [_grad_mark(p) for p in self.params]
+
+    def gained(self) -> bool:
+        """Whether one of them has a gradient now that it did not have at setup (unfrozen, used)."""
+        return any(p.grad is not None and _grad_mark(p) != mark for p, mark in zip(self.params, self.grads))
+
+
+def _grad_mark(p: torch.Tensor) -> tuple[int, int] | None:
+    return None if p.grad is None else (id(p.grad), p.grad._version)
+
+
+def refuse_unfrozen(algo: str, frozen: Frozen) -> None:
+    """A parameter frozen when the model was set up, which has a gradient now: the algorithm
+    synchronises the gradients of the parameters that took them then, so this one's would stay
+    each replica's own, and the replicas would part."""
+    if frozen.params and frozen.gained():
         raise ConfigError(
             f"{algo} synchronises the gradients of the parameters that had requires_grad=True at "
             f"run.setup(), and one frozen then has a gradient now: set requires_grad before run.setup() "
@@ -145,11 +162,12 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     summary_line = "synchronous data parallel: gradients averaged by our bucketed all-reduce, overlapped with backward"
 
     compressor: compress.Compressor | None  # --compress: averages every gradient at once, after backward
+    flags: torch.Tensor  # --compress: 1 where a parameter has a gradient, reduced after backward
     accumulating: bool  # inside no_sync: a micro-batch's gradients stay local
     next_bucket: int  # the next bucket to start, in order (every rank starts them in the same order)
     # built by setup:
     params: list[nn.Parameter]  # those that take gradients
-    frozen: list[nn.Parameter]  # those that did not, at setup (their gradients are not synchronised)
+    frozen: Frozen  # those that did not, at setup (their gradients are not synchronised)
     float_buffers: list[torch.Tensor]  # averaged after every step
     buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
     bucket_of: dict[int, Bucket]  # id(param) -> its bucket
@@ -173,7 +191,10 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.frozen = Frozen(model)
+        # --compress: which parameters had a gradient on any rank, reduced with the buffers (one
+        # tensor made here: a new one a step would be a copy from host memory, a wait on a GPU)
+        self.flags = torch.ones(len(params), device=params[0].device if params else ctx.device)
         # Start from rank 0's weights and buffers, whatever the model's constructor did (a
         # replacement joining a group that trains through losses takes a live member's state instead)
         if not (start is Start.REPLACEMENT and membership.current() is not None):
@@ -228,15 +249,20 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         refuse_unfrozen(self.name, self.frozen)
         if self.compressor is not None:
-            absent = [p.grad is None for p in self.params]
+            if not self.params:
+                return
+            absent = [i for i, p in enumerate(self.params) if p.grad is None]
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
             # which parameters had a gradient on any rank, reduced with the buffers (the compressor's
             # error feedback would carry flags over into the next step's)
-            flags = torch.tensor([0.0 if gone else 1.0 for gone in absent], device=self.params[0].device)
-            self.sent(allreduce_mean_([*self.float_buffers, flags], self.world), self.world)
-            for i, (p, g, gone) in enumerate(zip(self.params, grads, absent)):
-                if not gone or flags[i] > 0:  # (read only where this rank had none: no GPU wait otherwise)
+            self.flags.fill_(1)
+            for i in absent:
+                self.flags[i] = 0
+            self.sent(allreduce_mean_([*self.float_buffers, self.flags], self.world), self.world)
+            anywhere = self.flags.tolist() if absent else []  # (read only where this rank had none: no GPU wait)
+            for i, (p, g) in enumerate(zip(self.params, grads)):
+                if p.grad is not None or anywhere[i] > 0:  # (else no rank's had one: it stays None)
                     p.grad = g
             return
         self._reduce_buckets()
@@ -249,11 +275,13 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             assert bucket.handle is not None  # every bucket was started above
             membership.wait(bucket.handle)
             bucket.buffer.div_(self.world)
+            # where this rank had none, whether another rank's had one (read only then: a GPU's wait)
+            anywhere = bucket.flags.tolist() if any(p.grad is None for p in bucket.params) else []
             for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 averaged = bucket.buffer[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:
                     p.grad.copy_(averaged)
-                elif bucket.flags[i] > 0:  # another rank's had one (read only here: no GPU wait otherwise)
+                elif anywhere[i] > 0:
                     p.grad = averaged.clone()
                 # else no rank's had one: it stays None, and the optimiser leaves the parameter alone
             bucket.ready = 0

@@ -44,7 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.allreduce import BucketOptions, refuse_powersgd_resync, refuse_unfrozen
+from distsgd.algorithms.allreduce import BucketOptions, Frozen, refuse_powersgd_resync, refuse_unfrozen
 from distsgd.algorithms.averaging import broadcast_
 from distsgd.algorithms.base import GroupAlgorithm, register
 from distsgd.config import RunConfig
@@ -73,7 +73,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
     # built by setup:
     ddp: DistributedDataParallel
     synced: list[nn.Parameter]  # the parameters DDP synchronises (those with requires_grad at setup)
-    frozen: list[nn.Parameter]  # the others
+    frozen: Frozen  # the others
     forwards: int  # forwards through DDP that prepared its reducer for a backward, since the last sync
     grad_bytes: int  # what DDP all-reduces a step without a hook
     buffer_bytes: int  # what rank 0 broadcasts before every forward
@@ -96,7 +96,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
         self.synced = [p for p in model.parameters() if p.requires_grad]
-        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.frozen = Frozen(model)
         self.grad_bytes = sum(p.numel() * p.element_size() for p in self.synced)
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         how, rank = compress.parse(self.opts.compress)

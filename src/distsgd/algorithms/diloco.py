@@ -220,8 +220,14 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
                 for t, d in zip(theta, delta):
                     t.sub_(d)
         else:
-            for t, d in zip(theta, delta):
-                t.grad = d
+            for t, d, p in zip(theta, delta, self.params):
+                if p.requires_grad:
+                    t.grad = d
+                else:  # frozen (by the user's loop, during the run): the round's average, and no
+                    # outer momentum to carry it on, as an optimiser leaves a parameter without a gradient
+                    with torch.no_grad():
+                        t.sub_(d)
+                    t.grad = None
             outer.step()
         with torch.no_grad():
             for local, global_ in zip(model.buffers(), target.buffers()):

@@ -93,8 +93,18 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if step.number <= self.opts.warmup_steps:  # post-local SGD: synchronous first
-            grads = [p.grad for p in self.params if p.grad is not None]
-            self.sent(allreduce_mean_(grads + float_buffers(model), self.world), self.world)
+            # as allreduce: a parameter with no gradient here counts as zero, and one no worker had a
+            # gradient for keeps none (the optimiser leaves it alone); one flag a parameter says which
+            absent = [i for i, p in enumerate(self.params) if p.grad is None]
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+            flags = [torch.ones(len(grads), dtype=grads[0].dtype, device=grads[0].device)] if grads else []
+            for i in absent:
+                flags[0][i] = 0
+            self.sent(allreduce_mean_(grads + float_buffers(model) + flags, self.world), self.world)
+            anywhere = flags[0].tolist() if absent else []  # (a GPU's wait: only then)
+            for i, (p, g) in enumerate(zip(self.params, grads)):
+                if p.grad is not None or anywhere[i] > 0:
+                    p.grad = g
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if step.number > self.opts.warmup_steps:

@@ -1064,6 +1064,26 @@ class Run:
                     f"at the same point of the loop"
                 )
 
+    def _same_steps(self) -> None:
+        """At the end of a user's loop in a lockstep group: every worker took as many steps (one
+        that stopped early on its own criterion, ``if loss < x: break``, left the others' averages
+        and samples to pair with its final collectives: local-sgd and DiLoCo ended, exit 0, with
+        the samples of steps never taken). One small all-reduce; not where the group trains through
+        a lost worker (a replacement counts its steps from when it joined)."""
+        if not (self._algo.topology.lockstep and self.world > 1 and dist.is_initialized()):
+            return
+        if membership.current() is not None:
+            return
+        bounds = torch.tensor([self.steps, -self.steps], dtype=torch.int64, device=self.device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        most, fewest = int(bounds[0]), -int(bounds[1])
+        if most != fewest:
+            raise ConfigError(
+                f"the workers took from {fewest} to {most} steps (worker {self.rank}: {self.steps}): under "
+                f"{self.cfg.algo} every worker takes as many, or their synchronisations pair up wrongly; "
+                f"stop them together (run.should_stop(), or a decision shared with run.all_reduce)"
+            )
+
     def final_model(self) -> nn.Module:
         """The model the algorithm returns, after its last synchronisation (every worker calls it,
         once, after its last step). Return it from ``main``: it is what distsgd saves. The
@@ -1080,6 +1100,7 @@ class Run:
             self._end_step()
         if self._ctx.job.main is not None:
             self._evaluations_joined()
+            self._same_steps()
         returned = self._algo.finish(self._ctx, model)
         self._unhook()
         self._clock.pause()
