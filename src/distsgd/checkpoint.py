@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import secrets
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
@@ -182,7 +183,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         if path.suffix == ".safetensors":
             data = _load_safetensors(path)
         else:
-            data = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch's advice on a file of another pickle protocol: our line says it
+                warnings.simplefilter("ignore")
+                data = torch.load(path, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
     except OSError as exc:

@@ -524,6 +524,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("--nesterov needs a --momentum above 0")
     if cfg.stop_at_target and cfg.target_accuracy is None and cfg.target_loss is None:
         raise ConfigError("--stop-at-target needs --target-accuracy or --target-loss")
+    for flag, path in (("--out", cfg.out), ("--resume", cfg.resume)):
+        if path is not None and not str(path).strip():  # (an empty --out saved nothing, and said nothing)
+            raise ConfigError(f"{flag} '{path}' names no directory: give a path, or leave {flag} out")
     if cfg.checkpoint_period is not None and cfg.out is None:
         raise ConfigError("--checkpoint-every needs a run directory (--out)")
     for name, where in (

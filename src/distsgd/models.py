@@ -364,7 +364,7 @@ def build_model(
         )
     except ModelError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # (a constructor's sys.exit too: it ended distsgd, silently)
         raise ModelError(f"building model {describe(spec)} failed: {type(exc).__name__}: {exc}") from None
     if init == "xavier":
         xavier_init(model)
@@ -400,7 +400,7 @@ def check_fits(
             where = next(iter(model.parameters()), torch.empty(0)).device
             x = torch.zeros(2, *input_shape, dtype=torch.long if lm else torch.float32, device=where)
             out = logits_of(model(x))
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model {name} cannot take {dataset}'s input of shape {shape_text}: {first}") from None
     finally:

@@ -65,7 +65,7 @@ def load(spec: str, error: type[Exception], what: str) -> Any:
 
     try:
         module = importlib.import_module(module_name(path))
-    except Exception as exc:  # the user's code: report whatever it raised, in one line
+    except (Exception, SystemExit) as exc:  # the user's code: whatever it raised (sys.exit too), in one line
         first = (str(exc).strip().splitlines() or [""])[0]
         raise error(f"importing {path} failed: {type(exc).__name__}: {first}") from None
     found = getattr(module, name, None)

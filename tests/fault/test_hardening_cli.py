@@ -309,3 +309,102 @@ def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path: Path, capsys: 
     r = train_here(capsys, "--resume", str(run), "--max-samples", "256")
     assert r.returncode == 2
     assert one_error_line(r.stderr) == f"error: cannot write or read {run / 'metrics.jsonl'}: No space left on device"
+
+
+# --- an audit of bad input, 2026-11-29 ---------------------------------------------------------------
+
+MODELS = """
+import sys
+import torch
+from torch import nn
+
+
+class FailsLater(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 5:
+            raise ValueError("bad forward")
+        return self.fc(x.flatten(1))
+
+
+class NoParameters(nn.Module):
+    def forward(self, x):
+        return x.flatten(1)[:, :10]
+
+
+class Exits(nn.Module):
+    def __init__(self):
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("FailsLater", "worker 0 failed: ValueError: bad forward"),
+        ("NoParameters", "worker 0 failed: ValueError: optimizer got an empty parameter list"),
+        ("Exits", "failed: SystemExit: 3"),
+    ],
+)
+def test_a_users_model_failing_in_a_run_of_one_process_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, model: str, message: str
+) -> None:
+    """Before: under --algo single (trained in the command's own process) a traceback and exit 1
+    (with --workers 2, one line); a constructor's sys.exit(3) ended distsgd with status 3, silently."""
+    path = tmp_path / f"audit_models_{model.lower()}.py"
+    path.write_text(MODELS)
+    r = main(
+        capsys, "train", "--dataset", "digits", "--model", f"{path}:{model}", "--quiet", "--out", str(tmp_path / "o")
+    )
+    assert r.returncode == 2 and message in one_error_line(r.stderr)
+
+
+def test_a_model_file_that_calls_sys_exit_as_it_is_imported_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Before: exit 0, nothing trained, nothing said (SystemExit is no Exception)."""
+    path = tmp_path / "audit_exits_on_import.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    r = main(capsys, "train", "--dataset", "digits", "--model", f"{path}:X", "--quiet")
+    assert r.returncode == 2 and "failed: SystemExit: 0" in one_error_line(r.stderr)
+
+
+@pytest.mark.parametrize("args", [["--out", ""], ["--resume", ""], ["--out", "", "--checkpoint-every", "100"]])
+def test_an_empty_path_is_refused(capsys: pytest.CaptureFixture, no_launch: None, args: list[str]) -> None:
+    """Before: --out '' trained, saved nothing and said nothing (exit 0); with --checkpoint-every,
+    an AssertionError traceback once training had started."""
+    r = train_here(capsys, "--max-samples", "64", *args)
+    assert r.returncode == 2 and "names no directory" in one_error_line(r.stderr)
+
+
+def test_npz_without_test_rows_or_features_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Before: an empty test set trained, then reported test accuracy and loss 0.0000 (measured on
+    nothing), exit 0; inputs of no values trained with two torch warnings."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((100, 8), dtype=np.float32), rng.integers(0, 3, 100)
+    np.savez(tmp_path / "e.npz", x=x, y=y, x_test=np.zeros((0, 8), np.float32), y_test=np.zeros(0, np.int64))
+    np.savez(tmp_path / "z.npz", x=np.zeros((100, 0), np.float32), y=y)
+    for name, message in (("e", "the test set is empty"), ("z", "each sample has no values")):
+        r = main(capsys, "train", "--dataset", f"npz:{tmp_path / name}.npz", "--model", "logreg", "--quiet")
+        assert r.returncode == 2 and message in one_error_line(r.stderr)
+
+
+def test_eval_of_a_pickle_of_another_protocol_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Before: torch's two-line UserWarning on the pickle protocol came before the error line."""
+    import pickle
+    import warnings
+
+    path = tmp_path / "p.pt"
+    path.write_bytes(pickle.dumps({"a": object.__name__}, protocol=4))
+    with warnings.catch_warnings(record=True) as seen:  # (pytest keeps warnings off stderr: caught here)
+        warnings.simplefilter("always")
+        r = main(capsys, "eval", "--checkpoint", str(path))
+    assert r.returncode == 2 and one_error_line(r.stderr)
+    assert not [w for w in seen if "pickle" in str(w.message)]

@@ -282,6 +282,8 @@ def from_arrays(
     y_train = _as_targets(y_train, name, "y")
     if len(x_train) != len(y_train):
         raise DataError(f"{name}: {len(x_train)} training inputs but {len(y_train)} labels")
+    if len(x_train) and x_train[0].numel() == 0:
+        raise DataError(f"{name}: each sample has no values (inputs of shape {tuple(x_train.shape)})")
     if x_test is None or y_test is None:
         if len(x_train) < 2:
             raise DataError(f"{name}: need at least 2 samples to hold out a test set")
@@ -294,6 +296,11 @@ def from_arrays(
     else:
         x_test = _as_float(x_test, name, "x_test")
         y_test = _as_targets(y_test, name, "y_test")
+        if len(x_test) == 0:  # (it trained, and reported a test accuracy and loss of 0 measured on nothing)
+            raise DataError(
+                f"{name}: the test set is empty: give test samples, or none (a tenth of the training "
+                f"samples is then held out)"
+            )
         if y_test.dtype != y_train.dtype or y_test.shape[1:] != y_train.shape[1:]:
             raise DataError(
                 f"{name}: test targets are {y_test.dtype} {tuple(y_test.shape[1:])}, training targets "
@@ -429,7 +436,7 @@ def _load_user(spec: str) -> TrainingData:
         result = function()
     except DataError:
         raise
-    except Exception as exc:  # the user's code: one line
+    except (Exception, SystemExit) as exc:  # the user's code (sys.exit too): one line
         first = (str(exc).strip().splitlines() or [""])[0]
         raise DataError(f"{spec} failed: {type(exc).__name__}: {first}") from None
     return from_torch(result, spec, spec.rpartition(":")[0])

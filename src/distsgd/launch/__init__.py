@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, WorkerError
+from distsgd.errors import ConfigError, DistsgdError, WorkerError, error_text
 from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import place
 from distsgd.metrics import Sink
@@ -69,7 +69,12 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
         from distsgd.train.loop import run_worker
 
         where = device.use(job.cfg.device, 0)  # in this process: a single worker trains here
-        result = run_worker(WorkerContext(job, rank=0, world=1, sink=sink, device=where), algo_cls(job.cfg))
+        try:
+            result = run_worker(WorkerContext(job, rank=0, world=1, sink=sink, device=where), algo_cls(job.cfg))
+        except DistsgdError:
+            raise
+        except Exception as exc:  # the user's model or data raised: one line, as a worker process says it
+            raise WorkerError(f"worker 0 failed: {error_text(exc)}") from exc
         if result.model is not None:  # on the CPU, as every other topology returns it
             result.model.cpu()
         return [result]
