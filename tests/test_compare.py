@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from distsgd import cli
-from distsgd.bench.compare import _labels
+from distsgd.bench.compare import _labels, compare_runs
+from distsgd.errors import ConfigError
 from helpers import cli_here, run_cli
 
 pytest.importorskip("sklearn")
@@ -104,6 +105,64 @@ def test_bad_run_directories_are_one_error_line(
         assert code == 2, err
         assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
         assert not (out / "compare.md").exists()
+
+
+def _variant(base: Path, where: Path, changes: dict) -> Path:
+    """A copy of run ``base`` (its summary.json alone) with ``changes`` made to its summary."""
+    where.mkdir()
+    summary = json.loads((base / "summary.json").read_text())
+    (where / "summary.json").write_text(json.dumps({**summary, **changes}))
+    return where
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"algo": 5}, '"algo" is 5, not text'),
+        ({"evals": "x"}, '"evals" is "x", not a list of evaluations'),
+        ({"evals": [1, 2]}, '"evals[0]" is 1, not an evaluation (an object)'),
+        ({"evals": [{"samples": 128, "test_accuracy": 0.1}]}, '"evals[0]" has no "train_wall_s"'),
+        ({"evals": [{"samples": 128, "train_wall_s": 0.1, "test_loss": "low"}]}, '"evals[0].test_loss" is "low"'),
+        ({"final_test_accuracy": "high"}, '"final_test_accuracy" is "high", not a number or null'),
+        ({"samples": "x"}, '"samples" is "x", not a number'),
+        ({"workers": None}, '"workers" is null, not a whole number of at least 1'),
+        ({"workers": [1]}, '"workers" is [1], not a whole number'),
+        ({"workers": 0}, '"workers" is 0, not a whole number'),
+        ({"workers": True}, '"workers" is true, not a whole number'),
+        ({"samples_per_s": 10**400}, '"samples_per_s" is 1000000'),
+        ({"target_loss": "low"}, '"target_loss" is "low", not a number or null'),
+        ({"failed_workers": None}, '"failed_workers" is null, not a list of whole numbers'),
+        ({"staleness": {"mean": 1.0}}, '"staleness" is {"mean": 1.0}, not'),
+        ({"hosts": "vm"}, '"hosts" is "vm", not a list of hosts'),
+    ],
+    ids=lambda v: "-".join(v) if isinstance(v, dict) else None,
+)
+def test_a_summary_field_of_the_wrong_type_is_one_error_line(
+    two_runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture, changes: dict, message: str
+) -> None:
+    base, _ = two_runs
+    bad = _variant(base, tmp_path / "bad", changes)
+    out = tmp_path / "out"
+    code = cli.main(["compare", str(base), str(bad), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.splitlines() == [err.strip()] and err.startswith(f"error: {bad / 'summary.json'}: "), err
+    assert message in err, err
+    assert not (out / "compare.md").exists()
+    with pytest.raises(ConfigError, match="summary.json"):  # the Python API: the user's error, no other
+        compare_runs([base, bad], out)
+
+
+def test_a_summary_with_nan_figures_and_evaluations_without_accuracy_compares(
+    two_runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, _ = two_runs
+    evals = [{"samples": 128, "train_wall_s": 0.1}, {"samples": 256, "train_wall_s": 0.2, "test_accuracy": None}]
+    odd = _variant(
+        base, tmp_path / "odd", {"final_test_accuracy": float("nan"), "samples_per_s": float("nan"), "evals": evals}
+    )
+    result = compare_runs([base, odd], tmp_path / "out")
+    assert [r["workers"] for r in result["rows"]] == [1, 1] and (tmp_path / "out" / "compare.md").is_file()
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     missing = [k for k in NEEDED if not isinstance(summary, dict) or k not in summary]
     if missing:
         raise ConfigError(f"{path} is not a distsgd summary (no {', '.join(missing)})")
+    _check(path, summary)
     return {
         "algo": summary["algo"],
         "workers": summary["workers"],
@@ -81,6 +84,74 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         "settings": _settings(run_dir, summary),
         "throughput": _throughput(run_dir),
     }
+
+
+def _number(v: Any) -> bool:
+    """A JSON number that a float holds (NaN and infinity too; not true or false)."""
+    return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
+
+
+def _whole(v: Any) -> bool:
+    return _number(v) and isinstance(v, int)
+
+
+def _hosts(v: Any) -> bool:
+    keys = {"host", "address", "processes", "cores", "threads_per_process"}
+    return not v or (isinstance(v, list) and all(isinstance(h, dict) and keys <= h.keys() for h in v))
+
+
+def _staleness(v: Any) -> bool:
+    return not isinstance(v, dict) or v.get("mean") is None or all(_number(v.get(k)) for k in ("mean", "p99", "max"))
+
+
+TEXT = ("text", lambda v: isinstance(v, str))
+COUNT = ("a whole number of at least 1", lambda v: _whole(v) and v >= 1)
+NUMBER = ("a number", _number)
+OR_NULL = ("a number or null", lambda v: v is None or _number(v))
+# What compare and the report read from a summary.json (NEEDED: always there; the others may be
+# absent), and what each must hold: (in words, the test).
+FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "algo": TEXT,
+    "workers": COUNT,
+    "samples": NUMBER,
+    "samples_per_s": NUMBER,
+    "threads_per_worker": COUNT,
+    "final_test_accuracy": OR_NULL,
+    "time_to_target_s": OR_NULL,
+    "samples_to_target": OR_NULL,
+    "evals": ("a list of evaluations", lambda v: isinstance(v, list)),  # each one's fields: EVAL
+    "final_test_loss": OR_NULL,
+    "final_test_perplexity": OR_NULL,
+    "bytes_sent_per_sample": OR_NULL,
+    "target_accuracy": OR_NULL,  # settings, when the run has no config.toml
+    "target_loss": OR_NULL,
+    "host": TEXT,
+    "failed_workers": ("a list of whole numbers", lambda v: isinstance(v, list) and all(map(_whole, v))),
+    "staleness": ("an object with numbers mean, p99 and max", _staleness),
+    "hosts": ("a list of hosts (objects with host, address, processes, cores, threads_per_process)", _hosts),
+}
+EVAL = {"samples": NUMBER, "train_wall_s": NUMBER, "test_accuracy": OR_NULL, "test_loss": OR_NULL}
+
+
+def _check(path: Path, summary: dict[str, Any]) -> None:
+    """Refuse (one line: the file, the key, what it holds and what it should) a summary whose
+    fields the report cannot read."""
+
+    def bad(key: str, value: Any, what: str) -> ConfigError:
+        shown = json.dumps(value)
+        return ConfigError(f'{path}: "{key}" is {shown if len(shown) <= 40 else shown[:37] + "..."}, not {what}')
+
+    for key, (what, fits) in FIELDS.items():
+        if key in summary and not fits(summary[key]):
+            raise bad(key, summary[key], what)
+    for i, entry in enumerate(summary["evals"]):
+        if not isinstance(entry, dict):
+            raise bad(f"evals[{i}]", entry, "an evaluation (an object)")
+        for key, (what, fits) in EVAL.items():
+            if key not in entry and key in ("samples", "train_wall_s"):
+                raise ConfigError(f'{path}: "evals[{i}]" has no "{key}"')
+            if key in entry and not fits(entry[key]):
+                raise bad(f"evals[{i}].{key}", entry[key], what)
 
 
 def _settings(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:

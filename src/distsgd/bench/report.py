@@ -299,7 +299,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
             evals = e["summary"]["evals"]
             ax.plot(
                 [v[x_key] for v in evals],
-                [v[key] for v in evals],
+                [v.get(key) for v in evals],  # None: not measured then (a gap)
                 marker=".",
                 markersize=3,
                 label=f"{e['algo']} x{e['workers']}",
