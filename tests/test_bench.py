@@ -153,3 +153,16 @@ def test_bench_says_how_far_a_configuration_is_while_it_trains(
     assert beats and len(beats) == len(lines) - 3, lines
     seen = [int(line.split(": ")[1].split()[0]) for line in beats]
     assert seen == sorted(seen) and 0 < seen[-1] < 40000 + 64, seen  # the last step crosses the budget by < a batch
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("single[lr=0.1;lr=0.2]", "sets lr twice"),
+        ("single[out=/tmp/x]", r"the bench sets out for each run"),
+    ],
+)
+def test_a_spec_that_sets_an_option_twice_or_the_benchs_own_is_refused(text: str, message: str) -> None:
+    """Before: the last lr was taken silently; out= made folders named single_out=/tmp/x-w1-r0."""
+    with pytest.raises(distsgd.ConfigError, match=message):
+        parse_algos(text)

@@ -270,6 +270,10 @@ def _run(
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     require_extras(cfg.loggers, tb_dir is not None)  # before any data is read or any process starts
+    if tb_dir is not None:  # (found only once the run directory was made, which a rerun then met)
+        on = next((p for p in (tb_dir, *tb_dir.parents) if p.exists()), None)
+        if on is not None and not on.is_dir():
+            raise ConfigError(f"--tensorboard {tb_dir}: {on} is a file, not a directory")
     if "safetensors" in cfg.save_formats:
         require_safetensors()
     keeps = torchrun and cfg.trains_through and not algo_cls.topology.spawns(torchrun)  # (launch.keepers)

@@ -408,3 +408,15 @@ def test_eval_of_a_pickle_of_another_protocol_is_one_line(tmp_path: Path, capsys
         r = main(capsys, "eval", "--checkpoint", str(path))
     assert r.returncode == 2 and one_error_line(r.stderr)
     assert not [w for w in seen if "pickle" in str(w.message)]
+
+
+def test_a_tensorboard_path_through_a_file_is_refused_before_the_run_directory_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Before: the run directory was made first, so the corrected rerun met 'already exists'."""
+    (tmp_path / "model.pt").write_text("a user's file")
+    for tb in (tmp_path / "model.pt", tmp_path / "model.pt" / "tb"):
+        r = train_here(capsys, "--max-samples", "64", "--tensorboard", str(tb), "--out", str(tmp_path / "o"))
+        assert r.returncode == 2 and "is a file, not a directory" in one_error_line(r.stderr)
+        assert not (tmp_path / "o").exists()
+    assert (tmp_path / "model.pt").read_text() == "a user's file"

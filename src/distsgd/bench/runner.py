@@ -47,6 +47,9 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+BENCH_OWN = ("out", "overwrite", "resume")  # settings the bench gives each run itself
+
+
 def parse_algos(text: str) -> list[AlgoSpec]:
     """``allreduce,local-sgd[sync_every=8;warmup_steps=100],asgd`` -> specs (``;`` between options)."""
     specs = []
@@ -60,7 +63,12 @@ def parse_algos(text: str) -> list[AlgoSpec]:
             key, sep, value = item.partition("=")
             if not sep:
                 raise ConfigError(f"option '{item}' of {m['name']} needs key=value")
-            opts.append((key.strip().replace("-", "_"), _value(value.strip())))
+            key = key.strip().replace("-", "_")
+            if key in dict(opts):  # (the last one was taken, silently)
+                raise ConfigError(f"{m['name']}[...] sets {key} twice: give it once")
+            if key in BENCH_OWN:  # (each run's directory is the bench's to name)
+                raise ConfigError(f"{m['name']}[{key}=...]: the bench sets {key} for each run; leave it out")
+            opts.append((key, _value(value.strip())))
         specs.append(AlgoSpec(m["name"], tuple(opts)))
     if not specs:
         raise ConfigError("--algos is empty")
