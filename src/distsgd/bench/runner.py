@@ -58,7 +58,7 @@ def parse_algos(text: str) -> list[AlgoSpec]:
         if not m:
             raise ConfigError(f"cannot read algorithm '{part}' (write NAME or NAME[key=value;key=value])")
         registry.get(m["name"])
-        opts = []
+        opts: list[tuple[str, Any]] = []
         for item in filter(None, (m["opts"] or "").split(";")):
             key, sep, value = item.partition("=")
             if not sep:
