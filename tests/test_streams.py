@@ -300,3 +300,31 @@ def test_a_test_stream_read_by_loader_processes_is_read_once() -> None:
     data = TorchData(Stream(50), Stream(30), num_classes=3).options(loader_workers=2)
     ids = sorted(int(i) for x, _ in data.test_batches(8) for i in x[:, 0])
     assert ids == list(range(30)) and data.n_test == 30
+
+
+def test_a_sigterm_while_the_loader_processes_end_is_raised_not_their_error(monkeypatch) -> None:
+    """SIGTERM to a run's process group ends the loader processes too; torch's SIGCHLD handler then
+    raised 'DataLoader worker ... is killed by signal: Terminated' inside the loader's shutdown, and
+    that traceback took the place of the command's `error: terminated by SIGTERM` (the hogwild
+    launcher's evaluation, seen by an audit). Here the shutdown raises as torch's handler did."""
+    from torch.utils.data import dataloader
+
+    from distsgd.data.torchdata import TorchData
+    from distsgd.errors import Terminated
+
+    real = dataloader._MultiProcessingDataLoaderIter._shutdown_workers
+    calls = []
+
+    def dying(self) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated. ")
+        real(self)
+
+    data = TorchData(Stream(50), Stream(30), num_classes=3).options(loader_workers=2)
+    batches = data.test_batches(8)
+    next(batches)
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", dying)
+    with pytest.raises(Terminated):
+        batches.throw(Terminated())
+    assert len(calls) >= 2  # tried again: the loader processes shut down after all

@@ -523,6 +523,15 @@ def _ended() -> Callable[[], None]:
     return put_back
 
 
+def _quiet_teardown(argv: list[str] | None) -> None:
+    """A signal ended the command, its line said: what torch was building when it came (a
+    DataLoader's iterator half made, its loader processes ended by the same signal) complains as
+    the interpreter collects it ("Exception ignored in ..."), after that line. Not news: silenced,
+    in the command's own process only (``argv`` None: a caller of main() keeps its hook)."""
+    if argv is None:
+        sys.unraisablehook = lambda unraisable: None
+
+
 def main(argv: list[str] | None = None) -> int:
     restore = on_sigterm()  # from here to the end, as from the command's first instruction (distsgd._early)
     _early.settled()
@@ -551,9 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except Terminated as exc:
         sys.stderr.write(f"error: terminated by {exc.signal_name}{_resume_hint(args)}\n")
+        _quiet_teardown(argv)
         return 128 + exc.signal_number
     except KeyboardInterrupt:
         sys.stderr.write(f"error: interrupted{_resume_hint(args)}\n")
+        _quiet_teardown(argv)
         return 130
     except OSError as exc:  # a path the user gave that cannot be read or written: their mistake
         where = f" {exc.filename}" if exc.filename else ""

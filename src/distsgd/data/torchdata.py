@@ -246,21 +246,33 @@ class TorchData:
             # their own and import torch again (seconds an epoch). Fork them, as PyTorch does by default.
             kwargs["multiprocessing_context"] = "fork"
         batches = iter(DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs))
+        unwinding = False  # something else ended the loop: an error, a signal, the caller's break
         try:
             for x, y in batches:
                 x = x.float() if x.dtype == torch.float64 else x
                 y = y.float() if y.dtype == torch.float64 else y
                 yield (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) if gpu else (x, y)
         except Exception as exc:
+            unwinding = True
             if "Original Traceback" not in str(exc):
                 raise
             raise _loader_error(exc) from None
+        except BaseException:  # SIGTERM (errors.Terminated), Ctrl-C, the generator closed
+            unwinding = True
+            raise
         finally:
             # its loader processes end now: an error's traceback holds the iterator, and a caller of
             # distsgd.train that caught the error kept them until a garbage collection
-            stop = getattr(batches, "_shutdown_workers", None)  # (torch's, for loader processes)
-            if stop is not None:
-                stop()
+            for _ in range(2):
+                try:
+                    stop = getattr(batches, "_shutdown_workers", None)  # (torch's, for loader processes)
+                    if stop is not None:
+                        stop()
+                    break
+                except RuntimeError:  # a loader process the same SIGTERM ended: torch's SIGCHLD handler
+                    # says so, at any line here, and its traceback took the place of the signal's own line
+                    if not unwinding:
+                        raise
 
     def batches(self, order: torch.Tensor, start: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This worker's training batches: ``order`` (its shard of the epoch) from ``start``."""
