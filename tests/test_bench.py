@@ -160,6 +160,7 @@ def test_bench_says_how_far_a_configuration_is_while_it_trains(
     [
         ("single[lr=0.1;lr=0.2]", "sets lr twice"),
         ("single[out=/tmp/x]", r"the bench sets out for each run"),
+        ("single[seed=5]", r"the bench sets seed for each run"),
     ],
 )
 def test_a_spec_that_sets_an_option_twice_or_the_benchs_own_is_refused(text: str, message: str) -> None:

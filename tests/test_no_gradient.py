@@ -248,6 +248,7 @@ def trainable_only(run: distsgd.Run) -> nn.Module:
     for x, y in run.loader(dataset(), batch_size=B):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the stale gradient too, in place
         opt.step()
     assert getattr(model, "module", model).never.weight.grad is not None
     return run.final_model()

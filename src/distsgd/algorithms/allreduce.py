@@ -122,19 +122,21 @@ def refuse_powersgd_resync(algo: str, spec: str) -> None:
 
 class Frozen:
     """The parameters frozen (``requires_grad=False``) when the model was set up, and the gradient
-    each had then (a stale one a user's loop never cleared: left as it is)."""
+    each had then (a stale one a user's loop never cleared: left as it is, clipped or zeroed)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.params = [p for p in model.parameters() if not p.requires_grad]
-        self.grads = [_grad_mark(p) for p in self.params]
+        # the tensors themselves (held: an id alone could be another's once one is freed) and versions
+        self.grads = [(p.grad, p.grad._version if p.grad is not None else 0) for p in self.params]
 
     def gained(self) -> bool:
-        """Whether one of them has a gradient now that it did not have at setup (unfrozen, used)."""
-        return any(p.grad is not None and _grad_mark(p) != mark for p, mark in zip(self.params, self.grads))
-
-
-def _grad_mark(p: torch.Tensor) -> tuple[int, int] | None:
-    return None if p.grad is None else (id(p.grad), p.grad._version)
+        """Whether one of them, trainable now, has a gradient it did not have at setup: autograd
+        gives one only to a parameter that takes gradients (unfrozen), so a stale gradient clipped
+        or zeroed in place while the parameter stays frozen is not one."""
+        return any(
+            p.requires_grad and p.grad is not None and (p.grad is not old or p.grad._version != version)
+            for p, (old, version) in zip(self.params, self.grads)
+        )
 
 
 def refuse_unfrozen(algo: str, frozen: Frozen) -> None:

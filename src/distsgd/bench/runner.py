@@ -47,7 +47,7 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-BENCH_OWN = ("out", "overwrite", "resume")  # settings the bench gives each run itself
+BENCH_OWN = ("out", "overwrite", "resume", "seed")  # settings the bench gives each run itself (seed: --seed + repeat)
 
 
 def parse_algos(text: str) -> list[AlgoSpec]:

@@ -71,7 +71,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
         where = device.use(job.cfg.device, 0)  # in this process: a single worker trains here
         try:
             result = run_worker(WorkerContext(job, rank=0, world=1, sink=sink, device=where), algo_cls(job.cfg))
-        except DistsgdError:
+        except (DistsgdError, OSError):  # distsgd's own lines (a file it cannot write: the command names it)
             raise
         except Exception as exc:  # the user's model or data raised: one line, as a worker process says it
             raise WorkerError(f"worker 0 failed: {error_text(exc)}") from exc
