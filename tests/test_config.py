@@ -96,6 +96,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"lr": 0.0}, "--lr must be a positive number"),
         ({"momentum": 1.0}, r"--momentum must be in \[0, 1\)"),
         ({"optimizer": "lbfgs"}, "unknown optimizer 'lbfgs'"),
+        ({"optimizer": "\n"}, r"^unknown optimizer '\\n' \(choose"),  # one line (the fuzzer's find of 2026-11-29)
         ({"schedule": "linear"}, "unknown schedule"),
         ({"partition": "random"}, "unknown partition"),
         ({"stop_at_target": True}, "--stop-at-target needs --target-accuracy"),

@@ -253,6 +253,14 @@ def _stop_on_signals() -> Callable[[], None]:
     return on_sigterm()
 
 
+def _check_writable_dir(path: Path | None, flag: str) -> None:
+    """``path`` (a directory to be made) lies under no file: one line now, before anything is made."""
+    if path is not None:
+        on = next((p for p in (path, *path.parents) if p.exists()), None)
+        if on is not None and not on.is_dir():
+            raise ConfigError(f"{flag} {path}: {on} is a file, not a directory")
+
+
 def _run(
     cfg: RunConfig,
     model_spec: ModelSpec | None,
@@ -270,10 +278,7 @@ def _run(
     chief = not torchrun or place()[0] == 0
     tb_dir = cfg.tensorboard_dir if chief else None  # the reporting process alone writes events
     require_extras(cfg.loggers, tb_dir is not None)  # before any data is read or any process starts
-    if tb_dir is not None:  # (found only once the run directory was made, which a rerun then met)
-        on = next((p for p in (tb_dir, *tb_dir.parents) if p.exists()), None)
-        if on is not None and not on.is_dir():
-            raise ConfigError(f"--tensorboard {tb_dir}: {on} is a file, not a directory")
+    _check_writable_dir(tb_dir, "--tensorboard")  # (found once the run directory was made, a rerun then met it)
     if "safetensors" in cfg.save_formats:
         require_safetensors()
     keeps = torchrun and cfg.trains_through and not algo_cls.topology.spawns(torchrun)  # (launch.keepers)

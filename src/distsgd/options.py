@@ -105,7 +105,8 @@ def names_of(choices: tuple[str, ...]) -> Callable[[str, Any], str | None]:
 
 def one_of(choices: tuple[str, ...], what: str) -> Callable[[str, Any], str | None]:
     """A check: one of ``choices`` (``what``: the setting's name in the message)."""
-    return lambda flag, v: None if v in choices else f"unknown {what} '{v}' (choose from {', '.join(choices)})"
+    # (repr: a value with a newline or a control character stays on the error's one line)
+    return lambda flag, v: None if v in choices else f"unknown {what} {str(v)!r} (choose from {', '.join(choices)})"
 
 
 def kind(f: dataclasses.Field) -> str:
