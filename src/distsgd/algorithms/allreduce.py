@@ -277,13 +277,15 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             assert bucket.handle is not None  # every bucket was started above
             membership.wait(bucket.handle)
             bucket.buffer.div_(self.world)
-            # where this rank had none, whether another rank's had one (read only then: a GPU's wait)
-            anywhere = bucket.flags.tolist() if any(p.grad is None for p in bucket.params) else []
+            # the reduced flags, read at this rank's first parameter without a gradient (a GPU's wait: only then)
+            anywhere: list[float] | None = None
             for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 averaged = bucket.buffer[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:
                     p.grad.copy_(averaged)
-                elif anywhere[i] > 0:
+                    continue
+                anywhere = bucket.flags.tolist() if anywhere is None else anywhere
+                if anywhere[i] > 0:  # another rank's had one
                     p.grad = averaged.clone()
                 # else no rank's had one: it stays None, and the optimiser leaves the parameter alone
             bucket.ready = 0
