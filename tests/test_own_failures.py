@@ -156,6 +156,43 @@ def test_a_worker_that_stops_early_in_a_lockstep_group_is_one_line(algo: str) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["allreduce", "ddp", "local-sgd", "diloco", "streaming-diloco"])
+def test_a_worker_that_stops_early_while_the_others_synchronise_is_one_line(algo: str) -> None:
+    """Worker 1 leaves after 3 steps; worker 0 goes on to a synchronisation worker 1 never joins
+    (its next gradient all-reduce; an average every 4 steps). Before, worker 1's check at
+    run.final_model(), a collective, met worker 0's all-reduce of another size: gloo aborted the
+    run ("worker 0 failed: killed by SIGABRT", gloo's C++ lines before it); under ddp it waited
+    for --timeout. --timeout 60 here: the line comes from the wait itself, long before it."""
+    period = {} if algo in ("allreduce", "ddp") else {"sync_every": "4"}
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(stops_early, model=Tiny, algo=algo, workers=2, quiet=True, timeout_s=60, **period)
+    assert "worker 1 reached run.final_model() after 3 steps while worker 0 (" in str(raised.value)
+    assert "waits for it at a synchronisation" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def arrives_late(run: distsgd.Run) -> nn.Module:
+    """Worker 1 reaches run.final_model() 3 s after worker 0, both after every step."""
+    model, opt = run.setup()
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    if run.rank == 1:
+        time.sleep(3)
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_that_reaches_its_final_model_late_is_waited_for() -> None:
+    """The check that every worker took as many steps waits for the last (worker 0 waits on the
+    store, worker 1 is in its own code: neither is taken for stranded)."""
+    result = distsgd.spawn(arrives_late, model=Tiny, algo="allreduce", workers=2, quiet=True, timeout_s=60)
+    assert result.summary["samples"] == 384
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("algo", ["hogwild", "asgd"])
 def test_a_call_distsgd_refuses_in_one_worker_ends_the_run(algo: str) -> None:
     with pytest.raises(distsgd.DistsgdError, match="worker 1 failed: optimizer.step.. with no batch"):

@@ -199,7 +199,8 @@ class _Code:
         self.ours = os.path.dirname(os.path.abspath(__file__)) + sep
         torch = sys.modules.get("torch")
         torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + sep if torch and torch.__file__ else None
-        sync = [self.ours + "algorithms" + sep, self.ours + "launch" + sep]
+        # (membership.py: where every collective of the algorithms is waited for)
+        sync = [self.ours + "algorithms" + sep, self.ours + "launch" + sep, self.ours + f"train{sep}membership.py"]
         if torch_dir:
             parts = ["distributed"] + (["autograd", "_dynamo", "_inductor"] if watch else [])
             sync += [torch_dir + part + sep for part in parts]
@@ -265,15 +266,34 @@ def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
     return LoopError(f"{worker} failed in main ({where}): {error_text(exc)}")
 
 
+def _stack_of(frame: FrameType | None) -> Stack:
+    """The (file, line) of ``frame`` and its callers, outermost first."""
+    stack: Stack = []
+    while frame is not None:
+        stack.append((frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    stack.reverse()
+    return stack
+
+
+WAITING_S = 1.0  # a wait for peers this long, with no progress, is reported to stall_watch's ``waiting``
+
+
 @contextlib.contextmanager
-def stall_watch(worker: str, progress: Callable[[], object], timeout_s: float) -> Iterator[None]:
+def stall_watch(
+    worker: str, progress: Callable[[], object], timeout_s: float, waiting: Callable[[bool], None] | None = None
+) -> Iterator[None]:
     """While the body (a user's ``main(run)``) runs in this process's main thread: once
     ``progress()`` has kept one value for ``timeout_s`` seconds (None: the loop is not training,
     and is not watched) while the main thread is in the user's code, the main thread raises a
     :class:`LoopError` where it is, naming ``worker`` and that line. A worker that waits at one of
     distsgd's sync points (a collective, its parameter server, the Hogwild! start) is left alone:
     the peer that stopped is the one to name, and that wait has its own deadline. Nothing is
-    watched off the main thread, or where the signal the watch interrupts with is taken."""
+    watched off the main thread, or where the signal the watch interrupts with is taken.
+    ``waiting(in_backward)`` is called (from the watch's thread, at most four times a second) while
+    the main thread, training, has waited for its peers (in a collective; ``in_backward``: or in a
+    backward pass, where DDP's all-reduces wait) for :data:`WAITING_S` with no progress: see
+    :func:`distsgd.train.lockstep.stranded`."""
     import signal
     import threading
     import time
@@ -287,16 +307,19 @@ def stall_watch(worker: str, progress: Callable[[], object], timeout_s: float) -
         yield
         return
     code, main_thread = _Code(watch=True), threading.get_ident()
+    peers = _Code()  # where the main thread waits for its peers: a backward's computing is not
     done, armed = threading.Event(), threading.Event()
 
     def stuck_at(frame: FrameType | None) -> str | None:
         """The line of the user's code the main thread is at, if it is in the user's code."""
-        stack: Stack = []
-        while frame is not None:
-            stack.append((frame.f_code.co_filename, frame.f_lineno))
-            frame = frame.f_back
-        stack.reverse()
+        stack = _stack_of(frame)
         return code.user_place(stack) if code.inner(stack) == code.USER else None
+
+    def at_a_wait() -> bool | None:
+        """Whether the main thread waits for its peers: True in a collective, False in a backward
+        pass (or compiling), None elsewhere."""
+        stack = _stack_of(sys._current_frames().get(main_thread))
+        return True if peers.inner(stack) == peers.SYNC else False if code.inner(stack) == code.SYNC else None
 
     def interrupted(signum: int, frame: FrameType | None) -> None:
         if done.is_set() or not armed.is_set():
@@ -308,8 +331,15 @@ def stall_watch(worker: str, progress: Callable[[], object], timeout_s: float) -
 
     def watch() -> None:
         last, since = progress(), time.monotonic()
+        waited: float | None = None  # since when the main thread has waited for its peers, with no progress
         while not done.wait(min(timeout_s / 8, 0.25)):
             now, value = time.monotonic(), progress()
+            if waiting is not None:
+                at = None if value is None or value != last else at_a_wait()
+                waited = None if at is None else waited if waited is not None else now
+                if at is not None and waited is not None and now - waited >= WAITING_S:
+                    with contextlib.suppress(Exception):  # the store gone with the run: nothing to say
+                        waiting(not at)
             if value is None or value != last:
                 last, since = value, now
             elif now - since >= timeout_s and not armed.is_set():

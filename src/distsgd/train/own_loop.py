@@ -59,7 +59,7 @@ from distsgd.errors import ConfigError, loop_failure, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
-from distsgd.train import device, membership
+from distsgd.train import device, lockstep, membership
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
 from distsgd.train.optim import build_optimizer, schedule_lr, schedule_needs_epochs
@@ -178,6 +178,8 @@ class Run:
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
+        self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
+        self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         # the step count and training-clock time at which the model run.evaluation_model() last
         # returned existed (see :meth:`_evaluated_at`)
         self._made: tuple[int, float] | None = None
@@ -1064,25 +1066,35 @@ class Run:
                     f"at the same point of the loop"
                 )
 
+    def _lockstep_store(self) -> dist.Store | None:
+        """The group's store, where a user's loop runs in a lockstep group (see
+        :mod:`distsgd.train.lockstep`); None in one process, or where the group trains through a
+        lost worker (a replacement counts its steps from when it joined)."""
+        if not (self._algo.topology.lockstep and self.world > 1 and dist.is_initialized()):
+            return None
+        if membership.current() is not None:
+            return None
+        return dist.distributed_c10d._get_default_store()
+
     def _same_steps(self) -> None:
         """At the end of a user's loop in a lockstep group: every worker took as many steps (one
         that stopped early on its own criterion, ``if loss < x: break``, left the others' averages
         and samples to pair with its final collectives: local-sgd and DiLoCo ended, exit 0, with
-        the samples of steps never taken). One small all-reduce; not where the group trains through
-        a lost worker (a replacement counts its steps from when it joined)."""
-        if not (self._algo.topology.lockstep and self.world > 1 and dist.is_initialized()):
+        the samples of steps never taken; with a shorter period, and under allreduce, gloo aborted)."""
+        store = self._lockstep_store()
+        if store is not None:
+            self._arrived = True
+            lockstep.arrive(store, self.rank, self.world, self.steps, self._algo.name, self.cfg.timeout_s)
+
+    def _check_stranded(self, in_backward: bool) -> None:
+        """From the loop's watch, while this worker has waited at a synchronisation for a second
+        (``in_backward``: or been in a backward pass, which under allreduce and ddp has one: one
+        that lasts a second more than a peer's, once that peer has arrived, is of a step it never took)."""
+        if in_backward and self._algo.local_model:  # (the others' steps are their own: a backward may lag)
             return
-        if membership.current() is not None:
-            return
-        bounds = torch.tensor([self.steps, -self.steps], dtype=torch.int64, device=self.device)
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-        most, fewest = int(bounds[0]), -int(bounds[1])
-        if most != fewest:
-            raise ConfigError(
-                f"the workers took from {fewest} to {most} steps (worker {self.rank}: {self.steps}): under "
-                f"{self.cfg.algo} every worker takes as many, or their synchronisations pair up wrongly; "
-                f"stop them together (run.should_stop(), or a decision shared with run.all_reduce)"
-            )
+        store = None if self._arrived or self._returned is not None else self._lockstep_store()
+        if store is not None and self._stranded_why is None:
+            self._stranded_why = lockstep.stranded(store, self.rank, self.world, self.steps, self._algo.name)
 
     def final_model(self) -> nn.Module:
         """The model the algorithm returns, after its last synchronisation (every worker calls it,
@@ -1350,9 +1362,11 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
         return run.samples if run._model is not None and run._returned is None else None
 
     try:
-        with stall_watch(worker, progress, ctx.cfg.timeout_s):
+        with stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded):
             returned = main(run)
     except (Exception, SystemExit) as exc:
+        if run._stranded_why is not None:  # its wait ended by the peer's exit: the line that peer failed with
+            raise ConfigError(run._stranded_why) from None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):  # sys.exit(0) in main: as a return
             returned = None
         else:  # an exception, or sys.exit(1) (or any other code): the worker failed
