@@ -176,6 +176,24 @@ def test_dcasgd_adaptive_follows_the_paper() -> None:
     assert float((constant - after.double()).abs().max()) > 1e-3
 
 
+def test_dcasgd_adaptive_keeps_the_mean_square_of_a_parameter_absent_from_a_push() -> None:
+    """A push without the bias (no gradient of it on the worker: frozen, or unused): the bias's
+    MeanSquare is left as it was, as a torch optimiser leaves the state of a parameter whose
+    gradient is None (RMSprop's square_avg, Adam's exp_avg_sq), and the bias does not move; the
+    weight's follows the paper's rule. Before, the absent bias's MeanSquare decayed by m = 0.95."""
+    ps = make_server("dcasgd", dc_adaptive=True)
+    ps.pull(1)
+    ps.pull(2)
+    _, v, *_ = result(ps.push(2, grad(2), 0, 1))
+    bias_before = ps.model.bias.detach().clone()
+    result(ps.push(1, grad(1), v, 1, present=[True, False]))  # nn.Linear(3, 2): weight (6), bias (2)
+    g2, g = grad(2), grad(1)
+    assert ps.rule.meansq is not None
+    torch.testing.assert_close(ps.rule.meansq[:6], 0.95 * (0.05 * g2[:6] ** 2) + 0.05 * g[:6] ** 2)
+    torch.testing.assert_close(ps.rule.meansq[6:], 0.05 * g2[6:] ** 2)
+    assert torch.equal(ps.model.bias.detach(), bias_before)
+
+
 def test_sync_ps_waits_for_everyone_then_steps_with_the_mean() -> None:
     ps = make_server("sync-ps")
     w0, _ = ps.pull(1)

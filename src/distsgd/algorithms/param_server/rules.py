@@ -136,15 +136,15 @@ class Asynchronous(Rule):
     ) -> None:
         tau = ps.version - version_read
         ps.staleness[tau] += 1
-        grad = self.correct(ps, rank, grad)
+        grad = self.correct(ps, rank, grad, present)
         if self.opts.staleness_lr and tau > 1:
             grad = grad / tau
         ps.apply(grad, hypers, present)
         if not self.hold(ps, rank, fut):
             self.answer(ps, rank, fut)
 
-    def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient to apply (delay compensation changes it)."""
+    def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, present: Present) -> torch.Tensor:
+        """The gradient to apply (delay compensation changes it); ``present`` as in ``on_push``."""
         return grad
 
     def hold(self, ps: "ParameterServer", rank: int, fut: Future) -> bool:
@@ -201,12 +201,18 @@ class DelayCompensated(Asynchronous):
     def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
         self.read[rank] = weights
 
-    def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor) -> torch.Tensor:
+    def correct(self, ps: "ParameterServer", rank: int, grad: torch.Tensor, present: Present) -> torch.Tensor:
         lam: torch.Tensor | float = dc_lambda(self.opts)
         if self.opts.dc_adaptive:  # MeanSquare starts at 0
             if self.meansq is None:
                 self.meansq = torch.zeros_like(grad)
+            # a parameter absent from the push (no gradient on the worker) keeps its MeanSquare, as
+            # an optimiser's state of a parameter it skips (its gradient, and so its correction, is 0)
+            absent = [span for has, span in zip(present or [], ps.spans) if not has]
+            kept = [self.meansq[o : o + n].clone() for o, n in absent]
             self.meansq.mul_(0.95).add_(0.05 * grad * grad)
+            for (o, n), saved in zip(absent, kept):
+                self.meansq[o : o + n].copy_(saved)
             lam = lam / torch.sqrt(self.meansq + 1e-7)
         return grad + lam * grad * grad * (ps.flat - self.read[rank])
 
