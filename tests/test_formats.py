@@ -137,6 +137,9 @@ def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
         ({"x": np.zeros((3, 2)), "y": np.array(["a", "b", "c"])}, "integer labels or float targets"),
         ({"x": np.zeros((3, 2)), "y": np.array([0.5, np.inf, 1.0])}, "regression targets"),
         ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, "negative labels"),
+        # one past int64's range: it was called negative (it wraps to -1 in int64)
+        ({"x": np.zeros((3, 2)), "y": np.array([0, 2**64 - 1, 1], dtype=np.uint64)}, "largest label is 18446744"),
+        ({"x": np.zeros((3, 2)), "y": np.array([0, 2**32 - 1, 1], dtype=np.uint32)}, "largest label is 4294967295"),
         (
             {"x": np.zeros((3, 2)), "y": np.zeros(3, dtype=int), "x_test": np.zeros((1, 2))},
             "both 'x_test' and 'y_test'",

@@ -374,6 +374,9 @@ def _as_targets(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tens
         raise DataError(
             f"{name}: '{key}' must be a 1-D tensor of integer class labels, found {t.dtype} {tuple(t.shape)}"
         )
+    if len(t) and t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (torch has no max of these)
+        # one past int64's range would read as negative: a label that large is refused as such
+        formats.classes_from_labels(int(t.cpu().numpy().max()), f"{name}: '{key}'")
     t = t.long()
     if len(t) and int(t.min()) < 0:
         raise DataError(f"{name}: '{key}' has negative labels")
