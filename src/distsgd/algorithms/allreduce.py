@@ -39,7 +39,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.averaging import allreduce_mean_, broadcast_, float_buffers, int_buffers
+from distsgd.algorithms.averaging import (
+    allreduce_mean_,
+    broadcast_,
+    flagged_grads,
+    float_buffers,
+    int_buffers,
+    take_flagged,
+)
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
@@ -253,19 +260,12 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if self.compressor is not None:
             if not self.params:
                 return
-            absent = [i for i, p in enumerate(self.params) if p.grad is None]
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+            grads, absent = flagged_grads(self.params, self.flags)
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
             # which parameters had a gradient on any rank, reduced with the buffers (the compressor's
             # error feedback would carry flags over into the next step's)
-            self.flags.fill_(1)
-            for i in absent:
-                self.flags[i] = 0
             self.sent(allreduce_mean_([*self.float_buffers, self.flags], self.world), self.world)
-            anywhere = self.flags.tolist() if absent else []  # (read only where this rank had none: no GPU wait)
-            for i, (p, g) in enumerate(zip(self.params, grads)):
-                if p.grad is not None or anywhere[i] > 0:  # (else no rank's had one: it stays None)
-                    p.grad = g
+            take_flagged(self.params, grads, self.flags, absent)
             return
         self._reduce_buckets()
         if self.float_buffers:

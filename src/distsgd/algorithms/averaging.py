@@ -8,6 +8,7 @@ average the first two and *copy* the integer ones (the mean of two counters is n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,6 +90,29 @@ def allreduce_mean_(tensors: list[torch.Tensor], world: int) -> int:
     flat.div_(world)
     unflatten_into(flat, tensors)
     return flat.numel() * flat.element_size()
+
+
+def flagged_grads(params: Sequence[torch.Tensor], flags: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+    """Each parameter's gradient to all-reduce, zeros where it has none here (frozen, or unused in
+    this forward), and ``flags`` (one element a parameter, reduced with them) 1 where it has one,
+    0 where not; and whether any has none."""
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    absent = [i for i, p in enumerate(params) if p.grad is None]
+    flags.fill_(1)
+    for i in absent:
+        flags[i] = 0
+    return grads, bool(absent)
+
+
+def take_flagged(params: Sequence[torch.Tensor], grads: list[torch.Tensor], flags: torch.Tensor, absent: bool) -> None:
+    """After :func:`flagged_grads`' gradients and flags were reduced: a parameter's gradient is the
+    reduced one where any rank had one (DDP's mean, zeros counted), and stays None where no rank
+    had one, so that the optimiser leaves it alone, as in one process. The flags are read (a GPU's
+    wait) only where this rank had a parameter without a gradient."""
+    anywhere = flags.tolist() if absent else []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if p.grad is not None or anywhere[i] > 0:
+            p.grad = g
 
 
 def broadcast_(tensors: list[torch.Tensor], src: int = 0) -> int:

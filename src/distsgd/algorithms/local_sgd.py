@@ -33,7 +33,15 @@ import torch
 from torch import nn
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, average_model_, float_buffers, params
+from distsgd.algorithms.averaging import (
+    allreduce_mean_,
+    average_buffers_,
+    average_model_,
+    flagged_grads,
+    float_buffers,
+    params,
+    take_flagged,
+)
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.algorithms.periodic import period_option
 from distsgd.checkpoint import count
@@ -75,6 +83,7 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
     # built by setup:
     params: list[torch.Tensor]
     anchor: list[torch.Tensor]  # x_last, with a compressor: the parameters at the last averaging (checkpointed)
+    flags: torch.Tensor  # warm-up: one a parameter, 1 where it has a gradient (see averaging.flagged_grads)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
@@ -86,6 +95,9 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
         self.params = params(model)
+        # warm-up: which parameters had a gradient on any rank, reduced with the gradients
+        first = self.params[0] if self.params else torch.zeros(0, device=ctx.device)
+        self.flags = torch.ones(len(self.params), dtype=first.dtype, device=first.device)
         if start is Start.FRESH:  # start from one model (a resumed worker keeps its own)
             average_model_(model, self.world)
         self.anchor = [p.detach().clone() for p in self.params] if self.compressor else []
@@ -95,16 +107,11 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
         if step.number <= self.opts.warmup_steps:  # post-local SGD: synchronous first
             # as allreduce: a parameter with no gradient here counts as zero, and one no worker had a
             # gradient for keeps none (the optimiser leaves it alone); one flag a parameter says which
-            absent = [i for i, p in enumerate(self.params) if p.grad is None]
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
-            flags = [torch.ones(len(grads), dtype=grads[0].dtype, device=grads[0].device)] if grads else []
-            for i in absent:
-                flags[0][i] = 0
-            self.sent(allreduce_mean_(grads + float_buffers(model) + flags, self.world), self.world)
-            anywhere = flags[0].tolist() if absent else []  # (a GPU's wait: only then)
-            for i, (p, g) in enumerate(zip(self.params, grads)):
-                if p.grad is not None or anywhere[i] > 0:
-                    p.grad = g
+            if not self.params:
+                return
+            grads, absent = flagged_grads(self.params, self.flags)
+            self.sent(allreduce_mean_([*grads, *float_buffers(model), self.flags], self.world), self.world)
+            take_flagged(self.params, grads, self.flags, absent)
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         if step.number > self.opts.warmup_steps:
