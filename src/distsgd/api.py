@@ -303,10 +303,7 @@ def _run(
             f"{describe(spec)} has no save_pretrained: save it as pt or safetensors"
         )
     if cfg.resume and not torchrun:
-        # Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
-        # before a damaged newest one) and checks its files, before the run writes anything; under
-        # torchrun every rank reads the manifest as it is, and checks its own file as it loads it.
-        usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe))
+        _pick_checkpoint(cfg, probe, dataset.n_train, own=job.main is not None)
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = _prepare_out(cfg, settings_text, where) if cfg.out and chief else None
@@ -341,13 +338,60 @@ def _run(
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
 
 
+def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own: bool) -> None:
+    """Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
+    before a damaged newest one) and checks its files, before the run writes anything; under
+    torchrun every rank reads the manifest as it is, and checks its own file as it loads it."""
+    assert cfg.resume is not None
+    in_place = cfg.out is not None and Path(cfg.out).resolve() == Path(cfg.resume).resolve()
+    if cfg.out is not None and not in_place:  # refused before the run read from is touched (a fallback)
+        rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
+    chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
+    _within_budget(cfg, chosen, n_train, own)
+
+
+def _within_budget(cfg: RunConfig, manifest: dict[str, Any], n_train: int | None, own: bool) -> None:
+    """A resume whose checkpoint is already past the run's budget (``--max-samples``, or the
+    samples of ``--epochs`` passes in distsgd's loop) is refused: nothing would train, and the run's
+    model would become the checkpoint's, older one."""
+    at = manifest.get("samples")
+    if not isinstance(at, int):
+        return
+    budget, flag = cfg.max_samples, f"--max-samples {cfg.max_samples}"
+    if budget is None and not own and n_train:
+        budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
+        flag = f"--epochs {cfg.epochs} ({budget} samples)"
+    if budget is not None and at > budget:
+        raise ConfigError(
+            f"--resume {cfg.resume}: its checkpoint is at {at} samples, past {flag}: nothing "
+            f"would train, and the run's model would become the checkpoint's; resume with a larger budget"
+        )
+
+
 def _sinks(
     job: Job, out: Path | None, tb_dir: Path | None, started: float, settings_text: str, chief: bool
 ) -> list[Sink]:
     """Where the run's events go besides the progress display: metrics.jsonl, the loggers and
     TensorBoard (:func:`~distsgd.metrics.open_sinks`), the callbacks' on_checkpoint and on_end (the chief's)."""
-    hooks = [CallbackSink(job.callbacks)] if job.callbacks and chief else []
-    return open_sinks(job.cfg, out, tb_dir, started, settings_text) + hooks
+    cfg = job.cfg
+    stale = out is not None and cfg.resume is not None and Path(cfg.resume).resolve() == out.resolve()
+    hooks: list[Sink] = [_StaleSummary(out)] if out is not None and stale else []  # (before a callback looks)
+    hooks += [CallbackSink(job.callbacks)] if job.callbacks and chief else []
+    return open_sinks(cfg, out, tb_dir, started, settings_text) + hooks
+
+
+class _StaleSummary:
+    """A run resumed in place, once it commits a checkpoint of its own: the summary.json of the run
+    it went on from describes no state the directory still holds (a kill then left it looking
+    finished to ``distsgd compare``), so it goes; the run's end writes its own. A resume that
+    fails before (a file it cannot load) leaves it."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "summary.json"
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "checkpoint":
+            self.path.unlink(missing_ok=True)
 
 
 LAUNCH = "launch"  # in a run directory made under a launcher that tells its launch apart: what does

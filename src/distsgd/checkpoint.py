@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import warnings
 from collections.abc import Iterable
@@ -236,6 +237,19 @@ def worker_file(ckpt_dir: Path, seq: int, rank: int | str) -> Path:
     return ckpt_dir / f"ckpt-{seq:06d}-rank{rank}.pt"
 
 
+_WORKER_FILE = re.compile(rf"ckpt-(\d{{6,}})-rank(?:\d+|{COORDINATOR})\.pt")  # worker_file's names, whole
+_TEMPORARY = re.compile(r"\.(.+)\.[0-9a-f]{12}\.tmp")  # atomic_write's (of the name in it)
+_MANIFESTS = re.compile(r"manifest(?:\.prev|\.damaged-\d+)?\.json")
+
+
+def _seq_of(name: str) -> int | None:
+    """The checkpoint a file named ``name`` is part of, if distsgd wrote it (:func:`worker_file`'s
+    names only: a file of the user's that merely looks like one, ``ckpt-000008-rank0 (copy).pt``,
+    is none, and never deleted)."""
+    match = _WORKER_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 # The layout of a worker's file, saved in it under "format": what a missing piece means depends on
 # it. Files of distsgd before this marker carry none (their layout was this one, or older).
 CHECKPOINT_FORMAT = 2
@@ -282,7 +296,8 @@ def commit_checkpoint(
             keep = min(seq, int(before["seq"]))
     atomic_write_json({"seq": seq, "world": world, "ranks": ranks, "coordinator": coordinator, **meta}, current)
     for old in ckpt_dir.glob("ckpt-*-rank*.pt"):  # older than the two kept (not newer: an asynchronous
-        if int(old.name.split("-")[1]) < keep:  # worker may already have written its part of the next)
+        old_seq = _seq_of(old.name)  # worker may already have written its part of the next)
+        if old_seq is not None and old_seq < keep:
             old.unlink(missing_ok=True)
     remove_stale_temporaries(ckpt_dir, up_to=seq)
 
@@ -311,25 +326,36 @@ def commit_coordinator_only(
 
 def remove_stale_temporaries(ckpt_dir: Path, up_to: int | None = None) -> None:
     """Temporary files of checkpoint writers that were killed before their rename (those of
-    checkpoints up to ``up_to``, which are whole or abandoned; all of them with None)."""
+    checkpoints up to ``up_to``, which are whole or abandoned; all of them with None; a
+    manifest's always). Only distsgd's own: a hidden ``.notes.tmp`` of the user's stays."""
     for tmp in ckpt_dir.glob(".*.tmp"):
-        part = tmp.name.split("-")
-        seq = int(part[1]) if len(part) > 2 and part[0] == ".ckpt" and part[1].isdigit() else None
+        match = _TEMPORARY.fullmatch(tmp.name)
+        if match is None:
+            continue
+        name = match.group(1)
+        seq = _seq_of(name)
+        if seq is None and not _MANIFESTS.fullmatch(name):
+            continue
         if up_to is None or seq is None or seq <= up_to:
             tmp.unlink(missing_ok=True)
 
 
-def usable_checkpoint(run_dir: Path, check: Callable[[Loaded], None] | None = None) -> dict[str, Any]:
+def usable_checkpoint(
+    run_dir: Path, check: Callable[[Loaded], None] | None = None, tidy: bool = True
+) -> dict[str, Any]:
     """The manifest of the newest whole checkpoint in ``run_dir`` whose files all load; the one
     before it, with a warning, when the newest is damaged (a disk error, a torn copy). Run once,
     by the launching process, before the workers read their parts. ``check``: called on every
     worker's file of the checkpoint chosen (not the coordinator's), as loaded; what it raises
-    (a value distsgd never writes) stops the resume, with no fallback."""
+    (a value distsgd never writes) stops the resume, with no fallback. ``tidy``: the run resumes
+    in ``run_dir`` itself, whose killed writers' temporaries are removed (a run resumed into
+    another directory is only read, but for a fallback's manifest)."""
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     manifest = read_manifest(run_dir)
     if manifest is None:
         raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
-    remove_stale_temporaries(ckpt_dir)
+    if tidy:
+        remove_stale_temporaries(ckpt_dir)
     damage = _damage(ckpt_dir, manifest, check)
     if damage is None:
         return manifest
@@ -417,8 +443,8 @@ def remove_uncommitted(run_dir: Path) -> None:
         seq = kept.name[len("manifest.damaged-") : -len(".json")]
         newest = max(newest, int(seq)) if seq.isdigit() else newest
     for path in ckpt_dir.glob("ckpt-*-rank*.pt"):
-        part = path.name.split("-")
-        if len(part) == 3 and part[1].isdigit() and int(part[1]) > newest:
+        part_of = _seq_of(path.name)
+        if part_of is not None and part_of > newest:
             path.unlink(missing_ok=True)
     remove_stale_temporaries(ckpt_dir)
 

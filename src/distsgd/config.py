@@ -608,6 +608,7 @@ RESUME_FIXED: dict[str, Callable[[Any], object]] = {
     "weight_decay_on": _itself,
     "precision": lambda p: p == "fp16",
     "partition": _itself,
+    "seed": _itself,  # each epoch's order of the data: the rest of the epoch would be another order's
 }
 
 

@@ -77,11 +77,9 @@ def _sort(folder: Path, written: set[str], prefix: str = "") -> tuple[list[Path]
     return ours, theirs
 
 
-def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
-    """Create ``out`` for a run (or a bench: ``kind``), with its ledger. An existing non-empty
-    ``out`` is replaced only with ``overwrite``, only if distsgd made it, only if it holds nothing
-    but files distsgd recorded writing, and never if it is, holds or lies inside ``keep`` (the run
-    being resumed)."""
+def refusal(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> list[Path]:
+    """What :func:`prepare` refuses, found with nothing written (a ConfigError); else the files
+    ``--overwrite`` would delete there."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
@@ -91,36 +89,47 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
             raise ConfigError(
                 f"--out {out} would replace the run being resumed ({keep}): resume into it, or give another --out"
             )
+    if not (out.is_dir() and any(out.iterdir())):
+        return []
+    if not overwrite:
+        raise ConfigError(f"{kind} directory {out} already exists; choose another --out or pass --overwrite")
+    if not is_ours(out):
+        raise ConfigError(
+            f"--out {out} holds files distsgd did not write; --overwrite replaces only a distsgd "
+            f"{kind} directory (or an empty one): choose another --out"
+        )
+    written = _written(out)
+    if written is None:
+        raise ConfigError(
+            f"--out {out} was written by an older distsgd, which did not record its files, and "
+            f"--overwrite deletes only files distsgd recorded: delete it yourself, or choose "
+            f"another --out"
+        )
+    ours, theirs = _sort(out, written)
+    if theirs:
+        shown = ", ".join(str(p.relative_to(out)) for p in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+        raise ConfigError(
+            f"--out {out} also holds {shown}, which distsgd did not write, and --overwrite never "
+            f"deletes those: move them, or choose another --out"
+        )
+    return ours
+
+
+def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "run") -> Path:
+    """Create ``out`` for a run (or a bench: ``kind``), with its ledger. An existing non-empty
+    ``out`` is replaced only with ``overwrite``, only if distsgd made it, only if it holds nothing
+    but files distsgd recorded writing, and never if it is, holds or lies inside ``keep`` (the run
+    being resumed)."""
+    out = Path(out)
+    ours = refusal(out, overwrite, keep, kind)
     existed = out.is_dir()
-    if existed and any(out.iterdir()):
-        if not overwrite:
-            raise ConfigError(f"{kind} directory {out} already exists; choose another --out or pass --overwrite")
-        if not is_ours(out):
-            raise ConfigError(
-                f"--out {out} holds files distsgd did not write; --overwrite replaces only a distsgd "
-                f"{kind} directory (or an empty one): choose another --out"
-            )
-        written = _written(out)
-        if written is None:
-            raise ConfigError(
-                f"--out {out} was written by an older distsgd, which did not record its files, and "
-                f"--overwrite deletes only files distsgd recorded: delete it yourself, or choose "
-                f"another --out"
-            )
-        ours, theirs = _sort(out, written)
-        if theirs:
-            shown = ", ".join(str(p.relative_to(out)) for p in theirs[:3]) + (", ..." if len(theirs) > 3 else "")
-            raise ConfigError(
-                f"--out {out} also holds {shown}, which distsgd did not write, and --overwrite never "
-                f"deletes those: move them, or choose another --out"
-            )
-        for path in ours:
-            path.unlink()
-        for folder in sorted({d for p in ours for d in p.parents if out in d.parents}, key=lambda d: -len(d.parts)):
-            try:  # the folders that held them, once empty (an empty folder of the user's stays)
-                folder.rmdir()
-            except OSError:
-                pass
+    for path in ours:
+        path.unlink()
+    for folder in sorted({d for p in ours for d in p.parents if out in d.parents}, key=lambda d: -len(d.parts)):
+        try:  # the folders that held them, once empty (an empty folder of the user's stays)
+            folder.rmdir()
+        except OSError:
+            pass
     record(out)  # in the ledger of a distsgd directory that holds this one (a bench's runs)
     try:  # made now, by this run alone: another started with the same name a moment ago is refused
         out.mkdir(parents=True, exist_ok=existed)
@@ -130,4 +139,4 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
     return out
 
 
-__all__ = ["MARKER", "is_ours", "prepare", "record"]
+__all__ = ["MARKER", "is_ours", "prepare", "record", "refusal"]

@@ -375,7 +375,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
     assert previous["seq"] < newest["seq"]
     torn = checkpoint.worker_file(ckpt, newest["seq"], 0)
     torn.write_bytes(torn.read_bytes()[:100])
-    stale = ckpt / f".{checkpoint.worker_file(ckpt, newest['seq'] + 1, 0).name}.x1y2.tmp"  # a killed writer's
+    stale = ckpt / f".{checkpoint.worker_file(ckpt, newest['seq'] + 1, 0).name}.0123456789ab.tmp"  # a killed writer's
     stale.write_bytes(b"half a checkpoint")
     r = run_cli("train", "--resume", str(out), "--max-samples", "800", "--out", str(tmp_path / "more"))  # warns
     assert r.returncode == 0, r.stderr
@@ -384,6 +384,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
         and f"resuming from the one before it ({previous['seq']}, at {previous['samples']} samples)" in r.stderr
     )
     assert json.loads((tmp_path / "more" / "summary.json").read_text())["samples"] == 800
+    assert stale.exists()  # the run read from, resumed into another directory, is not tidied
+    assert run_cli("train", "--resume", str(out), "--max-samples", "800", "--quiet").returncode == 0  # in place: it is
     assert not stale.exists()
 
 

@@ -312,3 +312,77 @@ def test_a_manifest_that_lists_no_workers_part_or_one_twice_is_one_error_line(tm
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert lines[0].startswith("error: ") and "ranks" in lines[0], lines[0]
+
+
+def test_only_distsgds_own_checkpoint_files_are_rotated_or_tidied(tmp_path) -> None:
+    """Files of the user's in checkpoint/ that merely look like distsgd's stay: before, rotation
+    deleted ``ckpt-000001-rank0 (copy).pt`` and crashed on ``ckpt-best-rank0.pt`` (int('best')),
+    and every hidden ``*.tmp`` went. A killed writer's own temporary still goes."""
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    theirs = ["ckpt-best-rank0.pt", "ckpt-000001-rank0 (copy).pt", "ckpt-000001-rank0-mine.pt", ".notes.tmp"]
+    theirs += [".ckpt-000001-rank0.pt.mine.tmp", "ckpt-000099-rank0 (copy).pt"]
+    for name in theirs:
+        (ckpt / name).write_bytes(b"mine")
+    killed = ckpt / ".ckpt-000001-rank0.pt.0123456789ab.tmp"  # atomic_write's name: a writer killed
+    killed.write_bytes(b"torn")
+    for seq in (1, 2, 3):
+        checkpoint.save_worker_state(ckpt, seq, 0, {"x": torch.ones(1) * seq})
+        checkpoint.commit_checkpoint(ckpt, seq, 1, {})
+    checkpoint.remove_uncommitted(tmp_path)  # (files past the manifest's checkpoint: distsgd's only)
+    assert sorted(p.name for p in ckpt.glob("ckpt-*.pt") if p.name not in theirs) == [
+        "ckpt-000002-rank0.pt",
+        "ckpt-000003-rank0.pt",
+    ]
+    assert all((ckpt / name).read_bytes() == b"mine" for name in theirs)
+    assert not killed.exists()
+
+
+class SummaryWatch:
+    """Whether the run directory held a summary.json at each checkpoint (in the launching process)."""
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self.seen: list[bool] = []
+
+    def on_checkpoint(self, event: dict) -> None:
+        self.seen.append((self.run / "summary.json").exists())
+
+
+@pytest.mark.slow
+def test_a_resume_past_its_budget_or_into_a_taken_out_leaves_the_run_it_reads_as_it_was(tmp_path) -> None:
+    """Before: a resume whose checkpoint was past --max-samples (or --epochs) trained nothing, exit 0,
+    and replaced the finished model and summary with the checkpoint's; one with another --seed
+    went on in another order of the data; one into an --out that was refused had already fallen
+    back in the run it read (rewriting its manifest), and one into another directory removed the
+    temporaries of the run it read; a run resumed in place kept its old summary.json while it
+    trained, so that a kill left a finished-looking run (distsgd compare read it)."""
+    run = tmp_path / "a"
+    distsgd.train(model="mlp", data="digits", epochs=2, checkpoint_every="300", out=str(run), quiet=True)
+    ckpt = run / checkpoint.CHECKPOINT_DIR
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".distsgd"}
+    for settings, message in (
+        ({"max_samples": 1000}, r"its checkpoint is at 2717 samples, past --max-samples 1000: nothing would train"),
+        ({"epochs": 1}, r"past --epochs 1 \(1437 samples\)"),
+        ({"seed": 5}, r"written with --seed 0, not 5"),
+    ):
+        with pytest.raises(distsgd.ConfigError, match=message):
+            distsgd.train(resume=str(run), quiet=True, **settings)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    newest = checkpoint.worker_file(ckpt, checkpoint.read_manifest(run)["seq"], 0)
+    newest.write_bytes(newest.read_bytes()[:1000])  # torn: a resume falls back to the one before
+    with pytest.raises(distsgd.ConfigError, match="already exists"):
+        distsgd.train(resume=str(run), out=str(taken), quiet=True)
+    assert json.loads((ckpt / "manifest.json").read_text())["seq"] == 9 and not list(ckpt.glob("*damaged*"))
+    newest.write_bytes(before[newest])
+    stale = ckpt / ".ckpt-000010-rank0.pt.0123456789ab.tmp"
+    stale.write_bytes(b"torn")
+    distsgd.train(resume=str(run), out=str(tmp_path / "elsewhere"), quiet=True)
+    assert stale.exists()
+    assert {p: p.read_bytes() for p in before} == before
+    watch = SummaryWatch(run)
+    distsgd.train(resume=str(run), epochs=3, quiet=True, callbacks=[watch])
+    assert watch.seen and not any(watch.seen)
+    assert json.loads((run / "summary.json").read_text())["samples"] == 3 * 1437
