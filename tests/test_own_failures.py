@@ -7,6 +7,7 @@ algorithms survive.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,6 +216,7 @@ import sys
 import distsgd
 from test_own_failures import Tiny, failing_loop
 import functools
+import json
 
 if __name__ == "__main__":
     try:
@@ -308,3 +311,56 @@ def test_a_loop_that_is_not_training_or_makes_progress_is_left_alone() -> None:
     with stall_watch("worker 0", lambda: next(steps), 0.2):
         time.sleep(1)
     assert signal.getsignal(signal.SIGRTMAX) is signal.SIG_DFL  # put back
+
+
+def habit_loop(run: distsgd.Run, how: str) -> nn.Module:
+    """``numpy``: run.log is given a numpy float32; ``list``: a list; ``big``: batches larger than a
+    worker's shard, with drop_last; ``diverge``: an lr that makes the weights inf."""
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=1e30 if how == "diverge" else 0.05))
+    for x, y in run.loader(samples(), batch_size=300 if how == "big" else 16, drop_last=True):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).mul(1e30 if how == "diverge" else 1).backward()
+        opt.step()
+        if how in ("numpy", "list"):
+            run.log(train_metric=np.float32(0.5) if how == "numpy" else [1, 2])
+    return run.final_model()
+
+
+def spawn_habit(how: str, **settings) -> distsgd.TrainResult:
+    loop = functools.partial(habit_loop, how=how)
+    return distsgd.spawn(loop, model=Tiny, algo="allreduce", workers=2, **settings)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_run_log_takes_a_numpy_scalar_and_refuses_a_list_in_one_line(tmp_path: Path) -> None:
+    """Before, the launcher writing metrics.jsonl failed on np.float32 (not JSON) with a traceback."""
+    spawn_habit("numpy", quiet=True, out=str(tmp_path / "run"))
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("train_metric") == 0.5 for e in logged)
+    with pytest.raises(distsgd.DistsgdError, match=r"run.log\(train_metric=...\) takes a number, a string"):
+        spawn_habit("list", quiet=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_loop_that_takes_no_step_is_one_line_and_a_diverged_model_is_said(tmp_path: Path) -> None:
+    """Batches of 300 from a shard of 192 with drop_last: before, 0 steps and the untrained model
+    returned, exit 0, no word. Weights gone to inf with a plain loss.backward(): no line said it."""
+    with pytest.raises(distsgd.DistsgdError, match=r"reached run.final_model\(\) without a step: its run.loader"):
+        spawn_habit("big", quiet=True)
+    script = tmp_path / "diverge.py"  # (its own process: the workers' stderr is its, whatever ran before)
+    script.write_text(
+        "import functools, distsgd\nfrom test_own_failures import Tiny, habit_loop\n"
+        "if __name__ == '__main__':\n    distsgd.spawn(functools.partial(habit_loop, how='diverge'), "
+        "model=Tiny, algo='allreduce', workers=2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "src", "tests"]))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=100)
+    assert done.returncode == 0 and "the model returned has NaN or inf in 4 of its parameters" in done.stderr
+
+
+def test_sync_every_epoch_in_your_own_loop_is_refused() -> None:
+    """Before, local-sgd and diloco never averaged before the end (on_epoch_end is distsgd's loop's)."""
+    with pytest.raises(distsgd.ConfigError, match="--sync-every epoch averages at the end of each of distsgd"):
+        distsgd.spawn(stops_early, model=Tiny, algo="local-sgd", workers=2, sync_every="epoch", quiet=True)

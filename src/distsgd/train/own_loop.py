@@ -857,7 +857,7 @@ class Run:
         stops, ``run.should_stop()`` is True): in a process group every worker calls ``run.log``
         with its test figures at the same point (as ``run.evaluation_model()``), the reporting
         one's decide; under Hogwild! any worker's figure stops them all."""
-        values = {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in figures.items()}
+        values = {k: _figure(k, v) for k, v in figures.items()}
         ctx = self._ctx
         writes = ctx.reports or ctx.evaluates
         if "test_accuracy" in values or "test_loss" in values:
@@ -1108,6 +1108,12 @@ class Run:
                 "batches were taken but the optimiser run.setup() returned never stepped: call its "
                 "step(), not another optimiser's (the algorithm acts in it)"
             )
+        if self.steps == 0 and not self.cfg.resume and not self._replacement:
+            shard = f" of {self.per_epoch} samples" if self.per_epoch else ""
+            raise ConfigError(
+                f"worker {self.rank} reached run.final_model() without a step: its run.loader gave no batch (a "
+                f"batch_size above its shard{shard}, with drop_last=True?), or the loop took none"
+            )
         if self._stepped:  # several optimisers, not all of which stepped last: that step ends here
             self._end_step()
         if self._ctx.job.main is not None:
@@ -1120,6 +1126,8 @@ class Run:
         self._made = None  # the model returned existed at train_wall_s: its last average included
         self._algo.verify(self._ctx, returned)
         self._returned = returned  # (made again from the start where a lost worker interrupted it)
+        if self.rank == 0 and self._ctx.reports:  # (one line: every Hogwild! worker reports)
+            _say_nonfinite(returned)
         if self._nonfinite[0] > 1:
             log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
         return self._returned
@@ -1377,6 +1385,34 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
+
+
+def _say_nonfinite(model: nn.Module) -> None:
+    """One warning where the model returned holds NaN or inf (training diverged: with a plain
+    loss.backward() no progress line says so, and the run returns and saves it)."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+    if bad:
+        log.warning(
+            "the model returned has NaN or inf in %d of its parameters (%s): training diverged (a lower lr, "
+            "clipping, or --precision fp32 may help)",
+            len(bad),
+            ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else ""),
+        )
+
+
+def _figure(name: str, value: Any) -> Any:
+    """A figure ``run.log`` was given, as metrics.jsonl writes it: a one-element tensor's number,
+    a numpy scalar's (``np.float32``: JSON has none), a number, a string, True/False or None;
+    anything else is refused in one line (the launcher, writing it, failed with a traceback)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach())
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ConfigError(
+        f"run.log({name}=...) takes a number, a string or a one-element tensor, not {type(value).__name__}"
+    )
 
 
 def _count(batch: Any) -> int:
