@@ -362,5 +362,64 @@ def test_a_loop_that_takes_no_step_is_one_line_and_a_diverged_model_is_said(tmp_
 
 def test_sync_every_epoch_in_your_own_loop_is_refused() -> None:
     """Before, local-sgd and diloco never averaged before the end (on_epoch_end is distsgd's loop's)."""
-    with pytest.raises(distsgd.ConfigError, match="--sync-every epoch averages at the end of each of distsgd"):
+    with pytest.raises(distsgd.ConfigError, match="--sync-every epoch synchronises at the end of each of distsgd"):
         distsgd.spawn(stops_early, model=Tiny, algo="local-sgd", workers=2, sync_every="epoch", quiet=True)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x.view(-1, 1, 4, 4)).flatten(1))
+
+
+def init_normal(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, 0.0, 0.02)
+
+
+def changed_after_setup(run: distsgd.Run, how: str) -> nn.Module:
+    """The model changed between run.setup() and the first step: ``init`` (DCGAN's
+    ``model.apply(weights_init)``), ``channels_last``, or ``load`` (one set of weights, every worker)."""
+    model, opt = run.setup()
+    if how == "init":
+        model.apply(init_normal)
+    elif how == "channels_last":
+        model.to(memory_format=torch.channels_last)
+    else:
+        model.load_state_dict({k: torch.full_like(v, 0.01) for k, v in model.state_dict().items()})
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "algo, how, said",
+    [
+        ("allreduce", "init", "parameter head.weight was changed in place after run.setup() (model.apply(init)?)"),
+        ("sync-ps", "init", "parameter head.weight was changed in place after run.setup()"),
+        ("hogwild", "channels_last", "parameter conv.weight was replaced after run.setup()"),
+        ("asgd", "channels_last", "parameter conv.weight was replaced after run.setup()"),
+        ("allreduce", "load", None),
+        ("allreduce", "channels_last", None),
+    ],
+)
+def test_a_model_changed_between_setup_and_the_first_step(algo: str, how: str, said: str | None) -> None:
+    """Before, silent: under allreduce each worker's own random init (the replicas apart all run,
+    replica_max_abs_diff 1.97), under sync-ps the init overwritten by the server's weights; under
+    hogwild and asgd a channels_last copy trained apart from the shared model (its conv weight
+    never moved). Weights every worker loads alike, and a copy allreduce does not bind, work."""
+    loop = functools.partial(changed_after_setup, how=how)
+    if said is None:
+        distsgd.spawn(loop, model=ConvNet, algo=algo, workers=2, quiet=True)
+        return
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(loop, model=ConvNet, algo=algo, workers=2, quiet=True)
+    assert said in str(raised.value) and "\n" not in str(raised.value)

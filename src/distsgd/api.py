@@ -653,12 +653,7 @@ def _check_own(job: Job, algo_cls: type[Algorithm], torchrun: bool) -> nn.Module
             "checkpoint_every is distsgd's loop's: in your own loop call run.checkpoint(**state) where "
             "your loop can save (every worker at the same point)"
         )
-    period = getattr(algo_cls.Options.from_mapping(cfg.options), "sync_every", None)
-    if getattr(period, "each_epoch", False):  # (its averages are at the ends of distsgd's loop's epochs)
-        raise ConfigError(
-            f"--sync-every epoch averages at the end of each of distsgd's loop's epochs, which your loop does "
-            f"not have: give {cfg.algo} a number of steps"
-        )
+    algo_cls.check_own_loop(cfg)
     if cfg.cuda_graphs:
         raise ConfigError(
             "--cuda-graphs captures the steps of distsgd's own loop; in your loop, capture your step "

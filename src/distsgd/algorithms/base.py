@@ -313,6 +313,10 @@ class Algorithm(Generic[OptionsT]):
     # algorithm's, the counters) from the most advanced member, so its work since the last
     # synchronisation is not lost. Otherwise (replicas kept equal) every member takes it all.
     local_model: ClassVar[bool] = False
+    # its parameters are views of memory it holds (the shared model, a flat buffer the server's
+    # weights are copied into): one replaced after setup (model.to(memory_format=...), .double())
+    # would train apart from it
+    binds_storage: ClassVar[bool] = False
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options
@@ -348,6 +352,10 @@ class Algorithm(Generic[OptionsT]):
                 f"--min-workers: {cls.name} cannot train on without a lost worker yet (only {able} can); "
                 f"leave --min-workers out (--restart-workers restarts from the last checkpoint)"
             )
+
+    @classmethod
+    def check_own_loop(cls, cfg: RunConfig) -> None:
+        """Reject settings a user's own loop (``distsgd.spawn``) cannot honour (raise ConfigError)."""
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type["Algorithm"]:

@@ -47,7 +47,7 @@ from torch import nn
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.periodic import period_option
+from distsgd.algorithms.periodic import period_option, refuse_epochs_in_own_loop
 from distsgd.checkpoint import count
 from distsgd.config import OPTIMIZERS, Period, RunConfig
 from distsgd.errors import ConfigError
@@ -162,6 +162,10 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
     global_model: nn.Module  # theta and the buffers of the last outer step (checkpointed)
     theta: list[torch.Tensor]  # global_model's parameters
     outer: torch.optim.Optimizer  # the outer Nesterov SGD on theta (checkpointed)
+
+    @classmethod
+    def check_own_loop(cls, cfg: RunConfig) -> None:
+        refuse_epochs_in_own_loop(cls.parse_options(cfg).sync_every, cls.name)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)

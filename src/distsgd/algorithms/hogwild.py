@@ -163,6 +163,7 @@ class SharedModel(Algorithm[HogwildOptionsT]):
 
     kind = "shared memory"
     topology: ClassVar[Topology] = HogwildMemory()
+    binds_storage = True  # the shared model's tensors
 
     seat: SharedSeat
     # numpy views of the shared counters: a read or write is a memory access, not a tensor op

@@ -43,7 +43,7 @@ from distsgd.algorithms.averaging import (
     take_flagged,
 )
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.periodic import period_option
+from distsgd.algorithms.periodic import period_option, refuse_epochs_in_own_loop
 from distsgd.checkpoint import count
 from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
@@ -91,6 +91,10 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
         self.period = Periodic(every, None if every is None else self.opts.warmup_steps + every)
         self.averagings = 0
         self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
+
+    @classmethod
+    def check_own_loop(cls, cfg: RunConfig) -> None:
+        refuse_epochs_in_own_loop(cls.parse_options(cfg).sync_every, cls.name)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)

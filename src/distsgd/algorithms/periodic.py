@@ -7,6 +7,7 @@ from ``average_parameters``.
 from __future__ import annotations
 
 from distsgd.config import Period, parse_period
+from distsgd.errors import ConfigError
 from distsgd.options import option
 
 
@@ -20,4 +21,14 @@ def period_option(default: int | None, help: str) -> Period:
     )
 
 
-__all__ = ["period_option"]
+def refuse_epochs_in_own_loop(period: Period, algo: str) -> None:
+    """``--sync-every epoch`` synchronises at the end of each of distsgd's loop's epochs
+    (``on_epoch_end``), which a user's own loop has not: it would never synchronise before the end."""
+    if period.each_epoch:
+        raise ConfigError(
+            f"--sync-every epoch synchronises at the end of each of distsgd's loop's epochs, which your loop "
+            f"does not have: give {algo} a number of steps"
+        )
+
+
+__all__ = ["period_option", "refuse_epochs_in_own_loop"]

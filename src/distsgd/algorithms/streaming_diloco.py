@@ -155,6 +155,7 @@ class Globals:
 @register
 class StreamingDiLoCo(InnerOuter[StreamingOptions]):
     name = "streaming-diloco"
+    binds_storage = True  # views of one flat buffer, its fragments' slices
     kind = "low communication"
     summary_line = (
         "Streaming DiLoCo: DiLoCo's outer steps fragment by fragment, staggered, each all-reduce "

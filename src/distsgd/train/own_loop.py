@@ -178,6 +178,8 @@ class Run:
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
+        # the parameters as the algorithm took them, until the first step (see _check_bound)
+        self._bound: list[tuple[str, nn.Parameter, int, int]] | None = None
         self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         # the step count and training-clock time at which the model run.evaluation_model() last
@@ -323,6 +325,9 @@ class Run:
             me = run()
             if me is not None and mod is target():  # not a copy's (an average, theta)
                 me._algo.weights_loaded(me._ctx, me._need_setup("model.load_state_dict()"))
+                me._bind(mod)  # (weights every worker loads alike: the algorithm took them)
+
+        self._bind(module)
 
         self._handles.append(module.register_load_state_dict_post_hook(loaded))
 
@@ -336,6 +341,36 @@ class Run:
                 self._handles.append(param.register_post_accumulate_grad_hook(accumulated))
         if self._algo.topology.server:
             self._handles.append(register_optimizer_step_pre_hook(self._foreign_step))
+
+    def _bind(self, module: nn.Module) -> None:
+        """The parameters as the algorithm took them (each one's memory and in-place version), to
+        find at the first step what the loop changed since (:meth:`_check_bound`). Not in one process
+        that holds its model alone."""
+        if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
+            self._bound = [(name, p, p.data_ptr(), p._version) for name, p in module.named_parameters()]
+
+    def _check_bound(self) -> None:
+        """At the first step: a parameter rewritten in place since run.setup() (``model.apply(init)``,
+        DCGAN's habit: each worker's random state differs, so the replicas part, or the server's
+        weights overwrite it) or, where the algorithm binds the parameters to its memory, replaced
+        (``model.to(memory_format=torch.channels_last)``, ``.double()``: it trains apart from it).
+        Neither said a word before. Weights loaded with ``model.load_state_dict()`` are the algorithm's."""
+        bound, self._bound = self._bound, None
+        algo = self._algo
+        for name, p, ptr, version in bound or []:
+            if algo.binds_storage and p.data_ptr() != ptr:
+                raise ConfigError(
+                    f"parameter {name} was replaced after run.setup() (model.to(memory_format=...), .double(), "
+                    f".half()?): under {algo.name} the parameters are views of memory the algorithm holds, and a "
+                    f"replaced one trains apart from it; convert the model before run.setup() (in its constructor)"
+                )
+            if p._version != version and algo.kind != "shared memory":  # (threads share a Hogwild! model's)
+                raise ConfigError(
+                    f"parameter {name} was changed in place after run.setup() (model.apply(init)?): each worker's "
+                    f"random state is its own, so under {algo.name} the workers would start from different weights "
+                    f"(a server's would overwrite them); initialise the model in its constructor, or load one set "
+                    f"of weights on every worker with model.load_state_dict()"
+                )
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not any(opt is mine for mine in self._optimizers):
@@ -766,6 +801,8 @@ class Run:
         schedule, fp16's unscaling, --clip-grad-norm)."""
         cfg = self.cfg
         model = self._need_setup("optimizer.step()")
+        if self._bound is not None:
+            self._check_bound()
         if self._batch_samples == 0:
             raise ConfigError(
                 "optimizer.step() with no batch from run.loader() since the last step: take batches "

@@ -125,6 +125,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
 
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
+    binds_storage = True  # views of the flat buffer the server's weights come into
 
     seat: ServerSeat
     local: int  # this worker's samples, as it last told the server
