@@ -188,6 +188,19 @@ def twice_through_one_forward(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+def freezes_keeping_zeros(run: distsgd.Run) -> nn.Module:
+    """extras_frozen's model; after the second step its head is frozen too, and the loop's
+    zero_grad(set_to_none=False) keeps zeroed gradients (not None) for it."""
+    model, opt = run.setup()
+    for x, y in run.loader(dataset(), batch_size=B):
+        if run.steps == 2:
+            getattr(model, "module", model).head.requires_grad_(False)
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
 def plain(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
     for x, y in run.loader(dataset(), batch_size=B):
@@ -205,6 +218,7 @@ def test_what_would_leave_gradients_unsynchronised_is_refused_in_one_line() -> N
         (unfreezes, never_frozen, "allreduce", "one frozen then has a gradient now"),
         (unfreezes, never_frozen, "ddp", "one frozen then has a gradient now"),
         (plain, Net, "ddp", r"\.weight has no gradient in this one"),
+        (freezes_keeping_zeros, extras_frozen, "ddp", r"head\.weight has no gradient in this one"),
         (through_a_method, extras_frozen, "ddp", "followed none"),
         (twice_through_one_forward, extras_frozen, "ddp", "followed none"),
     ]

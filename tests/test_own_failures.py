@@ -423,3 +423,106 @@ def test_a_model_changed_between_setup_and_the_first_step(algo: str, how: str, s
     with pytest.raises(distsgd.DistsgdError) as raised:
         distsgd.spawn(loop, model=ConvNet, algo=algo, workers=2, quiet=True)
     assert said in str(raised.value) and "\n" not in str(raised.value)
+
+
+def logs_on_rank_0(run: distsgd.Run) -> nn.Module:
+    """The plain_loop.py habit: rank 0 alone evaluates and logs its test figures, every 4 steps."""
+    model, opt = run.setup()
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if run.rank == 0 and run.steps % 4 == 0:
+            run.log(test_accuracy=0.1)
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_test_figures_logged_on_rank_0_alone_with_stop_at_target_are_one_line() -> None:
+    """Under --stop-at-target the workers decide together (a broadcast): rank 0's alone met the
+    others' gradient all-reduce, and the run waited for --timeout (300 s), then gloo's timeout.
+    Now rank 0 waits on the store and the others, found waiting for it, say so (--timeout 60 here:
+    the line comes long before it)."""
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(
+            logs_on_rank_0,
+            model=Tiny,
+            algo="allreduce",
+            workers=2,
+            quiet=True,
+            timeout_s=60,
+            stop_at_target=True,
+            target_accuracy=0.9,
+        )
+    assert "worker 0 called run.log() with test figures while worker 1 (" in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+class SparseNet(nn.Module):
+    """An embedding with sparse gradients (nn.Embedding(sparse=True)) of 16 ids, one per feature's sign."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 4, sparse=True)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(16, device=x.device) * 2 + (x > 0).long()
+        return self.head(self.embed(ids).mean(1))
+
+
+def sparse_loop(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.05))
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["allreduce", "sync-ps"])
+def test_a_sparse_gradient_where_the_algorithm_flattens_gradients_is_one_line(algo: str) -> None:
+    """Before: torch's "reshape is not implemented for sparse tensors", a traceback."""
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(sparse_loop, model=SparseNet, algo=algo, workers=2, quiet=True)
+    assert "has a sparse gradient (nn.Embedding(sparse=True)?)" in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def backward_with_graph(run: distsgd.Run, penalty: float) -> nn.Module:
+    """A penalty on the gradient: loss.backward(create_graph=True), then backward through the
+    loss plus ``penalty`` times the squared gradient (of the averaged gradient: the penalty's
+    gradient, all-reduced in its turn, is the global one, 2 H g, as the average is linear)."""
+    model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.05))
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward(create_graph=True)
+        pen = sum((p.grad**2).sum() for p in model.parameters())
+        for p in model.parameters():
+            p.grad = None
+        (loss + penalty * pen).backward()
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_penalty_on_the_gradient_under_allreduce_trains() -> None:
+    """Before, allreduce's bucket copies recorded the first backward's graph into its buffers: the
+    second backward failed ("Trying to backward through the graph a second time")."""
+    models = [
+        distsgd.spawn(
+            functools.partial(backward_with_graph, penalty=penalty),
+            model=Tiny,
+            algo="allreduce",
+            workers=2,
+            quiet=True,
+        ).model
+        for penalty in (0.5, 0.0)
+    ]
+    assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())
+    assert max(float((a - b).abs().max()) for a, b in zip(models[0].parameters(), models[1].parameters())) > 1e-4

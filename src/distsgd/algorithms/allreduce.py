@@ -45,6 +45,7 @@ from distsgd.algorithms.averaging import (
     flagged_grads,
     float_buffers,
     int_buffers,
+    refuse_sparse,
     take_flagged,
 )
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
@@ -237,6 +238,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if bucket.ready == len(bucket.params):
             self._launch_in_order()
 
+    @torch.no_grad()  # (a backward with create_graph=True: the copies record no history into the buffers)
     def _launch_in_order(self, force: bool = False) -> None:
         while self.next_bucket < len(self.buckets):
             bucket = self.buckets[self.next_bucket]
@@ -246,6 +248,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             flags.fill_(1)
             for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 view = bucket.buffer[offset : offset + p.numel()]
+                refuse_sparse(p, self.name, "its flat buckets")
                 if p.grad is None:  # no gradient here (unused in this forward, or frozen): zero, flagged
                     view.zero_()
                     flags[i] = 0
@@ -260,6 +263,8 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if self.compressor is not None:
             if not self.params:
                 return
+            for p in self.params:
+                refuse_sparse(p, self.name, "the compressor's flat buffers")
             grads, absent = flagged_grads(self.params, self.flags)
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
             # which parameters had a gradient on any rank, reduced with the buffers (the compressor's
@@ -271,6 +276,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if self.float_buffers:
             self.sent(allreduce_mean_(self.float_buffers, self.world), self.world)
 
+    @torch.no_grad()
     def _reduce_buckets(self) -> None:
         self._launch_in_order(force=True)
         for bucket in self.buckets:

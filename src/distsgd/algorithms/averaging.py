@@ -92,6 +92,17 @@ def allreduce_mean_(tensors: list[torch.Tensor], world: int) -> int:
     return flat.numel() * flat.element_size()
 
 
+def refuse_sparse(p: torch.Tensor, algo: str, into: str) -> None:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) where ``algo`` flattens gradients
+    ``into`` dense buffers: one line (it was torch's "reshape is not implemented for sparse
+    tensors", a traceback)."""
+    if p.grad is not None and p.grad.is_sparse:
+        raise ConfigError(
+            f"a parameter of shape {tuple(p.shape)} has a sparse gradient (nn.Embedding(sparse=True)?), which "
+            f"{algo} cannot put into {into}: train it under ddp or local-sgd, or make it dense (sparse=False)"
+        )
+
+
 def flagged_grads(params: Sequence[torch.Tensor], flags: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
     """Each parameter's gradient to all-reduce, zeros where it has none here (frozen, or unused in
     this forward), and ``flags`` (one element a parameter, reduced with them) 1 where it has one,

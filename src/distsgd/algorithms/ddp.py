@@ -206,7 +206,8 @@ class DDP(GroupAlgorithm[BucketOptions]):
                 "backward through one forward): its gradients are this worker's own; call the model "
                 "run.setup() returned, once a backward, or use --algo allreduce, which synchronises any backward"
             )
-        missing = next((p for p in self.synced if p.grad is None), None)
+        # (frozen after setup: its .grad may still be a tensor, zeroed by zero_grad(set_to_none=False))
+        missing = next((p for p in self.synced if p.grad is None or not p.requires_grad), None)
         if missing is not None:
             name = next((n for n, p in self.ddp.module.named_parameters() if p is missing), "?")
             raise ConfigError(

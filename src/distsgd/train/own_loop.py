@@ -24,7 +24,6 @@ acts only through the calls below, on parameters, gradients and buffers:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import math
 import threading
@@ -176,6 +175,7 @@ class Run:
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
+        self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
@@ -906,6 +906,13 @@ class Run:
                     reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
                 # worker that reached it stops the others
+                if ctx.job.may_stop and self._lockstep_store() is not None:
+                    self._test_logs += 1
+                    self._all_here(
+                        f"test-log/{self._test_logs}",
+                        "run.log() with test figures",
+                        "with --stop-at-target they decide together whether the target is reached",
+                    )
                 if ctx.job.may_stop and self._algo.agree(ctx, reached):
                     self._stopped = True
         elif writes:
@@ -1052,7 +1059,9 @@ class Run:
         with self.paused():
             if self._algo.collective_evaluation and self._ctx.job.main is not None:
                 self._evaluations += 1
-                self._all_here(f"evaluation/{self._evaluations}", "run.evaluation_model()")
+                self._all_here(
+                    f"evaluation/{self._evaluations}", "run.evaluation_model()", "it averages the workers' models"
+                )
             began = time.perf_counter()
             returned = self._algo.evaluation_model(self._ctx, model)
             if self._clock.sync is not None:  # a GPU's average is made when it is done, not when queued
@@ -1071,25 +1080,22 @@ class Run:
         made = self._made
         return made[1] if made is not None and made[0] == self.steps else self._clock.elapsed()
 
-    def _all_here(self, key: str, what: str) -> None:
-        """Every worker of the group called ``what`` (its ``key``-th time): a barrier on the group's
-        store, not a collective, so a worker that called it alone fails in one line (after
-        --timeout) instead of pairing its collective with another kind on a peer (which gloo
-        answers with an abort)."""
+    def _all_here(self, key: str, what: str, why: str) -> None:
+        """Every worker of the group called ``what`` (its ``key``-th time; ``why`` they all do): a
+        barrier on the group's store, not a collective, so a worker that called it alone fails in
+        one line instead of pairing its collective with another kind on a peer (which gloo answers
+        with an abort): once a peer is found waiting for it at a synchronisation, else after --timeout."""
         if self.world == 1 or not dist.is_initialized():
             return
         store = dist.distributed_c10d._get_default_store()
         if store.add(f"distsgd/{key}", 1) == self.world:
             store.set(f"distsgd/{key}/all", "1")
             return
-        try:
-            store.wait([f"distsgd/{key}/all"], datetime.timedelta(seconds=self.cfg.timeout_s))
-        except Exception:  # a timeout (DistStoreError), or the store gone with a peer
-            raise ConfigError(
-                f"worker {self.rank} called {what} and not every worker did within --timeout "
-                f"{self.cfg.timeout_s:g} s: under {self.cfg.algo} it averages the workers' models, so "
-                f"every worker calls it at the same point of the loop"
-            ) from None
+        late = (
+            f"worker {self.rank} called {what} and not every worker did within --timeout {self.cfg.timeout_s:g} s: "
+            f"under {self._algo.name} {why}, so every worker calls it at the same point of the loop"
+        )
+        lockstep.barrier(store, self.rank, [f"distsgd/{key}/all"], f"called {what}", self.cfg.timeout_s, late)
 
     def _evaluations_joined(self) -> None:
         """At the end of a user's loop under an algorithm whose evaluation is a collective: no peer

@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 import torch
 from torch import nn
 
-from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params
+from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params, refuse_sparse
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport, wire
 from distsgd.algorithms.param_server.hyper import Hyperparameters, describe_optimizer, optimizer_difference
@@ -219,6 +219,8 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         self.local = step.samples
         # which parameters have a gradient (host knowledge: no look at a GPU's values); those without
         # (frozen, unused in the forward) travel as zeros and the server's optimiser skips them
+        for p in self.params:
+            refuse_sparse(p, self.name, "the flat gradient it pushes")
         present = [p.grad is not None for p in self.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
