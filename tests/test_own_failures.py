@@ -405,6 +405,7 @@ def changed_after_setup(run: distsgd.Run, how: str) -> nn.Module:
     [
         ("allreduce", "init", "parameter head.weight was changed in place after run.setup() (model.apply(init)?)"),
         ("sync-ps", "init", "parameter head.weight was changed in place after run.setup()"),
+        ("hogwild", "init", "parameter head.weight was changed in place after run.setup()"),
         ("hogwild", "channels_last", "parameter conv.weight was replaced after run.setup()"),
         ("asgd", "channels_last", "parameter conv.weight was replaced after run.setup()"),
         ("allreduce", "load", None),

@@ -356,7 +356,7 @@ class Run:
         (``model.to(memory_format=torch.channels_last)``, ``.double()``: it trains apart from it).
         Neither said a word before. Weights loaded with ``model.load_state_dict()`` are the algorithm's."""
         bound, self._bound = self._bound, None
-        algo = self._algo
+        algo, main = self._algo, threading.main_thread()
         for name, p, ptr, version in bound or []:
             if algo.binds_storage and p.data_ptr() != ptr:
                 raise ConfigError(
@@ -364,11 +364,12 @@ class Run:
                     f".half()?): under {algo.name} the parameters are views of memory the algorithm holds, and a "
                     f"replaced one trains apart from it; convert the model before run.setup() (in its constructor)"
                 )
-            if p._version != version and algo.kind != "shared memory":  # (threads share a Hogwild! model's)
+            # (Hogwild!'s threads, sharing one model, share its version counters too; its processes do not)
+            if p._version != version and (algo.kind != "shared memory" or threading.current_thread() is main):
                 raise ConfigError(
                     f"parameter {name} was changed in place after run.setup() (model.apply(init)?): each worker's "
                     f"random state is its own, so under {algo.name} the workers would start from different weights "
-                    f"(a server's would overwrite them); initialise the model in its constructor, or load one set "
+                    f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, or load one set "
                     f"of weights on every worker with model.load_state_dict()"
                 )
 
