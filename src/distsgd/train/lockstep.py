@@ -53,7 +53,7 @@ def barrier(store: dist.Store, rank: int, keys: list[str], doing: str, timeout_s
     ``timeout_s`` passed."""
     store.set(_at(rank), doing)
     store.add(AWAY, 1)
-    deadline = time.monotonic() + timeout_s
+    deadline, pause = time.monotonic() + timeout_s, 0.005
     try:
         while not store.check(keys):
             if store.check([STRANDED]):
@@ -61,7 +61,8 @@ def barrier(store: dist.Store, rank: int, keys: list[str], doing: str, timeout_s
             if time.monotonic() > deadline:
                 missing = ", ".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
                 raise ConfigError(late.format(missing=missing))
-            time.sleep(0.02)
+            time.sleep(pause)
+            pause = min(0.1, pause * 2)  # (a few looks at once; a long wait reads the store ten times a second)
     finally:
         store.add(AWAY, -1)
         store.delete_key(_at(rank))
