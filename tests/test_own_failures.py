@@ -473,7 +473,8 @@ class SparseNet(nn.Module):
         return self.head(self.embed(ids).mean(1))
 
 
-def sparse_loop(run: distsgd.Run) -> nn.Module:
+def sgd_loop(run: distsgd.Run) -> nn.Module:
+    """A plain loop: SGD, loss.backward(), opt.step()."""
     model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.05))
     for x, y in run.loader(samples(), batch_size=16):
         opt.zero_grad()
@@ -488,7 +489,7 @@ def sparse_loop(run: distsgd.Run) -> nn.Module:
 def test_a_sparse_gradient_where_the_algorithm_flattens_gradients_is_one_line(algo: str) -> None:
     """Before: torch's "reshape is not implemented for sparse tensors", a traceback."""
     with pytest.raises(distsgd.DistsgdError) as raised:
-        distsgd.spawn(sparse_loop, model=SparseNet, algo=algo, workers=2, quiet=True)
+        distsgd.spawn(sgd_loop, model=SparseNet, algo=algo, workers=2, quiet=True)
     assert "has a sparse gradient (nn.Embedding(sparse=True)?)" in str(raised.value)
     assert "\n" not in str(raised.value)
 
@@ -527,3 +528,41 @@ def test_a_penalty_on_the_gradient_under_allreduce_trains() -> None:
     ]
     assert all(bool(torch.isfinite(p).all()) for p in models[0].parameters())
     assert max(float((a - b).abs().max()) for a, b in zip(models[0].parameters(), models[1].parameters())) > 1e-4
+
+
+class Checkpointed(nn.Module):
+    """Tiny's layers with the middle ones under activation checkpointing (``reentrant``: the
+    older form, whose backward runs a backward pass of its own inside the loop's)."""
+
+    reentrant = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.c(checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=self.reentrant))
+
+
+class CheckpointedNonReentrant(Checkpointed):
+    reentrant = False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["allreduce", "ddp"])
+def test_reentrant_checkpointing_with_a_plain_backward_synchronises_once(algo: str) -> None:
+    """torch.utils.checkpoint(use_reentrant=True) runs a backward pass inside the loop's: its end
+    was taken for the end of loss.backward(), so allreduce synchronised twice (2-3x the bytes) and
+    ddp refused the step with a false reason ("has no gradient"). Now as the non-reentrant form."""
+    runs = [
+        distsgd.spawn(sgd_loop, model=m, algo=algo, workers=2, quiet=True)
+        for m in (Checkpointed, CheckpointedNonReentrant)
+    ]
+    assert runs[0].summary["bytes_sent"] == runs[1].summary["bytes_sent"]
+    for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()):
+        torch.testing.assert_close(a, b)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import sys
 import threading
 import time
 import types
@@ -170,6 +172,7 @@ class Run:
         self._backwards = self._syncs = self._no_sync_depth = 0
         self._unsynced = False
         self._in_backward = False  # inside run.backward(), which synchronises itself
+        self._nested_done = False  # gradients of a reentrant backward pass, not yet synchronised
         self._plain_task: int | None = None  # the autograd graph task of a plain loss.backward() seen last
         self._unscaled = False  # fp16: the gradients were unscaled this step (run.clip_gradients)
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
@@ -723,6 +726,7 @@ class Run:
         """A backward pass through the model ended (run.backward's, or a plain loss.backward()):
         the algorithm's gradient synchronisation, unless inside run.no_sync()."""
         model = self._need_setup("run.backward()")
+        self._nested_done = False
         self._backwards += 1
         if self._no_sync_depth:
             self._unsynced = True
@@ -741,6 +745,9 @@ class Run:
             return
         task = torch._C._current_graph_task_id()
         if task == self._plain_task:
+            return
+        if _in_a_functions_backward():  # a reentrant pass (checkpointing's) inside the loop's: the outer
+            self._nested_done = True  # one's end synchronises (or, where none of its own is queued, the step)
             return
         self._plain_task = task
         if self._scaler is not None:
@@ -802,6 +809,8 @@ class Run:
         schedule, fp16's unscaling, --clip-grad-norm)."""
         cfg = self.cfg
         model = self._need_setup("optimizer.step()")
+        if self._nested_done:  # the backward's parameters were all inside its reentrant pass
+            self._backward_done()
         if self._bound is not None:
             self._check_bound()
         if self._batch_samples == 0:
@@ -1429,6 +1438,22 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
+
+
+def _in_a_functions_backward() -> bool:
+    """Whether this thread runs inside a custom autograd Function's backward: a backward pass it
+    started is reentrant (``torch.utils.checkpoint(..., use_reentrant=True)`` runs one for its
+    segment), and its end is not the end of the user's ``loss.backward()``."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_FUNCTION_PY = os.path.join("torch", "autograd", "function.py")  # BackwardCFunction.apply: a Function's backward
 
 
 def _say_nonfinite(model: nn.Module) -> None:
