@@ -173,6 +173,7 @@ class Run:
         self._unsynced = False
         self._in_backward = False  # inside run.backward(), which synchronises itself
         self._nested_done = False  # gradients of a reentrant backward pass, not yet synchronised
+        self._nested_task: int | None = None  # the graph task of the last reentrant pass seen
         self._plain_task: int | None = None  # the autograd graph task of a plain loss.backward() seen last
         self._unscaled = False  # fp16: the gradients were unscaled this step (run.clip_gradients)
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
@@ -744,10 +745,11 @@ class Run:
         if self._in_backward:
             return
         task = torch._C._current_graph_task_id()
-        if task == self._plain_task:
+        if task == self._plain_task or task == self._nested_task:
             return
         if _in_a_functions_backward():  # a reentrant pass (checkpointing's) inside the loop's: the outer
             self._nested_done = True  # one's end synchronises (or, where none of its own is queued, the step)
+            self._nested_task = task
             return
         self._plain_task = task
         if self._scaler is not None:
