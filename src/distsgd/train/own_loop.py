@@ -373,8 +373,8 @@ class Run:
                 raise ConfigError(
                     f"parameter {name} was changed in place after run.setup() (model.apply(init)?): each worker's "
                     f"random state is its own, so under {algo.name} the workers would start from different weights "
-                    f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, or load one set "
-                    f"of weights on every worker with model.load_state_dict()"
+                    f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, "
+                    f"or load one set of weights on every worker with model.load_state_dict()"
                 )
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -1163,7 +1163,10 @@ class Run:
                 "batches were taken but the optimiser run.setup() returned never stepped: call its "
                 "step(), not another optimiser's (the algorithm acts in it)"
             )
-        if self.steps == 0 and not self.cfg.resume and not self._replacement:
+        # (a user's loop in a lockstep group, or alone: asynchronous workers share a budget others may
+        # spend; a replacement, or a member of a group that trains through losses, may join at the end)
+        own = self._ctx.job.main is not None and not self._replacement and membership.current() is None
+        if own and (self._algo.topology.lockstep or self.world == 1) and self.steps == 0 and not self.cfg.resume:
             shard = f" of {self.per_epoch} samples" if self.per_epoch else ""
             raise ConfigError(
                 f"worker {self.rank} reached run.final_model() without a step: its run.loader gave no batch (a "
