@@ -187,6 +187,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
         self.accumulating = False
         self.next_bucket = 0
+        self.layouts_seen = False  # a step's gradients were reduced: none was sparse (refuse_sparse)
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -248,7 +249,8 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             flags.fill_(1)
             for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 view = bucket.buffer[offset : offset + p.numel()]
-                refuse_sparse(p, self.name, "its flat buckets")
+                if not self.layouts_seen:  # (a sparse gradient: the first step's look is enough)
+                    refuse_sparse(p, self.name, "its flat buckets")
                 if p.grad is None:  # no gradient here (unused in this forward, or frozen): zero, flagged
                     view.zero_()
                     flags[i] = 0
@@ -263,8 +265,9 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if self.compressor is not None:
             if not self.params:
                 return
-            for p in self.params:
+            for p in [] if self.layouts_seen else self.params:
                 refuse_sparse(p, self.name, "the compressor's flat buffers")
+            self.layouts_seen = True
             grads, absent = flagged_grads(self.params, self.flags)
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
             # which parameters had a gradient on any rank, reduced with the buffers (the compressor's
@@ -297,6 +300,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             bucket.ready = 0
             bucket.handle = None
         self.next_bucket = 0
+        self.layouts_seen = True
 
     def regrouped(self, ctx: WorkerContext) -> None:
         super().regrouped(ctx)

@@ -147,6 +147,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         super().__init__(cfg, seat)
         self.local = self.version = self.total = 0
         self.stop = False
+        self.layouts_seen = False  # a push was made: no gradient was sparse (refuse_sparse)
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -219,8 +220,9 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         self.local = step.samples
         # which parameters have a gradient (host knowledge: no look at a GPU's values); those without
         # (frozen, unused in the forward) travel as zeros and the server's optimiser skips them
-        for p in self.params:
+        for p in [] if self.layouts_seen else self.params:  # (a sparse gradient: the first push's look)
             refuse_sparse(p, self.name, "the flat gradient it pushes")
+        self.layouts_seen = True
         present = [p.grad is not None for p in self.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
