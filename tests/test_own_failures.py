@@ -49,6 +49,14 @@ def samples() -> TensorDataset:
     return TensorDataset(torch.randn(384, 16, generator=g), torch.randint(0, 4, (384,), generator=g))
 
 
+def train(run: distsgd.Run, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One pass of a plain loop over samples(): batches of 16, cross-entropy, loss.backward()."""
+    for x, y in run.loader(samples(), batch_size=16):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def bad_batch() -> None:
     raise ValueError("bad batch")  # raises
 
@@ -175,10 +183,7 @@ def test_a_worker_that_stops_early_while_the_others_synchronise_is_one_line(algo
 def arrives_late(run: distsgd.Run) -> nn.Module:
     """Worker 1 reaches run.final_model() 3 s after worker 0, both after every step."""
     model, opt = run.setup()
-    for x, y in run.loader(samples(), batch_size=16):
-        opt.zero_grad()
-        run.backward(F.cross_entropy(model(x), y))
-        opt.step()
+    train(run, model, opt)
     if run.rank == 1:
         time.sleep(3)
     return run.final_model()
@@ -391,10 +396,7 @@ def changed_after_setup(run: distsgd.Run, how: str) -> nn.Module:
         model.to(memory_format=torch.channels_last)
     else:
         model.load_state_dict({k: torch.full_like(v, 0.01) for k, v in model.state_dict().items()})
-    for x, y in run.loader(samples(), batch_size=16):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train(run, model, opt)
     return run.final_model()
 
 
@@ -476,10 +478,7 @@ class SparseNet(nn.Module):
 def sgd_loop(run: distsgd.Run) -> nn.Module:
     """A plain loop: SGD, loss.backward(), opt.step()."""
     model, opt = run.setup(lambda m: torch.optim.SGD(m.parameters(), lr=0.05))
-    for x, y in run.loader(samples(), batch_size=16):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train(run, model, opt)
     return run.final_model()
 
 
