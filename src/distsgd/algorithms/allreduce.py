@@ -181,6 +181,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     float_buffers: list[torch.Tensor]  # averaged after every step
     buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
     bucket_of: dict[int, Bucket]  # id(param) -> its bucket
+    layouts_seen: bool  # a step's gradients were reduced, none sparse (refuse_sparse looks no more)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)

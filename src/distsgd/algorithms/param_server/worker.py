@@ -141,6 +141,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     hypers: Hyperparameters  # what of them travels (nothing where the server's optimiser never steps)
     pushed: list[float]  # their values at the step being taken (apply_step reads them, after_step pushes)
     client: transport.Client  # the connection to the server
+    layouts_seen: bool  # a push was made, no gradient sparse (refuse_sparse looks no more)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         assert isinstance(seat, ServerSeat), "a parameter-server worker runs under the server launcher"
