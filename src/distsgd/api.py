@@ -505,12 +505,13 @@ def settle(
     algo_own = algo_cls.default_settings(cfg)
     own = {**algo_own, **recommended_settings(cfg.model), **_only(algo_own, "optimizer")}
     resume, overwrite = _after_restart(cfg, where)
+    manifest = read_manifest(Path(resume)) if resume else None
     # the options complete (every one with its value), so that config.toml records them all
-    # (and a resumed run's held against what it recorded, before anything else of it is read)
+    # (and a resumed run's held against what its checkpoint recorded, before anything else of it is read)
     cfg = settled(
         cfg,
         own,
-        (algo_cls.Options, registry.option_names()),
+        (algo_cls.Options, registry.option_names(), manifest),
         algo=algo,
         options=opts.to_mapping(),
         resume=resume,
@@ -534,7 +535,6 @@ def settle(
     if cfg.resume:
         # Every check before anything is written (a fallback below rewrites the manifest; the run, its
         # config.toml): the settings the state depends on (settled), then the manifest's algorithm and workers.
-        manifest = read_manifest(Path(cfg.resume))
         if manifest is None:
             raise CheckpointError(f"no checkpoint in {cfg.resume} (train with --checkpoint-every to make one)")
         if manifest["world"] != cfg.workers:

@@ -475,6 +475,9 @@ def manifest_problem(manifest: object) -> str | None:
     for key in ("samples", "epoch", "step"):
         if key in manifest and (not whole(manifest[key]) or manifest[key] < 0):
             return f"{key} {manifest[key]!r}"
+    for key in ("settings", "options"):  # the settings its state depends on (config.checkpoint_record)
+        if not isinstance(manifest.get(key, {}), dict):
+            return f"{key} {manifest[key]!r}"
     return None
 
 

@@ -496,13 +496,13 @@ def resolve(cfg: RunConfig, own: dict[str, Any] | None = None) -> RunConfig:
 
 
 def settled(
-    cfg: RunConfig, own: dict[str, Any] | None = None, resumed_as: tuple[Any, Any] | None = None, **given: Any
+    cfg: RunConfig, own: dict[str, Any] | None = None, resumed_as: tuple[Any, ...] | None = None, **given: Any
 ) -> RunConfig:
     """``cfg`` with ``given`` (what the run settled: its algorithm, its complete options, a restart's
     resume) and every unset setting resolved (:func:`resolve`), validated (:func:`validate`) and,
     where it resumes a run, held against the settings that run recorded
-    (:func:`check_resume_settings`; ``resumed_as``: the algorithm's Options class and every
-    algorithm's option names, to read its config.toml): what a run uses."""
+    (:func:`check_resume_settings`; ``resumed_as``: the algorithm's Options class, every
+    algorithm's option names, to read its config.toml, and its checkpoint's manifest): what a run uses."""
     cfg = resolve(cfg.replace(**given), own)
     if cfg.resume and resumed_as is not None:
         check_resume_settings(cfg.resume, cfg, *resumed_as)
@@ -612,33 +612,71 @@ RESUME_FIXED: dict[str, Callable[[Any], object]] = {
 }
 
 
-def check_resume_settings(run_dir: str | Path, cfg: RunConfig, options_cls: Any, option_names: Any = ()) -> None:
+def checkpoint_record(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the settings its state depends on (the algorithm,
+    the settings of :data:`RESUME_FIXED` and the algorithm's options), so that a resume is held
+    against the checkpoint itself, not the run's config.toml, which a hand may have edited since."""
+    fixed = {name: getattr(cfg, name) for name in RESUME_FIXED}
+    return {"algo": cfg.algo, "settings": fixed, "options": dict(cfg.options)}
+
+
+def check_resume_settings(
+    run_dir: str | Path,
+    cfg: RunConfig,
+    options_cls: Any,
+    option_names: Any = (),
+    manifest: dict[str, Any] | None = None,
+) -> None:
     """Raise a ConfigError naming the first setting of :data:`RESUME_FIXED`, or option of
     ``options_cls`` (the run's algorithm's Options; where the run was another algorithm's, its
-    manifest's check says so instead), that the settled ``cfg`` gives otherwise than
-    the run in ``run_dir`` recorded in its config.toml (the settings its checkpoints were written
-    with: a resume rewrites that file only once it passed this check). Nothing recorded: nothing
-    to compare (the checkpoint's own checks still hold)."""
+    manifest's check says so instead), that the settled ``cfg`` gives otherwise than the
+    checkpoint was written with: as its ``manifest`` records (:func:`checkpoint_record`), else
+    (older checkpoints) as the run in ``run_dir`` recorded in its config.toml (a resume rewrites
+    that file only once it passed this check). Nothing recorded: nothing to compare (the
+    checkpoint's own checks still hold)."""
     path = Path(run_dir) / "config.toml"
-    if not path.is_file():
+    toml = load_toml(path, option_names=option_names) if path.is_file() else None
+    kept = (manifest or {}).get("settings")
+    if isinstance(kept, dict):
+        fixed, kept_options = kept, (manifest or {}).get("options") or {}
+    elif toml is not None:
+        fixed, kept_options = {name: getattr(toml, name) for name in RESUME_FIXED}, toml.options
+    else:
         return
-    saved = load_toml(path, option_names=option_names)
     own = set(options_cls.names())
-    recorded = options_cls.from_mapping({k: v for k, v in saved.options.items() if k in own}).to_mapping()
+    recorded = options_cls.from_mapping({k: v for k, v in kept_options.items() if k in own}).to_mapping()
+    said = {name: getattr(toml, name) for name in RESUME_FIXED} if toml is not None else {}
+    said_options = toml.options if toml is not None else {}
     pairs = [
-        (flag_of(_FIELDS[name]), getattr(saved, name), getattr(cfg, name), key) for name, key in RESUME_FIXED.items()
+        (flag_of(_FIELDS[name]), fixed.get(name), getattr(cfg, name), key, said.get(name))
+        for name, key in RESUME_FIXED.items()
     ]
-    if saved.algo in (None, cfg.algo):  # (another algorithm's run: the manifest's check names the algorithm)
+    algo = (manifest or {}).get("algo", toml.algo if toml is not None else None)
+    if algo in (None, cfg.algo):  # (another algorithm's run: the manifest's check names the algorithm)
         pairs += [
-            ("--" + k.replace("_", "-"), recorded[k], v, _itself) for k, v in cfg.options.items() if k in recorded
+            ("--" + k.replace("_", "-"), recorded[k], v, _same, said_options.get(k))
+            for k, v in cfg.options.items()
+            if k in recorded
         ]
-    for flag, before, now, key in pairs:
+    for flag, before, now, key, in_toml in pairs:
         if before is not None and now is not None and key(before) != key(now):
+            leave_out = f" (or leave {flag} out)" if in_toml is not None and key(in_toml) == key(before) else ""
+            edited = (
+                f" (its config.toml says {_shown(in_toml)}: edited since)"
+                if in_toml is not None and key(in_toml) != key(before)
+                else ""
+            )
             raise ConfigError(
                 f"--resume {run_dir}: its checkpoint was written with {flag} {_shown(before)}, not "
-                f"{_shown(now)}, and its state depends on it: resume with {flag} {_shown(before)} (or leave "
-                f"{flag} out), or train afresh into another --out"
+                f"{_shown(now)}{edited}, and its state depends on it: resume with {flag} {_shown(before)}"
+                f"{leave_out}, or train afresh into another --out"
             )
+
+
+def _same(value: Any) -> object:
+    """An option's value as a comparison sees it: a list and a tuple of the same items alike (a
+    manifest records in JSON)."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _shown(value: Any) -> str:

@@ -107,6 +107,22 @@ def test_a_failed_resume_leaves_config_toml_and_the_plain_resume_works(run_copy:
     assert 'model = "mlp"' in (run_copy / "config.toml").read_text()
 
 
+def test_a_config_toml_edited_by_hand_is_held_against_the_checkpoint_not_believed(run_copy: Path) -> None:
+    """On 8f65d93 a config.toml edited to ``optimizer = "adam"`` after the run passed the settings
+    check (it compared the flags with that file), rewrote config.toml, then failed in the worker
+    with "the file is damaged, or distsgd did not write it". The manifest now records what the
+    checkpoint was written with (config.checkpoint_record): one line naming the edit, nothing written."""
+    toml = run_copy / "config.toml"
+    toml.write_text(toml.read_text().replace('optimizer = "sgd"', 'optimizer = "adam"'))
+    before = toml.read_bytes()
+    line = one_error_line(cli_here("train", "--resume", str(run_copy), "--max-samples", "384", "--quiet"))
+    assert "written with --optimizer sgd, not adam (its config.toml says adam: edited since)" in line, line
+    assert "damaged" not in line and "leave --optimizer out" not in line
+    assert toml.read_bytes() == before
+    r = cli_here("train", "--resume", str(run_copy), "--optimizer", "sgd", "--max-samples", "384", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 # --- 2. the "older distsgd" line only where the file's format says so --------------------------------
 
 

@@ -39,7 +39,7 @@ from distsgd.checkpoint import (
     save_worker_state,
     scatter,
 )
-from distsgd.config import RunConfig
+from distsgd.config import RunConfig, checkpoint_record
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import ConfigError, MainGuardError, Terminated, WorkerError
 from distsgd.launch import procs
@@ -395,7 +395,7 @@ class Machine:
             ckpt_dir,
             seq,
             self.cfg.workers,
-            {"samples": samples, "algo": self.cfg.algo},
+            {"samples": samples, **checkpoint_record(self.cfg)},
             ranks=sorted(self.first_rank + s for s in self.saved[seq]),
             coordinator=True,
         )
@@ -424,7 +424,7 @@ class Machine:
         }
         samples = int(counts.sum())
         seq = commit_coordinator_only(
-            out, state, self.cfg.workers, {"samples": samples, "algo": self.cfg.algo}, self.saved
+            out, state, self.cfg.workers, {"samples": samples, **checkpoint_record(self.cfg)}, self.saved
         )
         if seq is None:
             return

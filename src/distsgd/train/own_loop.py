@@ -54,6 +54,7 @@ from distsgd.checkpoint import (
     scatter,
     seconds,
 )
+from distsgd.config import checkpoint_record
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
 from distsgd.errors import ConfigError, loop_failure, stall_watch
@@ -433,7 +434,7 @@ class Run:
             ranks = sorted(member.members) if member is not None and len(member.members) < member.first_world else None
 
             def commit() -> None:
-                checkpointer.commit(seq, {**where, "algo": cfg.algo}, ranks=ranks)
+                checkpointer.commit(seq, {**where, **checkpoint_record(cfg)}, ranks=ranks)
                 self._ctx.sink.emit({"event": "checkpoint", "seq": seq, **where, "train_wall_s": st.train_wall_s})
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)

@@ -26,6 +26,7 @@ from distsgd.checkpoint import (
     scatter,
     worker_file,
 )
+from distsgd.config import checkpoint_record
 from distsgd.data.partition import samples_per_epoch
 from distsgd.errors import OutputError, Terminated
 from distsgd.metrics import Sink
@@ -175,7 +176,7 @@ class ServerRole:
                     ckpt_dir,
                     seq,
                     self.workers,
-                    {"samples": total, "algo": self.cfg.algo},
+                    {"samples": total, **checkpoint_record(self.cfg)},
                     ranks=ranks,
                     coordinator=True,
                 )
@@ -219,7 +220,7 @@ class ServerRole:
             state = copy.deepcopy(gather(self.pieces))
             total = self.server.total_samples()
         with self.writing:
-            meta = {"samples": total, "algo": self.cfg.algo}
+            meta = {"samples": total, **checkpoint_record(self.cfg)}
             seq = commit_coordinator_only(out, state, self.workers, meta, above=[self.committed, *self.saved])
             if seq is None:
                 return
