@@ -196,6 +196,30 @@ def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def toy_dataset(n: int = 256):
+    """Twelve Gaussian features and three classes read off them (a fixed draw): the small task the
+    exact-reference tests of a user's loop train on."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 12, generator=g)
+    return TensorDataset(x, (x[:, :3].argmax(1) + (x[:, 3] > 0.5).long()) % 3)
+
+
+def weights_of(model) -> dict:
+    """A model's state (a wrapper's, such as DDP's, unwrapped) in float64 on the CPU, to compare."""
+    model = getattr(model, "module", model)
+    return {k: v.detach().double().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def initial_weights(cls, seed: int = 0) -> dict:
+    """The weights a run starts from: what ``spawn(model=cls)`` builds for toy_dataset with ``seed``."""
+    from distsgd.models import build_model
+
+    return weights_of(build_model(cls, (12,), 3, seed=seed))
+
+
 KILL_AT_STEP = '''
 import glob, os, signal, time
 import torch.nn as nn

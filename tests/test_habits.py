@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 import distsgd
 from distsgd.data.partition import epoch_indices
+from helpers import initial_weights, toy_dataset, weights_of
 
 N, B, SEED = 256, 16, 0  # samples, the batch of each worker, the run's seed
 
@@ -34,23 +35,6 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
-def dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 12, generator=g)
-    return TensorDataset(x, (x[:, :3].argmax(1) + (x[:, 3] > 0.5).long()) % 3)
-
-
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().double().cpu().clone() for k, v in model.state_dict().items()}
-
-
-def initial() -> dict[str, torch.Tensor]:
-    """The weights every run starts from (what ``spawn(model=Net)`` builds with the run's seed)."""
-    from distsgd.models import build_model
-
-    return weights(build_model(Net, (12,), 3, seed=SEED))
-
-
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -60,8 +44,8 @@ def reference(steps: int, per_step: int, lr: float, clip: float | None = None) -
     ``per_step`` samples each: ``2 * per_step`` consecutive samples of the epoch's permutation, the
     sharded partition), the mean loss's gradient, clipped to ``clip`` if given."""
     model = Net().double()
-    model.load_state_dict(initial())
-    x, y = dataset().tensors
+    model.load_state_dict(initial_weights(Net))
+    x, y = toy_dataset().tensors
     order = epoch_indices(N, 0, 0, 1, SEED)
     for k in range(steps):
         idx = order[2 * per_step * k : 2 * per_step * (k + 1)]
@@ -72,7 +56,7 @@ def reference(steps: int, per_step: int, lr: float, clip: float | None = None) -
         with torch.no_grad():
             for p in model.parameters():
                 p -= lr * p.grad
-    return weights(model)
+    return weights_of(model)
 
 
 def loop(run: distsgd.Run, habit: str = "", micro: int = 1) -> nn.Module:
@@ -86,7 +70,7 @@ def loop(run: distsgd.Run, habit: str = "", micro: int = 1) -> nn.Module:
     seen: list[torch.dtype] = []
     if habit == "bf16":
         module.body.register_forward_hook(lambda m, i, out: seen.append(out.dtype) if torch.is_grad_enabled() else None)
-    batches = iter(run.loader(dataset(), batch_size=B))
+    batches = iter(run.loader(toy_dataset(), batch_size=B))
     while not run.should_stop():
         group = [b for _, b in zip(range(micro), batches)]
         if len(group) < micro:
@@ -122,8 +106,8 @@ def test_clipping_between_backward_and_step_clips_the_averaged_gradient(algo: st
     after it, so the clip was overwritten: weights moved 0.28 with a clip to 1e-9)."""
     result = spawn("clip", algo, max_samples=6 * 2 * B)
     assert result.model is not None
-    assert max_diff(weights(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
-    assert max_diff(weights(result.model), reference(6, B, 0.1)) > 1e-3  # the clip mattered
+    assert max_diff(weights_of(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
+    assert max_diff(weights_of(result.model), reference(6, B, 0.1)) > 1e-3  # the clip mattered
 
 
 @pytest.mark.parametrize("algo, extra", [("allreduce", {}), ("ddp", {}), ("local-sgd", {"warmup_steps": 100})])
@@ -132,7 +116,7 @@ def test_accumulation_without_no_sync_is_the_full_batch(algo: str, extra: dict) 
     global batch of 2 x 4 x B samples (before, allreduce's buckets fired on the first backward only)."""
     result = spawn("", algo, micro=4, max_samples=3 * 2 * 4 * B, **extra)
     assert result.model is not None
-    assert max_diff(weights(result.model), reference(3, 4 * B, 0.1)) < 1e-5
+    assert max_diff(weights_of(result.model), reference(3, 4 * B, 0.1)) < 1e-5
 
 
 def test_a_scheduler_on_the_returned_optimiser_sets_the_lr_of_every_step() -> None:
@@ -141,13 +125,13 @@ def test_a_scheduler_on_the_returned_optimiser_sets_the_lr_of_every_step() -> No
         scheduled_loop, model=Net, algo="allreduce", workers=2, batch_size=B, lr=0.1, momentum=0.0, quiet=True
     )
     assert result.model is not None
-    assert max_diff(weights(result.model), reference_halving(4)) < 1e-5
+    assert max_diff(weights_of(result.model), reference_halving(4)) < 1e-5
 
 
 def scheduled_loop(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
-    for x, y in itertools.islice(run.loader(dataset(), batch_size=B), 4):
+    for x, y in itertools.islice(run.loader(toy_dataset(), batch_size=B), 4):
         opt.zero_grad()
         run.backward(F.cross_entropy(model(x), y))
         opt.step()
@@ -157,8 +141,8 @@ def scheduled_loop(run: distsgd.Run) -> nn.Module:
 
 def reference_halving(steps: int) -> dict[str, torch.Tensor]:
     model = Net().double()
-    model.load_state_dict(initial())
-    x, y = dataset().tensors
+    model.load_state_dict(initial_weights(Net))
+    x, y = toy_dataset().tensors
     order = epoch_indices(N, 0, 0, 1, SEED)
     for k in range(steps):
         idx = order[2 * B * k : 2 * B * (k + 1)]
@@ -167,7 +151,7 @@ def reference_halving(steps: int) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * 0.5**k * p.grad
-    return weights(model)
+    return weights_of(model)
 
 
 def two_optimisers(run: distsgd.Run) -> nn.Module:
@@ -175,11 +159,11 @@ def two_optimisers(run: distsgd.Run) -> nn.Module:
     torch.manual_seed(SEED + run.rank)  # replicas built differently: rank 0's is the start
     net = Net()
     if run.rank == 0:
-        net.load_state_dict({k: v.float() for k, v in initial().items()})
+        net.load_state_dict({k: v.float() for k, v in initial_weights(Net).items()})
     body = torch.optim.SGD(net.body.parameters(), lr=0.1)
     head = torch.optim.Adam(net.head.parameters(), lr=0.01)
     model, body, head = run.setup(net, body, head)
-    for x, y in itertools.islice(run.loader(dataset(), batch_size=B), 3):
+    for x, y in itertools.islice(run.loader(toy_dataset(), batch_size=B), 3):
         body.zero_grad()
         head.zero_grad()
         run.backward(F.cross_entropy(model(x), y))
@@ -194,10 +178,10 @@ def test_two_optimisers_built_in_the_loop_step_the_averaged_gradient() -> None:
     process, global batch."""
     result = distsgd.spawn(two_optimisers, model=Net, algo="allreduce", workers=2, batch_size=B, quiet=True)
     model = Net().double()
-    model.load_state_dict(initial())
+    model.load_state_dict(initial_weights(Net))
     body = torch.optim.SGD(model.body.parameters(), lr=0.1)
     head = torch.optim.Adam(model.head.parameters(), lr=0.01)
-    x, y = dataset().tensors
+    x, y = toy_dataset().tensors
     order = epoch_indices(N, 0, 0, 1, SEED)
     for k in range(3):
         idx = order[2 * B * k : 2 * B * (k + 1)]
@@ -206,7 +190,7 @@ def test_two_optimisers_built_in_the_loop_step_the_averaged_gradient() -> None:
         body.step()
         head.step()
     assert result.model is not None and result.summary["samples"] == 3 * 2 * B
-    assert max_diff(weights(result.model), weights(model)) < 1e-5
+    assert max_diff(weights_of(result.model), weights_of(model)) < 1e-5
 
 
 # -- every family: properties that only a habit taking effect satisfies ------------------------------
@@ -224,7 +208,7 @@ FAMILIES = [
 @pytest.mark.parametrize("algo, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_a_scheduler_to_zero_moves_nothing(algo: str, extra: dict) -> None:
     result = spawn("scheduler-zero", algo, max_samples=8 * 2 * B, **extra)
-    assert result.model is not None and max_diff(weights(result.model), initial()) == 0.0
+    assert result.model is not None and max_diff(weights_of(result.model), initial_weights(Net)) == 0.0
 
 
 @pytest.mark.slow
@@ -240,7 +224,7 @@ def test_weights_loaded_after_setup_are_trained_or_refused(algo: str, extra: dic
         return
     result = spawn("load", algo, max_samples=6 * 2 * B, lr=1e-12, **extra)
     assert result.model is not None
-    assert all((v - 0.5).abs().max() < 1e-6 for v in weights(result.model).values())
+    assert all((v - 0.5).abs().max() < 1e-6 for v in weights_of(result.model).values())
 
 
 @pytest.mark.slow
@@ -259,13 +243,13 @@ def test_plain_backward_synchronises_as_run_backward_does(algo: str) -> None:
     loss is nan' warning). Reference: one process with the global batch, clipped."""
     result = spawn("plain-backward-clip", algo, max_samples=6 * 2 * B)
     assert result.model is not None
-    assert max_diff(weights(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
+    assert max_diff(weights_of(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
 
 
 def test_plain_backward_accumulates_the_full_batch() -> None:
     result = spawn("plain-backward", "allreduce", micro=4, max_samples=3 * 2 * 4 * B)
     assert result.model is not None
-    assert max_diff(weights(result.model), reference(3, 4 * B, 0.1)) < 1e-5
+    assert max_diff(weights_of(result.model), reference(3, 4 * B, 0.1)) < 1e-5
 
 
 @pytest.mark.slow
@@ -276,14 +260,14 @@ def test_plain_backward_trains_under_every_family(algo: str, extra: dict, caplog
     the samples counted are steps taken) and no warning of a nan loss."""
     result = spawn("plain-backward", algo, max_samples=6 * 2 * B, **extra)
     assert result.model is not None and result.summary["samples"] >= 6 * 2 * B
-    assert max_diff(weights(result.model), initial()) > 1e-3
+    assert max_diff(weights_of(result.model), initial_weights(Net)) > 1e-3
     assert "nan" not in caplog.text
 
 
 def second_optimizer(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
     head = torch.optim.Adam(model.head.parameters(), lr=0.01)
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         run.backward(F.cross_entropy(model(x), y))
         opt.step()
@@ -298,7 +282,7 @@ def setup_by_name(run: distsgd.Run) -> nn.Module:
 
 def evaluates_alone(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         run.backward(F.cross_entropy(model(x), y))
         opt.step()
@@ -408,8 +392,8 @@ def reference_epochs(epochs: int, lr: float) -> dict[str, torch.Tensor]:
     """Plain SGD in float64, one process, the global batch of 2 x B, ``epochs`` epochs, each in its
     own permutation (the sharded partition's two shards of an epoch, side by side)."""
     model = Net().double()
-    model.load_state_dict(initial())
-    x, y = dataset().tensors
+    model.load_state_dict(initial_weights(Net))
+    x, y = toy_dataset().tensors
     for epoch in range(epochs):
         order = epoch_indices(N, epoch, 0, 1, SEED)
         for k in range(N // (2 * B)):
@@ -419,12 +403,12 @@ def reference_epochs(epochs: int, lr: float) -> dict[str, torch.Tensor]:
             with torch.no_grad():
                 for p in model.parameters():
                     p -= lr * p.grad
-    return weights(model)
+    return weights_of(model)
 
 
 def shared_net() -> Net:
     net = Net()
-    net.load_state_dict({k: v.float() for k, v in initial().items()})
+    net.load_state_dict({k: v.float() for k, v in initial_weights(Net).items()})
     return net.share_memory()  # as the original script does: it must not make the workers share it
 
 
@@ -436,12 +420,12 @@ def test_a_model_optimiser_and_data_of_the_script_train_as_one_process_would(alg
     each push); each pass over run.loader is the next epoch; the net given ends trained in place."""
     net = shared_net()
     result = distsgd.spawn(
-        objects_through_args, net, algo, 2, args=(net, dataset(), 0.1, 0.0), batch_size=B, lr=0.05, quiet=True
+        objects_through_args, net, algo, 2, args=(net, toy_dataset(), 0.1, 0.0), batch_size=B, lr=0.05, quiet=True
     )
     expected = reference_epochs(2, 0.1)
     assert result.model is not None and result.summary["samples"] == 2 * N
-    assert max_diff(weights(result.model), expected) < 1e-5
-    assert max_diff(weights(net), expected) < 1e-5
+    assert max_diff(weights_of(result.model), expected) < 1e-5
+    assert max_diff(weights_of(net), expected) < 1e-5
     assert max_diff(reference_epochs(1, 0.1), expected) > 1e-3  # the second epoch mattered
 
 
@@ -461,7 +445,7 @@ def nesterov_loop(run: distsgd.Run) -> None:
 
 def passes(run: distsgd.Run, folder: str) -> None:
     """Two passes over one run.loader (made before setup): the rows of x each took."""
-    loader = run.loader(dataset(), batch_size=B)
+    loader = run.loader(toy_dataset(), batch_size=B)
     model, opt = run.setup()
     seen = []
     for _ in range(2):
@@ -480,7 +464,7 @@ def test_each_pass_over_a_loader_is_the_next_epoch(tmp_path: Path) -> None:
     shards, the whole set), in a new order (before: the same order every pass, epoch 0's)."""
     distsgd.spawn(functools.partial(passes, folder=str(tmp_path)), Net, "allreduce", 2, batch_size=B, quiet=True)
     seen = [eval((tmp_path / f"passes-{r}").read_text()) for r in range(2)]
-    every = sorted(dataset().tensors[0][:, 0].tolist())
+    every = sorted(toy_dataset().tensors[0][:, 0].tolist())
     for epoch in range(2):
         assert sorted(seen[0][epoch] + seen[1][epoch]) == every
     assert seen[0][0] != seen[0][1] and sorted(seen[0][0]) != sorted(seen[0][1])

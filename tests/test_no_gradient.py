@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import distsgd
 from distsgd.data.partition import epoch_indices
+from helpers import initial_weights, toy_dataset, weights_of
 
 N, B, SEED, STEPS, FREEZE_AT = 256, 16, 0, 6, 2
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
@@ -42,23 +42,6 @@ class Net(nn.Module):
         return out
 
 
-def dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 12, generator=g)
-    return TensorDataset(x, (x[:, :3].argmax(1) + (x[:, 3] > 0.5).long()) % 3)
-
-
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    model = getattr(model, "module", model)
-    return {k: v.detach().double().cpu().clone() for k, v in model.state_dict().items()}
-
-
-def initial() -> dict[str, torch.Tensor]:
-    from distsgd.models import build_model
-
-    return weights(build_model(Net, (12,), 3, seed=SEED))
-
-
 def halves(k: int) -> list[torch.Tensor]:
     """Step k's batches of the two workers: their ``B`` samples each, consecutive in the epoch's
     permutation (the sharded partition's global batch)."""
@@ -71,9 +54,9 @@ def reference(freeze_body: bool) -> dict[str, torch.Tensor]:
     through its own forward (the definition of synchronous data parallel: the gradient is the
     mean of the workers'); ``body`` frozen after ``FREEZE_AT`` steps if asked."""
     model = Net().double()
-    model.load_state_dict(initial())
+    model.load_state_dict(initial_weights(Net))
     opt = torch.optim.SGD(model.parameters(), **SGD)
-    x, y = dataset().tensors
+    x, y = toy_dataset().tensors
     for k in range(STEPS):
         if freeze_body and k == FREEZE_AT:
             model.body.requires_grad_(False)
@@ -81,13 +64,13 @@ def reference(freeze_body: bool) -> dict[str, torch.Tensor]:
         loss = sum(F.cross_entropy(model(x[i].double()), y[i]) for i in halves(k)) / 2
         loss.backward()
         opt.step()
-    return weights(model)
+    return weights_of(model)
 
 
 def loop(run: distsgd.Run, freeze_body: bool) -> nn.Module:
     model, opt = run.setup()
     module = getattr(model, "module", model)
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         if freeze_body and run.steps == FREEZE_AT:
             module.body.requires_grad_(False)
         opt.zero_grad()
@@ -98,7 +81,7 @@ def loop(run: distsgd.Run, freeze_body: bool) -> nn.Module:
 
 def test_the_data_has_steps_where_one_worker_uses_aux_and_the_other_does_not() -> None:
     """(What the next test relies on.)"""
-    x = dataset().tensors[0]
+    x = toy_dataset().tensors[0]
     used = [[bool((x[i, 0] > 1.2).any()) for i in halves(k)] for k in range(STEPS)]
     assert [True, False] in used or [False, True] in used, used
     assert [False, False] in used or [True, True] in used, used
@@ -133,7 +116,7 @@ def test_a_parameter_no_worker_had_a_gradient_for_is_left_alone(algo: str, extra
         **SGD,
     )
     assert result.model is not None
-    got, ref, start = weights(result.model), reference(freeze_body), initial()
+    got, ref, start = weights_of(result.model), reference(freeze_body), initial_weights(Net)
     for key in ("never.weight", "never.bias"):
         assert torch.equal(got[key], start[key]), key
     tolerance = 1e-5 if compress == "none" else 2e-3
@@ -144,7 +127,7 @@ def test_a_parameter_no_worker_had_a_gradient_for_is_left_alone(algo: str, extra
 def unfreezes(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
     module = getattr(model, "module", model)
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         if run.steps == 1:
             module.never.requires_grad_(True)
             module.never.weight.grad = None
@@ -169,7 +152,7 @@ def extras_frozen() -> Net:
 
 def through_a_method(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         inner = getattr(model, "module", model)  # as a siamese loop reaches its embedding
         F.cross_entropy(inner.head(inner.body(x)), y).backward()
@@ -179,7 +162,7 @@ def through_a_method(run: distsgd.Run) -> nn.Module:
 
 def twice_through_one_forward(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         out = model(x)
         F.cross_entropy(out, y).backward(retain_graph=True)
@@ -192,7 +175,7 @@ def freezes_keeping_zeros(run: distsgd.Run) -> nn.Module:
     """extras_frozen's model; after the second step its head is frozen too, and the loop's
     zero_grad(set_to_none=False) keeps zeroed gradients (not None) for it."""
     model, opt = run.setup()
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         if run.steps == 2:
             getattr(model, "module", model).head.requires_grad_(False)
         opt.zero_grad(set_to_none=False)
@@ -203,7 +186,7 @@ def freezes_keeping_zeros(run: distsgd.Run) -> nn.Module:
 
 def plain(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -236,16 +219,16 @@ def test_ddp_trains_as_one_process_when_every_parameter_takes_a_gradient() -> No
     )
     assert result.model is not None
     model = Net().double()
-    model.load_state_dict(initial())
+    model.load_state_dict(initial_weights(Net))
     model.never.requires_grad_(False)
     model.aux.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], **SGD)
-    x, y = dataset().tensors
+    x, y = toy_dataset().tensors
     for k in range(STEPS):
         opt.zero_grad()
         (sum(F.cross_entropy(model(x[i].double()), y[i]) for i in halves(k)) / 2).backward()
         opt.step()
-    got, ref = weights(result.model), weights(model)
+    got, ref = weights_of(result.model), weights_of(model)
     assert max((got[k] - ref[k]).abs().max().item() for k in got) < 1e-5
 
 
@@ -259,7 +242,7 @@ def stale_frozen() -> Net:
 def trainable_only(run: distsgd.Run) -> nn.Module:
     """An optimiser of the trainable parameters alone: its zero_grad never clears ``never``'s."""
     model, opt = run.setup(lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1))
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the stale gradient too, in place
@@ -280,7 +263,7 @@ def freezes_at_a_round(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
     module = getattr(model, "module", model)
     then = None
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         if run.steps == 2:
             module.body.requires_grad_(False)
             then = module.body[0].weight.detach().clone()

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import distsgd
 from distsgd.data.partition import epoch_indices
+from helpers import initial_weights, toy_dataset, weights_of
 
 N, B, SEED, STEPS = 256, 16, 0, 4  # samples, the batch of each worker, the run's seed, steps
 LR, MOMENTUM, DECAY = 0.1, 0.9, 0.01
@@ -45,47 +45,30 @@ class FrozenNet(Net):
         self.body.requires_grad_(False)
 
 
-def dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 12, generator=g)
-    return TensorDataset(x, (x[:, :3].argmax(1) + (x[:, 3] > 0.5).long()) % 3)
-
-
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().double().cpu().clone() for k, v in model.state_dict().items()}
-
-
-def initial(cls: type[Net]) -> dict[str, torch.Tensor]:
-    """The weights every run starts from (what ``spawn(model=cls)`` builds with the run's seed)."""
-    from distsgd.models import build_model
-
-    return weights(build_model(cls, (12,), 3, seed=SEED))
-
-
 def reference(cls: type[Net], after: bool) -> dict[str, torch.Tensor]:
     """Plain PyTorch in one process: SGD with momentum and weight decay over every parameter, the
     body frozen (``after``: once the optimiser is built), step k on the global batch k (the two
     workers' batches side by side: the sharded partition)."""
     model = cls().double()
-    model.load_state_dict(initial(cls))
+    model.load_state_dict(initial_weights(cls))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
     if after:
         model.body.requires_grad_(False)
-    x, y = dataset().tensors
+    x, y = toy_dataset().tensors
     order = epoch_indices(N, 0, 0, 1, SEED)
     for k in range(STEPS):
         idx = order[2 * B * k : 2 * B * (k + 1)]
         opt.zero_grad()
         F.cross_entropy(model(x[idx].double()), y[idx]).backward()
         opt.step()
-    return weights(model)
+    return weights_of(model)
 
 
 def loop(run: distsgd.Run, after: bool) -> nn.Module:
     model, opt = run.setup()
     if after:
         getattr(model, "module", model).body.requires_grad_(False)
-    for x, y in run.loader(dataset(), batch_size=B):
+    for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -113,7 +96,7 @@ def test_parameters_without_a_gradient_stay_where_plain_pytorch_leaves_them(algo
         quiet=True,
     )
     assert result.model is not None and result.summary["samples"] >= STEPS * 2 * B  # asgd's workers may step on
-    got, start, expected = weights(result.model), initial(cls), reference(cls, after)
+    got, start, expected = weights_of(result.model), initial_weights(cls), reference(cls, after)
     for k in FROZEN + UNUSED:
         assert torch.equal(expected[k], start[k]), k  # plain PyTorch leaves them
         assert torch.equal(got[k], start[k]), (k, (got[k] - start[k]).abs().max().item())
