@@ -303,7 +303,7 @@ def _run(
             f"{describe(spec)} has no save_pretrained: save it as pt or safetensors"
         )
     if cfg.resume and not torchrun:
-        _pick_checkpoint(cfg, probe, dataset.n_train, own=job.main is not None)
+        job = job.replace(resume_from=_pick_checkpoint(cfg, probe, dataset.n_train, own=job.main is not None))
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = _prepare_out(cfg, settings_text, where) if cfg.out and chief else None
@@ -338,16 +338,18 @@ def _run(
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
 
 
-def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own: bool) -> None:
+def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own: bool) -> dict[str, Any]:
     """Locally the launcher picks the checkpoint before any worker reads it (falling back to the one
-    before a damaged newest one) and checks its files, before the run writes anything; under
-    torchrun every rank reads the manifest as it is, and checks its own file as it loads it."""
+    before a damaged newest one) and checks its files, before the run writes anything: its manifest,
+    which the workers then read from (Job.resume_from). Under torchrun every rank reads the manifest
+    as it is, and checks its own file as it loads it."""
     assert cfg.resume is not None
     in_place = cfg.out is not None and Path(cfg.out).resolve() == Path(cfg.resume).resolve()
     if cfg.out is not None and not in_place:  # refused before the run read from is touched (a fallback)
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
     _within_budget(cfg, chosen, n_train, own)
+    return chosen
 
 
 def _within_budget(cfg: RunConfig, manifest: dict[str, Any], n_train: int | None, own: bool) -> None:

@@ -348,8 +348,10 @@ def usable_checkpoint(
     by the launching process, before the workers read their parts. ``check``: called on every
     worker's file of the checkpoint chosen (not the coordinator's), as loaded; what it raises
     (a value distsgd never writes) stops the resume, with no fallback. ``tidy``: the run resumes
-    in ``run_dir`` itself, whose killed writers' temporaries are removed (a run resumed into
-    another directory is only read, but for a fallback's manifest)."""
+    in ``run_dir`` itself, whose killed writers' temporaries are removed, and whose manifest a
+    fallback points at the checkpoint it chose (the damaged one's kept as ``manifest.damaged-N.json``);
+    a run resumed into another directory only reads ``run_dir``, and its workers read the
+    manifest returned (Job.resume_from)."""
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     manifest = read_manifest(run_dir)
     if manifest is None:
@@ -374,8 +376,9 @@ def usable_checkpoint(
         older["seq"],
         older.get("samples", "?"),
     )
-    atomic_write_json(manifest, ckpt_dir / f"manifest.damaged-{manifest['seq']}.json")  # kept, for the record
-    atomic_write_json(older, ckpt_dir / MANIFEST)  # one rename: at every moment the manifest names a checkpoint
+    if tidy:
+        atomic_write_json(manifest, ckpt_dir / f"manifest.damaged-{manifest['seq']}.json")  # kept, for the record
+        atomic_write_json(older, ckpt_dir / MANIFEST)  # one rename: at every moment the manifest names a checkpoint
     return older
 
 
@@ -481,11 +484,11 @@ def manifest_problem(manifest: object) -> str | None:
     return None
 
 
-def load_worker_state(run_dir: Path, rank: int | str) -> dict[str, Any] | None:
+def load_worker_state(run_dir: Path, rank: int | str, manifest: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """This worker's (or, with rank ``COORDINATOR``, the coordinator's) state from the newest whole
     checkpoint in ``run_dir`` (weights only); None when that checkpoint has none for it (an
     asynchronous run's worker that had died)."""
-    return _worker_state(run_dir, read_manifest(run_dir), rank)
+    return _worker_state(run_dir, manifest if manifest is not None else read_manifest(run_dir), rank)
 
 
 def _worker_state(run_dir: Path, manifest: dict[str, Any] | None, rank: int | str) -> dict[str, Any] | None:
@@ -777,15 +780,20 @@ class Checkpointer:
     """Saves and restores one worker's stateful pieces (model, optimiser, algorithm, loop, random
     state): one file per worker per checkpoint, then rank 0 points the manifest at the new set."""
 
-    def __init__(self, out: str | None, resume: str | None, rank: int, world: int) -> None:
+    def __init__(
+        self, out: str | None, resume: str | None, rank: int, world: int, chosen: dict[str, Any] | None = None
+    ) -> None:
         self.dir = Path(out) / CHECKPOINT_DIR if out else None
-        self.resume, self.rank, self.world = resume, rank, world
+        self.resume, self.rank, self.world, self.chosen = resume, rank, world, chosen
 
     @functools.cached_property
     def manifest(self) -> dict[str, Any] | None:
-        """The manifest of the run given to ``--resume``, read once (None: a fresh run, or no
-        checkpoint there)."""
-        return read_manifest(Path(self.resume)) if self.resume else None
+        """The manifest of the checkpoint to resume from: ``chosen`` (the launcher's choice, see
+        :attr:`~distsgd.train.context.Job.resume_from`), else that of the run given to ``--resume``,
+        read once (None: a fresh run, or no checkpoint there)."""
+        if not self.resume:
+            return None
+        return self.chosen if self.chosen is not None else read_manifest(Path(self.resume))
 
     def load(self) -> dict[str, Any] | None:
         """This worker's saved pieces from the run given to ``--resume`` (None: a fresh run). The

@@ -386,3 +386,32 @@ def test_a_resume_past_its_budget_or_into_a_taken_out_leaves_the_run_it_reads_as
     distsgd.train(resume=str(run), epochs=3, quiet=True, callbacks=[watch])
     assert watch.seen and not any(watch.seen)
     assert json.loads((run / "summary.json").read_text())["samples"] == 3 * 1437
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("hogwild", 2), ("asgd", 2)])
+def test_a_run_with_a_torn_newest_checkpoint_resumes_elsewhere_and_is_only_read(
+    tmp_path, algo, workers, caplog
+) -> None:
+    """On 08b62e3 a resume into another --out whose newest checkpoint was torn fell back by rewriting
+    the manifest of the run it read (so a run on a read-only mount could not be resumed elsewhere):
+    the workers read that manifest. Now the launcher hands them the one it chose (Job.resume_from),
+    and the run read is left byte for byte; single's resume from the older checkpoint ends as the
+    run trained straight through."""
+    common = dict(model="mlp", data="digits", algo=algo, workers=workers, batch_size=32, quiet=True)
+    run = tmp_path / "a"
+    distsgd.train(max_samples=640, checkpoint_every="256", out=str(run), **common)
+    ckpt = run / checkpoint.CHECKPOINT_DIR
+    newest = checkpoint.read_manifest(run)
+    assert (ckpt / checkpoint.PREVIOUS).is_file()
+    torn = checkpoint.worker_file(ckpt, newest["seq"], "coordinator" if newest["coordinator"] else 0)
+    torn.write_bytes(torn.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with caplog.at_level("WARNING"):
+        result = distsgd.train(max_samples=1280, resume=str(run), out=str(tmp_path / "b"), **common)
+    assert f"checkpoint {newest['seq']} in {run} is damaged" in caplog.text
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # only read
+    assert result.summary["samples"] >= 1280
+    if algo == "single":
+        straight = distsgd.train(max_samples=1280, out=str(tmp_path / "c"), **common)
+        assert all(torch.equal(a, b) for a, b in zip(_params(result.model), _params(straight.model)))

@@ -178,7 +178,7 @@ class Machine:
             for _ in range(topology.models(cfg))
         ]
         self.counts = torch.zeros(cfg.workers, dtype=torch.int64)
-        saved = load_worker_state(Path(cfg.resume), COORDINATOR) if cfg.resume else None
+        saved = load_worker_state(Path(cfg.resume), COORDINATOR, job.resume_from) if cfg.resume else None
         if saved is not None:  # the shared models and counters of the checkpoint, checked
             restore_shared(saved, self.models, self.counts)
         for m in self.models:

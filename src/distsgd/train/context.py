@@ -33,6 +33,10 @@ class Job:
     param_groups: Callable | None = None  # param_groups(model) -> [{"params": [...], "lr": ...}, ...]
     main: Callable | None = None  # main(run): the user's own loop (distsgd.spawn); None: distsgd's loop
     callbacks: tuple = ()  # objects with on_eval / on_checkpoint / on_end (distsgd.callbacks)
+    # the manifest of the checkpoint a local launcher chose to resume from (the newest whole one, or
+    # the one before a damaged newest, which a run resumed elsewhere leaves unnamed in the run it
+    # reads); None: the manifest of ``cfg.resume`` as it is (torchrun's ranks, or no resume)
+    resume_from: dict[str, Any] | None = None
 
     def replace(self, **changes: Any) -> "Job":
         return dataclasses.replace(self, **changes)

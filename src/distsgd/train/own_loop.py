@@ -244,7 +244,7 @@ class Run:
         ctx, cfg = self._ctx, self.cfg
         # a worker's files are named by its first rank (a group that lost a worker before its first
         # step builds again with the survivors' places in the new group: their shards stay their own)
-        self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.data_rank, ctx.data_world)
+        self._checkpointer = Checkpointer(cfg.out, cfg.resume, ctx.data_rank, ctx.data_world, ctx.job.resume_from)
         saved = self._checkpointer.load()
         # a lockstep group's checkpoint taken after it lost workers and trained through (--min-workers)
         # has no part of theirs: such a rank takes a peer's, as a replacement joining it would have

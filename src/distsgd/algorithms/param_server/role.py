@@ -124,7 +124,7 @@ class ServerRole:
         self.lost: dict[int, float] = {}  # ranks whose connection broke, and when
         self.dropped: dict[int, str] = {}  # ranks that left without finishing (none came back), and why
         if cfg.resume:
-            saved = load_worker_state(Path(cfg.resume), COORDINATOR)
+            saved = load_worker_state(Path(cfg.resume), COORDINATOR, job.resume_from)
             if saved is not None:
                 scatter(self.pieces, saved)
 
