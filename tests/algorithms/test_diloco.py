@@ -9,7 +9,7 @@ import torch
 import distsgd
 from distsgd.data import load_dataset
 from distsgd.train.context import Start
-from helpers import in_group
+from helpers import in_group, run_cli
 from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
 
 # -- DiLoCo (Douillard et al. 2023) -------------------------------------------------------------
@@ -143,3 +143,22 @@ def test_the_clock_and_the_bytes_include_the_last_sync(digits) -> None:
         p.numel() for p in distsgd.models.build_model("mlp", digits.input_shape, digits.num_classes).parameters()
     )
     assert cut["eval_bytes_sent"] >= 2 * (2 * 8 * state)  # both workers' share of the two checks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["diloco", "streaming-diloco"])
+def test_a_run_shorter_than_a_round_under_theta_says_its_model_is_the_initial_one(tmp_path, algo: str) -> None:
+    """--partial-round theta drops the round cut short; a run that ends before its first outer step
+    returned the model it started from, and said only "of the model returned, as it was at N
+    samples" (8f65d93: no word). Now worker 0 says so in one warning; average keeps the steps. (A
+    subprocess: its workers' lines are what a user sees.)"""
+    common = ["train", "--model", "mlp", "--dataset", "digits", "--algo", algo, "--workers", "2"]
+    common += ["--batch-size", "16", "--sync-every", "64", "--max-samples", str(2 * 16 * 5)]
+    r = run_cli(*common, "--partial-round", "theta", "--out", str(tmp_path / "theta"))
+    assert r.returncode == 0 and r.stderr.count("trained on none of its samples") == 1, r.stderr[-3000:]
+    model = torch.load(tmp_path / "theta" / "model.pt", weights_only=True)
+    digits = load_dataset("digits")
+    start = distsgd.models.build_model("mlp", digits.input_shape, digits.num_classes, seed=0).state_dict()
+    assert all(torch.equal(model["state_dict"][k], v) for k, v in start.items())
+    r = run_cli(*common, "--partial-round", "average", "--out", str(tmp_path / "average"))
+    assert r.returncode == 0 and "trained on none" not in r.stderr, r.stderr[-3000:]

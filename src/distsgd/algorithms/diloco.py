@@ -38,6 +38,7 @@ with exactly the loss of an uninterrupted one.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,7 +48,7 @@ from torch import nn
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.periodic import period_option, refuse_epochs_in_own_loop
+from distsgd.algorithms.periodic import period_option, refuse_epochs_in_own_loop, untrained_by_theta
 from distsgd.checkpoint import count
 from distsgd.config import OPTIMIZERS, Period, RunConfig
 from distsgd.errors import ConfigError
@@ -57,6 +58,8 @@ from distsgd.train.context import Start, Step, WorkerContext
 from distsgd.train.optim import build_optimizer
 
 PARTIAL_ROUNDS = ("average", "theta", "step")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,8 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """theta; a last, partial round ends as ``--partial-round`` says."""
         rule = self.opts.partial_round
+        if self.period.pending and rule == "theta" and self.rounds == 0 and ctx.rank == 0:
+            log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
         if self.period.pending and rule == "step":
             self.outer_step(model)
         elif self.period.pending and rule == "average":

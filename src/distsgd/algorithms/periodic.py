@@ -32,3 +32,15 @@ def refuse_epochs_in_own_loop(period: Period, algo: str) -> None:
 
 
 __all__ = ["period_option", "refuse_epochs_in_own_loop"]
+
+
+def untrained_by_theta(period: Period, algo: str) -> str:
+    """The warning for a run of ``algo`` with ``--partial-round theta`` that ends before its first
+    outer step: theta is still the model the run started from, and the round cut short, every step
+    trained, is dropped."""
+    every = "an epoch" if period.each_epoch else f"{period.count} inner steps"
+    return (
+        f"{algo}: no round of --sync-every {every} completed, and --partial-round theta drops the round "
+        f"cut short: the model returned is the one the run started from, trained on none of its samples "
+        f"(--partial-round average keeps the workers' steps, or give a smaller --sync-every)"
+    )

@@ -49,6 +49,7 @@ single collective one worker took part in.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,7 +60,7 @@ from torch import nn
 from distsgd.algorithms.averaging import average_buffers_, broadcast_, flat_view_, params
 from distsgd.algorithms.base import GroupFigures, register
 from distsgd.algorithms.diloco import InnerOuter, OuterOptions
-from distsgd.algorithms.periodic import period_option
+from distsgd.algorithms.periodic import period_option, untrained_by_theta
 from distsgd.checkpoint import count
 from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
@@ -71,6 +72,8 @@ from distsgd.train.context import Start, Step, WorkerContext
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 Count = Callable[[int, int, str], None]  # counts a collective's bytes: the algorithm's own sent, or sent_to_evaluate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,9 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         pending = [p.pending for p in self.periods]
+        untrained = self.rounds == 0 and self.flight is None and any(pending)
+        if untrained and self.opts.partial_round == "theta" and ctx.rank == 0:
+            log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
         final = self._ending(self.globals, self.flat, model, self.flight, pending, self.sent)
         self.flight = None
         for p in self.periods:
