@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from distsgd.data import formats, from_arrays, load_dataset
+from distsgd.data.images import read_image
 from distsgd.errors import DataError
 from helpers import make_idx_dataset, write_idx
 
@@ -144,6 +146,13 @@ def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
             {"x": np.zeros((3, 2)), "y": np.zeros(3, dtype=int), "x_test": np.zeros((1, 2))},
             "both 'x_test' and 'y_test'",
         ),
+        # finite, but not in float32 (8f65d93: "contains NaN or infinite values", or trained to a NaN
+        # loss, exit 0, with a warning that blamed the lr)
+        ({"x": np.full((3, 2), 1e300), "y": np.array([0, 1, 1])}, "beyond float32's range"),
+        ({"x": np.zeros((3, 2)), "y": np.array([0.5, 1e300, 1.0])}, r"regression targets\) holds values beyond"),
+        ({"x": np.array([[3.3e38], [3.3e38], [-3.3e38]], np.float32), "y": np.array([0, 1, 1])}, "too far apart"),
+        # one class: 8f65d93 trained to "test accuracy 1.0000, test loss 0.0000", exit 0
+        ({"x": np.zeros((3, 2)), "y": np.full(3, 2)}, "every training label is 2: a classifier needs two"),
     ],
 )
 def test_npz_bad_arrays(tmp_path: Path, arrays: dict, message: str) -> None:
@@ -190,6 +199,38 @@ def test_image_folder_streams_images(tmp_path: Path) -> None:
     (tmp_path / "train" / "dog" / "odd.png").write_bytes(b"\x89PNG broken")
     with pytest.raises(DataError, match="cannot read image .*odd.png"):
         load_dataset(f"folder:{tmp_path}")
+
+
+def test_image_folders_as_torchvision_reads_them_or_refused(tmp_path: Path) -> None:
+    """8f65d93: a class of .webp images was an empty class, silently (trained on the other alone,
+    test accuracy 1.0); Jupyter's train/.ipynb_checkpoints was a class; 16-bit PNGs were clipped
+    at 255 (two classes apart by brightness trained to chance); one class trained to accuracy 1.0."""
+    Image = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(0)
+
+    def save(path: Path, arr: np.ndarray) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(arr).save(path)
+
+    for i in range(3):
+        save(tmp_path / "a" / "train" / "cat" / f"{i}.webp", rng.integers(0, 256, (4, 4), dtype=np.uint8))
+        save(tmp_path / "a" / "train" / "dog" / f"{i}.png", rng.integers(0, 256, (4, 4), dtype=np.uint8))
+        save(tmp_path / "b" / "train" / "dark" / f"{i}.png", np.full((4, 4), 1000 * i, np.uint16))
+        save(tmp_path / "b" / "train" / "bright" / f"{i}.png", np.full((4, 4), 60000 + 1000 * i, np.uint16))
+    (tmp_path / "a" / "train" / ".ipynb_checkpoints").mkdir()
+    ds = load_dataset(f"folder:{tmp_path / 'a'}")
+    assert ds.train.classes == ["cat", "dog"] and ds.n_train + ds.n_test == 6
+    ds = load_dataset(f"folder:{tmp_path / 'b'}")
+    pixels = {ds.train.labels[i]: float(ds.train[i][0].mean()) for i in range(ds.n_train)}
+    assert pixels[0] > pixels[1] + 1  # bright (class 0) above dark, normalised: not both clipped to 255
+    assert read_image(str(tmp_path / "b" / "train" / "dark" / "2.png")).max() == 2000 // 257
+    for f in (tmp_path / "a" / "train" / "cat").iterdir():
+        f.rename(f.with_suffix(".heic"))
+    with pytest.raises(DataError, match=r"train/cat holds no image \(\.png"):
+        load_dataset(f"folder:{tmp_path / 'a'}")
+    shutil.rmtree(tmp_path / "a" / "train" / "cat")
+    with pytest.raises(DataError, match=r"one class sub-folder \(dog\): a classifier needs two"):
+        load_dataset(f"folder:{tmp_path / 'a'}")
 
 
 def test_digits() -> None:

@@ -314,15 +314,7 @@ def from_arrays(
             )
     if len(x_train) == 0:
         raise DataError(f"{name}: the training set is empty")
-    if y_train.dtype.is_floating_point:
-        num_classes = y_train.shape[1]  # outputs of a regression
-    else:
-        largest, key = max((int(y_train.max()), "y"), (int(y_test.max()) if len(y_test) else 0, "y_test"))
-        inferred = largest + 1
-        if num_classes is None:
-            num_classes = formats.classes_from_labels(largest, f"{name}: '{key}'")
-        elif inferred > num_classes:
-            raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {inferred - 1}")
+    num_classes = _outputs(name, y_train, y_test, num_classes)
     dims = [0] + ([2, 3] if x_train.dim() == 4 else [])
     mean = x_train.mean(dim=dims, keepdim=True, dtype=torch.float64).float()
     std = (
@@ -332,8 +324,29 @@ def from_arrays(
     )
     x_train = (x_train - mean) / std
     x_test = (x_test - mean) / std
+    for key, x in (("x", x_train), ("x_test", x_test)):
+        if not torch.isfinite(x).all():  # finite values whose spread float32 cannot hold once centred
+            raise DataError(
+                f"{name}: '{key}' holds values too far apart for float32 (about +-3.4e38), which training "
+                f"computes in, once centred: scale them"
+            )
     fill = (-mean / std) if x_train.dim() == 4 else None  # a black pixel, normalised
     return Dataset(name, x_train.contiguous(), y_train, x_test.contiguous(), y_test, num_classes, where, fill)
+
+
+def _outputs(name: str, y_train: torch.Tensor, y_test: torch.Tensor, num_classes: int | None) -> int:
+    """The model's outputs: a regression's targets' width, or the classes (``num_classes``, else
+    one past the largest label), checked: labels within them, and two classes or more to tell apart."""
+    if y_train.dtype.is_floating_point:
+        return int(y_train.shape[1])
+    largest, key = max((int(y_train.max()), "y"), (int(y_test.max()) if len(y_test) else 0, "y_test"))
+    if num_classes is None:
+        num_classes = formats.classes_from_labels(largest, f"{name}: '{key}'")
+    elif largest + 1 > num_classes:
+        raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {largest}")
+    if len(y_train) > 1 and bool((y_train == y_train[0]).all()):
+        raise DataError(f"{name}: every training label is {int(y_train[0])}: a classifier needs two classes or more")
+    return num_classes
 
 
 def _tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -354,10 +367,18 @@ def _as_float(x: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tensor
             f"{name}: '{key}' must have 2 (N, D), 3 (N, H, W) or 4 (N, C, H, W) dimensions, "
             f"found shape {tuple(t.shape)}"
         )
-    t = t.float()
+    given, t = t, t.float()
     if not torch.isfinite(t).all():
-        raise DataError(f"{name}: '{key}' contains NaN or infinite values")
+        raise DataError(f"{name}: '{key}' {_not_finite(given)}")
     return t
+
+
+def _not_finite(given: torch.Tensor) -> str:
+    """Why values that are not finite as float32 are not: the user's own NaN or infinity, or finite
+    values beyond float32's range (about 3.4e38), which the cast made infinite."""
+    if given.dtype.is_floating_point and torch.isfinite(given).all():
+        return "holds values beyond float32's range (about +-3.4e38), which training computes in: scale them"
+    return "contains NaN or infinite values"
 
 
 def _as_targets(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tensor:
@@ -369,6 +390,8 @@ def _as_targets(y: np.ndarray | torch.Tensor, name: str, key: str) -> torch.Tens
                 f"{name}: '{key}' (float: regression targets) must be finite, of shape (N,) or (N, D), "
                 f"found {tuple(t.shape)}"
             )
+        if not torch.isfinite(t.float()).all():
+            raise DataError(f"{name}: '{key}' (float: regression targets) {_not_finite(t)}")
         return (t[:, None] if t.dim() == 1 else t).float()
     if t.dim() != 1 or t.dtype == torch.bool:
         raise DataError(

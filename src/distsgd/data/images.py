@@ -1,7 +1,9 @@
 """``folder:PATH``: images read from disk as training goes, not into memory first.
 
-``PATH/train/<class>/*.png|jpg`` and ``PATH/test/<class>/...`` (classes are the sub-folder
-names, in sorted order). Every image must have the size and channel count of the first; they
+``PATH/train/<class>/*.png|jpg|...`` and ``PATH/test/<class>/...`` (classes are the sub-folder
+names, in sorted order; hidden ones, such as Jupyter's ``.ipynb_checkpoints``, are none). Every
+training class needs an image. 16-bit grayscale images are scaled to 8 bits, not clipped. Every
+image must have the size and channel count of the first; they
 are normalised per channel with the mean and standard deviation of up to 512 training images
 spread over the set. With ``--augment``, training images are randomly cropped (with padding) and
 flipped as they are read. An image that cannot be read, or has another size, stops the run with
@@ -18,7 +20,7 @@ import torch
 from distsgd.data.augment import crop_flip
 from distsgd.errors import DataError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")  # torchvision's
 STATS_SAMPLE = 512
 
 
@@ -34,23 +36,26 @@ def list_images(split_dir: Path, classes: list[str] | None = None) -> tuple[list
     """(files, labels, class names) under ``split_dir/<class>/``."""
     if not split_dir.is_dir():
         raise DataError(f"image folder not found: {split_dir}")
-    found = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+    found = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    training = classes is None  # (a test split takes the training split's classes)
     if classes is None:
         classes = found
     elif set(found) - set(classes):
         raise DataError(f"{split_dir} has classes not in train/: {', '.join(sorted(set(found) - set(classes)))}")
     if not classes:
         raise DataError(f"{split_dir} has no class sub-folders")
+    if len(classes) < 2 and training:
+        raise DataError(f"{split_dir} has one class sub-folder ({classes[0]}): a classifier needs two or more")
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = split_dir / name
-        if folder.is_dir():
-            for file in sorted(folder.iterdir()):
-                if file.suffix.lower() in IMAGE_SUFFIXES:
-                    files.append(str(file))
-                    labels.append(label)
+        mine = sorted(f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES) if folder.is_dir() else []
+        if not mine and training:  # (a test set may lack a class)
+            raise DataError(f"{folder} holds no image ({', '.join(IMAGE_SUFFIXES)}): every class needs training images")
+        files += [str(f) for f in mine]
+        labels += [label] * len(mine)
     if not files:
-        raise DataError(f"no PNG or JPEG images under {split_dir}")
+        raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {split_dir}")
     return files, labels, list(classes)
 
 
@@ -59,8 +64,11 @@ def read_image(file: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
     Image = _pil()
     try:
         with Image.open(file) as img:  # type: ignore[attr-defined]  # _pil() imports PIL.Image lazily: a ModuleType
-            gray = img.mode in ("1", "L", "I;16", "I") if shape is None else shape[0] == 1
-            arr = np.array(img.convert("L" if gray else "RGB"), dtype=np.uint8)
+            gray = img.mode in ("1", "L", "I;16", "I;16B", "I;16L", "I") if shape is None else shape[0] == 1
+            if img.mode.startswith("I;16") and gray:  # 16 bits a pixel: scaled, where convert("L") clips at 255
+                arr = (np.array(img, dtype=np.uint32) // 257).astype(np.uint8)
+            else:
+                arr = np.array(img.convert("L" if gray else "RGB"), dtype=np.uint8)
     except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError (a bad PNG chunk),
         # DecompressionBombError (a header claiming billions of pixels), ... for a bad file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
