@@ -10,6 +10,7 @@ scaling, workers that start though the caller used CUDA, model.pt loading withou
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -514,3 +515,45 @@ print("left cleanly", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     assert res.stdout.strip() == "left cleanly True"
+
+
+class _Dtypes(torch.nn.Module):
+    """A linear layer whose output dtype, in training, is noted in SEEN (a compiled forward's side
+    effect, replayed by dynamo)."""
+
+    def __init__(self, num_classes: int, input_shape: tuple) -> None:
+        super().__init__()
+        self.flat = torch.nn.Flatten()
+        self.linear = torch.nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(self.flat(x))
+        if self.training:
+            SEEN.append(out.dtype)
+        return out
+
+
+SEEN: list[torch.dtype] = []
+
+
+@pytest.mark.slow
+def test_bf16_with_compile_computes_in_bf16_and_returns_float32() -> None:
+    """On 8f65d93 --precision bf16 with --compile failed at the first step ("'autocast' object has no
+    attribute 'prev'": autocast was entered in a forward pre-hook and left in a forward hook, which
+    dynamo traced). Now the compiled call runs under autocast from outside: the layer computes in
+    bf16, the loss sees float32, as eagerly."""
+    if not train_device.compiles():
+        pytest.skip("torch.compile is disabled in this PyTorch")
+    SEEN.clear()
+    s = distsgd.train(
+        model=_Dtypes,
+        data="digits",
+        max_samples=1024,
+        batch_size=128,
+        lr=0.1,
+        precision="bf16",
+        compile=True,
+        quiet=True,
+    ).summary
+    assert s["compile"] is True and s["final_test_accuracy"] > 0.3, s
+    assert SEEN and set(SEEN) == {torch.bfloat16}, SEEN

@@ -146,17 +146,28 @@ def _call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 _compiled_call: Callable[..., Any] | None = None
 
 
-def compile_in_place(module: torch.nn.Module) -> None:
+def compile_in_place(module: torch.nn.Module, around: Callable[..., Any] | None = None) -> None:
     """torch.compile ``module``'s calls, hooks included, keeping the module itself (its class, its
     state_dict keys, the wrappers round it). ``Module.compile()`` compiles the bound ``_call_impl``,
     which torch 2.13's dynamo skips (a frame of torch.nn: it silently trains eagerly), and a deep
     copy of a module compiled that way would call the original's weights. Here one compiled
     function takes the module as its argument, bound by a ``functools.partial``, which a deep copy
-    (an average, theta) rebinds to the copy."""
+    (an average, theta) rebinds to the copy. ``around(call, *args, **kwargs)``: what runs the
+    compiled call, outside the compiled code (--precision's autocast: a context entered in one hook
+    and left in another cannot be traced)."""
     global _compiled_call
     if _compiled_call is None:
         _compiled_call = torch.compile(_call)
-    module._compiled_call_impl = functools.partial(_compiled_call, module)
+    call = functools.partial(_compiled_call, module)
+    module._compiled_call_impl = call if around is None else functools.partial(around, call)
+    module.__dict__["_distsgd_around"] = around  # (for eager_call)
+
+
+def eager_call(module: torch.nn.Module) -> Callable[..., Any]:
+    """A module's call as :func:`compile_in_place` made it, but eager (its ``around`` kept): what a
+    compiled step is timed against."""
+    around = getattr(module, "_distsgd_around", None)
+    return module._call_impl if around is None else functools.partial(around, module._call_impl)
 
 
 def compiles() -> bool:

@@ -24,6 +24,7 @@ acts only through the calls below, on parameters, gradients and buffers:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -473,8 +474,14 @@ class Run:
                     f"the run's seed: the model given to run.setup() has other weights, which would be "
                     f"dropped; call run.setup() without a model, or load your weights in the factory"
                 )
-        if cfg.compile:
-            device.compile_in_place(algo.unwrap(self._model))  # the module, its state and its wrappers stay
+        autocast = None
+        if cfg.precision != "fp32":
+            where, dtype = ctx.device.type, device.DTYPES[cfg.precision]
+            cache = not cfg.cuda_graphs  # a captured step must not keep autocast's casts of the weights
+            autocast = functools.partial(torch.autocast, device_type=where, dtype=dtype, cache_enabled=cache)
+        if cfg.compile:  # the module, its state and its wrappers stay; autocast round the compiled call
+            around = functools.partial(_under_autocast, autocast) if autocast is not None else None
+            device.compile_in_place(algo.unwrap(self._model), around)
         unwrapped = algo.unwrap(self._model)
         if objects:
             for opt in objects:
@@ -490,12 +497,8 @@ class Run:
         self._optimizer = self._optimizers[0]
         for i, opt in enumerate(self._optimizers):
             _route_step(opt, self, i)
-        if cfg.precision != "fp32":
-            where, dtype = ctx.device.type, device.DTYPES[cfg.precision]
-            cache = not cfg.cuda_graphs  # a captured step must not keep autocast's casts of the weights
-            self._handles += _autocast_hooks(
-                unwrapped, lambda: torch.autocast(device_type=where, dtype=dtype, cache_enabled=cache)
-            )
+        if autocast is not None and not cfg.compile:
+            self._handles += _autocast_hooks(unwrapped, autocast)
         torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
         return self._model
 
@@ -1351,6 +1354,19 @@ class _Stepper:
 def _route_step(opt: torch.optim.Optimizer, run: Run, index: int) -> None:
     """``opt.step()`` becomes the algorithm's step (the run's ``_optimizer_step``)."""
     run._real.append(_Real(opt, run, index))
+
+
+def _under_autocast(
+    autocast: Callable[[], contextlib.AbstractContextManager], call: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """A compiled module's call under ``autocast`` as :func:`_autocast_hooks` makes an eager one's:
+    a forward that records gradients in the lower precision, its outputs returned in float32; one
+    under ``torch.no_grad()`` in float32. Outside the compiled code, which sees autocast's state."""
+    if not torch.is_grad_enabled():
+        return call(*args, **kwargs)
+    with autocast():
+        out = call(*args, **kwargs)
+    return _map_tensors(out, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
 
 
 def _autocast_hooks(module: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]) -> list[Any]:
