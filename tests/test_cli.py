@@ -183,7 +183,22 @@ BAD = {
         "--init-method must be",
     ),
     "bad checkpoint interval": (lambda t: ["--checkpoint-every", "abc"], "--checkpoint-every must be"),
+    # torch's FileStore waited for ever on these two (8f65d93: a hang past --timeout)
+    "file store in no folder": (
+        lambda t: ["--algo", "allreduce", "--workers", "2", "--init-method", f"file://{t}/none/store"],
+        "/none does not exist",
+    ),
+    "file store that holds data": (
+        lambda t: ["--algo", "allreduce", "--workers", "2", "--init-method", f"file://{_existing_file(t)}"],
+        "holds 5 bytes already",
+    ),
 }
+
+
+def _existing_file(t: Path) -> Path:
+    path = t / "notes.txt"
+    path.write_text("notes")
+    return path
 
 
 def _nan_npz(t: Path) -> Path:

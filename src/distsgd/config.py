@@ -546,14 +546,34 @@ def validate(cfg: RunConfig) -> None:
 
 def init_method_error(init_method: str) -> str | None:
     """What is wrong with an ``--init-method`` (env://, file:///PATH, or tcp://HOST:PORT with a port
-    a worker can dial), or None."""
-    if init_method.startswith(("env://", "file://")):
+    a worker can dial, or a file store's path that torch's FileStore can use), or None."""
+    if init_method.startswith("env://"):
         return None
+    if init_method.startswith("file://"):
+        return _file_store_error(init_method)
     host, _, port = init_method[len("tcp://") :].rpartition(":")
     if not init_method.startswith("tcp://") or not host:
         return f"--init-method must be env://, tcp://HOST:PORT or file:///PATH, got '{init_method}'"
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         return f"--init-method {init_method}: the port must be a number from 1 to 65535, got '{port}'"
+    return None
+
+
+def _file_store_error(init_method: str) -> str | None:
+    """torch's FileStore retries its open for ever where the folder is missing, and waits on a file
+    that holds an earlier store's data (a run that was killed leaves it): neither ever fails."""
+    path = Path(init_method[len("file://") :])
+    if not path.is_absolute():
+        return f"--init-method {init_method}: give an absolute path, file:///PATH"
+    if not path.parent.is_dir():
+        return f"--init-method {init_method}: the folder {path.parent} does not exist"
+    if path.is_dir():
+        return f"--init-method {init_method}: {path} is a folder; name a file in it"
+    if path.is_file() and path.stat().st_size > 0:
+        return (
+            f"--init-method {init_method}: {path} holds {path.stat().st_size} bytes already (an earlier "
+            f"run's file store, left by a run that was stopped, or another file): name a new file, or remove it"
+        )
     return None
 
 
