@@ -284,3 +284,35 @@ def test_augmentation_crops_and_flips_whole_batches() -> None:
         assert match, f"image {i} is no crop of its padded original"
         flips += match[0]
     assert 0 < flips < 16  # both mirrored and unmirrored images (p = 1/2 each)
+
+
+class _Overstated(torch.utils.data.Dataset):
+    """A Dataset whose ``__len__`` claims 10 items more than its ``__getitem__`` has."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.ones(3) * [1.0, 2.0, 3.0][i % 3], [0, 1, 2][i // 10]  # IndexError from i = 30 on
+
+
+class _StrLabels(_Overstated):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:  # type: ignore[override]
+        return torch.ones(3), "cat"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (_Overstated(), r"item 30 of the Dataset \(of 40\) cannot be read: IndexError: list index out of range"),
+        (_StrLabels(), r"item 0 of the Dataset: its target \(str\) is not a tensor, array or number"),
+    ],
+)
+def test_a_dataset_that_cannot_be_read_before_training_is_one_error(data, message: str) -> None:
+    """8f65d93: distsgd's look at a user's Dataset before training (counting its classes, its first
+    item) let the Dataset's own exception through: a 40-line traceback, exit 1, from the command."""
+    with pytest.raises(distsgd.DataError, match=message):
+        distsgd.train(model="mlp", data=(data, data), max_samples=60, quiet=True)

@@ -172,7 +172,11 @@ class TorchData:
 
     @classmethod
     def _item(cls, ds: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return cls._pair(ds[i], i)
+        try:
+            item = ds[i]
+        except Exception as exc:  # the user's __getitem__ (a __len__ that claims more items than it has)
+            raise DataError(f"item {i} of the Dataset (of {len(ds)}) cannot be read: {_said(exc)}") from None
+        return cls._pair(item, i)
 
     @staticmethod
     def _pair(item: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +188,16 @@ class TorchData:
             )
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise DataError(f"a Dataset item must be (input, target); item {i} is {type(item).__name__}")
-        return torch.as_tensor(item[0]), torch.as_tensor(item[1])
+        pair = []
+        for part, value in zip(("input", "target"), item):
+            try:
+                pair.append(torch.as_tensor(value))
+            except Exception as exc:  # a str label, a ragged list, a PIL image without a transform, ...
+                raise DataError(
+                    f"item {i} of the Dataset: its {part} ({type(value).__name__}) is not a tensor, array or "
+                    f"number: {_said(exc)}"
+                ) from None
+        return pair[0], pair[1]
 
     def _classes(self) -> int:
         """From the Dataset's ``num_classes``, ``classes`` or ``targets``; else from every label."""
@@ -337,3 +350,9 @@ def _loader_error(exc: Exception) -> Exception:
             return DataError(message)
         return RuntimeError(last)
     return exc
+
+
+def _said(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
