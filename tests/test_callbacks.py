@@ -146,3 +146,27 @@ def test_a_callback_stops_a_loop_of_your_own() -> None:
         quiet=True,
     )
     assert len(result.summary["evals"]) == 3 and result.summary["samples"] <= 31 * 2 * 16
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ([EarlyStopping], r"callbacks\[0\] is the class EarlyStopping: give an instance"),
+        ([print], r"callbacks\[0\] \(builtin_function_or_method .*\) has none of on_eval, on_checkpoint, on_end"),
+        ([object()], r"has none of on_eval"),
+        (5, "callbacks must be a list of callbacks, got int 5"),
+    ],
+)
+def test_a_callback_that_would_never_be_called_is_refused(given: Any, message: str) -> None:
+    """8f65d93: ``callbacks=[print]`` or ``[object()]`` trained with the callback never called;
+    ``[EarlyStopping]`` (the class) and ``5`` were TypeErrors from inside distsgd."""
+    with pytest.raises(distsgd.ConfigError, match=message):
+        distsgd.train(model="logreg", data="digits", max_samples=64, callbacks=given, quiet=True)
+
+
+def test_one_callback_alone_is_taken_as_lightning_takes_it() -> None:
+    """``callbacks=StopAtSecond()``, not in a list (8f65d93: a TypeError, not iterable)."""
+    s = distsgd.train(
+        model="logreg", data="digits", epochs=20, eval_every=200, callbacks=StopAtSecond(), quiet=True
+    ).summary
+    assert len(s["evals"]) == 2 and s["samples"] < 20 * 1437 // 4, s["evals"]

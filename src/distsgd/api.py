@@ -28,6 +28,7 @@ from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.callbacks import CallbackSink
+from distsgd.callbacks import checked as checked_callbacks
 from distsgd.checkpoint import (
     atomic_write_bytes,
     read_manifest,
@@ -163,7 +164,7 @@ def train(
             "loss": None if isinstance(loss, str) else loss,
             "optimizer": optimizer,
             "param_groups": param_groups,
-            "callbacks": tuple(callbacks),
+            "callbacks": checked_callbacks(callbacks),
         },
     )
 
@@ -617,7 +618,7 @@ def spawn(
     cfg = cfg.replace(model=spec if isinstance(spec, str) else describe(spec), dataset="own loop")
     data = OwnData(n_train=train_size or 0)
     entry = _WithArgs(main, tuple(args)) if args else main
-    code = {"main": entry, "optimizer": optimizer, "callbacks": tuple(callbacks)}
+    code = {"main": entry, "optimizer": optimizer, "callbacks": checked_callbacks(callbacks)}
     result = run(cfg, model_spec=spec, dataset=data, code=code, evaluate=evaluate)
     if module is not None and result.model is not None:
         with torch.no_grad():  # the module given ends trained, on its own device

@@ -108,3 +108,29 @@ class CallbackSink:
 
 
 __all__ = ["Callback", "EarlyStopping", "CallbackSink", "stops"]
+
+
+HOOKS = ("on_eval", "on_checkpoint", "on_end")
+
+
+def checked(callbacks: Any) -> tuple:
+    """``callbacks=`` of ``distsgd.train`` or ``spawn``, as a tuple: one callback alone is taken
+    (as Lightning takes it); a class where its instance was meant, or an object with none of the
+    hooks (``print``), is refused, since it would never be called."""
+    if any(callable(getattr(callbacks, hook, None)) for hook in HOOKS) and not isinstance(callbacks, type):
+        return (callbacks,)
+    try:
+        given = tuple(callbacks)
+    except TypeError:
+        raise ConfigError(
+            f"callbacks must be a list of callbacks, got {type(callbacks).__name__} {callbacks!r:.60}"
+        ) from None
+    for i, cb in enumerate(given):
+        if isinstance(cb, type):
+            raise ConfigError(f"callbacks[{i}] is the class {cb.__name__}: give an instance, {cb.__name__}(...)")
+        if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
+            raise ConfigError(
+                f"callbacks[{i}] ({type(cb).__name__} {cb!r:.60}) has none of {', '.join(HOOKS)}, so it would "
+                f"never be called: a callback is an object with those methods (distsgd.callbacks)"
+            )
+    return given
