@@ -202,3 +202,11 @@ def test_compare_without_matplotlib_says_in_one_line_which_extra_draws_plots(
     assert said == [NO_PLOTS] and "pip install 'distsgd[bench]'" in NO_PLOTS
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out / 'compare.md'}, {out / 'compare.json'}"
     assert not list(out.glob("*.png")) and json.loads((out / "compare.json").read_text())["plots"] == []
+
+
+def test_a_target_is_named_with_the_digits_it_was_given() -> None:
+    """8f65d93 rounded a 0.755 target to "time to 76%" in compare's header."""
+    from distsgd.bench.report import _goal
+
+    assert [_goal({"target_accuracy": a}) for a in (0.755, 0.85, 0.9)] == ["75.5%", "85%", "90%"]
+    assert _goal({"target_accuracy": None, "target_loss": 0.35}) == "loss 0.35"

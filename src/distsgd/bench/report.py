@@ -255,7 +255,8 @@ def _compare_heading(report: dict[str, Any]) -> list[str]:
 
 
 def _pct(target: float | None) -> str:
-    return "target" if target is None else f"{target:.0%}"
+    """A target accuracy as a percentage, with the digits it was given (0.755 is 75.5%, not 76%)."""
+    return "target" if target is None else f"{float(f'{100 * target:.6g}'):g}%"
 
 
 def _goal(settings: dict[str, Any]) -> str:
