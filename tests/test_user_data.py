@@ -304,6 +304,14 @@ class _StrLabels(_Overstated):
         return torch.ones(3), "cat"
 
 
+def test_a_dict_of_arrays_without_x_or_y_is_one_error() -> None:
+    """8f65d93: ``data={"x": x}`` was a KeyError from inside distsgd."""
+    x = np.zeros((8, 3), np.float32)
+    for given in ({"x": x}, {"y": np.zeros(8, int)}):
+        with pytest.raises(distsgd.DataError, match="a dict of arrays needs 'x' and 'y'"):
+            distsgd.train(model="mlp", data=given, max_samples=8, quiet=True)
+
+
 @pytest.mark.parametrize(
     "data, message",
     [

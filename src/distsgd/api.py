@@ -187,6 +187,8 @@ def _dataset_from(data: Any, context: int) -> TrainingData:
         unknown = set(data) - set(keys)
         if unknown:
             raise DataError(f"unknown data keys {sorted(unknown)} (use x, y, x_test, y_test)")
+        if "x" not in data or "y" not in data:
+            raise DataError(f"a dict of arrays needs 'x' and 'y' (and may have x_test, y_test); got {sorted(data)}")
         return from_arrays("arrays", data["x"], data["y"], data.get("x_test"), data.get("y_test"))
     if isinstance(data, (tuple, list)) and len(data) in (2, 4):
         return from_arrays("arrays", *data)

@@ -1036,7 +1036,9 @@ class Run:
         if mean_loss is not None and not math.isfinite(mean_loss):
             count, first, _ = self._nonfinite
             if not count:
-                log.warning("training loss is %s at %d samples: lower --lr?", mean_loss, samples)
+                log.warning(
+                    "training loss is %s at %d samples: lower --lr? (or NaN/inf in the data)", mean_loss, samples
+                )
             self._nonfinite = (count + 1, first if count else samples, samples)
         self._ctx.sink.emit(
             {
@@ -1485,7 +1487,7 @@ def _say_nonfinite(model: nn.Module) -> None:
     if bad:
         log.warning(
             "the model returned has NaN or inf in %d of its parameters (%s): training diverged (a lower lr, "
-            "clipping, or --precision fp32 may help)",
+            "clipping, or --precision fp32 may help), or the data holds NaN or inf",
             len(bad),
             ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else ""),
         )
