@@ -1368,6 +1368,11 @@ def _under_autocast(
         return call(*args, **kwargs)
     with autocast():
         out = call(*args, **kwargs)
+    return _in_float32(out)
+
+
+def _in_float32(out: Any) -> Any:
+    """A forward's floating-point outputs in float32 (the loss is computed in float32)."""
     return _map_tensors(out, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
 
 
@@ -1394,7 +1399,7 @@ def _autocast_hooks(module: nn.Module, autocast: Callable[[], contextlib.Abstrac
         if context is None:
             return None
         context.__exit__(None, None, None)
-        return _map_tensors(out, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)
+        return _in_float32(out)
 
     return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
