@@ -606,6 +606,10 @@ def spawn(
         raise ConfigError(
             f"distsgd.spawn(args=...) is a tuple of main's arguments after run; got {type(args).__name__}"
         )
+    if train_size is not None and (isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 1):
+        raise ConfigError(
+            f"distsgd.spawn(train_size=...) is your training set's length, a whole number >= 1; got {train_size!r}"
+        )
     given = {k: v for k, v in (("algo", algo), ("workers", workers)) if v is not None}
     module = model if isinstance(model, nn.Module) else None
     if module is not None and "device" not in settings:

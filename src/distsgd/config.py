@@ -597,6 +597,8 @@ def for_resume(
 
     It writes back into ``run_dir`` unless ``overrides`` names another ``out``.
     """
+    if isinstance(run_dir, bool) or not isinstance(run_dir, (str, os.PathLike)):
+        raise ConfigError(f"setting 'resume' must be a run directory's path, got {run_dir!r}")
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--resume {run_dir}: not a distsgd run directory (no config.toml)")

@@ -346,6 +346,37 @@ def test_an_npz_that_is_not_a_file_says_what_it_is(capsys, path: str, said: str)
     assert f"npz:{path} {said}" in line, line
 
 
+@pytest.mark.parametrize("spec", ["text:", "npz:", "folder: ", "hf:"])
+def test_a_dataset_format_without_a_path_is_refused_not_read_from_the_working_directory(capsys, spec: str) -> None:
+    """Before 2026-11-29 ``text:`` was ``Path("")``, the working directory: it read every file
+    under it as the training text."""
+    line = one_error_line(here(capsys, "train", "--dataset", spec, "--model", "mlp", "--quiet"))
+    assert line == f"error: dataset '{spec}' names no path (give {spec.strip()}PATH)", line
+
+
+@pytest.mark.parametrize(
+    "call, said",
+    [
+        (
+            lambda: distsgd.train(model="mlp", data="digits", resume=5),
+            "setting 'resume' must be a run directory's path, got 5",
+        ),
+        (
+            lambda: distsgd.spawn(print, model="mlp", train_size="x"),
+            "distsgd.spawn(train_size=...) is your training set's length",
+        ),
+        (lambda: distsgd.spawn(print, model="mlp", train_size=0), "a whole number >= 1; got 0"),
+    ],
+    ids=["resume", "train_size", "train_size0"],
+)
+def test_a_python_api_setting_of_the_wrong_type_is_a_config_error(call, said: str) -> None:
+    """Before 2026-11-29 ``resume=5`` was a TypeError from pathlib, and ``train_size="x"`` went
+    through to the schedule (``train_size=0`` meant "not given")."""
+    with pytest.raises(distsgd.ConfigError) as info:
+        call()
+    assert said in str(info.value) and "\n" not in str(info.value)
+
+
 # --- 7. which model the final figures describe -------------------------------------------------------
 
 

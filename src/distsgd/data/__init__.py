@@ -232,6 +232,10 @@ def load_dataset(
     context = context or text.DEFAULT_CONTEXT
     for fmt in FORMATS:
         if fmt.matches(spec):
+            prefix = fmt.usage.removesuffix("PATH")
+            if prefix != fmt.usage and not spec[len(prefix) :].strip():
+                # Path("") is the working directory: text: would read every file under it.
+                raise DataError(f"dataset '{spec}' names no path (give {fmt.usage})")
             return fmt.load(spec, data_dir, context)
     if spec in BUILTIN:
         return BUILTIN[spec].load(spec, data_dir, download, context)
