@@ -48,6 +48,7 @@ from distsgd.launch.rendezvous import group_host, place
 from distsgd.metrics import (
     Fanout,
     Sink,
+    logged_evals,
     make_progress,
     open_sinks,
     require_extras,
@@ -317,13 +318,15 @@ def _run(
             else cfg.max_samples
         )
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
+    in_place = out is not None and cfg.resume is not None and Path(cfg.resume).resolve() == out.resolve()
+    logged = logged_evals(out / "metrics.jsonl") if out is not None and in_place else frozenset()
     sinks = _sinks(job, out, tb_dir, started, settings_text, chief) + [progress]
     try:
         # the threads the other processes leave to this machine's workers
         with cores.chosen(cfg, first_look, where.local_world_size if torchrun else cfg.workers):
-            results = launch.run(job, algo_cls, Fanout(*sinks), torchrun)
+            results = launch.run(job, algo_cls, Fanout(*sinks, logged=logged), torchrun)
             if job.main is not None and chief:
-                own_final_figures(job, algo_cls, results, Fanout(*sinks), evaluate)
+                own_final_figures(job, algo_cls, results, Fanout(*sinks, logged=logged), evaluate)
             summary = build_summary(cfg, dataset, spec, results, started, started_at)
         for sink in sinks:
             if hasattr(sink, "write_summary"):

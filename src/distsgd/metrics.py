@@ -268,14 +268,41 @@ class MlflowWriter:
 
 
 class Fanout:
-    """Sends every event to several sinks (the file and the progress display)."""
+    """Sends every event to several sinks (the file and the progress display), but the evaluations
+    ``logged`` names (:func:`logged_evals`: those a run resumed in place already holds)."""
 
-    def __init__(self, *sinks: Sink) -> None:
-        self.sinks = sinks
+    def __init__(self, *sinks: Sink, logged: frozenset[tuple[Any, Any]] = frozenset()) -> None:
+        self.sinks, self.logged = sinks, logged
 
     def emit(self, event: dict[str, Any]) -> None:
+        if self.logged and event.get("event") == "eval" and _eval_key(event) in self.logged:
+            return
         for sink in self.sinks:
             sink.emit(event)
+
+
+def _eval_key(event: dict[str, Any]) -> tuple[Any, Any]:
+    return event.get("samples"), event.get("train_wall_s")
+
+
+def logged_evals(path: Path) -> frozenset[tuple[Any, Any]]:
+    """The evaluations ``path`` (a run directory's metrics.jsonl) holds, by samples and training
+    time. A run resumed in place evaluates the copies its checkpoint filed but had not measured
+    (Hogwild!'s and the parameter server's watcher measure them once training ends), and the part
+    before it, if it reached its end, logged them then: they are not logged twice."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return frozenset()
+    found = set()
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:  # a line a killed run left torn
+            continue
+        if isinstance(event, dict) and event.get("event") == "eval":
+            found.add(_eval_key(event))
+    return frozenset(found)
 
 
 def require_logger(name: str) -> None:

@@ -377,6 +377,28 @@ def test_a_python_api_setting_of_the_wrong_type_is_a_config_error(call, said: st
     assert said in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("algo", ["asgd", "hogwild"])
+def test_a_run_resumed_in_place_logs_each_evaluation_once(tmp_path: Path, algo: str) -> None:
+    """The watcher of Hogwild! and the parameter server measures its copies once training ends, and
+    a checkpoint files the copies not yet measured: before 2026-11-29 a run resumed in place measured
+    them again and metrics.jsonl held the first part's evaluations twice (summary.json's once)."""
+    out = tmp_path / "run"
+    args = ["train", *SMALL, "--algo", algo, "--workers", "2", "--checkpoint-every", "epoch", "--quiet"]
+    assert cli_here(*args, "--epochs", "2", "--out", str(out)).returncode == 0
+    first = [e["samples"] for e in _events(out, "eval")]
+    r = cli_here("train", "--resume", str(out), "--epochs", "3", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    logged = [e["samples"] for e in _events(out, "eval")]
+    assert logged[: len(first)] == first and len(set(logged)) == len(logged) > len(first), logged
+    summary = json.loads((out / "summary.json").read_text())
+    assert {e["samples"] for e in summary["evals"]} <= set(logged)
+
+
+def _events(out: Path, kind: str) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
 # --- 7. which model the final figures describe -------------------------------------------------------
 
 
