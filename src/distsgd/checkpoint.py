@@ -294,6 +294,8 @@ def commit_checkpoint(
         if before is not None and before.get("seq", seq) != seq:
             atomic_write_json(before, ckpt_dir / PREVIOUS)
             keep = min(seq, int(before["seq"]))
+        elif before is None:  # damaged (a resume fell back from it): the generation before is not kept
+            (ckpt_dir / PREVIOUS).unlink(missing_ok=True)
     atomic_write_json({"seq": seq, "world": world, "ranks": ranks, "coordinator": coordinator, **meta}, current)
     for old in ckpt_dir.glob("ckpt-*-rank*.pt"):  # older than the two kept (not newer: an asynchronous
         old_seq = _seq_of(old.name)  # worker may already have written its part of the next)
@@ -403,18 +405,46 @@ def _damage(ckpt_dir: Path, manifest: dict[str, Any], check: Callable[[Loaded], 
     return None
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any] | None:
-    path = Path(run_dir) / CHECKPOINT_DIR / MANIFEST
+def read_manifest(run_dir: Path, fallback: bool = True) -> dict[str, Any] | None:
+    """The manifest of ``run_dir``'s newest checkpoint (None: it has none). One that is damaged (it
+    is written by one rename: a disk's error or a hand's edit) gives way, with a warning, to the
+    generation before it (``manifest.prev.json``), whose files a commit keeps (not with
+    ``fallback=False``); with none, one ``CheckpointError``."""
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    manifest, damage = _manifest_in(ckpt_dir / MANIFEST)
+    if damage is None:
+        return manifest
+    older, _ = _manifest_in(ckpt_dir / PREVIOUS) if fallback else (None, None)
+    if older is None:
+        raise CheckpointError(damage)
+    if (str(ckpt_dir), damage) not in _FELL_BACK:  # once a process: every reader of the run meets it
+        _FELL_BACK.add((str(ckpt_dir), damage))
+        log.warning(
+            "%s; resuming from the checkpoint before it (%s, at %s samples)",
+            damage,
+            older["seq"],
+            older.get("samples", "?"),
+        )
+    return older
+
+
+_FELL_BACK: set[tuple[str, str]] = set()
+
+
+def _manifest_in(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The manifest in ``path`` (None, None: there is no file), or what makes it unusable."""
     if not path.is_file():
-        return None
+        return None, None
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # torn, or not text
+        return None, f"cannot read {path}: {exc}"
+    except OSError as exc:  # the disk, not the file: no fallback
         raise CheckpointError(f"cannot read {path}: {exc}") from None
     problem = manifest_problem(manifest)
     if problem:
-        raise CheckpointError(f"{path} is not a distsgd checkpoint manifest: {problem}")
-    return manifest
+        return None, f"{path} is not a distsgd checkpoint manifest: {problem}"
+    return manifest, None
 
 
 def resume_hint(out: str | Path | None) -> str:
@@ -438,9 +468,9 @@ def remove_uncommitted(run_dir: Path) -> None:
     if not ckpt_dir.is_dir():
         return
     try:
-        manifest = read_manifest(run_dir)
+        manifest = read_manifest(run_dir, fallback=False)
     except CheckpointError:
-        return  # nothing is sure: leave every file
+        return  # nothing is sure: leave every file (the newest a damaged manifest names among them)
     newest = -1 if manifest is None else manifest["seq"]
     for kept in ckpt_dir.glob("manifest.damaged-*.json"):  # a damaged checkpoint a resume fell back from: kept
         seq = kept.name[len("manifest.damaged-") : -len(".json")]

@@ -295,23 +295,42 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [[], [0, 0]])
-def test_a_manifest_that_lists_no_workers_part_or_one_twice_is_one_error_line(tmp_path, ranks) -> None:
-    """A lockstep group's checkpoint whose manifest (hand-edited) lists no worker's part, or one
-    twice: the resume is refused in one line. (With no part listed, every worker would have gone on
-    without a part of its own and with no peer's to take.)"""
+@pytest.mark.parametrize("damage", ["ranks []", "ranks [0, 0]", "torn"])
+def test_a_damaged_manifest_gives_way_to_the_one_before_or_is_one_error_line(tmp_path, caplog, damage: str) -> None:
+    """A lockstep group's newest manifest (hand-edited: no worker's part listed, or one twice; or
+    torn): the resume goes on from the generation before (manifest.prev.json), saying so, and
+    without one is refused in one line. (With no part listed, every worker would have gone on
+    without a part of its own and with no peer's to take.) Before 2026-11-29 the resume was refused
+    even with a whole checkpoint before it."""
     run = tmp_path / "run"
     common = ["--dataset", "digits", "--model", "logreg", "--algo", "allreduce", "--workers", "2", "--quiet"]
-    res = cli_here("train", *common, "--max-samples", "128", "--checkpoint-every", "64", "--out", str(run))
+    res = cli_here("train", *common, "--max-samples", "256", "--checkpoint-every", "64", "--out", str(run))
     assert res.returncode == 0, res.stderr
-    path = run / "checkpoint" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    assert manifest["ranks"] == [0, 1] and not manifest.get("coordinator")
-    path.write_text(json.dumps({**manifest, "ranks": ranks}))
-    res = cli_here("train", "--resume", str(run), "--max-samples", "256")
+    ckpt = run / "checkpoint"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["ranks"] == [0, 1] and not manifest.get("coordinator") and manifest["samples"] == 256
+    edited = {"ranks []": {**manifest, "ranks": []}, "ranks [0, 0]": {**manifest, "ranks": [0, 0]}}
+    damaged = json.dumps(edited[damage]) if damage in edited else json.dumps(manifest)[:40]
+    (ckpt / "manifest.json").write_text(damaged)
+    previous = (ckpt / "manifest.prev.json").read_bytes()
+    (ckpt / "manifest.prev.json").unlink()
+    res = cli_here("train", "--resume", str(run), "--max-samples", "384")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
-    assert lines[0].startswith("error: ") and "ranks" in lines[0], lines[0]
+    assert lines[0].startswith("error: ") and ("ranks" in lines[0] or "cannot read" in lines[0]), lines[0]
+    assert (ckpt / "manifest.json").read_text() == damaged and sorted(ckpt.glob("ckpt-*")), "a file was touched"
+
+    (ckpt / "manifest.prev.json").write_bytes(previous)
+    older = json.loads(previous)
+    res = cli_here("train", "--resume", str(run), "--max-samples", "384")
+    assert res.returncode == 0, res.stderr
+    said = f"resuming from the checkpoint before it ({older['seq']}, at {older['samples']} samples)"
+    assert said in caplog.text and older["samples"] == 128, caplog.text
+    assert json.loads((run / "summary.json").read_text())["samples"] == 384
+    for name in ("manifest.json", "manifest.prev.json"):  # whole again, their files there
+        if (ckpt / name).exists():
+            m = json.loads((ckpt / name).read_text())
+            assert all((ckpt / f"ckpt-{m['seq']:06d}-rank{r}.pt").is_file() for r in m["ranks"]), name
 
 
 def test_only_distsgds_own_checkpoint_files_are_rotated_or_tidied(tmp_path) -> None:
