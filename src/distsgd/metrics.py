@@ -290,18 +290,20 @@ def logged_evals(path: Path) -> frozenset[tuple[Any, Any]]:
     time. A run resumed in place evaluates the copies its checkpoint filed but had not measured
     (Hogwild!'s and the parameter server's watcher measure them once training ends), and the part
     before it, if it reached its end, logged them then: they are not logged twice."""
+    found = set()
+    if not path.is_file():  # (a device, /dev/full in a test, reads for ever)
+        return frozenset()
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line a killed run left torn
+                    continue
+                if isinstance(event, dict) and event.get("event") == "eval":
+                    found.add(_eval_key(event))
     except OSError:
         return frozenset()
-    found = set()
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:  # a line a killed run left torn
-            continue
-        if isinstance(event, dict) and event.get("event") == "eval":
-            found.add(_eval_key(event))
     return frozenset(found)
 
 
