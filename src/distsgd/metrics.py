@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -373,11 +374,18 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir, self.started = logdir, started
+        self.failed: OSError | None = None  # a write's (a full disk), here or in its writer thread
         before = set(logdir.iterdir()) if logdir.is_dir() else set()
-        self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
+        _hold_tensorboard_failures()
+        threads = set(threading.enumerate())
+        self.threads: set[threading.Thread] = set()
+        with self._naming_the_folder():
+            self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
+        self.threads = set(threading.enumerate()) - threads  # its writer thread
         record(*(set(logdir.iterdir()) - before))  # its event file, named by TensorBoard
         if config_text:
-            self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
+            with self._naming_the_folder():
+                self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
 
     def emit(self, event: dict[str, Any]) -> None:
         tags = self.TAGS.get(event.get("event", ""))
@@ -395,13 +403,54 @@ class TensorBoardWriter:
         )
 
     def _scalars(self, tags: dict[str, str], values: dict[str, Any], step: int, train_s: float) -> None:
-        for key, tag in tags.items():
-            value = values.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(tag, value, step, walltime=self.started + train_s)
+        with self._naming_the_folder():
+            for key, tag in tags.items():
+                value = values.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(tag, value, step, walltime=self.started + train_s)
 
     def close(self) -> None:
-        self.writer.close()
+        with self._naming_the_folder():
+            self.writer.close()
+
+    @contextlib.contextmanager
+    def _naming_the_folder(self) -> Iterator[None]:
+        """A failed write (a full disk), here or in TensorBoard's writer thread, names the folder:
+        the write's own error does not (and the thread's would print its traceback)."""
+        if self.failed is None:
+            try:
+                yield
+            except OSError as exc:
+                self.failed = exc
+        self.failed = self.failed or next((_FAILED[t] for t in self.threads if t in _FAILED), None)
+        if self.failed is not None:
+            raise OSError(self.failed.errno, self.failed.strerror, str(self.logdir)) from self.failed
+
+
+_FAILED: dict[threading.Thread, OSError] = {}  # TensorBoard's writer threads that met an OSError
+
+
+def _hold_tensorboard_failures() -> None:
+    """TensorBoard's writer threads re-raise a failed write (a full disk), which threading prints
+    as a traceback: an ``OSError`` of theirs is kept in ``_FAILED`` instead, for their writer to
+    say in one line (TensorBoard's writer also raises it again at its next call)."""
+    if getattr(threading.excepthook, "holds_tensorboard_failures", False):
+        return  # (a test framework may have put its own back since)
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        thread = args.thread
+        if (
+            thread is not None
+            and type(thread).__module__.startswith("tensorboard.")
+            and isinstance(args.exc_value, OSError)
+        ):
+            _FAILED[thread] = args.exc_value
+            return
+        previous(args)
+
+    hook.holds_tensorboard_failures = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class TrainClock:

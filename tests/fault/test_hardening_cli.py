@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -311,6 +312,37 @@ def test_a_full_disk_under_metrics_jsonl_names_the_file(tmp_path: Path, capsys: 
     r = train_here(capsys, "--resume", str(run), "--max-samples", "256")
     assert r.returncode == 2
     assert one_error_line(r.stderr) == f"error: cannot write or read {run / 'metrics.jsonl'}: No space left on device"
+
+
+TENSORBOARD_ON_A_FULL_DISK = """
+import errno, sys
+from tensorboard.summary.writer import record_writer
+
+calls, real = [0], record_writer.RecordWriter.write
+
+def write(self, data):
+    calls[0] += 1
+    if calls[0] > int(sys.argv[1]):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, data)
+
+record_writer.RecordWriter.write = write
+from distsgd import cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("writes", [0, 3], ids=["first write", "a later write"])
+def test_a_full_disk_under_tensorboard_is_one_line_naming_the_folder(tmp_path: Path, writes: int) -> None:
+    """TensorBoard writes in a thread of its own: before 2026-11-29 a full disk printed that
+    thread's traceback before the error line, which named no file."""
+    script = tmp_path / "full.py"
+    script.write_text(TENSORBOARD_ON_A_FULL_DISK)
+    run = tmp_path / "run"
+    args = ["train", *SMALL, "--quiet", "--max-samples", "512", "--tensorboard", "--out", str(run)]
+    r = subprocess.run([sys.executable, str(script), str(writes), *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert one_error_line(r.stderr) == f"error: cannot write or read {run / 'tb'}: No space left on device"
 
 
 # --- an audit of bad input, 2026-11-29 ---------------------------------------------------------------
