@@ -314,6 +314,40 @@ def test_refusals_name_what_to_do() -> None:
         assert "\n" not in str(info.value), algo
 
 
+def outside_parameters(run: distsgd.Run, how: str) -> nn.Module:
+    """Kendall et al.'s multi-task loss weights (log variances), parameters outside the model,
+    trained by the optimiser run.setup() returned (a param group added) or by one of the loop's own."""
+    model, opt = run.setup()
+    log_vars = nn.Parameter(torch.zeros(2))
+    extra = torch.optim.SGD([log_vars], lr=0.5) if how == "second optimiser" else None
+    if extra is None:
+        opt.add_param_group({"params": [log_vars], "lr": 0.5})
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        out = model(x)
+        losses = torch.stack([F.cross_entropy(out, y), out.pow(2).mean()])
+        (torch.exp(-log_vars) * losses + log_vars).sum().backward()
+        opt.step()
+        if extra is not None:
+            extra.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("how", ["param group", "second optimiser"])
+@pytest.mark.parametrize(
+    "algo, extra", FAMILIES[:2] + FAMILIES[3:], ids=["allreduce", "hogwild", "local-sgd", "diloco"]
+)
+def test_parameters_outside_the_model_are_refused_where_the_workers_share_it(algo: str, extra: dict, how: str) -> None:
+    """Before 2026-11-29 each worker trained its own copy of them, silently (allreduce: log_vars
+    [0.029, -2.800] on rank 0, [0.052, -2.765] on rank 1, [0.040, -2.783] in one process)."""
+    with pytest.raises(distsgd.DistsgdError, match=r"updates 1 parameter\(s\) that are not the model's") as info:
+        distsgd.spawn(
+            functools.partial(outside_parameters, how=how), model=Net, algo=algo, workers=2, batch_size=B,
+            max_samples=8 * 2 * B, quiet=True, **extra,
+        )  # fmt: skip
+    assert "\n" not in str(info.value) and "make them the model's" in str(info.value)
+
+
 def objects_loop(run: distsgd.Run) -> nn.Module:
     torch.manual_seed(99)  # not the run's seed: weights the shared model does not have
     net = Net()

@@ -55,7 +55,7 @@ from distsgd.errors import ConfigError
 from distsgd.options import Options, option
 from distsgd.schedule import Periodic
 from distsgd.train.context import Start, Step, WorkerContext
-from distsgd.train.optim import build_optimizer
+from distsgd.train.optim import build_optimizer, internal
 
 PARTIAL_ROUNDS = ("average", "theta", "step")
 
@@ -187,8 +187,10 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         return model
 
     def _make_outer(self, theta: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(
-            theta, lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
+        return internal(
+            torch.optim.SGD(
+                theta, lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
+            )
         )
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:

@@ -68,6 +68,7 @@ from distsgd.options import option
 from distsgd.schedule import Periodic
 from distsgd.train import membership
 from distsgd.train.context import Start, Step, WorkerContext
+from distsgd.train.optim import internal
 
 DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -208,8 +209,10 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
             else [self.flat[a:b].detach().clone() for a, b in self.bounds]
         )
         outers: list[torch.optim.Optimizer] = [
-            torch.optim.SGD(
-                [t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
+            internal(
+                torch.optim.SGD(
+                    [t], lr=self.opts.outer_lr, momentum=self.opts.outer_momentum, nesterov=self.opts.outer_momentum > 0
+                )
             )
             for t in thetas
         ]

@@ -13,6 +13,18 @@ from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 
 
+def internal(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Mark an optimiser an algorithm builds for itself (DiLoCo's outer SGD over its own copy of
+    the weights): a user's loop that steps parameters not the model's is refused (own_loop), its
+    updates kept on one worker alone; this one's are the algorithm's."""
+    optimizer.__dict__["_distsgd_internal"] = True
+    return optimizer
+
+
+def is_internal(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(optimizer.__dict__.get("_distsgd_internal"))
+
+
 def build_optimizer(
     cfg: RunConfig, model: torch.nn.Module, custom: Callable | None = None, groups: Callable | None = None
 ) -> torch.optim.Optimizer:

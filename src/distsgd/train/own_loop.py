@@ -65,7 +65,7 @@ from distsgd.schedule import Periodic
 from distsgd.train import device, lockstep, membership
 from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
-from distsgd.train.optim import build_optimizer, schedule_lr, schedule_needs_epochs
+from distsgd.train.optim import build_optimizer, is_internal, schedule_lr, schedule_needs_epochs
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
@@ -347,6 +347,16 @@ class Run:
                 self._handles.append(param.register_post_accumulate_grad_hook(accumulated))
         if self._algo.topology.server:
             self._handles.append(register_optimizer_step_pre_hook(self._foreign_step))
+        elif self.world > 1 or self._algo.kind == "shared memory":
+            own = {id(p) for p in module.parameters()}
+            checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+            def outside(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                me = run()
+                if me is not None and not is_internal(opt):
+                    me._outside_parameters(opt, own, checked)
+
+            self._handles.append(register_optimizer_step_pre_hook(outside))
 
     def _bind(self, module: nn.Module) -> None:
         """The parameters as the algorithm took them (each one's memory and in-place version), to
@@ -378,6 +388,26 @@ class Run:
                     f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, "
                     f"or load one set of weights on every worker with model.load_state_dict()"
                 )
+
+    def _outside_parameters(
+        self, opt: torch.optim.Optimizer, own: set[int], checked: weakref.WeakKeyDictionary
+    ) -> None:
+        """An optimiser about to update parameters that are not the model's (a second optimiser's
+        loss weights, a param group added after setup): the algorithm keeps only the model's alike
+        on every worker, so each worker's copy of these would train apart (it did, silently)."""
+        shape = tuple(len(g["params"]) for g in opt.param_groups)
+        known = checked.get(opt)
+        if known is None or known[0] != shape:  # (looked for again when a param group is added)
+            known = (shape, [p for g in opt.param_groups for p in g["params"] if id(p) not in own])
+            checked[opt] = known
+        stepped = [p for p in known[1] if p.grad is not None]
+        if stepped:
+            raise ConfigError(
+                f"an optimiser ({type(opt).__name__}) updates {len(stepped)} parameter(s) that are not the "
+                f"model's (the first of shape {list(stepped[0].shape)}): under {self.cfg.algo} the workers "
+                f"share the parameters of the model given to run.setup(), no others, so each worker's copy "
+                f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it)"
+            )
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not any(opt is mine for mine in self._optimizers):
