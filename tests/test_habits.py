@@ -348,6 +348,57 @@ def test_parameters_outside_the_model_are_refused_where_the_workers_share_it(alg
     assert "\n" not in str(info.value) and "make them the model's" in str(info.value)
 
 
+def plateau_loop(run: distsgd.Run, shared: bool) -> nn.Module:
+    """ReduceLROnPlateau stepped on the worker's own loss, or on the loss every worker shares."""
+    model, opt = run.setup()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        plateau.step((run.all_reduce(loss.detach()) if shared else loss).item())
+    return run.final_model()
+
+
+@pytest.mark.parametrize(
+    "algo, extra", [("allreduce", {}), ("local-sgd", {"sync_every": "3"})], ids=["allreduce", "local-sgd"]
+)
+def test_a_plateau_scheduler_on_each_workers_own_loss_is_refused(algo: str, extra: dict) -> None:
+    """Before 2026-11-29 each worker's lr went its own way (2.4e-05 and 4.9e-05 at the end of an
+    audit's run) and the replicas parted, with a warning that blamed loaded weights."""
+    with pytest.raises(distsgd.DistsgdError, match="the workers' learning rates differ") as info:
+        distsgd.spawn(
+            functools.partial(plateau_loop, shared=False), model=Net, algo=algo, workers=2, batch_size=B,
+            lr=0.5, momentum=0.0, epochs=2, quiet=True, **extra,
+        )  # fmt: skip
+    assert "\n" not in str(info.value) and "run.all_reduce(loss)" in str(info.value)
+
+
+def test_a_plateau_scheduler_on_the_shared_loss_is_one_processs() -> None:
+    """Stepped on run.all_reduce(loss), the global batch's loss: one process with the global batch,
+    its scheduler stepped on that batch's loss (float64, plain PyTorch)."""
+    result = distsgd.spawn(
+        functools.partial(plateau_loop, shared=True), model=Net, algo="allreduce", workers=2, batch_size=B,
+        lr=0.5, momentum=0.0, epochs=1, quiet=True,
+    )  # fmt: skip
+    model = Net().double()
+    model.load_state_dict(initial_weights(Net))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    x, y = toy_dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(N // (2 * B)):
+        idx = order[2 * B * k : 2 * B * (k + 1)]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx].double()), y[idx])
+        loss.backward()
+        opt.step()
+        plateau.step(loss.item())
+    assert opt.param_groups[0]["lr"] < 0.5  # the scheduler acted
+    assert result.model is not None and max_diff(weights_of(result.model), weights_of(model)) < 1e-5
+
+
 def objects_loop(run: distsgd.Run) -> nn.Module:
     torch.manual_seed(99)  # not the run's seed: weights the shared model does not have
     net = Net()

@@ -434,6 +434,11 @@ class Algorithm(Generic[OptionsT]):
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         return flag
 
+    def spread(self, ctx: "WorkerContext", values: list[float]) -> tuple[list[float], list[float]]:
+        """Every worker's ``values`` (a user's loop's learning rates), element by element their
+        smallest and largest (every worker calls it at the same step); a worker alone's own."""
+        return values, values
+
     def max_of(self, ctx: "WorkerContext", values: list[int]) -> list[int] | None:
         """Every worker's ``values``, element by element their largest (every worker calls it at
         the same step: whether a signal asked any of them to stop, ...); a process group's as of
@@ -632,6 +637,12 @@ class GroupAlgorithm(Algorithm[OptionsT]):
 
     def barrier(self, ctx: "WorkerContext") -> None:
         membership.call(dist.barrier)
+
+    def spread(self, ctx: "WorkerContext", values: list[float]) -> tuple[list[float], list[float]]:
+        t = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=ctx.device)
+        membership.call(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        top = t.tolist()
+        return [-v for v in top[len(values) :]], top[: len(values)]
 
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         """Rank 0 decides (it evaluates); everyone follows."""

@@ -141,6 +141,9 @@ class LoopState:
         self.checkpoints_at.load_state_dict(state["checkpoints_at"])
 
 
+LR_CHECK_EVERY = 16  # steps between the checks that a lockstep group's workers step with one lr
+
+
 class Run:
     """One worker's handle on the run: what ``main(run)`` is given (see the module's docstring).
     distsgd's own loop (:mod:`distsgd.train.loop`) drives the same object, so each algorithm's
@@ -879,6 +882,7 @@ class Run:
             for opt in self._optimizers:
                 schedule_lr(opt, cfg, progress, total, self.steps + 1)
             self._lr_set = [g["lr"] for g in groups]
+        self._check_lr_alike()
         self._current = self._upcoming()
         if self._scaler is not None:
             if not self._unscaled and self._grad_versions != _grad_versions(self._optimizers):
@@ -890,6 +894,29 @@ class Run:
             self._unscale()  # once the gradients are synchronised: every worker finds the same overflow
         if self._clip:  # the synchronised gradient (every replica clips alike), before the update
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
+
+    def _check_lr_alike(self, at_end: bool = False) -> None:
+        """A user's loop in a lockstep group, at its first step, every LR_CHECK_EVERY and at its end: the
+        workers step with the same learning rates (a scheduler stepped on each worker's own loss,
+        ``ReduceLROnPlateau(opt).step(loss)``, gave each its own, and the replicas parted, silently
+        but for a warning at the end that blamed another cause). A collective of two numbers a
+        parameter group."""
+        algo = self._algo
+        if self.world == 1 or self._ctx.job.main is None or not algo.topology.lockstep:
+            return
+        if not algo.topology.process_group or (self.steps % LR_CHECK_EVERY and not at_end):
+            return
+        lrs = [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups]
+        low, high = algo.spread(self._ctx, lrs)
+        for i, (lo, hi) in enumerate(zip(low, high)):
+            if hi - lo > 1e-6 * abs(hi):
+                raise ConfigError(
+                    f"{'at the end' if at_end else f'at step {self.steps + 1}'} the workers' learning rates differ "
+                    f"(parameter group {i + 1}: from "
+                    f"{lo:.3g} to {hi:.3g}): under {self.cfg.algo} every worker steps alike, and a scheduler "
+                    f"stepped on each worker's own loss (ReduceLROnPlateau) sets each its own lr; step it on "
+                    f"a figure every worker shares, run.all_reduce(loss)"
+                )
 
     def _abandon_step(self) -> None:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
@@ -1213,6 +1240,7 @@ class Run:
         if self._ctx.job.main is not None:
             self._evaluations_joined()
             self._same_steps()
+            self._check_lr_alike(at_end=True)
         returned = self._algo.finish(self._ctx, model)
         self._unhook()
         self._clock.pause()
