@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -370,7 +371,7 @@ def test_a_plateau_scheduler_on_each_workers_own_loss_is_refused(algo: str, extr
     with pytest.raises(distsgd.DistsgdError, match="the workers' learning rates differ") as info:
         distsgd.spawn(
             functools.partial(plateau_loop, shared=False), model=Net, algo=algo, workers=2, batch_size=B,
-            lr=0.5, momentum=0.0, epochs=2, quiet=True, **extra,
+            lr=0.5, momentum=0.0, quiet=True, **extra,
         )  # fmt: skip
     assert "\n" not in str(info.value) and "run.all_reduce(loss)" in str(info.value)
 
@@ -397,6 +398,84 @@ def test_a_plateau_scheduler_on_the_shared_loss_is_one_processs() -> None:
         plateau.step(loss.item())
     assert opt.param_groups[0]["lr"] < 0.5  # the scheduler acted
     assert result.model is not None and max_diff(weights_of(result.model), weights_of(model)) < 1e-5
+
+
+class WithTarget(nn.Module):
+    """BYOL's online network and its momentum target (no gradient: the loop moves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online = Net()
+        self.target = Net().requires_grad_(False)
+        self.target.load_state_dict(self.online.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.online(x) + 0.1 * self.target(x)
+
+
+def move_target(module: WithTarget, how: str) -> None:
+    """The loop's own update of the target after a step: in place, or as MoCo writes it (p.data =)."""
+    with torch.no_grad():
+        for t, o in zip(module.target.parameters(), module.online.parameters()):
+            if how == "in place":
+                t.mul_(0.9).add_(o, alpha=0.1)
+            else:
+                t.data = t.data * 0.9 + o.data * 0.1
+
+
+def momentum_target(run: distsgd.Run, how: str) -> nn.Module:
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        move_target(getattr(model, "module", model), how)
+    return run.final_model()
+
+
+def spawn_target(algo: str, how: str) -> distsgd.TrainResult:
+    return distsgd.spawn(
+        functools.partial(momentum_target, how=how), model=WithTarget, algo=algo, workers=2, batch_size=B,
+        lr=0.1, momentum=0.0, quiet=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["in place", "p.data ="])
+def test_a_momentum_target_moved_by_the_loop_is_one_processs_under_allreduce(how: str) -> None:
+    """Reference: the same loop in one process, global batch, float64."""
+    result = spawn_target("allreduce", how)
+    model = WithTarget().double()
+    model.load_state_dict(initial_weights(WithTarget))
+    opt = torch.optim.SGD(model.online.parameters(), lr=0.1)
+    x, y = toy_dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(N // (2 * B)):
+        idx = order[2 * B * k : 2 * B * (k + 1)]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        opt.step()
+        move_target(model, how)
+    assert result.model is not None and max_diff(weights_of(result.model), weights_of(model)) < 1e-5
+    start = {k.removeprefix("target."): v for k, v in initial_weights(WithTarget).items() if k.startswith("target.")}
+    assert max_diff(weights_of(model.target), start) > 0.01  # it moved
+
+
+@pytest.mark.parametrize(
+    "algo, how, said",
+    [
+        ("sync-ps", "in place", "your loop changed the model's weights since the server's last reply"),
+        ("asgd", "in place", "your loop changed the model's weights since the server's last reply"),
+        ("sync-ps", "p.data =", "parameter target.body.0.weight was replaced during the run"),
+        ("hogwild", "p.data =", "parameter target.body.0.weight was replaced during the run"),
+    ],
+)
+def test_a_momentum_target_the_algorithm_would_drop_is_refused(algo: str, how: str, said: str) -> None:
+    """Before 2026-11-29 the target never moved (3e-08 from its start after an audit's run): the
+    server's replies overwrote it, or the replaced tensor was apart from the memory Hogwild!'s
+    workers and the server's replies share. (Hogwild!'s in-place update moves the shared target.)"""
+    with pytest.raises(distsgd.DistsgdError, match=re.escape(said)) as info:
+        spawn_target(algo, how)
+    assert "\n" not in str(info.value)
 
 
 def objects_loop(run: distsgd.Run) -> nn.Module:

@@ -189,6 +189,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     name = "easgd"
     kind = "model averaging"
     topology: ClassVar[Topology] = ServerTopology(Elastic)
+    replies_overwrite = False  # each worker steps its own weights between exchanges
 
     period: Periodic  # exchanges at steps tau divides, as in sync mode (checkpointed)
     alpha: float  # built by setup: the elastic strength

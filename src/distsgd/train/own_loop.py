@@ -189,6 +189,7 @@ class Run:
         self._returned: nn.Module | None = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
         self._bound: list[tuple[str, nn.Parameter, int, int]] | None = None
+        self._storage: list[tuple[str, nn.Parameter, int]] = []  # where the algorithm binds them: their memory
         self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         # the step count and training-clock time at which the model run.evaluation_model() last
@@ -367,6 +368,8 @@ class Run:
         that holds its model alone."""
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
             self._bound = [(name, p, p.data_ptr(), p._version) for name, p in module.named_parameters()]
+        if self._algo.binds_storage:
+            self._storage = [(name, p, p.data_ptr()) for name, p in module.named_parameters()]
 
     def _check_bound(self) -> None:
         """At the first step: a parameter rewritten in place since run.setup() (``model.apply(init)``,
@@ -411,6 +414,27 @@ class Run:
                 f"share the parameters of the model given to run.setup(), no others, so each worker's copy "
                 f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it)"
             )
+
+    def _check_storage(self, at_end: bool = False) -> None:
+        """Every LR_CHECK_EVERY steps and at the end, where the algorithm binds the parameters to its
+        memory: none was replaced during the run (MoCo's and BYOL's momentum update of a target
+        network, ``p.data = p.data * m + q.data * (1 - m)``, after the first step's check: the
+        target stayed where it started, silently)."""
+        if not self._storage or (self.steps % LR_CHECK_EVERY and not at_end):
+            return
+        algo = self._algo
+        for name, p, ptr in self._storage:
+            if p.data_ptr() != ptr:
+                how = (
+                    "keep a network your loop updates itself (a momentum target) outside the model given to run.setup()"
+                    if algo.topology.server
+                    else "change it in place (p.mul_(m).add_(q, alpha=1 - m), under torch.no_grad())"
+                )
+                raise ConfigError(
+                    f"parameter {name} was replaced during the run (p.data = ..., as a momentum target's "
+                    f"update is often written?): under {algo.name} the parameters are views of memory the "
+                    f"algorithm holds, and the new tensor is apart from it; {how}"
+                )
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not any(opt is mine for mine in self._optimizers):
@@ -852,6 +876,7 @@ class Run:
             self._backward_done()
         if self._bound is not None:
             self._check_bound()
+        self._check_storage()
         if self._batch_samples == 0:
             raise ConfigError(
                 "optimizer.step() with no batch from run.loader() since the last step: take batches "
@@ -1241,6 +1266,7 @@ class Run:
             self._evaluations_joined()
             self._same_steps()
             self._check_lr_alike(at_end=True)
+            self._check_storage(at_end=True)
         returned = self._algo.finish(self._ctx, model)
         self._unhook()
         self._clock.pause()

@@ -536,6 +536,7 @@ class Client:
         self.hyper_view = layout.hypers.whole(self.request).numpy()  # where a push's hyperparameters go
         self.present_view = layout.present.whole(self.request).numpy()  # and which parameters have a gradient
         self.bytes_sent = 0
+        self.replied_weights = False  # the last answer's payload holds the weights (a pull's, a push's)
         self.total = 0  # every worker's samples, as the answer to the HELLO or the last pull said
         self.address, self.timeout_s = address, timeout_s
         self.channel = connect(address, timeout_s)
@@ -565,6 +566,7 @@ class Client:
             except (socket.timeout, BlockingIOError, TimeoutError):
                 raise self._frozen() from None
             self.last = time.monotonic()
+            self.replied_weights = op in (PULL, PUSH)  # (another answer's payload is not the weights)
             if op == DONE:
                 self.closed.set()
                 return 0, 0, False, 0
@@ -621,6 +623,15 @@ class Client:
         version, self.total, _, _ = self._call(PULL)
         self.weights.copy_(self.layout.params.whole(self.answer))
         return version
+
+    def changed_since_answer(self) -> bool:
+        """Whether ``weights`` differ from the server's last answer, which landed in them (a worker
+        that takes no step of its own holds them unchanged until its next push); False when the
+        last answer was to another request (a barrier's, a checkpoint's: not the weights)."""
+        if not self.replied_weights:
+            return False
+        answer = self.layout.params.whole(self.answer)
+        return not torch.equal(self.weights.to(answer.device), answer)
 
     def push(
         self,
