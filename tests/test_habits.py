@@ -478,6 +478,15 @@ def test_a_momentum_target_the_algorithm_would_drop_is_refused(algo: str, how: s
     assert "\n" not in str(info.value)
 
 
+def test_a_loops_batch_figures_are_what_it_took() -> None:
+    """The loop's own run.loader batch size (16, not spawn's 8) and micro-batches (2 a step):
+    before 2026-11-29 summary.json said batch_size 8, accumulate 1, global_batch_size 16 (the
+    settings'), for steps of 2 x 16 samples a worker."""
+    s = spawn("", "allreduce", micro=2, batch_size=8, max_samples=4 * 2 * 2 * B).summary
+    assert s["samples"] == 4 * 2 * 2 * B
+    assert (s["batch_size"], s["accumulate"], s["global_batch_size"]) == (2 * B, None, 2 * 2 * B)
+
+
 def objects_loop(run: distsgd.Run) -> nn.Module:
     torch.manual_seed(99)  # not the run's seed: weights the shared model does not have
     net = Net()

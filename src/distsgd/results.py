@@ -86,6 +86,17 @@ def epochs_trained(cfg: RunConfig, dataset: TrainingData, results: list[WorkerRe
     return round(results[0].global_samples / samples_per_epoch(n, cfg.workers, cfg.partition), 4) if n else None
 
 
+def _batch(cfg: RunConfig, results: list[WorkerResult]) -> dict[str, Any]:
+    """``batch_size`` and ``accumulate``: the settings', where distsgd's loop takes its batches; a
+    user's loop's own (its run.loader's batch_size, its micro-batches a step) as measured, a
+    worker's samples a step (``accumulate`` null: the step's samples are the batch)."""
+    stepped = [r for r in results if r.steps]
+    if not any(r.steps is not None for r in results):
+        return {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate}
+    per_step = sum(r.samples for r in stepped) / sum(r.steps or 0 for r in stepped) if stepped else 0.0
+    return {"batch_size": int(per_step) if per_step.is_integer() else round(per_step, 2), "accumulate": None}
+
+
 def build_summary(
     cfg: RunConfig, dataset: TrainingData, spec: ModelSpec, results: list[WorkerResult], started: float, started_at: str
 ) -> dict[str, Any]:
@@ -103,8 +114,7 @@ def build_summary(
         **({"epochs": epochs} if epochs is not None else {}),
         "configured_epochs": cfg.epochs,
         "max_samples": cfg.max_samples,
-        "batch_size": cfg.batch_size,
-        "accumulate": cfg.accumulate,
+        **_batch(cfg, results),
         "samples": samples,
         "wall_s": time.time() - started,
         "train_wall_s": chief.train_wall_s,
@@ -133,8 +143,8 @@ def build_summary(
     summary.update(chief.figures.summary())
     if chief.attendance is not None:
         summary.update(chief.attendance.summary())
-    if len(results) > 1 or cfg.workers > 1:
-        summary["global_batch_size"] = cfg.batch_size * cfg.accumulate * cfg.workers  # samples a step, all workers
+    if len(results) > 1 or cfg.workers > 1:  # samples a step, all workers
+        summary["global_batch_size"] = summary["batch_size"] * (summary["accumulate"] or 1) * cfg.workers
     sent = chief.figures.run_bytes(results)  # every process's sends, as the algorithm counts them
     if sent is not None:
         summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent

@@ -470,6 +470,7 @@ class Machine:
             attendance=attendance,
             where=where.get(0) or next(iter(where.values()), None),
             data_len=next((d["data_len"] for d in sup.results.values() if d.get("data_len")), None),
+            steps=sup.results.get(0, {}).get("steps"),
         )
         others = [
             WorkerResult(
@@ -483,6 +484,7 @@ class Machine:
                 model=None,
                 figures=sup.results.get(r, {}).get("figures", Figures()),
                 where=where.get(r),
+                steps=sup.results.get(r, {}).get("steps"),
             )
             for r in range(1, self.cfg.workers)
         ]

@@ -163,4 +163,5 @@ class WorkerResult:
     attendance: Attendance | None = None
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
     data_len: int | None = None  # a user's loop: the training set's length its run.loader saw (its epochs)
+    steps: int | None = None  # a user's loop: the optimiser steps this worker took (its samples a step)
     generation: int | None = None  # --min-workers: the generation of the group it finished in

@@ -1326,6 +1326,7 @@ class Run:
             model=final if self._ctx.evaluates else None,
             figures=self._algo.figures(),
             data_len=self._data_len,
+            steps=self.steps if self._ctx.job.main is not None else None,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
         )
 
