@@ -405,7 +405,7 @@ def changed_after_setup(run: distsgd.Run, how: str) -> nn.Module:
 @pytest.mark.parametrize(
     "algo, how, said",
     [
-        ("allreduce", "init", "parameter head.weight was changed in place after run.setup() (model.apply(init)?)"),
+        ("allreduce", "init", "parameter head.weight was changed in place after run.setup() (model.apply(init)?"),
         ("sync-ps", "init", "parameter head.weight was changed in place after run.setup()"),
         ("hogwild", "init", "parameter head.weight was changed in place after run.setup()"),
         ("hogwild", "channels_last", "parameter conv.weight was replaced after run.setup()"),

@@ -389,7 +389,8 @@ class Run:
             # (Hogwild!'s threads, sharing one model, share its version counters too; its processes do not)
             if p._version != version and (algo.kind != "shared memory" or threading.current_thread() is main):
                 raise ConfigError(
-                    f"parameter {name} was changed in place after run.setup() (model.apply(init)?): each worker's "
+                    f"parameter {name} was changed in place after run.setup() (model.apply(init)? a weight "
+                    f"perturbation, as SAM's first step, or a momentum target moved before the first step?): each worker's "
                     f"random state is its own, so under {algo.name} the workers would start from different weights "
                     f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, "
                     f"or load one set of weights on every worker with model.load_state_dict()"
