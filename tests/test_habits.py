@@ -12,6 +12,7 @@ import functools
 import itertools
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -485,6 +486,77 @@ def test_a_loops_batch_figures_are_what_it_took() -> None:
     s = spawn("", "allreduce", micro=2, batch_size=8, max_samples=4 * 2 * 2 * B).summary
     assert s["samples"] == 4 * 2 * 2 * B
     assert (s["batch_size"], s["accumulate"], s["global_batch_size"]) == (2 * B, None, 2 * 2 * B)
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its authors' code (davda54/sam) writes it: the first step
+    moves the weights to w + rho g / |g|, the second puts them back and lets the base optimiser
+    step with the gradient taken there."""
+
+    def __init__(self, params: Any, base: type, rho: float = 0.05, **kwargs: Any) -> None:
+        super().__init__(params, {"rho": rho, **kwargs})
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        norm = torch.norm(
+            torch.stack([p.grad.norm(2) for g in self.param_groups for p in g["params"] if p.grad is not None])
+        )
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * group["rho"] / (norm + 1e-12))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+def sam_loop(run: distsgd.Run) -> nn.Module:
+    torch.manual_seed(0)
+    net = Net()
+    sam = SAM(net.parameters(), torch.optim.SGD, lr=0.1)
+    model, _ = run.setup(net, sam.base_optimizer)
+    for x, y in run.loader(toy_dataset()):
+        F.cross_entropy(model(x), y).backward()
+        sam.first_step()
+        F.cross_entropy(model(x), y).backward()
+        sam.second_step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "ddp"])
+def test_sam_with_its_base_optimiser_given_to_setup_is_one_processs(algo: str) -> None:
+    """Every replica perturbs and restores its weights alike (the averaged gradient), so the
+    first step's check of parameters changed after run.setup() lets it pass (before 2026-11-29 it
+    was refused). Reference: SAM's two gradients in one process, global batch, float64."""
+    result = distsgd.spawn(sam_loop, model=Net, algo=algo, workers=2, batch_size=B, momentum=0.0, quiet=True)
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = toy_dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(N // (2 * B)):
+        idx = order[2 * B * k : 2 * B * (k + 1)]
+        params = list(model.parameters())
+        grads = torch.autograd.grad(F.cross_entropy(model(x[idx].double()), y[idx]), params)
+        norm = torch.norm(torch.stack([g.norm(2) for g in grads]))
+        with torch.no_grad():
+            moves = [0.05 * g / (norm + 1e-12) for g in grads]
+            for p, e in zip(params, moves):
+                p += e
+        grads = torch.autograd.grad(F.cross_entropy(model(x[idx].double()), y[idx]), params)
+        with torch.no_grad():
+            for p, e, g in zip(params, moves, grads):
+                p -= e + 0.1 * g
+    assert result.model is not None and max_diff(weights_of(result.model), weights_of(model)) < 1e-5
 
 
 def objects_loop(run: distsgd.Run) -> nn.Module:

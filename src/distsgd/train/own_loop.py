@@ -379,6 +379,9 @@ class Run:
         Neither said a word before. Weights loaded with ``model.load_state_dict()`` are the algorithm's."""
         bound, self._bound = self._bound, None
         algo, main = self._algo, threading.main_thread()
+        # in a lockstep group, a change every replica made alike (SAM's perturbation and its undoing, a
+        # momentum target moved in place before the forward) leaves them equal: no mistake, and allowed
+        alike = algo.topology.lockstep and algo.topology.process_group and self._replicas_alike()
         for name, p, ptr, version in bound or []:
             if algo.binds_storage and p.data_ptr() != ptr:
                 raise ConfigError(
@@ -387,7 +390,8 @@ class Run:
                     f"replaced one trains apart from it; convert the model before run.setup() (in its constructor)"
                 )
             # (Hogwild!'s threads, sharing one model, share its version counters too; its processes do not)
-            if p._version != version and (algo.kind != "shared memory" or threading.current_thread() is main):
+            changed = p._version != version and (algo.kind != "shared memory" or threading.current_thread() is main)
+            if changed and not alike:
                 raise ConfigError(
                     f"parameter {name} was changed in place after run.setup() (model.apply(init)? a weight "
                     f"perturbation, as SAM's first step, or a momentum target moved before the first step?): each worker's "
@@ -395,6 +399,16 @@ class Run:
                     f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, "
                     f"or load one set of weights on every worker with model.load_state_dict()"
                 )
+
+    def _replicas_alike(self) -> bool:
+        """Whether every worker's parameters are equal (their sum and sum of squares in float64, one
+        small all-reduce), at the first step of a lockstep group."""
+        module = self._algo.unwrap(self._need_setup("optimizer.step()"))
+        with torch.no_grad():
+            flat = [p.detach().double() for p in module.parameters()]
+            sums = [float(sum(t.sum() for t in flat)), float(sum((t * t).sum() for t in flat))]
+        low, high = self._algo.spread(self._ctx, sums)
+        return low == high
 
     def _outside_parameters(
         self, opt: torch.optim.Optimizer, own: set[int], checked: weakref.WeakKeyDictionary
