@@ -427,6 +427,11 @@ class Algorithm(Generic[OptionsT]):
         DDP wrapper holds). Every worker calls it at an evaluation point, so it may communicate."""
         return self.unwrap(model)
 
+    def check_untouched(self, ctx: "WorkerContext") -> None:
+        """A user's loop, now and then between its steps (see own_loop's CHECK_EVERY): raise a
+        ConfigError if the loop changed what this algorithm would silently overwrite (by default
+        nothing is)."""
+
     def weights_loaded(self, ctx: "WorkerContext", model: nn.Module) -> None:
         """The user's loop loaded weights into ``model`` after setup (by default they are simply
         the model's: the next steps start from them)."""

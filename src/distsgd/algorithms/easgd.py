@@ -189,7 +189,6 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     name = "easgd"
     kind = "model averaging"
     topology: ClassVar[Topology] = ServerTopology(Elastic)
-    replies_overwrite = False  # each worker steps its own weights between exchanges
 
     period: Periodic  # exchanges at steps tau divides, as in sync mode (checkpointed)
     alpha: float  # built by setup: the elastic strength
@@ -205,6 +204,9 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
 
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """Any optimisers of a user's loop: the workers step locally (the server's never steps)."""
+
+    def check_untouched(self, ctx: WorkerContext) -> None:
+        """Each worker steps its own weights between exchanges: nothing the server sends overwrites them."""
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the exchange of x_i as it was when the gradient was computed

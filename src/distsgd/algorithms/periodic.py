@@ -31,9 +31,6 @@ def refuse_epochs_in_own_loop(period: Period, algo: str) -> None:
         )
 
 
-__all__ = ["period_option", "refuse_epochs_in_own_loop"]
-
-
 def untrained_by_theta(period: Period, algo: str) -> str:
     """The warning for a run of ``algo`` with ``--partial-round theta`` that ends before its first
     outer step: theta is still the model the run started from, and the round cut short, every step
@@ -44,3 +41,6 @@ def untrained_by_theta(period: Period, algo: str) -> str:
         f"cut short: the model returned is the one the run started from, trained on none of its samples "
         f"(--partial-round average keeps the workers' steps, or give a smaller --sync-every)"
     )
+
+
+__all__ = ["period_option", "refuse_epochs_in_own_loop", "untrained_by_theta"]

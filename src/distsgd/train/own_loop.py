@@ -141,7 +141,9 @@ class LoopState:
         self.checkpoints_at.load_state_dict(state["checkpoints_at"])
 
 
-LR_CHECK_EVERY = 16  # steps between the checks that a lockstep group's workers step with one lr
+# steps between a user's loop's checks of what would go wrong silently (a lockstep group's lrs, the
+# parameters' memory, what the algorithm overwrites): at steps 1, 17, 33, ... and at the end
+CHECK_EVERY = 16
 
 
 class Run:
@@ -188,7 +190,7 @@ class Run:
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
-        self._bound: list[tuple[str, nn.Parameter, int, int]] | None = None
+        self._bound: list[tuple[str, nn.Parameter, int]] | None = None  # (name, parameter, in-place version)
         self._storage: list[tuple[str, nn.Parameter, int]] = []  # where the algorithm binds them: their memory
         self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
@@ -364,10 +366,11 @@ class Run:
 
     def _bind(self, module: nn.Module) -> None:
         """The parameters as the algorithm took them (each one's memory and in-place version), to
-        find at the first step what the loop changed since (:meth:`_check_bound`). Not in one process
-        that holds its model alone."""
+        find what the loop changed since (:meth:`_check_bound`, at the first step; where the algorithm
+        binds their memory, :meth:`_check_untouched`, through the run). Not in one process that holds
+        its model alone."""
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
-            self._bound = [(name, p, p.data_ptr(), p._version) for name, p in module.named_parameters()]
+            self._bound = [(name, p, p._version) for name, p in module.named_parameters()]
         if self._algo.binds_storage:
             self._storage = [(name, p, p.data_ptr()) for name, p in module.named_parameters()]
 
@@ -382,13 +385,7 @@ class Run:
         # in a lockstep group, a change every replica made alike (SAM's perturbation and its undoing, a
         # momentum target moved in place before the forward) leaves them equal: no mistake, and allowed
         alike = algo.topology.lockstep and algo.topology.process_group and self._replicas_alike()
-        for name, p, ptr, version in bound or []:
-            if algo.binds_storage and p.data_ptr() != ptr:
-                raise ConfigError(
-                    f"parameter {name} was replaced after run.setup() (model.to(memory_format=...), .double(), "
-                    f".half()?): under {algo.name} the parameters are views of memory the algorithm holds, and a "
-                    f"replaced one trains apart from it; convert the model before run.setup() (in its constructor)"
-                )
+        for name, p, version in bound or []:  # (a replaced one: _check_untouched, before)
             # (Hogwild!'s threads, sharing one model, share its version counters too; its processes do not)
             changed = p._version != version and (algo.kind != "shared memory" or threading.current_thread() is main)
             if changed and not alike:
@@ -430,26 +427,35 @@ class Run:
                 f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it)"
             )
 
-    def _check_storage(self, at_end: bool = False) -> None:
-        """Every LR_CHECK_EVERY steps and at the end, where the algorithm binds the parameters to its
-        memory: none was replaced during the run (MoCo's and BYOL's momentum update of a target
-        network, ``p.data = p.data * m + q.data * (1 - m)``, after the first step's check: the
-        target stayed where it started, silently)."""
-        if not self._storage or (self.steps % LR_CHECK_EVERY and not at_end):
+    def _check_untouched(self, at_end: bool = False) -> None:
+        """At the first step, every CHECK_EVERY and at the end: where the algorithm binds the
+        parameters to its memory, none was replaced (``model.to(memory_format=...)`` after
+        run.setup(); MoCo's and BYOL's momentum update of a target network, ``p.data = p.data * m
+        + q.data * (1 - m)``: the target stayed where it started, silently); and what the algorithm
+        would overwrite is as it left it (:meth:`Algorithm.check_untouched`)."""
+        if self._ctx.job.main is None or (self.steps % CHECK_EVERY and not at_end):
             return
         algo = self._algo
         for name, p, ptr in self._storage:
-            if p.data_ptr() != ptr:
-                how = (
-                    "keep a network your loop updates itself (a momentum target) outside the model given to run.setup()"
-                    if algo.topology.server
-                    else "change it in place (p.mul_(m).add_(q, alpha=1 - m), under torch.no_grad())"
-                )
+            if p.data_ptr() == ptr:
+                continue
+            if self.steps == 0:
                 raise ConfigError(
-                    f"parameter {name} was replaced during the run (p.data = ..., as a momentum target's "
-                    f"update is often written?): under {algo.name} the parameters are views of memory the "
-                    f"algorithm holds, and the new tensor is apart from it; {how}"
+                    f"parameter {name} was replaced after run.setup() (model.to(memory_format=...), .double(), "
+                    f".half()?): under {algo.name} the parameters are views of memory the algorithm holds, and a "
+                    f"replaced one trains apart from it; convert the model before run.setup() (in its constructor)"
                 )
+            how = (
+                "keep a network your loop updates itself (a momentum target) outside the model given to run.setup()"
+                if algo.topology.server
+                else "change it in place (p.mul_(m).add_(q, alpha=1 - m), under torch.no_grad())"
+            )
+            raise ConfigError(
+                f"parameter {name} was replaced during the run (p.data = ..., as a momentum target's "
+                f"update is often written?): under {algo.name} the parameters are views of memory the "
+                f"algorithm holds, and the new tensor is apart from it; {how}"
+            )
+        algo.check_untouched(self._ctx)
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not any(opt is mine for mine in self._optimizers):
@@ -889,9 +895,9 @@ class Run:
         model = self._need_setup("optimizer.step()")
         if self._nested_done:  # the backward's parameters were all inside its reentrant pass
             self._backward_done()
+        self._check_untouched()
         if self._bound is not None:
             self._check_bound()
-        self._check_storage()
         if self._batch_samples == 0:
             raise ConfigError(
                 "optimizer.step() with no batch from run.loader() since the last step: take batches "
@@ -936,7 +942,7 @@ class Run:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
 
     def _check_lr_alike(self, at_end: bool = False) -> None:
-        """A user's loop in a lockstep group, at its first step, every LR_CHECK_EVERY and at its end: the
+        """A user's loop in a lockstep group, at its first step, every CHECK_EVERY and at its end: the
         workers step with the same learning rates (a scheduler stepped on each worker's own loss,
         ``ReduceLROnPlateau(opt).step(loss)``, gave each its own, and the replicas parted, silently
         but for a warning at the end that blamed another cause). A collective of two numbers a
@@ -944,7 +950,7 @@ class Run:
         algo = self._algo
         if self.world == 1 or self._ctx.job.main is None or not algo.topology.lockstep:
             return
-        if not algo.topology.process_group or (self.steps % LR_CHECK_EVERY and not at_end):
+        if not algo.topology.process_group or (self.steps % CHECK_EVERY and not at_end):
             return
         lrs = [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups]
         low, high = algo.spread(self._ctx, lrs)
@@ -1281,7 +1287,7 @@ class Run:
             self._evaluations_joined()
             self._same_steps()
             self._check_lr_alike(at_end=True)
-            self._check_storage(at_end=True)
+            self._check_untouched(at_end=True)
         returned = self._algo.finish(self._ctx, model)
         self._unhook()
         self._clock.pause()

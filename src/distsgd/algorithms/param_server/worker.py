@@ -22,10 +22,6 @@ from distsgd.metrics import Sink
 from distsgd.options import Options, option
 from distsgd.train.context import Figures, Job, Start, Step, WorkerContext, WorkerResult
 
-# steps between a user's loop's checks that the worker's weights are still the server's last reply
-# (step 1, 17, 33, ...: a copy of them to the host on a GPU, a compare)
-WEIGHTS_CHECK_EVERY = 16
-
 
 class ServerTopology(Server):
     """What the parameter-server launcher asks of an algorithm: be the server. ``rule`` is the
@@ -130,7 +126,6 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
     binds_storage = True  # views of the flat buffer the server's weights come into
-    replies_overwrite: ClassVar[bool] = True  # the worker takes no step of its own: each reply is its weights
 
     seat: ServerSeat
     local: int  # this worker's samples, as it last told the server
@@ -224,8 +219,6 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
-        if step.number % WEIGHTS_CHECK_EVERY == 1:
-            self._check_unchanged(ctx)
         # which parameters have a gradient (host knowledge: no look at a GPU's values); those without
         # (frozen, unused in the forward) travel as zeros and the server's optimiser skips them
         for p in [] if self.layouts_seen else self.params:  # (a sparse gradient: the first push's look)
@@ -260,15 +253,14 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         )
 
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        self._check_unchanged(ctx)
         self.client.done(self.local)
         return model
 
-    def _check_unchanged(self, ctx: WorkerContext) -> None:
-        """A user's loop, at steps 1, 17, 33, ... and at its end: the worker's weights are still the
-        server's last reply (a momentum target updated in place after each step, a clamp, were
-        overwritten by the next reply, silently)."""
-        if ctx.job.main is None or not type(self).replies_overwrite or not self.client.changed_since_answer():
+    def check_untouched(self, ctx: WorkerContext) -> None:
+        """The worker's weights are still the server's last reply (a momentum target the loop moved
+        in place after each step, a clamp, were overwritten by the next reply, silently); a copy to
+        the host on a GPU, and a compare."""
+        if not self.client.changed_since_answer():
             return
         raise ConfigError(
             f"your loop changed the model's weights since the server's last reply (a momentum target "
