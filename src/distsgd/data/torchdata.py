@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distsgd.data.formats import classes_from_labels
 from distsgd.data.text import is_hf_stream
-from distsgd.errors import ConfigError, DataError
+from distsgd.errors import ConfigError, DataError, error_text
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class TorchData:
         try:
             item = ds[i]
         except Exception as exc:  # the user's __getitem__ (a __len__ that claims more items than it has)
-            raise DataError(f"item {i} of the Dataset (of {len(ds)}) cannot be read: {_said(exc)}") from None
+            raise DataError(f"item {i} of the Dataset (of {len(ds)}) cannot be read: {error_text(exc)}") from None
         return cls._pair(item, i)
 
     @staticmethod
@@ -195,7 +195,7 @@ class TorchData:
             except Exception as exc:  # a str label, a ragged list, a PIL image without a transform, ...
                 raise DataError(
                     f"item {i} of the Dataset: its {part} ({type(value).__name__}) is not a tensor, array or "
-                    f"number: {_said(exc)}"
+                    f"number: {error_text(exc)}"
                 ) from None
         return pair[0], pair[1]
 
@@ -350,9 +350,3 @@ def _loader_error(exc: Exception) -> Exception:
             return DataError(message)
         return RuntimeError(last)
     return exc
-
-
-def _said(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
