@@ -318,8 +318,7 @@ def _run(
             else cfg.max_samples
         )
         progress = make_progress(cfg.quiet or not chief, planned, f"{cfg.algo} x{cfg.workers}")
-    in_place = out is not None and cfg.resume is not None and Path(cfg.resume).resolve() == out.resolve()
-    logged = logged_evals(out / "metrics.jsonl") if out is not None and in_place else frozenset()
+    logged = logged_evals(out / "metrics.jsonl") if out is not None and cfg.resumes_in_place else frozenset()
     sinks = _sinks(job, out, tb_dir, started, settings_text, chief) + [progress]
     try:
         # the threads the other processes leave to this machine's workers
@@ -350,7 +349,7 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
     which the workers then read from (Job.resume_from). Under torchrun every rank reads the manifest
     as it is, and checks its own file as it loads it."""
     assert cfg.resume is not None
-    in_place = cfg.out is not None and Path(cfg.out).resolve() == Path(cfg.resume).resolve()
+    in_place = cfg.resumes_in_place
     if cfg.out is not None and not in_place:  # refused before the run read from is touched (a fallback)
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
@@ -382,7 +381,7 @@ def _sinks(
     """Where the run's events go besides the progress display: metrics.jsonl, the loggers and
     TensorBoard (:func:`~distsgd.metrics.open_sinks`), the callbacks' on_checkpoint and on_end (the chief's)."""
     cfg = job.cfg
-    stale = out is not None and cfg.resume is not None and Path(cfg.resume).resolve() == out.resolve()
+    stale = out is not None and cfg.resumes_in_place
     hooks: list[Sink] = [_StaleSummary(out)] if out is not None and stale else []  # (before a callback looks)
     hooks += [CallbackSink(job.callbacks)] if job.callbacks and chief else []
     return open_sinks(cfg, out, tb_dir, started, settings_text) + hooks
@@ -419,7 +418,7 @@ def _prepare_out(cfg: RunConfig, settings_text: str, where: environment.Environm
     (:data:`LAUNCH`): a restart of the same launch that finds no checkpoint in it may train again
     in its place."""
     assert cfg.out is not None
-    resuming_in_place = bool(cfg.resume and Path(cfg.out).resolve() == Path(cfg.resume).resolve())
+    resuming_in_place = cfg.resumes_in_place
     try:
         out = (
             Path(cfg.out)

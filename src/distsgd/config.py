@@ -364,6 +364,11 @@ class RunConfig:
         return tuple(self.logger.split(",")) if self.logger else ()
 
     @property
+    def resumes_in_place(self) -> bool:
+        """``--resume DIR`` into ``DIR`` itself (``--out`` the same folder, or not given)."""
+        return bool(self.resume and self.out and Path(self.out).resolve() == Path(self.resume).resolve())
+
+    @property
     def save_formats(self) -> tuple[str, ...]:
         return tuple(self.save_format.split(","))
 

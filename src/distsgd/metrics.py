@@ -649,7 +649,7 @@ def open_sinks(
         record(*tables)  # in the run directory's ledger before they are written: what --overwrite may delete
         made += [JsonlWriter(tables[0]), *(CsvWriter(path) for path in tables[1:])]
         config = cfg.to_dict()
-        in_place = bool(cfg.resume) and Path(str(cfg.resume)).resolve() == out.resolve()  # goes on in its logger runs
+        in_place = cfg.resumes_in_place  # goes on in its logger runs
         for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
             if name in cfg.loggers:
                 try:
