@@ -238,6 +238,24 @@ def test_a_disk_that_fills_before_the_first_commit_leaves_no_partial_checkpoint(
     assert not list((out / checkpoint.CHECKPOINT_DIR).iterdir())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["asgd", "sync-ps"])
+def test_a_parameter_server_on_a_full_disk_says_one_line(saved_run: Path, small_disk: Path, algo: str) -> None:
+    """The server's checkpoint on a disk with room for none: on 7ae212f asgd's server said its own
+    ``server: ERROR: cannot write ...; stopping the run`` before the run's error line (two lines);
+    now the run's one line names the file (sync-ps's said one line already)."""
+    part = next((saved_run / checkpoint.CHECKPOINT_DIR).glob("ckpt-*-rank0.pt")).stat().st_size
+    with open(small_disk / "filler", "wb") as fh:  # room for half a model and the run's small files
+        fh.write(bytes(4 * 2**20 - part // 2 - 64 * 2**10))
+    out = small_disk / "run"
+    r = run_cli(
+        "train", *SMALL, "--algo", algo, "--workers", "2", "--max-samples", "512",
+        "--checkpoint-every", "128", "--out", str(out), "--quiet", timeout=120,
+    )  # fmt: skip
+    line = one_error_line(r)
+    assert "No space left on device" in line and f"{out}/checkpoint/ckpt-000001-rank" in line, line
+
+
 KILLS_THE_SERVER = """
 import os, signal
 import torch.nn as nn

@@ -183,7 +183,7 @@ class ServerRole:
             except OSError as exc:
                 self.failure = OutputError.of(exc)
                 self.server.stop = True  # the workers stop at their next push
-                log.error("%s; stopping the run", self.failure)
+                log.info("%s; stopping the run", self.failure)  # the run's error line says it once
                 return
             self.committed = seq
         self.sink.emit(
