@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -758,3 +759,130 @@ def test_a_stream_is_read_once_under_shared_memory_and_the_server(tmp_path, algo
     )
     seen = [list(map(int, (tmp_path / f"seen-{r}").read_text().split())) for r in range(2)]
     assert sorted(seen[0] + seen[1]) == list(range(40)) and seen[0] and seen[1]
+
+
+# -- the global random streams a loop draws from ---------------------------------------------------
+
+
+def augmenting_loop(run: distsgd.Run, notes: Path, die_after: int | None = None) -> nn.Module:
+    """Noises each batch with numpy and Python's ``random`` (as an augmentation of a Dataset or a
+    loop does), noting every draw; checkpoints at each epoch's end; worker 1 dies after epoch
+    ``die_after`` (the first run only)."""
+    import random
+
+    import numpy as np
+
+    model, opt = run.setup()
+    first = run.resumed["next_epoch"] if run.resumed else 0
+    drawn: list[tuple[float, float]] = []
+    for epoch in range(first, 3):
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            a, b = float(np.random.rand()), random.random()
+            drawn.append((a, b))
+            opt.zero_grad()
+            F.cross_entropy(model(x + 0.1 * (a - b)), y).backward()
+            opt.step()
+        torch.save(drawn, notes / f"rank{run.rank}-from{first}.pt")
+        run.checkpoint(next_epoch=epoch + 1)
+        if die_after == epoch and run.resumed is None and run.rank == 1:
+            os._exit(3)
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_numpy_and_pythons_random_are_each_workers_own_seeded_and_resumed(tmp_path: Path) -> None:
+    """On b4f55fa numpy's global stream was the fork server's in every worker: each worker drew
+    the same numbers (the global batch's augmentations repeated W times), whatever ``seed=``, and a
+    resumed run drew the first epoch's again; Python's ``random`` ignored ``seed=``."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "lr": 0.1, "quiet": True}
+    notes = {name: tmp_path / name for name in ("whole", "again", "other", "killed")}
+    for path in notes.values():
+        path.mkdir()
+    whole = distsgd.spawn(
+        functools.partial(augmenting_loop, notes=notes["whole"]), seed=0, out=f"{tmp_path}/w", **settings
+    )
+    distsgd.spawn(functools.partial(augmenting_loop, notes=notes["again"]), seed=0, out=f"{tmp_path}/a", **settings)
+    distsgd.spawn(functools.partial(augmenting_loop, notes=notes["other"]), seed=1, out=f"{tmp_path}/o", **settings)
+    out = tmp_path / "run"
+    with pytest.raises(distsgd.DistsgdError, match="worker 1"):
+        distsgd.spawn(
+            functools.partial(augmenting_loop, notes=notes["killed"], die_after=0), seed=0, out=str(out), **settings
+        )
+    resumed = distsgd.spawn(
+        functools.partial(augmenting_loop, notes=notes["killed"]), seed=0, out=str(out), resume=str(out), **settings
+    )
+
+    def drawn(name: str, rank: int, first: int = 0) -> list[tuple[float, float]]:
+        return torch.load(notes[name] / f"rank{rank}-from{first}.pt")
+
+    zero, one = drawn("whole", 0), drawn("whole", 1)
+    assert len(zero) == 24 and all(a[0] != b[0] and a[1] != b[1] for a, b in zip(zero, one))  # each its own
+    assert drawn("again", 0) == zero and drawn("again", 1) == one  # seed= reproduces them
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(drawn("other", 0), zero))  # and chooses them
+    for rank in (0, 1):  # the resumed run goes on with the draws the uninterrupted one made
+        assert drawn("killed", rank, 1) == drawn("whole", rank)[8:]
+    assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+
+
+# -- an optimiser's state loaded by the loop --------------------------------------------------------
+
+
+def momentum_state() -> dict[str, Any]:
+    """A state of SGD (lr 0.1, momentum 0.9) over Net's parameters: fixed momentum buffers."""
+    g = torch.Generator().manual_seed(5)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = opt.state_dict()
+    state["state"] = {
+        i: {"momentum_buffer": 0.3 * torch.randn(p.shape, generator=g)} for i, p in enumerate(net.parameters())
+    }
+    return state
+
+
+def loading_loop(run: distsgd.Run, state: dict[str, Any]) -> nn.Module:
+    model, opt = run.setup()
+    opt.load_state_dict(state)
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+def test_an_optimiser_state_sent_through_args_is_each_workers_own() -> None:
+    """``spawn(args=(state,))`` sends tensors in shared memory and torch's ``load_state_dict`` keeps
+    them: on b4f55fa both workers stepped one momentum buffer (0.21 from one process, a warning
+    that blamed loaded weights). The reference: one process in float64 from the same state."""
+    state = momentum_state()
+    result = distsgd.spawn(
+        loading_loop,
+        model=Net,
+        algo="allreduce",
+        workers=2,
+        batch_size=B,
+        lr=0.1,
+        momentum=0.9,
+        quiet=True,
+        args=(state,),
+    )
+    model = Net().double()
+    model.load_state_dict(initial_weights(Net))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(momentum_state())
+    x, y = toy_dataset().tensors
+    order = epoch_indices(N, 0, 0, 1, SEED)
+    for k in range(N // (2 * B)):
+        idx = order[2 * B * k : 2 * B * (k + 1)]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        opt.step()
+    assert max_diff(weights_of(result.model), weights_of(model)) < 1e-5
+
+
+def test_an_optimiser_state_loaded_where_the_server_steps_is_refused() -> None:
+    """On b4f55fa sync-ps ended as if the state had never been loaded (0.21 from one process), silently."""
+    with pytest.raises(distsgd.DistsgdError, match=r"opt.load_state_dict\) would never be used"):
+        distsgd.spawn(
+            loading_loop, model=Net, algo="sync-ps", workers=2, batch_size=B, lr=0.1, momentum=0.9, quiet=True,
+            args=(momentum_state(),),
+        )  # fmt: skip

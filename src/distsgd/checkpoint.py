@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import secrets
 import warnings
@@ -21,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -706,28 +708,66 @@ def restore(piece: Stateful | nn.Module | torch.optim.Optimizer, state: dict[str
 
 
 class RngState:
-    """torch's global random state (dropout) as a stateful piece: the CPU's, and when the process
-    uses CUDA its current GPU's, the one a worker trains on (a checkpoint written on a GPU resumes
-    there exactly; not every GPU of the machine, which a machine with fewer could not take).
+    """The global random states a worker's loop draws from, as a stateful piece: torch's (dropout)
+    on the CPU and, when the process uses CUDA, on its current GPU, the one a worker trains on (a
+    checkpoint written on a GPU resumes there exactly; not every GPU of the machine, which a
+    machine with fewer could not take); Python's ``random`` and numpy's global one (a loop's or a
+    Dataset's augmentations). A checkpoint from before the last two were saved restores torch's.
     ``apply=False``: one that only checks a saved state (the launcher's look before a resume)."""
 
     def __init__(self, apply: bool = True) -> None:
         self.apply = apply
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state()}
+        state: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()
+        version, words, gauss = random.getstate()
+        state["python"] = {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss}
+        _, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+        state["numpy"] = {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cpu = tensor(state, "torch", torch.uint8, tuple(torch.get_rng_state().shape))
         cuda = tensor(state, "cuda", torch.uint8) if "cuda" in state else None
+        python = _python_random(state["python"]) if "python" in state else None
+        numpy = _numpy_random(state["numpy"]) if "numpy" in state else None
         if not self.apply:
             return
         torch.set_rng_state(cpu)
         if cuda is not None and torch.cuda.is_initialized():
             torch.cuda.set_rng_state(cuda)
+        if python is not None:
+            random.setstate(python)
+        if numpy is not None:
+            np.random.set_state(numpy)
+
+
+def _python_random(saved: Any) -> tuple[Any, ...]:
+    """Python's ``random`` state from :class:`RngState`'s record of it, checked."""
+    if not isinstance(saved, dict):
+        raise BadField("python", saved, "a dict of Python's random state")
+    version = count(saved, "version")
+    words = tensor(saved, "words", torch.int64, (625,))
+    gauss = saved.get("gauss")
+    if gauss is not None and not isinstance(gauss, float):
+        raise BadField("gauss", gauss, "a float or None")
+    return version, tuple(int(w) for w in words.tolist()), gauss
+
+
+def _numpy_random(saved: Any) -> tuple[Any, ...]:
+    """numpy's global random state from :class:`RngState`'s record of it, checked."""
+    if not isinstance(saved, dict):
+        raise BadField("numpy", saved, "a dict of numpy's random state")
+    keys = tensor(saved, "keys", torch.int64, (624,))
+    cached = of_type(saved, "cached", float, "a float")
+    return "MT19937", keys.numpy().astype(np.uint32), count(saved, "pos"), count(saved, "has_gauss"), cached
 
 
 def restore_shared(saved: dict[str, Any], models: list[nn.Module], counts: torch.Tensor) -> None:

@@ -436,6 +436,10 @@ class Algorithm(Generic[OptionsT]):
         """The user's loop loaded weights into ``model`` after setup (by default they are simply
         the model's: the next steps start from them)."""
 
+    def optimizer_state_loaded(self, ctx: "WorkerContext") -> None:
+        """The user's loop loads a state into the optimiser run.setup() returned (by default the
+        optimiser's own: the next steps take it)."""
+
     def agree(self, ctx: "WorkerContext", flag: bool) -> bool:
         return flag
 

@@ -28,6 +28,7 @@ import functools
 import logging
 import math
 import os
+import random
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -363,6 +365,23 @@ class Run:
                     me._outside_parameters(opt, own, checked)
 
             self._handles.append(register_optimizer_step_pre_hook(outside))
+        self._optimizer_load_hooks()
+
+    def _optimizer_load_hooks(self) -> None:
+        """A state the loop loads into an optimiser run.setup() returned (``opt.load_state_dict``)
+        is the algorithm's to take or refuse (the server's optimiser steps the model, not the
+        worker's), and its tensors in shared memory (``spawn(args=...)`` sends them so; torch's
+        loading keeps them) become this worker's own: every worker stepped the same buffers."""
+        run = weakref.ref(self)
+
+        def loading(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+            me = run()
+            if me is not None:
+                me._algo.optimizer_state_loaded(me._ctx)
+            return _unshared(state)
+
+        for opt in self._optimizers:
+            self._handles.append(opt.register_load_state_dict_pre_hook(loading))
 
     def _bind(self, module: nn.Module) -> None:
         """The parameters as the algorithm took them (each one's memory and in-place version), to
@@ -577,7 +596,7 @@ class Run:
             _route_step(opt, self, i)
         if autocast is not None and not cfg.compile:
             self._handles += _autocast_hooks(unwrapped, autocast)
-        torch.manual_seed(mix_seed(cfg.seed, 7919, ctx.rank))  # dropout differs between workers
+        _seed_globals(mix_seed(cfg.seed, 7919, ctx.rank))
         return self._model
 
     def _begin(self, earlier_s: float = 0.0) -> None:
@@ -1524,6 +1543,28 @@ def _own_storage(module: nn.Module) -> None:
             for name, buffer in sub._buffers.items():
                 if buffer is not None and buffer.is_shared():
                     sub._buffers[name] = buffer.clone()
+
+
+def _unshared(value: Any) -> Any:
+    """``value`` (an optimiser's state dict: dicts and lists of tensors) with every tensor in
+    shared memory copied out of it; the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_shared() else value
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unshared(v) for v in value)
+    return value
+
+
+def _seed_globals(seed: int) -> None:
+    """Seed the global random streams a loop draws from, each worker its own (dropout, a Dataset's
+    or the loop's augmentations), from the run's seed: torch's, Python's ``random`` (which a fork
+    seeds from the OS, so ``seed=`` did not reproduce it) and numpy's (which a fork leaves as it
+    was: every worker drew the same numbers)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:

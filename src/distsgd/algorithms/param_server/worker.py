@@ -252,6 +252,16 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
             f"factory given to distsgd.spawn(model=...), or resume a distsgd run with resume="
         )
 
+    def optimizer_state_loaded(self, ctx: WorkerContext) -> None:
+        topology = type(self).topology
+        assert isinstance(topology, ServerTopology)
+        if topology.rule.steps:  # the server steps: the worker's optimiser never does
+            raise ConfigError(
+                f"under {self.cfg.algo} the server steps the model with its own optimiser: a state loaded "
+                f"into a worker's (opt.load_state_dict) would never be used; resume a distsgd run with "
+                f"resume=, whose checkpoint holds the server's optimiser"
+            )
+
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         self.client.done(self.local)
         return model
