@@ -42,23 +42,27 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def reference(steps: int, per_step: int, lr: float, clip: float | None = None) -> dict[str, torch.Tensor]:
+def reference(
+    steps: int, per_step: int, lr: float, clip: float | None = None, epochs: int = 1
+) -> dict[str, torch.Tensor]:
     """Plain SGD in float64 in one process: step k takes the global batch k (the two workers'
     ``per_step`` samples each: ``2 * per_step`` consecutive samples of the epoch's permutation, the
-    sharded partition), the mean loss's gradient, clipped to ``clip`` if given."""
+    sharded partition), the mean loss's gradient, clipped to ``clip`` if given; ``epochs`` passes,
+    each over its own permutation."""
     model = Net().double()
     model.load_state_dict(initial_weights(Net))
     x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(steps):
-        idx = order[2 * per_step * k : 2 * per_step * (k + 1)]
-        model.zero_grad()
-        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= lr * p.grad
+    for epoch in range(epochs):
+        order = epoch_indices(N, epoch, 0, 1, SEED)
+        for k in range(steps):
+            idx = order[2 * per_step * k : 2 * per_step * (k + 1)]
+            model.zero_grad()
+            F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * p.grad
     return weights_of(model)
 
 
@@ -886,3 +890,78 @@ def test_an_optimiser_state_loaded_where_the_server_steps_is_refused() -> None:
             loading_loop, model=Net, algo="sync-ps", workers=2, batch_size=B, lr=0.1, momentum=0.9, quiet=True,
             args=(momentum_state(),),
         )  # fmt: skip
+
+
+# -- BatchNorm statistics recomputed after training -------------------------------------------------
+
+
+class NormedNet(nn.Module):
+    """BatchNorm on the input: its statistics are the data's, whatever the weights trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(12, affine=False)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+def recalibrating_loop(run: distsgd.Run) -> nn.Module:
+    """Trains an epoch, then recomputes the BatchNorm statistics over the whole training set on
+    every worker (SWA's ``update_bn``), after the last step."""
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.optim.swa_utils.update_bn(torch.utils.data.DataLoader(toy_dataset(), batch_size=64), model)
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, extra", [("sync-ps", {}), ("asgd", {}), ("diloco", {"sync_every": "4"})])
+def test_batchnorm_statistics_recomputed_after_training_are_the_models_returned(algo: str, extra: dict) -> None:
+    """On b4f55fa the model returned kept the training's statistics (running mean 3.4e-02 from
+    the data's): the server's came only with pushes, diloco's theta only from outer steps. The
+    reference is torch's update_bn on one model in one process."""
+    result = distsgd.spawn(
+        recalibrating_loop, model=NormedNet, algo=algo, workers=2, batch_size=B, lr=0.1, quiet=True, **extra
+    )
+    alone = NormedNet()
+    torch.optim.swa_utils.update_bn(torch.utils.data.DataLoader(toy_dataset(), batch_size=64), alone)
+    norm = getattr(result.model, "module", result.model).norm
+    torch.testing.assert_close(norm.running_mean, alone.norm.running_mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(norm.running_var, alone.norm.running_var, rtol=0, atol=1e-6)
+
+
+# -- a validation set read through run.loader ------------------------------------------------------
+
+
+def validating_loop(run: distsgd.Run) -> nn.Module:
+    """Two epochs; after each, a validation pass over 100 held-out samples through run.loader,
+    under torch.no_grad(), its loss combined over the workers."""
+    model, opt = run.setup()
+    train, held_out = run.loader(toy_dataset(), batch_size=B), run.loader(toy_dataset(100), batch_size=50)
+    for _ in range(2):
+        for x, y in train:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            run.log(val_loss=float(sum(F.cross_entropy(model(x), y, reduction="sum") for x, y in held_out)))
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["allreduce", "sync-ps"])
+def test_a_validation_pass_through_run_loader_counts_no_training(algo: str) -> None:
+    """On b4f55fa the validation batches counted as trained samples (612 for 512, ``epochs`` 6.12
+    for 2) and, under sync-ps, the next push claimed more samples than a step has: the server
+    dropped the worker as a forger, and the run failed with "the connection closed"."""
+    result = distsgd.spawn(
+        validating_loop, model=Net, algo=algo, workers=2, batch_size=B, lr=0.1, momentum=0.0, quiet=True
+    )
+    assert result.summary["samples"] == 2 * N and result.summary["epochs"] == 2.0
+    if algo == "allreduce":  # the weights are the training's alone: one process's, epochs 0 and 1
+        assert max_diff(weights_of(result.model), reference(N // (2 * B), B, 0.1, epochs=2)) < 1e-5

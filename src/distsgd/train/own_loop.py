@@ -168,6 +168,7 @@ class Run:
         # or no loader yet): what an epoch is, for the progress lines and the summary's epochs
         self._data_len: int | None = None
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
+        self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
@@ -652,8 +653,10 @@ class Run:
         whole stream and keeps its part; the stream's last items that fill no row of W are left out,
         so that every worker takes as many steps. ``collate_fn``, ``num_workers``, ``drop_last``,
         ``pin_memory`` and any other DataLoader ``options`` are the DataLoader's. It is for the
-        training data (it counts the samples each step takes): evaluate with a DataLoader of your
-        own. In a resumed run (or a worker that replaced a dead one) it goes on where the run was:
+        training data (it counts the samples each step takes); a pass begun under
+        ``torch.no_grad()`` (an evaluation's) counts nothing and leaves the epochs alone, and reads
+        this worker's shard (a warning says so): evaluate the whole set with a DataLoader of your
+        own, or combine the workers' figures with :meth:`all_reduce`. In a resumed run (or a worker that replaced a dead one) it goes on where the run was:
         an epoch trained before is empty, the one it stopped in goes on from there."""
         if "sampler" in options or "batch_sampler" in options:
             raise ConfigError("run.loader() chooses this worker's samples itself: leave out sampler and batch_sampler")
@@ -703,14 +706,31 @@ class Run:
         epoch, skip = self._upcoming_epoch(shard)
         if shard.epoch is None:
             self._passes += 1
-        dataset, size, options = shard.dataset, shard.size, shard.options
-        self._data_len = None if isinstance(dataset, IterableDataset) else len(dataset)
+        self._data_len = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
         if skip < 0:
             return []
         self._skip = 0
         st = self._state
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
+        return self._batches(shard, epoch, skip)
+
+    def _evaluation_pass(self, shard: "_Shard") -> Any:
+        """A pass over ``shard`` begun under ``torch.no_grad()`` (an evaluation's): this worker's
+        shard of the epoch it names (else the first), neither counted as trained nor moving the
+        epochs and the position a checkpoint holds. Said once: each worker reads its shard."""
+        if not self._said_evaluation and self.rank == 0 and self.world > 1:
+            log.warning(
+                "run.loader() read under torch.no_grad() (an evaluation?): each worker reads its shard of "
+                "it, and its batches count as no training; combine its figures over the workers with "
+                "run.all_reduce(), or read the whole set with a DataLoader of your own"
+            )
+        self._said_evaluation = True
+        return self._batches(shard, shard.epoch or 0, 0)
+
+    def _batches(self, shard: "_Shard", epoch: int, skip: int) -> Any:
+        """A loader over this worker's part of ``shard``'s dataset in ``epoch``, ``skip`` samples in."""
+        dataset, size, options = shard.dataset, shard.size, shard.options
         if isinstance(dataset, IterableDataset):
             part = StreamPart(dataset, self.rank, self.world, skip)
             return DataLoader(part, batch_size=size, drop_last=shard.drop_last, **options)
@@ -1419,6 +1439,11 @@ class _Shard:
 
     def __iter__(self) -> Iterator[Any]:
         run = self.run
+        if not torch.is_grad_enabled():  # an evaluation's pass (torch.no_grad, inference_mode)
+            run._need_setup("iterating over run.loader()")
+            for batch in run._evaluation_pass(self):
+                yield _to(batch, run.device)
+            return
         for batch in run._pass(self):
             if run.should_stop():
                 return

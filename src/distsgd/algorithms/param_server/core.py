@@ -212,11 +212,25 @@ class ParameterServer:
             self.clocks[rank] = min(others) if others else self.clocks[rank]
             self.active.add(rank)
 
-    def finished(self, rank: int, local_samples: int | None = None) -> None:
-        """Worker ``rank`` is done (or dead): stop waiting for it."""
+    def finished(
+        self,
+        rank: int,
+        local_samples: int | None = None,
+        buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """Worker ``rank`` is done (or dead): stop waiting for it. ``buffers``: its own as it ended
+        (finite ones replace those of its last push)."""
+        if (
+            buffers is not None
+            and not self.accept_nonfinite
+            and not all(bool(torch.isfinite(t).all()) for t in buffers[0])
+        ):
+            buffers = None
         with self.lock:
             if local_samples is not None:
                 self.counts[rank] = local_samples
+            if buffers is not None:
+                self._buffers[rank], self._ints = buffers
             self.active.discard(rank)
             self.rule.on_leave(self, rank)
             self.rule.release(self)

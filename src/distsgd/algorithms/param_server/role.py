@@ -247,11 +247,13 @@ class ServerRole:
         log.info("worker %d measured the target; stopping the run", rank - 1)
         self.server.stop = True
 
-    def worker_done(self, rank: int, samples: int) -> None:
-        """Worker ``rank`` finished its training."""
+    def worker_done(
+        self, rank: int, samples: int, buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    ) -> None:
+        """Worker ``rank`` finished its training (with its buffers as it ended, where it sent them)."""
         with self.server.lock:
             self.connected.discard(rank)
-        self.server.finished(rank, samples)
+        self.server.finished(rank, samples, buffers)
 
     def worker_gone(self, rank: int, why: str) -> None:
         """Worker ``rank``'s connection broke (it died, or fell silent: ``why``): carry on without

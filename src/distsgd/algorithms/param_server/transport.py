@@ -482,8 +482,13 @@ class _Connection:
             elif op == STOP:  # [STOP, 0, 0, 0]: a user's loop measured the target (--stop-at-target)
                 self.role.reached(rank)
                 self.reply(server.version, server.total_samples(), server.stop)
-            else:  # DONE
-                self.role.worker_done(rank, samples)
+            else:  # DONE, with the worker's buffers as it ends where flag
+                ends = (
+                    (layout.floats.unpack(request, clone=True), layout.ints.unpack(request, clone=True))
+                    if flag
+                    else None
+                )
+                self.role.worker_done(rank, samples, ends)
                 return
 
 
@@ -681,8 +686,13 @@ class Client:
     def barrier(self) -> None:
         self._call(BARRIER)
 
-    def done(self, samples: int) -> None:
-        self._call(DONE, 0, samples)
+    def done(self, samples: int, buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
+        """This worker finished, with its (floating-point, other) buffers as they are now (the
+        frame has their room: a recalibration after the last push, ``update_bn``, reaches the server)."""
+        if buffers is not None:
+            self.layout.floats.pack(self.request, buffers[0])
+            self.layout.ints.pack(self.request, buffers[1])
+        self._call(DONE, 0, samples, int(buffers is not None))
         self.close()
 
     def checkpointed(self, seq: int, samples: int) -> None:

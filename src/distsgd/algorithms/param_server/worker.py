@@ -263,7 +263,12 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
             )
 
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        self.client.done(self.local)
+        """Done: the buffers travel once more, as they are now (BatchNorm statistics recomputed
+        after the last step are the model's the server returns)."""
+        topology = type(self).topology
+        assert isinstance(topology, ServerTopology)
+        ends = topology.rule.steps and bool(self.floats or self.ints)  # (async EASGD's centre has its own)
+        self.client.done(self.local, (self.floats, self.ints) if ends else None)
         return model
 
     def check_untouched(self, ctx: WorkerContext) -> None:
