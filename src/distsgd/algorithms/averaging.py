@@ -144,6 +144,23 @@ def average_buffers_(model: nn.Module, world: int) -> int:
     return sent
 
 
+def adopt_buffers_(target: nn.Module, model: nn.Module, changed: bool, world: int) -> int:
+    """Where any worker's ``model`` has ``changed`` its buffers since the algorithm last took them
+    (BatchNorm statistics recomputed after the last step, SWA's ``update_bn``), ``target`` (the
+    model returned: theta, the centre) takes the workers' buffers as an averaging does; else it is
+    left alone. Every worker calls it: one all-reduce of a flag (and of the buffers). Returns the
+    bytes all-reduced."""
+    device = next(iter(model.buffers()), torch.empty(0)).device
+    flag = torch.tensor([float(changed)], device=device)
+    sent = allreduce_mean_([flag], world)
+    if flag.item() > 0:
+        with torch.no_grad():
+            for mine, theirs in zip(model.buffers(), target.buffers()):
+                theirs.copy_(mine)
+        sent += average_buffers_(target, world)
+    return sent
+
+
 def average_model_(model: nn.Module, world: int) -> int:
     """Average parameters and floating-point buffers across the group; copy rank 0's integer
     buffers. Returns the bytes all-reduced (the integer buffers' broadcast is a few bytes)."""

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from distsgd.algorithms import compress
-from distsgd.algorithms.averaging import allreduce_mean_, average_buffers_, broadcast_, params
+from distsgd.algorithms.averaging import adopt_buffers_, average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
 from distsgd.algorithms.periodic import period_option, refuse_epochs_in_own_loop, untrained_by_theta
 from distsgd.checkpoint import count
@@ -274,25 +274,10 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         elif self.period.pending and rule == "average":
             self.sent(self._outer_step_on(model, self.global_model, None, self.compressor), self.world)
             self.period.synced()
-        elif not self.period.pending:
-            self._buffers_since_the_outer_step(model)
+        elif not self.period.pending:  # buffers changed since the last outer step (update_bn): theta's
+            changed = any(not torch.equal(a, b) for a, b in zip(model.buffers(), self.global_model.buffers()))
+            self.sent(adopt_buffers_(self.global_model, model, changed, self.world), self.world)
         return self.global_model
-
-    def _buffers_since_the_outer_step(self, model: nn.Module) -> None:
-        """Buffers a worker changed after the last outer step (BatchNorm statistics recomputed
-        after training, ``update_bn``): theta takes the workers' average, as an outer step would
-        (one all-reduce of a flag, and of the buffers where a worker's differ)."""
-        changed = torch.tensor(
-            [float(any(not torch.equal(a, b) for a, b in zip(model.buffers(), self.global_model.buffers())))],
-            device=self.params[0].device if self.params else None,
-        )
-        sent = allreduce_mean_([changed], self.world)
-        if changed.item() > 0:
-            with torch.no_grad():
-                for local, global_ in zip(model.buffers(), self.global_model.buffers()):
-                    global_.copy_(local)
-            sent += average_buffers_(self.global_model, self.world)
-        self.sent(sent, self.world)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -43,7 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distsgd.algorithms.averaging import averaged, elastic_alpha, flatten, int_buffers, unflatten_into
+from distsgd.algorithms.averaging import (
+    adopt_buffers_,
+    averaged,
+    elastic_alpha,
+    flatten,
+    int_buffers,
+    unflatten_into,
+)
 from distsgd.algorithms.base import Algorithm, GroupAlgorithm, GroupFigures, Topology, register
 from distsgd.algorithms.param_server.rules import Elastic
 from distsgd.algorithms.param_server.worker import ServerAlgorithm, ServerTopology
@@ -115,6 +122,8 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     x: list[torch.Tensor]  # x_i, this worker's (the same parts)
     x_ints: list[torch.Tensor]  # this worker's integer buffers, which the centre copies
     center_ints: list[torch.Tensor]
+    buffers: list[torch.Tensor]  # this worker's (x_i's) buffers, all of them
+    seen: list[int]  # their in-place versions at its last step (changed since: update_bn after training)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
@@ -136,6 +145,8 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         self.center = averaged(self.center_model)
         self.x = averaged(model)
         self.x_ints, self.center_ints = int_buffers(model), int_buffers(self.center_model)
+        self.buffers = list(model.buffers())
+        self.seen = [b._version for b in self.buffers]
         return model
 
     def regrouped(self, ctx: WorkerContext) -> None:
@@ -152,6 +163,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
             self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
         optimizer.step()
+        self.seen = [b._version for b in self.buffers]
 
     def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
         """Weights the user's loop loaded (on every worker) are the centre's too: otherwise the
@@ -177,6 +189,11 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         self.period.load_state_dict(state["period"])
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        """The centre; with the workers' buffers where one changed them after its last step
+        (BatchNorm statistics recomputed after training), which no exchange would carry."""
+        if self.seen:
+            changed = [b._version for b in self.buffers] != self.seen
+            self.sent(adopt_buffers_(self.center_model, self.unwrap(model), changed, self.world), self.world)
         return self.center_model
 
     def figures(self) -> EASGDFigures:

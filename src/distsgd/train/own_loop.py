@@ -167,6 +167,10 @@ class Run:
         # the training set's length as run.loader last saw it (a map-style dataset; None: a stream
         # or no loader yet): what an epoch is, for the progress lines and the summary's epochs
         self._data_len: int | None = None
+        # the training passes under way (begun, not ended), by a token of each: their datasets'
+        # lengths (None: a stream). Passes read together (a labelled and an unlabelled loader
+        # zipped) make one epoch of their lengths summed, as their samples are counted together
+        self._open: dict[int, int | None] = {}
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
@@ -700,13 +704,16 @@ class Run:
             return epoch, -1  # trained before the resume: empty
         return epoch, self._skip if epoch == self._state.epoch else 0
 
-    def _pass(self, shard: "_Shard") -> Any:
-        """A pass over ``shard``: its batches of the epoch it is (the state says so from here on)."""
+    def _pass(self, shard: "_Shard", token: object) -> Any:
+        """A pass over ``shard``: its batches of the epoch it is (the state says so from here on);
+        ``token`` names it among the passes under way until it ends (:meth:`_pass_ended`)."""
         self._need_setup("iterating over run.loader()")
         epoch, skip = self._upcoming_epoch(shard)
         if shard.epoch is None:
             self._passes += 1
-        self._data_len = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
+        self._open[id(token)] = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
+        lengths = list(self._open.values())
+        self._data_len = None if None in lengths else sum(cast(list[int], lengths))
         if skip < 0:
             return []
         self._skip = 0
@@ -1444,11 +1451,15 @@ class _Shard:
             for batch in run._evaluation_pass(self):
                 yield _to(batch, run.device)
             return
-        for batch in run._pass(self):
-            if run.should_stop():
-                return
-            run.count(_count(batch))
-            yield _to(batch, run.device)
+        token = object()
+        try:
+            for batch in run._pass(self, token):
+                if run.should_stop():
+                    return
+                run.count(_count(batch))
+                yield _to(batch, run.device)
+        finally:  # exhausted, left (a zip's shorter loader ended), or stopped
+            run._open.pop(id(token), None)
 
 
 class _Real:

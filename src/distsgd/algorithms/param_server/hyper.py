@@ -18,6 +18,7 @@ user's schedule gone wrong: one line) and on the server (a forged push: that con
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from collections.abc import Sequence
@@ -197,6 +198,25 @@ def optimizer_difference(theirs: torch.optim.Optimizer, server: torch.optim.Opti
     return None
 
 
+def settings_of(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A copy of each parameter group's settings that do not travel with a push (eps, nesterov,
+    ...), to hold the optimiser to (:func:`settings_change`)."""
+    travel = {key for key, _ in KEYS}
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k not in _NOT_SETTINGS | travel} for g in opt.param_groups]
+
+
+def settings_change(opt: torch.optim.Optimizer, before: list[dict[str, Any]]) -> str | None:
+    """How ``opt``'s settings that do not travel with a push differ from ``before``
+    (:func:`settings_of`'s), in one phrase; None: in nothing. A key a group gained since (an LR
+    scheduler's bookkeeping, OneCycleLR's ``max_lr``) is no setting of the optimiser's."""
+    name = type(opt).__name__
+    for i, (group, old) in enumerate(zip(opt.param_groups, before)):
+        for key in sorted(old):
+            if not _same(group.get(key), old[key]):
+                return f"your {name} has {key}={group.get(key)!r} in parameter group {i}, {old[key]!r} at run.setup()"
+    return None
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
@@ -215,4 +235,12 @@ def _set(old: Any, value: float) -> Any:
     return value
 
 
-__all__ = ["KEYS", "Group", "Hyperparameters", "describe_optimizer", "optimizer_difference"]
+__all__ = [
+    "KEYS",
+    "Group",
+    "Hyperparameters",
+    "describe_optimizer",
+    "optimizer_difference",
+    "settings_change",
+    "settings_of",
+]

@@ -12,7 +12,13 @@ from torch import nn
 from distsgd.algorithms.averaging import flat_view_, float_buffers, int_buffers, params, refuse_sparse
 from distsgd.algorithms.base import Algorithm, Server, ServerSeat, Topology, register
 from distsgd.algorithms.param_server import transport, wire
-from distsgd.algorithms.param_server.hyper import Hyperparameters, describe_optimizer, optimizer_difference
+from distsgd.algorithms.param_server.hyper import (
+    Hyperparameters,
+    describe_optimizer,
+    optimizer_difference,
+    settings_change,
+    settings_of,
+)
 from distsgd.algorithms.param_server.role import ServerFigures, ServerRole
 from distsgd.algorithms.param_server.rules import Asynchronous, BoundedStaleness, DelayCompensated, Rule, SyncRound
 from distsgd.checkpoint import count
@@ -138,6 +144,9 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     floats: list[torch.Tensor]  # the buffers each push carries: floating-point ones
     ints: list[torch.Tensor]  # and the others (integer, bool)
     optimizer: torch.optim.Optimizer  # the worker's: whose settings each push carries (make_optimizer returns it)
+    # a user's loop's optimiser (run.setup) and its settings a push does not carry, as they were
+    # then: held to them all through the run (the server's optimiser was built with them)
+    theirs: tuple[torch.optim.Optimizer, list[dict[str, Any]]] | None
     hypers: Hyperparameters  # what of them travels (nothing where the server's optimiser never steps)
     pushed: list[float]  # their values at the step being taken (apply_step reads them, after_step pushes)
     client: transport.Client  # the connection to the server
@@ -149,6 +158,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         self.local = self.version = self.total = 0
         self.stop = False
         self.layouts_seen = False  # a push was made: no gradient was sparse (refuse_sparse)
+        self.theirs = None
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -208,6 +218,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
                 f"betas and weight decay of each push: {problem}; give distsgd.spawn(optimizer=...) a "
                 f"function that builds yours"
             )
+        self.theirs = (optimizers[0], settings_of(optimizers[0]))
 
     def before_training(self, ctx: WorkerContext) -> None:
         self.client.barrier()  # every worker is built: start together (a replacement: at once)
@@ -272,9 +283,18 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         return model
 
     def check_untouched(self, ctx: WorkerContext) -> None:
-        """The worker's weights are still the server's last reply (a momentum target the loop moved
-        in place after each step, a clamp, were overwritten by the next reply, silently); a copy to
-        the host on a GPU, and a compare."""
+        """The loop's optimiser still matches the server's in what a push does not carry (Adam's
+        eps raised mid-run was ignored, silently), and the worker's weights are still the server's
+        last reply (a momentum target the loop moved in place after each step, a clamp, were
+        overwritten by the next reply, silently): a look at the groups' settings, a copy to the host
+        on a GPU, and a compare."""
+        changed = settings_change(*self.theirs) if self.theirs is not None else None
+        if changed is not None:
+            raise ConfigError(
+                f"your loop changed its optimiser during the run: {changed}; under {self.cfg.algo} the server "
+                f"steps with its own, and a push carries only the lr, momentum, betas and weight decay, so the "
+                f"change would be ignored; set it from the start (distsgd.spawn(optimizer=...))"
+            )
         if not self.client.changed_since_answer():
             return
         raise ConfigError(
