@@ -218,12 +218,17 @@ def test_a_scheduler_to_zero_moves_nothing(algo: str, extra: dict) -> None:
     assert result.model is not None and max_diff(weights_of(result.model), initial_weights(Net)) == 0.0
 
 
+RING = ("hogwild++", {"update_delay": 1})  # two clusters of one, the token passed every step
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, extra", FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize("algo, extra", [*FAMILIES, RING], ids=[f[0] for f in [*FAMILIES, RING]])
 def test_weights_loaded_after_setup_are_trained_or_refused(algo: str, extra: dict) -> None:
     """Loaded on every worker right after setup, with an lr of 1e-12: the model returned is the
-    loaded one (DiLoCo's theta and local-sgd's anchor follow), or, under the parameter server,
-    whose weights would overwrite them, one line."""
+    loaded one (DiLoCo's theta, local-sgd's anchor and hogwild++'s w_i_old follow: on 2228781 the
+    ring passed the whole jump from the old weights to the next cluster, which had loaded them
+    too, and returned a model 0.48 from them), or, under the parameter server, whose weights would
+    overwrite them, one line."""
     if algo == "asgd":
         with pytest.raises(distsgd.DistsgdError, match="the server holds the model") as info:
             spawn("load", algo, max_samples=6 * 2 * B, lr=1e-12, **extra)
@@ -768,10 +773,10 @@ def test_a_stream_is_read_once_under_shared_memory_and_the_server(tmp_path, algo
 # -- the global random streams a loop draws from ---------------------------------------------------
 
 
-def augmenting_loop(run: distsgd.Run, notes: Path, die_after: int | None = None) -> nn.Module:
+def augmenting_loop(run: distsgd.Run, notes: Path, die_after: int | None = None, dying: int = 1) -> nn.Module:
     """Noises each batch with numpy and Python's ``random`` (as an augmentation of a Dataset or a
-    loop does), noting every draw; checkpoints at each epoch's end; worker 1 dies after epoch
-    ``die_after`` (the first run only)."""
+    loop does), noting every draw; checkpoints at each epoch's end; worker ``dying`` dies after
+    epoch ``die_after`` (the first run only)."""
     import random
 
     import numpy as np
@@ -788,7 +793,7 @@ def augmenting_loop(run: distsgd.Run, notes: Path, die_after: int | None = None)
             opt.step()
         torch.save(drawn, notes / f"rank{run.rank}-from{first}.pt")
         run.checkpoint(next_epoch=epoch + 1)
-        if die_after == epoch and run.resumed is None and run.rank == 1:
+        if die_after == epoch and run.resumed is None and run.rank == dying:
             os._exit(3)
     return run.final_model()
 
@@ -921,12 +926,23 @@ def recalibrating_loop(run: distsgd.Run) -> nn.Module:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "algo, extra", [("sync-ps", {}), ("asgd", {}), ("diloco", {"sync_every": "4"}), ("easgd", {"tau": 4})]
+    "algo, extra",
+    [
+        ("sync-ps", {}),
+        ("asgd", {}),
+        ("diloco", {"sync_every": "4"}),
+        ("easgd", {"tau": 4}),
+        ("easgd", {"tau": 4, "easgd_mode": "async"}),
+        ("streaming-diloco", {"sync_every": "4", "fragments": 1, "overlap": 0}),
+    ],
+    ids=["sync-ps", "asgd", "diloco", "easgd", "async-easgd", "streaming-diloco"],
 )
 def test_batchnorm_statistics_recomputed_after_training_are_the_models_returned(algo: str, extra: dict) -> None:
     """On b4f55fa the model returned kept the training's statistics (running mean 3.4e-02 from
     the data's): the server's came only with pushes, diloco's theta only from outer steps, easgd's
-    centre only from exchanges. The reference is torch's update_bn on one model in one process."""
+    centre only from exchanges (on a4df93b still async easgd's, and one-fragment
+    streaming-diloco's theta only from landings). The reference is torch's update_bn on one model
+    in one process."""
     result = distsgd.spawn(
         recalibrating_loop, model=NormedNet, algo=algo, workers=2, batch_size=B, lr=0.1, quiet=True, **extra
     )
@@ -1040,3 +1056,42 @@ def test_loaders_read_together_make_one_epoch() -> None:
     assert together.summary["samples"] == 2 * (N + 2 * N) and together.summary["epochs"] == 2.0
     apart = distsgd.spawn(functools.partial(zipped_loop, together=False), **settings)
     assert apart.summary["samples"] == 2 * N and apart.summary["epochs"] == 2.0
+
+
+@pytest.mark.slow
+def test_a_resumed_async_easgd_worker_goes_on_from_its_own_weights(tmp_path: Path) -> None:
+    """One worker (deterministic), killed after its first epoch's checkpoint and resumed: on
+    a4df93b it went on from the centre the server held, not from its own x_i (1e-02 from the
+    uninterrupted run's weights, silently)."""
+    settings = {"model": Net, "algo": "easgd", "easgd_mode": "async", "tau": 4, "workers": 1, "batch_size": B}
+    settings |= {"lr": 0.1, "momentum": 0.0, "quiet": True}
+    for name in ("whole", "killed"):
+        (tmp_path / name).mkdir()
+    whole = distsgd.spawn(functools.partial(augmenting_loop, notes=tmp_path / "whole"), out=f"{tmp_path}/w", **settings)
+    out = str(tmp_path / "run")
+    with pytest.raises(distsgd.DistsgdError, match="worker 0"):
+        distsgd.spawn(
+            functools.partial(augmenting_loop, notes=tmp_path / "killed", die_after=0, dying=0), out=out, **settings
+        )
+    resumed = distsgd.spawn(
+        functools.partial(augmenting_loop, notes=tmp_path / "killed"), out=out, resume=out, **settings
+    )
+    assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_replacements_batch_figure_counts_its_own_steps(tmp_path: Path) -> None:
+    """Under ssp a worker dies after its first epoch's checkpoint and the run goes on without it;
+    resumed, the rank is a replacement that trains its two missing epochs. On a4df93b its samples
+    counted its predecessor's and its steps its own: summary.json said batch_size 19.2 for 16."""
+    settings = {"model": Net, "algo": "ssp", "workers": 2, "batch_size": B, "lr": 0.1, "quiet": True}
+    (tmp_path / "notes").mkdir()
+    out = str(tmp_path / "run")
+    first = distsgd.spawn(
+        functools.partial(augmenting_loop, notes=tmp_path / "notes", die_after=0), out=out, **settings
+    )
+    assert first.summary["failed_workers"] == [1]
+    resumed = distsgd.spawn(
+        functools.partial(augmenting_loop, notes=tmp_path / "notes"), out=out, resume=out, **settings
+    )
+    assert resumed.summary["samples"] == 3 * N and resumed.summary["batch_size"] == B

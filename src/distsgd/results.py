@@ -93,7 +93,8 @@ def _batch(cfg: RunConfig, results: list[WorkerResult]) -> dict[str, Any]:
     stepped = [r for r in results if r.steps]
     if not any(r.steps is not None for r in results):
         return {"batch_size": cfg.batch_size, "accumulate": cfg.accumulate}
-    per_step = sum(r.samples for r in stepped) / sum(r.steps or 0 for r in stepped) if stepped else 0.0
+    taken = sum(r.samples if r.step_samples is None else r.step_samples for r in stepped)
+    per_step = taken / sum(r.steps or 0 for r in stepped) if stepped else 0.0
     return {"batch_size": int(per_step) if per_step.is_integer() else round(per_step, 2), "accumulate": None}
 
 

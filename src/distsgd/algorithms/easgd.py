@@ -208,16 +208,34 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     topology: ClassVar[Topology] = ServerTopology(Elastic)
 
     period: Periodic  # exchanges at steps tau divides, as in sync mode (checkpointed)
-    alpha: float  # built by setup: the elastic strength
+    # built by setup:
+    alpha: float  # the elastic strength
+    buffers: list[torch.Tensor]  # this worker's (x_i's) buffers, all of them
+    seen: list[int]  # their in-place versions at its last step (changed since: update_bn after training)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         self.period = Periodic(self.opts.tau, first=0)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
-        model = super().setup(ctx, model, start)  # pulls the centre as the starting point
+        """A fresh worker, or one that replaces a dead one, starts from the centre (pulled); a
+        resumed one goes on from its own x_i, its checkpoint's (which the pull would replace)."""
+        own = [p.detach().clone() for p in model.parameters()] if start is Start.RESUMED else None
+        model = super().setup(ctx, model, start)
+        if own is not None:
+            with torch.no_grad():
+                for p, mine in zip(model.parameters(), own):
+                    p.copy_(mine)
         self.alpha = elastic_alpha(self.opts, ctx.world)
+        self.buffers = list(model.buffers())
+        self.seen = [b._version for b in self.buffers]
         return model
+
+    def buffers_changed(self) -> bool:
+        """The centre's buffers move by the exchanges; a worker's changed after its last step
+        (BatchNorm statistics recomputed after training) go with its DONE, and the centre takes
+        the mean of those sent."""
+        return [b._version for b in self.buffers] != self.seen
 
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """Any optimisers of a user's loop: the workers step locally (the server's never steps)."""
@@ -238,6 +256,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
                 for b, d in zip(self.floats, diffs):
                     b.sub_((self.alpha * d).view_as(b))
         optimizer.step()
+        self.seen = [b._version for b in self.buffers]
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples

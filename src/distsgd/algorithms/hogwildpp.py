@@ -305,6 +305,16 @@ class ClusterWorker(SharedModel[HogwildOptions]):
         super().after_step(ctx, model, step)
         self.lr_now[0] = current_lr(self.optimizer)
 
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        """The ring's thread holds this cluster's w_i_old in the launching process: weights loaded
+        here would reach the next cluster, which loaded them too, a second time (as HogwildPP's
+        :meth:`~HogwildPP.weights_loaded` prevents within one machine)."""
+        raise ConfigError(
+            "under hogwild++ across processes (torchrun) the token ring holds each cluster's last weights: "
+            "weights loaded after run.setup() would be counted twice; load them in the model factory given "
+            "to distsgd.spawn(model=...)"
+        )
+
 
 @register
 class HogwildPP(SharedModel[RingOptions]):
@@ -379,6 +389,13 @@ class HogwildPP(SharedModel[RingOptions]):
 
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizer = optimizers[0]
+
+    def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
+        """Weights the user's loop loaded (on every worker) are this cluster's w_i_old too: else
+        its next exchange would hand the next cluster, which loaded them as well, the whole jump
+        from the weights of setup (counted twice)."""
+        with self.ring.lock:
+            self.old.copy_(flatten(self.mine))
 
     def scale(self) -> float:
         """eta for an exchange now: this worker's learning rate, or the fixed --ring-scale."""

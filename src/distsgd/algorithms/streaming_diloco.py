@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distsgd.algorithms.averaging import average_buffers_, broadcast_, flat_view_, params
+from distsgd.algorithms.averaging import adopt_buffers_, average_buffers_, broadcast_, flat_view_, params
 from distsgd.algorithms.base import GroupFigures, register
 from distsgd.algorithms.diloco import InnerOuter, OuterOptions
 from distsgd.algorithms.periodic import period_option, untrained_by_theta
@@ -369,7 +369,11 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         untrained = self.rounds == 0 and self.flight is None and any(pending)
         if untrained and self.opts.partial_round == "theta" and ctx.rank == 0:
             log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
+        landing = self.flight is not None or any(pending)
         final = self._ending(self.globals, self.flat, model, self.flight, pending, self.sent)
+        if not landing:  # buffers changed since the last landing (update_bn after training): theta's
+            changed = any(not torch.equal(a, b) for a, b in zip(model.buffers(), final.buffers()))
+            self.sent(adopt_buffers_(final, model, changed, self.world), self.world)
         self.flight = None
         for p in self.periods:
             p.synced()

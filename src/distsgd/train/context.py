@@ -164,4 +164,5 @@ class WorkerResult:
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
     data_len: int | None = None  # a user's loop: the training set's length its run.loader saw (its epochs)
     steps: int | None = None  # a user's loop: the optimiser steps this worker took (its samples a step)
+    step_samples: int | None = None  # the samples of those steps (a replacement's predecessor's are not)
     generation: int | None = None  # --min-workers: the generation of the group it finished in

@@ -119,12 +119,13 @@ class LoopState:
         self.start = 0  # where the next batch begins in this epoch's order
         self.local = 0  # this worker's samples
         self.steps = 0
+        self.unstepped = 0  # of them, those no counted step took (a replacement's: its predecessor's)
         self.seq = 0  # checkpoints written
         self.train_wall_s = 0.0
         self.evals: list[dict[str, Any]] = []
         self.evals_at, self.checkpoints_at = Periodic(eval_every), Periodic(checkpoint_every)
 
-    _COUNTERS = ("epoch", "start", "local", "steps", "seq", "train_wall_s", "evals")
+    _COUNTERS = ("epoch", "start", "local", "steps", "unstepped", "seq", "train_wall_s", "evals")
     _WHOLE = ("epoch", "start", "local", "steps", "seq")  # of the counters, those that count (>= 0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -137,6 +138,7 @@ class LoopState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self._WHOLE:
             setattr(self, k, count(state, k))
+        self.unstepped = count(state, "unstepped") if "unstepped" in state else 0  # (kept since 2026-11-29)
         self.train_wall_s = seconds(state, "train_wall_s")
         self.evals = evaluations(state, "evals")
         self.evals_at.load_state_dict(state["evals_at"])
@@ -285,7 +287,7 @@ class Run:
             self._skip, self._first_epoch = self._state.start, self._state.epoch
             self._resumed_short(ctx, self._checkpointer.manifest)
         elif start is Start.REPLACEMENT:
-            self._state.local = self._rejoined = self._algo.starting_samples(ctx)
+            self._state.local = self._state.unstepped = self._rejoined = self._algo.starting_samples(ctx)
             if cfg.resume:  # (a checkpoint with no part of its, a coordinator's final one): number on above it
                 manifest = self._checkpointer.manifest
                 self._state.seq = max(self._state.seq, int(manifest["seq"]) if manifest is not None else 0)
@@ -1394,6 +1396,7 @@ class Run:
             figures=self._algo.figures(),
             data_len=self._data_len,
             steps=self.steps if self._ctx.job.main is not None else None,
+            step_samples=self.samples - self._state.unstepped,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
         )
 

@@ -276,11 +276,15 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """Done: the buffers travel once more, as they are now (BatchNorm statistics recomputed
         after the last step are the model's the server returns)."""
+        self.client.done(self.local, (self.floats, self.ints) if self.buffers_changed() else None)
+        return model
+
+    def buffers_changed(self) -> bool:
+        """Whether the buffers go with the DONE: where the server steps, always (each push carried
+        them: the last push's unless changed since)."""
         topology = type(self).topology
         assert isinstance(topology, ServerTopology)
-        ends = topology.rule.steps and bool(self.floats or self.ints)  # (async EASGD's centre has its own)
-        self.client.done(self.local, (self.floats, self.ints) if ends else None)
-        return model
+        return topology.rule.steps and bool(self.floats or self.ints)
 
     def check_untouched(self, ctx: WorkerContext) -> None:
         """The loop's optimiser still matches the server's in what a push does not carry (Adam's
