@@ -149,9 +149,11 @@ def adopt_buffers_(target: nn.Module, model: nn.Module, changed: bool, world: in
     (BatchNorm statistics recomputed after the last step, SWA's ``update_bn``), ``target`` (the
     model returned: theta, the centre) takes the workers' buffers as an averaging does; else it is
     left alone. Every worker calls it: one all-reduce of a flag (and of the buffers). Returns the
-    bytes all-reduced."""
-    device = next(iter(model.buffers()), torch.empty(0)).device
-    flag = torch.tensor([float(changed)], device=device)
+    bytes all-reduced; a model without buffers (the same on every worker) makes no call."""
+    buffers = list(model.buffers())
+    if not buffers:
+        return 0
+    flag = torch.tensor([float(changed)], device=buffers[0].device)  # (NCCL's collectives take CUDA tensors)
     sent = allreduce_mean_([flag], world)
     if flag.item() > 0:
         with torch.no_grad():

@@ -662,8 +662,9 @@ class Run:
         training data (it counts the samples each step takes); a pass begun under
         ``torch.no_grad()`` (an evaluation's) counts nothing and leaves the epochs alone, and reads
         this worker's shard (a warning says so): evaluate the whole set with a DataLoader of your
-        own, or combine the workers' figures with :meth:`all_reduce`. In a resumed run (or a worker that replaced a dead one) it goes on where the run was:
-        an epoch trained before is empty, the one it stopped in goes on from there."""
+        own, or combine the workers' figures with :meth:`all_reduce`. In a resumed run (or a
+        worker that replaced a dead one) it goes on where the run was: an epoch trained before is
+        empty, the one it stopped in goes on from there."""
         if "sampler" in options or "batch_sampler" in options:
             raise ConfigError("run.loader() chooses this worker's samples itself: leave out sampler and batch_sampler")
         if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__len__"):
@@ -708,7 +709,7 @@ class Run:
 
     def _pass(self, shard: "_Shard", token: object) -> Any:
         """A pass over ``shard``: its batches of the epoch it is (the state says so from here on);
-        ``token`` names it among the passes under way until it ends (:meth:`_pass_ended`)."""
+        ``token`` names it among the passes under way until it ends (``_Shard.__iter__`` lets go)."""
         self._need_setup("iterating over run.loader()")
         epoch, skip = self._upcoming_epoch(shard)
         if shard.epoch is None:
