@@ -225,12 +225,12 @@ RING = ("hogwild++", {"update_delay": 1})  # two clusters of one, the token pass
 @pytest.mark.parametrize("algo, extra", [*FAMILIES, RING], ids=[f[0] for f in [*FAMILIES, RING]])
 def test_weights_loaded_after_setup_are_trained_or_refused(algo: str, extra: dict) -> None:
     """Loaded on every worker right after setup, with an lr of 1e-12: the model returned is the
-    loaded one (DiLoCo's theta, local-sgd's anchor and hogwild++'s w_i_old follow: on 2228781 the
-    ring passed the whole jump from the old weights to the next cluster, which had loaded them
-    too, and returned a model 0.48 from them), or, under the parameter server, whose weights would
-    overwrite them, one line."""
-    if algo == "asgd":
-        with pytest.raises(distsgd.DistsgdError, match="the server holds the model") as info:
+    loaded one (DiLoCo's theta and local-sgd's anchor follow), or one line: under the parameter
+    server, whose weights would overwrite them, and under hogwild++, whose ring would pass the
+    load on as a change (on 2228781 a model 0.48 from the weights loaded, exit 0)."""
+    if algo in ("asgd", "hogwild++"):
+        said = "the server holds the model" if algo == "asgd" else "passed on as a change"
+        with pytest.raises(distsgd.DistsgdError, match=said) as info:
             spawn("load", algo, max_samples=6 * 2 * B, lr=1e-12, **extra)
         assert "\n" not in str(info.value)
         return

@@ -276,6 +276,19 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
+def refuse_loaded_weights() -> None:
+    """Weights a user's loop loads after run.setup(), each cluster its copy: the ring's exchanges
+    pass on each cluster's change since its last exchange (its w_i_old), so the load would reach
+    the next cluster, which loaded them too, a second time (0.48 from them), and a cluster whose
+    workers step before another's load exchanges with the weights of setup: refused, whatever
+    the timing."""
+    raise ConfigError(
+        "under hogwild++ the clusters pass on their changes round the token ring: weights loaded after "
+        "run.setup() would be passed on as a change, and the clusters' loads and first exchanges race; "
+        "load them in the model factory given to distsgd.spawn(model=...)"
+    )
+
+
 class ClusterMemory(HogwildMemory):
     """Under torchrun, one cluster's shared memory: Hogwild!'s, and its extras, one float64 that its
     workers set to their learning rate after every step, for the :class:`TokenRing` to read."""
@@ -306,14 +319,7 @@ class ClusterWorker(SharedModel[HogwildOptions]):
         self.lr_now[0] = current_lr(self.optimizer)
 
     def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
-        """The ring's thread holds this cluster's w_i_old in the launching process: weights loaded
-        here would reach the next cluster, which loaded them too, a second time (as HogwildPP's
-        :meth:`~HogwildPP.weights_loaded` prevents within one machine)."""
-        raise ConfigError(
-            "under hogwild++ across processes (torchrun) the token ring holds each cluster's last weights: "
-            "weights loaded after run.setup() would be counted twice; load them in the model factory given "
-            "to distsgd.spawn(model=...)"
-        )
+        refuse_loaded_weights()
 
 
 @register
@@ -391,11 +397,7 @@ class HogwildPP(SharedModel[RingOptions]):
         self.optimizer = optimizers[0]
 
     def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
-        """Weights the user's loop loaded (on every worker) are this cluster's w_i_old too: else
-        its next exchange would hand the next cluster, which loaded them as well, the whole jump
-        from the weights of setup (counted twice)."""
-        with self.ring.lock:
-            self.old.copy_(flatten(self.mine))
+        refuse_loaded_weights()
 
     def scale(self) -> float:
         """eta for an exchange now: this worker's learning rate, or the fixed --ring-scale."""
