@@ -63,7 +63,7 @@ def config(algo: str, world: int, options: dict[str, Any] | None = None, **setti
 
 def context(rank: int, world: int) -> SimpleNamespace:
     """What the hooks read of a WorkerContext, for a worker driven by hand."""
-    return SimpleNamespace(world=world, rank=rank, job=SimpleNamespace(optimizer=None, param_groups=None))
+    return SimpleNamespace(world=world, rank=rank, job=SimpleNamespace(optimizer=None, param_groups=None, main=None))
 
 
 def take_step(

@@ -42,27 +42,31 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def reference(
-    steps: int, per_step: int, lr: float, clip: float | None = None, epochs: int = 1
-) -> dict[str, torch.Tensor]:
-    """Plain SGD in float64 in one process: step k takes the global batch k (the two workers'
-    ``per_step`` samples each: ``2 * per_step`` consecutive samples of the epoch's permutation, the
-    sharded partition), the mean loss's gradient, clipped to ``clip`` if given; ``epochs`` passes,
-    each over its own permutation."""
-    model = Net().double()
-    model.load_state_dict(initial_weights(Net))
+def global_batches(steps: int = N // (2 * B), per_step: int = B, epochs: int = 1):
+    """One process's batches, in float64: step k of an epoch takes the global batch k (the two
+    workers' ``per_step`` samples each: ``2 * per_step`` consecutive samples of the epoch's
+    permutation, the sharded partition); ``epochs`` passes, each over its own permutation."""
     x, y = toy_dataset().tensors
     for epoch in range(epochs):
         order = epoch_indices(N, epoch, 0, 1, SEED)
         for k in range(steps):
             idx = order[2 * per_step * k : 2 * per_step * (k + 1)]
-            model.zero_grad()
-            F.cross_entropy(model(x[idx].double()), y[idx]).backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= lr * p.grad
+            yield x[idx].double(), y[idx]
+
+
+def reference(steps: int, per_step: int, lr: float, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Plain SGD in float64 in one process over :func:`global_batches`, the mean loss's gradient,
+    clipped to ``clip`` if given."""
+    model = Net().double()
+    model.load_state_dict(initial_weights(Net))
+    for x, y in global_batches(steps, per_step):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
     return weights_of(model)
 
 
@@ -149,12 +153,9 @@ def scheduled_loop(run: distsgd.Run) -> nn.Module:
 def reference_halving(steps: int) -> dict[str, torch.Tensor]:
     model = Net().double()
     model.load_state_dict(initial_weights(Net))
-    x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(steps):
-        idx = order[2 * B * k : 2 * B * (k + 1)]
+    for k, (x, y) in enumerate(global_batches(steps)):
         model.zero_grad()
-        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        F.cross_entropy(model(x), y).backward()
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * 0.5**k * p.grad
@@ -188,12 +189,9 @@ def test_two_optimisers_built_in_the_loop_step_the_averaged_gradient() -> None:
     model.load_state_dict(initial_weights(Net))
     body = torch.optim.SGD(model.body.parameters(), lr=0.1)
     head = torch.optim.Adam(model.head.parameters(), lr=0.01)
-    x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(3):
-        idx = order[2 * B * k : 2 * B * (k + 1)]
+    for x, y in global_batches(3):
         model.zero_grad()
-        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        F.cross_entropy(model(x), y).backward()
         body.step()
         head.step()
     assert result.model is not None and result.summary["samples"] == 3 * 2 * B
@@ -398,12 +396,9 @@ def test_a_plateau_scheduler_on_the_shared_loss_is_one_processs() -> None:
     model.load_state_dict(initial_weights(Net))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
-    x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(N // (2 * B)):
-        idx = order[2 * B * k : 2 * B * (k + 1)]
+    for x, y in global_batches():
         opt.zero_grad()
-        loss = F.cross_entropy(model(x[idx].double()), y[idx])
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         plateau.step(loss.item())
@@ -458,12 +453,9 @@ def test_a_momentum_target_moved_by_the_loop_is_one_processs_under_allreduce(how
     model = WithTarget().double()
     model.load_state_dict(initial_weights(WithTarget))
     opt = torch.optim.SGD(model.online.parameters(), lr=0.1)
-    x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(N // (2 * B)):
-        idx = order[2 * B * k : 2 * B * (k + 1)]
+    for x, y in global_batches():
         opt.zero_grad()
-        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
         move_target(model, how)
     assert result.model is not None and max_diff(weights_of(result.model), weights_of(model)) < 1e-5
@@ -551,18 +543,15 @@ def test_sam_with_its_base_optimiser_given_to_setup_is_one_processs(algo: str) -
     result = distsgd.spawn(sam_loop, model=Net, algo=algo, workers=2, batch_size=B, momentum=0.0, quiet=True)
     torch.manual_seed(0)
     model = Net().double()
-    x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(N // (2 * B)):
-        idx = order[2 * B * k : 2 * B * (k + 1)]
+    for x, y in global_batches():
         params = list(model.parameters())
-        grads = torch.autograd.grad(F.cross_entropy(model(x[idx].double()), y[idx]), params)
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), params)
         norm = torch.norm(torch.stack([g.norm(2) for g in grads]))
         with torch.no_grad():
             moves = [0.05 * g / (norm + 1e-12) for g in grads]
             for p, e in zip(params, moves):
                 p += e
-        grads = torch.autograd.grad(F.cross_entropy(model(x[idx].double()), y[idx]), params)
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), params)
         with torch.no_grad():
             for p, e, g in zip(params, moves, grads):
                 p -= e + 0.1 * g
@@ -648,16 +637,12 @@ def reference_epochs(epochs: int, lr: float) -> dict[str, torch.Tensor]:
     own permutation (the sharded partition's two shards of an epoch, side by side)."""
     model = Net().double()
     model.load_state_dict(initial_weights(Net))
-    x, y = toy_dataset().tensors
-    for epoch in range(epochs):
-        order = epoch_indices(N, epoch, 0, 1, SEED)
-        for k in range(N // (2 * B)):
-            idx = order[2 * B * k : 2 * B * (k + 1)]
-            model.zero_grad()
-            F.cross_entropy(model(x[idx].double()), y[idx]).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= lr * p.grad
+    for x, y in global_batches(epochs=epochs):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
     return weights_of(model)
 
 
@@ -878,12 +863,9 @@ def test_an_optimiser_state_sent_through_args_is_each_workers_own() -> None:
     model.load_state_dict(initial_weights(Net))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt.load_state_dict(momentum_state())
-    x, y = toy_dataset().tensors
-    order = epoch_indices(N, 0, 0, 1, SEED)
-    for k in range(N // (2 * B)):
-        idx = order[2 * B * k : 2 * B * (k + 1)]
+    for x, y in global_batches():
         opt.zero_grad()
-        F.cross_entropy(model(x[idx].double()), y[idx]).backward()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
     assert max_diff(weights_of(result.model), weights_of(model)) < 1e-5
 
@@ -982,7 +964,7 @@ def test_a_validation_pass_through_run_loader_counts_no_training(algo: str) -> N
     )
     assert result.summary["samples"] == 2 * N and result.summary["epochs"] == 2.0
     if algo == "allreduce":  # the weights are the training's alone: one process's, epochs 0 and 1
-        assert max_diff(weights_of(result.model), reference(N // (2 * B), B, 0.1, epochs=2)) < 1e-5
+        assert max_diff(weights_of(result.model), reference_epochs(2, 0.1)) < 1e-5
 
 
 # -- an optimiser setting changed during the run, where the server steps -----------------------------

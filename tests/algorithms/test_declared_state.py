@@ -97,7 +97,7 @@ def test_a_checkpoint_holds_the_keys_it_always_held(group_of_one, algo: str, opt
     cfg = resolve(RunConfig(algo=algo, workers=1, options=options))
     cls = registry.class_for(algo, cfg)
     ctx = SimpleNamespace(
-        world=1, rank=0, device=torch.device("cpu"), job=SimpleNamespace(optimizer=None, param_groups=None)
+        world=1, rank=0, device=torch.device("cpu"), job=SimpleNamespace(optimizer=None, param_groups=None, main=None)
     )
 
     def worker() -> tuple[Algorithm, torch.nn.Module]:

@@ -144,6 +144,25 @@ def average_buffers_(model: nn.Module, world: int) -> int:
     return sent
 
 
+class BufferVersions:
+    """The in-place versions of a model's buffers at the last :meth:`mark` (a step): whether a
+    user's loop changed them since (BatchNorm statistics recomputed after training), found
+    without a look at their values."""
+
+    buffers: list[torch.Tensor]
+    seen: list[int]
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = list(model.buffers())
+        self.mark()
+
+    def mark(self) -> None:
+        self.seen = [b._version for b in self.buffers]
+
+    def changed(self) -> bool:
+        return [b._version for b in self.buffers] != self.seen
+
+
 def adopt_buffers_(target: nn.Module, model: nn.Module, changed: bool, world: int) -> int:
     """Where any worker's ``model`` has ``changed`` its buffers since the algorithm last took them
     (BatchNorm statistics recomputed after the last step, SWA's ``update_bn``), ``target`` (the

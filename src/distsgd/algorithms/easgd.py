@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distsgd.algorithms.averaging import (
+    BufferVersions,
     adopt_buffers_,
     averaged,
     elastic_alpha,
@@ -122,8 +123,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     x: list[torch.Tensor]  # x_i, this worker's (the same parts)
     x_ints: list[torch.Tensor]  # this worker's integer buffers, which the centre copies
     center_ints: list[torch.Tensor]
-    buffers: list[torch.Tensor]  # this worker's (x_i's) buffers, all of them
-    seen: list[int]  # their in-place versions at its last step (changed since: update_bn after training)
+    watch: BufferVersions | None  # a user's loop's: x_i's buffers as at its last step (update_bn since?)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
@@ -145,8 +145,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         self.center = averaged(self.center_model)
         self.x = averaged(model)
         self.x_ints, self.center_ints = int_buffers(model), int_buffers(self.center_model)
-        self.buffers = list(model.buffers())
-        self.seen = [b._version for b in self.buffers]
+        self.watch = BufferVersions(model) if ctx.job.main is not None else None
         return model
 
     def regrouped(self, ctx: WorkerContext) -> None:
@@ -163,7 +162,8 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
             self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
         optimizer.step()
-        self.seen = [b._version for b in self.buffers]
+        if self.watch is not None:
+            self.watch.mark()
 
     def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
         """Weights the user's loop loaded (on every worker) are the centre's too: otherwise the
@@ -191,9 +191,10 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """The centre; with the workers' buffers where one changed them after its last step
         (BatchNorm statistics recomputed after training), which no exchange would carry."""
-        if self.seen:
-            changed = [b._version for b in self.buffers] != self.seen
-            self.sent(adopt_buffers_(self.center_model, self.unwrap(model), changed, self.world), self.world)
+        if self.watch is not None:  # (every worker alike: a user's loop's)
+            self.sent(
+                adopt_buffers_(self.center_model, self.unwrap(model), self.watch.changed(), self.world), self.world
+            )
         return self.center_model
 
     def figures(self) -> EASGDFigures:
@@ -210,8 +211,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     period: Periodic  # exchanges at steps tau divides, as in sync mode (checkpointed)
     # built by setup:
     alpha: float  # the elastic strength
-    buffers: list[torch.Tensor]  # this worker's (x_i's) buffers, all of them
-    seen: list[int]  # their in-place versions at its last step (changed since: update_bn after training)
+    watch: BufferVersions | None  # a user's loop's: x_i's buffers as at its last step (update_bn since?)
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
@@ -227,15 +227,14 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
                 for p, mine in zip(model.parameters(), own):
                     p.copy_(mine)
         self.alpha = elastic_alpha(self.opts, ctx.world)
-        self.buffers = list(model.buffers())
-        self.seen = [b._version for b in self.buffers]
+        self.watch = BufferVersions(model) if ctx.job.main is not None else None
         return model
 
-    def buffers_changed(self) -> bool:
+    def buffers_at_end(self) -> bool:
         """The centre's buffers move by the exchanges; a worker's changed after its last step
         (BatchNorm statistics recomputed after training) go with its DONE, and the centre takes
         the mean of those sent."""
-        return [b._version for b in self.buffers] != self.seen
+        return self.watch is not None and self.watch.changed()
 
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """Any optimisers of a user's loop: the workers step locally (the server's never steps)."""
@@ -256,7 +255,8 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
                 for b, d in zip(self.floats, diffs):
                     b.sub_((self.alpha * d).view_as(b))
         optimizer.step()
-        self.seen = [b._version for b in self.buffers]
+        if self.watch is not None:
+            self.watch.mark()
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples

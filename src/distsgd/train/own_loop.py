@@ -385,7 +385,7 @@ class Run:
             me = run()
             if me is not None:
                 me._algo.optimizer_state_loaded(me._ctx)
-            return _unshared(state)
+            return _map_tensors(state, lambda t: t.clone() if t.is_shared() else t)
 
         for opt in self._optimizers:
             self._handles.append(opt.register_load_state_dict_pre_hook(loading))
@@ -1583,18 +1583,6 @@ def _own_storage(module: nn.Module) -> None:
             for name, buffer in sub._buffers.items():
                 if buffer is not None and buffer.is_shared():
                     sub._buffers[name] = buffer.clone()
-
-
-def _unshared(value: Any) -> Any:
-    """``value`` (an optimiser's state dict: dicts and lists of tensors) with every tensor in
-    shared memory copied out of it; the rest as it is."""
-    if isinstance(value, torch.Tensor):
-        return value.clone() if value.is_shared() else value
-    if isinstance(value, dict):
-        return {k: _unshared(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_unshared(v) for v in value)
-    return value
 
 
 def _seed_globals(seed: int) -> None:

@@ -123,10 +123,13 @@ class ParameterServer:
                 f"worker {rank - 1} claimed {samples} samples after {before}: at most {self.max_step} more a message"
             )
 
-    def _finite(self, *tensors: torch.Tensor) -> bool:
-        """Whether ``tensors`` may be applied: finite, or the user accepts NaN and inf."""
+    def _finite(self, *tensors: torch.Tensor, counted: bool = True) -> bool:
+        """Whether ``tensors`` may be applied: finite, or the user accepts NaN and inf. ``counted``:
+        a refusal counts as a non-finite push (said once); not for a worker's last buffers."""
         if self.accept_nonfinite or all(bool(torch.isfinite(t).all()) for t in tensors):
             return True
+        if not counted:
+            return False
         self.nonfinite += 1
         if self.nonfinite == 1:
             log.warning(
@@ -220,11 +223,7 @@ class ParameterServer:
     ) -> None:
         """Worker ``rank`` is done (or dead): stop waiting for it. ``buffers``: its own as it ended
         (finite ones replace those of its last push)."""
-        if (
-            buffers is not None
-            and not self.accept_nonfinite
-            and not all(bool(torch.isfinite(t).all()) for t in buffers[0])
-        ):
+        if buffers is not None and not self._finite(*buffers[0], counted=False):
             buffers = None
         with self.lock:
             if local_samples is not None:

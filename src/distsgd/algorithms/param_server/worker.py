@@ -175,9 +175,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         self.weights = flat_view_(self.params)
         self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.optimizer = super().make_optimizer(ctx, model)
-        topology = type(self).topology
-        assert isinstance(topology, ServerTopology)
-        self.hypers = Hyperparameters.of(self.optimizer, model) if topology.rule.steps else Hyperparameters.none()
+        self.hypers = Hyperparameters.of(self.optimizer, model) if self.server_steps() else Hyperparameters.none()
         self.pushed = []
         self.client = transport.Client(
             ctx.rank + 1,
@@ -264,9 +262,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         )
 
     def optimizer_state_loaded(self, ctx: WorkerContext) -> None:
-        topology = type(self).topology
-        assert isinstance(topology, ServerTopology)
-        if topology.rule.steps:  # the server steps: the worker's optimiser never does
+        if self.server_steps():  # the worker's optimiser never does
             raise ConfigError(
                 f"under {self.cfg.algo} the server steps the model with its own optimiser: a state loaded "
                 f"into a worker's (opt.load_state_dict) would never be used; resume a distsgd run with "
@@ -276,15 +272,21 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def finish(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """Done: the buffers travel once more, as they are now (BatchNorm statistics recomputed
         after the last step are the model's the server returns)."""
-        self.client.done(self.local, (self.floats, self.ints) if self.buffers_changed() else None)
+        self.client.done(self.local, (self.floats, self.ints) if self.buffers_at_end() else None)
         return model
 
-    def buffers_changed(self) -> bool:
+    @classmethod
+    def server_steps(cls) -> bool:
+        """Whether the server's optimiser steps the model (not async EASGD's centre, which moves by
+        the elastic force while each worker steps its own)."""
+        topology = cls.topology
+        assert isinstance(topology, ServerTopology)
+        return topology.rule.steps
+
+    def buffers_at_end(self) -> bool:
         """Whether the buffers go with the DONE: where the server steps, always (each push carried
         them: the last push's unless changed since)."""
-        topology = type(self).topology
-        assert isinstance(topology, ServerTopology)
-        return topology.rule.steps and bool(self.floats or self.ints)
+        return self.server_steps() and bool(self.floats or self.ints)
 
     def check_untouched(self, ctx: WorkerContext) -> None:
         """The loop's optimiser still matches the server's in what a push does not carry (Adam's
