@@ -274,7 +274,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         elif self.period.pending and rule == "average":
             self.sent(self._outer_step_on(model, self.global_model, None, self.compressor), self.world)
             self.period.synced()
-        elif not self.period.pending:  # buffers changed since the last outer step (update_bn): theta's
+        elif not self.period.pending and ctx.job.main is not None:  # a loop's update_bn after the last outer step
             changed = any(not torch.equal(a, b) for a, b in zip(model.buffers(), self.global_model.buffers()))
             self.sent(adopt_buffers_(self.global_model, model, changed, self.world), self.world)
         return self.global_model

@@ -371,7 +371,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
             log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
         landing = self.flight is not None or any(pending)
         final = self._ending(self.globals, self.flat, model, self.flight, pending, self.sent)
-        if not landing:  # buffers changed since the last landing (update_bn after training): theta's
+        if not landing and ctx.job.main is not None:  # a loop's update_bn after the last landing: theta's
             changed = any(not torch.equal(a, b) for a, b in zip(model.buffers(), final.buffers()))
             self.sent(adopt_buffers_(final, model, changed, self.world), self.world)
         self.flight = None
