@@ -843,10 +843,12 @@ def loading_loop(run: distsgd.Run, state: dict[str, Any]) -> nn.Module:
     return run.final_model()
 
 
-def test_an_optimiser_state_sent_through_args_is_each_workers_own() -> None:
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_optimiser_state_sent_through_args_is_each_workers_own(where: str) -> None:
     """``spawn(args=(state,))`` sends tensors in shared memory and torch's ``load_state_dict`` keeps
     them: on b4f55fa both workers stepped one momentum buffer (0.21 from one process, a warning
-    that blamed loaded weights). The reference: one process in float64 from the same state."""
+    that blamed loaded weights). The reference: one process in float64 from the same state. (On
+    CUDA workers torch's load casts the host state to the GPU: a copy of its own, never run yet.)"""
     state = momentum_state()
     result = distsgd.spawn(
         loading_loop,
@@ -858,6 +860,7 @@ def test_an_optimiser_state_sent_through_args_is_each_workers_own() -> None:
         momentum=0.9,
         quiet=True,
         args=(state,),
+        device=where,
     )
     model = Net().double()
     model.load_state_dict(initial_weights(Net))
@@ -902,22 +905,31 @@ def recalibrating_loop(run: distsgd.Run) -> nn.Module:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    torch.optim.swa_utils.update_bn(torch.utils.data.DataLoader(toy_dataset(), batch_size=64), model)
+    where = next(model.parameters()).device
+    torch.optim.swa_utils.update_bn(torch.utils.data.DataLoader(toy_dataset(), batch_size=64), model, device=where)
     return run.final_model()
+
+
+def on_a_gpu(algo: str, extra: dict) -> Any:
+    """A case of the test on CUDA workers (gloo between them): marked ``gpu``, id ``ALGO-cuda``."""
+    return pytest.param(algo, {**extra, "device": "cuda"}, marks=pytest.mark.gpu, id=f"{algo}-cuda")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "algo, extra",
     [
-        ("sync-ps", {}),
-        ("asgd", {}),
-        ("diloco", {"sync_every": "4"}),
-        ("easgd", {"tau": 4}),
-        ("easgd", {"tau": 4, "easgd_mode": "async"}),
-        ("streaming-diloco", {"sync_every": "4", "fragments": 1, "overlap": 0}),
+        pytest.param("sync-ps", {}, id="sync-ps"),
+        pytest.param("asgd", {}, id="asgd"),
+        pytest.param("diloco", {"sync_every": "4"}, id="diloco"),
+        pytest.param("easgd", {"tau": 4}, id="easgd"),
+        pytest.param("easgd", {"tau": 4, "easgd_mode": "async"}, id="async-easgd"),
+        pytest.param("streaming-diloco", {"sync_every": "4", "fragments": 1, "overlap": 0}, id="streaming-diloco"),
+        # a GPU worker's buffers in its DONE frame (copied to the host), and a flag all-reduced by
+        # gloo between CUDA workers: neither has run on a GPU yet
+        on_a_gpu("sync-ps", {}),
+        on_a_gpu("diloco", {"sync_every": "4"}),
     ],
-    ids=["sync-ps", "asgd", "diloco", "easgd", "async-easgd", "streaming-diloco"],
 )
 def test_batchnorm_statistics_recomputed_after_training_are_the_models_returned(algo: str, extra: dict) -> None:
     """On b4f55fa the model returned kept the training's statistics (running mean 3.4e-02 from

@@ -224,9 +224,12 @@ import functools
 import json
 
 if __name__ == "__main__":
+    loop = functools.partial(failing_loop, victim=1, how="raise")
+    train = functools.partial(distsgd.spawn, loop, model=Tiny, algo=sys.argv[1], workers=2, epochs=3, lr=0.05)
+    if sys.argv[2] == "uncaught":
+        train()
     try:
-        distsgd.spawn(functools.partial(failing_loop, victim=1, how="raise"), model=Tiny, algo=sys.argv[1],
-                      workers=2, epochs=3, lr=0.05)
+        train()
     except distsgd.DistsgdError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -235,18 +238,26 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
-def test_a_script_whose_loop_raises_says_one_line(tmp_path: Path, algo: str) -> None:
+@pytest.mark.parametrize("algo, caught", [("hogwild", "caught"), ("asgd", "uncaught")])
+def test_a_script_whose_loop_raises_says_one_line(tmp_path: Path, algo: str, caught: str) -> None:
     """Not quiet: the workers print nothing of their own (no traceback, no "worker gone" warning);
-    the script's one line is all there is on stderr."""
+    the script's one line is all there is on stderr. Uncaught, the error's traceback is the
+    script's line and distsgd's entry's (on 0a3bbc7, 25 lines more through the launcher's frames,
+    which said nothing of the error)."""
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "src", "tests"]))}
-    done = subprocess.run([sys.executable, str(script), algo], capture_output=True, text=True, env=env, timeout=150)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines() == [
-        f"error: worker 1 failed in main (tests/{HERE}:{line_of('raises')}): ValueError: bad batch"
-    ]
+    done = subprocess.run(
+        [sys.executable, str(script), algo, caught], capture_output=True, text=True, env=env, timeout=150
+    )
+    said = f"worker 1 failed in main (tests/{HERE}:{line_of('raises')}): ValueError: bad batch"
+    lines = done.stderr.strip().splitlines()
+    if caught == "caught":
+        assert done.returncode == 2 and lines == [f"error: {said}"], done.stderr[-3000:]
+    else:
+        assert done.returncode == 1 and lines[0] == "Traceback (most recent call last):", done.stderr[-3000:]
+        assert lines[-1] == f"distsgd.errors.LoopError: {said}" and len(lines) <= 8, done.stderr[-3000:]
+        assert "distsgd/launch" not in done.stderr, done.stderr[-3000:]
 
 
 # -- the pieces, in this process ---------------------------------------------------------------------

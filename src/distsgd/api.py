@@ -41,7 +41,18 @@ from distsgd.config import RunConfig, settled
 from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, from_hf_stream, load_dataset, text
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
-from distsgd.errors import CheckpointError, ConfigError, DataError, MainGuardError, OutputError, on_sigterm, one_line
+from distsgd.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    LoopError,
+    MainGuardError,
+    OutputError,
+    PeerFailed,
+    ended_by_sigterm_within,
+    on_sigterm,
+    one_line,
+)
 from distsgd.launch import cores, environment, procs
 from distsgd.launch.environment import launched
 from distsgd.launch.rendezvous import group_host, place
@@ -63,6 +74,10 @@ from distsgd.train.objective import loss_function
 from distsgd.train.optim import schedule_needs_epochs
 
 LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
+# How long a rank that stopped because a peer failed waits for torchrun's agent to end it, so that
+# the agent names the rank that failed as the root cause (it names the first to exit: the peer's
+# closed connection often ended this rank first, and torchrun blamed rank 0 for rank 1's error)
+PEER_WAIT_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +97,18 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _one_line_when_unguarded(entry: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``entry`` (train, spawn), ending the script in one ``error:`` line, exit status 2, when the
-    script calls it at module level without ``if __name__ == "__main__":``. Only such a call
-    raises :class:`MainGuardError` (a worker importing the script again reached it), so the script
-    cannot run as written; raised out of its module-level code the error would be a traceback of
-    thirty lines through distsgd's launcher, for a one-line fix."""
+def _user_facing(entry: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``entry`` (train, spawn), as a script meets its errors:
+
+    - ending the script in one ``error:`` line, exit status 2, when the script calls it at module
+      level without ``if __name__ == "__main__":``. Only such a call raises :class:`MainGuardError`
+      (a worker importing the script again reached it), so the script cannot run as written;
+      raised out of its module-level code the error would be a traceback of thirty lines through
+      distsgd's launcher, for a one-line fix.
+    - a :class:`LoopError` (the script's own ``main`` failed in a worker) raised from here, with
+      the traceback of the script's own code as its cause where this process ran it (a rank of
+      torchrun's group): not through the launcher's frames, 25 lines that said nothing of the
+      error, whose line the message names."""
 
     @functools.wraps(entry)
     def entered(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -97,11 +118,13 @@ def _one_line_when_unguarded(entry: Callable[_P, _R]) -> Callable[_P, _R]:
             sys.stderr.write(f"error: {one_line(exc)}\n")
             sys.stderr.flush()
             raise SystemExit(exc.exit_code) from None
+        except LoopError as exc:
+            raise exc.with_traceback(None) from exc.__cause__
 
     return entered
 
 
-@_one_line_when_unguarded
+@_user_facing
 def train(
     model: ModelSpec | nn.Module | None = None,
     data: Any = None,
@@ -234,8 +257,13 @@ def run(
     restore = _stop_on_signals()
     try:
         # who this process is, detected once: its own launcher, or a rank of a launcher's group
-        with environment.using(environment.detect()):
-            return _run(cfg, model_spec, dataset, progress, code, evaluate, fresh)
+        with environment.using(environment.detect()) as where:
+            try:
+                return _run(cfg, model_spec, dataset, progress, code, evaluate, fresh)
+            except PeerFailed:
+                if where.agent_ends_ranks:  # let it name the rank that failed: it ends this one first
+                    ended_by_sigterm_within(PEER_WAIT_S)
+                raise
     finally:
         restore()
 
@@ -564,7 +592,7 @@ def settle(
     return cfg, algo_cls
 
 
-@_one_line_when_unguarded
+@_user_facing
 def spawn(
     main: Callable[..., Any],
     model: ModelSpec | nn.Module,

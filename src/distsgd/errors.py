@@ -61,6 +61,11 @@ class WorkerError(DistsgdError):
     like every other failure the CLI reports in one line."""
 
 
+class PeerFailed(WorkerError):
+    """This rank of a launcher's group (torchrun's, srun's) stopped because another process of the
+    group failed or could not be reached: the failure is the other's, said there."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler, ``kill``, a container runtime) arrived, or SIGUSR1 (SLURM's
     ``--signal``, a preemption notice): stop as Ctrl-C stops a run."""
@@ -128,6 +133,22 @@ def on_sigterm() -> Callable[[], None]:
     return restore
 
 
+def ended_by_sigterm_within(seconds: float) -> None:
+    """Wait ``seconds`` for a SIGTERM that ends this process at once, silently (its default
+    action: every clean-up is done). In the main thread only; elsewhere returns at once."""
+    import signal
+    import threading
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class WorkerInputError(WorkerError):
     """A worker stopped on a user's mistake it found (an unreadable image, a bad sample): no
     restart (``--restart-workers``) can mend it."""
@@ -177,6 +198,17 @@ def error_text(exc: BaseException) -> str:
     """An exception in one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def failure_text(exc: BaseException) -> str:
+    """:func:`error_text`, then the innermost line of the user's code in ``exc``'s traceback where
+    it has one: ``ValueError: bad forward (my_model.py:52)``, what a worker that failed says of it
+    (it prints no traceback: the line is where to look)."""
+    import traceback
+
+    code = _Code()
+    place = code.user_place([(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)])
+    return error_text(exc) + (f" ({place})" if place else "")
 
 
 Stack = list[tuple[str, int]]  # (file, line) of each frame, outermost first

@@ -59,11 +59,15 @@ class Failing(nn.Module):
 '''
 
 
+RAISES_AT = 1 + FAILING_MODEL.splitlines().index('                raise RuntimeError("injected failure at step 5")')
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "how, message",
     [
-        ("raise", "worker 1 failed: RuntimeError: injected failure at step 5"),
+        # the line of the model's code it raised at (before 2026-11-29 not said: no traceback either)
+        ("raise", "worker 1 failed: RuntimeError: injected failure at step 5 ({model}:%d)" % RAISES_AT),
         ("kill", "worker 1 failed: killed by SIGKILL"),
     ],
 )
@@ -85,10 +89,33 @@ def test_a_failing_worker_stops_the_run(tmp_path: Path, how: str, message: str) 
     assert time.monotonic() - start < 30
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
-    assert lines[-1] == f"error: {message}", res.stderr
+    assert lines[-1] == f"error: {message.format(model=model)}", res.stderr
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
     # The reaper fixture (conftest) fails this test if any worker process is still alive.
+
+
+@pytest.mark.slow
+def test_a_failing_rank_under_torchrun_is_one_line_and_torchruns_root_cause(tmp_path: Path) -> None:
+    """Rank 1's model raises at its 5th step: it says one line, naming the line of the model's code,
+    and exits 2; torchrun's report names rank 1 the root cause; rank 0, whose peer's connection
+    closed, waits for torchrun's agent to end it and says nothing. On 0a3bbc7 rank 1 printed a
+    traceback of 40 lines and exited 1, and rank 0 its line `process 0 stopped: another process
+    of the group failed`, which often came first: torchrun then named rank 0 the root cause."""
+    (tmp_path / "failing.py").write_text(FAILING_MODEL)
+    res = torchrun(
+        *"--algo allreduce --dataset digits --model failing.py:Failing --epochs 2 --quiet --out run".split(),
+        env={"HOW": "raise"},
+        cwd=tmp_path,
+        timeout=120,
+    )
+    said = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert said == [f"error: process 1 failed: RuntimeError: injected failure at step 5 (failing.py:{RAISES_AT})"], (
+        res.stderr[-3000:]
+    )
+    assert "[rank1]" not in res.stderr and "[rank0]" not in res.stderr, res.stderr[-3000:]  # no rank's traceback
+    root = res.stderr[res.stderr.index("Root Cause") :]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: 2 ", root), res.stderr[-3000:]
 
 
 @pytest.mark.slow

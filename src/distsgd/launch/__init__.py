@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from distsgd.config import RunConfig
-from distsgd.errors import ConfigError, DistsgdError, WorkerError, error_text
+from distsgd.errors import ConfigError, DistsgdError, PeerFailed, WorkerError, error_text, failure_text
 from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import place
 from distsgd.metrics import Sink
@@ -74,7 +74,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
         except (DistsgdError, OSError):  # distsgd's own lines (a file it cannot write: the command names it)
             raise
         except Exception as exc:  # the user's model or data raised: one line, as a worker process says it
-            raise WorkerError(f"worker 0 failed: {error_text(exc)}") from exc
+            raise WorkerError(f"worker 0 failed: {failure_text(exc)}") from exc
         if result.model is not None:  # on the CPU, as every other topology returns it
             result.model.cpu()
         return [result]
@@ -84,13 +84,17 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
 
             return keepers.run(job, algo_cls, sink)
         return _topology(algo_cls).run(job, algo_cls, sink, torchrun)
-    except RuntimeError as exc:  # under torchrun or srun no launcher blames the process that died: say it here
-        if not (torchrun and procs.peer_symptom(str(exc))):
+    except (DistsgdError, OSError):  # distsgd's own lines
+        raise
+    except Exception as exc:  # under torchrun or srun this process is its worker: say what it met as a worker does
+        if not torchrun:
             raise
-        raise WorkerError(
-            f"process {place()[0]} stopped: another process of the group failed or cannot be "
-            f"reached ({procs.error_text(exc)})"
-        ) from None
+        if isinstance(exc, RuntimeError) and procs.peer_symptom(str(exc)):  # no launcher blames the process that died
+            raise PeerFailed(
+                f"process {place()[0]} stopped: another process of the group failed or cannot be "
+                f"reached ({error_text(exc)})"
+            ) from None
+        raise WorkerError(f"process {place()[0]} failed: {failure_text(exc)}") from exc
 
 
 __all__ = ["plan", "run"]

@@ -109,6 +109,12 @@ class Environment(ABC):
         return None
 
     @property
+    def agent_ends_ranks(self) -> bool:
+        """An agent of the launcher ends every rank on this machine once one fails, and names the
+        first to fail as the failure's root cause (torchrun's)."""
+        return False
+
+    @property
     def run_name(self) -> str | None:
         """A name every rank of the run shares (its default run directory's), or None."""
         return None
@@ -216,6 +222,10 @@ class Torchrun(Environment):
     @property
     def restarted(self) -> str | None:
         return "torchrun restarted the group" if self.attempt > 0 else None
+
+    @property
+    def agent_ends_ranks(self) -> bool:
+        return "TORCHELASTIC_RUN_ID" in self.env  # its elastic agent (not a launcher that only sets the variables)
 
     @property
     def run_name(self) -> str | None:

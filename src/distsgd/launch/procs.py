@@ -41,7 +41,7 @@ from distsgd.errors import (
     Terminated,
     WorkerError,
     WorkerInputError,
-    error_text,
+    failure_text,
     on_sigterm,
     peer_symptom,
 )
@@ -519,7 +519,7 @@ def _report(q: Outbox, rank: int, body: Callable[[], WorkerResult]) -> None:
         q.put(("user-error", rank, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         raise SystemExit(1) from None
     except BaseException as exc:  # report anything, in one line, then exit non-zero
-        q.put(("error", rank, error_text(exc)))
+        q.put(("error", rank, failure_text(exc)))
         raise SystemExit(1) from None
 
 
