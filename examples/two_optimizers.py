@@ -8,7 +8,7 @@ model and optimisers you built yourself work too, Lightning Fabric's way, except
 whose shared model is spawn's): the body learns with SGD and a cosine schedule, the head with Adam. Each step accumulates two micro-batches (the first under ``run.no_sync()``,
 a speed-up only), clips the gradient norm and steps both optimisers. Every habit here takes
 effect as in one process: the gradients ``run.backward`` leaves are the ones the steps apply
-(README: "Habits of your own loop"). The parameter-server algorithms (asgd, sync-ps, ssp, dcasgd)
+(docs/OWN_LOOP.md: "Habits of your own loop"). The parameter-server algorithms (asgd, sync-ps, ssp, dcasgd)
 step one optimiser on the server, whose lr, momentum, betas and weight decay each push carries,
 and refuse two in one line, saying so.
 

@@ -66,6 +66,21 @@ def test_train_table_and_dashes(tmp_path: Path) -> None:
     assert cfg.batch_size == 32 and cfg.lr == 1.0 and isinstance(cfg.lr, float)
 
 
+def test_a_flag_is_a_key_of_a_config_file_and_of_train(tmp_path: Path) -> None:
+    """The README: a setting's name in a TOML file and in ``distsgd.train`` is its flag's. On
+    0a3bbc7 ``--timeout`` alone (the field ``timeout_s``) was not: ``timeout = 60`` was refused in
+    a file and ``train(timeout=60)`` in Python. A setting given twice, under either name or with
+    a dash, is one line (before: the last one taken)."""
+    path = tmp_path / "c.toml"
+    path.write_text("timeout = 60\n")
+    assert config.load_toml(path).timeout_s == 60.0
+    assert config.from_mapping({"timeout": 7}, source="train()").timeout_s == 7.0
+    assert config.from_mapping({"timeout_s": 8}).timeout_s == 8.0  # the field's own name, as config.toml writes it
+    for twice in ({"timeout": 5, "timeout_s": 60}, {"batch-size": 3, "batch_size": 4}):
+        with pytest.raises(ConfigError, match=r"'.*' and '.*' in train\(\) are one setting: give one"):
+            config.from_mapping(twice, source="train()")
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

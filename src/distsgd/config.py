@@ -378,6 +378,9 @@ class RunConfig:
 
 
 _FIELDS = {f.name: f for f in fields(RunConfig) if f.name != "options"}
+# a setting whose flag is not its name (--timeout is timeout_s) is taken by its flag's name too: the
+# README's rule, a flag is a key (timeout = 60, train(timeout=60))
+_BY_FLAG = {f.metadata["flag"][2:].replace("-", "_"): f.name for f in _FIELDS.values() if f.metadata.get("flag")}
 
 
 def from_mapping(
@@ -389,8 +392,13 @@ def from_mapping(
     cfg = base or RunConfig()
     changes: dict[str, Any] = {}
     options = dict(cfg.options)
+    given: dict[str, str] = {}  # each setting's name: the key that gave it
     for key, value in values.items():
         name = key.replace("-", "_")
+        name = name if name in _FIELDS else _BY_FLAG.get(name, name)
+        if name in given:  # (timeout and timeout_s, batch-size and batch_size)
+            raise ConfigError(f"'{given[name]}' and '{key}' in {source} are one setting: give one")
+        given[name] = key
         if name in _FIELDS:
             changes[name] = coerce(_FIELDS[name], value)
         elif name in option_names:
