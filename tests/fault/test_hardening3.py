@@ -521,6 +521,71 @@ def test_a_signal_writes_a_final_checkpoint_and_the_resume_loses_nothing(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+SLOW_EVALUATION = """
+import os
+import time
+
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    \"\"\"mlp-sized; each evaluated batch takes 0.3 s and is noted in EVAL_LOG (a long evaluation).\"\"\"
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def forward(self, x):
+        if not self.training:
+            with open(os.environ["EVAL_LOG"], "a") as f:
+                f.write("batch\\n")
+            time.sleep(0.3)
+        return self.net(x)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2)])
+def test_a_signal_during_an_evaluation_stops_the_run_before_it_ends(tmp_path: Path, algo: str, workers: int) -> None:
+    """SIGTERM while an evaluation in the middle of training runs (45 batches of 0.3 s, 13.5 s): it
+    is given up at its next batch, and the run stops with its checkpoint at the next step, as a
+    signal during training does. On 0a3bbc7 the evaluation ran to its end first (a scheduler's
+    grace period, 30 s on Kubernetes, is shorter than many a test set's evaluation: its SIGKILL
+    then lost every step since the last checkpoint), and the audit's second SIGTERM did not help."""
+    (tmp_path / "slow.py").write_text(SLOW_EVALUATION)
+    notes = tmp_path / "evaluated"
+    common = [
+        *"--dataset digits --batch-size 32 --eval-batch-size 8 --eval-every 2000 --lr 0.05 --quiet".split(),
+        *["--model", f"{tmp_path / 'slow.py'}:Net", "--algo", algo, "--workers", str(workers)],
+        *["--max-samples", str(BUDGET)],
+    ]
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
+        stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "EVAL_LOG": str(notes)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (notes.exists() and notes.read_text().count("batch") >= 3) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    manifest = checkpoint.read_manifest(out)
+    assert proc.returncode == 143 and manifest is not None, err[-3000:]
+    assert err.strip().startswith("error: terminated by SIGTERM; its last whole checkpoint"), err[-3000:]
+    # the evaluation under way when the signal came was given up within a batch or two of it: it
+    # never reached its 45th (nor did any other start: the stop came first), and none was logged
+    assert notes.read_text().count("batch") < 10, notes.read_text().count("batch")
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "eval"]
+    assert 2000 <= manifest["samples"] < BUDGET
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "algo, extra, how",

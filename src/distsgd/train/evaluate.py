@@ -23,16 +23,25 @@ from distsgd.train.context import Job
 from distsgd.train.objective import loss_function
 
 
+class Cut(Exception):
+    """An evaluation given up between two batches: the run was asked to stop (``evaluate``'s ``cut``)."""
+
+
 @torch.no_grad()
 @device.float32_exact()  # what distsgd eval measures on the CPU: float32, not TF32
 def evaluate(
-    model: nn.Module, data: TrainingData, batch_size: int, loss_fn: Callable = F.cross_entropy
+    model: nn.Module,
+    data: TrainingData,
+    batch_size: int,
+    loss_fn: Callable = F.cross_entropy,
+    cut: Callable[[], bool] | None = None,
 ) -> tuple[float | None, float]:
     """(accuracy in 0..1, or None for regression; mean loss) over ``data``'s test set, on the
     model's device; restores train/eval mode. Each batch's mean loss is weighted by its size.
     Always in float32, whatever ``--precision`` trained with: the number describes the saved
     model, which ``distsgd eval`` scores in float32 too. A language model's: the mean loss per
-    token, and next-token accuracy over every token."""
+    token, and next-token accuracy over every token. Raises :class:`Cut` before a batch where
+    ``cut()`` is true."""
     was_training = model.training
     model.eval()
     correct, loss_sum, n = 0, 0.0, 0
@@ -41,6 +50,8 @@ def evaluate(
     onto_gpu = where.type == "cuda"  # a copy to the host must not be asynchronous: it is read at once
     try:
         for x, y in data.test_batches(batch_size):  # only the test set goes to the model's device
+            if cut is not None and cut():
+                raise Cut()
             x, y = x.to(where, non_blocking=onto_gpu), y.to(where, non_blocking=onto_gpu)
             out = model(x)
             loss_sum += float(loss_fn(out, y)) * y.numel()

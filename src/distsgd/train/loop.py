@@ -29,7 +29,7 @@ from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.train import device, membership
 from distsgd.train.context import Start, WorkerContext, WorkerResult
-from distsgd.train.evaluate import equal_states, eval_period, evaluate, snapshot
+from distsgd.train.evaluate import Cut, equal_states, eval_period, evaluate, snapshot
 from distsgd.train.graphs import GraphedSteps
 from distsgd.train.objective import loss_function
 from distsgd.train.own_loop import LoopState, Run, run_own_loop
@@ -481,10 +481,19 @@ class _Worker:
                 reached = self.measure(returned)
         return self.algo.agree(self.ctx, reached) if self.ctx.job.may_stop else False
 
-    def measure(self, model: torch.nn.Module) -> bool:
+    def measure(self, model: torch.nn.Module, final: bool = False) -> bool:
         """Evaluate ``model`` (this worker evaluates) and report it as ``run.log`` reports a user's
-        test figures; keep what was evaluated. True: the figures reach the run's target."""
-        acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn)
+        test figures; keep what was evaluated. True: the figures reach the run's target. One
+        during training is given up where a signal asks the run to stop (its checkpoint at the
+        next step comes first: a long evaluation held it back past a scheduler's grace period,
+        and the work since the last checkpoint was lost to its SIGKILL); the final one is not."""
+        cut = None if final else (lambda: STOP.requested is not None)
+        try:
+            acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn, cut=cut)
+        except Cut:
+            # (the workers ask whether to stop at the steps they agreed on: within CHECK_S of training)
+            log.info("worker %d: evaluation at %d samples given up: the run stops", self.ctx.rank, self.all_samples)
+            return False
         self.evaluated = snapshot(model)
         return self.run._evaluation({"test_accuracy": acc, "test_loss": loss})
 
@@ -553,7 +562,7 @@ class _Worker:
             self.run._where.update(self.graphed.summary())
         self.all_samples = self.algo.global_samples(self.ctx, self.state.local)
         if self.ctx.evaluates and not equal_states(self.model.state_dict(), self.evaluated):
-            self.measure(self.model)
+            self.measure(self.model, final=True)
         return self.run._result()
 
 
