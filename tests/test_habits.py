@@ -96,6 +96,14 @@ def loop(run: distsgd.Run, habit: str = "", micro: int = 1) -> nn.Module:
         if habit in ("clip", "plain-backward-clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
+        if habit.startswith("inspect") and run.rank == 0:  # a gradient to look at on one worker: a saliency map
+            xs = group[-1][0][:4].clone().requires_grad_(True)
+            out = model(xs).max(1).values.sum()
+            if habit == "inspect-backward":
+                out.backward()
+                opt.zero_grad()
+            else:
+                torch.autograd.grad(out, xs)
     if habit == "bf16" and run.rank == 0:
         assert seen and all(d == torch.bfloat16 for d in seen), seen
     return run.final_model()
@@ -119,6 +127,19 @@ def test_clipping_between_backward_and_step_clips_the_averaged_gradient(algo: st
     assert result.model is not None
     assert max_diff(weights_of(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
     assert max_diff(weights_of(result.model), reference(6, B, 0.1)) > 1e-3  # the clip mattered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["allreduce", "ddp"])
+def test_a_gradient_inspected_on_one_worker_is_refused_naming_the_way_that_works(algo: str) -> None:
+    """A saliency map on worker 0 alone (``backward()`` on its input, then ``zero_grad``) averages
+    a gradient the other worker never sends: refused at the end, as every step count that differs
+    is; on 0a3bbc7 the line blamed an early stop (``stop them together``) and named nothing of a
+    backward pass. The way it names, ``torch.autograd.grad(out, inputs)``, trains as one process."""
+    with pytest.raises(distsgd.DistsgdError, match=r"every backward pass one of them .*torch\.autograd\.grad"):
+        spawn("inspect-backward", algo, max_samples=8 * 2 * B, timeout_s=30)
+    result = spawn("inspect-grad", algo, max_samples=8 * 2 * B)
+    assert max_diff(weights_of(result.model), reference(8, B, 0.1)) < 1e-5
 
 
 @pytest.mark.parametrize("algo, extra", [("allreduce", {}), ("ddp", {}), ("local-sgd", {"warmup_steps": 100})])

@@ -39,9 +39,18 @@ def _final(rank: int) -> str:
     return f"distsgd/final/{rank}"
 
 
-def advice(algo: str) -> str:
+def advice(algo: str, backward: bool = False) -> str:
+    """What to do, in words; ``backward``: the algorithm averages gradients in each backward pass,
+    which is then one of those calls (a gradient on one worker alone, a saliency map for a log,
+    ran it out of step: the audit found it blamed on an early stop)."""
+    each = (
+        ", every backward pass one of them (a gradient to inspect on one worker alone: torch.autograd.grad(out, "
+        "inputs), which averages nothing)"
+        if backward
+        else ""
+    )
     return (
-        f"under {algo} every worker takes as many steps and makes the same synchronising calls; stop them "
+        f"under {algo} every worker takes as many steps and makes the same synchronising calls{each}; stop them "
         f"together (run.should_stop(), or a decision shared with run.all_reduce)"
     )
 
@@ -68,29 +77,31 @@ def barrier(store: dist.Store, rank: int, keys: list[str], doing: str, timeout_s
         store.delete_key(_at(rank))
 
 
-def arrive(store: dist.Store, rank: int, world: int, steps: int, algo: str, timeout_s: float) -> None:
+def arrive(
+    store: dist.Store, rank: int, world: int, steps: int, algo: str, timeout_s: float, backward: bool = False
+) -> None:
     """This worker has reached ``run.final_model()`` after ``steps`` steps: wait for every worker
-    to, then refuse counts that differ."""
+    to, then refuse counts that differ. ``backward``: as :func:`advice`'s."""
     store.set(_final(rank), str(steps))
     keys = [_final(r) for r in range(world)]
     late = (
         f"worker {rank} reached run.final_model() after {steps} steps and worker {{missing}} did not within "
-        f"--timeout {timeout_s:g} s: {advice(algo)}"
+        f"--timeout {timeout_s:g} s: {advice(algo, backward)}"
     )
     barrier(store, rank, keys, f"reached run.final_model() after {steps} steps", timeout_s, late)
     counts = [int(v) for v in store.multi_get(keys)]
     if min(counts) != max(counts):
         raise ConfigError(
-            f"the workers took from {min(counts)} to {max(counts)} steps (worker {rank}: {steps}): {advice(algo)} "
+            f"the workers took from {min(counts)} to {max(counts)} steps (worker {rank}: {steps}): {advice(algo, backward)} "
             f"(a GradScaler of your own skips opt.step() where one worker's gradients overflowed: --precision "
             f"fp16 with run.backward(loss) counts its skipped steps)"
         )
 
 
-def stranded(store: dist.Store, rank: int, world: int, steps: int, algo: str) -> str | None:
+def stranded(store: dist.Store, rank: int, world: int, steps: int, algo: str, backward: bool = False) -> str | None:
     """Called while this worker has waited at a synchronisation for a while: if a peer waits on
     the store (:func:`barrier`), that synchronisation never completes. Says why on the store (for
-    the peer to fail the run with) and returns it."""
+    the peer to fail the run with) and returns it. ``backward``: as :func:`advice`'s."""
     if int(store.add(AWAY, 0)) <= 0:
         return None
     for peer in range(world):
@@ -98,7 +109,7 @@ def stranded(store: dist.Store, rank: int, world: int, steps: int, algo: str) ->
             doing = store.get(_at(peer)).decode()
             why = (
                 f"worker {peer} {doing} while worker {rank} ({steps} steps) waits for it at a synchronisation "
-                f"(its next step, run.evaluation_model() or run.all_reduce()): {advice(algo)}"
+                f"(its next step, run.evaluation_model() or run.all_reduce()): {advice(algo, backward)}"
             )
             store.set(STRANDED, why)
             return why

@@ -1297,7 +1297,8 @@ class Run:
         store = self._lockstep_store()
         if store is not None:
             self._arrived = True
-            lockstep.arrive(store, self.rank, self.world, self.steps, self._algo.name, self.cfg.timeout_s)
+            backward = not self._algo.local_model  # (its gradients averaged in each backward pass)
+            lockstep.arrive(store, self.rank, self.world, self.steps, self._algo.name, self.cfg.timeout_s, backward)
 
     def _check_stranded(self, in_backward: bool) -> None:
         """From the loop's watch, while this worker has waited at a synchronisation for a second
@@ -1307,7 +1308,8 @@ class Run:
             return
         store = None if self._arrived or self._returned is not None else self._lockstep_store()
         if store is not None and self._stranded_why is None:
-            self._stranded_why = lockstep.stranded(store, self.rank, self.world, self.steps, self._algo.name)
+            backward = not self._algo.local_model
+            self._stranded_why = lockstep.stranded(store, self.rank, self.world, self.steps, self._algo.name, backward)
 
     def final_model(self) -> nn.Module:
         """The model the algorithm returns, after its last synchronisation (every worker calls it,
