@@ -60,7 +60,7 @@ from distsgd.checkpoint import (
 from distsgd.config import checkpoint_record
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
-from distsgd.errors import ConfigError, loop_failure, stall_watch
+from distsgd.errors import ConfigError, LoopError, loop_failure, one_line, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
@@ -1640,10 +1640,30 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
             failure = loop_failure(exc, worker)
             if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
                 raise
-            raise failure from exc
+            raise _with_why(failure, exc, algo) from exc
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
+
+
+INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
+
+
+def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm") -> LoopError:
+    """``failure``, with why where distsgd's step caused it: autograd's "modified by an inplace
+    operation" under an algorithm that rewrites the weights in place as the run's step ends (an
+    average, an outer step, the server's weights) is a graph made before that step and
+    backpropagated after it, a GAN's generator through its discriminator's step, whose optimiser
+    alone was given to run.setup(): the audit's error said nothing of it."""
+    rewrites = algo.local_model or algo.topology.kind == "server"  # (a server's worker takes its weights)
+    if not (rewrites and INPLACE in str(exc)):
+        return failure
+    return LoopError(
+        f"{one_line(failure)} (under {algo.name} the run's step ends at the step of the optimiser run.setup() "
+        f"returned, where the weights are rewritten in place: a graph made before it and backpropagated after "
+        f"it, a GAN's generator's through its discriminator's step, sees them changed; give every optimiser "
+        f"of a step to run.setup(opt_d, opt_g): the step then ends once each has stepped)"
+    )
 
 
 def _in_a_functions_backward() -> bool:
