@@ -12,9 +12,12 @@ run fails at once with one line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import json
 import secrets
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,7 +31,7 @@ from distsgd.launch import environment, procs
 from distsgd.launch.rendezvous import LOOPBACK, check_init_method, free_port, group_host, launcher_group, place
 from distsgd.metrics import NullSink, Sink
 from distsgd.train import device
-from distsgd.train.context import Attendance, Job, WorkerContext, WorkerResult
+from distsgd.train.context import Attendance, Job, LoopEnd, WorkerContext, WorkerResult
 from distsgd.train.loop import run_worker
 
 _RUNS = itertools.count()  # runs in one group (a Ray worker may call train twice): each its own keys
@@ -80,14 +83,38 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
                 job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a), secret=secret
             )
             chief.attendance = chief.attendance or Attendance(failed_workers=[])  # those the server dropped
+            ended = [f"{key}/end/{r}" for r in range(1, world)]  # each told before its DONE: there now
+            _add_loop_ends(chief, [LoopEnd(**json.loads(store.get(k))) for k in ended if store.check([k])])
             return [chief]
         store.wait([key])
         seat = ServerSeat(store.get(key).decode(), store.get(f"{key}/secret"))
-        return [_work(job, algo_cls, rank, world, seat, NullSink())]
+
+        def tell_end(end: LoopEnd) -> None:  # a user's loop's data and steps, for rank 0's summary
+            store.set(f"{key}/end/{rank}", json.dumps(dataclasses.asdict(end)))
+
+        return [_work(job, algo_cls, rank, world, seat, NullSink(), tell_end=tell_end)]
+
+
+def _add_loop_ends(chief: WorkerResult, ends: list[LoopEnd]) -> None:
+    """The server's result under torchrun, with what its workers' loops measured (locally each
+    worker's result comes whole, and the summary reads them all): the training set's length their
+    run.loader saw (the run's epochs), and their steps and those steps' samples, summed (its
+    samples a step)."""
+    chief.data_len = next((e.data_len for e in ends if e.data_len), None)
+    if ends and all(e.steps is not None and e.step_samples is not None for e in ends):
+        chief.steps = sum(e.steps or 0 for e in ends)
+        chief.step_samples = sum(e.step_samples or 0 for e in ends)
 
 
 def _work(
-    job: Job, algo_cls: type[Algorithm], rank: int, world: int, seat: ServerSeat, sink: Sink, replacement: bool = False
+    job: Job,
+    algo_cls: type[Algorithm],
+    rank: int,
+    world: int,
+    seat: ServerSeat,
+    sink: Sink,
+    replacement: bool = False,
+    tell_end: Callable[[LoopEnd], None] | None = None,
 ) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N; its device, by its index on its
     machine (the server computes on the CPU: what it sends and receives are host bytes)."""
@@ -101,6 +128,7 @@ def _work(
         reports=True,
         evaluates=False,
         device=device.use(job.cfg.device, local),
+        tell_end=tell_end,
     )
     return run_worker(ctx, algo_cls(job.cfg, seat), replacement=replacement)
 

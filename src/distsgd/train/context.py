@@ -66,6 +66,9 @@ class WorkerContext:
     # group (a group that lost a worker: the survivors keep their shards); None: (rank, world)
     shard: tuple[int, int] | None = None
     departed_samples: int = 0  # samples trained by workers the group has lost (--min-workers)
+    # where a user's loop tells its figures (LoopEnd) before its last word to its server, where the
+    # server cannot get its result otherwise (torchrun's rank 0); None: its result travels whole
+    tell_end: Callable[["LoopEnd"], None] | None = None
 
     def __post_init__(self) -> None:
         if self.evaluates is None:
@@ -147,6 +150,15 @@ class Attendance:
         """Its keys for summary.json: those recorded, and ``restarts`` only where there were some
         (every launcher keeps the list; an empty one in every run's summary said nothing)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and (v or k != "restarts")}
+
+
+@dataclass
+class LoopEnd:
+    """What a user's loop measured of its data and steps (its :class:`WorkerResult`'s fields)."""
+
+    data_len: int | None
+    steps: int | None
+    step_samples: int | None
 
 
 @dataclass

@@ -65,7 +65,7 @@ from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
 from distsgd.train import device, lockstep, membership
-from distsgd.train.context import Start, Step, WorkerContext, WorkerResult
+from distsgd.train.context import LoopEnd, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
 from distsgd.train.optim import build_optimizer, is_internal, schedule_lr, schedule_needs_epochs
 
@@ -1339,6 +1339,8 @@ class Run:
             self._same_steps()
             self._check_lr_alike(at_end=True)
             self._check_untouched(at_end=True)
+        if self._ctx.tell_end is not None:  # before the algorithm's last word to its server
+            self._ctx.tell_end(self._end())
         returned = self._algo.finish(self._ctx, model)
         self._unhook()
         self._clock.pause()
@@ -1371,6 +1373,14 @@ class Run:
             raise ConfigError(f"{what} before run.setup(): call model, opt = run.setup(...) first")
         return self._model
 
+    def _end(self) -> LoopEnd:
+        """What this worker's loop measured of its data and its steps."""
+        return LoopEnd(
+            data_len=self._data_len,
+            steps=self.steps if self._ctx.job.main is not None else None,
+            step_samples=self.samples - self._state.unstepped,
+        )
+
     def _result(self, returned: Any = None) -> WorkerResult:
         """What this worker tells the launcher once ``main`` returned ``returned``."""
         final = self.final_model()
@@ -1387,6 +1397,7 @@ class Run:
                 )
         evals = self._state.evals
         last = evals[-1] if evals else None
+        end = self._end()
         return WorkerResult(
             rank=self.rank,
             samples=self.samples,
@@ -1397,9 +1408,9 @@ class Run:
             final_test_loss=last.get("test_loss") if last else None,
             model=final if self._ctx.evaluates else None,
             figures=self._algo.figures(),
-            data_len=self._data_len,
-            steps=self.steps if self._ctx.job.main is not None else None,
-            step_samples=self.samples - self._state.unstepped,
+            data_len=end.data_len,
+            steps=end.steps,
+            step_samples=end.step_samples,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
         )
 
