@@ -42,6 +42,7 @@ from distsgd.data import Dataset, TrainingData, from_arrays, from_hf, from_hf_st
 from distsgd.data.partition import samples_per_epoch
 from distsgd.data.torchdata import STREAM_REPLICATED, TorchData, is_map_dataset, is_stream
 from distsgd.errors import (
+    STOP,
     CheckpointError,
     ConfigError,
     DataError,
@@ -262,7 +263,7 @@ def run(
                 return _run(cfg, model_spec, dataset, progress, code, evaluate, fresh)
             except PeerFailed:
                 if where.agent_ends_ranks:  # let it name the rank that failed: it ends this one first
-                    ended_by_sigterm_within(PEER_WAIT_S)
+                    ended_by_sigterm_within(PEER_WAIT_S, asked=STOP.requested is not None)
                 raise
     finally:
         restore()

@@ -92,6 +92,8 @@ class StopRequest:
 
     @contextlib.contextmanager
     def listen(self) -> Iterator["StopRequest"]:
+        if not self.listening:  # a run's: a request of an earlier run in this process is not its own
+            self.requested = None
         was, self.listening = self.listening, True
         try:
             yield self
@@ -133,20 +135,30 @@ def on_sigterm() -> Callable[[], None]:
     return restore
 
 
-def ended_by_sigterm_within(seconds: float) -> None:
+def ended_by_sigterm_within(seconds: float, asked: bool = False) -> None:
     """Wait ``seconds`` for a SIGTERM that ends this process at once, silently (its default
-    action: every clean-up is done). In the main thread only; elsewhere returns at once."""
+    action: no clean-up of the caller's runs after it; stdout and stderr are flushed first), or
+    end so now where one was ``asked`` for already (a loop that listened took it as a stop
+    request). In the main thread only; elsewhere returns at once."""
+    import logging
+    import os
     import signal
     import threading
     import time
 
     if threading.current_thread() is not threading.main_thread():
         return
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
+        if asked:
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(seconds)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class WorkerInputError(WorkerError):

@@ -20,6 +20,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from torch.distributed import DistError
+
 from distsgd.config import RunConfig
 from distsgd.errors import ConfigError, DistsgdError, PeerFailed, WorkerError, error_text, failure_text
 from distsgd.launch import environment, procs
@@ -89,7 +91,9 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
     except Exception as exc:  # under torchrun or srun this process is its worker: say what it met as a worker does
         if not torchrun:
             raise
-        if isinstance(exc, RuntimeError) and procs.peer_symptom(str(exc)):  # no launcher blames the process that died
+        # torch.distributed's own errors (a store gone, a closed connection) and gloo's and NCCL's words
+        # are a peer's failure (no launcher blames the process that died)
+        if isinstance(exc, DistError) or (isinstance(exc, RuntimeError) and procs.peer_symptom(str(exc))):
             raise PeerFailed(
                 f"process {place()[0]} stopped: another process of the group failed or cannot be "
                 f"reached ({error_text(exc)})"

@@ -111,8 +111,9 @@ class Environment(ABC):
     @property
     def agent_ends_ranks(self) -> bool:
         """An agent of the launcher ends every rank on this machine once one fails, and names the
-        first to fail as the failure's root cause (torchrun's)."""
-        return False
+        first to fail as the failure's root cause: torchrun's elastic agent (not a launcher that
+        only sets its variables), whoever formed the group (a script that formed its own)."""
+        return "TORCHELASTIC_RUN_ID" in self.env
 
     @property
     def run_name(self) -> str | None:
@@ -222,10 +223,6 @@ class Torchrun(Environment):
     @property
     def restarted(self) -> str | None:
         return "torchrun restarted the group" if self.attempt > 0 else None
-
-    @property
-    def agent_ends_ranks(self) -> bool:
-        return "TORCHELASTIC_RUN_ID" in self.env  # its elastic agent (not a launcher that only sets the variables)
 
     @property
     def run_name(self) -> str | None:

@@ -91,6 +91,9 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
 
         def tell_end(end: LoopEnd) -> None:  # a user's loop's data and steps, for rank 0's summary
             store.set(f"{key}/end/{rank}", json.dumps(dataclasses.asdict(end)))
+            store.check(
+                [f"{key}/end/{rank}"]
+            )  # a round trip: the store has it before the DONE leaves (a set does not wait)
 
         return [_work(job, algo_cls, rank, world, seat, NullSink(), tell_end=tell_end)]
 

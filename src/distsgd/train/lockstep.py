@@ -45,7 +45,8 @@ def advice(algo: str, backward: bool = False) -> str:
     ran it out of step: the audit found it blamed on an early stop)."""
     each = (
         ", every backward pass one of them (a gradient to inspect on one worker alone: torch.autograd.grad(out, "
-        "inputs), which averages nothing)"
+        "inputs), which averages nothing, of a forward that makes none either: DDP's .module, whose forward "
+        "broadcasts no buffers)"
         if backward
         else ""
     )

@@ -203,6 +203,7 @@ class Run:
         self._storage: list[tuple[str, nn.Parameter, int]] = []  # where the algorithm binds them: their memory
         self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
+        self.rewrote_at = -1  # the last step whose end rewrote the weights in place (model averaging's)
         # the step count and training-clock time at which the model run.evaluation_model() last
         # returned existed (see :meth:`_evaluated_at`)
         self._made: tuple[int, float] | None = None
@@ -1049,7 +1050,11 @@ class Run:
         self._batch_samples = self._backwards = self._syncs = 0
         self._stepped.clear()
         self._current, self._unscaled = None, False
-        self._algo.after_step(ctx, self._need_setup("optimizer.step()"), Step(step.number, self._state.local))
+        model = self._need_setup("optimizer.step()")
+        before = _versions(model) if self._algo.local_model else 0
+        self._algo.after_step(ctx, model, Step(step.number, self._state.local))
+        if self._algo.local_model and _versions(model) != before:  # an average, an outer step: in place
+            self.rewrote_at = self._state.steps
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
 
@@ -1651,7 +1656,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
             failure = loop_failure(exc, worker)
             if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
                 raise
-            raise _with_why(failure, exc, algo) from exc
+            raise _with_why(failure, exc, algo, run) from exc
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
@@ -1660,21 +1665,25 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
 
 
-def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm") -> LoopError:
+def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Run) -> LoopError:
     """``failure``, with why where distsgd's step caused it: autograd's "modified by an inplace
-    operation" under an algorithm that rewrites the weights in place as the run's step ends (an
-    average, an outer step, the server's weights) is a graph made before that step and
-    backpropagated after it, a GAN's generator through its discriminator's step, whose optimiser
-    alone was given to run.setup(): the audit's error said nothing of it."""
-    rewrites = algo.local_model or algo.topology.kind == "server"  # (a server's worker takes its weights)
-    if not (rewrites and INPLACE in str(exc)):
+    operation" after a step whose end rewrote the weights in place (an average, an outer step) is
+    a graph made before that step and backpropagated after it, a GAN's generator through its
+    discriminator's step, whose optimiser alone was given to run.setup(): the audit's error said
+    nothing of it. (Not after another step: a loop's own in-place change fails so in one process.)"""
+    if not (INPLACE in str(exc) and run.rewrote_at == run.steps):
         return failure
     return LoopError(
-        f"{one_line(failure)} (under {algo.name} the run's step ends at the step of the optimiser run.setup() "
-        f"returned, where the weights are rewritten in place: a graph made before it and backpropagated after "
-        f"it, a GAN's generator's through its discriminator's step, sees them changed; give every optimiser "
-        f"of a step to run.setup(opt_d, opt_g): the step then ends once each has stepped)"
+        f"{one_line(failure)} (under {algo.name} the run's step ended at the step of the optimiser run.setup() "
+        f"returned, and the weights were rewritten in place there: a graph made before it and backpropagated "
+        f"after it, a GAN's generator's through its discriminator's step, sees them changed; give every "
+        f"optimiser of a step to run.setup(opt_d, opt_g): the step then ends once each has stepped)"
     )
+
+
+def _versions(model: nn.Module) -> int:
+    """The sum of the parameters' autograd versions: it grows with every in-place change."""
+    return sum(p._version for p in model.parameters())
 
 
 def _in_a_functions_backward() -> bool:
