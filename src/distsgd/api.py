@@ -12,6 +12,7 @@ import copy
 import datetime as _dt
 import functools
 import itertools
+import json
 import logging
 import os
 import sys
@@ -68,7 +69,7 @@ from distsgd.metrics import (
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
 from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
-from distsgd.train.context import Job
+from distsgd.train.context import ENDED_HERE, Job
 from distsgd.train.graphs import graphs_refusal
 from distsgd.train.loop import check_saved
 from distsgd.train.objective import loss_function
@@ -383,7 +384,22 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
     _within_budget(cfg, chosen, n_train, own)
-    return chosen
+    return {**chosen, ENDED_HERE: _final_evaluation_at(Path(cfg.resume), chosen.get("samples"))}
+
+
+def _final_evaluation_at(run_dir: Path, samples: Any) -> dict[str, Any] | None:
+    """The final evaluation of the run in ``run_dir`` where it finished (its summary.json) at
+    ``samples``, its checkpoint's: made after that checkpoint, which could not hold it. None
+    where the run did not finish there (a killed run, a stopped one, a checkpoint before the end)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    evals = summary.get("evals") if isinstance(summary, dict) else None
+    last = evals[-1] if isinstance(evals, list) and evals and isinstance(evals[-1], dict) else None
+    if last is None or not isinstance(last.get("train_wall_s"), (int, float)) or not isinstance(samples, int):
+        return None
+    return dict(last) if summary.get("samples") == samples == last.get("samples") else None
 
 
 def _within_budget(cfg: RunConfig, manifest: dict[str, Any], n_train: int | None, own: bool) -> None:

@@ -19,6 +19,8 @@ from distsgd.data import TrainingData
 from distsgd.metrics import NullSink, Sink
 from distsgd.models import ModelSpec
 
+ENDED_HERE = "ended_here"  # Job.resume_from's (not the manifest file's): the run finished at its checkpoint
+
 
 @dataclass
 class Job:
@@ -35,7 +37,8 @@ class Job:
     callbacks: tuple = ()  # objects with on_eval / on_checkpoint / on_end (distsgd.callbacks)
     # the manifest of the checkpoint a local launcher chose to resume from (the newest whole one, or
     # the one before a damaged newest, which a run resumed elsewhere leaves unnamed in the run it
-    # reads); None: the manifest of ``cfg.resume`` as it is (torchrun's ranks, or no resume)
+    # reads); None: the manifest of ``cfg.resume`` as it is (torchrun's ranks, or no resume). Its
+    # ENDED_HERE says the run read from finished at that checkpoint
     resume_from: dict[str, Any] | None = None
 
     def replace(self, **changes: Any) -> "Job":

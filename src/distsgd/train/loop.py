@@ -28,7 +28,7 @@ from distsgd.data import Dataset
 from distsgd.data.partition import epoch_indices, shard_size
 from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.train import device, membership
-from distsgd.train.context import Start, WorkerContext, WorkerResult
+from distsgd.train.context import ENDED_HERE, Start, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Cut, equal_states, eval_period, evaluate, snapshot
 from distsgd.train.graphs import GraphedSteps
 from distsgd.train.objective import loss_function
@@ -54,6 +54,11 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
         return run_own_loop(ctx, algo, replacement)
     w = _start(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
     algo = w.algo
+    final = (ctx.job.resume_from or {}).get(ENDED_HERE)
+    if final and not (w.state.evals and w.state.evals[-1].get("samples") == final["samples"]):
+        # a finished run, resumed to train on: its final evaluation came after its last checkpoint,
+        # which kept none of it (its summary's time and samples to target were lost with it)
+        w.state.evals.append(final)
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
         while True:
