@@ -143,6 +143,26 @@ def test_a_run_saved_as_safetensors_alone_is_evaluated_from_its_directory(tmp_pa
     assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
+@needs_safetensors
+def test_a_run_resumed_in_place_with_another_save_format_leaves_no_older_model(tmp_path: Path) -> None:
+    """Saved as model.pt, resumed in place with --save-format safetensors: the first part's
+    model.pt goes (distsgd wrote it), so ``distsgd eval DIR`` reads the run's model, and a file of
+    the user's stays. On 98b67c4 model.pt stayed, and eval of the directory measured it: 0.722
+    against the summary's 0.928 in the audit's run."""
+    out = tmp_path / "run"
+    res = cli_here("train", *DIGITS, "--epochs", "1", "--checkpoint-every", "epoch", "--out", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr
+    (out / "model.pt.mine").write_bytes(b"the user's")
+    res = cli_here("train", "--resume", str(out), "--epochs", "3", "--save-format", "safetensors", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert not (out / "model.pt").exists() and (out / "model.pt.mine").read_bytes() == b"the user's"
+    summary = json.loads((out / "summary.json").read_text())
+    res = cli_here("eval", "--checkpoint", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
+
+
 def test_without_safetensors_one_error_line_and_nothing_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

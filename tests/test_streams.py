@@ -162,6 +162,45 @@ def test_what_a_stream_cannot_do_is_one_line(settings: dict, says: str) -> None:
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
+class Broken(IterableDataset):
+    """A stream whose ``__iter__`` raises at item ``at``."""
+
+    num_classes = 3
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __iter__(self):
+        for i, item in enumerate(Stream(100)):
+            if i == self.at:
+                raise RuntimeError(f"the stream broke at item {i}")
+            yield item
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ((Broken(0), held_out()), "the train stream's first item cannot be read: RuntimeError: the stream broke"),
+        ((Stream(100), Broken(50)), "the test stream cannot be read: RuntimeError: the stream broke at item 50"),
+    ],
+)
+def test_a_stream_that_raises_as_distsgd_first_reads_it_is_one_line(data: tuple, says: str) -> None:
+    """On 98b67c4 the stream's exception came out of distsgd's look at its first item (or its count
+    of a test stream) as it was: a 40-line traceback, exit 1."""
+    with pytest.raises(distsgd.DataError) as info:
+        distsgd.train(model=Recorder, data=data, quiet=True)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_stream_too_short_for_its_workers_is_one_line() -> None:
+    """One item between two workers: each reads one in two and the last row of fewer is left out,
+    so neither trains. On 98b67c4 the run ended with exit 0, 0 samples and the untrained model
+    saved with its figures, where a map-style set too small to share is refused."""
+    with pytest.raises(distsgd.DistsgdError, match=r"the training stream gave worker \d no sample: .*at least 2 items"):
+        distsgd.train(model=Recorder, data=(Stream(1), held_out()), algo="allreduce", workers=2, quiet=True)
+
+
 class Unlabelled(IterableDataset):
     def __iter__(self):
         for i in range(20):

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from distsgd.config import SAVE_FORMATS
 from distsgd.errors import BadField, CheckpointError, ConfigError, OutputError
-from distsgd.rundir import record
+from distsgd.rundir import record, remove_ours
 
 if TYPE_CHECKING:
     from distsgd.config import RunConfig
@@ -116,8 +117,12 @@ def save_model(
 
 def save_run(out: Path, model: nn.Module, cfg: "RunConfig", dataset: "TrainingData", summary: dict[str, Any]) -> None:
     """A finished run's model in each --save-format, then summary.json, into its run directory
-    ``out``: a run whose summary.json exists has its model."""
+    ``out``: a run whose summary.json exists has its model. Another format's model that distsgd
+    wrote there (a run resumed in place with another --save-format) goes: ``distsgd eval DIR``
+    read the earlier part's model.pt beside the run's model.safetensors."""
     try:
+        others = [form for form in SAVE_FORMATS if form not in cfg.save_formats]
+        remove_ours(out, *(out / ("hf" if form == "hf" else f"model.{form}") for form in others))
         for form in cfg.save_formats:
             if form == "hf":
                 _save_pretrained(model, out / "hf")

@@ -11,6 +11,7 @@ deep and whatever its name. An empty directory is taken as it is; any other is r
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from distsgd.config import HEADER, written_by_a_run
@@ -56,6 +57,21 @@ def _written(folder: Path) -> set[str] | None:
     except OSError:
         return None
     return set(lines[1:]) if lines and lines[0] == LEDGER else None
+
+
+def remove_ours(out: Path, *paths: Path) -> None:
+    """Delete each of ``paths`` (files, or folders whose every file) that ``out``'s ledger says
+    distsgd wrote; anything else, and any folder holding a file it did not write, stays."""
+    written = _written(out)
+    if written is None:
+        return
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            ours, theirs = _sort(path, written, path.name + "/")
+            if not theirs:
+                shutil.rmtree(path)
+        elif path.is_file() and path.name in written:
+            path.unlink()
 
 
 def _sort(folder: Path, written: set[str], prefix: str = "") -> tuple[list[Path], list[Path]]:

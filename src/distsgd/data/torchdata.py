@@ -159,13 +159,21 @@ class TorchData:
         """The first item of ``ds`` (a stream's first, read to learn its shape)."""
         if not is_stream(ds):
             return self._item(ds, 0)
-        for item in ds:
-            return self._pair(item, 0)
+        try:
+            for item in ds:
+                return self._pair(item, 0)
+        except DataError:
+            raise
+        except Exception as exc:  # the user's __iter__
+            raise DataError(f"{self.name}: the {split} stream's first item cannot be read: {error_text(exc)}") from None
         raise DataError(f"{self.name}: the {split} stream is empty")
 
     def _count(self, stream: Any) -> int:
         """A test stream's items (it is read whole at each evaluation)."""
-        n = sum(1 for _ in stream)
+        try:
+            n = sum(1 for _ in stream)
+        except Exception as exc:  # the user's __iter__
+            raise DataError(f"{self.name}: the test stream cannot be read: {error_text(exc)}") from None
         if n == 0:
             raise DataError(f"{self.name}: the test stream is empty")
         return n

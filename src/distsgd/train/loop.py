@@ -560,6 +560,12 @@ class _Worker:
         the training clock, its checks outside), evaluated unless the last evaluation was of
         exactly this model (the same values in every parameter and buffer): the final figures
         always describe the model returned and saved, and nothing changes it afterwards."""
+        if self.stream and self.state.steps == 0:  # (a set too small to share is refused before training)
+            raise ConfigError(
+                f"the training stream gave worker {self.ctx.rank} no sample: each of {self.ctx.data_world} workers "
+                f"reads one item in {self.ctx.data_world} (a last row of fewer is left out), so it needs at least "
+                f"{self.ctx.data_world} items"
+            )
         self.model = self.run.final_model()
         if self.recovering is not None:  # regrouped at the very end: the model returned is the step after
             self.recovered()
