@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -327,3 +329,73 @@ def test_a_run_resumed_in_place_goes_on_in_its_wandb_and_mlflow_runs(tmp_path: P
     assert found.data.params["epochs"] == "1" and found.data.tags["distsgd.resumed.epochs"] == "2"
     steps = {m.step for m in client.get_metric_history(found.info.run_id, "test/accuracy")}
     assert {e["samples"] for e in summary["evals"]} <= steps and max(steps) == summary["samples"]
+
+
+def two_classes() -> torch.nn.Module:
+    return torch.nn.Linear(12, 2)
+
+
+def logging_loop(run) -> torch.nn.Module:
+    """A user's loop that logs a figure of its own each step and an evaluation with one more."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 12, generator=g)
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+    model, opt = run.setup()
+    for xb, yb in run.loader(data, batch_size=16):
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        run.log(grad_norm=float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
+        opt.step()
+    final = run.final_model()
+    with torch.no_grad():
+        accuracy = float((final(x).argmax(1) == data.tensors[1]).float().mean())
+    run.log(test_accuracy=accuracy, test_f1=accuracy / 2)
+    return final
+
+
+@pytest.mark.slow
+@needs_wandb_mlflow
+def test_the_figures_a_users_loop_logs_reach_every_logger(tmp_path: Path, default_stores) -> None:
+    """``run.log(grad_norm=...)`` each step and an evaluation's own ``test_f1``: in W&B (offline),
+    MLflow and TensorBoard under ``log/grad_norm`` and ``test/f1``, at their samples, as in
+    metrics.jsonl. On 98b67c4 they reached metrics.jsonl and metrics.csv alone (the loggers took a
+    fixed table of distsgd's own figures), where docs/RUNS.md promised W&B every figure."""
+    from mlflow.tracking import MlflowClient
+
+    from test_tensorboard import read_scalars
+
+    out = tmp_path / "run"
+    script = tmp_path / "loop.py"  # in a process of its own: W&B's service process ends with it
+    script.write_text(
+        "import sys\nimport distsgd\nfrom test_loggers import logging_loop, two_classes\n\n"
+        "if __name__ == '__main__':\n"
+        "    distsgd.spawn(logging_loop, model=two_classes, algo='allreduce', workers=2, out=sys.argv[1],\n"
+        "                  logger='wandb,mlflow,tensorboard', quiet=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "src", "tests"]))}
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    norms = [(e["samples"], e["grad_norm"]) for e in events if e["event"] == "log"]
+    (f1,) = [(e["samples"], e["test_f1"]) for e in events if e["event"] == "eval"]
+    assert len(norms) == 4, norms  # rank 0's, a step each
+
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    history = [_items(r.history.item) for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
+    assert [(h["samples"], h["log/grad_norm"]) for h in history if "log/grad_norm" in h] == norms
+    assert [(h["samples"], h["test/f1"]) for h in history if "test/f1" in h] == [f1]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("distsgd").experiment_id])
+    logged = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, "log/grad_norm"))
+    assert logged == [(s, pytest.approx(v)) for s, v in norms]
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "test/f1")] == [
+        (f1[0], pytest.approx(f1[1]))
+    ]
+
+    scalars = read_scalars(out / "tb")
+    assert [(s.step, s.value) for s in scalars["log/grad_norm"]] == [(s, pytest.approx(v)) for s, v in norms]
+    assert [(s.step, s.value) for s in scalars["test/f1"]] == [(f1[0], pytest.approx(f1[1]))]

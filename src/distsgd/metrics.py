@@ -132,13 +132,29 @@ def _tree(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() or p.is_symlink()] if folder.is_dir() else []
 
 
+BOOKKEEPING = ("event", "samples", "rank", "train_wall_s", "epoch")  # an event's axes and origin: no figure
+
+
+def _tags(event: dict[str, Any]) -> dict[str, str]:
+    """An event's figures' tags: distsgd's own under TensorBoard's names (``train/loss``,
+    ``test/accuracy``, ...), and those of a user's loop by their names, a ``run.log(grad_norm=...)``
+    under ``log/grad_norm`` and an evaluation's other figure, ``test_f1``, under ``test/f1`` (they
+    reached metrics.jsonl and metrics.csv alone before 2026-11-29)."""
+    kind = event.get("event", "")
+    tags = dict(TensorBoardWriter.TAGS.get(kind, {}))
+    if kind in ("log", "eval"):
+        for key in event:
+            if key not in tags and key not in BOOKKEEPING:
+                tags[key] = f"log/{key}" if kind == "log" else f"test/{key.removeprefix('test_')}"
+    return tags
+
+
 def _figures(event: dict[str, Any]) -> dict[str, float]:
-    """An event's figures under TensorBoard's tags (``train/loss``, ``test/accuracy``, ...): the
-    numbers a logger plots, the same names in every logger."""
-    tags = TensorBoardWriter.TAGS.get(event.get("event", ""), {})
+    """An event's figures under their tags (:func:`_tags`): the numbers a logger plots, the same
+    names in every logger."""
     return {
         tag: float(event[key])
-        for key, tag in tags.items()
+        for key, tag in _tags(event).items()
         if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)
     }
 
@@ -388,7 +404,7 @@ class TensorBoardWriter:
                 self.writer.add_text("config", "```\n" + config_text + "```", 0, walltime=started)
 
     def emit(self, event: dict[str, Any]) -> None:
-        tags = self.TAGS.get(event.get("event", ""))
+        tags = _tags(event)
         if tags:
             self._scalars(tags, event, int(event["samples"]), float(event.get("train_wall_s", 0.0)))
 
