@@ -276,6 +276,21 @@ def test_a_logger_that_cannot_start_is_one_error_line(tmp_path: Path) -> None:
     assert res.stderr.startswith("error: --logger wandb could not start its run: ") and "sideways" in res.stderr
 
 
+@pytest.mark.slow
+@needs_wandb_mlflow
+def test_a_logger_that_cannot_start_after_another_did_leaves_a_directory_a_rerun_replaces(tmp_path: Path) -> None:
+    """W&B starts, then MLflow cannot (a store it refuses): one line, and W&B's run ends as a
+    failed one with its files in the run directory's ledger, so the rerun with --overwrite
+    replaces the directory. On 98b67c4 W&B's files were not in the ledger: --overwrite refused
+    ("also holds wandb/debug-internal.log ... which distsgd did not write")."""
+    out = tmp_path / "run"
+    bad = {"MLFLOW_TRACKING_URI": "sideways://nowhere", "WANDB_MODE": "offline"}
+    res = run_cli("train", *DIGITS, "--epochs", "1", "--out", str(out), "--logger", "wandb,mlflow", env=bad)
+    assert res.returncode == 2 and res.stderr.startswith("error: --logger mlflow could not start its run"), res.stderr
+    res = run_cli("train", *DIGITS, "--epochs", "1", "--out", str(out), "--overwrite", "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_a_csv_reopened_keeps_its_rows(tmp_path: Path) -> None:
     """A run resumed in place reopens metrics.csv: the first attempt's rows stay, as metrics.jsonl's do."""
     from distsgd.metrics import CsvWriter

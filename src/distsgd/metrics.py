@@ -660,24 +660,34 @@ def open_sinks(
     """A run's files of events: metrics.jsonl and ``--logger``'s sinks in the run directory ``out``
     (the chief's, which writes it), and ``--tensorboard``'s event file in ``tb_dir``."""
     made: list[Sink] = []
-    if out is not None:
-        tables = [out / "metrics.jsonl", *([out / "metrics.csv"] if "csv" in cfg.loggers else [])]
-        record(*tables)  # in the run directory's ledger before they are written: what --overwrite may delete
-        made += [JsonlWriter(tables[0]), *(CsvWriter(path) for path in tables[1:])]
-        config = cfg.to_dict()
-        in_place = cfg.resumes_in_place  # goes on in its logger runs
-        for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
-            if name in cfg.loggers:
-                try:
-                    made.append(kind(out, out.name, config, resumed=in_place))
-                except Exception as exc:  # its settings (WANDB_MODE, MLFLOW_TRACKING_URI), its store: one line
-                    said = (
-                        " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-                    )
-                    raise ConfigError(f"--logger {name} could not start its run: {said[:400]}") from None
-    if tb_dir is not None:
-        made.append(TensorBoardWriter(tb_dir, started, settings_text))
+    try:
+        if out is not None:
+            tables = [out / "metrics.jsonl", *([out / "metrics.csv"] if "csv" in cfg.loggers else [])]
+            record(*tables)  # in the run directory's ledger before they are written: what --overwrite may delete
+            made += [JsonlWriter(tables[0]), *(CsvWriter(path) for path in tables[1:])]
+            config = cfg.to_dict()
+            in_place = cfg.resumes_in_place  # goes on in its logger runs
+            for name, kind in (("wandb", WandbWriter), ("mlflow", MlflowWriter)):
+                if name in cfg.loggers:
+                    made.append(_started(name, lambda: kind(out, out.name, config, resumed=in_place)))
+        if tb_dir is not None:
+            made.append(TensorBoardWriter(tb_dir, started, settings_text))
+    except BaseException:  # those started end as a failed run's (their files in the ledger: a rerun may replace them)
+        for sink in reversed(made):
+            with contextlib.suppress(Exception):
+                sink.close()  # type: ignore[attr-defined]
+        raise
     return made
+
+
+def _started(name: str, start: Callable[[], Sink]) -> Sink:
+    """``--logger name``'s sink, or one line where it cannot start (its settings, WANDB_MODE or
+    MLFLOW_TRACKING_URI; its store)."""
+    try:
+        return start()
+    except Exception as exc:
+        said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        raise ConfigError(f"--logger {name} could not start its run: {said[:400]}") from None
 
 
 def require_extras(loggers: tuple[str, ...] | list[str], tensorboard: bool) -> None:
