@@ -521,10 +521,10 @@ def test_the_group_a_run_joined_under_torchrun_is_gone_when_it_returns(tmp_path)
 def test_torchrun_names_the_worker_whose_loop_raised_as_the_root_cause(tmp_path, algo: str) -> None:
     """Worker 1's loop raises at its 3rd step under torchrun: torchrun's report names rank 1 the
     root cause, and rank 0, which stopped because its peer's connection closed, waits for
-    torchrun's agent to end it and adds nothing. On 0a3bbc7 rank 0 ended first, with its own
-    traceback ("process 0 stopped: another process of the group failed ... Connection closed by
-    peer"), and torchrun named it the root cause: 105 lines, the first error a user reads
-    someone else's, worker 1's through 7 frames of distsgd's launcher (58 lines now, 40 torchrun's own)."""
+    torchrun's agent to end it and adds nothing. On 0a3bbc7 rank 0 printed its own traceback
+    ("process 0 stopped: another process of the group failed ... Connection closed by peer") and
+    often exited first, and torchrun then named it the root cause (2 runs of 4): up to 105 lines,
+    worker 1's through 7 frames of distsgd's launcher (58 lines now, 40 torchrun's own)."""
     res = _torchrun_loop(tmp_path, algo, 2, epochs=1, env={"RAISE_ON_RANK": "1"})
     assert res.returncode == 1, res.stderr[-3000:]
     assert "worker 1 failed in main" in res.stderr and "a bad batch on worker 1" in res.stderr, res.stderr[-3000:]
