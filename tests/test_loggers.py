@@ -414,3 +414,36 @@ def test_the_figures_a_users_loop_logs_reach_every_logger(tmp_path: Path, defaul
     scalars = read_scalars(out / "tb")
     assert [(s.step, s.value) for s in scalars["log/grad_norm"]] == [(s, pytest.approx(v)) for s, v in norms]
     assert [(s.step, s.value) for s in scalars["test/f1"]] == [(f1[0], pytest.approx(f1[1]))]
+
+
+def test_a_signal_while_an_event_goes_to_the_sinks_stops_the_run_once_every_sink_has_it() -> None:
+    """SIGTERM landing in one sink's write (the launcher hands each event to metrics.jsonl, the
+    loggers, the progress display in turn): the Terminated comes once the event is in every sink.
+    On 98b67c4 it came out of the write it landed in: the sinks after it missed the event (4 runs
+    of 5 in the audit), and once MLflow's SQLite transaction, cut, stayed locked."""
+    import os
+    import signal
+
+    from distsgd.errors import Terminated, on_sigterm
+    from distsgd.metrics import Fanout
+
+    class Signalling:
+        def emit(self, event: dict) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered here, between two bytecodes of this write
+            self.seen = event
+
+    class Recording:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def emit(self, event: dict) -> None:
+            self.events.append(event)
+
+    first, last = Signalling(), Recording()
+    restore = on_sigterm()
+    try:
+        with pytest.raises(Terminated):
+            Fanout(first, last).emit({"event": "progress", "samples": 64})
+    finally:
+        restore()
+    assert first.seen and last.events == [{"event": "progress", "samples": 64}]

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from distsgd.errors import ConfigError
+from distsgd.errors import HOLD, ConfigError
 from distsgd.rundir import record
 
 if TYPE_CHECKING:
@@ -294,8 +294,9 @@ class Fanout:
     def emit(self, event: dict[str, Any]) -> None:
         if self.logged and event.get("event") == "eval" and _eval_key(event) in self.logged:
             return
-        for sink in self.sinks:
-            sink.emit(event)
+        with HOLD.held():  # a signal's stop once every sink has the event
+            for sink in self.sinks:
+                sink.emit(event)
 
 
 def _eval_key(event: dict[str, Any]) -> tuple[Any, Any]:
