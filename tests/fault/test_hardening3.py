@@ -24,7 +24,7 @@ import distsgd
 from distsgd import checkpoint, cli
 from distsgd.data import formats
 from distsgd.errors import DataError
-from helpers import cli_here, progress_seen, run_cli
+from helpers import cli_here, progress_seen, run_cli, signal_when
 
 pytest.importorskip("sklearn")
 
@@ -564,17 +564,7 @@ def test_a_signal_during_an_evaluation_stops_the_run_before_it_ends(tmp_path: Pa
         [sys.executable, "-m", "distsgd", "train", *common, "--out", str(out)],
         stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "EVAL_LOG": str(notes)},
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not (notes.exists() and notes.read_text().count("batch") >= 3) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    err = signal_when(proc, lambda: notes.exists() and notes.read_text().count("batch") >= 3, signal.SIGTERM)
     manifest = checkpoint.read_manifest(out)
     assert proc.returncode == 143 and manifest is not None, err[-3000:]
     assert err.strip().startswith("error: terminated by SIGTERM; its last whole checkpoint"), err[-3000:]

@@ -204,6 +204,7 @@ class Run:
         self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         self.rewrote_at = -1  # the last step whose end rewrote the weights in place (model averaging's)
+        self.foreign_steps = False  # an optimiser run.setup() did not return has stepped
         # the step count and training-clock time at which the model run.evaluation_model() last
         # returned existed (see :meth:`_evaluated_at`)
         self._made: tuple[int, float] | None = None
@@ -370,6 +371,7 @@ class Run:
             def outside(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 me = run()
                 if me is not None and not is_internal(opt):
+                    me.foreign_steps = me.foreign_steps or not any(opt is mine for mine in me._optimizers)
                     me._outside_parameters(opt, own, checked)
 
             self._handles.append(register_optimizer_step_pre_hook(outside))
@@ -1051,9 +1053,12 @@ class Run:
         self._stepped.clear()
         self._current, self._unscaled = None, False
         model = self._need_setup("optimizer.step()")
-        before = _versions(model) if self._algo.local_model else 0
+        # (looked at only where an optimiser run.setup() did not return steps: a graph of its step may
+        # span the run's; a walk over the parameters each step, off every other loop's path)
+        watch = self._algo.local_model and self.foreign_steps
+        before = _versions(model) if watch else 0
         self._algo.after_step(ctx, model, Step(step.number, self._state.local))
-        if self._algo.local_model and _versions(model) != before:  # an average, an outer step: in place
+        if watch and _versions(model) != before:  # an average, an outer step: in place
             self.rewrote_at = self._state.steps
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
