@@ -55,9 +55,11 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
     w = _start(ctx, algo, replacement)  # model, optimiser, counters; restored from --resume
     algo = w.algo
     final = (ctx.job.resume_from or {}).get(ENDED_HERE)
-    if final and not (w.state.evals and w.state.evals[-1].get("samples") == final["samples"]):
+    if final and not algo.local_model and not (w.state.evals and w.state.evals[-1].get("samples") == final["samples"]):
         # a finished run, resumed to train on: its final evaluation came after its last checkpoint,
-        # which kept none of it (its summary's time and samples to target were lost with it)
+        # which kept none of it (its summary's time and samples to target were lost with it). Of the
+        # checkpoint's model where the replicas are the model returned; not where that part's
+        # return averaged them or took an outer step (a model the resumed part never has)
         w.state.evals.append(final)
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
