@@ -291,6 +291,37 @@ def test_a_logger_that_cannot_start_after_another_did_leaves_a_directory_a_rerun
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+@pytest.mark.slow
+@needs_wandb_mlflow
+@pytest.mark.skipif(find_spec("tensorboard") is None, reason="pip install 'distsgd[tensorboard]'")
+def test_a_logger_that_cannot_end_its_run_leaves_the_others_closed_and_the_model_saved(
+    tmp_path: Path, default_stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's tracking server gone when the run ends (its set_terminated raises, as MLflow's REST
+    client does once its retries are spent): one error line, exit 2, and the sinks after it still
+    closed (TensorBoard's last events, summary/, are in its file) and the model saved. Before
+    (cb98bd8) the exception went up through the command as a traceback, skipping the other
+    sinks' close and the model's save."""
+    from mlflow.exceptions import MlflowException
+
+    from distsgd import metrics
+    from test_tensorboard import read_scalars
+
+    def gone(self) -> None:
+        raise MlflowException("API request to endpoint /api/2.0/mlflow/runs/update failed:\nConnection refused")
+
+    monkeypatch.setattr(metrics.MlflowWriter, "close", gone)
+    out = tmp_path / "run"
+    res = cli_here("train", *DIGITS, "--max-samples", "600", "--out", str(out), "--logger", "mlflow", "--tensorboard")
+    assert res.returncode == 2 and res.stderr.count("error:") == 1 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.splitlines()[-1]  # after MLflow's own INFO lines and the progress
+    assert last.startswith("error: --logger mlflow could not end its run: API request to endpoint"), res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert torch.load(out / "model.pt", weights_only=True)  # saved
+    scalars = read_scalars(out / "tb")
+    assert scalars["summary/final_test_accuracy"][0].value == pytest.approx(summary["final_test_accuracy"], abs=1e-6)
+
+
 def test_a_csv_reopened_keeps_its_rows(tmp_path: Path) -> None:
     """A run resumed in place reopens metrics.csv: the first attempt's rows stay, as metrics.jsonl's do."""
     from distsgd.metrics import CsvWriter

@@ -61,6 +61,7 @@ from distsgd.launch.rendezvous import group_host, place
 from distsgd.metrics import (
     Fanout,
     Sink,
+    close_sinks,
     logged_evals,
     make_progress,
     open_sinks,
@@ -361,15 +362,15 @@ def _run(
             if hasattr(sink, "write_summary"):
                 sink.write_summary(summary)
     finally:
-        for sink in sinks:
-            if hasattr(sink, "close"):
-                sink.close()
+        unclosed = close_sinks(sinks)  # raised once the model is saved (when nothing else is on its way)
         if out is not None and not torchrun:  # every worker has stopped: what no manifest names is of no use
             remove_uncommitted(out)
     if out is not None:
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
         save_run(out, model, cfg, dataset, summary)
+    if unclosed is not None:
+        raise unclosed
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
 
 

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from distsgd.errors import HOLD, ConfigError
+from distsgd.errors import HOLD, ConfigError, DistsgdError, OutputError
 from distsgd.rundir import record
 
 if TYPE_CHECKING:
@@ -674,11 +674,29 @@ def open_sinks(
         if tb_dir is not None:
             made.append(TensorBoardWriter(tb_dir, started, settings_text))
     except BaseException:  # those started end as a failed run's (their files in the ledger: a rerun may replace them)
-        for sink in reversed(made):
-            with contextlib.suppress(Exception):
-                sink.close()  # type: ignore[attr-defined]
+        close_sinks(made[::-1])
         raise
     return made
+
+
+def close_sinks(sinks: list[Sink]) -> DistsgdError | None:
+    """Closes every sink, whichever of them fails to (one that raised must not leave the others
+    open: a logger's run unended, TensorBoard's last events unwritten). Returns the first failure
+    as one line, for the caller to raise once the run's model is saved; None if all closed."""
+    failed: DistsgdError | None = None
+    for sink in sinks:
+        close = getattr(sink, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except OSError as exc:  # metrics.jsonl's or the event file's last write (a full disk)
+            failed = failed or OutputError.of(exc)
+        except Exception as exc:
+            said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+            what = {WandbWriter: "--logger wandb", MlflowWriter: "--logger mlflow"}.get(type(sink), type(sink).__name__)
+            failed = failed or OutputError(f"{what} could not end its run: {said[:400]}")
+    return failed
 
 
 def _started(name: str, start: Callable[[], Sink]) -> Sink:
