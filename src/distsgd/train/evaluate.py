@@ -19,7 +19,7 @@ from distsgd.metrics import Sink, TrainClock, lm_figures
 from distsgd.models import logits_of
 from distsgd.schedule import Periodic
 from distsgd.train import device
-from distsgd.train.context import Job
+from distsgd.train.context import ENDED_HERE, Job
 from distsgd.train.objective import loss_function
 
 
@@ -106,6 +106,13 @@ class Watcher:
         # those ``observe`` is given)
         self.hold: Callable[[], contextlib.AbstractContextManager] | None = None
         self.count: Callable[[], int] | None = None
+        # A finished run resumed to train on: its final evaluation, made after its last checkpoint
+        # (which holds none of it), of the model this run starts from; and those of the runs
+        # before it in a chain of resumes (its checkpoint's). Each goes in its place among the
+        # evaluations once the filed copies are measured (else the summary's time and samples to
+        # target lost it)
+        ended = (job.resume_from or {}).get(ENDED_HERE)
+        self.ended: list[dict[str, Any]] = [ended] if ended else []
 
     def start(self) -> None:
         """Training starts now (the clock counts from here, plus any resumed run's time)."""
@@ -163,6 +170,16 @@ class Watcher:
         self.sink.emit(event)
         return event
 
+    def _with_ended(self) -> list[dict[str, Any]]:
+        """The evaluations, with the earlier runs' final ones each in its place by samples (unless
+        one at its samples measured that model again)."""
+        evals = list(self.evals)
+        for ended in self.ended:
+            if not any(e["samples"] == ended["samples"] for e in evals):
+                at = next((i for i, e in enumerate(evals) if e["samples"] > ended["samples"]), len(evals))
+                evals.insert(at, dict(ended))
+        return evals
+
     def finish(self, samples: int) -> tuple[float, list[dict[str, Any]], dict[str, torch.Tensor], int]:
         """Training is over: (training time, every evaluation, the model to return, the samples it
         was trained on). The model to return is the copy that reached the target
@@ -181,12 +198,14 @@ class Watcher:
         if not equal_states(final, self.last):
             self.evaluate(samples, train_s, final)
             self.last = final
+        self.evals, self.ended = self._with_ended(), []
         return train_s, self.evals, final, samples
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "evals_at": self.at.state_dict(),
             "evals": list(self.evals),
+            "ended": list(self.ended),  # merged with the evaluations once the copies are measured
             "train_wall_s": self.clock.elapsed(),
             "snapshots": [{"samples": n, "train_s": t, "state": st} for n, t, st in self.pending],
         }
@@ -195,6 +214,7 @@ class Watcher:
         self.at.load_state_dict(state["evals_at"])
         self.last = None
         self.evals = list(evaluations(state, "evals"))
+        self.ended = [*(evaluations(state, "ended") if "ended" in state else []), *self.ended]
         snapshots = of_type(state, "snapshots", list, "a list of model copies")
         self.pending = [
             (count(s, "samples"), seconds(s, "train_s"), of_type(s, "state", dict, "a model's state"))
