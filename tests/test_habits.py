@@ -129,6 +129,18 @@ def test_clipping_between_backward_and_step_clips_the_averaged_gradient(algo: st
     assert max_diff(weights_of(result.model), reference(6, B, 0.1)) > 1e-3  # the clip mattered
 
 
+@pytest.mark.parametrize("algo", ["allreduce", "sync-ps"])
+def test_the_runs_clip_grad_norm_clips_the_mean_gradient(algo: str) -> None:
+    """``clip_grad_norm`` (``--clip-grad-norm``, on by default for gpt) clips the gradient the step
+    applies: the mean over the workers, as one process clips the global batch's. sync-ps's server
+    clips the round's mean; on cb98bd8 each worker clipped its own gradient before pushing it, and
+    the server stepped with the mean of the clipped ones (5.8e-4 from the reference in one step)."""
+    result = spawn("", algo, max_samples=6 * 2 * B, clip_grad_norm=0.05)
+    assert result.model is not None
+    assert max_diff(weights_of(result.model), reference(6, B, 0.1, clip=0.05)) < 1e-5
+    assert max_diff(weights_of(result.model), reference(6, B, 0.1)) > 1e-3  # the clip mattered
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["allreduce", "ddp"])
 def test_a_gradient_inspected_on_one_worker_is_refused_naming_the_way_that_works(algo: str) -> None:

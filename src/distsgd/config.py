@@ -183,7 +183,7 @@ class RunConfig:
     )
     clip_grad_norm: float | None = setting(
         None,
-        "clip each step's gradient to this global L2 norm (after the algorithm's gradient sync)",
+        "clip each step's gradient to this global L2 norm (the one the step applies: after the gradient sync; sync-ps: the round's mean)",
         unset=0.0,
         default_help="{default}: none (gpt: 1.0)",
         check=lambda flag, v: None if v >= 0 else f"{flag} must be a positive number (0: off), got {v}",

@@ -317,6 +317,9 @@ class Algorithm(Generic[OptionsT]):
     # weights are copied into): one replaced after setup (model.to(memory_format=...), .double())
     # would train apart from it
     binds_storage: ClassVar[bool] = False
+    # --clip-grad-norm clips what it combines from the workers (sync-ps's server: the round's mean,
+    # as one process would clip the global batch's gradient), not each worker's own
+    clips_combined: ClassVar[bool] = False
 
     cfg: RunConfig
     opts: OptionsT  # its options, from cfg.options

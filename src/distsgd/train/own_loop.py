@@ -990,7 +990,7 @@ class Run:
                     "unscales them first"
                 )
             self._unscale()  # once the gradients are synchronised: every worker finds the same overflow
-        if self._clip:  # the synchronised gradient (every replica clips alike), before the update
+        if self._clip and not self._algo.clips_combined:  # the synchronised gradient (every replica clips alike)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
 
     def _check_lr_alike(self, at_end: bool = False) -> None:

@@ -247,14 +247,19 @@ class ParameterServer:
     def total_samples(self) -> int:
         return sum(self.counts)
 
-    def apply(self, grad: torch.Tensor, hypers: list[float] | None = None, present: Present = None) -> None:
+    def apply(
+        self, grad: torch.Tensor, hypers: list[float] | None = None, present: Present = None, clip: float | None = None
+    ) -> None:
         """One optimiser step with ``grad`` (flat), its groups set to ``hypers`` first (checked by
         :meth:`push`; None: as they stand); a parameter absent from ``present`` (None: none is)
         gets no ``.grad``, so the optimiser skips it (no weight decay, no momentum), as PyTorch's
-        does a parameter without a gradient."""
+        does a parameter without a gradient. ``clip``: the gradients' global norm clipped to it
+        first, as ``clip_grad_norm_`` does a process's."""
         for i, (p, (offset, n)) in enumerate(zip(self.params, self.spans)):
             # views: grad is this update's own tensor
             p.grad = grad[offset : offset + n].view_as(p) if present is None or present[i] else None
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], clip)
         if hypers is not None:
             self.hypers.apply(self.optimizer, hypers)
         self.optimizer.step()

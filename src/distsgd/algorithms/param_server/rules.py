@@ -9,8 +9,8 @@ server's lock (:class:`~.core.ParameterServer` takes it) and answers workers thr
   "Staleness-aware Async-SGD", IJCAI 2016: the gradient is scaled, so momentum history and weight
   decay are not).
 - :class:`SyncRound` (``sync-ps``): wait for the gradients of all N live
-  workers, step once with their mean (summed in rank order, so a run is deterministic); equal to
-  one process taking the global batch.
+  workers, step once with their mean (summed in rank order, so a run is deterministic; the mean
+  clipped to ``--clip-grad-norm``); equal to one process taking the global batch.
 - :class:`BoundedStaleness` (``ssp``, stale synchronous parallel, Ho et al., NIPS 2013): apply
   on arrival as asgd, but a worker more than ``--staleness S`` pushes ahead of the slowest live
   worker waits for it.
@@ -266,7 +266,8 @@ class SyncRound(Rule):
                 "the server steps with worker %d's (the round's lowest rank), here and in every such round",
                 ranks[0] - 1,
             )
-        ps.apply(total / len(ranks), hypers, _any_present([self.gathered[r][2] for r in ranks]))
+        present = _any_present([self.gathered[r][2] for r in ranks])
+        ps.apply(total / len(ranks), hypers, present, clip=self.cfg.clip_grad_norm)  # the mean's norm clipped
         reply = ps.answer()
         for r in ranks:
             ps.reply(self.gathered[r][3], reply)

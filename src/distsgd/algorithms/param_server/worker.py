@@ -349,6 +349,7 @@ class SyncPS(ServerAlgorithm[ServerOptions]):
 
     name = "sync-ps"
     topology = ServerTopology(SyncRound, exact_checkpoints=True)
+    clips_combined = True  # the server clips the round's mean gradient
     summary_line = "the same server waiting for all N gradients, then one step"
 
 
