@@ -84,6 +84,8 @@ class ParameterServer:
         self.stop = False
         self.bytes_sent = 0  # what the server sends its workers, and receives from them, as the
         self.bytes_received = 0  # transport counts it (every byte on the wire: count())
+        self.received_by = [0] * (workers + 1)  # bytes_received by worker rank (1..N): what each sent
+        self.received_by_known = True  # (not where resumed from a checkpoint that has no such count)
         self._waiting: list[Future] = []  # workers at a barrier
         self._started = False
         self._buffers: dict[int, list[torch.Tensor]] = {}  # every worker's latest floating-point buffers
@@ -237,11 +239,13 @@ class ParameterServer:
             done = self._take_done()
         _complete(done)
 
-    def count(self, sent: int = 0, received: int = 0) -> None:
-        """Bytes the transport moved: ``sent`` to workers, ``received`` from them."""
+    def count(self, sent: int = 0, received: int = 0, rank: int = 0) -> None:
+        """Bytes the transport moved: ``sent`` to workers, ``received`` from them (from worker
+        ``rank``)."""
         with self.lock:
             self.bytes_sent += sent
             self.bytes_received += received
+            self.received_by[rank] += received
 
     # -- for the rules and the role (call with the lock held) ------------------------------------
     def total_samples(self) -> int:
@@ -318,6 +322,7 @@ class ParameterServer:
             "staleness": {str(k): v for k, v in self.staleness.items()},
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "received_by": list(self.received_by),
             "buffers": {str(r): [b.clone() for b in bs] for r, bs in self._buffers.items()},
             "ints": None if self._ints is None else [b.clone() for b in self._ints],
         }
@@ -328,6 +333,8 @@ class ParameterServer:
         self.version = ckpt.count(state, "version")
         self.bytes_sent, self.bytes_received = ckpt.count(state, "bytes_sent"), ckpt.count(state, "bytes_received")
         self.counts, self.clocks = self._per_worker(state, "counts"), self._per_worker(state, "clocks")
+        self.received_by_known = "received_by" in state  # (none in a checkpoint of before 2026-11-29)
+        self.received_by = self._per_worker(state, "received_by") if self.received_by_known else [0] * len(self.counts)
         staleness = ckpt.of_type(state, "staleness", dict, "a dict of staleness counts")
         self.staleness = Counter({int(k): ckpt.count(staleness, k) for k in staleness})
         self._buffers = {int(r): _fitting(b, float_buffers(self.model)) for r, b in state["buffers"].items()}

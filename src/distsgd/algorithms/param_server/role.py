@@ -54,9 +54,16 @@ class ServerFigures(Figures):
     server_updates_per_s: float | None = None
     server_bytes_sent: int | None = None
     server_bytes_received: int | None = None
+    # what the server received from each worker, over the whole run (a resumed run's workers count
+    # only their own part: one that had finished at the checkpoint saved none of its count)
+    received_by: list[int] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in super().summary().items() if k != "received_by"}  # it is bytes_sent_per_worker
 
     def run_bytes(self, results: list[WorkerResult]) -> tuple[int, list[int] | None]:
-        each = [r.figures.bytes_sent or 0 for r in results[1:]] or None  # the workers' (none under torchrun)
+        # each worker's: as the server received them, else as the workers counted (none under torchrun)
+        each = self.received_by or [r.figures.bytes_sent or 0 for r in results[1:]] or None
         return (self.server_bytes_sent or 0) + (self.server_bytes_received or 0), each
 
 
@@ -342,6 +349,7 @@ class ServerRole:
             server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
             server_bytes_sent=server.bytes_sent,
             server_bytes_received=server.bytes_received,
+            received_by=server.received_by[1:] if server.received_by_known else None,
             nonfinite_pushes=server.nonfinite,
         )
         last = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}

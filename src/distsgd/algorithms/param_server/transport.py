@@ -398,7 +398,7 @@ class _Connection:
         self.reply(
             self.server.version, self.server.total_samples(), self.server.stop, nbytes=self.server.counts[rank]
         )  # HELLO: answered with that rank's samples so far
-        self.server.count(received=HELLO_BYTES + GROUP_BYTES * len(self.server.hypers.groups))
+        self.server.count(received=HELLO_BYTES + GROUP_BYTES * len(self.server.hypers.groups), rank=rank)
 
     def reply(
         self,
@@ -440,7 +440,7 @@ class _Connection:
                 raise Refused(f"unknown request {op}")
             if op != PING:
                 request.recv_payload(self.channel, None if silence is None else time.monotonic() + silence)
-            server.count(received=HEAD if op == PING else request.buffer.numel())
+            server.count(received=HEAD if op == PING else request.buffer.numel(), rank=rank)
             if op not in (PING, DONE):
                 self.waiting = time.monotonic()
             if op in (PUSH, EXCHANGE, DONE, CHECKPOINTED):
