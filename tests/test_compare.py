@@ -210,3 +210,33 @@ def test_a_target_is_named_with_the_digits_it_was_given() -> None:
 
     assert [_goal({"target_accuracy": a}) for a in (0.755, 0.85, 0.9)] == ["75.5%", "85%", "90%"]
     assert _goal({"target_accuracy": None, "target_loss": 0.35}) == "loss 0.35"
+
+
+@pytest.mark.slow
+def test_scaling_and_targets_are_each_runs_own(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Runs of other jobs side by side: a single run of another dataset is not the scaling baseline
+    of this one's (on cb98bd8 the baseline was the median of every 1-worker single run: 1.16 for a
+    single run against itself, 0.06 for Hogwild!); a run given no target reads "-" where it read
+    "reached 0/1"; and a run whose target is not the header's names it."""
+    base, two = two_runs
+    s_base = json.loads((base / "summary.json").read_text())
+    other = _variant(
+        base, tmp_path / "other", {"dataset": "fashion-mnist", "samples_per_s": 3 * s_base["samples_per_s"]}
+    )
+    none = _variant(
+        two, tmp_path / "none", {"target_accuracy": None, "time_to_target_s": None, "samples_to_target": None}
+    )
+    higher = _variant(two, tmp_path / "higher", {"target_accuracy": 0.6})
+    report = compare_runs([base, other, two, none, higher], tmp_path / "cmp")
+    rows = {r["algo"]: r for r in report["rows"]}
+    assert rows["base (single)"]["scaling_efficiency"] == pytest.approx(1.0)
+    assert rows["other (single)"]["scaling_efficiency"] == pytest.approx(1.0)
+    s_two = json.loads((two / "summary.json").read_text())
+    assert rows["two (allreduce)"]["scaling_efficiency"] == pytest.approx(
+        s_two["samples_per_s"] / (2 * s_base["samples_per_s"])
+    )
+    assert rows["none (allreduce)"]["reached_target"] == "-"
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    table = [line.split(" | ") for line in md.splitlines() if "(allreduce) | 2 |" in line]
+    reached = {cells[0].removeprefix("| "): cells[7] for cells in table}
+    assert reached == {"two (allreduce)": "1/1 of 30%", "none (allreduce)": "-", "higher (allreduce)": "1/1 of 60%"}

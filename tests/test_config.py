@@ -116,6 +116,10 @@ def test_missing_config_file(tmp_path: Path) -> None:
         ({"partition": "random"}, "unknown partition"),
         ({"stop_at_target": True}, "--stop-at-target needs --target-accuracy"),
         ({"target_accuracy": 85.0}, r"--target-accuracy must be in \(0, 1\]"),
+        (
+            {"target_accuracy": 0.99, "target_loss": 0.9},
+            "--target-accuracy 0.99 and --target-loss 0.9: a run times one",
+        ),
         ({"checkpoint_every": "often", "out": "x"}, "--checkpoint-every must be a positive number of samples"),
         ({"checkpoint_every": "100"}, "--checkpoint-every needs a run directory"),
         ({"straggler": "1"}, "--straggler must be RANK:FACTOR"),

@@ -535,6 +535,11 @@ def validate(cfg: RunConfig) -> None:
         check_value(f, getattr(cfg, name))
     if cfg.nesterov and cfg.momentum <= 0:
         raise ConfigError("--nesterov needs a --momentum above 0")
+    if cfg.target_accuracy is not None and cfg.target_loss is not None:  # (before, the loss's went unheeded)
+        raise ConfigError(
+            f"--target-accuracy {cfg.target_accuracy:g} and --target-loss {cfg.target_loss:g}: a run times one "
+            "target; give one of them"
+        )
     if cfg.stop_at_target and cfg.target_accuracy is None and cfg.target_loss is None:
         raise ConfigError("--stop-at-target needs --target-accuracy or --target-loss")
     for flag, path in (("--out", cfg.out), ("--resume", cfg.resume)):

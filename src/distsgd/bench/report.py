@@ -58,19 +58,33 @@ def derive(runs: list[dict[str, Any]], machine: dict[str, Any], base: RunConfig,
     }
 
 
+WORKLOAD = ("dataset", "model", "batch_size", "context", "precision", "device")  # a scaling baseline's, alike
+
+
+def _workload(summary: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(summary.get(k) for k in WORKLOAD)
+
+
 def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (label, workers) of ``runs`` (entries {algo: label, workers, repeat, summary}):
-    the figures of the table, each a median with min-max over the group's repeats."""
+    the figures of the table, each a median with min-max over the group's repeats. A row's scaling
+    baseline is the 1-worker single runs of its workload (:data:`WORKLOAD`: compare's runs may
+    differ), else its own algorithm's 1-worker runs."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for entry in runs:
         groups.setdefault((entry["algo"], entry["workers"]), []).append(entry["summary"])
-    single = [s["samples_per_s"] for (a, w), ss in groups.items() if w == 1 for s in ss if s["algo"] == baseline_name()]
+    singles = [s for (a, w), ss in groups.items() if w == 1 for s in ss if s["algo"] == baseline_name()]
     out = []
     for (algo, workers), summaries in groups.items():
+        work = _workload(summaries[0])
+        single = [s["samples_per_s"] for s in singles if _workload(s) == work]
         own_one = [s["samples_per_s"] for s in groups.get((algo, 1), [])]
         baseline = statistics.median(single) if single else (statistics.median(own_one) if own_one else None)
         throughput = _stats([s["samples_per_s"] for s in summaries])
         reached = [s for s in summaries if s["time_to_target_s"] is not None]
+        targets = {
+            _goal(s) for s in summaries if s.get("target_accuracy") is not None or s.get("target_loss") is not None
+        }
         stale = [
             s["staleness"]
             for s in summaries
@@ -88,7 +102,9 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 else None,
                 "time_to_target_s": _stats([s["time_to_target_s"] for s in reached]),
                 "samples_to_target": _stats([s["samples_to_target"] for s in reached]),
-                "reached_target": f"{len(reached)}/{len(summaries)}",
+                # "-": none of its runs had a target; its target where the table's header cannot name it
+                "reached_target": f"{len(reached)}/{len(summaries)}" if targets else "-",
+                "target": targets.pop() if len(targets) == 1 else None,
                 "final_test_accuracy": _stats([s["final_test_accuracy"] for s in summaries]),
                 "final_test_loss": _stats([s.get("final_test_loss") for s in summaries]),
                 "final_test_perplexity": _stats([s.get("final_test_perplexity") for s in summaries]),
@@ -158,8 +174,8 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _fmt(r["samples_per_s"]),
                 eff,
                 _fmt(r["time_to_target_s"], "{:.1f}"),
-                _fmt(r["samples_to_target"], "{:.0f}", False),
-                r["reached_target"],
+                _fmt(r["samples_to_target"], "{:.0f}"),
+                r["reached_target"] + (f" of {r['target']}" if r.get("target") and goal != r["target"] else ""),
                 _fmt(r["final_test_accuracy"], "{:.4f}"),
                 *(
                     [_fmt(r.get("final_test_loss"), "{:.4f}"), _fmt(r.get("final_test_perplexity"), "{:.3f}")]
@@ -200,8 +216,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("")
     if report.get("kind") == "compare":
         lines.append(
-            f"Scaling efficiency: samples/s over (workers x the samples/s of a 1-worker {baseline_name()} run among "
-            "those compared; - without one)."
+            f"Scaling efficiency: samples/s over (workers x the median samples/s of the 1-worker {baseline_name()} "
+            f"runs among those compared of the same {', '.join(WORKLOAD)}; - without one)."
         )
     else:
         lines.append(
