@@ -149,7 +149,10 @@ def build_summary(
     sent = chief.figures.run_bytes(results)  # every process's sends, as the algorithm counts them
     if sent is not None:
         summary["bytes_sent"], summary["bytes_sent_per_worker"] = sent
-        summary["bytes_sent_per_sample"] = summary["bytes_sent"] / samples if samples else None
+        # per sample trained: under --stop-at-target the workers' steps after the copy that reached the
+        # target (its samples are the run's) sent bytes too
+        trained = max(samples, sum(summary.get("samples_per_worker") or [0]))
+        summary["bytes_sent_per_sample"] = summary["bytes_sent"] / trained if trained else None
     if dataset.task == "lm":
         summary.update(_lm_summary(dataset, summary))
     return summary

@@ -63,6 +63,28 @@ def test_asynchronous_modes_learn_and_report_staleness(digits, algo: str, extra:
     assert s["failed_workers"] == []
 
 
+def test_stop_at_target_counts_bytes_per_sample_over_what_the_workers_trained(digits) -> None:
+    """Under --stop-at-target the run's samples are the copy's that reached the target, and the
+    workers stop a push or so past it: bytes_sent (every push's) per sample is over the samples
+    they trained (samples_per_worker). On cb98bd8 it was over the copy's samples: 100.3 B a sample
+    where the bytes were of 2,986 samples, not 2,922 (98.2)."""
+    s = distsgd.train(
+        model="mlp",
+        data=digits,
+        algo="asgd",
+        workers=2,
+        epochs=20,
+        lr=0.05,
+        eval_every=256,
+        target_accuracy=0.6,
+        stop_at_target=True,
+        quiet=True,
+    ).summary
+    trained = sum(s["samples_per_worker"])
+    assert s["samples"] == s["samples_to_target"] < trained < 20 * 1436, (s["samples"], s["samples_per_worker"])
+    assert s["bytes_sent_per_sample"] == pytest.approx(s["bytes_sent"] / trained)
+
+
 KILLER = '''
 import os, signal
 import torch.nn as nn
