@@ -93,7 +93,9 @@ def _start(ctx: WorkerContext, algo: "Algorithm", replacement: bool) -> "_Worker
             w = _Worker(ctx, algo, replacement)
             if replacement and membership.current() is not None:  # joins a group that trains through losses
                 w.join()
-            w.run._begin(w.state.train_wall_s)  # every worker together, the clock from here
+            ended = (ctx.job.resume_from or {}).get(ENDED_HERE)  # kept (below): its time was this run's too
+            kept = ended["train_wall_s"] if ended and not algo.local_model else 0.0
+            w.run._begin(max(w.state.train_wall_s, kept))  # every worker together, the clock from here
         except RuntimeError as exc:
             member = membership.current()
             if member is None or replacement:  # (a replacement's losses while it joins: w.join regroups)
