@@ -200,7 +200,8 @@ def part_graphs(repeats: int, samples: int) -> list[dict[str, Any]]:
                     continue
                 got[i].append(s["samples_per_s"])
                 notes[i] = {
-                    k: s.get(k) for k in ("cuda_graphs", "graph_replays", "cuda_graphs_failed", "hogwild_threads")
+                    k: s.get(k)
+                    for k in ("cuda_graphs", "graph_replays", "capture_s", "cuda_graphs_failed", "hogwild_threads")
                 }
         base = median(got[0]) if got[0] else float("nan")
         for i, (algo, workers, extra) in enumerate(runs):

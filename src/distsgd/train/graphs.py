@@ -16,7 +16,10 @@ optimiser's state are the same tensors either way (``zero_grad(set_to_none=False
 What a graph replays is fixed when it is captured: the settings that would change it are refused
 (:func:`graphs_refusal`), and so are algorithms whose step talks to other processes
 (``Algorithm.graphable``). A capture that fails (an optimiser without ``capturable``, an operation
-a graph cannot hold) says why in one warning and the worker trains eagerly.
+a graph cannot hold) says why in one warning and the worker trains eagerly. The capture itself
+runs nothing (the replay after it trains its batch): like ``--compile``'s compiling, it is kept
+off a worker's training clock and reported (``capture_s``); Hogwild!'s run has one clock for all
+its threads, which runs on while one of them captures.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +90,7 @@ class GraphedSteps:
         self.warm = 0
         self.failed: str | None = None  # why the capture failed (the worker then trains eagerly)
         self.replays = 0
+        self.capture_s = 0.0  # the seconds capturing took, off the training clock
         self.static: tuple[torch.Tensor, ...] | None = None  # the graph's inputs: (x, y), or (indices,)
 
     def take(self, batch: tuple[torch.Tensor, ...], eager: Callable[[], None]) -> None:
@@ -127,8 +132,17 @@ class GraphedSteps:
 
     def _capture(self, batch: tuple[torch.Tensor, ...]) -> None:
         self.static = tuple(t.clone() for t in batch)
-        with self._side_stream():
-            self.graph = device.capture_step(self._device_step, self.stream)
+        clock = self.run._clock
+        running = clock.running
+        clock.pause()  # (after the warm-up steps' GPU work, which trained: it counts)
+        began = time.perf_counter()
+        try:
+            with self._side_stream():
+                self.graph = device.capture_step(self._device_step, self.stream)
+        finally:
+            self.capture_s += time.perf_counter() - began
+            if running:
+                clock.resume()
 
     def _device_step(self) -> None:
         """The step's GPU work, as captured: no host bookkeeping here (it would run once only)."""
@@ -161,6 +175,7 @@ class GraphedSteps:
         return {
             "cuda_graphs": self.replays > 0,
             "graph_replays": self.replays,
+            "capture_s": round(self.capture_s, 3),
             **({"cuda_graphs_failed": self.failed} if self.failed else {}),
         }
 
