@@ -330,3 +330,48 @@ def test_several_workers_without_an_algorithm_train_with_allreduce(caplog: pytes
         )
         assert distsgd.train(model="logreg", data="digits", max_samples=128, **QUIET).summary["algo"] == "single"
     assert not [r for r in caplog.records if "without algo=" in r.getMessage()]
+
+
+def test_a_resume_with_another_lr_and_momentum_steps_with_them(tmp_path) -> None:
+    """A resume given --lr and --momentum of its own (lowering the lr to train on) steps with them,
+    the momentum buffers the checkpoint's: plain torch SGD over the same batches, whose settings
+    are changed between the epochs as a script changes them (``group["lr"] = ...``), to the last
+    bit. On c2b328c the restored optimiser kept the first part's settings, silently (and
+    config.toml recorded the new ones)."""
+    from distsgd.data import load_dataset
+    from distsgd.data.partition import epoch_indices
+    from distsgd.models import build_model
+
+    ds = load_dataset("digits")
+    common = dict(model="logreg", data=ds, batch_size=100, seed=5, **QUIET)
+    run = tmp_path / "run"
+    distsgd.train(epochs=1, lr=0.1, momentum=0.9, checkpoint_every="epoch", out=str(run), **common)
+    result = distsgd.train(epochs=2, lr=0.02, momentum=0.5, resume=str(run), **common)
+    model = build_model("logreg", ds.input_shape, 10, seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        if epoch == 1:
+            opt.param_groups[0].update(lr=0.02, momentum=0.5)
+        order = epoch_indices(len(ds.y_train), epoch, seed=5)
+        for start in range(0, len(order), 100):
+            idx = order[start : start + 100]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
+            opt.step()
+    for p, q in zip(result.model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["asgd", "diloco"])
+def test_a_resume_with_an_lr_near_zero_moves_the_model_no_more(tmp_path, algo: str) -> None:
+    """The parameter server steps with the lr each push carries, DiLoCo's workers with their inner
+    optimiser's: resumed with --lr 1e-12, a further epoch leaves the first part's saved model where
+    it was (on c2b328c the checkpoint's lr of 0.05 went on: the weights moved 0.1 and more)."""
+    common = dict(model="logreg", data="digits", algo=algo, workers=2, momentum=0.0, **QUIET)
+    run = tmp_path / "run"
+    distsgd.train(epochs=1, lr=0.05, checkpoint_every="epoch", out=str(run), **common)
+    saved = torch.load(run / "model.pt", weights_only=True)["state_dict"]
+    resumed = distsgd.train(epochs=2, lr=1e-12, resume=str(run), **common)
+    moved = max((p - saved[k]).abs().max().item() for k, p in resumed.model.state_dict().items())
+    assert moved < 1e-6, moved

@@ -280,7 +280,14 @@ class Run:
         )
         model = self._build(saved["model"] if saved is not None else None, start, given, makers, objects)
         if saved is not None:  # (a peer's part: this rank keeps its own random state, and sent nothing yet)
+            # distsgd's loop steps with the run's settings as given now (a resume's --lr, --momentum,
+            # --weight-decay), the optimiser's state (momentum, moments) the checkpoint's; a user's
+            # loop's optimisers are theirs, restored whole as torch's load_state_dict does
+            settings = [_settings(opt) for opt in self._optimizers] if ctx.job.main is None else None
             scatter({k: v for k, v in self._pieces().items() if k != "model" and not (peer and k == "rng")}, saved)
+            for opt, groups in zip(self._optimizers, settings or []):
+                for group, now in zip(opt.param_groups, groups):
+                    group.update(now)
             if peer:
                 self._algo.restore_sent_counts({k: 0 for k in self._algo.sent_counts()})
         self._started = start
@@ -1624,6 +1631,11 @@ def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and k != "step":
                 state[k] = v.to(where)
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, momentum, weight decay, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def _grad_versions(optimizers: list[torch.optim.Optimizer]) -> list[int]:
