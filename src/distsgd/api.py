@@ -414,11 +414,22 @@ def _within_budget(cfg: RunConfig, manifest: dict[str, Any], n_train: int | None
     if budget is None and not own and n_train:
         budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
         flag = f"--epochs {cfg.epochs} ({budget} samples)"
-    if budget is not None and at > budget:
+    if budget is not None and at > budget and not _finished_with(Path(str(cfg.resume)), at, cfg.max_samples):
         raise ConfigError(
             f"--resume {cfg.resume}: its checkpoint is at {at} samples, past {flag}: nothing "
             f"would train, and the run's model would become the checkpoint's; resume with a larger budget"
         )
+
+
+def _finished_with(run_dir: Path, samples: int, max_samples: int | None) -> bool:
+    """Whether the run in ``run_dir`` finished at ``samples`` (its checkpoint's) with this
+    ``--max-samples``: its last step went past it, as a run's last step may, and a resume of it
+    with the same budget trains nothing more, as one of a finished ``--epochs`` run does."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("samples") == samples and summary.get("max_samples") == max_samples
 
 
 def _sinks(

@@ -622,6 +622,10 @@ def for_resume(
         raise ConfigError(f"--resume {run_dir}: not a distsgd run directory (no config.toml)")
     base = load_toml(run_dir / "config.toml", option_names=option_names)
     changes = {k: v for k, v in overrides.items() if k != "resume"}
+    if changes.get("epochs") is not None and changes.get("max_samples") is None:
+        # a new --epochs is the budget asked for now: the saved --max-samples (which overrides
+        # --epochs) would ignore it, silently
+        base = base.replace(max_samples=None)
     cfg = from_mapping(changes, base, source="the resumed run's settings", option_names=option_names)
     if options_of is not None:  # the saved options the run's algorithm takes (older versions recorded every
         taken = set(options_of(cfg))  # algorithm's); those given now are all kept, to be judged

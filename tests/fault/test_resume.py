@@ -513,3 +513,29 @@ def test_a_resumed_parameter_servers_bytes_per_worker_add_up_to_what_it_received
     assert sum(s["bytes_sent_per_worker"]) == s["server_bytes_received"], s["bytes_sent_per_worker"]
     assert s["bytes_sent"] == s["server_bytes_sent"] + s["server_bytes_received"]
     assert min(s["bytes_sent_per_worker"]) > max(first["bytes_sent_per_worker"]), s["bytes_sent_per_worker"]
+
+
+@pytest.mark.slow
+def test_a_max_samples_run_resumed_with_epochs_trains_to_them_and_alone_trains_nothing(tmp_path: Path) -> None:
+    """A run of --max-samples 2000 (its last step ends at 2,013) resumed: with nothing changed it
+    trains nothing and keeps its summary's figures (one final evaluation, not two); with a smaller
+    --max-samples it is refused; with --epochs 4 it trains to 4 epochs, the saved --max-samples no
+    longer overriding the budget asked for now. On c2b328c the first and the last were refused
+    ("past --max-samples 2000 ... resume with a larger budget"), and a killed run would have
+    ignored the --epochs."""
+    out = tmp_path / "run"
+    flags = ["--dataset", "digits", "--model", "mlp", "--quiet"]
+    r = cli_here("train", *flags, "--max-samples", "2000", "--checkpoint-every", "500", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads((out / "summary.json").read_text())
+    assert first["samples"] > 2000
+    r = cli_here("train", "--resume", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads((out / "summary.json").read_text())
+    assert again["evals"] == first["evals"] and again["final_test_accuracy"] == first["final_test_accuracy"]
+    r = cli_here("train", "--resume", str(out), "--max-samples", "1500", "--quiet")
+    assert r.returncode == 2 and "past --max-samples 1500" in r.stderr, r.stderr
+    r = cli_here("train", "--resume", str(out), "--epochs", "4", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["max_samples"] is None and s["samples"] == 4 * 1437 and s["epochs"] == 4

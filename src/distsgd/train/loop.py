@@ -61,6 +61,7 @@ def run_worker(ctx: WorkerContext, algo: "Algorithm", replacement: bool = False)
         # checkpoint's model where the replicas are the model returned; not where that part's
         # return averaged them or took an outer step (a model the resumed part never has)
         w.state.evals.append(final)
+        w.evaluated = snapshot(w.model)  # of this model: a resume that trains nothing does not measure it again
     # While it trains, a lockstep run stops on SIGTERM (SIGUSR1) at its next step, with a checkpoint there
     with STOP.listen() if algo.topology.lockstep else contextlib.nullcontext():
         while True:
