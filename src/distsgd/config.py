@@ -692,28 +692,31 @@ def check_resume_settings(
     said = {name: getattr(toml, name) for name in RESUME_FIXED} if toml is not None else {}
     said_options = toml.options if toml is not None else {}
     pairs = [
-        (flag_of(_FIELDS[name]), fixed.get(name), getattr(cfg, name), key, said.get(name))
+        (flag_of(_FIELDS[name]), fixed.get(name), getattr(cfg, name), key, said.get(name), False)
         for name, key in RESUME_FIXED.items()
     ]
     algo = (manifest or {}).get("algo", toml.algo if toml is not None else None)
     if algo in (None, cfg.algo):  # (another algorithm's run: the manifest's check names the algorithm)
+        # an option is compared also where one side is its default (None: "auto", as --alpha's 0.9 / N):
+        # a value given now for one left to its default then is a change too
         pairs += [
-            ("--" + k.replace("_", "-"), recorded[k], v, _same, said_options.get(k))
+            ("--" + k.replace("_", "-"), recorded[k], v, _same, said_options.get(k), True)
             for k, v in cfg.options.items()
             if k in recorded
         ]
-    for flag, before, now, key, in_toml in pairs:
-        if before is not None and now is not None and key(before) != key(now):
+    for flag, before, now, key, in_toml, strict in pairs:
+        if (strict or before is not None and now is not None) and key(before) != key(now):
             leave_out = f" (or leave {flag} out)" if in_toml is not None and key(in_toml) == key(before) else ""
             edited = (
                 f" (its config.toml says {_shown(in_toml)}: edited since)"
                 if in_toml is not None and key(in_toml) != key(before)
                 else ""
             )
+            written = f"with {flag} {_shown(before)}" if before is not None else f"with {flag} at its default"
+            again = f"with {flag} {_shown(before)}{leave_out}" if before is not None else f"without {flag}"
             raise ConfigError(
-                f"--resume {run_dir}: its checkpoint was written with {flag} {_shown(before)}, not "
-                f"{_shown(now)}{edited}, and its state depends on it: resume with {flag} {_shown(before)}"
-                f"{leave_out}, or train afresh into another --out"
+                f"--resume {run_dir}: its checkpoint was written {written}, not {_shown(now)}{edited}, and "
+                f"its state depends on it: resume {again}, or train afresh into another --out"
             )
 
 
@@ -725,7 +728,7 @@ def _same(value: Any) -> object:
 
 def _shown(value: Any) -> str:
     """A setting's value as a flag takes it (``true``, ``0.5``, ``mlp``)."""
-    return "true" if value is True else "false" if value is False else str(value)
+    return "true" if value is True else "false" if value is False else "its default" if value is None else str(value)
 
 
 def parse_straggler(text: str) -> Straggler:

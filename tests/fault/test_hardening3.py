@@ -96,6 +96,23 @@ def test_a_resume_with_another_algorithm_option_names_it(tmp_path: Path) -> None
     assert "written with --sync-every 4, not 8" in one_error_line(r)
 
 
+def test_a_resume_giving_an_option_its_first_part_left_to_its_default_names_it(tmp_path: Path) -> None:
+    """An option whose default is worked out (easgd's --alpha: 0.9 / workers) is held against the
+    checkpoint too when the first part left it to that default: on 3ae785c only a value given both
+    times was compared, so --alpha 0.45 then 0.3 was refused and the default then 0.3 trained on."""
+    run = tmp_path / "run"
+    r = cli_here(
+        "train", *SMALL, "--algo", "easgd", "--workers", "2", "--max-samples", "256",
+        "--checkpoint-every", "128", "--out", str(run), "--quiet",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli_here("train", "--resume", str(run), "--alpha", "0.3", "--max-samples", "512", "--quiet")
+    line = one_error_line(r)
+    assert "written with --alpha at its default, not 0.3" in line and "resume without --alpha" in line, line
+    r = cli_here("train", "--resume", str(run), "--max-samples", "512", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_a_failed_resume_leaves_config_toml_and_the_plain_resume_works(run_copy: Path) -> None:
     """Item 2: on main a resume with --model logreg failed after rewriting the run's config.toml
     with model = "logreg", so the plain ``--resume DIR`` failed too."""
