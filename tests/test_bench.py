@@ -167,3 +167,27 @@ def test_a_spec_that_sets_an_option_twice_or_the_benchs_own_is_refused(text: str
     """Before: the last lr was taken silently; out= made folders named single_out=/tmp/x-w1-r0."""
     with pytest.raises(distsgd.ConfigError, match=message):
         parse_algos(text)
+
+
+@pytest.mark.slow
+def test_a_bench_of_a_regression_reports_its_loss(tmp_path: Path) -> None:
+    """An npz of float targets is a regression (its figure is the test loss; no accuracy): the bench
+    says each run's loss as it ends and its table has the loss column. On c2b328c the bench
+    raised a TypeError after its first run (exit 1, no report), and the table had no loss."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    x = g.standard_normal((300, 6)).astype(np.float32)
+    np.savez(tmp_path / "reg.npz", x=x, y=(x @ g.standard_normal(6)).astype(np.float32))
+    out = tmp_path / "bench"
+    res = cli_here(
+        "bench", "--algos", "single,allreduce", "--workers", "1,2", "--dataset", f"npz:{tmp_path / 'reg.npz'}",
+        "--model", "mlp", "--epochs", "2", "--out", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("test loss ") == 3, res.stdout  # single x1, allreduce x1 and x2
+    bench = json.loads((out / "bench.json").read_text())
+    loss = {(r["algo"], r["workers"]): r["final_test_loss"]["median"] for r in bench["rows"]}
+    table = (out / "bench.md").read_text()
+    assert "| final acc | final loss |" in table
+    assert f"| - | {loss[('allreduce', 2)]:.4f} |" in table, table

@@ -377,9 +377,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reached = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}s"
         print(
             f"{which(n, total, entry)}: {s['samples_per_s']:.0f} samples/s, "
-            + (
+            + (  # a language model's, or a regression's (no accuracy): the loss
                 f"test loss {s['final_test_loss']:.4f}"
-                if s.get("task") == "lm"
+                if s.get("task") == "lm" or s.get("final_test_accuracy") is None
                 else f"acc {s['final_test_accuracy']:.4f}"
             )
             + f", to target {reached}; done in {time.monotonic() - started:.0f} s",

@@ -144,6 +144,8 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The table's header and rows as text cells (the markdown table, and compare's terminal table)."""
     goal = _goal(report["settings"])
     lm = any(r.get("lm") for r in report["rows"])  # language models: the loss per token and its perplexity too
+    # a regression's figure is its loss alone (no accuracy): a loss column wherever one is in the table
+    losses = lm or any(r["final_test_accuracy"] is None and r.get("final_test_loss") for r in report["rows"])
     header = [
         "run" if report.get("kind") == "compare" else "algorithm",
         "workers",
@@ -154,7 +156,8 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         f"samples to {goal}",
         "reached",
         "final acc",
-        *(["final loss", "final perplexity"] if lm else []),
+        *(["final loss"] if losses else []),
+        *(["final perplexity"] if lm else []),
         "bytes/sample",
         "staleness mean / p99",
     ]
@@ -177,11 +180,8 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _fmt(r["samples_to_target"], "{:.0f}"),
                 r["reached_target"] + (f" of {r['target']}" if r.get("target") and goal != r["target"] else ""),
                 _fmt(r["final_test_accuracy"], "{:.4f}"),
-                *(
-                    [_fmt(r.get("final_test_loss"), "{:.4f}"), _fmt(r.get("final_test_perplexity"), "{:.3f}")]
-                    if lm
-                    else []
-                ),
+                *([_fmt(r.get("final_test_loss"), "{:.4f}")] if losses else []),
+                *([_fmt(r.get("final_test_perplexity"), "{:.3f}")] if lm else []),
                 _fmt(r["bytes_sent_per_sample"], "{:.0f}", False),
                 stale,
             ]
