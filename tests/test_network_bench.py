@@ -163,12 +163,12 @@ def test_bench_across_a_shaped_network(tmp_path: Path) -> None:
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert bench["network"] == "50mbit"
     ran = {e["algo"]: e["summary"] for e in bench["runs"]}
-    assert set(ran) == {"allreduce", "hogwild++[update_delay=4,lr=0.05]"}  # single: one machine
+    assert set(ran) == {"allreduce", "hogwild++[update_delay=4;lr=0.05]"}  # single: one machine
     for s in ran.values():
         assert s["network"] == "50mbit" and s["samples"] >= 3000 and s["bytes_sent"] > 0
         assert s["workers"] == 2 and s["final_test_accuracy"] > 0.2  # it learnt (chance: 0.1)
     assert len(ran["allreduce"]["bytes_sent_per_worker"]) == 2 and min(ran["allreduce"]["bytes_sent_per_worker"]) > 0
-    ring = ran["hogwild++[update_delay=4,lr=0.05]"]
+    ring = ran["hogwild++[update_delay=4;lr=0.05]"]
     assert ring["clusters"] == 2 and ring["token_passes"] > 0  # each host a cluster: the token crossed the link
     cores = len(os.sched_getaffinity(0))
     for entry in bench["runs"]:  # each run's own summary.json says it crossed the link, and how it ran

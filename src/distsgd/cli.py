@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_flags(
         bench,
-        skip=("algo", "workers"),
+        skip=("algo", "workers", "resume"),  # (each configuration runs afresh: a --resume resumed the first alone)
         helps={
             "out": f"the bench's directory: bench.json, bench.md, the plots, and runs/ with each "
             f"configuration's run; default {BENCH_OUT}",

@@ -35,7 +35,7 @@ class AlgoSpec:
     def label(self) -> str:
         if not self.options:
             return self.name
-        return self.name + "[" + ",".join(f"{k}={v}" for k, v in self.options) + "]"
+        return self.name + "[" + ";".join(f"{k}={v}" for k, v in self.options) + "]"  # as --algos takes it
 
 
 def _value(text: str) -> Any:
@@ -128,12 +128,15 @@ def _plan(
     base: RunConfig, algos: list[AlgoSpec], workers: list[int], network: str | None, hosts: int
 ) -> list[tuple[AlgoSpec, int, RunConfig]]:
     """Each configuration the bench will run, once: (its spec, its workers, its settings); one that
-    cannot run (single with 2 workers; Hogwild! across --network) is skipped with a warning."""
+    cannot run at one of the worker counts (single with 2 workers; Hogwild! across --network) is
+    skipped with a warning. A spec that can run at none of them (a bad value, an option of another
+    algorithm) is bad input: one line naming it."""
     from distsgd.bench.network import layout
 
     plan = []
     seen = set()
     for spec in algos:
+        refused: list[ConfigError] = []
         # options given to the whole bench apply to the algorithms that take them
         mine = {k: v for k, v in base.options.items() if k in registry.get(spec.name).Options.names()}
         for w in workers:
@@ -153,12 +156,34 @@ def _plan(
                 if network is not None and layout(cfg, hosts) is None:
                     raise ConfigError(f"{cfg.algo} runs on one machine only, not across --network")
             except ConfigError as exc:
+                refused.append(exc)
                 log.warning("skipping %s with %d workers: %s", spec.label, w, exc)
                 continue
             if (spec.label, cfg.workers) not in seen:
                 seen.add((spec.label, cfg.workers))
                 plan.append((spec, cfg.workers, cfg))
+        if len(refused) == len(workers):
+            _check_alone(spec, base.replace(options=mine))
     return plan
+
+
+def _check_alone(spec: AlgoSpec, base: RunConfig) -> None:
+    """A spec that can run at none of the bench's worker counts: if it cannot run with one worker
+    on this machine either, its settings are bad (a value, an option of another algorithm): one
+    line naming it, not a skip a bench that then runs the rest would hide."""
+    try:
+        cfg = config_mod.from_mapping(
+            dict(spec.options),
+            base.replace(algo=spec.name, workers=1),
+            spec.label,
+            option_names=registry.option_names(),
+        )
+        config_mod.validate(cfg)
+        algo_cls = registry.class_for(spec.name, cfg)
+        registry.options_of(cfg, algo_cls)
+        algo_cls.check(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"--algos {spec.label}: {exc}") from None
 
 
 # What a bench tells its caller of each run: (its number, from 1; the runs in all; its entry:
