@@ -216,3 +216,24 @@ def test_a_bench_of_a_regression_reports_its_loss(tmp_path: Path) -> None:
     table = (out / "bench.md").read_text()
     assert "| final acc | final loss |" in table
     assert f"| - | {loss[('allreduce', 2)]:.4f} |" in table, table
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "nosuch"], "unknown model 'nosuch'"),
+        (["--dataset", "digitz"], "unknown dataset 'digitz'"),
+        (["--algos", "single,allreduce[model=nosuch]"], "unknown model 'nosuch'"),
+    ],
+)
+def test_a_bench_naming_a_model_or_dataset_that_is_not_is_one_line_and_leaves_nothing(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    """Checked before the bench's directory is made: on c2b328c the directory came first, so the
+    rerun with the name mended was refused ("already exists"); a bad name in a later label ended
+    the bench after the runs before it, with no report."""
+    args = {"--algos": "single", "--dataset": "digits", "--model": "mlp", **dict(zip(flags[::2], flags[1::2]))}
+    out = tmp_path / "b"
+    res = cli_here("bench", *(x for kv in args.items() for x in kv), "--workers", "1", "--out", str(out))
+    assert res.returncode == 2 and res.stderr.startswith("error: " + message), res.stderr
+    assert not out.exists()

@@ -318,6 +318,15 @@ def describe(spec: object) -> str:
     return getattr(spec, "__qualname__", None) or type(spec).__name__
 
 
+def check_name(spec: object) -> None:
+    """A model named as ``--model`` takes it (a built-in, its size options, or a file's class),
+    without building it: one line where it is not (a bench checks each before it runs any)."""
+    if isinstance(spec, str) and (user.names_file(spec) or parse_spec(spec)[0] in BUILTIN):
+        return
+    if isinstance(spec, str):
+        _load_user(spec)
+
+
 def _load_user(spec: str) -> Callable[..., nn.Module]:
     if not user.names_file(spec):
         raise ModelError(f"unknown model '{spec}' (choose from {', '.join(BUILTIN)}, or give path/file.py:ClassName)")

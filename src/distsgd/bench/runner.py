@@ -17,7 +17,9 @@ from distsgd import rundir
 from distsgd.algorithms import registry
 from distsgd.api import run
 from distsgd.config import RunConfig
+from distsgd.data import check_name as check_dataset_name
 from distsgd.errors import ConfigError
+from distsgd.models import check_name as check_model_name
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +223,10 @@ def run_bench(
     plan = _plan(base, algos, workers, network, hosts)
     if not plan:
         raise ConfigError("no configuration of the bench can run (see the warnings above)")
+    for _, _, cfg in plan:  # a name no run could take, before the bench's directory is made
+        check_model_name(cfg.model)
+        if cfg.dataset is not None:
+            check_dataset_name(cfg.dataset)
     runs: list[dict[str, Any]] = []
     # the hosts and their link first: a network that cannot be made leaves no bench directory behind
     with Network(network, hosts) if network is not None else contextlib.nullcontext() as net:

@@ -244,6 +244,15 @@ def load_dataset(
     )
 
 
+def check_name(spec: str) -> None:
+    """A dataset named as ``--dataset`` takes it (a built-in, or one of :data:`FORMATS`), without
+    reading it: one line where it is not (a bench checks each before it runs any)."""
+    if spec not in BUILTIN and not any(fmt.matches(spec) for fmt in FORMATS):
+        raise DataError(
+            f"unknown dataset '{spec}' (choose from {', '.join(BUILTIN)}, {', '.join(f.usage for f in FORMATS)})"
+        )
+
+
 def from_torch(result: Any, name: str, where: str = "") -> TrainingData:
     """What a user's dataset function returned: a :class:`Dataset`, or (train, test) torch Datasets
     (optionally a third item, or a ``num_classes`` key: the number of classes); the training set may
