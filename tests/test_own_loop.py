@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 
 import distsgd
 from distsgd.data import load_dataset
+from helpers import cli_here
 
 
 class Net(nn.Module):
@@ -179,6 +180,10 @@ def test_dict_batches_and_the_models_own_loss(tmp_path, algo: str) -> None:
     saved = torch.load(out / "model.pt", weights_only=True)["state_dict"]
     for k, v in r.model.state_dict().items():
         assert torch.equal(saved[k], v), k
+    if algo == "allreduce":  # eval cannot rebuild a model and data that came from Python: one line says so
+        res = cli_here("eval", "--checkpoint", str(out))  # (on 1073da1: "unknown dataset 'own loop'")
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert "trained in your own loop (distsgd.spawn)" in res.stderr and "DictNet" in res.stderr, res.stderr
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ from distsgd.metrics import (
     require_extras,
 )
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
-from distsgd.results import TrainResult, build_summary, evaluate_checkpoint, own_final_figures
+from distsgd.results import OWN_LOOP_DATA, TrainResult, build_summary, evaluate_checkpoint, own_final_figures
 from distsgd.train import device
 from distsgd.train.context import ENDED_HERE, Job
 from distsgd.train.graphs import graphs_refusal
@@ -680,7 +680,7 @@ def spawn(
     if isinstance(optimizer, str):
         cfg, optimizer = cfg.replace(optimizer=optimizer), None
     spec = _CopyOf(module) if module is not None else model
-    cfg = cfg.replace(model=spec if isinstance(spec, str) else describe(spec), dataset="own loop")
+    cfg = cfg.replace(model=spec if isinstance(spec, str) else describe(spec), dataset=OWN_LOOP_DATA)
     data = OwnData(n_train=train_size or 0)
     entry = _WithArgs(main, tuple(args)) if args else main
     code = {"main": entry, "optimizer": optimizer, "callbacks": checked_callbacks(callbacks)}

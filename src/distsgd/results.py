@@ -191,6 +191,9 @@ def _where(results: list[WorkerResult], cfg: RunConfig) -> dict[str, Any]:
     return {**found, "backend": cfg.backend if cfg.workers > 1 and cfg.backend != "auto" else None}
 
 
+OWN_LOOP_DATA = "own loop"  # the dataset a model trained in a user's loop (distsgd.spawn) records
+
+
 def evaluate_checkpoint(
     path: str | Path,
     dataset: str | None = None,
@@ -209,6 +212,12 @@ def evaluate_checkpoint(
     if path.is_dir() and not file.is_file() and (path / "model.safetensors").is_file():
         file = path / "model.safetensors"  # a run saved with --save-format safetensors alone
     ckpt = load_checkpoint(file)
+    if ckpt["dataset"] == OWN_LOOP_DATA:
+        raise ConfigError(
+            f"{file} holds a model trained in your own loop (distsgd.spawn): its model "
+            f"({ckpt['model']}) and data came from your Python, which eval cannot rebuild; load its "
+            f"'state_dict' (torch.load(path, weights_only=True)) into your model and measure it there"
+        )
     saved = _recorded_settings(ckpt["config"], file)
     for what, flag, recorded, given in (
         ("model", "--model", ckpt["model"], model),
