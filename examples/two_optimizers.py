@@ -88,16 +88,19 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = distsgd.spawn(
-        partial(main, epochs=args.epochs, micro=args.micro_batch),
-        model=Net,
-        algo=args.algo,
-        workers=args.workers,
-        epochs=args.epochs,
-        out=args.out,
-        evaluate=final_figures,
-        quiet=True,
-    )
+    try:
+        result = distsgd.spawn(
+            partial(main, epochs=args.epochs, micro=args.micro_batch),
+            model=Net,
+            algo=args.algo,
+            workers=args.workers,
+            epochs=args.epochs,
+            out=args.out,
+            evaluate=final_figures,
+            quiet=True,
+        )
+    except distsgd.DistsgdError as exc:  # a setting or habit refused: its one line, as distsgd's command says it
+        raise SystemExit(f"error: {exc}") from None
     if result.model is not None:  # under torchrun, rank 0 has the run's figures
         print(
             f"{args.algo}: test accuracy {result.summary['final_test_accuracy']:.4f}, "
