@@ -3,6 +3,7 @@ script in a fresh process, offline, to its end (exit status 0, its figures print
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,6 +76,10 @@ def test_plain_loop_example_under_torchrun(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "summary.json").is_file() and (out / "model.pt").is_file()
     assert res.stdout.count("test accuracy") == 1  # rank 0 reports
+    # the loop's own last evaluation and evaluate=final_figures's measure the one model: one point
+    # (on ad05a87 two alike at the run's last samples)
+    evals = [(e["samples"], e["test_accuracy"]) for e in json.loads((out / "summary.json").read_text())["evals"]]
+    assert len(evals) == len(set(evals)), evals
 
 
 @pytest.mark.slow

@@ -559,12 +559,13 @@ class LineProgress:
         self.figures.note(event)
         if kind == "eval":
             self._acc = event["test_accuracy"]
-            acc = f"test_acc={event['test_accuracy']:.4f} " if event["test_accuracy"] is not None else ""
-            loss = f"test_loss={event['test_loss']:.4f}" if event.get("test_loss") is not None else ""
-            ppl = f" ppl={event['test_perplexity']:.3f}" if "test_perplexity" in event else ""
-            self._write(
-                f"eval  samples={event['samples']}{_epoch(event)} {acc}{loss}{ppl} train_s={event['train_wall_s']:.1f}"
-            )
+            shown = [
+                *([f"test_acc={event['test_accuracy']:.4f}"] if event["test_accuracy"] is not None else []),
+                *([f"test_loss={event['test_loss']:.4f}"] if event.get("test_loss") is not None else []),
+                *([f"ppl={event['test_perplexity']:.3f}"] if "test_perplexity" in event else []),
+                f"train_s={event['train_wall_s']:.1f}",
+            ]
+            self._write(f"eval  samples={event['samples']}{_epoch(event)} " + " ".join(shown))
         elif kind == "progress" and time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             extra = "".join(f" {k}={v}" for k, v in self.figures.items().items())
