@@ -101,11 +101,17 @@ def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_listing_commands() -> None:
+def test_listing_commands(monkeypatch: pytest.MonkeyPatch) -> None:
     res = cli_here("algorithms")
     assert res.returncode == 0 and res.stdout.startswith("single")
     res = cli_here("datasets")
     assert res.returncode == 0 and "digits" in res.stdout and "npz:PATH" in res.stdout
+    # downloads off: not "downloadable"; a --data-dir that is not one is said (on 74fbf75: neither)
+    monkeypatch.setenv("DISTSGD_OFFLINE", "1")
+    res = cli_here("datasets", "--data-dir", str(Path(__file__).parent))
+    assert res.returncode == 0 and "downloadable" not in res.stdout and "downloads off" in res.stdout, res.stdout
+    res = cli_here("datasets", "--data-dir", "/nonexistent/distsgd-data")
+    assert res.returncode == 2 and res.stderr == "error: --data-dir /nonexistent/distsgd-data is not a directory\n"
     assert distsgd("--version").stdout.startswith("distsgd ")  # and the command's own
 
 

@@ -240,3 +240,25 @@ def test_scaling_and_targets_are_each_runs_own(two_runs: tuple[Path, Path], tmp_
     table = [line.split(" | ") for line in md.splitlines() if "(allreduce) | 2 |" in line]
     reached = {cells[0].removeprefix("| "): cells[7] for cells in table}
     assert reached == {"two (allreduce)": "1/1 of 30%", "none (allreduce)": "-", "higher (allreduce)": "1/1 of 60%"}
+
+
+def test_a_benchs_directory_stands_for_its_finished_runs(
+    two_runs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``distsgd compare BENCH`` (or ``runs/*``, where a bench writes by default) takes the bench's
+    runs that finished, saying which it skipped (an interrupted bench's last); on 74fbf75 it was
+    "has no summary.json: not a finished distsgd run"."""
+    import shutil
+
+    bench = tmp_path / "bench"
+    for run in two_runs:
+        shutil.copytree(run, bench / "runs" / run.name)
+    (bench / "runs" / "cut").mkdir()
+    (bench / "runs" / "cut" / "config.toml").write_text((two_runs[0] / "config.toml").read_text())
+    report = compare_runs([bench], tmp_path / "cmp")
+    assert [Path(e["run_dir"]).name for e in report["runs"]] == ["base", "two"]
+    assert f"skipping {bench / 'runs' / 'cut'}: it did not finish" in caplog.text
+    (bench / "runs" / "base" / "summary.json").unlink()
+    (bench / "runs" / "two" / "summary.json").unlink()
+    with pytest.raises(ConfigError, match="a bench whose runs in .* have not finished"):
+        compare_runs([bench], tmp_path / "cmp2")

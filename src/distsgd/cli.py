@@ -295,7 +295,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_datasets(args: argparse.Namespace) -> int:
     from distsgd.data import FORMATS, available
+    from distsgd.errors import ConfigError
 
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():  # (it was passed over, without a word)
+        raise ConfigError(f"--data-dir {args.data_dir} is not a directory")
     rows = available(args.data_dir)
     width = max(len(r[0]) for r in rows + [(f.usage,) for f in FORMATS])
     for name, status, where in rows:
@@ -355,6 +358,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"--workers must be comma-separated numbers, got '{args.bench_workers}'") from None
     out = Path(base.out) if base.out else Path(BENCH_OUT.replace("<timestamp>", time.strftime("%Y%m%d-%H%M%S")))
+    args.out = str(out)  # (for the line of a bench interrupted: where its finished runs are)
     started = 0.0
 
     def which(n: int, total: int, entry: dict) -> str:
@@ -480,6 +484,8 @@ def _resume_hint(args: argparse.Namespace | None) -> str:
     from distsgd.checkpoint import read_manifest
 
     out = getattr(args, "out", None) or getattr(args, "resume", None)
+    if args is not None and args.command == "bench" and out and (Path(out) / "runs").is_dir():
+        return f"; the runs that finished are in {out}/runs, and distsgd compare {out} tabulates them"
     try:
         manifest = read_manifest(Path(out)) if out and args is not None and args.command == "train" else None
     except DistsgdError:

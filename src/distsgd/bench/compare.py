@@ -42,7 +42,7 @@ def compare_runs(run_dirs: list[Path], out: Path) -> dict[str, Any]:
     report's own files are replaced) and return it."""
     if not run_dirs:
         raise ConfigError("compare needs at least one run directory")
-    entries = [load_run(d) for d in run_dirs]
+    entries = [load_run(d) for d in _with_benches_runs(run_dirs)]
     for entry, label in zip(entries, _labels(entries)):
         entry["algo"] = label
     result = {
@@ -58,6 +58,28 @@ def compare_runs(run_dirs: list[Path], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     report.write(result, out, "compare")
     return result
+
+
+def _with_benches_runs(run_dirs: list[Path]) -> list[Path]:
+    """``run_dirs``, a bench's directory among them replaced by its runs (``DIR/runs/*``): those
+    that finished (an interrupted bench's others are skipped, saying so). A bench's directory is
+    one with ``runs/`` and no summary.json of its own (so ``distsgd compare runs/*`` takes a bench
+    written under runs/)."""
+    out = []
+    for d in run_dirs:
+        runs = d / "runs"
+        if d.is_dir() and runs.is_dir() and not (d / "summary.json").exists():
+            inside = sorted(p for p in runs.iterdir() if p.is_dir())
+            for p in inside:
+                if (p / "summary.json").is_file():
+                    out.append(p)
+                else:
+                    log.warning("skipping %s: it did not finish (no summary.json)", p)
+            if not any((p / "summary.json").is_file() for p in inside):
+                raise ConfigError(f"{d} is a bench whose runs in {runs} have not finished (none has a summary.json)")
+        else:
+            out.append(d)
+    return out
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:

@@ -234,7 +234,7 @@ def run_bench(
         total = len(plan) * repeats
         for spec, w, cfg in plan:
             for r in range(repeats):
-                run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(",", "_")
+                run_dir = out / "runs" / f"{spec.label}-w{w}-r{r}".replace("[", "_").replace("]", "").replace(";", "_")
                 cfg_r = cfg.replace(seed=base.seed + r, out=str(run_dir.resolve()), overwrite=True, quiet=True)
                 entry: dict[str, Any] = {
                     "algo": spec.label,

@@ -298,6 +298,8 @@ def describe(name: str, data_dir: str | None = None) -> tuple[str, str]:
     for folder in candidate_dirs(source, data_dir):
         if has_all(folder, source):
             return "available", str(folder)
+    if os.environ.get("DISTSGD_OFFLINE", "") in ("1", "true", "yes"):  # as the download reads it
+        return "not here (downloads off: DISTSGD_OFFLINE)", ""
     return "downloadable", ", ".join(r.mirrors[0] + r.name for r in source.remotes[:1]) + (
         " ..." if len(source.remotes) > 1 else ""
     )
