@@ -485,7 +485,8 @@ def _resume_hint(args: argparse.Namespace | None) -> str:
 
     out = getattr(args, "out", None) or getattr(args, "resume", None)
     if args is not None and args.command == "bench" and out and (Path(out) / "runs").is_dir():
-        return f"; the runs that finished are in {out}/runs, and distsgd compare {out} tabulates them"
+        done = sum((run / "summary.json").is_file() for run in (Path(out) / "runs").iterdir())
+        return f"; {done} run(s) finished in {out}/runs: distsgd compare {out} tabulates them" if done else ""
     try:
         manifest = read_manifest(Path(out)) if out and args is not None and args.command == "train" else None
     except DistsgdError:
