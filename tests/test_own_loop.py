@@ -284,6 +284,11 @@ def test_a_killed_checkpointed_loop_resumes_with_its_own_state(tmp_path, monkeyp
     with pytest.raises(distsgd.DistsgdError, match="worker 1"):
         distsgd.spawn(checkpointed_loop, model=Net, out=str(out), **common)
     monkeypatch.delenv("DIE_AFTER")
+    if algo == "allreduce":  # a new lr would not reach the optimiser restored whole: refused (b110c9e: ignored)
+        before = (out / "config.toml").read_bytes()
+        with pytest.raises(distsgd.ConfigError, match=r"lr=0.01 would not take effect \(the run's was 0.05\)"):
+            distsgd.spawn(checkpointed_loop, model=Net, out=str(out), resume=str(out), **{**common, "lr": 0.01})
+        assert (out / "config.toml").read_bytes() == before
     resumed = distsgd.spawn(checkpointed_loop, model=Net, out=str(out), resume=str(out), **common)
     for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)

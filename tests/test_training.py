@@ -108,21 +108,27 @@ def test_same_seed_same_run() -> None:
 def test_loop_matches_a_hand_written_sgd_loop() -> None:
     """One epoch of the loop equals plain torch SGD over the same batches, to the last bit."""
     from distsgd.data import load_dataset
-    from distsgd.data.partition import epoch_indices
     from distsgd.models import build_model
 
     ds = load_dataset("digits")
     result = distsgd.train(model="logreg", data=ds, epochs=1, lr=0.1, momentum=0.9, batch_size=100, seed=5, **QUIET)
     model = build_model("logreg", ds.input_shape, 10, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    order = epoch_indices(len(ds.y_train), 0, seed=5)
-    for start in range(0, len(order), 100):
-        idx = order[start : start + 100]
+    _hand_sgd_epoch(model, opt, ds, 0)
+    for p, q in zip(result.model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def _hand_sgd_epoch(model: nn.Module, opt: torch.optim.Optimizer, ds, epoch: int, batch: int = 100) -> None:
+    """One epoch of plain torch over the digits' batches of ``batch`` in epoch ``epoch``'s order (seed 5)."""
+    from distsgd.data.partition import epoch_indices
+
+    order = epoch_indices(len(ds.y_train), epoch, seed=5)
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
         opt.step()
-    for p, q in zip(result.model.parameters(), model.parameters()):
-        assert torch.equal(p, q)
 
 
 def test_stop_at_target_stops_early() -> None:
@@ -339,7 +345,6 @@ def test_a_resume_with_another_lr_and_momentum_steps_with_them(tmp_path) -> None
     bit. On c2b328c the restored optimiser kept the first part's settings, silently (and
     config.toml recorded the new ones)."""
     from distsgd.data import load_dataset
-    from distsgd.data.partition import epoch_indices
     from distsgd.models import build_model
 
     ds = load_dataset("digits")
@@ -349,15 +354,9 @@ def test_a_resume_with_another_lr_and_momentum_steps_with_them(tmp_path) -> None
     result = distsgd.train(epochs=2, lr=0.02, momentum=0.5, resume=str(run), **common)
     model = build_model("logreg", ds.input_shape, 10, seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for epoch in range(2):
-        if epoch == 1:
-            opt.param_groups[0].update(lr=0.02, momentum=0.5)
-        order = epoch_indices(len(ds.y_train), epoch, seed=5)
-        for start in range(0, len(order), 100):
-            idx = order[start : start + 100]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(ds.x_train[idx]), ds.y_train[idx]).backward()
-            opt.step()
+    _hand_sgd_epoch(model, opt, ds, 0)
+    opt.param_groups[0].update(lr=0.02, momentum=0.5)  # as a script changes them between epochs
+    _hand_sgd_epoch(model, opt, ds, 1)
     for p, q in zip(result.model.parameters(), model.parameters()):
         assert torch.equal(p, q)
 

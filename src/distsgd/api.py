@@ -385,7 +385,26 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
     _within_budget(cfg, chosen, n_train, own)
+    if own:
+        _own_optimiser_settings_kept(cfg)
     return {**chosen, ENDED_HERE: _final_evaluation_at(Path(cfg.resume), chosen.get("samples"))}
+
+
+def _own_optimiser_settings_kept(cfg: RunConfig) -> None:
+    """A user's loop resumed restores its optimisers whole, as torch's load_state_dict does (its
+    LR scheduler may have moved the lr): an lr, momentum or weight decay given otherwise than the
+    run's (its config.toml, not yet rewritten) would not take effect, so it is refused."""
+    try:
+        before = config_mod.load_toml(Path(str(cfg.resume)) / "config.toml", option_names=registry.option_names())
+    except ConfigError:
+        return  # (its checkpoint's own checks speak for it)
+    for name in ("lr", "momentum", "weight_decay"):
+        if getattr(before, name) != getattr(cfg, name):
+            raise ConfigError(
+                f"resume={cfg.resume}: your loop's optimisers come back from the checkpoint whole (as torch's "
+                f"load_state_dict does), so {name}={getattr(cfg, name)} would not take effect (the run's was "
+                f"{getattr(before, name)}): resume with the run's, or set each param_group['{name}'] after run.setup()"
+            )
 
 
 def _final_evaluation_at(run_dir: Path, samples: Any) -> dict[str, Any] | None:
