@@ -384,10 +384,11 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
     if cfg.out is not None and not in_place:  # refused before the run read from is touched (a fallback)
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
-    _within_budget(cfg, chosen, n_train, own)
+    ended = _finished_at(Path(cfg.resume), chosen.get("samples"))
+    _within_budget(cfg, chosen, n_train, own, ended)
     if own:
         _own_optimiser_settings_kept(cfg)
-    return {**chosen, ENDED_HERE: _final_evaluation_at(Path(cfg.resume), chosen.get("samples"))}
+    return {**chosen, ENDED_HERE: ended["final"] if ended else None}
 
 
 def _own_optimiser_settings_kept(cfg: RunConfig) -> None:
@@ -407,25 +408,32 @@ def _own_optimiser_settings_kept(cfg: RunConfig) -> None:
             )
 
 
-def _final_evaluation_at(run_dir: Path, samples: Any) -> dict[str, Any] | None:
-    """The final evaluation of the run in ``run_dir`` where it finished (its summary.json) at
-    ``samples``, its checkpoint's: made after that checkpoint, which could not hold it. None
-    where the run did not finish there (a killed run, a stopped one, a checkpoint before the end)."""
+def _finished_at(run_dir: Path, samples: Any) -> dict[str, Any] | None:
+    """What the run in ``run_dir`` finished with, where it finished (its summary.json) at
+    ``samples``, its checkpoint's: its ``max_samples``, and its ``final`` evaluation where that was
+    made there (after that checkpoint, which could not hold it; else None). None where the run did
+    not finish there (a killed run, a stopped one, a checkpoint before the end)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    evals = summary.get("evals") if isinstance(summary, dict) else None
-    last = evals[-1] if isinstance(evals, list) and evals and isinstance(evals[-1], dict) else None
-    if last is None or not isinstance(last.get("train_wall_s"), (int, float)) or not isinstance(samples, int):
+    if not isinstance(summary, dict) or not isinstance(samples, int) or summary.get("samples") != samples:
         return None
-    return dict(last) if summary.get("samples") == samples == last.get("samples") else None
+    evals = summary.get("evals")
+    last = evals[-1] if isinstance(evals, list) and evals and isinstance(evals[-1], dict) else None
+    kept = last is not None and isinstance(last.get("train_wall_s"), (int, float)) and last.get("samples") == samples
+    return {"max_samples": summary.get("max_samples"), "final": dict(last) if kept and last else None}
 
 
-def _within_budget(cfg: RunConfig, manifest: dict[str, Any], n_train: int | None, own: bool) -> None:
+def _within_budget(
+    cfg: RunConfig, manifest: dict[str, Any], n_train: int | None, own: bool, ended: dict[str, Any] | None
+) -> None:
     """A resume whose checkpoint is already past the run's budget (``--max-samples``, or the
     samples of ``--epochs`` passes in distsgd's loop) is refused: nothing would train, and the run's
-    model would become the checkpoint's, older one."""
+    model would become the checkpoint's, older one. Not where the run finished at that checkpoint
+    with this ``--max-samples`` (``ended``, :func:`_finished_at`): its last step went past it, as
+    a run's last step may, and a resume of it with the same budget trains nothing more, as one of
+    a finished ``--epochs`` run does."""
     at = manifest.get("samples")
     if not isinstance(at, int):
         return
@@ -433,22 +441,12 @@ def _within_budget(cfg: RunConfig, manifest: dict[str, Any], n_train: int | None
     if budget is None and not own and n_train:
         budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
         flag = f"--epochs {cfg.epochs} ({budget} samples)"
-    if budget is not None and at > budget and not _finished_with(Path(str(cfg.resume)), at, cfg.max_samples):
+    finished = ended is not None and ended["max_samples"] == cfg.max_samples
+    if budget is not None and at > budget and not finished:
         raise ConfigError(
             f"--resume {cfg.resume}: its checkpoint is at {at} samples, past {flag}: nothing "
             f"would train, and the run's model would become the checkpoint's; resume with a larger budget"
         )
-
-
-def _finished_with(run_dir: Path, samples: int, max_samples: int | None) -> bool:
-    """Whether the run in ``run_dir`` finished at ``samples`` (its checkpoint's) with this
-    ``--max-samples``: its last step went past it, as a run's last step may, and a resume of it
-    with the same budget trains nothing more, as one of a finished ``--epochs`` run does."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and summary.get("samples") == samples and summary.get("max_samples") == max_samples
 
 
 def _sinks(
