@@ -484,11 +484,14 @@ import os
 import sys
 
 import distsgd
-from test_own_loop import Net, evaluate_net, tuple_loop  # this file's loop, model and evaluation
+from test_own_loop import Net, checkpointed_loop, evaluate_net, tuple_loop  # this file's loops, model, evaluation
 
 if __name__ == "__main__":
-    r = distsgd.spawn(tuple_loop, model=Net, algo=sys.argv[1], epochs=int(sys.argv[3]), lr=0.05, batch_size=32,
-                      evaluate=evaluate_net, out=sys.argv[2], quiet=True)
+    again = {"resume": sys.argv[2]} if "RESUME_LR" in os.environ else {}
+    lr = float(os.environ.get("RESUME_LR", 0.05))
+    loop = checkpointed_loop if "CHECKPOINTED" in os.environ else tuple_loop
+    r = distsgd.spawn(loop, model=Net, algo=sys.argv[1], epochs=int(sys.argv[3]), lr=lr, batch_size=32,
+                      evaluate=evaluate_net, out=sys.argv[2], quiet=True, **again)
     if r.model is not None:
         print("accuracy", r.summary["final_test_accuracy"])
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
@@ -523,9 +526,18 @@ def test_the_group_a_run_joined_under_torchrun_is_gone_when_it_returns(tmp_path)
     (the group kept alive by a reference) could drop its last finished work while the interpreter
     exits, and abort a worker whose run succeeded: torchrun then fails the job (SIGABRT, "terminate
     called without an active exception"), about one run in thirty on this VM."""
-    res = _torchrun_loop(tmp_path, "allreduce", 2, epochs=1)
+    res = _torchrun_loop(tmp_path, "allreduce", 2, epochs=1, env={"CHECKPOINTED": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("gloo threads left: 0") == 2, res.stdout
+    # Resumed under torchrun with another lr, which its optimiser restored whole would not take:
+    # refused (on every rank: the first to fail ends torchrun's group), as in a local run (on 65ed216
+    # it trained on with the old one, exit 0)
+    before = (tmp_path / "run" / "config.toml").read_bytes()
+    res = _torchrun_loop(tmp_path, "allreduce", 2, epochs=1, env={"CHECKPOINTED": "1", "RESUME_LR": "0.01"})
+    assert res.returncode != 0 and "gloo threads left" not in res.stdout, res.stdout
+    assert "ConfigError: resume=" in res.stderr, res.stderr[-3000:]
+    assert "lr=0.01 would not take effect (the run's was 0.05)" in res.stderr, res.stderr[-3000:]
+    assert (tmp_path / "run" / "config.toml").read_bytes() == before
 
 
 @pytest.mark.slow

@@ -339,6 +339,8 @@ def _run(
         )
     if cfg.resume and not torchrun:
         job = job.replace(resume_from=_pick_checkpoint(cfg, probe, dataset.n_train, own=job.main is not None))
+    elif cfg.resume and job.main is not None:  # under torchrun, each rank (the manifest: read by each, as it is)
+        _own_optimiser_settings_kept(cfg)
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = _prepare_out(cfg, settings_text, where) if cfg.out and chief else None
