@@ -443,7 +443,7 @@ def _within_budget(
     if budget is None and not own and n_train:
         budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
         flag = f"--epochs {cfg.epochs} ({budget} samples)"
-    finished = ended is not None and ended["max_samples"] == cfg.max_samples
+    finished = ended is not None and cfg.max_samples is not None and ended["max_samples"] == cfg.max_samples
     if budget is not None and at > budget and not finished:
         raise ConfigError(
             f"--resume {cfg.resume}: its checkpoint is at {at} samples, past {flag}: nothing "

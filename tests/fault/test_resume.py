@@ -539,3 +539,18 @@ def test_a_max_samples_run_resumed_with_epochs_trains_to_them_and_alone_trains_n
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["max_samples"] is None and s["samples"] == 4 * 1437 and s["epochs"] == 4
+
+
+def test_a_run_finished_at_its_checkpoint_resumed_with_fewer_epochs_is_refused(tmp_path: Path) -> None:
+    """2 epochs checkpointed at each epoch's end (the last checkpoint is the run's end), resumed
+    with --epochs 1: refused as a run whose last checkpoint came before its end is, its records as
+    they were. On b728f3c it trained nothing, exit 0, and wrote epochs = 1 into config.toml beside
+    the 2 passes trained (a finished run's last step past --max-samples was let through for any
+    budget but --max-samples)."""
+    out = tmp_path / "run"
+    distsgd.train(model="logreg", data="digits", epochs=2, checkpoint_every="epoch", out=str(out), quiet=True)
+    assert checkpoint.read_manifest(out)["samples"] == 2 * 1437
+    kept = {name: (out / name).read_bytes() for name in ("config.toml", "summary.json")}
+    r = cli_here("train", "--resume", str(out), "--epochs", "1", "--quiet")
+    assert r.returncode == 2 and "past --epochs 1 (1437 samples)" in r.stderr, r.stderr
+    assert {name: (out / name).read_bytes() for name in kept} == kept
