@@ -124,6 +124,11 @@ def test_learns_digits(digits, mode: str) -> None:
     ).summary
     assert s["final_test_accuracy"] >= 0.8, s["final_test_accuracy"]  # asynchronous runs vary; chance is 0.1
     assert s["bytes_sent"] > 0 and s["samples"] >= 5 * 1436
+    # its settings in either mode (the paper's beta = N alpha = 0.9 by default); async's exchanges
+    # have no staleness to report (before 2026-11-29 async's summary had neither its settings nor
+    # anything but nulls in a staleness of pushed gradients: the server's figures alone)
+    assert (s["alpha"], s["tau"], s["easgd_mode"]) == (pytest.approx(0.9 / 2), 4, mode)
+    assert "staleness" not in s
 
 
 def test_async_runs_keep_the_sample_budget(digits) -> None:

@@ -57,9 +57,12 @@ class ServerFigures(Figures):
     # what the server received from each worker, over the whole run (a resumed run's workers count
     # only their own part: one that had finished at the checkpoint saved none of its count)
     received_by: list[int] | None = None
+    rule: dict[str, Any] | None = None  # the rule's own settings (async easgd's alpha, tau, mode): Rule.figures
 
     def summary(self) -> dict[str, Any]:
-        return {k: v for k, v in super().summary().items() if k != "received_by"}  # it is bytes_sent_per_worker
+        # received_by is bytes_sent_per_worker (run_bytes); the rule's figures go in as their own keys
+        own = {k: v for k, v in super().summary().items() if k not in ("received_by", "rule")}
+        return {**own, **(self.rule or {})}
 
     def run_bytes(self, results: list[WorkerResult]) -> tuple[int, list[int] | None]:
         # each worker's: as the server received them, else as the workers counted (none under torchrun)
@@ -344,13 +347,14 @@ class ServerRole:
         self.model.load_state_dict(final)  # the copy that reached the target, if the run stopped there
         figures = ServerFigures(
             bytes_sent=server.bytes_sent,
-            staleness=server.staleness_summary(),
+            staleness=server.staleness_summary() if server.rule.stale else None,
             server_updates=server.version,
             server_updates_per_s=server.version / train_wall_s if train_wall_s > 0 else 0.0,
             server_bytes_sent=server.bytes_sent,
             server_bytes_received=server.bytes_received,
             received_by=server.received_by[1:] if server.received_by_known else None,
             nonfinite_pushes=server.nonfinite,
+            rule=server.rule.figures(self.workers),
         )
         last = evals[-1] if evals else {"test_accuracy": None, "test_loss": None}
         dropped = {str(r - 1): f"dropped by the server: {why}" for r, why in sorted(self.dropped.items())}

@@ -53,7 +53,7 @@ averages), and a parameter absent from every push of the round is skipped.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.futures import Future
@@ -86,11 +86,17 @@ class Rule:
     algorithm's options (each rule declares the class it reads)."""
 
     steps: ClassVar[bool] = True  # the server's optimiser steps on pushed gradients, with pushed hyperparameters
+    stale: ClassVar[bool] = True  # what is applied has a staleness (a gradient's versions since its weights were read)
     cfg: RunConfig
     opts: Options
 
     def __init__(self, cfg: RunConfig, opts: Options) -> None:
         self.cfg, self.opts = cfg, opts
+
+    def figures(self, workers: int) -> dict[str, Any]:
+        """The rule's own settings as the run's summary records them, with ``workers`` workers
+        (as the algorithm's worker side records them in a run of its own)."""
+        return {}
 
     def on_pull(self, ps: "ParameterServer", rank: int, weights: torch.Tensor) -> None:
         """Worker ``rank`` read ``weights``."""
@@ -289,6 +295,10 @@ class Elastic(Rule):
 
     opts: EASGDOptions
     steps = False  # the centre moves by the elastic force; each worker steps its own optimiser
+    stale = False  # an exchange moves the centre toward the worker's x_i as it is now
+
+    def figures(self, workers: int) -> dict[str, Any]:
+        return {"alpha": elastic_alpha(self.opts, workers), "tau": self.opts.tau, "easgd_mode": self.opts.easgd_mode}
 
     @property
     def steps_per_message(self) -> int:
