@@ -324,6 +324,35 @@ def test_eval_of_a_missing_checkpoint(tmp_path: Path) -> None:
     assert "not a model.pt distsgd wrote" in res.stderr and "weights_only" not in res.stderr  # never that advice
 
 
+def test_eval_of_a_run_whose_data_or_model_came_from_python_is_one_line(tmp_path: Path) -> None:
+    """distsgd.train(model=a class, data=tensors) as README's Python example: eval of its run says
+    in one line what it cannot rebuild and how to measure the weights instead (on 51202dc: "unknown
+    dataset 'arrays'"); a digits model trained on digits' tensors is measured once --dataset names
+    them (the file's weights load into the model named, as the line says)."""
+    import distsgd
+    from distsgd.data import load_dataset
+
+    x = torch.randn(64, 4)
+    y = (x[:, 0] > 0).long()
+    distsgd.train(model=torch.nn.Linear(4, 2), data=(x, y, x, y), epochs=1, out=str(tmp_path / "a"), quiet=True)
+    res = cli_here("eval", "--checkpoint", str(tmp_path / "a"))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "with data (arrays) and a model (Linear) passed from Python" in res.stderr, res.stderr
+    assert "give --dataset and --model" in res.stderr and "['state_dict']" in res.stderr, res.stderr
+    net = torch.nn.Linear(4, 2)
+    net.load_state_dict(torch.load(tmp_path / "a" / "model.pt", weights_only=True)["state_dict"])
+    digits = load_dataset("digits")
+    data = (digits.x_train, digits.y_train, digits.x_test, digits.y_test)
+    distsgd.train(model="logreg", data=data, epochs=1, out=str(tmp_path / "b"), quiet=True, save_format="safetensors")
+    res = cli_here("eval", "--checkpoint", str(tmp_path / "b"))
+    assert res.returncode == 2 and "with data (arrays) passed from Python" in res.stderr, res.stderr
+    assert "give --dataset (" in res.stderr and "safetensors.torch.load_file(path)" in res.stderr, res.stderr
+    res = cli_here("eval", "--checkpoint", str(tmp_path / "b"), "--dataset", "digits")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert f"accuracy {summary['final_test_accuracy']:.4f}" in res.stdout, res.stdout
+
+
 def test_an_unknown_flag_points_at_its_commands_help() -> None:
     res = cli_here("train", "--dataset", "digits", "--bogus", "1")
     assert res.returncode == 2

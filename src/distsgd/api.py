@@ -370,7 +370,8 @@ def _run(
     if out is not None:
         model = results[0].model
         assert model is not None  # the chief's result (out is the chief's) holds the model it returns
-        save_run(out, model, cfg, dataset, summary)
+        python = [what for what, given in (("data", dataset_given), ("model", not isinstance(spec, str))) if given]
+        save_run(out, model, cfg, dataset, summary, python)
     if unclosed is not None:
         raise unclosed
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's

@@ -90,10 +90,13 @@ def save_model(
     input_shape: tuple[int, ...],
     num_classes: int,
     config: dict[str, Any],
+    from_python: list[str] | None = None,
 ) -> None:
     """The trained model with what ``distsgd eval`` needs to measure it, as ``model.pt`` (torch's
     format, loaded with ``weights_only=True``) or, for a ``path`` ending ``.safetensors``, as
-    safetensors (the tensors, and the rest as JSON in its metadata, under ``distsgd``)."""
+    safetensors (the tensors, and the rest as JSON in its metadata, under ``distsgd``).
+    ``from_python``: which of "data" and "model" were Python objects (their names alone are
+    recorded: eval cannot rebuild them)."""
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}  # loads without a GPU
     data = {
         "format": MODEL_FORMAT,
@@ -103,6 +106,7 @@ def save_model(
         "input_shape": list(input_shape),
         "num_classes": int(num_classes),
         "config": {k: v for k, v in config.items() if v is not None},
+        **({"from_python": list(from_python)} if from_python else {}),
     }
     if path.suffix == ".safetensors":
         from safetensors.torch import save
@@ -115,9 +119,16 @@ def save_model(
         atomic_save(data, path)
 
 
-def save_run(out: Path, model: nn.Module, cfg: "RunConfig", dataset: "TrainingData", summary: dict[str, Any]) -> None:
+def save_run(
+    out: Path,
+    model: nn.Module,
+    cfg: "RunConfig",
+    dataset: "TrainingData",
+    summary: dict[str, Any],
+    from_python: list[str] | None = None,
+) -> None:
     """A finished run's model in each --save-format, then summary.json, into its run directory
-    ``out``: a run whose summary.json exists has its model. Another format's model that distsgd
+    ``out``: a run whose summary.json exists has its model (``from_python``: :func:`save_model`'s). Another format's model that distsgd
     wrote there (a run resumed in place with another --save-format) goes: ``distsgd eval DIR``
     read the earlier part's model.pt beside the run's model.safetensors."""
     try:
@@ -135,6 +146,7 @@ def save_run(out: Path, model: nn.Module, cfg: "RunConfig", dataset: "TrainingDa
                 input_shape=dataset.input_shape,
                 num_classes=dataset.num_classes,
                 config=cfg.to_dict(),
+                from_python=from_python,
             )
         atomic_write_json(summary, out / "summary.json")
     except OSError as exc:

@@ -219,7 +219,23 @@ def evaluate_checkpoint(
         raise ConfigError(
             f"{file} holds a model trained in your own loop (distsgd.spawn): its model "
             f"({ckpt['model']}) and data came from your Python, which eval cannot rebuild; load its "
-            f"'state_dict' (torch.load(path, weights_only=True)) into your model and measure it there"
+            f"weights ({_loader(file)}) into your model and measure them there"
+        )
+    marked = ckpt.get("from_python")
+    python: list[Any] = marked if isinstance(marked, list) else []
+    missing = [
+        (f"{what} ({ckpt[key]})", flag)
+        for what, key, flag, given in (
+            ("data", "dataset", "--dataset", dataset),
+            ("a model", "model", "--model", model),
+        )
+        if what.split()[-1] in python and given is None
+    ]
+    if missing:
+        raise ConfigError(
+            f"{file} was trained with {' and '.join(w for w, _ in missing)} passed from Python, which eval "
+            f"cannot rebuild: give {' and '.join(f for _, f in missing)} (distsgd's own, or a file's), or "
+            f"load its weights ({_loader(file)}) into your model and measure them there"
         )
     saved = _recorded_settings(ckpt["config"], file)
     for what, flag, recorded, given in (
@@ -254,6 +270,13 @@ def evaluate_checkpoint(
         "test_loss": loss,
         **(lm_figures(loss) if ds.task == "lm" else {}),
     }
+
+
+def _loader(file: Path) -> str:
+    """How a user loads the weights of the model file ``file``, in their Python."""
+    if file.suffix == ".safetensors":
+        return "safetensors.torch.load_file(path)"
+    return "torch.load(path, weights_only=True)['state_dict']"
 
 
 def _recorded_settings(recorded: dict[str, Any], file: Path) -> RunConfig:
