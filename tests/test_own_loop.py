@@ -113,6 +113,28 @@ def evaluate_dict(model: nn.Module) -> dict:
     }
 
 
+def big_batch_loop(run: distsgd.Run) -> nn.Module:
+    """run.loader given its own batch size (128, twice spawn's default --batch-size), as a script
+    that keeps its DataLoader's argument does."""
+    data = _digits()
+    model, opt = run.setup()
+    for x, y in run.loader(TensorDataset(data.x_train, data.y_train), batch_size=128):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo, extra", [("asgd", {}), ("easgd", {"easgd_mode": "async", "tau": 2})])
+def test_a_parameter_server_takes_the_batches_of_a_loops_own_size(algo: str, extra: dict) -> None:
+    """Batches of 128 from run.loader under the parameter server (spawn's --batch-size left at
+    64): each worker's shard trained and counted. On bf85857 the server took each worker's
+    first count of 128 for a forged one ("claimed 128 samples after 0: at most 64 more a message"),
+    dropped both, and the run failed: "all 2 workers failed ... the connection closed"."""
+    r = distsgd.spawn(big_batch_loop, model=Net, algo=algo, workers=2, lr=0.05, quiet=True, **extra)
+    assert r.summary["samples"] == 2 * 718 and r.summary["failed_workers"] == [], r.summary  # a shard each
+
+
 def evaluate_net(model: nn.Module) -> dict:
     data = _digits()
     with torch.no_grad():

@@ -35,6 +35,9 @@ Present = list[bool] | None  # which parameters a push has a gradient of, in the
 
 log = logging.getLogger(__name__)
 
+# the most samples a step of a user's loop may add (2**31: a forged count of 2**62 is still refused)
+OWN_MAX_STEP = 1 << 31
+
 
 class ParameterServer:
     """The server's state. ``pull(rank)`` returns (weights, version); ``push(rank, grad,
@@ -61,12 +64,16 @@ class ParameterServer:
         on_start: Callable[[], None] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         accept_nonfinite: bool = False,
+        own: bool = False,
     ) -> None:
         self.cfg, self.model, self.workers = cfg, model, workers
         self.accept_nonfinite = accept_nonfinite
         self.nonfinite = 0  # gradients (or exchanges) with NaN or inf, not applied
-        # the most samples a worker can have trained between two of its messages
-        self.max_step = cfg.batch_size * cfg.accumulate * getattr(rule, "steps_per_message", 1)
+        # the most samples a worker can have trained between two of its messages: a user's loop
+        # (``own``) batches as it likes (run.loader(batch_size=...), its own micro-batches, run.count),
+        # so only a count no step could reach is refused there
+        steps = getattr(rule, "steps_per_message", 1)
+        self.max_step = OWN_MAX_STEP * steps if own else cfg.batch_size * cfg.accumulate * steps
         self.rule = rule
         self.params = params(model)
         self.flat = flat_view_(self.params)  # one buffer: an answer is one copy, not a concatenation

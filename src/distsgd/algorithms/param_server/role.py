@@ -116,6 +116,7 @@ class ServerRole:
             on_start=self.watcher.start,
             optimizer=optimizer,
             accept_nonfinite=accept_nonfinite,
+            own=job.main is not None,
         )
         self.pieces: dict[str, Stateful] = {"server": self.server, "watcher": self.watcher}
         self.workers = workers
