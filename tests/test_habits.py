@@ -270,8 +270,10 @@ def test_a_gan_whose_generators_graph_spans_the_runs_step_is_refused_saying_why(
     """Under local-sgd the run's step ends at the step of the optimiser run.setup() returned, where
     the weights are averaged in place: G's graph, made before D's step and backpropagated after it,
     meets autograd's "modified by an inplace operation". On 0a3bbc7 that error alone (the audit's
-    GAN); now it says why and what to do, and done so (both optimisers to run.setup) the GAN trains."""
-    with pytest.raises(distsgd.DistsgdError, match=r"inplace operation.*give every optimiser of a step to run.setup"):
+    GAN); now it says why and what to do, and done so (both optimisers to run.setup) the GAN trains.
+    (Since 2026-11-29 G's optimiser, not run.setup()'s, is refused at its first step, before the
+    first averaging: where its step came after one, it trained apart from local SGD, silently.)"""
+    with pytest.raises(distsgd.DistsgdError, match=r"optimiser it did not \(SGD\) steps the model's.*to run.setup"):
         distsgd.spawn(
             functools.partial(gan_loop, both=False), model=GAN, algo="local-sgd", workers=2, quiet=True,
             sync_every="2",

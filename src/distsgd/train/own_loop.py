@@ -378,7 +378,10 @@ class Run:
             def outside(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 me = run()
                 if me is not None and not is_internal(opt):
-                    me.foreign_steps = me.foreign_steps or not any(opt is mine for mine in me._optimizers)
+                    foreign = not any(opt is mine for mine in me._optimizers)
+                    me.foreign_steps = me.foreign_steps or foreign
+                    if foreign and me._algo.local_model:
+                        me._foreign_on_local_models(opt, own)
                     me._outside_parameters(opt, own, checked)
 
             self._handles.append(register_optimizer_step_pre_hook(outside))
@@ -442,6 +445,20 @@ class Run:
             sums = [float(sum(t.sum() for t in flat)), float(sum((t * t).sum() for t in flat))]
         low, high = self._algo.spread(self._ctx, sums)
         return low == high
+
+    def _foreign_on_local_models(self, opt: torch.optim.Optimizer, own: set[int]) -> None:
+        """An optimiser run.setup() did not return, stepping the model's parameters where the
+        algorithm averages (or moves) the workers' own models inside the step of those it did:
+        its step lands on one side of the averaging, each worker's alone (after it, the replicas
+        part until the next; before it, the average is of weights it rewrote). Refused: it trained
+        apart from local SGD over all the parameters (2.7e-4 in 6 steps, silently)."""
+        if any(id(p) in own and p.grad is not None for g in opt.param_groups for p in g["params"]):
+            raise ConfigError(
+                f"under {self.cfg.algo} the workers' models are averaged (or moved) inside the step of the "
+                f"optimisers run.setup() returned, and an optimiser it did not ({type(opt).__name__}) steps "
+                f"the model's parameters: its step would land on one side of that, each worker's alone; "
+                f"give it to run.setup(model, opt, {type(opt).__name__.lower()}) with the others"
+            )
 
     def _outside_parameters(
         self, opt: torch.optim.Optimizer, own: set[int], checked: weakref.WeakKeyDictionary
