@@ -444,16 +444,17 @@ def test_parameters_outside_the_model_are_refused_where_the_workers_share_it(alg
     assert "\n" not in str(info.value) and "make them the model's" in str(info.value)
 
 
-def plateau_loop(run: distsgd.Run, shared: bool) -> nn.Module:
+def plateau_loop(run: distsgd.Run, shared: bool, passes: int = 1) -> nn.Module:
     """ReduceLROnPlateau stepped on the worker's own loss, or on the loss every worker shares."""
     model, opt = run.setup()
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        plateau.step((run.all_reduce(loss.detach()) if shared else loss).item())
+    for epoch in range(passes):
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            plateau.step((run.all_reduce(loss.detach()) if shared else loss).item())
     return run.final_model()
 
 
@@ -467,6 +468,20 @@ def test_a_plateau_scheduler_on_each_workers_own_loss_is_refused(algo: str, extr
         distsgd.spawn(
             functools.partial(plateau_loop, shared=False), model=Net, algo=algo, workers=2, batch_size=B,
             lr=0.5, momentum=0.0, quiet=True, **extra,
+        )  # fmt: skip
+    assert "\n" not in str(info.value) and "run.all_reduce(loss)" in str(info.value)
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "ddp"])
+def test_a_plateau_scheduler_whose_lrs_part_and_meet_again_is_refused(algo: str) -> None:
+    """Two passes (16 steps) at lr 0.5: each worker's scheduler halves its lr at steps of its own,
+    and by the end both have halved it 13 times (6.1e-05). On bd30880 the lrs were looked at at the
+    first step and at the end only, where they agreed: exit 0, the replicas 0.030 apart (the habits
+    audit of 2026-11-29). Each look now also compares what was stepped with since the last."""
+    with pytest.raises(distsgd.DistsgdError, match="the workers' learning rates differ") as info:
+        distsgd.spawn(
+            functools.partial(plateau_loop, shared=False, passes=2), model=Net, algo=algo, workers=2,
+            batch_size=B, lr=0.5, momentum=0.0, quiet=True,
         )  # fmt: skip
     assert "\n" not in str(info.value) and "run.all_reduce(loss)" in str(info.value)
 

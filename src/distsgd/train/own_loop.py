@@ -194,6 +194,9 @@ class Run:
         self._unscaled = False  # fp16: the gradients were unscaled this step (run.clip_gradients)
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
+        # the lrs stepped with since the last check of them (_check_lr_alike): each group's sum and
+        # sum of squares, so that lrs that parted between two checks and met again are seen
+        self._lr_sums: list[float] = []
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
@@ -1026,19 +1029,38 @@ class Run:
         algo = self._algo
         if self.world == 1 or self._ctx.job.main is None or not algo.topology.lockstep:
             return
-        if not algo.topology.process_group or (self.steps % CHECK_EVERY and not at_end):
+        if not algo.topology.process_group:
             return
         lrs = [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups]
-        low, high = algo.spread(self._ctx, lrs)
-        for i, (lo, hi) in enumerate(zip(low, high)):
-            if hi - lo > 1e-6 * abs(hi):
-                raise ConfigError(
-                    f"{'at the end' if at_end else f'at step {self.steps + 1}'} the workers' learning rates differ "
-                    f"(parameter group {i + 1}: from "
-                    f"{lo:.3g} to {hi:.3g}): under {self.cfg.algo} every worker steps alike, and a scheduler "
-                    f"stepped on each worker's own loss (ReduceLROnPlateau) sets each its own lr; step it on "
-                    f"a figure every worker shares, run.all_reduce(loss)"
+        n = len(lrs)
+        if len(self._lr_sums) != 2 * n:  # (the first step, or a parameter group added: every worker's alike)
+            self._lr_sums = [0.0] * (2 * n)
+        for i, lr in enumerate(lrs):
+            self._lr_sums[i] += lr
+            self._lr_sums[n + i] += lr * lr
+        if self.steps % CHECK_EVERY and not at_end:
+            return
+        sums, self._lr_sums = self._lr_sums, [0.0] * (2 * n)
+        low, high = algo.spread(self._ctx, lrs + sums)
+        parted = [i for i, (lo, hi) in enumerate(zip(low, high)) if hi - lo > 1e-6 * abs(hi)]
+        if parted:
+            i = parted[0]
+            when = f"{'at the end' if at_end else f'at step {self.steps + 1}'} the workers' learning rates differ"
+            detail = f"from {low[i]:.3g} to {high[i]:.3g}"
+            if i >= n:  # alike now, but not at every step since the last look
+                i -= n
+                window = (
+                    "in the last steps"
+                    if at_end
+                    else f"between steps {max(1, self.steps + 1 - CHECK_EVERY)} and {self.steps + 1}"
                 )
+                when = f"{window} the workers' learning rates differed"
+                detail = f"now {low[i]:.3g} to {high[i]:.3g}"
+            raise ConfigError(
+                f"{when} (parameter group {i + 1}: {detail}): under {self.cfg.algo} every worker steps alike, and a scheduler "
+                f"stepped on each worker's own loss (ReduceLROnPlateau) sets each its own lr; step it on "
+                f"a figure every worker shares, run.all_reduce(loss)"
+            )
 
     def _abandon_step(self) -> None:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
