@@ -295,6 +295,7 @@ def _bootstrap(env: dict[str, str], target: Callable[..., None], args: _Later) -
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     on_sigterm()  # SIGTERM (a scheduler's, a whole process group's) stops a worker as Ctrl-C does
+    sys.unraisablehook = _stopped_where_it_cannot_raise
     os.environ.clear()
     os.environ.update(env)
     _exit_with_launcher()
@@ -326,6 +327,21 @@ def _end_compile_workers() -> None:
     if compiling is not None:
         with contextlib.suppress(Exception):  # (a pool already gone, or broken: nothing left to end)
             compiling.shutdown_compile_workers()
+
+
+def _stopped_where_it_cannot_raise(unraisable: Any) -> None:
+    """A worker's hook for an exception Python can only print: the launcher's SIGTERM (the
+    handler's Terminated) that landed in a generator being closed or an object being collected (a
+    DataLoader's iterator as another worker's failure ends this one) would be printed, "Exception
+    ignored in ...", and lost: the handler, raised once, then ignores SIGTERM, and the worker ran
+    on to the launcher's SIGKILL. It ends the worker, quietly, as the stop asked; anything else is
+    Python's to print."""
+    if isinstance(unraisable.exc_value, Terminated):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(143)
+    sys.__unraisablehook__(unraisable)
 
 
 def _stop_just_ends_it() -> None:
