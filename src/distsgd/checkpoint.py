@@ -128,9 +128,10 @@ def save_run(
     from_python: list[str] | None = None,
 ) -> None:
     """A finished run's model in each --save-format, then summary.json, into its run directory
-    ``out``: a run whose summary.json exists has its model (``from_python``: :func:`save_model`'s). Another format's model that distsgd
-    wrote there (a run resumed in place with another --save-format) goes: ``distsgd eval DIR``
-    read the earlier part's model.pt beside the run's model.safetensors."""
+    ``out``: a run whose summary.json exists has its model (``from_python``: :func:`save_model`'s).
+    Another format's model that distsgd wrote there (a run resumed in place with another
+    --save-format) goes: ``distsgd eval DIR`` read the earlier part's model.pt beside the run's
+    model.safetensors."""
     try:
         others = [form for form in SAVE_FORMATS if form not in cfg.save_formats]
         remove_ours(out, *(out / ("hf" if form == "hf" else f"model.{form}") for form in others))
