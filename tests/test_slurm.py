@@ -29,7 +29,6 @@ import pytest
 from conftest import reap
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
-from helpers import free_port
 
 # one real SLURM cluster at a time, and never beside Ray (whose workers listen on ports 10002-19999,
 # where an srun step's MASTER_PORT lies): none of its runs (the slow tests) beside another, or beside
@@ -448,9 +447,7 @@ def real_slurm(tmp_path_factory):
         SLURM_CONF.format(
             user=getpass.getuser(),
             dir=folder,
-            ctld_port=free_port(),
-            port1=free_port(),
-            port2=free_port(),
+            **dict(zip(("ctld_port", "port1", "port2"), _daemon_ports(3))),
             cpus=os.cpu_count() or 1,
         )
     )
@@ -506,6 +503,24 @@ def real_slurm(tmp_path_factory):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(folder, ignore_errors=True)
         assert not left, f"processes of the test's SLURM outlived it: {left}"
+
+
+def _daemon_ports(n: int) -> list[int]:
+    """``n`` ports free now for the daemons, below the kernel's ephemeral range (32768 on): one
+    found free by binding port 0 and handed back could be taken, before slurmctld bound it, as the
+    local port of another test's connection (2026-11-29: "Address already in use", SLURM's 7 tests
+    failed), and none of 32000-32767 is an srun step's MASTER_PORT (15000-31999) or Ray's."""
+    found = []
+    for port in random.sample(range(32000, 32768), 768):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise AssertionError("no free port in 32000-32767 for SLURM's daemons")
 
 
 def _settle(done, seconds: float) -> None:

@@ -194,9 +194,7 @@ class Run:
         self._unscaled = False  # fp16: the gradients were unscaled this step (run.clip_gradients)
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
-        # the lrs stepped with since the last check of them (_check_lr_alike): each group's sum and
-        # sum of squares, so that lrs that parted between two checks and met again are seen
-        self._lr_sums: list[float] = []
+        self._lr_sums: list[float] = []  # each group's lr sum and sum of squares since _check_lr_alike looked
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
@@ -208,9 +206,7 @@ class Run:
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         self.rewrote_at = -1  # the last step whose end rewrote the weights in place (model averaging's)
         self.foreign_steps = False  # an optimiser run.setup() did not return has stepped
-        # the step count and training-clock time at which the model run.evaluation_model() last
-        # returned existed (see :meth:`_evaluated_at`)
-        self._made: tuple[int, float] | None = None
+        self._made: tuple[int, float] | None = None  # steps and clock of run.evaluation_model()'s last model
         self._warned_own = False  # test figures of a worker's own model were logged (said once)
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
