@@ -272,11 +272,18 @@ def test_a_gan_whose_generators_graph_spans_the_runs_step_is_refused_saying_why(
     meets autograd's "modified by an inplace operation". On 0a3bbc7 that error alone (the audit's
     GAN); now it says why and what to do, and done so (both optimisers to run.setup) the GAN trains.
     (Since 2026-11-29 G's optimiser, not run.setup()'s, is refused at its first step, before the
-    first averaging: where its step came after one, it trained apart from local SGD, silently.)"""
+    first averaging: where its step came after one, it trained apart from local SGD, silently.)
+    With an average at every step, G's backward meets the averaged weights before its optimiser's
+    first step, and autograd's error alone was the line until 2026-11-30: it now says why again."""
     with pytest.raises(distsgd.DistsgdError, match=r"optimiser it did not \(SGD\) steps the model's.*to run.setup"):
         distsgd.spawn(
             functools.partial(gan_loop, both=False), model=GAN, algo="local-sgd", workers=2, quiet=True,
             sync_every="2",
+        )  # fmt: skip
+    with pytest.raises(distsgd.DistsgdError, match=r"inplace operation.*rewritten in place.*run.setup\(opt_d, opt_g\)"):
+        distsgd.spawn(
+            functools.partial(gan_loop, both=False), model=GAN, algo="local-sgd", workers=2, quiet=True,
+            sync_every="1",
         )  # fmt: skip
     result = distsgd.spawn(
         functools.partial(gan_loop, both=True), model=GAN, algo="local-sgd", workers=2, quiet=True, sync_every="2"

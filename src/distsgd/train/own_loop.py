@@ -205,7 +205,6 @@ class Run:
         self._arrived = False  # at run.final_model(), in a lockstep group: its step count on the store
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         self.rewrote_at = -1  # the last step whose end rewrote the weights in place (model averaging's)
-        self.foreign_steps = False  # an optimiser run.setup() did not return has stepped
         self._made: tuple[int, float] | None = None  # steps and clock of run.evaluation_model()'s last model
         self._warned_own = False  # test figures of a worker's own model were logged (said once)
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
@@ -377,9 +376,7 @@ class Run:
             def outside(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 me = run()
                 if me is not None and not is_internal(opt):
-                    foreign = not any(opt is mine for mine in me._optimizers)
-                    me.foreign_steps = me.foreign_steps or foreign
-                    if foreign and me._algo.local_model:
+                    if me._algo.local_model and not any(opt is mine for mine in me._optimizers):
                         me._foreign_on_local_models(opt, own)
                     me._outside_parameters(opt, own, checked)
 
@@ -1095,12 +1092,11 @@ class Run:
         self._stepped.clear()
         self._current, self._unscaled = None, False
         model = self._need_setup("optimizer.step()")
-        # (looked at only where an optimiser run.setup() did not return steps: a graph of its step may
-        # span the run's; a walk over the parameters each step, off every other loop's path)
-        watch = self._algo.local_model and self.foreign_steps
-        before = _versions(model) if watch else 0
+        # a step that sent is one whose end rewrote the model in place (an average, an outer step):
+        # a graph made before it and backpropagated after it fails in autograd (see _with_why)
+        sent = self._algo.bytes_sent
         self._algo.after_step(ctx, model, Step(step.number, self._state.local))
-        if watch and _versions(model) != before:  # an average, an outer step: in place
+        if self._algo.local_model and self._algo.bytes_sent != sent:
             self.rewrote_at = self._state.steps
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
@@ -1731,11 +1727,6 @@ def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Ru
         f"after it, a GAN's generator's through its discriminator's step, sees them changed; give every "
         f"optimiser of a step to run.setup(opt_d, opt_g): the step then ends once each has stepped)"
     )
-
-
-def _versions(model: nn.Module) -> int:
-    """The sum of the parameters' autograd versions: it grows with every in-place change."""
-    return sum(p._version for p in model.parameters())
 
 
 def _in_a_functions_backward() -> bool:
