@@ -383,6 +383,16 @@ def setup_by_name(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+def setup_adam(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup("adam")
+    assert isinstance(opt, torch.optim.Adam)
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return run.final_model()
+
+
 def evaluates_alone(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup()
     for x, y in run.loader(toy_dataset(), batch_size=B):
@@ -397,10 +407,13 @@ def evaluates_alone(run: distsgd.Run) -> nn.Module:
 @pytest.mark.slow
 def test_refusals_name_what_to_do() -> None:
     """A second optimiser under the parameter server (its head never trained), run.setup('sgd')
-    under DiLoCo (AdamW ran), and rank 0 alone in DiLoCo's collective evaluation (a gloo abort)."""
+    under DiLoCo (AdamW ran), run.setup('adam') under the parameter server (until 2026-11-30 the
+    server's refusal of the worker's HELLO, naming neither the call nor the fix), and rank 0 alone
+    in DiLoCo's collective evaluation (a gloo abort)."""
     cases = [
         (second_optimizer, "asgd", {}, "put its parameters in a parameter group"),
         (setup_by_name, "diloco", {}, r"give distsgd.spawn\(inner_optimizer='sgd'"),
+        (setup_adam, "asgd", {}, r"run.setup\('adam'\): under asgd .*\(sgd\).* give distsgd.spawn\(optimizer='adam'\)"),
         # (found waiting for it at the next average, long before --timeout)
         (
             evaluates_alone,
@@ -415,6 +428,12 @@ def test_refusals_name_what_to_do() -> None:
                 main, model=Net, algo=algo, workers=2, batch_size=B, max_samples=8 * 2 * B, quiet=True, **extra
             )
         assert "\n" not in str(info.value), algo
+    # where the workers step their own optimisers (async EASGD), the name is theirs to choose
+    result = distsgd.spawn(
+        setup_adam, model=Net, algo="easgd", easgd_mode="async", workers=2, batch_size=B, quiet=True,
+        max_samples=8 * 2 * B,
+    )  # fmt: skip
+    assert result.summary["samples"] >= 8 * 2 * B
 
 
 def outside_parameters(run: distsgd.Run, how: str) -> nn.Module:

@@ -239,6 +239,9 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """Any optimisers of a user's loop: the workers step locally (the server's never steps)."""
 
+    def check_optimizer_name(self, name: str) -> None:
+        """Any: the workers step locally, with the optimiser ``run.setup(name)`` names."""
+
     def check_untouched(self, ctx: WorkerContext) -> None:
         """Each worker steps its own weights between exchanges: nothing the server sends overwrites them."""
 

@@ -198,6 +198,17 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         return self.optimizer  # the one whose groups the HELLO described
 
+    def check_optimizer_name(self, name: str) -> None:
+        """``run.setup(name)``: the server built its optimiser from the run's settings before any
+        worker's loop ran, so a name other than the run's ``--optimizer`` is refused here, naming
+        the call (the server's refusal of the worker's HELLO said neither the call nor the fix)."""
+        if name != self.cfg.optimizer:
+            raise ConfigError(
+                f"run.setup('{name}'): under {self.name} the server steps the model with the run's optimiser "
+                f"({self.cfg.optimizer}), built before the workers' loops start: give distsgd.spawn(optimizer="
+                f"'{name}') (or --optimizer {name}), and call run.setup() without it"
+            )
+
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """A user's loop's own optimiser (``run.setup(model, opt)``, or a function): the server
         steps with its optimiser, the one ``spawn(optimizer=...)`` or the run's settings build (the
