@@ -249,7 +249,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _as_of(s: dict[str, Any]) -> str:
     """Which model the final figures describe, where the samples alone would mislead: the model
-    returned, as it was at its last evaluation, when steps trained after it never reached it."""
+    returned, as it was at its last evaluation, when steps trained after it never reached it; or
+    the one the run started from (DiLoCo's --partial-round theta before its first outer step)."""
+    if s.get("untrained"):
+        return f" (of the model returned: the one the run started from, which none of the {s['samples']} samples trained reached)"
     at = s.get("final_eval_samples")
     if at is None or at >= s["samples"]:
         return ""

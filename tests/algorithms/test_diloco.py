@@ -3,6 +3,8 @@ two workers; and its runs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -156,9 +158,16 @@ def test_a_run_shorter_than_a_round_under_theta_says_its_model_is_the_initial_on
     common += ["--batch-size", "16", "--sync-every", "64", "--max-samples", str(2 * 16 * 5)]
     r = run_cli(*common, "--partial-round", "theta", "--out", str(tmp_path / "theta"))
     assert r.returncode == 0 and r.stderr.count("trained on none of its samples") == 1, r.stderr[-3000:]
+    # and the run's last line and summary.json say it too (until 2026-11-30: "of the model returned, as it
+    # was at 128 samples: the 32 trained after never reached it", as though the 128 had)
+    assert "(of the model returned: the one the run started from, which none of the 160 samples" in r.stdout
+    assert json.loads((tmp_path / "theta" / "summary.json").read_text())["untrained"] is True
     model = torch.load(tmp_path / "theta" / "model.pt", weights_only=True)
     digits = load_dataset("digits")
     start = distsgd.models.build_model("mlp", digits.input_shape, digits.num_classes, seed=0).state_dict()
     assert all(torch.equal(model["state_dict"][k], v) for k, v in start.items())
     r = run_cli(*common, "--partial-round", "average", "--out", str(tmp_path / "average"))
     assert r.returncode == 0 and "trained on none" not in r.stderr, r.stderr[-3000:]
+    assert "started from" not in r.stdout and "untrained" not in json.loads(
+        (tmp_path / "average" / "summary.json").read_text()
+    )

@@ -174,6 +174,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         super().__init__(cfg, seat)
         self.period = Periodic.of(self.opts.sync_every)
         self.rounds = 0
+        self.untrained = False  # the model returned is the starting one (see final_model)
         self.compressor = compress.make(self.opts.compress)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
@@ -267,7 +268,8 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         """theta; a last, partial round ends as ``--partial-round`` says."""
         rule = self.opts.partial_round
-        if self.period.pending and rule == "theta" and self.rounds == 0 and ctx.rank == 0:
+        self.untrained = self.period.pending and rule == "theta" and self.rounds == 0
+        if self.untrained and ctx.rank == 0:
             log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
         if self.period.pending and rule == "step":
             self.outer_step(model)
@@ -298,4 +300,6 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         self.compressor.load_state_dict(state["compressor"], self.params[0].device)
 
     def figures(self) -> DiLoCoFigures:
-        return DiLoCoFigures(**vars(super().figures()), outer_steps=self.rounds)
+        return DiLoCoFigures(
+            **{**vars(super().figures()), "untrained": self.untrained or None}, outer_steps=self.rounds
+        )

@@ -187,6 +187,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         self.dtype = DTYPES[self.opts.outer_dtype]
         self.flight = None
         self.rounds = 0
+        self.untrained = False  # the model returned is the starting one (see final_model)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
@@ -366,8 +367,10 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
 
     def final_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
         pending = [p.pending for p in self.periods]
-        untrained = self.rounds == 0 and self.flight is None and any(pending)
-        if untrained and self.opts.partial_round == "theta" and ctx.rank == 0:
+        self.untrained = (
+            self.rounds == 0 and self.flight is None and any(pending) and self.opts.partial_round == "theta"
+        )
+        if self.untrained and ctx.rank == 0:
             log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
         landing = self.flight is not None or any(pending)
         final = self._ending(self.globals, self.flat, model, self.flight, pending, self.sent)
@@ -413,4 +416,8 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
             outer.load_state_dict(saved)
 
     def figures(self) -> StreamingFigures:
-        return StreamingFigures(**vars(super().figures()), outer_steps=self.rounds, fragments=self.opts.fragments)
+        return StreamingFigures(
+            **{**vars(super().figures()), "untrained": self.untrained or None},
+            outer_steps=self.rounds,
+            fragments=self.opts.fragments,
+        )

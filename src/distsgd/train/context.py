@@ -123,6 +123,9 @@ class Figures:
     algorithm returns its own subclass from ``Algorithm.figures``."""
 
     bytes_sent: int | None = None  # what this process sent; None: the algorithm does not communicate
+    # True: the model returned is the one the run started from, trained on none of its samples
+    # (DiLoCo's --partial-round theta, ended before its first outer step); None otherwise
+    untrained: bool | None = None
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
