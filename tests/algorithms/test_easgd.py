@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import distsgd
+from distsgd.algorithms.averaging import flat_view_
 from distsgd.config import RunConfig, resolve
 from distsgd.train.context import Start
 from helpers import in_group
@@ -16,7 +17,7 @@ from quadratics import config, context, far, flat, model_and_grad, quadratic, st
 # -- EASGD (Zhang, Choromanska, LeCun, NIPS 2015) ---------------------------------------------
 
 
-def _easgd_worker(rank: int, world: int, steps: int, tau: int) -> dict:
+def _easgd_worker(rank: int, world: int, steps: int, tau: int, decay: float = 0.0) -> dict:
     from distsgd.algorithms.easgd import EASGD
 
     cfg = config("easgd", world, {"tau": tau, "alpha": 0.3}, lr=0.1, momentum=0.0)
@@ -24,24 +25,28 @@ def _easgd_worker(rank: int, world: int, steps: int, tau: int) -> dict:
     algo = EASGD(cfg)
     ctx = context(rank, world)
     model = algo.setup(ctx, model, Start.FRESH)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=decay)
     for number in range(1, steps + 1):
         take_step(algo, ctx, model, opt, set_grad, number)
     return {"x": flat(model), "centre": flat(algo.center_model)}
 
 
-def easgd_reference(world: int, steps: int, tau: int, lr: float, alpha: float, wrong: str = "") -> tuple:
+def easgd_reference(
+    world: int, steps: int, tau: int, lr: float, alpha: float, wrong: str = "", decay: float = 0.0
+) -> tuple:
     """Synchronous EASGD, the paper's equations (5)-(6) with a communication period tau: at every
     step t that tau divides, from the same x_i^t,
         x_i^{t+1} = x_i^t - lr g_i(x_i^t) - alpha (x_i^t - x~^t)
         x~^{t+1}  = x~^t + alpha sum_i (x_i^t - x~^t)
-    and x_i^{t+1} = x_i^t - lr g_i(x_i^t) at the others. ``wrong``: "mean" moves the centre by
-    the mean elastic difference; "after" takes the elastic difference after the gradient step."""
+    and x_i^{t+1} = x_i^t - lr g_i(x_i^t) at the others. Weight decay ``decay`` is the gradient of
+    the L2 term the paper's loss f_i carries, so it is taken at x_i^t too. ``wrong``: "mean" moves
+    the centre by the mean elastic difference; "after" takes the elastic difference after the
+    gradient step; "decay moved" takes the decay at x_i after the elastic move."""
     w0 = start_weights()
     xs, centre = [w0.clone() for _ in range(world)], w0.clone()
     quads = [quadratic(r) for r in range(world)]
     for t in range(steps):
-        grads = [a * (x - b) for x, (a, b) in zip(xs, quads)]
+        grads = [a * (x - b) + (0.0 if wrong == "decay moved" else decay) * x for x, (a, b) in zip(xs, quads)]
         if wrong == "after":
             xs = [x - lr * g for x, g in zip(xs, grads)]
             grads = [torch.zeros_like(g) for g in grads]
@@ -50,6 +55,8 @@ def easgd_reference(world: int, steps: int, tau: int, lr: float, alpha: float, w
             total = sum(diffs) / (world if wrong == "mean" else 1)
             xs = [x - alpha * d for x, d in zip(xs, diffs)]
             centre = centre + alpha * total
+        if wrong == "decay moved":
+            grads = [g + decay * x for g, x in zip(grads, xs)]
         xs = [x - lr * g for x, g in zip(xs, grads)]
     return xs, centre
 
@@ -64,6 +71,19 @@ def test_sync_easgd_with_two_workers_follows_the_paper(tmp_path) -> None:
     for wrong in ("mean", "after"):
         _, c = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3, wrong=wrong)
         assert far(got[0]["centre"], c), wrong
+
+
+def test_sync_easgd_takes_weight_decay_where_it_takes_the_gradient(tmp_path) -> None:
+    """Weight decay, the paper's L2 term, at x_i^t with the gradient, before the elastic move (until
+    2026-11-30 the optimiser's step came after the move, and took its decay there)."""
+    steps, tau, decay = 9, 2, 0.5
+    got = in_group(_easgd_worker, 2, tmp_path, steps, tau, decay)
+    xs, centre = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3, decay=decay)
+    for r in range(2):
+        torch.testing.assert_close(got[r]["x"], xs[r], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[r]["centre"], centre, rtol=1e-5, atol=1e-6)
+    moved, _ = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3, wrong="decay moved", decay=decay)
+    assert far(got[0]["x"], moved[0])
 
 
 def test_easgd_alpha_default_gives_beta_point_nine() -> None:
@@ -115,6 +135,76 @@ def test_async_easgd_exchanges_of_two_workers_follow_the_paper() -> None:
         assert int(model[1].num_batches_tracked) == 7 + k and version == k + 1
         assert far(xs[rank], wrong_after_worker)
     assert far(centre, wrong_mean)
+
+
+class _InProcess:
+    """A worker's connection to a server in this process: the transport's exchange, no socket."""
+
+    def __init__(self, ps, rank: int) -> None:
+        self.ps, self.rank = ps, rank
+
+    def exchange(self, x, floats, ints, samples):
+        (d, diffs), version, total, stop = self.ps.exchange(self.rank, x.clone(), floats, ints, samples)
+        return (d.clone(), [t.clone() for t in diffs]), version, total, stop
+
+
+def test_async_easgd_workers_take_weight_decay_where_they_take_the_gradient() -> None:
+    """The workers' side of asynchronous EASGD, two of them taking turns against one server: at an
+    exchange step worker i's elastic difference d = x^i - x~ and its gradient step, weight decay
+    (the paper's L2 term) included, are both from the x^i its gradient was computed at,
+        x^i <- x^i - lr (g(x^i) + wd x^i) - alpha d,   x~ <- x~ + alpha d,
+    as in the synchronous equations (5)-(6); plain steps between. Until 2026-11-30 the decay was
+    taken at x^i after the elastic move. (Algorithm 1 of the paper moves x^i before it computes the
+    gradient; distsgd's loop has computed it by the exchange, so it takes both from there.)"""
+    from distsgd.algorithms.base import ServerSeat
+    from distsgd.algorithms.easgd import AsyncEASGD, EASGDOptions
+    from distsgd.algorithms.param_server import ParameterServer
+    from distsgd.algorithms.param_server.rules import Elastic
+    from distsgd.train.context import Step
+
+    lr, decay, alpha, tau, steps = 0.1, 0.5, 0.25, 2, 7
+    cfg = config(
+        "easgd", 2, {"tau": tau, "alpha": alpha, "easgd_mode": "async"}, lr=lr, momentum=0.0, weight_decay=decay
+    )
+    torch.manual_seed(0)
+    centre_model = nn.Linear(3, 2)
+    start = flat(centre_model)
+    ps = ParameterServer(cfg, centre_model, 2, Elastic(cfg, EASGDOptions(alpha=alpha)))
+    workers, models, opts = [], [], []
+    for rank in (1, 2):
+        model = nn.Linear(3, 2)
+        model.load_state_dict(centre_model.state_dict())
+        algo = AsyncEASGD(cfg, ServerSeat("127.0.0.1:0"))
+        algo.params = list(model.parameters())
+        algo.weights = flat_view_(algo.params)
+        algo.floats, algo.ints, algo.watch = [], [], None
+        algo.client, algo.alpha = _InProcess(ps, rank), alpha
+        workers.append(algo)
+        models.append(model)
+        opts.append(torch.optim.SGD(model.parameters(), lr=lr, weight_decay=decay))
+    quads = [quadratic(r) for r in range(2)]
+    xs, centre = [start.clone(), start.clone()], start.clone()
+    moved_decay = [start.clone(), start.clone()]  # the decay taken after the move (the old order)
+    for number in range(1, steps + 1):
+        for i in range(2):  # worker 1, then worker 2, at each step
+            a, b = quads[i]
+            with torch.no_grad():
+                for p, g in zip(models[i].parameters(), torch.split(a * (flat(models[i]) - b), [6, 2])):
+                    p.grad = g.view_as(p).to(p.dtype)
+            workers[i].apply_step(None, opts[i], Step(number, 0))
+            x = xs[i]
+            grad = a * (x - b)
+            if (number - 1) % tau == 0:
+                d = x - centre
+                centre = centre + alpha * d
+                moved = x - alpha * d
+                moved_decay[i] = moved - lr * (grad + decay * moved)
+                xs[i] = x - lr * (grad + decay * x) - alpha * d
+            else:
+                xs[i] = moved_decay[i] = x - lr * (grad + decay * x)
+            torch.testing.assert_close(flat(models[i]), xs[i], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat(centre_model), centre, rtol=1e-5, atol=1e-6)
+    assert far(xs[0], moved_decay[0])
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

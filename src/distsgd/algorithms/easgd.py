@@ -63,15 +63,18 @@ from distsgd.train import membership
 from distsgd.train.context import Figures, Start, Step, WorkerContext
 
 
-def sync_elastic_step(x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int) -> int:
-    """One synchronous EASGD exchange; returns the bytes all-reduced."""
+def sync_elastic_step(
+    x: list[torch.Tensor], center: list[torch.Tensor], alpha: float, world: int
+) -> tuple[int, torch.Tensor]:
+    """One synchronous EASGD exchange: the centre moves; returns the bytes all-reduced and x_i's
+    elastic move, alpha (x_i - x~), which the caller subtracts after its gradient step (both from
+    x_i^t, the paper's update, its weight decay included)."""
     diff = flatten(x) - flatten(center)
     total = diff.clone()  # a new buffer each time: an all-reduce abandoned with a lost worker writes nowhere used
     if world > 1:
         membership.call(dist.all_reduce, total)
-    unflatten_into(flatten(x) - alpha * diff, x)
     unflatten_into(flatten(center) + alpha * total, center)
-    return total.numel() * total.element_size()
+    return total.numel() * total.element_size(), alpha * diff
 
 
 @dataclass(frozen=True)
@@ -156,12 +159,18 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the elastic exchange from x_i as it was when the gradient
-        was computed; then the optimiser's step."""
+        was computed; then the optimiser's step, also from there (its weight decay: the paper's L2
+        term is part of the gradient), and x_i's elastic move."""
+        move = None
         if self.period.due(step.number - 1) and step.number != self.exchanged_at:
             self.exchanged_at = step.number
-            self.sent(sync_elastic_step(self.x, self.center, self.alpha, self.world), self.world)
+            sent, move = sync_elastic_step(self.x, self.center, self.alpha, self.world)
+            self.sent(sent, self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
         optimizer.step()
+        if move is not None:
+            with torch.no_grad():
+                unflatten_into(flatten(self.x) - move, self.x)
         if self.watch is not None:
             self.watch.mark()
 
@@ -247,17 +256,21 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the exchange of x_i as it was when the gradient was computed
-        (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d); then the
-        optimiser's step, and local steps between exchanges."""
+        (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d after the
+        optimiser's step, which takes its weight decay at x_i^t too, as the paper's L2 term); local
+        steps between exchanges."""
+        diff = None
         if self.period.due(step.number - 1):
             (diff, diffs), self.version, self.total, self.stop = self.client.exchange(
                 self.weights, self.floats, self.ints, self.local
             )
             with torch.no_grad():
-                self.weights.sub_(self.alpha * diff)  # x_i <- x_i - alpha d: the parameters are views of weights
                 for b, d in zip(self.floats, diffs):
                     b.sub_((self.alpha * d).view_as(b))
         optimizer.step()
+        if diff is not None:
+            with torch.no_grad():
+                self.weights.sub_(self.alpha * diff)  # x_i <- x_i - alpha d: the parameters are views of weights
         if self.watch is not None:
             self.watch.mark()
 
