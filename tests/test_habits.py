@@ -1216,3 +1216,51 @@ def test_a_replacements_batch_figure_counts_its_own_steps(tmp_path: Path) -> Non
         functools.partial(augmenting_loop, notes=tmp_path / "notes"), out=out, resume=out, **settings
     )
     assert resumed.summary["samples"] == 3 * N and resumed.summary["batch_size"] == B
+
+
+def ddp_of_the_loop(run: distsgd.Run, when: str) -> nn.Module:
+    """A converted DDP script: the loop wraps the model in torch's DDP itself, after run.setup()
+    or before (its own model, given to run.setup)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if when == "before":
+        net = DDP(Net())
+        model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    else:
+        model, opt = run.setup()
+        model = DDP(model)
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+def another_structure(run: distsgd.Run) -> nn.Module:
+    model = nn.Sequential(nn.Linear(12, 3))
+    model, opt = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_a_ddp_of_the_loops_own_and_a_model_of_another_structure_are_refused_in_one_line() -> None:
+    """torch's DDP round the model run.setup() returned added its all-reduce of every gradient to
+    the algorithm's, silently: under local-sgd H=2 the weights were allreduce's (4.3e-8 from it,
+    3.3e-4 from local SGD), summary.json said local-sgd and counted local-sgd's bytes; under
+    allreduce and ddp each gradient was averaged twice and bytes_sent was half the bytes. A DDP
+    given to run.setup() trained, then the launcher's load_state_dict raised ("module.body.0.weight")
+    and the model was lost, as with any module of another structure than spawn(model=...)'s. Each is
+    one line now (the audit of 2026-11-30)."""
+    common = dict(model=Net, workers=2, batch_size=B, max_samples=4 * 2 * B, quiet=True)
+    for algo, extra in [("allreduce", {}), ("ddp", {}), ("local-sgd", {"sync_every": "2"})]:
+        with pytest.raises(distsgd.DistsgdError, match=r"wrapped in a DistributedDataParallel of the loop's") as info:
+            distsgd.spawn(functools.partial(ddp_of_the_loop, when="after"), algo=algo, **common, **extra)
+        assert "\n" not in str(info.value), algo
+    with pytest.raises(distsgd.DistsgdError, match=r"run.setup\(\) was given a DistributedDataParallel.*\.module"):
+        distsgd.spawn(functools.partial(ddp_of_the_loop, when="before"), algo="allreduce", **common)
+    with pytest.raises(distsgd.DistsgdError, match=r"does not fit spawn\(model=...\)'s Net \(missing 'body.0.weight'"):
+        distsgd.spawn(another_structure, algo="allreduce", **common)

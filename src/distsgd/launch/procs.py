@@ -32,9 +32,11 @@ from typing import Any, Callable, NoReturn, cast
 
 import torch
 import torch.multiprocessing as mp
+from torch import nn
 
 from distsgd.config import RunConfig
 from distsgd.errors import (
+    ConfigError,
     DistsgdError,
     LoopError,
     MainGuardError,
@@ -43,6 +45,7 @@ from distsgd.errors import (
     WorkerInputError,
     failure_text,
     on_sigterm,
+    one_line,
     peer_symptom,
 )
 from distsgd.launch import environment
@@ -498,13 +501,32 @@ def pack(result: WorkerResult) -> dict[str, Any]:
     return {**fields, "model_state": state}
 
 
+def fit_returned(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load the state of the model a worker returned into ``spawn(model=...)``'s, or one line: a
+    module of another structure given to run.setup() (a DDP wrapper's keys start 'module.') ended
+    a whole run in load_state_dict's traceback."""
+    try:
+        result = model.load_state_dict(state, strict=False)
+        odd = [f"missing {k!r}" for k in result.missing_keys[:1]] + [
+            f"unexpected {k!r}" for k in result.unexpected_keys[:1]
+        ]
+    except RuntimeError as exc:  # a shape that differs
+        odd = [one_line(exc).split("\n")[0]]
+    if odd:
+        raise ConfigError(
+            f"the model main(run) returned does not fit spawn(model=...)'s {type(model).__name__} "
+            f"({'; '.join(odd)}), which the run returns and saves: give run.setup() a model of that structure, "
+            f"not wrapped (a DistributedDataParallel's keys start 'module.'), or pass yours as spawn(model=...)"
+        )
+
+
 def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
     payload = dict(payload)
     state = payload.pop("model_state")
     model = None
     if state is not None:
         model = build_model(job.model, job.data.input_shape, job.data.num_classes, job.cfg.init)
-        model.load_state_dict(torch.load(io.BytesIO(state), map_location="cpu", weights_only=True))
+        fit_returned(model, torch.load(io.BytesIO(state), map_location="cpu", weights_only=True))
     return WorkerResult(model=model, **payload)
 
 

@@ -323,6 +323,11 @@ class Run:
                     f"run.setup() takes a model, then optimisers (or functions model -> optimiser), or "
                     f"an --optimizer name; got {type(m).__name__}"
                 )
+        if isinstance(given, nn.parallel.DistributedDataParallel):
+            raise ConfigError(
+                "run.setup() was given a DistributedDataParallel: give it the model inside (ddp_model.module); "
+                "distsgd synchronises the workers as the algorithm says, and a DDP of yours would add its own"
+            )
         objects = [m for m in makers if isinstance(m, torch.optim.Optimizer)]
         if any(isinstance(m, str) for m in makers):
             if len(makers) > 1:
@@ -358,6 +363,8 @@ class Run:
         self._bind(module)
 
         self._handles.append(module.register_load_state_dict_post_hook(loaded))
+        if self._algo.topology.process_group:
+            self._handles.append(self._need_setup("run.setup()").register_forward_pre_hook(_not_in_a_users_ddp))
 
         def accumulated(param: torch.Tensor) -> None:
             me = run()
@@ -1711,6 +1718,21 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
 
 
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
+
+
+def _not_in_a_users_ddp(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook on the model run.setup() returned, in a process group: refuse a forward
+    run by a DistributedDataParallel the loop wrapped it in (``model = DDP(model)``, a converted
+    script's habit). Its gradient all-reduce came on top of the algorithm's: under allreduce and ddp
+    every gradient averaged twice, bytes_sent half the bytes; under local-sgd synchronous SGD,
+    silently. (torch marks the DDP whose forward runs; this module's own, under ddp, is itself.)"""
+    active = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    if active is not None and active is not module:
+        raise ConfigError(
+            "the model run.setup() returned was wrapped in a DistributedDataParallel of the loop's: distsgd "
+            "synchronises the workers as the algorithm says, and DDP's all-reduce of every gradient would come "
+            "on top of it (under local-sgd or diloco, every step); train the model run.setup() returned, unwrapped"
+        )
 
 
 def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Run) -> LoopError:
