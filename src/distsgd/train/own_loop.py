@@ -199,6 +199,8 @@ class Run:
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
+        self._returned_ran = False  # a forward of the model run.final_model() returned ran since (its hook)
+        self._returned_hook: Any = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
         self._bound: list[tuple[str, nn.Parameter, int]] | None = None  # (name, parameter, in-place version)
         self._storage: list[tuple[str, nn.Parameter, int]] = []  # where the algorithm binds them: their memory
@@ -1125,6 +1127,8 @@ class Run:
             with self.paused():
                 if writes and self._of_a_workers_own_model():
                     self._demoted(values)
+                elif writes and self._of_another_model():
+                    self._demoted(values, another=True)
                 elif writes:
                     reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
@@ -1162,10 +1166,26 @@ class Run:
             and not (made is not None and made[0] == self.steps)
         )
 
-    def _demoted(self, values: dict[str, Any]) -> None:
-        """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`): a ``log`` event,
-        not an evaluation (not the final figures, nor a time to target); said once."""
-        if not self._warned_own:
+    def _of_another_model(self) -> bool:
+        """Whether test figures logged now, after run.final_model(), cannot be of the model it
+        returned: no forward of that model ran since (an EMA's figures, ``AveragedModel``'s; or a
+        model's evaluated before run.final_model() averaged it). summary.json gave them as the
+        figures of the model returned and saved, silently (the audit of 2026-11-30)."""
+        return self._ctx.job.main is not None and self._returned is not None and not self._returned_ran
+
+    def _demoted(self, values: dict[str, Any], another: bool = False) -> None:
+        """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`), or of another
+        (:meth:`_of_another_model`): a ``log`` event, not an evaluation (not the final figures, nor
+        a time to target); said once."""
+        if another and not self._warned_own:
+            self._warned_own = True
+            log.warning(
+                "run.log(test_...) after run.final_model(), and no forward of the model it returned ran since: the "
+                "figures are another model's (an EMA's? one evaluated before run.final_model()?), logged but not "
+                "taken as the figures of the model returned and saved; evaluate that model (to return an EMA, "
+                "load its weights into the model before run.final_model())"
+            )
+        elif not self._warned_own:
             self._warned_own = True
             log.warning(
                 "run.log(test_...) at %d samples: no run.evaluation_model() since the last step, so the "
@@ -1403,6 +1423,15 @@ class Run:
         self._made = None  # the model returned existed at train_wall_s: its last average included
         self._algo.verify(self._ctx, returned)
         self._returned = returned  # (made again from the start where a lost worker interrupted it)
+        if self._ctx.job.main is not None and self._returned_hook is None:  # (see _of_another_model)
+            run = weakref.ref(self)
+
+            def ran(module: nn.Module, args: Any) -> None:
+                me = run()
+                if me is not None:
+                    me._returned_ran = True
+
+            self._returned_hook = returned.register_forward_pre_hook(ran)
         if self.rank == 0 and self._ctx.reports:  # (one line: every Hogwild! worker reports)
             _say_nonfinite(returned)
         if self._nonfinite[0] > 1:
@@ -1439,6 +1468,8 @@ class Run:
     def _result(self, returned: Any = None) -> WorkerResult:
         """What this worker tells the launcher once ``main`` returned ``returned``."""
         final = self.final_model()
+        if self._returned_hook is not None:  # the model goes back as it was given
+            self._returned_hook.remove()
         if returned is not None and returned is not final:
             unwrapped = self._algo.unwrap(self._model) if self._model is not None else None
             if not isinstance(returned, nn.Module):
@@ -1448,7 +1479,8 @@ class Run:
                 )
             if returned is not unwrapped and returned is not self._model:
                 raise ConfigError(
-                    "main(run) returned a model that is not run.final_model(): return run.final_model() (or nothing)"
+                    "main(run) returned a model that is not run.final_model(): return run.final_model() (or nothing; "
+                    "to return an EMA or another copy, load its weights into the model before run.final_model())"
                 )
         evals = self._state.evals
         last = evals[-1] if evals else None
