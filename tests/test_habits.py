@@ -1299,3 +1299,32 @@ def test_figures_logged_after_the_end_are_the_returned_models_or_not_final(algo:
     with torch.no_grad():
         expected = float(F.cross_entropy(returned.model(x), y))
     assert returned.summary["final_test_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def scaler_skipping(run: distsgd.Run, skip: str) -> nn.Module:
+    """A loop's own GradScaler (torch.amp, on the CPU), whose step is skipped on an inf loss: at the
+    third iteration on worker 0 alone (``one``), or at every iteration (``every``)."""
+    model, opt = run.setup()
+    scaler = torch.amp.GradScaler("cpu")
+    for k, (x, y) in enumerate(run.loader(toy_dataset(), batch_size=B)):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if skip == "every" or (run.rank == 0 and k == 2):
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_a_step_a_loops_grad_scaler_skipped_is_named_in_the_refusal() -> None:
+    """Under local-sgd, a step worker 0's own GradScaler skipped left it a step behind; the run was
+    refused at the end in a line that blamed an early stop. With every step skipped, a line about
+    calling another optimiser's step. Both name the scaler now (the audit of 2026-11-30)."""
+    common = dict(model=Net, workers=2, batch_size=B, max_samples=6 * 2 * B, quiet=True, timeout_s=60)
+    with pytest.raises(distsgd.DistsgdError, match=r"a step a GradScaler of the loop's skipped") as info:
+        distsgd.spawn(functools.partial(scaler_skipping, skip="one"), algo="local-sgd", sync_every="2", **common)
+    assert "\n" not in str(info.value)
+    with pytest.raises(distsgd.DistsgdError, match=r"or a GradScaler of the loop's skipped every step"):
+        distsgd.spawn(functools.partial(scaler_skipping, skip="every"), algo="allreduce", **common)

@@ -48,7 +48,10 @@ def advice(algo: str, backward: bool = False) -> str:
         "inputs), which averages nothing, of a forward that makes none either: DDP's .module, whose forward "
         "broadcasts no buffers)"
         if backward
-        else ""
+        # (a GradScaler of the loop's skips opt.step() on an inf in one worker's gradients alone: the
+        # audit of 2026-11-30 found it blamed on an early stop)
+        else ", a step a GradScaler of the loop's skipped (an inf in that worker's own gradients) being none "
+        "(precision='fp16' with run.backward(loss) counts the steps its scaler skips)"
     )
     return (
         f"under {algo} every worker takes as many steps and makes the same synchronising calls{each}; stop them "

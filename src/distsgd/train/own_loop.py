@@ -1396,7 +1396,8 @@ class Run:
         if self.steps == 0 and self._batch_samples > 0:
             raise ConfigError(
                 "batches were taken but the optimiser run.setup() returned never stepped: call its "
-                "step(), not another optimiser's (the algorithm acts in it)"
+                "step(), not another optimiser's (the algorithm acts in it), or a GradScaler of the loop's "
+                "skipped every step (an inf in every gradient)"
             )
         # (a user's loop in a lockstep group, or alone: asynchronous workers share a budget others may
         # spend; a replacement, or a member of a group that trains through losses, may join at the end)
