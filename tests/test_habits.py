@@ -738,9 +738,30 @@ def reduce_under_hogwild(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+def torch_distributed_calls(run: distsgd.Run) -> nn.Module:
+    """A converted script's torch.distributed habit: the rank asked of torch."""
+    import torch.distributed as dist
+
+    run.setup()
+    run.print("rank", dist.get_rank())
+    return run.final_model()
+
+
 def test_metric_collectives_without_a_process_group_are_refused() -> None:
     with pytest.raises(distsgd.DistsgdError, match="needs a process group"):
         distsgd.spawn(reduce_under_hogwild, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_torch_distributed_without_a_process_group_says_what_to_use(algo: str) -> None:
+    """dist.get_rank() (or DDP(model), DistributedSampler(ds)) where the workers form no process
+    group: torch's line alone ("Default process group has not been initialized"), which the launcher
+    took for a fault of the group's; now the loop's line, saying what to use (the audit of 2026-11-30)."""
+    with pytest.raises(
+        distsgd.DistsgdError, match=r"failed in main \(.*test_habits.py:\d+\).*form no torch process group: run.rank"
+    ):
+        distsgd.spawn(torch_distributed_calls, model=Net, algo=algo, workers=2, batch_size=B, quiet=True)
 
 
 # -- a script's own objects: the model, its optimiser and data through spawn(args=...) ----------------

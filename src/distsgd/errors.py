@@ -323,6 +323,9 @@ class _Code:
         return None
 
 
+NO_GROUP = "Default process group has not been initialized"  # torch.distributed's, called with no group
+
+
 def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
     """What ``exc``, raised out of a user's ``main(run)`` in ``worker``, means: a :class:`LoopError`
     naming the worker and the innermost line of the user's code in its traceback; None when it is
@@ -335,7 +338,8 @@ def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
 
     code = _Code()
     stack = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
-    if code.inner(stack) == code.SYNC:
+    # (torch.distributed's words for a call with no process group are the loop's mistake, not a peer's fault)
+    if code.inner(stack) == code.SYNC and NO_GROUP not in str(exc):
         return None
     if stack and code.zone(stack[-1][0]) != code.USER and peer_symptom(str(exc)):  # gloo's or NCCL's words
         return None

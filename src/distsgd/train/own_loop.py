@@ -60,7 +60,7 @@ from distsgd.checkpoint import (
 from distsgd.config import checkpoint_record
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
-from distsgd.errors import ConfigError, LoopError, loop_failure, one_line, stall_watch
+from distsgd.errors import NO_GROUP, ConfigError, LoopError, loop_failure, one_line, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
@@ -1773,7 +1773,15 @@ def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Ru
     operation" after a step whose end rewrote the weights in place (an average, an outer step) is
     a graph made before that step and backpropagated after it, a GAN's generator through its
     discriminator's step, whose optimiser alone was given to run.setup(): the audit's error said
-    nothing of it. (Not after another step: a loop's own in-place change fails so in one process.)"""
+    nothing of it. (Not after another step: a loop's own in-place change fails so in one process.)
+    And torch's "Default process group has not been initialized" (a converted script's DDP(model),
+    DistributedSampler(ds) or dist.get_rank()) where the algorithm has no torch process group."""
+    if NO_GROUP in str(exc) and not algo.topology.process_group:
+        return LoopError(
+            f"{one_line(failure)} (under {algo.name} the workers form no torch process group: "
+            f"run.rank and run.world say which worker this is, run.loader splits the data, distsgd "
+            f"synchronises the model, and run.log reports from worker 0)"
+        )
     if not (INPLACE in str(exc) and run.rewrote_at == run.steps):
         return failure
     return LoopError(
