@@ -9,6 +9,7 @@ habit taking effect satisfies (an lr of 0 moves nothing; loaded weights are what
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 import os
 import re
@@ -383,6 +384,10 @@ def setup_by_name(run: distsgd.Run) -> nn.Module:
     return run.final_model()
 
 
+def adam_factory(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
 def setup_adam(run: distsgd.Run) -> nn.Module:
     model, opt = run.setup("adam")
     assert isinstance(opt, torch.optim.Adam)
@@ -428,6 +433,12 @@ def test_refusals_name_what_to_do() -> None:
                 main, model=Net, algo=algo, workers=2, batch_size=B, max_samples=8 * 2 * B, quiet=True, **extra
             )
         assert "\n" not in str(info.value), algo
+    # where spawn(optimizer=...)'s function builds the server's optimiser, any name is refused
+    with pytest.raises(distsgd.DistsgdError, match=r"run.setup\('adam'\): .*spawn\(optimizer=...\)'s function builds"):
+        distsgd.spawn(
+            setup_adam, model=Net, algo="asgd", workers=2, batch_size=B, quiet=True, max_samples=8 * 2 * B,
+            optimizer=adam_factory,
+        )  # fmt: skip
     # where the workers step their own optimisers (async EASGD), the name is theirs to choose
     result = distsgd.spawn(
         setup_adam, model=Net, algo="easgd", easgd_mode="async", workers=2, batch_size=B, quiet=True,
@@ -1300,7 +1311,12 @@ def figures_after_the_end(run: distsgd.Run, which: str) -> nn.Module:
     final = run.final_model()
     x, y = toy_dataset().tensors
     with torch.no_grad():
-        run.log(test_loss=float(F.cross_entropy((ema.module if which == "ema" else final)(x), y)))
+        if which == "parts":  # the model returned, through its parts
+            out = final.head(final.body(x))
+        else:
+            out = (ema.module if which == "ema" else final)(x)
+        run.log(test_loss=float(F.cross_entropy(out, y)))
+    torch.save(final, io.BytesIO())  # the whole module, as a script may save it (no hook of the run's on it)
     return final
 
 
@@ -1315,11 +1331,12 @@ def test_figures_logged_after_the_end_are_the_returned_models_or_not_final(algo:
     common.update({"sync_every": "4"} if algo == "local-sgd" else {})
     ema = distsgd.spawn(functools.partial(figures_after_the_end, which="ema"), **common)
     assert ema.summary["final_test_loss"] is None
-    returned = distsgd.spawn(functools.partial(figures_after_the_end, which="returned"), **common)
-    x, y = toy_dataset().tensors
-    with torch.no_grad():
-        expected = float(F.cross_entropy(returned.model(x), y))
-    assert returned.summary["final_test_loss"] == pytest.approx(expected, rel=1e-5)
+    for which in ("returned", "parts"):
+        returned = distsgd.spawn(functools.partial(figures_after_the_end, which=which), **common)
+        x, y = toy_dataset().tensors
+        with torch.no_grad():
+            expected = float(F.cross_entropy(returned.model(x), y))
+        assert returned.summary["final_test_loss"] == pytest.approx(expected, rel=1e-5), which
 
 
 def scaler_skipping(run: distsgd.Run, skip: str) -> nn.Module:

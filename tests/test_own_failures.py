@@ -291,12 +291,15 @@ def test_an_exception_of_torch_names_the_users_line() -> None:
 
 def test_symptoms_of_a_fault_elsewhere_are_not_the_loops() -> None:
     """What a collective raises (torch.distributed), a library's "broken pipe", and distsgd's own
-    refusals are left to the launcher; the same words raised by the user's code are the loop's."""
+    refusals are left to the launcher; the same words raised by the user's code are the loop's. And
+    torch.distributed called by the loop where no group was formed (a converted script's
+    dist.get_rank() under hogwild) is the loop's: since 2026-11-30 it names the line."""
     import multiprocessing
 
     import torch.distributed as dist
 
-    assert loop_failure(_raised(lambda: dist.all_reduce(torch.zeros(1))), "worker 0") is None  # no group
+    assert loop_failure(_raised(lambda: dist.all_reduce("x")), "worker 0") is None  # raised in torch.distributed
+    assert isinstance(loop_failure(_raised(lambda: dist.all_reduce(torch.zeros(1))), "worker 0"), LoopError)
 
     def broken_pipe() -> None:
         mine, theirs = multiprocessing.Pipe()

@@ -309,6 +309,18 @@ class _Code:
         """The zone of the innermost frame that is not a library's."""
         return next((z for z in (self.zone(name) for name, _ in reversed(stack)) if z != self.LIBRARY), None)
 
+    def called_by_user(self, stack: Stack) -> bool:
+        """Whether the innermost frame outside the libraries (torch.distributed's included) is the
+        user's: a library call the loop made, not one of distsgd's synchronisations."""
+        import os
+
+        for name, _ in reversed(stack):
+            zone = self.zone(name)
+            if zone == self.LIBRARY or (zone == self.SYNC and not os.path.abspath(name).startswith(self.ours)):
+                continue
+            return zone == self.USER
+        return False
+
     def user_place(self, stack: Stack) -> str | None:
         """``file:line`` of the innermost frame in the user's code (the file relative to the working
         directory when it lies under it)."""
@@ -338,8 +350,8 @@ def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
 
     code = _Code()
     stack = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
-    # (torch.distributed's words for a call with no process group are the loop's mistake, not a peer's fault)
-    if code.inner(stack) == code.SYNC and NO_GROUP not in str(exc):
+    # (torch.distributed's words for a call the loop made with no process group are its mistake, not a peer's fault)
+    if code.inner(stack) == code.SYNC and not (NO_GROUP in str(exc) and code.called_by_user(stack)):
         return None
     if stack and code.zone(stack[-1][0]) != code.USER and peer_symptom(str(exc)):  # gloo's or NCCL's words
         return None

@@ -10,14 +10,14 @@ from torch import nn
 import distsgd
 from distsgd.algorithms.averaging import flat_view_
 from distsgd.config import RunConfig, resolve
-from distsgd.train.context import Start
+from distsgd.train.context import Start, Step
 from helpers import in_group
 from quadratics import config, context, far, flat, model_and_grad, quadratic, start_weights, take_step
 
 # -- EASGD (Zhang, Choromanska, LeCun, NIPS 2015) ---------------------------------------------
 
 
-def _easgd_worker(rank: int, world: int, steps: int, tau: int, decay: float = 0.0) -> dict:
+def _easgd_worker(rank: int, world: int, steps: int, tau: int, decay: float = 0.0, split: bool = False) -> dict:
     from distsgd.algorithms.easgd import EASGD
 
     cfg = config("easgd", world, {"tau": tau, "alpha": 0.3}, lr=0.1, momentum=0.0)
@@ -25,6 +25,16 @@ def _easgd_worker(rank: int, world: int, steps: int, tau: int, decay: float = 0.
     algo = EASGD(cfg)
     ctx = context(rank, world)
     model = algo.setup(ctx, model, Start.FRESH)
+    if split:  # two optimisers a step (a user's loop's): apply_step for each, then after_step
+        opts = [torch.optim.SGD([p], lr=0.1, weight_decay=decay) for p in model.parameters()]
+        for number in range(1, steps + 1):
+            set_grad()
+            step = Step(number=number, samples=0)
+            algo.after_backward(ctx, model, step)
+            for opt in opts:
+                algo.apply_step(ctx, opt, step)
+            algo.after_step(ctx, model, step)
+        return {"x": flat(model), "centre": flat(algo.center_model)}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=decay)
     for number in range(1, steps + 1):
         take_step(algo, ctx, model, opt, set_grad, number)
@@ -75,13 +85,16 @@ def test_sync_easgd_with_two_workers_follows_the_paper(tmp_path) -> None:
 
 def test_sync_easgd_takes_weight_decay_where_it_takes_the_gradient(tmp_path) -> None:
     """Weight decay, the paper's L2 term, at x_i^t with the gradient, before the elastic move (until
-    2026-11-30 the optimiser's step came after the move, and took its decay there)."""
+    2026-11-30 the optimiser's step came after the move, and took its decay there); also with two
+    optimisers a step, the move once both have stepped."""
     steps, tau, decay = 9, 2, 0.5
-    got = in_group(_easgd_worker, 2, tmp_path, steps, tau, decay)
     xs, centre = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3, decay=decay)
-    for r in range(2):
-        torch.testing.assert_close(got[r]["x"], xs[r], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got[r]["centre"], centre, rtol=1e-5, atol=1e-6)
+    for split in (False, True):
+        (tmp_path / str(split)).mkdir()
+        got = in_group(_easgd_worker, 2, tmp_path / str(split), steps, tau, decay, split)
+        for r in range(2):
+            torch.testing.assert_close(got[r]["x"], xs[r], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got[r]["centre"], centre, rtol=1e-5, atol=1e-6)
     moved, _ = easgd_reference(2, steps, tau, lr=0.1, alpha=0.3, wrong="decay moved", decay=decay)
     assert far(got[0]["x"], moved[0])
 
@@ -192,6 +205,7 @@ def test_async_easgd_workers_take_weight_decay_where_they_take_the_gradient() ->
                 for p, g in zip(models[i].parameters(), torch.split(a * (flat(models[i]) - b), [6, 2])):
                     p.grad = g.view_as(p).to(p.dtype)
             workers[i].apply_step(None, opts[i], Step(number, 0))
+            workers[i].after_step(None, models[i], Step(number, 0))
             x = xs[i]
             grad = a * (x - b)
             if (number - 1) % tau == 0:

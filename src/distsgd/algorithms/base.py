@@ -30,7 +30,7 @@ a subclass of :class:`Algorithm` registered with :func:`register`, declaring
     worker is new, resumed from its part of a checkpoint or a replacement of a dead one;
   - ``make_optimizer(ctx, model)``: the optimiser (default: ``--optimizer`` on every parameter),
     unless the user's loop gave its own (``run.setup(model, opt)``, or several);
-  - ``check_optimizer_name(name)``: a user's loop's ``run.setup("adam")``: refuse it if the
+  - ``check_optimizer_name(ctx, name)``: a user's loop's ``run.setup("adam")``: refuse it if the
     workers' optimiser is a setting of the algorithm's own;
   - ``optimizers_ready(ctx, optimizers)``: the optimisers the run steps, however they were made;
   - ``before_training(ctx)``: everything is built; the training clock starts when this returns;
@@ -376,7 +376,7 @@ class Algorithm(Generic[OptionsT]):
     def make_optimizer(self, ctx: "WorkerContext", model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(self.cfg, self.unwrap(model), ctx.job.optimizer, ctx.job.param_groups)
 
-    def check_optimizer_name(self, name: str) -> None:
+    def check_optimizer_name(self, ctx: "WorkerContext", name: str) -> None:
         """A user's loop asked for ``run.setup(name)``, the run's ``--optimizer``: raise ConfigError
         if the algorithm's workers step another optimiser setting."""
 

@@ -135,7 +135,7 @@ class InnerOuter(GroupAlgorithm[OuterOptionsT]):
             )
         return {**paper_inner_defaults(inner), "optimizer": inner}
 
-    def check_optimizer_name(self, name: str) -> None:
+    def check_optimizer_name(self, ctx: WorkerContext, name: str) -> None:
         raise ConfigError(
             f"under {self.name} the workers' optimiser is --inner-optimizer, whose lr and weight decay "
             f"default to its paper's: give distsgd.spawn(inner_optimizer='{name}', lr=...), not run.setup('{name}')"

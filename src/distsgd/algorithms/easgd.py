@@ -119,6 +119,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
 
     period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)
     exchanged_at: int  # the step whose exchange was made (a user's loop steps several optimisers a step)
+    move: torch.Tensor | None  # x_i's elastic move, owed once this step's optimisers have stepped
     # built by setup:
     alpha: float  # the elastic strength (its default depends on the workers)
     center_model: nn.Module  # x~, the centre: what is evaluated and returned
@@ -132,6 +133,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         super().__init__(cfg, seat)
         self.period = Periodic(self.opts.tau, first=0)
         self.exchanged_at = 0
+        self.move = None
 
     @classmethod
     def variant(cls, cfg: RunConfig) -> type[Algorithm]:
@@ -156,23 +158,27 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         stays 0.9); the survivors then take the most advanced one's centre, and keep their own x_i."""
         super().regrouped(ctx)
         self.alpha = elastic_alpha(self.opts, ctx.world)
+        self.move = None  # (of a step abandoned with the lost worker)
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the elastic exchange from x_i as it was when the gradient
         was computed; then the optimiser's step, also from there (its weight decay: the paper's L2
-        term is part of the gradient), and x_i's elastic move."""
-        move = None
+        term is part of the gradient); x_i's elastic move once every optimiser stepped (after_step)."""
         if self.period.due(step.number - 1) and step.number != self.exchanged_at:
             self.exchanged_at = step.number
-            sent, move = sync_elastic_step(self.x, self.center, self.alpha, self.world)
+            sent, self.move = sync_elastic_step(self.x, self.center, self.alpha, self.world)
             self.sent(sent, self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
         optimizer.step()
-        if move is not None:
-            with torch.no_grad():
-                unflatten_into(flatten(self.x) - move, self.x)
         if self.watch is not None:
             self.watch.mark()
+
+    def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
+        super().after_step(ctx, model, step)
+        if self.move is not None:
+            with torch.no_grad():
+                unflatten_into(flatten(self.x) - self.move, self.x)
+            self.move = None
 
     def weights_loaded(self, ctx: WorkerContext, model: nn.Module) -> None:
         """Weights the user's loop loaded (on every worker) are the centre's too: otherwise the
@@ -225,6 +231,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         self.period = Periodic(self.opts.tau, first=0)
+        self.move: torch.Tensor | None = None  # x_i's elastic move, owed once this step's optimisers stepped
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         """A fresh worker, or one that replaces a dead one, starts from the centre (pulled); a
@@ -248,34 +255,32 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     def optimizers_ready(self, ctx: WorkerContext, optimizers: list[torch.optim.Optimizer]) -> None:
         """Any optimisers of a user's loop: the workers step locally (the server's never steps)."""
 
-    def check_optimizer_name(self, name: str) -> None:
-        """Any: the workers step locally, with the optimiser ``run.setup(name)`` names."""
-
     def check_untouched(self, ctx: WorkerContext) -> None:
         """Each worker steps its own weights between exchanges: nothing the server sends overwrites them."""
 
     def apply_step(self, ctx: WorkerContext, optimizer: torch.optim.Optimizer, step: Step) -> None:
         """At a step that tau divides, the exchange of x_i as it was when the gradient was computed
-        (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d after the
-        optimiser's step, which takes its weight decay at x_i^t too, as the paper's L2 term); local
-        steps between exchanges."""
-        diff = None
-        if self.period.due(step.number - 1):
+        (the server moves the centre by alpha d, d = x_i - x~; x_i moves by -alpha d once every
+        optimiser stepped, in after_step: the optimiser takes its weight decay at x_i^t too, as the
+        paper's L2 term); local steps between exchanges."""
+        if self.period.due(step.number - 1):  # (once a step: due moves on to the next exchange)
             (diff, diffs), self.version, self.total, self.stop = self.client.exchange(
                 self.weights, self.floats, self.ints, self.local
             )
+            self.move = self.alpha * diff
             with torch.no_grad():
                 for b, d in zip(self.floats, diffs):
                     b.sub_((self.alpha * d).view_as(b))
         optimizer.step()
-        if diff is not None:
-            with torch.no_grad():
-                self.weights.sub_(self.alpha * diff)  # x_i <- x_i - alpha d: the parameters are views of weights
         if self.watch is not None:
             self.watch.mark()
 
     def after_step(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         self.local = step.samples
+        if self.move is not None:
+            with torch.no_grad():
+                self.weights.sub_(self.move)  # x_i <- x_i - alpha d: the parameters are views of weights
+            self.move = None
 
     def keep_going(self, ctx: WorkerContext) -> bool:
         """Until the server says stop and, under --max-samples, until this worker has trained its

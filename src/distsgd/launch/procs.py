@@ -45,7 +45,6 @@ from distsgd.errors import (
     WorkerInputError,
     failure_text,
     on_sigterm,
-    one_line,
     peer_symptom,
 )
 from distsgd.launch import environment
@@ -511,7 +510,7 @@ def fit_returned(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             f"unexpected {k!r}" for k in result.unexpected_keys[:1]
         ]
     except RuntimeError as exc:  # a shape that differs
-        odd = [one_line(exc).split("\n")[0]]
+        odd = [" ".join(str(exc).split())[:300]]
     if odd:
         raise ConfigError(
             f"the model main(run) returned does not fit spawn(model=...)'s {type(model).__name__} "

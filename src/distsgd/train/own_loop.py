@@ -199,8 +199,8 @@ class Run:
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
-        self._returned_ran = False  # a forward of the model run.final_model() returned ran since (its hook)
-        self._returned_hook: Any = None
+        self._after_end = {"returned": False, "other": False}  # forwards after run.final_model(): _forwards_seen
+        self._after_end_hook: Any = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
         self._bound: list[tuple[str, nn.Parameter, int]] | None = None  # (name, parameter, in-place version)
         self._storage: list[tuple[str, nn.Parameter, int]] = []  # where the algorithm binds them: their memory
@@ -208,7 +208,7 @@ class Run:
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         self.rewrote_at = -1  # the last step whose end rewrote the weights in place (model averaging's)
         self._made: tuple[int, float] | None = None  # steps and clock of run.evaluation_model()'s last model
-        self._warned_own = False  # test figures of a worker's own model were logged (said once)
+        self._warned_own = self._warned_another = False  # test figures of a worker's own, or another, model (said once)
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
@@ -334,7 +334,7 @@ class Run:
         if any(isinstance(m, str) for m in makers):
             if len(makers) > 1:
                 raise ConfigError("run.setup(): an --optimizer name comes alone, not with other optimisers")
-            algo.check_optimizer_name(makers[0])
+            algo.check_optimizer_name(self._ctx, makers[0])
         if objects:
             if given is None:
                 raise ConfigError("run.setup(opt): an optimiser you built needs its model first: run.setup(model, opt)")
@@ -1167,24 +1167,28 @@ class Run:
         )
 
     def _of_another_model(self) -> bool:
-        """Whether test figures logged now, after run.final_model(), cannot be of the model it
-        returned: no forward of that model ran since (an EMA's figures, ``AveragedModel``'s; or a
-        model's evaluated before run.final_model() averaged it). summary.json gave them as the
-        figures of the model returned and saved, silently (the audit of 2026-11-30)."""
-        return self._ctx.job.main is not None and self._returned is not None and not self._returned_ran
+        """Whether test figures logged now, after run.final_model(), are another model's: since it,
+        a module holding parameters outside the model it returned ran a forward, and none of that
+        model's modules did (an EMA's figures, ``AveragedModel``'s module). summary.json gave them
+        as the figures of the model returned and saved, silently (the audit of 2026-11-30). With no
+        forward at all since (figures measured before, a compiled model's graph, which runs no
+        hooks), nothing is known, and they stand as before."""
+        seen = self._after_end
+        return self._ctx.job.main is not None and self._returned is not None and seen["other"] and not seen["returned"]
 
     def _demoted(self, values: dict[str, Any], another: bool = False) -> None:
         """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`), or of another
         (:meth:`_of_another_model`): a ``log`` event, not an evaluation (not the final figures, nor
         a time to target); said once."""
-        if another and not self._warned_own:
-            self._warned_own = True
-            log.warning(
-                "run.log(test_...) after run.final_model(), and no forward of the model it returned ran since: the "
-                "figures are another model's (an EMA's? one evaluated before run.final_model()?), logged but not "
-                "taken as the figures of the model returned and saved; evaluate that model (to return an EMA, "
-                "load its weights into the model before run.final_model())"
-            )
+        if another:
+            if not self._warned_another:
+                self._warned_another = True
+                log.warning(
+                    "run.log(test_...) after run.final_model(), after a forward of another model and none of the "
+                    "one it returned: the figures are another model's (an EMA's?), logged but not taken as the "
+                    "figures of the model returned and saved; evaluate that model (to return an EMA, load its "
+                    "weights into the model before run.final_model())"
+                )
         elif not self._warned_own:
             self._warned_own = True
             log.warning(
@@ -1424,20 +1428,18 @@ class Run:
         self._made = None  # the model returned existed at train_wall_s: its last average included
         self._algo.verify(self._ctx, returned)
         self._returned = returned  # (made again from the start where a lost worker interrupted it)
-        if self._ctx.job.main is not None and self._returned_hook is None:  # (see _of_another_model)
-            run = weakref.ref(self)
-
-            def ran(module: nn.Module, args: Any) -> None:
-                me = run()
-                if me is not None:
-                    me._returned_ran = True
-
-            self._returned_hook = returned.register_forward_pre_hook(ran)
+        if self._ctx.job.main is not None and self._after_end_hook is None:  # (see _of_another_model)
+            self._after_end_hook = _forwards_seen(returned, self._after_end)
         if self.rank == 0 and self._ctx.reports:  # (one line: every Hogwild! worker reports)
             _say_nonfinite(returned)
         if self._nonfinite[0] > 1:
             log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
         return self._returned
+
+    def _end_forwards_seen(self) -> None:
+        """Remove the hook :func:`_forwards_seen` added (main returned, or raised)."""
+        if self._after_end_hook is not None:
+            self._after_end_hook.remove()
 
     def _unhook(self) -> None:
         """The model and optimisers as they were given: no hooks of the run's, their own step and
@@ -1469,8 +1471,7 @@ class Run:
     def _result(self, returned: Any = None) -> WorkerResult:
         """What this worker tells the launcher once ``main`` returned ``returned``."""
         final = self.final_model()
-        if self._returned_hook is not None:  # the model goes back as it was given
-            self._returned_hook.remove()
+        self._end_forwards_seen()
         if returned is not None and returned is not final:
             unwrapped = self._algo.unwrap(self._model) if self._model is not None else None
             if not isinstance(returned, nn.Module):
@@ -1736,6 +1737,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
         with stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded):
             returned = main(run)
     except (Exception, SystemExit) as exc:
+        run._end_forwards_seen()
         if run._stranded_why is not None:  # its wait ended by the peer's exit: the line that peer failed with
             raise ConfigError(run._stranded_why) from None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):  # sys.exit(0) in main: as a return
@@ -1751,6 +1753,21 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
 
 
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
+
+
+def _forwards_seen(returned: nn.Module, seen: dict[str, bool]) -> Any:
+    """A forward pre-hook of every module in this process (torch's global one: nothing is stored on
+    the model, which a loop may pickle whole), noting in ``seen`` a forward of any module of
+    ``returned`` and one of any other module that holds parameters; its handle."""
+    mine = {id(m) for m in returned.modules()}
+
+    def ran(module: nn.Module, args: Any) -> None:
+        if id(module) in mine:
+            seen["returned"] = True
+        elif next(module.parameters(recurse=False), None) is not None:
+            seen["other"] = True
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(ran)
 
 
 def _not_in_a_users_ddp(module: nn.Module, args: Any) -> None:

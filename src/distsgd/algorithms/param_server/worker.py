@@ -198,10 +198,18 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def make_optimizer(self, ctx: WorkerContext, model: nn.Module) -> torch.optim.Optimizer:
         return self.optimizer  # the one whose groups the HELLO described
 
-    def check_optimizer_name(self, name: str) -> None:
-        """``run.setup(name)``: the server built its optimiser from the run's settings before any
-        worker's loop ran, so a name other than the run's ``--optimizer`` is refused here, naming
-        the call (the server's refusal of the worker's HELLO said neither the call nor the fix)."""
+    def check_optimizer_name(self, ctx: WorkerContext, name: str) -> None:
+        """``run.setup(name)``: the server built its optimiser (the run's ``--optimizer``, or
+        ``spawn(optimizer=...)``'s function) before any worker's loop ran, so another name is refused
+        here, naming the call (the server's refusal of the worker's HELLO said neither the call nor
+        the fix). Where the server's optimiser never steps (async EASGD) the workers' is theirs."""
+        if not self.server_steps():
+            return
+        if ctx.job.optimizer is not None:
+            raise ConfigError(
+                f"run.setup('{name}'): under {self.name} the server steps the model with the optimiser "
+                f"distsgd.spawn(optimizer=...)'s function builds: call run.setup() without a name"
+            )
         if name != self.cfg.optimizer:
             raise ConfigError(
                 f"run.setup('{name}'): under {self.name} the server steps the model with the run's optimiser "
