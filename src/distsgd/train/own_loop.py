@@ -1737,7 +1737,6 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
         with stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded):
             returned = main(run)
     except (Exception, SystemExit) as exc:
-        run._end_forwards_seen()
         if run._stranded_why is not None:  # its wait ended by the peer's exit: the line that peer failed with
             raise ConfigError(run._stranded_why) from None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):  # sys.exit(0) in main: as a return
@@ -1747,6 +1746,8 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
             if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
                 raise
             raise _with_why(failure, exc, algo, run) from exc
+    finally:  # main returned or raised (Ctrl-C too): no hook of the run's stays in this process
+        run._end_forwards_seen()
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
