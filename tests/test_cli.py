@@ -95,7 +95,8 @@ def test_quiet_prints_no_warnings(tmp_path: Path) -> None:
     res = distsgd(
         *"train --algo ddp --workers 2 --dataset".split(),
         f"{tmp_path / 'data.py'}:make",
-        *"--model resnet20 --max-samples 64 --batch-size 16 --quiet".split(),
+        *"--model resnet20 --max-samples 64 --batch-size 16 --quiet --out".split(),
+        str(tmp_path / "run"),  # (not runs/ in the checkout the suite runs from)
     )
     assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stderr[-2000:]
 
