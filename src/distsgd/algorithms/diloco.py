@@ -159,6 +159,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
 
     period: Periodic  # an outer step every H inner steps; whether one is owed (checkpointed)
     rounds: int  # outer steps taken (checkpointed)
+    untrained: bool  # the model returned is the starting one (--partial-round theta, no outer step)
     compressor: compress.Compressor  # how the pseudo-gradients are averaged (checkpointed)
     # built by setup:
     params: list[torch.Tensor]  # this worker's, theta_r
@@ -174,7 +175,7 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         super().__init__(cfg, seat)
         self.period = Periodic.of(self.opts.sync_every)
         self.rounds = 0
-        self.untrained = False  # the model returned is the starting one (see final_model)
+        self.untrained = False
         self.compressor = compress.make(self.opts.compress)
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:

@@ -224,6 +224,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     topology: ClassVar[Topology] = ServerTopology(Elastic)
 
     period: Periodic  # exchanges at steps tau divides, as in sync mode (checkpointed)
+    move: torch.Tensor | None  # x_i's elastic move, owed once this step's optimisers have stepped
     # built by setup:
     alpha: float  # the elastic strength
     watch: BufferVersions | None  # a user's loop's: x_i's buffers as at its last step (update_bn since?)
@@ -231,7 +232,7 @@ class AsyncEASGD(ServerAlgorithm[EASGDOptions]):
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         self.period = Periodic(self.opts.tau, first=0)
-        self.move: torch.Tensor | None = None  # x_i's elastic move, owed once this step's optimisers stepped
+        self.move = None
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         """A fresh worker, or one that replaces a dead one, starts from the centre (pulled); a

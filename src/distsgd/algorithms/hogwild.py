@@ -55,12 +55,28 @@ log = logging.getLogger(__name__)
 
 
 def bind_to_shared(model: nn.Module, shared_state: dict[str, torch.Tensor]) -> nn.Module:
-    """Make ``model``'s parameters and buffers *be* the shared tensors (no copy), in place."""
+    """Make ``model``'s parameters and buffers *be* the shared tensors (no copy), in place; or one
+    line where ``model`` has another structure than the shared model's (a module of its own given
+    to run.setup(): a ``KeyError`` before). A non-persistent buffer (a rotary cache's), absent from
+    a state dict, stays each worker's own."""
+    own = model.state_dict(keep_vars=True)
+    odd = [f"missing {k!r}" for k in shared_state if k not in own][:1]
+    odd += [f"unexpected {k!r}" for k in own if k not in shared_state][:1]
+    odd += [
+        f"{k!r} of shape {list(v.shape)}, the shared one's {list(shared_state[k].shape)}"
+        for k, v in own.items()
+        if isinstance(v, torch.Tensor) and k in shared_state and v.shape != shared_state[k].shape
+    ][:1]
+    if odd:
+        raise ConfigError(
+            f"the model given to run.setup() does not fit the shared one, spawn(model=...)'s ({'; '.join(odd)}): "
+            f"give run.setup() a model of that structure, or pass yours as spawn(model=...)"
+        )
     for name, param in model.named_parameters():
         param.data = shared_state[name]
     for module_name, module in model.named_modules():
         for buffer_name, buffer in list(module._buffers.items()):
-            if buffer is not None:
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
                 key = f"{module_name}.{buffer_name}" if module_name else buffer_name
                 module._buffers[buffer_name] = shared_state[key]
     return model

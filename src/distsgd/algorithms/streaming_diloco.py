@@ -174,6 +174,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
     dtype: torch.dtype  # what outer gradients travel in
     flight: Flight | None  # the fragment on its way, if one is (checkpointed, its average waited for)
     rounds: int  # fragments' outer steps taken (checkpointed)
+    untrained: bool  # the model returned is the starting one (--partial-round theta, no outer step)
     # built by setup:
     flat: torch.Tensor  # x: this worker's parameters, one buffer they are views of (a fragment is a slice)
     bounds: list[tuple[int, int]]  # each fragment's slice of flat
@@ -187,7 +188,7 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         self.dtype = DTYPES[self.opts.outer_dtype]
         self.flight = None
         self.rounds = 0
-        self.untrained = False  # the model returned is the starting one (see final_model)
+        self.untrained = False
 
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
