@@ -1379,22 +1379,13 @@ class CachedNet(Net):
         return super().forward(x * self.scale)
 
 
-def plain_steps(run: distsgd.Run) -> nn.Module:
-    model, opt = run.setup()
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return run.final_model()
-
-
 @pytest.mark.slow
 def test_hogwild_binds_a_model_of_the_shared_structure_or_says_why() -> None:
     """Under Hogwild! each worker's model is bound to the shared tensors by name: a non-persistent
     buffer (in no state dict, so not shared) ended the run in a KeyError, and so did a module of
     another structure given to run.setup(). The first trains (the buffer stays each worker's own),
     the second is one line naming the difference (the audit of 2026-11-30)."""
-    result = distsgd.spawn(plain_steps, model=CachedNet, algo="hogwild", workers=2, batch_size=B, quiet=True)
+    result = distsgd.spawn(loop, model=CachedNet, algo="hogwild", workers=2, batch_size=B, quiet=True)
     assert result.summary["samples"] == N
     with pytest.raises(distsgd.DistsgdError, match=r"does not fit the shared one, .*missing 'body.0.weight'"):
         distsgd.spawn(another_structure, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
