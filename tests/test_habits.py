@@ -708,6 +708,45 @@ def test_a_model_of_other_weights_is_refused_where_the_workers_share_one() -> No
         distsgd.spawn(objects_loop, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
 
 
+def compiled_loop(run: distsgd.Run, when: str) -> nn.Module:
+    """docs/OWN_LOOP.md's loop over one epoch, the model compiled (dynamo's eager backend: no C
+    compiler) ``when``: before run.setup() (Fabric's order) or after it."""
+    net = Net()
+    net.load_state_dict(initial_weights(Net))  # the run's model (the shared one's weights)
+    if when == "before":
+        net = torch.compile(net, backend="eager")
+    model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if when == "after":
+        model = torch.compile(model, backend="eager")
+    compiled = type(model).__name__ == "OptimizedModule"
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert compiled, type(model)  # (after the loop: a refusal at the first step comes first)
+    return model if when == "before" else run.final_model()  # the compiled wrapper too is the model
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("algo", ["allreduce", "ddp", "local-sgd", "hogwild", "asgd"])
+def test_a_model_compiled_before_or_after_setup_trains_compiled(algo: str, when: str) -> None:
+    """``torch.compile(model)`` before run.setup(): the algorithm takes the module inside and the
+    loop trains it compiled. On b4b6b6c allreduce, ddp and local-sgd trained the whole run, then
+    failed to save it (its state dict's keys under '_orig_mod.'), hogwild refused it as a model of
+    another structure (asgd took it: its server holds the model). Under allreduce and ddp the
+    weights are one process's with the global batch, and under local-sgd whose every step is a
+    warm-up step (H=1, each step averaged) too."""
+    extra = {"warmup_steps": 100} if algo == "local-sgd" else {}
+    result = distsgd.spawn(
+        compiled_loop, model=Net, algo=algo, workers=2, batch_size=B, quiet=True, args=(when,), **extra
+    )
+    assert result.model is not None and result.summary["samples"] == N
+    if algo in ("allreduce", "ddp", "local-sgd"):
+        assert max_diff(weights_of(result.model), reference(N // (2 * B), B, 0.1)) < 1e-5
+    else:  # trained: moved from the start
+        assert max_diff(weights_of(result.model), initial_weights(Net)) > 1e-3
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         for i in range(40):

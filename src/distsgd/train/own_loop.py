@@ -253,7 +253,7 @@ class Run:
         stepping once (one stepping again starts the next)."""
         if self._model is not None:
             raise ConfigError("run.setup() was called twice: set up one model (and its optimisers) per run")
-        given = parts[0] if parts and isinstance(parts[0], nn.Module) else None
+        given, compiled = _uncompiled(parts[0] if parts and isinstance(parts[0], nn.Module) else None)
         makers = [m for m in (*(parts[1:] if given is not None else parts), optimizer) if m is not None]
         objects = self._check_setup(given, makers)
         if len(makers) == 1 and isinstance(makers[0], str):
@@ -304,7 +304,7 @@ class Run:
             self._own_loop_hooks()
         if not self._begin_later:
             self._begin(self._state.train_wall_s)
-        return (model, *self._optimizers)
+        return (_compiled_as(compiled, model), *self._optimizers)
 
     def _resumed_short(self, ctx: WorkerContext, manifest: dict[str, Any] | None) -> None:
         """Resumed from a lockstep group's checkpoint that lacks the parts of workers it had lost
@@ -1479,7 +1479,8 @@ class Run:
                     f"main(run) returned a {type(returned).__name__}: return run.final_model() (or nothing), "
                     f"and report figures with run.log(...)"
                 )
-            if returned is not unwrapped and returned is not self._model:
+            inside = getattr(returned, "_orig_mod", None)  # the loop's own compiled wrapper of it
+            if not any(m is unwrapped or m is self._model for m in (returned, inside)):
                 raise ConfigError(
                     "main(run) returned a model that is not run.final_model(): return run.final_model() (or nothing; "
                     "to return an EMA or another copy, load its weights into the model before run.final_model())"
@@ -1695,6 +1696,28 @@ def _seed_globals(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def _uncompiled(given: nn.Module | None) -> tuple[nn.Module | None, nn.Module | None]:
+    """The model given to run.setup() and, where the loop compiled it first (``torch.compile(model)``
+    before setup, Fabric's order), its compiled wrapper: the algorithm takes the module inside (the
+    wrapper's state dict is the module's under '_orig_mod.': the run trained, then failed to save it,
+    under hogwild and the server refused it at setup as a model of other weights)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported where anything was compiled
+    if eval_frame is not None and isinstance(given, eval_frame.OptimizedModule):
+        return cast(nn.Module, given._orig_mod), given
+    return given, None
+
+
+def _compiled_as(compiled: nn.Module | None, model: nn.Module) -> nn.Module:
+    """The model run.setup() returns: the algorithm's, compiled as the loop had compiled the one it
+    gave (the loop's own wrapper where the algorithm put none round the module), so that the loop
+    trains compiled, as after ``model = torch.compile(model)`` following run.setup()."""
+    if compiled is None:
+        return model
+    if model is compiled._orig_mod:
+        return compiled
+    return type(compiled)(model, compiled.dynamo_ctx)
 
 
 def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:
