@@ -784,6 +784,49 @@ def test_the_model_after_final_model_is_the_one_returned(tmp_path: Path, algo: s
         assert max_diff(torch.load(tmp_path / f"{rank}.pt"), returned) == 0.0, rank
 
 
+def own_loader_loop(run: distsgd.Run, how: str) -> nn.Module:
+    """Three epochs of a DataLoader of the loop's own (``run.count`` counts its batches), or of
+    run.loader; ``how`` says whether the loop asks run.should_stop()."""
+    model, opt = run.setup()
+    own = how.startswith("own")
+    for _ in range(3):
+        batches = torch.utils.data.DataLoader(toy_dataset(), batch_size=B) if own else run.loader(toy_dataset(), B)
+        for x, y in batches:
+            if how.endswith("asks") and run.should_stop():
+                return run.final_model()
+            if own:
+                run.count(len(x))
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "asgd"])
+def test_a_loop_that_trains_past_max_samples_is_refused(algo: str) -> None:
+    """max_samples=64 and a DataLoader of the loop's own that never asks run.should_stop(): on
+    018d7af it trained its 3 epochs (12 times the budget), exit 0; now one line at its second step
+    past the end. Asking run.should_stop() each batch ends at the budget, as run.loader does."""
+    settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True, "max_samples": 64}
+    with pytest.raises(distsgd.DistsgdError, match=r"reached its end \(max_samples=64\) .*run\.should_stop\(\)"):
+        distsgd.spawn(own_loader_loop, args=("own",), **settings)
+    result = distsgd.spawn(own_loader_loop, args=("own, asks",), **settings)
+    assert 64 <= result.summary["samples"] <= 64 + 4 * B
+    result = distsgd.spawn(own_loader_loop, args=("run.loader",), **settings)
+    assert 64 <= result.summary["samples"] <= 64 + 4 * B
+
+
+def test_a_loop_that_trains_past_the_cosine_schedules_end_is_refused() -> None:
+    """--schedule cosine with spawn's epochs (1 by default) under a loop of 3: on 018d7af the lr was
+    0 from the end of the first epoch, two thirds of the run trained nothing, exit 0. Now one line;
+    with epochs=3 the run takes the cosine's lrs over its 3 epochs, the last step's above 0."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "schedule": "cosine"}
+    with pytest.raises(distsgd.DistsgdError, match=r"cosine annealed the lr to 0 at the run's end, 1 epoch "):
+        distsgd.spawn(own_loader_loop, args=("run.loader",), **settings)
+    result = distsgd.spawn(own_loader_loop, args=("run.loader",), epochs=3, **settings)
+    assert result.summary["samples"] == 3 * N
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         for i in range(40):

@@ -186,8 +186,7 @@ class Run:
         self._current: Step | None = None
         self._stepped: set[int] = set()
         self._backwards = self._syncs = self._no_sync_depth = 0
-        self._unsynced = False
-        self._in_backward = False  # inside run.backward(), which synchronises itself
+        self._unsynced = self._in_backward = False  # (the latter: inside run.backward(), which synchronises itself)
         self._nested_done = False  # gradients of a reentrant backward pass, not yet synchronised
         self._nested_task: int | None = None  # the graph task of the last reentrant pass seen
         self._plain_task: int | None = None  # the autograd graph task of a plain loss.backward() seen last
@@ -210,6 +209,7 @@ class Run:
         self._made: tuple[int, float] | None = None  # steps and clock of run.evaluation_model()'s last model
         self._warned_own = self._warned_another = False  # test figures of a worker's own, or another, model (said once)
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
+        self._end_seen = self._schedule_end_seen = False  # the run's end seen at a step (_past_the_end)
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
         self._train_wall_s: float | None = None
         # distsgd's loop starts training itself (Run._begin) once --compile has warmed up: the start
@@ -862,10 +862,40 @@ class Run:
         """True once the run must end: ``--max-samples`` reached (all workers'), a figure given to
         ``run.log`` reached ``--stop-at-target``'s target, or the algorithm says so (a Hogwild!
         stop, a parameter server gone)."""
+        self._end_seen = False  # (asked: a loop that heeds it ends here)
+        return self._ended() or not self._algo.keep_going(self._ctx)
+
+    def _ended(self) -> bool:
+        """--max-samples reached (all workers', as this worker knows them), or --stop-at-target's."""
         cfg = self.cfg
-        if self._stopped or cfg.max_samples is not None and self.global_samples() >= cfg.max_samples:
-            return True
-        return not self._algo.keep_going(self._ctx)
+        return self._stopped or cfg.max_samples is not None and self.global_samples() >= cfg.max_samples
+
+    def _past_the_end(self) -> None:
+        """A user's loop stepping on after the run's end, refused at its second step past it (the
+        first: an asynchronous worker learns of the others' samples at its next exchange): the end
+        of --max-samples or --stop-at-target where run.should_stop() was not asked since (a
+        DataLoader of the loop's own, which does not stop there: 12 times max_samples trained, exit
+        0), and the end of --schedule cosine, whose lr is 0 from there (spawn's epochs=1, the
+        default, under a loop of 3 epochs: two thirds of the run at lr 0, exit 0)."""
+        cfg = self.cfg
+        if self._ended():
+            if self._end_seen:
+                end = f"max_samples={cfg.max_samples}" if not self._stopped else "--stop-at-target's target"
+                raise ConfigError(
+                    f"the run reached its end ({end}) and the loop trained on: end it when run.should_stop() "
+                    f"is True (run.loader's batches stop there; a DataLoader of your own does not)"
+                )
+            self._end_seen = True
+        if cfg.schedule == "cosine":
+            progress, total = self._schedule_position()
+            if progress >= total:
+                if self._schedule_end_seen:
+                    raise ConfigError(
+                        f"--schedule cosine annealed the lr to 0 at the run's end, {total:g} epoch{'s' * (total != 1)} "
+                        f"(spawn(epochs=...), or max_samples=), and the loop trained on: give spawn() the epochs "
+                        f"your loop trains (or max_samples=)"
+                    )
+                self._schedule_end_seen = True
 
     # -- a step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
@@ -996,6 +1026,8 @@ class Run:
             )
         if self._syncs > 1:
             self._algo.check_resynced(self._ctx)
+        if self._ctx.job.main is not None:
+            self._past_the_end()
         if cfg.schedule != "constant" or self.steps < self._warmup:
             groups = [g for opt in self._optimizers for g in opt.param_groups]
             if self._lr_set is not None and [g["lr"] for g in groups] != self._lr_set:
