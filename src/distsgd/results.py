@@ -109,6 +109,7 @@ def build_summary(
     samples = chief.global_samples
     epochs = epochs_trained(cfg, dataset, results)
     hit = first_reaching(chief.evals, cfg.target_accuracy, cfg.target_loss)
+    final = chief.final_test_accuracy is not None or chief.final_test_loss is not None
     summary: dict[str, Any] = {
         "algo": cfg.algo,
         "workers": cfg.workers,
@@ -127,7 +128,7 @@ def build_summary(
         "final_test_loss": chief.final_test_loss,
         # the samples of the evaluation the final figures are (the model returned, as it was then): fewer
         # than samples where the last steps never reached it (an asynchronous worker's after its last push)
-        "final_eval_samples": chief.evals[-1]["samples"] if chief.evals else None,
+        "final_eval_samples": chief.evals[-1]["samples"] if chief.evals and final else None,
         "target_accuracy": cfg.target_accuracy,
         "target_loss": cfg.target_loss,
         "time_to_target_s": hit["train_wall_s"] if hit else None,
