@@ -827,7 +827,7 @@ def test_a_loop_that_trains_past_the_cosine_schedules_end_is_refused() -> None:
     assert result.summary["samples"] == 3 * N
 
 
-def test_loss(model: nn.Module) -> float:
+def loss_on_toy(model: nn.Module) -> float:
     x, y = toy_dataset().tensors
     with torch.no_grad():
         return F.cross_entropy(model(x.to(next(model.parameters()).dtype)), y).item()
@@ -843,11 +843,11 @@ def best_loop(run: distsgd.Run, again: bool) -> nn.Module:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-        run.log(test_loss=test_loss(run.evaluation_model()))
+        run.log(test_loss=loss_on_toy(run.evaluation_model()))
         best = best or {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(best)
     if again:
-        run.log(test_loss=test_loss(run.evaluation_model()))
+        run.log(test_loss=loss_on_toy(run.evaluation_model()))
     return run.final_model()
 
 
@@ -863,7 +863,34 @@ def test_weights_loaded_after_the_last_evaluation_leave_no_final_figures(algo: s
     assert len(result.summary["evals"]) == 3
     result = distsgd.spawn(best_loop, args=(True,), **settings)
     assert result.model is not None
-    assert result.summary["final_test_loss"] == pytest.approx(test_loss(result.model), rel=1e-6)
+    assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
+
+
+def own_evaluation_loop(run: distsgd.Run, evaluates: str) -> nn.Module:
+    """Two epochs, each ending in run.evaluation_model() and figures of ``evaluates``: the model it
+    made, or the worker's ``model`` (an ``evaluate(model)`` kept from the script)."""
+    model, opt = run.setup()
+    for _ in range(2):
+        for x, y in run.loader(toy_dataset(), batch_size=B):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        made = run.evaluation_model()
+        run.log(test_loss=loss_on_toy(made if evaluates == "made" else model))
+    return run.final_model()
+
+
+def test_figures_of_the_workers_own_model_after_evaluation_model_are_not_the_runs() -> None:
+    """local-sgd, the epochs ending in the middle of a period (8 steps, H=3): figures of the
+    worker's own model logged after a run.evaluation_model() whose average went unused. On
+    c5cd9ab they were the run's evaluations and final figures (an audit's: 0.7483 for a returned
+    model of 0.7672), exit 0; now logged only. Of the model it made, they are the returned model's."""
+    settings = {"model": Net, "algo": "local-sgd", "workers": 2, "batch_size": B, "quiet": True, "sync_every": "3"}
+    result = distsgd.spawn(own_evaluation_loop, args=("model",), **settings)
+    assert result.summary["final_test_loss"] is None and result.summary["evals"] == []
+    result = distsgd.spawn(own_evaluation_loop, args=("made",), **settings)
+    assert result.model is not None and len(result.summary["evals"]) == 2
+    assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
 
 
 class Stream(IterableDataset):

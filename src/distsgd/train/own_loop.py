@@ -156,6 +156,9 @@ class Run:
     step, setup and ending are defined here once for both."""
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
+    # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
+    # handle of _forwards_seen's hook, and what it saw (see _of_a_workers_own_model)
+    _eval_watch: tuple[Any, dict[str, bool]] | None = None
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
@@ -1031,6 +1034,7 @@ class Run:
             self._algo.check_resynced(self._ctx)
         if self._ctx.job.main is not None:
             self._past_the_end()
+            self._end_eval_watch()
         if cfg.schedule != "constant" or self.steps < self._warmup:
             groups = [g for opt in self._optimizers for g in opt.param_groups]
             if self._lr_set is not None and [g["lr"] for g in groups] != self._lr_set:
@@ -1193,13 +1197,11 @@ class Run:
         the model the run returns (local-sgd's, DiLoCo's, EASGD's replicas between their averages):
         in a user's loop, of an algorithm whose models are local, with no run.evaluation_model()
         since the last step and before run.final_model()."""
-        made = self._made
-        return (
-            self._ctx.job.main is not None
-            and self._algo.local_model
-            and self._returned is None
-            and not (made is not None and made[0] == self.steps)
-        )
+        made, seen = self._made, self._eval_watch[1] if self._eval_watch is not None else None
+        evaluated = made is not None and made[0] == self.steps
+        # (made, and a forward of another model since and none of it: of the worker's own, too)
+        evaluated = evaluated and not (seen is not None and seen["other"] and not seen["returned"])
+        return self._ctx.job.main is not None and self._algo.local_model and self._returned is None and not evaluated
 
     def _of_another_model(self) -> bool:
         """Whether test figures logged now, after run.final_model(), are another model's: since it,
@@ -1352,7 +1354,25 @@ class Run:
                 self._clock.sync()
             if self._returned is None:  # the final model's time is the clock's, stopped where it was made
                 self._made = (self.steps, self._clock.elapsed() + time.perf_counter() - began)
+                self._watch_evaluation(returned, model)
             return returned
+
+    def _watch_evaluation(self, made: nn.Module, model: nn.Module) -> None:
+        """Note, until the next step (or evaluation), which models run a forward:
+        where ``made`` (an average) is not the worker's own model, a loop that calls
+        run.evaluation_model() but evaluates its ``model`` (an ``evaluate(model)`` kept from the
+        script) logs figures of the worker's own model, which stood as the run's (local-sgd:
+        0.7483 final for a returned model of 0.7672), exit 0."""
+        self._end_eval_watch()
+        if self._ctx.job.main is not None and self._algo.local_model and made is not self._algo.unwrap(model):
+            seen = {"returned": False, "other": False}
+            self._eval_watch = (_forwards_seen(made, seen), seen)
+
+    def _end_eval_watch(self) -> None:
+        """Stop :meth:`_watch_evaluation`'s hook."""
+        if self._eval_watch is not None:
+            self._eval_watch[0].remove()
+            self._eval_watch = None
 
     def _evaluated_at(self) -> float:
         """The training-clock time an evaluation made now describes: when the model
@@ -1478,6 +1498,7 @@ class Run:
         """Remove the hook :func:`_forwards_seen` added (main returned, or raised)."""
         if self._after_end_hook is not None:
             self._after_end_hook.remove()
+        self._end_eval_watch()
 
     def _unhook(self) -> None:
         """The model and optimisers as they were given: no hooks of the run's, their own step and
