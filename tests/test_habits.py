@@ -893,6 +893,33 @@ def test_figures_of_the_workers_own_model_after_evaluation_model_are_not_the_run
     assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
 
 
+def encoded(samples: list) -> Any:
+    """A collator's batch as transformers' return it: a BatchEncoding (a UserDict, not a dict)."""
+    from transformers import BatchEncoding
+
+    return BatchEncoding({"x": torch.stack([x for x, _ in samples]), "labels": torch.stack([y for _, y in samples])})
+
+
+def encoding_loop(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    for batch in run.loader(toy_dataset(), batch_size=B, collate_fn=encoded):
+        opt.zero_grad()
+        F.cross_entropy(model(batch["x"]), batch["labels"]).backward()
+        opt.step()
+    return run.final_model()
+
+
+def test_batches_of_a_transformers_collator_are_counted_and_trained() -> None:
+    """A collate_fn returning a BatchEncoding (DataCollatorWithPadding's): on 3925ee4 its samples
+    went uncounted and the first step was refused as taking no batch from run.loader(); now one
+    process's with the global batch."""
+    result = distsgd.spawn(
+        encoding_loop, model=Net, algo="allreduce", workers=2, batch_size=B, lr=0.1, momentum=0.0, quiet=True
+    )
+    assert result.model is not None and result.summary["samples"] == N
+    assert max_diff(weights_of(result.model), reference(N // (2 * B), B, 0.1)) < 1e-5
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         for i in range(40):

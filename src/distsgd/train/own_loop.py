@@ -24,6 +24,7 @@ acts only through the calls below, on parameters, gradients and buffers:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -34,7 +35,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
@@ -1967,10 +1968,11 @@ def _figure(name: str, value: Any) -> Any:
 
 
 def _count(batch: Any) -> int:
-    """The samples in a batch: the length of its first tensor (in a tuple, list or dict)."""
+    """The samples in a batch: the length of its first tensor (in a tuple, list or mapping: a dict,
+    transformers' BatchEncoding, a UserDict)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         for v in batch.values():
             n = _count(v)
             if n:
@@ -1989,6 +1991,11 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return fn(batch)
     if isinstance(batch, dict):
         return type(batch)({k: _map_tensors(v, fn) for k, v in batch.items()})
+    if isinstance(batch, MutableMapping):  # a UserDict (transformers' BatchEncoding, what its collators return):
+        mapped = copy.copy(batch)  # its other attributes kept (a fast tokenizer's encodings); counted as
+        for k, v in batch.items():  # a batch of none and left on the CPU before
+            mapped[k] = _map_tensors(v, fn)
+        return mapped
     if isinstance(batch, (tuple, list)):
         moved = [_map_tensors(v, fn) for v in batch]
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
