@@ -920,6 +920,28 @@ def test_batches_of_a_transformers_collator_are_counted_and_trained() -> None:
     assert max_diff(weights_of(result.model), reference(N // (2 * B), B, 0.1)) < 1e-5
 
 
+def unguarded_validation(run: distsgd.Run) -> nn.Module:
+    """An epoch, then a validation pass through run.loader in eval mode, without torch.no_grad()."""
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    run.log(val_loss=sum(F.cross_entropy(model(x), y).item() for x, y in run.loader(toy_dataset(100), 50)))
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "asgd"])
+def test_a_validation_pass_read_with_gradients_on_is_refused(algo: str) -> None:
+    """A validation pass over run.loader without torch.no_grad(): on d39e1ea its samples counted
+    as trained ones and its length became an epoch's (an audit's: 5 epochs said for 2 trained;
+    with max_samples, training cut short), exit 0. Now one line at the pass's end."""
+    with pytest.raises(distsgd.DistsgdError, match=r"its 1 batch read with gradients on and no backward") as info:
+        distsgd.spawn(unguarded_validation, model=Net, algo=algo, workers=2, batch_size=B, quiet=True)
+    assert "\n" not in str(info.value)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         for i in range(40):

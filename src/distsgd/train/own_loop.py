@@ -157,6 +157,7 @@ class Run:
     step, setup and ending are defined here once for both."""
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
+    _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
     # handle of _forwards_seen's hook, and what it saw (see _of_a_workers_own_model)
     _eval_watch: tuple[Any, dict[str, bool]] | None = None
@@ -929,6 +930,7 @@ class Run:
         model = self._need_setup("run.backward()")
         self._nested_done = False
         self._backwards += 1
+        self._backwards_ever += 1
         if self._no_sync_depth:
             self._unsynced = True
             return
@@ -1608,6 +1610,16 @@ class _TensorBatches:
             yield tuple(t[idx] for t in self.tensors)
 
 
+# a whole pass over run.loader() read with gradients on and no backward pass: a validation without
+# torch.no_grad(), whose samples counted as trained and whose length became an epoch's (5 epochs
+# said for 2 trained; with max_samples, training cut short by the reads), exit 0
+_NO_BACKWARD_PASS = (
+    "a pass over run.loader() ended, its {read} read with gradients on and no backward pass through "
+    "the model: they count as trained samples; read an evaluation's under torch.no_grad(), where they count "
+    "as none (or train on each batch as it comes, not on a list of them)"
+)
+
+
 class _Shard:
     """``run.loader``'s batches: each pass over it (``iter``) the next epoch's (or the one named),
     counted, on the worker's device, stopped when due. ``dataset`` and ``batch_size`` as a
@@ -1633,13 +1645,16 @@ class _Shard:
             for batch in run._evaluation_pass(self):
                 yield _to(batch, run.device)
             return
-        token = object()
+        token, backwards, read = object(), run._backwards_ever, 0
         try:
             for batch in run._pass(self, token):
                 if run.should_stop():
                     return
                 run.count(_count(batch))
+                read += 1
                 yield _to(batch, run.device)
+            if read and run._backwards_ever == backwards and run._ctx.job.main is not None:
+                raise ConfigError(_NO_BACKWARD_PASS.format(read=f"{read} batch{'es' * (read != 1)}"))
         finally:  # exhausted, left (a zip's shorter loader ended), or stopped
             run._open.pop(id(token), None)
 
