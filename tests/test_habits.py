@@ -942,6 +942,38 @@ def test_a_validation_pass_read_with_gradients_on_is_refused(algo: str) -> None:
     assert "\n" not in str(info.value)
 
 
+class TwoHeads(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, both: bool = True) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + self.other(h) if both else self.head(h)
+
+
+def second_head_on_even_steps(run: distsgd.Run) -> nn.Module:
+    """A head used on even steps only, and zero_grad(set_to_none=False) (older scripts'): its
+    gradient is zeros, not None, on odd steps."""
+    model, opt = run.setup()
+    for i, (x, y) in enumerate(run.loader(toy_dataset(), batch_size=B)):
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x, both=i % 2 == 0), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+def test_a_parameter_unused_in_a_step_under_ddp_is_one_line_of_ours() -> None:
+    """torch's DDP raises its paragraph at the next forward (how to set up its DDP, which the loop
+    did not build): on 6fac20d it ended the run as the worker's error; now one line saying why and
+    what to use."""
+    with pytest.raises(
+        distsgd.DistsgdError, match=r"main \(\S*test_habits\.py:\d+\): a parameter .* use --algo allreduce"
+    ) as info:
+        distsgd.spawn(second_head_on_even_steps, model=TwoHeads, algo="ddp", workers=2, batch_size=B, quiet=True)
+    assert "\n" not in str(info.value) and "find_unused_parameters" not in str(info.value)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         for i in range(40):

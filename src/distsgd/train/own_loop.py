@@ -1882,6 +1882,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
 
 
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
+UNUSED = "Expected to have finished reduction in the prior iteration"  # DDP's: a parameter had no gradient
 
 
 def _forwards_seen(returned: nn.Module, seen: dict[str, bool]) -> Any:
@@ -1927,6 +1928,13 @@ def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Ru
             f"{one_line(failure)} (under {algo.name} the workers form no torch process group: "
             f"run.rank and run.world say which worker this is, run.loader splits the data, distsgd "
             f"synchronises the model, and run.log reports from worker 0)"
+        )
+    if UNUSED in str(exc) and algo.name == "ddp":  # torch's paragraph, of how to set its DDP up: ours
+        head = one_line(failure).split(": RuntimeError: ", 1)[0]
+        return LoopError(
+            f"{head}: a parameter of the model had no gradient in a step (unused in the forward, or frozen "
+            f"after run.setup()), and under ddp torch's DistributedDataParallel synchronises every parameter "
+            f"it took, every step: use --algo allreduce, which leaves such a parameter alone"
         )
     if not (INPLACE in str(exc) and run.rewrote_at == run.steps):
         return failure
