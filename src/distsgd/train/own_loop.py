@@ -770,10 +770,12 @@ class Run:
         shard of the epoch it names (else the first), neither counted as trained nor moving the
         epochs and the position a checkpoint holds. Said once: each worker reads its shard."""
         if not self._said_evaluation and self.rank == 0 and self.world > 1:
+            n = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
             log.warning(
                 "run.loader() read under torch.no_grad() (an evaluation?): each worker reads its shard of "
-                "it, and its batches count as no training; combine its figures over the workers with "
-                "run.all_reduce(), or read the whole set with a DataLoader of your own"
+                "it%s, and its batches count as no training; combine its figures over the workers with "
+                "run.all_reduce(), or read the whole set with a DataLoader of your own",
+                f" (equal shards: {n - n % self.world} of its {n} samples)" if n is not None and n % self.world else "",
             )
         self._said_evaluation = True
         return self._batches(shard, shard.epoch or 0, 0)
