@@ -974,6 +974,22 @@ def test_a_parameter_unused_in_a_step_under_ddp_is_one_line_of_ours() -> None:
     assert "\n" not in str(info.value) and "find_unused_parameters" not in str(info.value)
 
 
+def other_structure(run: distsgd.Run) -> nn.Module:
+    net = TwoHeads()  # Net's, and a head more
+    model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return run.final_model()
+
+
+def test_a_model_of_another_structure_under_the_server_is_named() -> None:
+    """A model of another structure given to run.setup() under asgd: the server's refusal of its
+    HELLO named the optimiser alone (6 tensors, the server's 4); it asks now about the structure."""
+    with pytest.raises(
+        distsgd.DistsgdError,
+        match=r"over 6 tensors, the server's .* over 4 tensors: was run\.setup\(\) given a model of another structure",
+    ):
+        distsgd.spawn(other_structure, model=Net, algo="asgd", workers=2, batch_size=B, quiet=True)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         for i in range(40):

@@ -597,7 +597,13 @@ class Client:
         if 0 <= groups <= max(len(ours.groups), 4096):  # a sane count: read the server's groups
             described = bytearray(groups * GROUP_BYTES)
             self.channel.recv_into(memoryview(described))
-            why = Hyperparameters.described(unpack_groups(described)).mismatch(ours)
+            theirs = Hyperparameters.described(unpack_groups(described))
+            why = theirs.mismatch(ours)
+            if sum(g.tensors for g in ours.groups) != sum(g.tensors for g in theirs.groups):
+                why = (  # (where its model has another structure than spawn(model=...)'s, the likelier)
+                    f"{why}: was run.setup() given a model of another structure than spawn(model=...)'s? "
+                    f"the server's is built from that"
+                )
         else:
             why = None
         return ConfigError(
