@@ -8,6 +8,7 @@ habit taking effect satisfies (an lr of 0 moves nothing; loaded weights are what
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import itertools
@@ -791,8 +792,8 @@ def own_loader_loop(run: distsgd.Run, how: str) -> nn.Module:
     own = how.startswith("own")
     for _ in range(3):
         batches = torch.utils.data.DataLoader(toy_dataset(), batch_size=B) if own else run.loader(toy_dataset(), B)
-        for x, y in batches:
-            if how.endswith("asks") and run.should_stop():
+        for i, (x, y) in enumerate(batches):
+            if (how.endswith("asks") or how.endswith("seldom") and i % 4 == 0) and run.should_stop():
                 return run.final_model()
             if own:
                 run.count(len(x))
@@ -806,12 +807,15 @@ def own_loader_loop(run: distsgd.Run, how: str) -> nn.Module:
 def test_a_loop_that_trains_past_max_samples_is_refused(algo: str) -> None:
     """max_samples=64 and a DataLoader of the loop's own that never asks run.should_stop(): on
     018d7af it trained its 3 epochs (12 times the budget), exit 0; now one line at its second step
-    past the end. Asking run.should_stop() each batch ends at the budget, as run.loader does."""
+    past the end. Asking run.should_stop() each batch ends at the budget, as run.loader does, and
+    asking it every 4th batch at that asking."""
     settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True, "max_samples": 64}
     with pytest.raises(distsgd.DistsgdError, match=r"reached its end \(max_samples=64\) .*run\.should_stop\(\)"):
         distsgd.spawn(own_loader_loop, args=("own",), **settings)
     result = distsgd.spawn(own_loader_loop, args=("own, asks",), **settings)
     assert 64 <= result.summary["samples"] <= 64 + 4 * B
+    result = distsgd.spawn(own_loader_loop, args=("own, asks seldom",), **settings)  # every 4th batch
+    assert 64 <= result.summary["samples"] <= 64 + 2 * 4 * 2 * B
     result = distsgd.spawn(own_loader_loop, args=("run.loader",), **settings)
     assert 64 <= result.summary["samples"] <= 64 + 4 * B
 
@@ -876,7 +880,8 @@ def own_evaluation_loop(run: distsgd.Run, evaluates: str) -> nn.Module:
             F.cross_entropy(model(x), y).backward()
             opt.step()
         made = run.evaluation_model()
-        run.log(test_loss=loss_on_toy(made if evaluates == "made" else model))
+        evaluated = {"made": made, "copy": copy.deepcopy(made), "model": model}[evaluates]
+        run.log(test_loss=loss_on_toy(evaluated))
     return run.final_model()
 
 
@@ -884,13 +889,15 @@ def test_figures_of_the_workers_own_model_after_evaluation_model_are_not_the_run
     """local-sgd, the epochs ending in the middle of a period (8 steps, H=3): figures of the
     worker's own model logged after a run.evaluation_model() whose average went unused. On
     c5cd9ab they were the run's evaluations and final figures (an audit's: 0.7483 for a returned
-    model of 0.7672), exit 0; now logged only. Of the model it made, they are the returned model's."""
+    model of 0.7672), exit 0; now logged only. Of the model it made, or of a copy of it, they are
+    the returned model's."""
     settings = {"model": Net, "algo": "local-sgd", "workers": 2, "batch_size": B, "quiet": True, "sync_every": "3"}
     result = distsgd.spawn(own_evaluation_loop, args=("model",), **settings)
     assert result.summary["final_test_loss"] is None and result.summary["evals"] == []
-    result = distsgd.spawn(own_evaluation_loop, args=("made",), **settings)
-    assert result.model is not None and len(result.summary["evals"]) == 2
-    assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
+    for evaluates in ("made", "copy"):  # the model it made, or a copy of it (moved, halved, wrapped)
+        result = distsgd.spawn(own_evaluation_loop, args=(evaluates,), **settings)
+        assert result.model is not None and len(result.summary["evals"]) == 2
+        assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
 
 
 def encoded(samples: list) -> Any:

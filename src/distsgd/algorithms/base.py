@@ -395,6 +395,11 @@ class Algorithm(Generic[OptionsT]):
     def after_backward(self, ctx: "WorkerContext", model: nn.Module, step: Step) -> None:
         pass
 
+    def loop_failure_why(self, exc: BaseException) -> str | None:
+        """Why a user's loop failed in ``exc``, where the algorithm knows better than the
+        exception's own words (None: they stand)."""
+        return None
+
     def check_resynced(self, ctx: "WorkerContext") -> None:
         """Several synchronisations of one step's gradients add up (the default: linear ones)."""
 

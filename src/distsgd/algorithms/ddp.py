@@ -242,6 +242,19 @@ class DDP(GroupAlgorithm[BucketOptions]):
         ddp._comm_hooks = []
         ddp.register_comm_hook(None, self._through_membership)
 
+    def loop_failure_why(self, exc: BaseException) -> str | None:
+        """torch's paragraph of how to set up its DDP (``find_unused_parameters``), which the loop
+        did not build: a parameter had no gradient in a step that distsgd's own check could not see
+        (``zero_grad(set_to_none=False)`` leaves zeros, not None)."""
+        if "Expected to have finished reduction in the prior iteration" not in str(exc):
+            return None
+        return (
+            "a parameter of the model had no gradient in a step (unused in the forward, frozen after "
+            "run.setup(), or a forward with gradients on and no backward), and under ddp torch's "
+            "DistributedDataParallel synchronises every parameter it took, every step: use --algo allreduce, "
+            "which leaves such a parameter alone"
+        )
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         # Evaluating through the wrapper would run DDP's forward (and its collectives) on rank 0 alone.
         return model.module if isinstance(model, DistributedDataParallel) else model

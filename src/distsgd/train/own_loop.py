@@ -157,10 +157,11 @@ class Run:
     step, setup and ending are defined here once for both."""
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
+    _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
     # handle of _forwards_seen's hook, and what it saw (see _of_a_workers_own_model)
-    _eval_watch: tuple[Any, dict[str, bool]] | None = None
+    _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
@@ -872,7 +873,7 @@ class Run:
         """True once the run must end: ``--max-samples`` reached (all workers'), a figure given to
         ``run.log`` reached ``--stop-at-target``'s target, or the algorithm says so (a Hogwild!
         stop, a parameter server gone)."""
-        self._end_seen = False  # (asked: a loop that heeds it ends here)
+        self._asked = True  # (a loop that asks, even seldom, ends at its next asking)
         return self._ended() or not self._algo.keep_going(self._ctx)
 
     def _ended(self) -> bool:
@@ -883,17 +884,19 @@ class Run:
     def _past_the_end(self) -> None:
         """A user's loop stepping on after the run's end, refused at its second step past it (the
         first: an asynchronous worker learns of the others' samples at its next exchange): the end
-        of --max-samples or --stop-at-target where run.should_stop() was not asked since (a
+        of --max-samples or --stop-at-target where the loop never asks run.should_stop() (a
         DataLoader of the loop's own, which does not stop there: 12 times max_samples trained, exit
-        0), and the end of --schedule cosine, whose lr is 0 from there (spawn's epochs=1, the
-        default, under a loop of 3 epochs: two thirds of the run at lr 0, exit 0)."""
+        0; a loop that asks, if only each epoch, ends at its next asking), and the end of --schedule
+        cosine, whose lr is 0 from there (spawn's epochs=1, the default, under a loop of 3 epochs:
+        two thirds of the run at lr 0, exit 0)."""
         cfg = self.cfg
-        if self._ended():
+        if self._ended() and not self._asked:
             if self._end_seen:
                 end = f"max_samples={cfg.max_samples}" if not self._stopped else "--stop-at-target's target"
                 raise ConfigError(
-                    f"the run reached its end ({end}) and the loop trained on: end it when run.should_stop() "
-                    f"is True (run.loader's batches stop there; a DataLoader of your own does not)"
+                    f"the run reached its end ({end}) and the loop, which never asks run.should_stop(), trained on: "
+                    f"end it when run.should_stop() is True (run.loader's batches stop there; a DataLoader of your "
+                    f"own does not)"
                 )
             self._end_seen = True
         if cfg.schedule == "cosine":
@@ -903,7 +906,8 @@ class Run:
                     raise ConfigError(
                         f"--schedule cosine annealed the lr to 0 at the run's end, {total:g} epoch{'s' * (total != 1)} "
                         f"(spawn(epochs=...), or max_samples=), and the loop trained on: give spawn() the epochs "
-                        f"your loop trains (or max_samples=)"
+                        f"your loop trains (or max_samples=), and train_size= where an epoch is not one pass over "
+                        f"run.loader's dataset"
                     )
                 self._schedule_end_seen = True
 
@@ -1186,6 +1190,7 @@ class Run:
                     )
                 if ctx.job.may_stop and self._algo.agree(ctx, reached):
                     self._stopped = True
+            self._end_eval_watch(keep=True)  # (no hook left for a training forward: torch.compile warns of one)
         elif writes:
             ctx.sink.emit(
                 {
@@ -1204,8 +1209,8 @@ class Run:
         since the last step and before run.final_model()."""
         made, seen = self._made, self._eval_watch[1] if self._eval_watch is not None else None
         evaluated = made is not None and made[0] == self.steps
-        # (made, and a forward of another model since and none of it: of the worker's own, too)
-        evaluated = evaluated and not (seen is not None and seen["other"] and not seen["returned"])
+        # (made, and a forward of the worker's own model since and none of it: of the worker's own, too)
+        evaluated = evaluated and not (seen is not None and seen["own"] and not seen["made"])
         return self._ctx.job.main is not None and self._algo.local_model and self._returned is None and not evaluated
 
     def _of_another_model(self) -> bool:
@@ -1369,15 +1374,18 @@ class Run:
         script) logs figures of the worker's own model, which stood as the run's (local-sgd:
         0.7483 final for a returned model of 0.7672), exit 0."""
         self._end_eval_watch()
-        if self._ctx.job.main is not None and self._algo.local_model and made is not self._algo.unwrap(model):
-            seen = {"returned": False, "other": False}
-            self._eval_watch = (_forwards_seen(made, seen), seen)
+        own = self._algo.unwrap(model)
+        if self._ctx.job.main is not None and self._algo.local_model and made is not own:
+            seen = {"made": False, "own": False}
+            self._eval_watch = (_evaluation_forwards(made, own, seen), seen)
 
-    def _end_eval_watch(self) -> None:
-        """Stop :meth:`_watch_evaluation`'s hook."""
+    def _end_eval_watch(self, keep: bool = False) -> None:
+        """Stop :meth:`_watch_evaluation`'s hook; ``keep``: what it saw, until the next step."""
         if self._eval_watch is not None:
-            self._eval_watch[0].remove()
-            self._eval_watch = None
+            handle, seen = self._eval_watch
+            if handle is not None:
+                handle.remove()
+            self._eval_watch = (None, seen) if keep else None
 
     def _evaluated_at(self) -> float:
         """The training-clock time an evaluation made now describes: when the model
@@ -1618,7 +1626,8 @@ class _TensorBatches:
 _NO_BACKWARD_PASS = (
     "a pass over run.loader() ended, its {read} read with gradients on and no backward pass through "
     "the model: they count as trained samples; read an evaluation's under torch.no_grad(), where they count "
-    "as none (or train on each batch as it comes, not on a list of them)"
+    "as none (or train on each batch as it comes, not on a list of them; a pass that needs gradients but no "
+    "backward, an adversarial evaluation's: a DataLoader of your own)"
 )
 
 
@@ -1884,7 +1893,6 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
 
 
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
-UNUSED = "Expected to have finished reduction in the prior iteration"  # DDP's: a parameter had no gradient
 
 
 def _forwards_seen(returned: nn.Module, seen: dict[str, bool]) -> Any:
@@ -1898,6 +1906,21 @@ def _forwards_seen(returned: nn.Module, seen: dict[str, bool]) -> Any:
             seen["returned"] = True
         elif next(module.parameters(recurse=False), None) is not None:
             seen["other"] = True
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(ran)
+
+
+def _evaluation_forwards(made: nn.Module, own: nn.Module, seen: dict[str, bool]) -> Any:
+    """A global forward pre-hook (as :func:`_forwards_seen`'s) noting in ``seen`` a forward of any
+    module of ``made`` (run.evaluation_model()'s) and of any of ``own`` (the worker's model): a
+    copy of ``made`` (moved, halved, wrapped) is neither, and says nothing; its handle."""
+    mine, theirs = {id(m) for m in made.modules()}, {id(m) for m in own.modules()}
+
+    def ran(module: nn.Module, args: Any) -> None:
+        if id(module) in mine:
+            seen["made"] = True
+        elif id(module) in theirs:
+            seen["own"] = True
 
     return torch.nn.modules.module.register_module_forward_pre_hook(ran)
 
@@ -1931,13 +1954,9 @@ def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Ru
             f"run.rank and run.world say which worker this is, run.loader splits the data, distsgd "
             f"synchronises the model, and run.log reports from worker 0)"
         )
-    if UNUSED in str(exc) and algo.name == "ddp":  # torch's paragraph, of how to set its DDP up: ours
-        head = one_line(failure).split(": RuntimeError: ", 1)[0]
-        return LoopError(
-            f"{head}: a parameter of the model had no gradient in a step (unused in the forward, or frozen "
-            f"after run.setup()), and under ddp torch's DistributedDataParallel synchronises every parameter "
-            f"it took, every step: use --algo allreduce, which leaves such a parameter alone"
-        )
+    why = algo.loop_failure_why(exc)  # (ddp's, for torch's paragraph on setting its DDP up)
+    if why is not None:
+        return LoopError(f"{one_line(failure).split(': ' + type(exc).__name__ + ': ', 1)[0]}: {why}")
     if not (INPLACE in str(exc) and run.rewrote_at == run.steps):
         return failure
     return LoopError(
