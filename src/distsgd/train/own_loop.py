@@ -160,7 +160,7 @@ class Run:
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
-    # handle of _forwards_seen's hook, and what it saw (see _of_a_workers_own_model)
+    # handle of _evaluation_forwards's hook (None once the figures are logged), and what it saw
     _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
@@ -1368,8 +1368,8 @@ class Run:
             return returned
 
     def _watch_evaluation(self, made: nn.Module, model: nn.Module) -> None:
-        """Note, until the next step (or evaluation), which models run a forward:
-        where ``made`` (an average) is not the worker's own model, a loop that calls
+        """Note, until test figures are logged (what it saw kept until the next step), which
+        models run a forward: where ``made`` (an average) is not the worker's own model, a loop that calls
         run.evaluation_model() but evaluates its ``model`` (an ``evaluate(model)`` kept from the
         script) logs figures of the worker's own model, which stood as the run's (local-sgd:
         0.7483 final for a returned model of 0.7672), exit 0."""
