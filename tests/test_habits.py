@@ -709,6 +709,14 @@ def test_a_model_of_other_weights_is_refused_where_the_workers_share_one() -> No
         distsgd.spawn(objects_loop, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
 
 
+def one_epoch(run: distsgd.Run, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """docs/OWN_LOOP.md's loop over one epoch of toy_dataset, batches of B."""
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def compiled_loop(run: distsgd.Run, when: str) -> nn.Module:
     """docs/OWN_LOOP.md's loop over one epoch, the model compiled (dynamo's eager backend: no C
     compiler) ``when``: before run.setup() (Fabric's order) or after it."""
@@ -720,10 +728,7 @@ def compiled_loop(run: distsgd.Run, when: str) -> nn.Module:
     if when == "after":
         model = torch.compile(model, backend="eager")
     compiled = type(model).__name__ == "OptimizedModule"
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     assert compiled, type(model)  # (after the loop: a refusal at the first step comes first)
     return model if when == "before" else run.final_model()  # the compiled wrapper too is the model
 
@@ -752,10 +757,7 @@ def saving_loop(run: distsgd.Run, folder: str) -> nn.Module:
     """One epoch, then what a script does with its model at the end: ``torch.save(model.state_dict())``
     (or ``save_pretrained``) after run.final_model(), each worker to its own file."""
     model, opt = run.setup()
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     final = run.final_model()
     torch.save(weights_of(model), Path(folder) / f"{run.rank}.pt")
     return final
@@ -843,10 +845,7 @@ def best_loop(run: distsgd.Run, again: bool) -> nn.Module:
     model, opt = run.setup()
     best = None
     for _ in range(3):
-        for x, y in run.loader(toy_dataset(), batch_size=B):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        one_epoch(run, model, opt)
         run.log(test_loss=loss_on_toy(run.evaluation_model()))
         best = best or {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(best)
@@ -875,10 +874,7 @@ def own_evaluation_loop(run: distsgd.Run, evaluates: str) -> nn.Module:
     made, or the worker's ``model`` (an ``evaluate(model)`` kept from the script)."""
     model, opt = run.setup()
     for _ in range(2):
-        for x, y in run.loader(toy_dataset(), batch_size=B):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        one_epoch(run, model, opt)
         made = run.evaluation_model()
         evaluated = {"made": made, "copy": copy.deepcopy(made), "model": model}[evaluates]
         run.log(test_loss=loss_on_toy(evaluated))
@@ -930,10 +926,7 @@ def test_batches_of_a_transformers_collator_are_counted_and_trained() -> None:
 def unguarded_validation(run: distsgd.Run) -> nn.Module:
     """An epoch, then a validation pass through run.loader in eval mode, without torch.no_grad()."""
     model, opt = run.setup()
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     model.eval()
     run.log(val_loss=sum(F.cross_entropy(model(x), y).item() for x, y in run.loader(toy_dataset(100), 50)))
     return run.final_model()
@@ -1284,10 +1277,7 @@ def momentum_state() -> dict[str, Any]:
 def loading_loop(run: distsgd.Run, state: dict[str, Any]) -> nn.Module:
     model, opt = run.setup()
     opt.load_state_dict(state)
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     return run.final_model()
 
 
@@ -1349,10 +1339,7 @@ def recalibrating_loop(run: distsgd.Run) -> nn.Module:
     """Trains an epoch, then recomputes the BatchNorm statistics over the whole training set on
     every worker (SWA's ``update_bn``), after the last step."""
     model, opt = run.setup()
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     where = next(model.parameters()).device
     torch.optim.swa_utils.update_bn(torch.utils.data.DataLoader(toy_dataset(), batch_size=64), model, device=where)
     return run.final_model()
@@ -1550,20 +1537,14 @@ def ddp_of_the_loop(run: distsgd.Run, when: str) -> nn.Module:
     else:
         model, opt = run.setup()
         model = DDP(model)
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     return run.final_model()
 
 
 def another_structure(run: distsgd.Run) -> nn.Module:
     model = nn.Sequential(nn.Linear(12, 3))
     model, opt = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     return run.final_model()
 
 

@@ -160,7 +160,7 @@ class Run:
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
-    # handle of _evaluation_forwards's hook (None once the figures are logged), and what it saw
+    # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
     _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
@@ -206,7 +206,7 @@ class Run:
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
-        self._after_end = {"returned": False, "other": False}  # forwards after run.final_model(): _forwards_seen
+        self._after_end = {"mine": False, "other": False}  # forwards after run.final_model(): _forwards_seen
         self._after_end_hook: Any = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
         self._bound: list[tuple[str, nn.Parameter, int]] | None = None  # (name, parameter, in-place version)
@@ -881,16 +881,16 @@ class Run:
         cfg = self.cfg
         return self._stopped or cfg.max_samples is not None and self.global_samples() >= cfg.max_samples
 
-    def _past_the_end(self) -> None:
+    def _past_the_end(self, position: tuple[float, float] | None) -> None:
         """A user's loop stepping on after the run's end, refused at its second step past it (the
         first: an asynchronous worker learns of the others' samples at its next exchange): the end
         of --max-samples or --stop-at-target where the loop never asks run.should_stop() (a
         DataLoader of the loop's own, which does not stop there: 12 times max_samples trained, exit
         0; a loop that asks, if only each epoch, ends at its next asking), and the end of --schedule
         cosine, whose lr is 0 from there (spawn's epochs=1, the default, under a loop of 3 epochs:
-        two thirds of the run at lr 0, exit 0)."""
+        two thirds of the run at lr 0, exit 0). ``position``: the schedule's, this step's."""
         cfg = self.cfg
-        if self._ended() and not self._asked:
+        if not self._asked and self._ended():
             if self._end_seen:
                 end = f"max_samples={cfg.max_samples}" if not self._stopped else "--stop-at-target's target"
                 raise ConfigError(
@@ -899,8 +899,8 @@ class Run:
                     f"own does not)"
                 )
             self._end_seen = True
-        if cfg.schedule == "cosine":
-            progress, total = self._schedule_position()
+        if cfg.schedule == "cosine" and position is not None:
+            progress, total = position
             if progress >= total:
                 if self._schedule_end_seen:
                     raise ConfigError(
@@ -1041,10 +1041,11 @@ class Run:
             )
         if self._syncs > 1:
             self._algo.check_resynced(self._ctx)
+        position = self._schedule_position() if cfg.schedule != "constant" or self.steps < self._warmup else None
         if self._ctx.job.main is not None:
-            self._past_the_end()
+            self._past_the_end(position)
             self._end_eval_watch()
-        if cfg.schedule != "constant" or self.steps < self._warmup:
+        if position is not None:
             groups = [g for opt in self._optimizers for g in opt.param_groups]
             if self._lr_set is not None and [g["lr"] for g in groups] != self._lr_set:
                 raise ConfigError(
@@ -1053,7 +1054,7 @@ class Run:
                 )
             # the run's progress (all workers'; by --epochs in lockstep, each worker's, the same); the
             # warm-up by this worker's own steps
-            progress, total = self._schedule_position()
+            progress, total = position
             for opt in self._optimizers:
                 schedule_lr(opt, cfg, progress, total, self.steps + 1)
             self._lr_set = [g["lr"] for g in groups]
@@ -1210,7 +1211,7 @@ class Run:
         made, seen = self._made, self._eval_watch[1] if self._eval_watch is not None else None
         evaluated = made is not None and made[0] == self.steps
         # (made, and a forward of the worker's own model since and none of it: of the worker's own, too)
-        evaluated = evaluated and not (seen is not None and seen["own"] and not seen["made"])
+        evaluated = evaluated and not (seen is not None and seen["other"] and not seen["mine"])
         return self._ctx.job.main is not None and self._algo.local_model and self._returned is None and not evaluated
 
     def _of_another_model(self) -> bool:
@@ -1221,7 +1222,7 @@ class Run:
         forward at all since (figures measured before, a compiled model's graph, which runs no
         hooks), nothing is known, and they stand as before."""
         seen = self._after_end
-        return self._ctx.job.main is not None and self._returned is not None and seen["other"] and not seen["returned"]
+        return self._ctx.job.main is not None and self._returned is not None and seen["other"] and not seen["mine"]
 
     def _demoted(self, values: dict[str, Any], another: bool = False) -> None:
         """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`), or of another
@@ -1376,8 +1377,8 @@ class Run:
         self._end_eval_watch()
         own = self._algo.unwrap(model)
         if self._ctx.job.main is not None and self._algo.local_model and made is not own:
-            seen = {"made": False, "own": False}
-            self._eval_watch = (_evaluation_forwards(made, own, seen), seen)
+            seen = {"mine": False, "other": False}  # (a copy of made, moved or halved, is neither)
+            self._eval_watch = (_forwards_seen(made, seen, own), seen)
 
     def _end_eval_watch(self, keep: bool = False) -> None:
         """Stop :meth:`_watch_evaluation`'s hook; ``keep``: what it saw, until the next step."""
@@ -1895,32 +1896,19 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
 
 
-def _forwards_seen(returned: nn.Module, seen: dict[str, bool]) -> Any:
+def _forwards_seen(mine: nn.Module, seen: dict[str, bool], other: nn.Module | None = None) -> Any:
     """A forward pre-hook of every module in this process (torch's global one: nothing is stored on
     the model, which a loop may pickle whole), noting in ``seen`` a forward of any module of
-    ``returned`` and one of any other module that holds parameters; its handle."""
-    mine = {id(m) for m in returned.modules()}
+    ``mine`` ("mine") and one of any module of ``other`` ("other"; without it, of any other module
+    that holds parameters); its handle."""
+    ours = {id(m) for m in mine.modules()}
+    theirs = {id(m) for m in other.modules()} if other is not None else None
 
     def ran(module: nn.Module, args: Any) -> None:
-        if id(module) in mine:
-            seen["returned"] = True
-        elif next(module.parameters(recurse=False), None) is not None:
+        if id(module) in ours:
+            seen["mine"] = True
+        elif id(module) in theirs if theirs is not None else next(module.parameters(recurse=False), None) is not None:
             seen["other"] = True
-
-    return torch.nn.modules.module.register_module_forward_pre_hook(ran)
-
-
-def _evaluation_forwards(made: nn.Module, own: nn.Module, seen: dict[str, bool]) -> Any:
-    """A global forward pre-hook (as :func:`_forwards_seen`'s) noting in ``seen`` a forward of any
-    module of ``made`` (run.evaluation_model()'s) and of any of ``own`` (the worker's model): a
-    copy of ``made`` (moved, halved, wrapped) is neither, and says nothing; its handle."""
-    mine, theirs = {id(m) for m in made.modules()}, {id(m) for m in own.modules()}
-
-    def ran(module: nn.Module, args: Any) -> None:
-        if id(module) in mine:
-            seen["made"] = True
-        elif id(module) in theirs:
-            seen["own"] = True
 
     return torch.nn.modules.module.register_module_forward_pre_hook(ran)
 
@@ -2040,6 +2028,8 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         for k, v in batch.items():  # a batch of none and left on the CPU before
             mapped[k] = _map_tensors(v, fn)
         return mapped
+    if isinstance(batch, Mapping):  # read-only (counted as _count counts it): a dict of it
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
         moved = [_map_tensors(v, fn) for v in batch]
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
