@@ -869,6 +869,43 @@ def test_weights_loaded_after_the_last_evaluation_leave_no_final_figures(algo: s
     assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
 
 
+def seldom_evaluated_loop(run: distsgd.Run, habit: str) -> nn.Module:
+    """Three epochs; ``habit``: "every 2nd epoch" evaluates after the second alone (an evaluation
+    every few epochs that misses the last); "loaded after the end" evaluates after each, then loads
+    the first epoch's weights into the model after run.final_model(); "loaded, evaluated" evaluates
+    after that load too."""
+    model, opt = run.setup()
+    first = None
+    for epoch in range(3):
+        one_epoch(run, model, opt)
+        first = first or {k: v.clone() for k, v in model.state_dict().items()}
+        if habit != "every 2nd epoch" or epoch % 2 == 1:
+            run.log(test_loss=loss_on_toy(run.evaluation_model()))
+    final = run.final_model()
+    if habit != "every 2nd epoch":
+        model.load_state_dict(first)
+    if habit == "loaded, evaluated":
+        run.log(test_loss=loss_on_toy(final))
+    return final
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["allreduce", "local-sgd"])
+def test_an_evaluation_the_model_returned_moved_on_from_leaves_no_final_figures(algo: str) -> None:
+    """The last evaluation before more training (every 2nd epoch of 3), or before weights loaded
+    after run.final_model(): on 3623a92 summary.json gave its figures as the final ones of the model
+    returned (0.748 for a model that scored 0.934; 0.748 for one of 0.383, exit 0). Now none (and a
+    warning); evaluated after the load, they are the returned model's."""
+    settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "lr": 0.1, "quiet": True}
+    for habit, evals in (("every 2nd epoch", 1), ("loaded after the end", 3)):
+        result = distsgd.spawn(seldom_evaluated_loop, args=(habit,), **settings)
+        assert result.model is not None and len(result.summary["evals"]) == evals, habit
+        assert result.summary["final_test_loss"] is None and result.summary["final_eval_samples"] is None, habit
+    result = distsgd.spawn(seldom_evaluated_loop, args=("loaded, evaluated",), **settings)
+    assert result.model is not None
+    assert result.summary["final_test_loss"] == pytest.approx(loss_on_toy(result.model), rel=1e-6)
+
+
 def own_evaluation_loop(run: distsgd.Run, evaluates: str) -> nn.Module:
     """Two epochs, each ending in run.evaluation_model() and figures of ``evaluates``: the model it
     made, or the worker's ``model`` (an ``evaluate(model)`` kept from the script)."""
@@ -1023,6 +1060,41 @@ def test_a_stream_is_split_between_the_workers_and_their_loader_processes(tmp_pa
     seen = [list(map(int, (tmp_path / f"seen-{r}").read_text().split())) for r in range(2)]
     assert sorted(seen[0] + seen[1]) == list(range(40))
     assert {i % 2 for i in seen[0]} == {0} and {i % 2 for i in seen[1]} == {1}
+
+
+def metrics_loop(run: distsgd.Run, habit: str) -> nn.Module:
+    """An epoch, then a metric combined over the workers: each worker's count of something
+    ("alike"), a sum that stayed Python's int 0 on one worker ("int and float"), or one list per
+    worker whose lengths differ ("lengths")."""
+    model, opt = run.setup()
+    one_epoch(run, model, opt)
+    if habit == "alike":
+        total = run.all_reduce(run.rank + 1, op="sum")
+        gathered = run.all_gather(torch.tensor([run.rank, 10 * run.rank]))
+        assert total.item() == 3 and gathered.tolist() == [[0, 0], [1, 10]], (total, gathered)
+    elif habit == "int and float":
+        run.all_reduce(sum(0.5 for _ in range(run.rank)))  # worker 0: sum([]), the int 0
+    else:
+        run.all_gather(torch.ones(run.rank + 2))
+    return run.final_model()
+
+
+@pytest.mark.parametrize("habit", ["int and float", "lengths"])
+def test_metrics_the_workers_give_in_different_shapes_or_dtypes_are_refused(habit: str) -> None:
+    """run.all_reduce / all_gather of tensors whose dtypes (of one size) or shapes differ between
+    the workers: on 3623a92 an int 0 on one worker and a float 0.5 on the other made a mean of
+    2.3e18 on worker 0 (its bits read as the other's), silently; lengths that differ killed a
+    worker with SIGABRT (gloo). Now one line naming each worker's, and alike, they combine."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
+    distsgd.spawn(metrics_loop, args=("alike",), **settings)
+    said = {
+        "int and float": r"worker 0: \(\) int64, worker 1: \(\) float32",
+        "lengths": r"worker 0: \(2,\) float32, worker 1: \(3,\)",
+    }
+    with pytest.raises(
+        distsgd.DistsgdError, match=r"the workers gave tensors of different shapes or dtypes \(" + said[habit]
+    ):
+        distsgd.spawn(metrics_loop, args=(habit,), **settings)
 
 
 def reduce_under_hogwild(run: distsgd.Run) -> nn.Module:

@@ -6,6 +6,7 @@ final figures of a user's own loop, and a saved model measured again (``distsgd 
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from distsgd.train.objective import loss_function
 
 if TYPE_CHECKING:
     from distsgd.algorithms.base import Algorithm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,6 +81,13 @@ def own_final_figures(
         chief.final_test_accuracy, chief.final_test_loss = values.get("test_accuracy"), values.get("test_loss")
     elif algo_cls.topology.shared_model:
         chief.final_test_accuracy = chief.final_test_loss = None
+    elif chief.stale is not None:
+        log.warning(
+            "%s, so that evaluation's figures are not the model returned's: the summary has no final figures; "
+            "evaluate the model as it is returned (run.evaluation_model() after the last step and any change, "
+            "then run.log(test_...)), or give spawn(evaluate=...)",
+            chief.stale,
+        )
 
 
 def epochs_trained(cfg: RunConfig, dataset: TrainingData, results: list[WorkerResult]) -> float | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import logging
 import math
 import os
@@ -146,6 +147,12 @@ class LoopState:
         self.checkpoints_at.load_state_dict(state["checkpoints_at"])
 
 
+# run.all_reduce/all_gather's check that the workers' tensors agree: a tensor's dims, its dtype (an
+# index in _DTYPES) and its first _ALIKE - 2 sizes
+_ALIKE = 10
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # fmt: skip
+
 # steps between a user's loop's checks of what would go wrong silently (a lockstep group's lrs, the
 # parameters' memory, what the algorithm overwrites): at steps 1, 17, 33, ... and at the end
 CHECK_EVERY = 16
@@ -157,6 +164,10 @@ class Run:
     step, setup and ending are defined here once for both."""
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
+    _eval_steps = -1  # the steps this worker had taken at its last evaluation (-1: none since it started)
+    # the model run.final_model() returned, its tensors' in-place versions where its figures were
+    # last its own: at run.final_model(), then at each evaluation after it (see _figures_stale)
+    _returned_versions: list[tuple[int, int]] | None = None
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
@@ -827,29 +838,57 @@ class Run:
 
     def all_reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
         """``value`` (a number or a tensor) combined over every worker: ``mean``, ``sum``, ``max``
-        or ``min``; every worker calls it at the same point (a collective). For figures: your
-        evaluation's accuracy over every worker's share of the test set, say."""
+        or ``min``; every worker calls it at the same point (a collective), with a value of one shape
+        and dtype (else one line naming each worker's). For figures: your evaluation's accuracy over
+        every worker's share of the test set, say."""
         ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise ConfigError(f"run.all_reduce(op=...) is one of {', '.join(ops)}, got {op!r}")
         t = torch.as_tensor(value, device=self.device).detach().clone()
         if self.world > 1:
             self._group_only("run.all_reduce()")
+            self._alike(t, "run.all_reduce()")
             work = t.double() if op in ("sum", "mean") and t.is_floating_point() else t
             dist.all_reduce(work, op=ops[op])
             t = work.to(t.dtype)
         return t / self.world if op == "mean" else t
 
     def all_gather(self, value: Any) -> torch.Tensor:
-        """``value`` (a number or a tensor, the same shape on every worker) from every worker,
+        """``value`` (a number or a tensor, one shape and dtype on every worker) from every worker,
         stacked in rank order (a collective, as :meth:`all_reduce`)."""
         t = torch.as_tensor(value, device=self.device).detach()
         if self.world == 1:
             return t.unsqueeze(0)
         self._group_only("run.all_gather()")
+        self._alike(t, "run.all_gather()")
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t.contiguous())
         return torch.stack(out)
+
+    def _alike(self, t: torch.Tensor, what: str) -> None:
+        """Every worker's ``t`` has one shape and dtype, or ``what`` fails in one line naming each
+        worker's (a collective of one small tensor, first). A collective's tensors must agree:
+        sizes that differ aborted the process (gloo: SIGABRT, a worker "killed"), and dtypes of one
+        size (an int 0 where a worker had nothing to add, a float elsewhere) reduced the one's bits
+        as the other's, silently (a mean of 2.3e18 for 1.25 on 3623a92)."""
+        shape = t.shape[: _ALIKE - 2]
+        mine = torch.full((_ALIKE,), -1, dtype=torch.int64)
+        mine[0], mine[1] = t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+        mine[2 : 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        seen = [torch.empty_like(mine, device=self.device) for _ in range(self.world)]
+        dist.all_gather(seen, mine.to(self.device))
+        every = [s.tolist() for s in seen]
+        if any(d != every[0] for d in every):
+
+            def said(d: list[int]) -> str:
+                kind = str(_DTYPES[d[1]]).removeprefix("torch.") if d[1] < len(_DTYPES) else "another dtype"
+                return f"{tuple(d[2 : 2 + min(d[0], _ALIKE - 2)])} {kind}"
+
+            raise ConfigError(
+                f"{what}: the workers gave tensors of different shapes or dtypes ("
+                + ", ".join(f"worker {r}: {said(d)}" for r, d in enumerate(every))
+                + "): every worker gives one shape and dtype (a float 0.0, not an int 0, where it has nothing to add)"
+            )
 
     def _group_only(self, what: str) -> None:
         """``what`` needs the workers in one process group (or one worker)."""
@@ -1272,6 +1311,9 @@ class Run:
         )
         event.update({k: v for k, v in figures.items() if k not in event})
         self._state.evals.append(event)
+        self._eval_steps = self.steps
+        if self._returned is not None:
+            self._returned_versions = _versions(self._returned)
         ctx.sink.emit(event)
         return stops(event, self.cfg, ctx.job.callbacks)
 
@@ -1500,6 +1542,7 @@ class Run:
         if self._ctx.job.main is not None and self._algo.topology.process_group:
             returned = _loaded_into(returned, self._algo.unwrap(model))
         self._returned = returned  # (made again from the start where a lost worker interrupted it)
+        self._returned_versions = _versions(returned)
         if self._ctx.job.main is not None and self._after_end_hook is None:  # (see _of_another_model)
             self._after_end_hook = _forwards_seen(returned, self._after_end)
         if self.rank == 0 and self._ctx.reports:  # (one line: every Hogwild! worker reports)
@@ -1559,7 +1602,8 @@ class Run:
                     "to return an EMA or another copy, load its weights into the model before run.final_model())"
                 )
         evals = self._state.evals
-        last = evals[-1] if evals and not self._loaded_since_evaluated() else None
+        stale = self._figures_stale(final)
+        last = evals[-1] if evals and stale is None else None
         end = self._end()
         return WorkerResult(
             rank=self.rank,
@@ -1574,23 +1618,35 @@ class Run:
             data_len=end.data_len,
             steps=end.steps,
             step_samples=end.step_samples,
+            stale=stale,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
         )
 
-    def _loaded_since_evaluated(self) -> bool:
-        """Whether the loop loaded weights into the model after its last evaluation (the best
-        epoch's, as Hugging Face's load_best_model_at_end): that evaluation's figures are not the
-        model returned's, and the summary gave them as its final figures (0.7383 for a model that
-        scored 0.6693), exit 0. Said once; the summary then has no final figures."""
-        stale = bool(self._state.evals) and self._loaded_at == len(self._state.evals)
-        if stale and self.rank == 0 and self._ctx.reports:
-            log.warning(
-                "weights were loaded into the model after its last evaluation (at %s samples), so that "
-                "evaluation's figures are not the model returned's: the summary has no final figures; "
-                "evaluate after loading them (run.evaluation_model(), then run.log(test_...))",
-                self._state.evals[-1].get("samples"),
+    def _figures_stale(self, final: nn.Module) -> str | None:
+        """Why the loop's last evaluation is not of the model it returns (None: it is, or there is
+        none): weights were loaded into the model after it (the best epoch's, as Hugging Face's
+        load_best_model_at_end); or, in a process group (where the model returned is the
+        worker's), steps trained after it (an evaluation every few epochs that missed the last), or
+        the model returned changed after run.final_model() (a load, BatchNorm's statistics moved)
+        and was not evaluated since. The summary gave that evaluation's figures as the final ones,
+        exit 0 (0.7383 for a model that scored 0.6693; 0.748 for one that scored 0.934, the audit
+        of 2026-11-30); it now has none (results.own_final_figures says why)."""
+        evals = self._state.evals
+        at = evals[-1].get("samples") if evals else None
+        if not evals:
+            return None
+        if self._loaded_at == len(evals):
+            return f"weights were loaded into the model after its last evaluation (at {at} samples)"
+        if self._ctx.job.main is None or not self._algo.topology.process_group:
+            return None
+        if self._eval_steps != self.steps:
+            return f"the model trained on from its last evaluation (at {at} samples) to {self.global_samples()} samples"
+        if self._returned_versions is not None and _versions(final) != self._returned_versions:
+            return (
+                f"the model's weights changed after run.final_model() and its last evaluation (at {at} samples): "
+                f"a load_state_dict(), or a forward in training mode that moved BatchNorm's statistics"
             )
-        return stale
+        return None
 
 
 class _UserState:
@@ -1835,6 +1891,12 @@ def _loaded_into(final: nn.Module, own: nn.Module) -> nn.Module:
         for name, t in [*own.named_parameters(), *own.named_buffers()]:
             t.copy_(theirs[name])
     return own
+
+
+def _versions(model: nn.Module) -> list[tuple[int, int]]:
+    """Where ``model``'s parameters and buffers are and their in-place versions: any change to its
+    weights (a copy into them, a new tensor) changes it."""
+    return [(t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers())]
 
 
 def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:
