@@ -806,18 +806,21 @@ def own_loader_loop(run: distsgd.Run, how: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("algo", ["allreduce", "asgd"])
-def test_a_loop_that_trains_past_max_samples_is_refused(algo: str) -> None:
+def test_a_loop_that_trains_past_max_samples_is_refused(algo: str, capfd: pytest.CaptureFixture) -> None:
     """max_samples=64 and a DataLoader of the loop's own that never asks run.should_stop(): on
     018d7af it trained its 3 epochs (12 times the budget), exit 0; now one line at its second step
     past the end. Asking run.should_stop() each batch ends at the budget, as run.loader does, and
-    asking it every 4th batch at that asking."""
+    asking it every 4th batch at that asking, with a warning (allreduce: 2 steps past the end)."""
     settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True, "max_samples": 64}
     with pytest.raises(distsgd.DistsgdError, match=r"reached its end \(max_samples=64\) .*run\.should_stop\(\)"):
         distsgd.spawn(own_loader_loop, args=("own",), **settings)
     result = distsgd.spawn(own_loader_loop, args=("own, asks",), **settings)
     assert 64 <= result.summary["samples"] <= 64 + 4 * B
-    result = distsgd.spawn(own_loader_loop, args=("own, asks seldom",), **settings)  # every 4th batch
+    capfd.readouterr()
+    result = distsgd.spawn(own_loader_loop, args=("own, asks seldom",), **{**settings, "quiet": False})  # every 4th
     assert 64 <= result.summary["samples"] <= 64 + 2 * 4 * 2 * B
+    if algo == "allreduce":
+        assert "the loop took 2 steps after the run's end (max_samples=64)" in capfd.readouterr().err
     result = distsgd.spawn(own_loader_loop, args=("run.loader",), **settings)
     assert 64 <= result.summary["samples"] <= 64 + 4 * B
 

@@ -169,6 +169,7 @@ class Run:
     # last its own: at run.final_model(), then at each evaluation after it (see _figures_stale)
     _returned_versions: list[tuple[int, int]] | None = None
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
+    _past_steps = 0  # steps a user's loop took after the run's end (max_samples, a target reached)
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
     # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
@@ -929,6 +930,8 @@ class Run:
         cosine, whose lr is 0 from there (spawn's epochs=1, the default, under a loop of 3 epochs:
         two thirds of the run at lr 0, exit 0). ``position``: the schedule's, this step's."""
         cfg = self.cfg
+        if self._ended():
+            self._past_steps += 1
         if not self._asked and self._ended():
             if self._end_seen:
                 end = f"max_samples={cfg.max_samples}" if not self._stopped else "--stop-at-target's target"
@@ -1549,6 +1552,14 @@ class Run:
             _say_nonfinite(returned)
         if self._nonfinite[0] > 1:
             log.warning("training loss was nan or inf in %d progress reports, from %d to %d samples", *self._nonfinite)
+        if self._past_steps > 1 and self.rank == 0 and self._ctx.reports:
+            end = f"max_samples={self.cfg.max_samples}" if not self._stopped else "--stop-at-target's target"
+            log.warning(
+                "the loop took %d steps after the run's end (%s) before it asked run.should_stop(): they are "
+                "trained, and the summary counts them; ask it at each batch to end there",
+                self._past_steps,
+                end,
+            )
         return self._returned
 
     def _end_forwards_seen(self) -> None:
