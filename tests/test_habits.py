@@ -1734,3 +1734,37 @@ def test_hogwild_binds_a_model_of_the_shared_structure_or_says_why() -> None:
     assert result.summary["samples"] == N
     with pytest.raises(distsgd.DistsgdError, match=r"does not fit the shared one, .*missing 'body.0.weight'"):
         distsgd.spawn(another_structure, model=Net, algo="hogwild", workers=2, batch_size=B, quiet=True)
+
+
+class FrozenNormNet(NormedNet):
+    """A factory that freezes the BatchNorm in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm.eval()
+
+
+def frozen_norm_loop(run: distsgd.Run, given: bool) -> nn.Module:
+    """A fine-tune's habit: the BatchNorm frozen in eval mode, in a model built by the loop and
+    given to run.setup() (``given``), or by spawn's factory."""
+    if given:
+        net = FrozenNormNet()
+        model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    else:
+        model, opt = run.setup()
+    one_epoch(run, model, opt)
+    assert model.training and not model.norm.training
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo, given", [("allreduce", True), ("hogwild", False), ("asgd", False)])
+def test_a_part_of_the_model_frozen_in_eval_mode_stays_so(algo: str, given: bool) -> None:
+    """BatchNorm put in eval mode in the model given to run.setup(model, opt), or by the factory:
+    on 3623a92 run.setup() put the whole model in training mode, and its running mean moved (0.21
+    to 0.25 from PyTorch's, which stays at 0 in eval mode), exit 0. Now the modes it was given."""
+    result = distsgd.spawn(
+        frozen_norm_loop, model=FrozenNormNet, algo=algo, workers=2, batch_size=B, quiet=True, args=(given,)
+    )
+    assert result.model is not None
+    assert result.model.norm.running_mean.abs().max().item() == 0.0
+    assert result.model.norm.running_var.sub(1).abs().max().item() == 0.0

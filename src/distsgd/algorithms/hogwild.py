@@ -211,7 +211,6 @@ class SharedModel(Algorithm[HogwildOptionsT]):
         self.synchronize = device.synchronizer(ctx.device) or (lambda: None)
         self.dataset_shared = ctx.dataset.is_shared()
         self.model_shared = all(p.is_shared() for p in shared.parameters())
-        shared.train()
         return shared
 
     def before_training(self, ctx: WorkerContext) -> None:

@@ -617,7 +617,8 @@ class Run:
         else:
             model = build_model(ctx.model_spec, ds.input_shape, ds.num_classes, cfg.init, seed=cfg.seed)
             model = model.to(ctx.device)
-        model.train()
+        if not model.training:  # (a part frozen in eval mode, by the loop or the factory, stays so)
+            model.train()
         if saved is not None:
             load_model_state(model, saved)
         shared = algo.topology.shared_model
