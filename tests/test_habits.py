@@ -1768,3 +1768,25 @@ def test_a_part_of_the_model_frozen_in_eval_mode_stays_so(algo: str, given: bool
     assert result.model is not None
     assert result.model.norm.running_mean.abs().max().item() == 0.0
     assert result.model.norm.running_var.sub(1).abs().max().item() == 0.0
+
+
+def numpy_state_loop(run: distsgd.Run, kind: str) -> nn.Module:
+    """An epoch, then a checkpoint of the loop's own figures: ``kind`` says of what type."""
+    import numpy as np
+
+    model, opt = run.setup()
+    one_epoch(run, model, opt)
+    best = {"numpy float": np.float64(0.5), "numpy array": np.zeros(3), "plain": [0.5, (1, "a"), torch.ones(2)]}
+    run.checkpoint(best=best[kind])
+    return run.final_model()
+
+
+@pytest.mark.parametrize("kind, named", [("numpy float", "numpy.float64"), ("numpy array", "numpy.ndarray")])
+def test_a_checkpoint_of_values_a_resume_cannot_load_is_refused(tmp_path: Path, kind: str, named: str) -> None:
+    """numpy values in run.checkpoint(...) (an accuracy as np.float64, an array): on 3623a92 saved,
+    exit 0, and the resume then called the checkpoint damaged (weights_only refuses numpy's
+    globals) and went back to an older one or none. Now one line naming the type, at the save."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
+    distsgd.spawn(numpy_state_loop, args=("plain",), out=str(tmp_path / "plain"), **settings)
+    with pytest.raises(distsgd.DistsgdError, match=rf"run\.checkpoint\(best=\.\.\.\): a value in it \({named}\) does"):
+        distsgd.spawn(numpy_state_loop, args=(kind,), out=str(tmp_path / "numpy"), **settings)

@@ -26,11 +26,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 import itertools
 import logging
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -571,6 +573,7 @@ class Run:
         self._need_setup("run.checkpoint()")
         if not self.cfg.out:
             raise ConfigError("run.checkpoint() needs out= (the run directory it saves into)")
+        _loads_back(state)
         self._user.value = state
         self._save_checkpoint(self._state.seq + 1)
 
@@ -1659,6 +1662,49 @@ class Run:
                 f"a load_state_dict(), or a forward in training mode that moved BatchNorm's statistics"
             )
         return None
+
+
+def _loads_back(state: dict[str, Any]) -> None:
+    """``run.checkpoint(**state)``'s values load back as a resume loads them (``weights_only``), or
+    one line naming the first that does not: a numpy value (``np.float64(acc)``, an array,
+    ``np.random.get_state()``) was saved, and the resume then found the checkpoint "damaged" and went
+    back to an older one (the audit of 2026-11-30). Tried on the values' shape, tensors left out."""
+
+    def bare(x: Any) -> Any:  # the value, each tensor a 0-d one (containers of the kinds that load)
+        if isinstance(x, torch.Tensor):
+            return torch.zeros((), dtype=x.dtype)
+        if type(x) in (list, tuple, set):
+            return type(x)(bare(v) for v in x)
+        if type(x) is dict:
+            return {k: bare(v) for k, v in x.items()}
+        return x
+
+    for key, value in state.items():
+        buffer = io.BytesIO()
+        try:
+            torch.save(bare(value), buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as exc:  # pickling, or weights_only's refusal of a global
+            odd = _odd_leaf(value)
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            what = odd or (found.group(1) if found else type(exc).__name__)
+            raise ConfigError(
+                f"run.checkpoint({key}=...): a value in it ({what}) does not load back as a resume loads a "
+                f"checkpoint (weights_only): keep numbers, strings, tensors, and lists, tuples and dicts of them "
+                f"(float(x), torch.as_tensor(array); the checkpoint keeps torch's, numpy's and Python's random states itself)"
+            ) from None
+
+
+def _odd_leaf(x: Any) -> str | None:
+    """The type of the first value in ``x`` that is no plain number, string or tensor (a numpy
+    float64's ``numpy.float64``), looking into lists, tuples, sets and dicts."""
+    if isinstance(x, (list, tuple, set, frozenset)) or type(x) is dict:
+        items = x.values() if isinstance(x, dict) else x
+        return next((odd for odd in map(_odd_leaf, items) if odd), None)
+    if x is None or type(x) in (bool, int, float, complex, str, bytes) or isinstance(x, torch.Tensor):
+        return None
+    return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
 class _UserState:
