@@ -172,6 +172,8 @@ class Run:
     _returned_versions: list[tuple[int, int]] | None = None
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _past_steps = 0  # steps a user's loop took after the run's end (max_samples, a target reached)
+    _started = Start.FRESH  # how run.setup() started this worker (a fresh run, a resumed one, a replacement)
+    _resumed_steps = -1  # a resumed run: the steps its checkpoint had taken
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
     # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
@@ -315,6 +317,7 @@ class Run:
         self._started = start
         if start is Start.RESUMED:
             self.resumed = self._user.value
+            self._resumed_steps = self._state.steps
             self._skip, self._first_epoch = self._state.start, self._state.epoch
             self._resumed_short(ctx, self._checkpointer.manifest)
         elif start is Start.REPLACEMENT:
@@ -706,7 +709,7 @@ class Run:
     ) -> "_Shard":
         """This worker's batches of ``dataset``, ``batch_size`` (default ``--batch-size``) at a
         time, collated by torch's DataLoader (tuples, dicts, ...) and moved to this worker's
-        device; ends early once the run must stop; ``len()`` is its number of batches in the next
+        device; ends early once the run must stop; ``len()`` is its number of batches in an
         epoch. As a DataLoader, each pass over it (each ``for``) is the next epoch, reshuffled
         (``epoch=E`` names the epoch instead); it may be made before ``run.setup()``. A map-style
         dataset (``len`` and ``dataset[i]``) is split as ``distsgd train`` splits its data
@@ -770,6 +773,8 @@ class Run:
         self._need_setup("iterating over run.loader()")
         epoch, skip = self._upcoming_epoch(shard)
         if shard.epoch is None:
+            if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
+                self._check_resumed_pass(shard, skip)
             self._passes += 1
         self._open[id(token)] = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
         lengths = list(self._open.values())
@@ -781,6 +786,20 @@ class Run:
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
         return self._batches(shard, epoch, skip)
+
+    def _check_resumed_pass(self, shard: "_Shard", skip: int) -> None:
+        """A resumed run's first pass over run.loader() with no ``epoch=``, past the middle of the
+        first epoch: one line, since nothing tells a loop that starts again at epoch 0 (the
+        epochs trained before are empty passes) from one that starts where it saved (``for epoch in
+        range(run.resumed["epoch"] + 1, E)``, PyTorch's habit), for which those empty passes skipped
+        the epochs left: a run killed after epoch 1 of 4 resumed to 2 epochs, exit 0 (an audit's)."""
+        stream = isinstance(shard.dataset, IterableDataset)
+        if self._first_epoch > 0 or (not stream and skip >= len(self._epoch_order(shard, 0, 0))):
+            raise ConfigError(
+                "a resumed run's loop passes over run.loader() with no epoch=, so it cannot tell which epoch a pass "
+                "is (a loop that starts again at epoch 0, or one that starts where it saved): give each pass its "
+                "epoch, run.loader(dataset, batch_size, epoch=epoch), the epochs trained before empty"
+            )
 
     def _evaluation_pass(self, shard: "_Shard") -> Any:
         """A pass over ``shard`` begun under ``torch.no_grad()`` (an evaluation's): this worker's
@@ -814,16 +833,13 @@ class Run:
         return DataLoader(dataset, batch_sampler=batches, **options)
 
     def _batches_in(self, shard: "_Shard") -> int:
-        """``len(shard)``: its batches in the pass it would make now."""
+        """``len(shard)``: this worker's batches in an epoch, as a DataLoader's ``len``, in a resumed
+        run too (where the pass over the epoch it stopped in takes the rest of them): it was that rest,
+        or 0, and a schedule sized ``len(loader) * epochs`` (transformers' linear warm-up) gave an lr
+        of 0 from there, exit 0 (an audit's)."""
         if isinstance(shard.dataset, IterableDataset):
             raise TypeError("a stream's batches are not known before it is read: len() of run.loader(IterableDataset)")
-        if self._model is None:  # before setup: a fresh run's epoch
-            epoch, skip = (shard.epoch or 0), 0
-        else:
-            epoch, skip = self._upcoming_epoch(shard)
-            if skip < 0:
-                return 0
-        return -(-len(self._epoch_order(shard, epoch, skip)) // shard.size)
+        return -(-len(self._epoch_order(shard, shard.epoch or 0, 0)) // shard.size)
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` (a tensor, or tuples, lists and dicts of them) on this worker's device: for
@@ -1308,6 +1324,9 @@ class Run:
         an event kept for the summary and emitted; whether it reaches --stop-at-target's target
         (or a callback stops the run there)."""
         ctx = self._ctx
+        if self._evaluated_before():
+            ctx.sink.emit({"event": "log", "samples": self.global_samples(), "rank": self.rank, **figures})
+            return False
         event = eval_event(
             ctx.dataset,
             self.global_samples(),
@@ -1323,6 +1342,23 @@ class Run:
             self._returned_versions = _versions(self._returned)
         ctx.sink.emit(event)
         return stops(event, self.cfg, ctx.job.callbacks)
+
+    def _evaluated_before(self) -> bool:
+        """Whether an evaluation now is one the checkpoint a resumed run started from holds: before
+        the resumed run's first step and any load, at the samples of its last evaluation, the
+        model restored being the one measured then. A loop that starts again at epoch 0 (its
+        trained epochs empty passes) evaluates it again each of them: on 3623a92 each was another
+        evaluation, and EarlyStopping(patience=2) counted them and stopped the resumed run before
+        its first step (2,048 samples of 4,096, exit 0; an audit's). Logged, not an evaluation."""
+        evals = self._state.evals
+        return (
+            self._ctx.job.main is not None
+            and self._started is Start.RESUMED
+            and self.steps == self._resumed_steps
+            and self._loaded_at < 0
+            and bool(evals)
+            and evals[-1].get("samples") == self.global_samples()
+        )
 
     def _schedule_position(self) -> tuple[float, float]:
         """Where the run is in --schedule's epochs, and how many it has: all workers' samples over
