@@ -1877,3 +1877,32 @@ def test_a_resumed_loop_evaluating_the_epochs_it_trained_before_takes_them_once(
     figures = [[(e["samples"], e["test_loss"]) for e in r.summary["evals"]] for r in (resumed, whole)]
     assert figures[0] == figures[1]
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+
+
+def rank_zero_checkpoint_loop(run: distsgd.Run) -> nn.Module:
+    """DDP's habit: `if rank == 0: save`, with run.checkpoint()."""
+    model, opt = run.setup()
+    for epoch in range(2):
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        if run.rank == 0:
+            run.checkpoint(epoch=epoch)
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo, said",
+    [("allreduce", "worker 0 called run.checkpoint() while worker 1"), ("hogwild", "unequally"), ("asgd", "unequally")],
+)
+def test_a_checkpoint_on_worker_0_alone_is_refused(tmp_path: Path, algo: str, said: str) -> None:
+    """run.checkpoint() on rank 0 only: on 3623a92 allreduce waited --timeout (300 s) and ended in
+    gloo's "Connection closed by peer"; hogwild committed no checkpoint at all and asgd only those
+    after worker 1 had ended, exit 0. Now one line: at the call in a process group (its peer waits
+    at its next step), at the end where the workers share a model or a server."""
+    settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True, "timeout_s": 60}
+    with pytest.raises(distsgd.DistsgdError, match=re.escape(said)) as info:
+        distsgd.spawn(rank_zero_checkpoint_loop, out=str(tmp_path / "run"), **settings)
+    assert "\n" not in str(info.value)

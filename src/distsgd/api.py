@@ -68,7 +68,14 @@ from distsgd.metrics import (
     require_extras,
 )
 from distsgd.models import ModelSpec, build_model, check_fits, describe, recommended_settings
-from distsgd.results import OWN_LOOP_DATA, TrainResult, build_summary, evaluate_checkpoint, own_final_figures
+from distsgd.results import (
+    OWN_LOOP_DATA,
+    TrainResult,
+    build_summary,
+    checkpoints_whole,
+    evaluate_checkpoint,
+    own_final_figures,
+)
 from distsgd.train import device
 from distsgd.train.context import ENDED_HERE, Job
 from distsgd.train.graphs import graphs_refusal
@@ -358,6 +365,7 @@ def _run(
         with cores.chosen(cfg, first_look, where.local_world_size if torchrun else cfg.workers):
             results = launch.run(job, algo_cls, Fanout(*sinks, logged=logged), torchrun)
             if job.main is not None and chief:
+                checkpoints_whole(results)
                 own_final_figures(job, algo_cls, results, Fanout(*sinks, logged=logged), evaluate)
             summary = build_summary(cfg, dataset, spec, results, started, started_at)
         for sink in sinks:

@@ -377,7 +377,9 @@ def usable_checkpoint(
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     manifest = read_manifest(run_dir)
     if manifest is None:
-        raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
+        raise CheckpointError(
+            f"no checkpoint in {run_dir} (train with --checkpoint-every, or run.checkpoint() in your loop, to make one)"
+        )
     if tidy:
         remove_stale_temporaries(ckpt_dir)
     damage = _damage(ckpt_dir, manifest, check)
@@ -544,7 +546,9 @@ def load_worker_state(run_dir: Path, rank: int | str, manifest: dict[str, Any] |
 def _worker_state(run_dir: Path, manifest: dict[str, Any] | None, rank: int | str) -> dict[str, Any] | None:
     """:func:`load_worker_state` of the checkpoint ``manifest`` (``run_dir``'s, already read) names."""
     if manifest is None:
-        raise CheckpointError(f"no checkpoint in {run_dir} (train with --checkpoint-every to make one)")
+        raise CheckpointError(
+            f"no checkpoint in {run_dir} (train with --checkpoint-every, or run.checkpoint() in your loop, to make one)"
+        )
     if rank == COORDINATOR and not manifest.get("coordinator"):
         return None
     if rank != COORDINATOR and rank not in manifest.get("ranks", range(manifest["world"])):

@@ -49,6 +49,21 @@ class TrainResult:
         return iter((self.summary, self.model))
 
 
+def checkpoints_whole(results: list[WorkerResult]) -> None:
+    """A user's loop's checkpoints are whole: every worker saved its part of each (a worker's part
+    alone is never committed), or one line. Where the workers share a model or a server,
+    ``if run.rank == 0: run.checkpoint(...)`` (DDP's habit) left no checkpoint at all, exit 0 (an
+    audit's); a process group refuses it at the call (``Run.checkpoint``). (Only a worker with none:
+    an asynchronous worker stopped inside its last epoch may save one fewer, and lose only that.)"""
+    counts = {r.rank: r.checkpoints for r in results if r.checkpoints is not None}
+    if counts and min(counts.values()) == 0 < max(counts.values()):
+        said = ", ".join(f"worker {rank} {n}" for rank, n in sorted(counts.items()))
+        raise ConfigError(
+            f"the workers called run.checkpoint() unequally ({said}), and a checkpoint is whole, and committed, "
+            f"once every worker saved its part: call it in every worker at the same point (not `if run.rank == 0`)"
+        )
+
+
 def own_final_figures(
     job: Job, algo_cls: type[Algorithm], results: list[WorkerResult], sink: Sink, evaluate: Callable | None
 ) -> None:

@@ -471,6 +471,7 @@ class Machine:
             where=where.get(0) or next(iter(where.values()), None),
             data_len=next((d["data_len"] for d in sup.results.values() if d.get("data_len")), None),
             steps=sup.results.get(0, {}).get("steps"),
+            checkpoints=sup.results.get(0, {}).get("checkpoints"),
         )
         others = [
             WorkerResult(
@@ -485,6 +486,7 @@ class Machine:
                 figures=sup.results.get(r, {}).get("figures", Figures()),
                 where=where.get(r),
                 steps=sup.results.get(r, {}).get("steps"),
+                checkpoints=sup.results.get(r, {}).get("checkpoints"),
             )
             for r in range(1, self.cfg.workers)
         ]

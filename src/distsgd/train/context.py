@@ -184,4 +184,5 @@ class WorkerResult:
     steps: int | None = None  # a user's loop: the optimiser steps this worker took (its samples a step)
     step_samples: int | None = None  # the samples of those steps (a replacement's predecessor's are not)
     stale: str | None = None  # a user's loop: why its last evaluation is not the model returned's (no final figures)
+    checkpoints: int | None = None  # a user's loop (not a replacement's): the checkpoints it saved its part of
     generation: int | None = None  # --min-workers: the generation of the group it finished in

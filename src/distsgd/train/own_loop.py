@@ -578,6 +578,12 @@ class Run:
             raise ConfigError("run.checkpoint() needs out= (the run directory it saves into)")
         _loads_back(state)
         self._user.value = state
+        if self._lockstep_store() is not None:  # (one alone, DDP's `if rank == 0: save`: it waited in a collective)
+            self._all_here(
+                f"checkpoint/{self._state.seq + 1}",
+                "run.checkpoint()",
+                "a checkpoint is every worker's part of it (the model, the optimiser, the counters, the random states)",
+            )
         self._save_checkpoint(self._state.seq + 1)
 
     def _save_checkpoint(self, seq: int, samples: int | None = None) -> None:
@@ -1670,6 +1676,7 @@ class Run:
             steps=end.steps,
             step_samples=end.step_samples,
             stale=stale,
+            checkpoints=self._state.seq if self._ctx.job.main is not None and not self._replacement else None,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
         )
 
