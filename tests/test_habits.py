@@ -1906,3 +1906,33 @@ def test_a_checkpoint_on_worker_0_alone_is_refused(tmp_path: Path, algo: str, sa
     with pytest.raises(distsgd.DistsgdError, match=re.escape(said)) as info:
         distsgd.spawn(rank_zero_checkpoint_loop, out=str(tmp_path / "run"), **settings)
     assert "\n" not in str(info.value)
+
+
+def capped_epochs_loop(run: distsgd.Run, epochs: int) -> nn.Module:
+    """At most 3 batches an epoch (a ``break``: Lightning's limit_train_batches), every epoch from 0
+    given its epoch, a checkpoint at each epoch's end."""
+    model, opt = run.setup()
+    for epoch in range(epochs):
+        for i, (x, y) in enumerate(run.loader(toy_dataset(), batch_size=B, epoch=epoch)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if i == 2:
+                break
+        run.checkpoint(epoch=epoch)
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_a_pass_left_early_is_an_epoch_over_for_a_resume(tmp_path: Path) -> None:
+    """A checkpoint after a pass the loop left (3 batches of 8): on 3623a92 the resume went on with
+    the rest of that epoch (18 steps for 12 in an audit's run, 0.045 apart), exit 0. Now the epoch
+    is over, as a DataLoader's: the weights of a run never stopped."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
+    run = str(tmp_path / "run")
+    distsgd.spawn(capped_epochs_loop, args=(2,), out=run, **settings)
+    resumed = distsgd.spawn(capped_epochs_loop, args=(4,), out=run, resume=run, **settings)
+    whole = distsgd.spawn(capped_epochs_loop, args=(4,), out=str(tmp_path / "whole"), **settings)
+    assert resumed.model is not None and whole.model is not None
+    assert resumed.summary["samples"] == whole.summary["samples"] == 4 * 3 * 2 * B
+    assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6

@@ -194,9 +194,9 @@ class Run:
         # or no loader yet): what an epoch is, for the progress lines and the summary's epochs
         self._data_len: int | None = None
         # the training passes under way (begun, not ended), by a token of each: their datasets'
-        # lengths (None: a stream). Passes read together (a labelled and an unlabelled loader
+        # lengths (None: a stream) and their epochs. Passes read together (a labelled and an unlabelled loader
         # zipped) make one epoch of their lengths summed, as their samples are counted together
-        self._open: dict[int, int | None] = {}
+        self._open: dict[int, tuple[int | None, int]] = {}
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
@@ -782,8 +782,8 @@ class Run:
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
             self._passes += 1
-        self._open[id(token)] = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
-        lengths = list(self._open.values())
+        self._open[id(token)] = (None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset), epoch)
+        lengths = [n for n, _ in self._open.values()]
         self._data_len = None if None in lengths else sum(cast(list[int], lengths))
         if skip < 0:
             return []
@@ -792,6 +792,15 @@ class Run:
         if epoch != st.epoch:
             st.epoch, st.start = epoch, 0
         return self._batches(shard, epoch, skip)
+
+    def _left(self, shard: "_Shard", token: object, read: int) -> None:
+        """A pass the loop left before its end, after ``read`` batches (``break`` after K batches an
+        epoch): its epoch is over, as a DataLoader's, and a checkpoint now resumes after it. It resumed
+        with the rest of that epoch (18 steps for 12, 0.045 from a run never stopped; an audit's)."""
+        epoch = self._open.get(id(token), (None, None))[1]
+        st = self._state
+        if read and epoch == st.epoch and not isinstance(shard.dataset, IterableDataset):
+            st.start = max(st.start, len(self._epoch_order(shard, epoch, 0)))
 
     def _check_resumed_pass(self, shard: "_Shard", skip: int) -> None:
         """A resumed run's first pass over run.loader() with no ``epoch=``, past the middle of the
@@ -1814,17 +1823,21 @@ class _Shard:
             for batch in run._evaluation_pass(self):
                 yield _to(batch, run.device)
             return
-        token, backwards, read = object(), run._backwards_ever, 0
+        token, backwards, read, left = object(), run._backwards_ever, 0, True
         try:
             for batch in run._pass(self, token):
                 if run.should_stop():
+                    left = False
                     return
                 run.count(_count(batch))
                 read += 1
                 yield _to(batch, run.device)
+            left = False
             if read and run._backwards_ever == backwards and run._ctx.job.main is not None:
                 raise ConfigError(_NO_BACKWARD_PASS.format(read=f"{read} batch{'es' * (read != 1)}"))
-        finally:  # exhausted, left (a zip's shorter loader ended), or stopped
+        finally:  # exhausted, left (a break; a zip's shorter loader ended), or stopped
+            if left:
+                run._left(self, token, read)
             run._open.pop(id(token), None)
 
 
