@@ -1101,6 +1101,7 @@ def metrics_loop(run: distsgd.Run, habit: str) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("habit", ["int and float", "lengths"])
 def test_metrics_the_workers_give_in_different_shapes_or_dtypes_are_refused(habit: str) -> None:
     """run.all_reduce / all_gather of tensors whose dtypes (of one size) or shapes differ between
@@ -1800,6 +1801,7 @@ def numpy_state_loop(run: distsgd.Run, kind: str) -> nn.Module:
     return run.final_model()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, named", [("numpy float", "numpy.float64"), ("numpy array", "numpy.ndarray")])
 def test_a_checkpoint_of_values_a_resume_cannot_load_is_refused(tmp_path: Path, kind: str, named: str) -> None:
     """numpy values in run.checkpoint(...) (an accuracy as np.float64, an array): on 3623a92 saved,
