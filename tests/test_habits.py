@@ -1085,33 +1085,36 @@ def test_a_stream_is_split_between_the_workers_and_their_loader_processes(tmp_pa
 
 
 def metrics_loop(run: distsgd.Run, habit: str) -> nn.Module:
-    """An epoch, then a metric combined over the workers: each worker's count of something
-    ("alike"), a sum that stayed Python's int 0 on one worker ("int and float"), or one list per
-    worker whose lengths differ ("lengths")."""
+    """An epoch, then a metric combined over the workers: alike on each ("alike"; and a sum that
+    stayed Python's int 0 on one worker beside a float on the other), a tensor count (int64) on one
+    worker beside a float64 one on the other ("dtypes"), or tensors of other lengths ("lengths")."""
     model, opt = run.setup()
     one_epoch(run, model, opt)
     if habit == "alike":
         total = run.all_reduce(run.rank + 1, op="sum")
         gathered = run.all_gather(torch.tensor([run.rank, 10 * run.rank]))
         assert total.item() == 3 and gathered.tolist() == [[0, 0], [1, 10]], (total, gathered)
-    elif habit == "int and float":
-        run.all_reduce(sum(0.5 for _ in range(run.rank)))  # worker 0: sum([]), the int 0
+        mixed = run.all_reduce(sum(0.5 for _ in range(run.rank)))  # worker 0: sum([]), the int 0
+        assert mixed.item() == 0.25, mixed
+    elif habit == "dtypes":
+        run.all_reduce(torch.tensor(0) if run.rank == 0 else torch.tensor(0.5, dtype=torch.float64))
     else:
         run.all_gather(torch.ones(run.rank + 2))
     return run.final_model()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("habit", ["int and float", "lengths"])
+@pytest.mark.parametrize("habit", ["dtypes", "lengths"])
 def test_metrics_the_workers_give_in_different_shapes_or_dtypes_are_refused(habit: str) -> None:
     """run.all_reduce / all_gather of tensors whose dtypes (of one size) or shapes differ between
     the workers: on 3623a92 an int 0 on one worker and a float 0.5 on the other made a mean of
     2.3e18 on worker 0 (its bits read as the other's), silently; lengths that differ killed a
-    worker with SIGABRT (gloo). Now one line naming each worker's, and alike, they combine."""
+    worker with SIGABRT (gloo). Now Python numbers combine as numbers, and tensors that differ are
+    one line naming each worker's."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
     distsgd.spawn(metrics_loop, args=("alike",), **settings)
     said = {
-        "int and float": r"worker 0: \(\) int64, worker 1: \(\) float32",
+        "dtypes": r"worker 0: \(\) int64, worker 1: \(\) float64",
         "lengths": r"worker 0: \(2,\) float32, worker 1: \(3,\)",
     }
     with pytest.raises(
@@ -1802,26 +1805,29 @@ def numpy_state_loop(run: distsgd.Run, kind: str) -> nn.Module:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, named", [("numpy float", "numpy.float64"), ("numpy array", "numpy.ndarray")])
-def test_a_checkpoint_of_values_a_resume_cannot_load_is_refused(tmp_path: Path, kind: str, named: str) -> None:
+@pytest.mark.parametrize("kind", ["numpy float", "numpy array"])
+def test_a_checkpoint_of_values_a_resume_cannot_load_is_refused(tmp_path: Path, kind: str) -> None:
     """numpy values in run.checkpoint(...) (an accuracy as np.float64, an array): on 3623a92 saved,
     exit 0, and the resume then called the checkpoint damaged (weights_only refuses numpy's
     globals) and went back to an older one or none. Now one line naming the type, at the save."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
     distsgd.spawn(numpy_state_loop, args=("plain",), out=str(tmp_path / "plain"), **settings)
-    with pytest.raises(distsgd.DistsgdError, match=rf"run\.checkpoint\(best=\.\.\.\): a value in it \({named}\) does"):
+    with pytest.raises(
+        distsgd.DistsgdError, match=r"run\.checkpoint\(best=\.\.\.\): a value in it \(numpy[\w.]*\) does"
+    ):
         distsgd.spawn(numpy_state_loop, args=(kind,), out=str(tmp_path / "numpy"), **settings)
 
 
-def resumed_epochs_loop(run: distsgd.Run, epochs: int, explicit: bool) -> nn.Module:
-    """PyTorch's resume habit: the epochs from the one after the checkpoint's, each pass given its
-    epoch (``explicit``) or not; a checkpoint at each epoch's end."""
+def resumed_epochs_loop(run: distsgd.Run, epochs: int, habit: str) -> nn.Module:
+    """A resumable loop, a checkpoint at each epoch's end; ``habit``: "from 0" (docs/OWN_LOOP.md's:
+    every epoch from 0, one run.loader with no epoch=, the epochs trained before empty passes) or
+    "from the next" (PyTorch's: from the epoch after the checkpoint's, each pass given its epoch)."""
     model, opt = run.setup()
-    start = run.resumed["epoch"] + 1 if run.resumed else 0
+    start = run.resumed["epoch"] + 1 if run.resumed and habit == "from the next" else 0
     loader = run.loader(toy_dataset(), batch_size=B)
     assert len(loader) == N // (2 * B), len(loader)  # an epoch's batches, as a DataLoader's, resumed or not
     for epoch in range(start, epochs):
-        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch) if explicit else loader:
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch) if habit == "from the next" else loader:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
@@ -1830,17 +1836,16 @@ def resumed_epochs_loop(run: distsgd.Run, epochs: int, explicit: bool) -> nn.Mod
 
 
 @pytest.mark.slow
-def test_a_resumed_loop_that_starts_at_the_epoch_after_its_checkpoint(tmp_path: Path) -> None:
-    """``for epoch in range(run.resumed["epoch"] + 1, E)`` over run.loader() with no epoch=: on
-    3623a92 its first passes were the epochs trained before, empty, and the run ended short (2 of 4
-    epochs, exit 0; len(loader) 0). Now one line; with epoch=, the weights of a run never stopped."""
+@pytest.mark.parametrize("habit", ["from 0", "from the next"])
+def test_a_resumed_loop_trains_the_epochs_left(tmp_path: Path, habit: str) -> None:
+    """Resumed after 2 of 4 epochs, either loop ends with the weights of a run never stopped, and
+    len(run.loader()) is an epoch's batches (on 3623a92, resumed, 0: a schedule sized by it gave an
+    lr of 0 for the rest of the run, exit 0)."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
     run = str(tmp_path / "run")
-    distsgd.spawn(resumed_epochs_loop, args=(2, False), out=run, **settings)
-    with pytest.raises(distsgd.DistsgdError, match=r"a resumed run's loop passes over run\.loader\(\) with no epoch="):
-        distsgd.spawn(resumed_epochs_loop, args=(4, False), out=run, resume=run, **settings)
-    resumed = distsgd.spawn(resumed_epochs_loop, args=(4, True), out=run, resume=run, **settings)
-    whole = distsgd.spawn(resumed_epochs_loop, args=(4, True), out=str(tmp_path / "whole"), **settings)
+    distsgd.spawn(resumed_epochs_loop, args=(2, habit), out=run, **settings)
+    resumed = distsgd.spawn(resumed_epochs_loop, args=(4, habit), out=run, resume=run, **settings)
+    whole = distsgd.spawn(resumed_epochs_loop, args=(4, habit), out=str(tmp_path / "whole"), **settings)
     assert resumed.model is not None and whole.model is not None
     assert resumed.summary["samples"] == whole.summary["samples"] == 4 * N
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
@@ -1895,46 +1900,25 @@ def rank_zero_checkpoint_loop(run: distsgd.Run) -> nn.Module:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "algo, said",
-    [("allreduce", "worker 0 called run.checkpoint() while worker 1"), ("hogwild", "unequally"), ("asgd", "unequally")],
-)
-def test_a_checkpoint_on_worker_0_alone_is_refused(tmp_path: Path, algo: str, said: str) -> None:
-    """run.checkpoint() on rank 0 only: on 3623a92 allreduce waited --timeout (300 s) and ended in
-    gloo's "Connection closed by peer"; hogwild committed no checkpoint at all and asgd only those
-    after worker 1 had ended, exit 0. Now one line: at the call in a process group (its peer waits
-    at its next step), at the end where the workers share a model or a server."""
-    settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True, "timeout_s": 60}
-    with pytest.raises(distsgd.DistsgdError, match=re.escape(said)) as info:
+def test_a_checkpoint_on_worker_0_alone_is_refused_in_a_group(tmp_path: Path) -> None:
+    """run.checkpoint() on rank 0 only: on 3623a92 allreduce waited --timeout (300 s here) and
+    ended in gloo's "Connection closed by peer". Now one line at the call (its peer waits at its
+    next step)."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "timeout_s": 60}
+    with pytest.raises(distsgd.DistsgdError, match=r"worker 0 called run\.checkpoint\(\) while worker 1") as info:
         distsgd.spawn(rank_zero_checkpoint_loop, out=str(tmp_path / "run"), **settings)
     assert "\n" not in str(info.value)
 
 
-def capped_epochs_loop(run: distsgd.Run, epochs: int) -> nn.Module:
-    """At most 3 batches an epoch (a ``break``: Lightning's limit_train_batches), every epoch from 0
-    given its epoch, a checkpoint at each epoch's end."""
-    model, opt = run.setup()
-    for epoch in range(epochs):
-        for i, (x, y) in enumerate(run.loader(toy_dataset(), batch_size=B, epoch=epoch)):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            if i == 2:
-                break
-        run.checkpoint(epoch=epoch)
-    return run.final_model()
-
-
 @pytest.mark.slow
-def test_a_pass_left_early_is_an_epoch_over_for_a_resume(tmp_path: Path) -> None:
-    """A checkpoint after a pass the loop left (3 batches of 8): on 3623a92 the resume went on with
-    the rest of that epoch (18 steps for 12 in an audit's run, 0.045 apart), exit 0. Now the epoch
-    is over, as a DataLoader's: the weights of a run never stopped."""
-    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
-    run = str(tmp_path / "run")
-    distsgd.spawn(capped_epochs_loop, args=(2,), out=run, **settings)
-    resumed = distsgd.spawn(capped_epochs_loop, args=(4,), out=run, resume=run, **settings)
-    whole = distsgd.spawn(capped_epochs_loop, args=(4,), out=str(tmp_path / "whole"), **settings)
-    assert resumed.model is not None and whole.model is not None
-    assert resumed.summary["samples"] == whole.summary["samples"] == 4 * 3 * 2 * B
-    assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_a_checkpoint_on_worker_0_alone_is_said_where_the_workers_share_a_model(
+    tmp_path: Path, algo: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the workers share a model or a server: on 3623a92 hogwild committed no checkpoint at
+    all and asgd only those after worker 1 had ended, exit 0, unsaid. Now one warning at the end
+    (the run trained: its model is returned and saved)."""
+    settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True}
+    result = distsgd.spawn(rank_zero_checkpoint_loop, out=str(tmp_path / "run"), **settings)
+    assert result.model is not None and (tmp_path / "run" / "summary.json").exists()
+    assert "unequal numbers of checkpoints (worker 0 2, worker 1 0)" in caplog.text

@@ -50,17 +50,20 @@ class TrainResult:
 
 
 def checkpoints_whole(results: list[WorkerResult]) -> None:
-    """A user's loop's checkpoints are whole: every worker saved its part of each (a worker's part
-    alone is never committed), or one line. Where the workers share a model or a server,
-    ``if run.rank == 0: run.checkpoint(...)`` (DDP's habit) left no checkpoint at all, exit 0 (an
-    audit's); a process group refuses it at the call (``Run.checkpoint``). (Only a worker with none:
+    """A user's loop's checkpoints: one warning where a worker saved its part of none while another
+    saved some, so that none of those was whole, nor committed. Where the workers share a model or a
+    server, ``if run.rank == 0: run.checkpoint(...)`` (DDP's habit) left no checkpoint at all, exit 0,
+    unsaid (an audit's); a process group refuses it at the call (``Run.checkpoint``). A warning,
+    not an error: the run trained, and its model and summary are saved. (A worker with none only:
     an asynchronous worker stopped inside its last epoch may save one fewer, and lose only that.)"""
     counts = {r.rank: r.checkpoints for r in results if r.checkpoints is not None}
     if counts and min(counts.values()) == 0 < max(counts.values()):
         said = ", ".join(f"worker {rank} {n}" for rank, n in sorted(counts.items()))
-        raise ConfigError(
-            f"the workers called run.checkpoint() unequally ({said}), and a checkpoint is whole, and committed, "
-            f"once every worker saved its part: call it in every worker at the same point (not `if run.rank == 0`)"
+        log.warning(
+            "the workers saved their parts of unequal numbers of checkpoints (%s), and a checkpoint is whole, "
+            "and committed, once every worker saved its part: none of those was; call run.checkpoint() in every "
+            "worker at the same point (not `if run.rank == 0`)",
+            said,
         )
 
 

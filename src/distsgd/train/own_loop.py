@@ -166,7 +166,6 @@ class Run:
     step, setup and ending are defined here once for both."""
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
-    _eval_steps = -1  # the steps this worker had taken at its last evaluation (-1: none since it started)
     # the model run.final_model() returned, its tensors' in-place versions where its figures were
     # last its own: at run.final_model(), then at each evaluation after it (see _figures_stale)
     _returned_versions: list[tuple[int, int]] | None = None
@@ -174,6 +173,7 @@ class Run:
     _past_steps = 0  # steps a user's loop took after the run's end (max_samples, a target reached)
     _started = Start.FRESH  # how run.setup() started this worker (a fresh run, a resumed one, a replacement)
     _resumed_steps = -1  # a resumed run: the steps its checkpoint had taken
+    _collectives = 0  # run.all_reduce() and run.all_gather() calls (their tensors checked at 1, 2, 17, 33, ...)
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
     # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
@@ -194,9 +194,9 @@ class Run:
         # or no loader yet): what an epoch is, for the progress lines and the summary's epochs
         self._data_len: int | None = None
         # the training passes under way (begun, not ended), by a token of each: their datasets'
-        # lengths (None: a stream) and their epochs. Passes read together (a labelled and an unlabelled loader
+        # lengths (None: a stream). Passes read together (a labelled and an unlabelled loader
         # zipped) make one epoch of their lengths summed, as their samples are counted together
-        self._open: dict[int, tuple[int | None, int]] = {}
+        self._open: dict[int, int | None] = {}
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
@@ -782,8 +782,8 @@ class Run:
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
             self._passes += 1
-        self._open[id(token)] = (None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset), epoch)
-        lengths = [n for n, _ in self._open.values()]
+        self._open[id(token)] = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
+        lengths = list(self._open.values())
         self._data_len = None if None in lengths else sum(cast(list[int], lengths))
         if skip < 0:
             return []
@@ -793,27 +793,21 @@ class Run:
             st.epoch, st.start = epoch, 0
         return self._batches(shard, epoch, skip)
 
-    def _left(self, shard: "_Shard", token: object, read: int) -> None:
-        """A pass the loop left before its end, after ``read`` batches (``break`` after K batches an
-        epoch): its epoch is over, as a DataLoader's, and a checkpoint now resumes after it. It resumed
-        with the rest of that epoch (18 steps for 12, 0.045 from a run never stopped; an audit's)."""
-        epoch = self._open.get(id(token), (None, None))[1]
-        st = self._state
-        if read and epoch == st.epoch and not isinstance(shard.dataset, IterableDataset):
-            st.start = max(st.start, len(self._epoch_order(shard, epoch, 0)))
-
     def _check_resumed_pass(self, shard: "_Shard", skip: int) -> None:
-        """A resumed run's first pass over run.loader() with no ``epoch=``, past the middle of the
-        first epoch: one line, since nothing tells a loop that starts again at epoch 0 (the
-        epochs trained before are empty passes) from one that starts where it saved (``for epoch in
-        range(run.resumed["epoch"] + 1, E)``, PyTorch's habit), for which those empty passes skipped
-        the epochs left: a run killed after epoch 1 of 4 resumed to 2 epochs, exit 0 (an audit's)."""
+        """A resumed run's first pass over run.loader() with no ``epoch=``, from the end of its
+        first epoch on: it is epoch 0, the epochs trained before empty (a loop that starts again at
+        epoch 0, or a restarted group's), which a loop that starts where it saved (``for epoch in
+        range(run.resumed["epoch"] + 1, E)``, PyTorch's habit) would take for its own: its first
+        passes empty, it ended short (2 of 4 epochs, exit 0; an audit's). Said once, on worker 0:
+        nothing tells the two loops apart, and the first is right."""
         stream = isinstance(shard.dataset, IterableDataset)
-        if self._first_epoch > 0 or (not stream and skip >= len(self._epoch_order(shard, 0, 0))):
-            raise ConfigError(
-                "a resumed run's loop passes over run.loader() with no epoch=, so it cannot tell which epoch a pass "
-                "is (a loop that starts again at epoch 0, or one that starts where it saved): give each pass its "
-                "epoch, run.loader(dataset, batch_size, epoch=epoch), the epochs trained before empty"
+        past = self._first_epoch > 0 or (not stream and skip >= len(self._epoch_order(shard, 0, 0)))
+        if past and self.rank == 0 and self._ctx.reports:
+            log.warning(
+                "a resumed run: run.loader()'s passes with no epoch= start again at epoch 0, the %d trained "
+                "before empty; a loop that starts at the epoch after its checkpoint (range(run.resumed[...] + 1, "
+                "E)) would skip as many: give each pass its epoch, run.loader(dataset, batch_size, epoch=epoch)",
+                self._first_epoch if self._first_epoch > 0 else 1,
             )
 
     def _evaluation_pass(self, shard: "_Shard") -> Any:
@@ -880,7 +874,7 @@ class Run:
         ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise ConfigError(f"run.all_reduce(op=...) is one of {', '.join(ops)}, got {op!r}")
-        t = torch.as_tensor(value, device=self.device).detach().clone()
+        t = _number(value, self.device).clone()
         if self.world > 1:
             self._group_only("run.all_reduce()")
             self._alike(t, "run.all_reduce()")
@@ -892,7 +886,7 @@ class Run:
     def all_gather(self, value: Any) -> torch.Tensor:
         """``value`` (a number or a tensor, one shape and dtype on every worker) from every worker,
         stacked in rank order (a collective, as :meth:`all_reduce`)."""
-        t = torch.as_tensor(value, device=self.device).detach()
+        t = _number(value, self.device)
         if self.world == 1:
             return t.unsqueeze(0)
         self._group_only("run.all_gather()")
@@ -903,28 +897,37 @@ class Run:
 
     def _alike(self, t: torch.Tensor, what: str) -> None:
         """Every worker's ``t`` has one shape and dtype, or ``what`` fails in one line naming each
-        worker's (a collective of one small tensor, first). A collective's tensors must agree:
-        sizes that differ aborted the process (gloo: SIGABRT, a worker "killed"), and dtypes of one
-        size (an int 0 where a worker had nothing to add, a float elsewhere) reduced the one's bits
-        as the other's, silently (a mean of 2.3e18 for 1.25 on 3623a92)."""
+        worker's: one small all-reduce first (the maximum of each figure and of its negation: they
+        agree where the two match), a gather of them only where they do not. A collective's tensors
+        must agree: sizes that differ aborted the process (gloo: SIGABRT, a worker "killed"), and
+        dtypes of one size (an int 0 where a worker had nothing to add, a float elsewhere) reduced
+        the one's bits as the other's, silently (a mean of 2.3e18 for 1.25 on 3623a92)."""
+        self._collectives += 1
+        if self._collectives > 2 and self._collectives % CHECK_EVERY != 1:  # (as many calls on every worker)
+            return
         shape = t.shape[: _ALIKE - 2]
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 100 + sum(map(ord, str(t.dtype)))
         mine = torch.full((_ALIKE,), -1, dtype=torch.int64)
-        mine[0], mine[1] = t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+        mine[0], mine[1] = t.dim(), code
         mine[2 : 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        both = torch.cat([mine, -mine]).to(self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if torch.equal(both.cpu(), torch.cat([mine, -mine])):  # (every worker sees a difference, or none)
+            return
         seen = [torch.empty_like(mine, device=self.device) for _ in range(self.world)]
         dist.all_gather(seen, mine.to(self.device))
         every = [s.tolist() for s in seen]
-        if any(d != every[0] for d in every):
 
-            def said(d: list[int]) -> str:
-                kind = str(_DTYPES[d[1]]).removeprefix("torch.") if d[1] < len(_DTYPES) else "another dtype"
-                return f"{tuple(d[2 : 2 + min(d[0], _ALIKE - 2)])} {kind}"
+        def said(d: list[int]) -> str:
+            kind = str(_DTYPES[d[1]]).removeprefix("torch.") if d[1] < len(_DTYPES) else "another dtype"
+            return f"{tuple(d[2 : 2 + min(d[0], _ALIKE - 2)])} {kind}"
 
-            raise ConfigError(
-                f"{what}: the workers gave tensors of different shapes or dtypes ("
-                + ", ".join(f"worker {r}: {said(d)}" for r, d in enumerate(every))
-                + "): every worker gives one shape and dtype (a float 0.0, not an int 0, where it has nothing to add)"
-            )
+        raise ConfigError(
+            f"{what}: the workers gave tensors of different shapes or dtypes ("
+            + ", ".join(f"worker {r}: {said(d)}" for r, d in enumerate(every))
+            + "): every worker gives one shape and dtype (a float 0.0, not an int 0, where it has nothing to "
+            "add; tensors of one length: pad them, or gather their lengths first)"
+        )
 
     def _group_only(self, what: str) -> None:
         """``what`` needs the workers in one process group (or one worker)."""
@@ -1352,7 +1355,6 @@ class Run:
         )
         event.update({k: v for k, v in figures.items() if k not in event})
         self._state.evals.append(event)
-        self._eval_steps = self.steps
         if self._returned is not None:
             self._returned_versions = _versions(self._returned)
         ctx.sink.emit(event)
@@ -1693,7 +1695,7 @@ class Run:
         """Why the loop's last evaluation is not of the model it returns (None: it is, or there is
         none): weights were loaded into the model after it (the best epoch's, as Hugging Face's
         load_best_model_at_end); or, in a process group (where the model returned is the
-        worker's), steps trained after it (an evaluation every few epochs that missed the last), or
+        worker's), samples trained after it (an evaluation every few epochs that missed the last), or
         the model returned changed after run.final_model() (a load, BatchNorm's statistics moved)
         and was not evaluated since. The summary gave that evaluation's figures as the final ones,
         exit 0 (0.7383 for a model that scored 0.6693; 0.748 for one that scored 0.934, the audit
@@ -1706,7 +1708,7 @@ class Run:
             return f"weights were loaded into the model after its last evaluation (at {at} samples)"
         if self._ctx.job.main is None or not self._algo.topology.process_group:
             return None
-        if self._eval_steps != self.steps:
+        if at != self.global_samples():
             return f"the model trained on from its last evaluation (at {at} samples) to {self.global_samples()} samples"
         if self._returned_versions is not None and _versions(final) != self._returned_versions:
             return (
@@ -1716,31 +1718,28 @@ class Run:
         return None
 
 
+def _number(value: Any, where: torch.device) -> torch.Tensor:
+    """run.all_reduce/all_gather's ``value`` as a tensor on ``where``: a Python number (bool, int,
+    float) a float64 one, so that a worker's int 0 beside another's float combine as numbers."""
+    if isinstance(value, (bool, int, float)):
+        return torch.tensor(float(value), dtype=torch.float64, device=where)
+    return torch.as_tensor(value, device=where).detach()
+
+
 def _loads_back(state: dict[str, Any]) -> None:
     """``run.checkpoint(**state)``'s values load back as a resume loads them (``weights_only``), or
     one line naming the first that does not: a numpy value (``np.float64(acc)``, an array,
     ``np.random.get_state()``) was saved, and the resume then found the checkpoint "damaged" and went
-    back to an older one (the audit of 2026-11-30). Tried on the values' shape, tensors left out."""
-
-    def bare(x: Any) -> Any:  # the value, each tensor a 0-d one (containers of the kinds that load)
-        if isinstance(x, torch.Tensor):
-            return torch.zeros((), dtype=x.dtype)
-        if type(x) in (list, tuple, set):
-            return type(x)(bare(v) for v in x)
-        if type(x) is dict:
-            return {k: bare(v) for k, v in x.items()}
-        return x
-
+    back to an older one (the audit of 2026-11-30). Tried on the values' shape, each tensor a 0-d one."""
     for key, value in state.items():
         buffer = io.BytesIO()
         try:
-            torch.save(bare(value), buffer)
+            torch.save(_map_tensors(value, lambda t: torch.zeros((), dtype=t.dtype)), buffer)
             buffer.seek(0)
-            torch.load(buffer, weights_only=True)
+            torch.load(buffer, map_location="cpu", weights_only=True)
         except Exception as exc:  # pickling, or weights_only's refusal of a global
-            odd = _odd_leaf(value)
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-            what = odd or (found.group(1) if found else type(exc).__name__)
+            what = found.group(1) if found else _odd_leaf(value) or type(exc).__name__
             raise ConfigError(
                 f"run.checkpoint({key}=...): a value in it ({what}) does not load back as a resume loads a "
                 f"checkpoint (weights_only): keep numbers, strings, tensors, and lists, tuples and dicts of them "
@@ -1823,21 +1822,17 @@ class _Shard:
             for batch in run._evaluation_pass(self):
                 yield _to(batch, run.device)
             return
-        token, backwards, read, left = object(), run._backwards_ever, 0, True
+        token, backwards, read = object(), run._backwards_ever, 0
         try:
             for batch in run._pass(self, token):
                 if run.should_stop():
-                    left = False
                     return
                 run.count(_count(batch))
                 read += 1
                 yield _to(batch, run.device)
-            left = False
             if read and run._backwards_ever == backwards and run._ctx.job.main is not None:
                 raise ConfigError(_NO_BACKWARD_PASS.format(read=f"{read} batch{'es' * (read != 1)}"))
-        finally:  # exhausted, left (a break; a zip's shorter loader ended), or stopped
-            if left:
-                run._left(self, token, read)
+        finally:  # exhausted, left (a zip's shorter loader ended), or stopped
             run._open.pop(id(token), None)
 
 
@@ -2008,9 +2003,9 @@ def _loaded_into(final: nn.Module, own: nn.Module) -> nn.Module:
 
 
 def _versions(model: nn.Module) -> list[tuple[int, int]]:
-    """Where ``model``'s parameters and buffers are and their in-place versions: any change to its
-    weights (a copy into them, a new tensor) changes it."""
-    return [(t.data_ptr(), t._version) for t in itertools.chain(model.parameters(), model.buffers())]
+    """``model``'s parameters and buffers and their in-place versions: a copy into its weights (a
+    load) or an update changes it; a move to another device (``.cpu()`` before saving) does not."""
+    return [(id(t), t._version) for t in itertools.chain(model.parameters(), model.buffers())]
 
 
 def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:
