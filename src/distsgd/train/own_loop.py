@@ -868,9 +868,10 @@ class Run:
 
     def all_reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
         """``value`` (a number or a tensor) combined over every worker: ``mean``, ``sum``, ``max``
-        or ``min``; every worker calls it at the same point (a collective), with a value of one shape
-        and dtype (else one line naming each worker's). For figures: your evaluation's accuracy over
-        every worker's share of the test set, say."""
+        or ``min``; every worker calls it at the same point (a collective), with a Python number (a
+        float64, int or float alike) or a tensor of one shape and dtype on every worker (else one line
+        naming each worker's, checked at the first two calls and every 16th). For figures: your
+        evaluation's accuracy over every worker's share of the test set, say."""
         ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise ConfigError(f"run.all_reduce(op=...) is one of {', '.join(ops)}, got {op!r}")
@@ -884,8 +885,8 @@ class Run:
         return t / self.world if op == "mean" else t
 
     def all_gather(self, value: Any) -> torch.Tensor:
-        """``value`` (a number or a tensor, one shape and dtype on every worker) from every worker,
-        stacked in rank order (a collective, as :meth:`all_reduce`)."""
+        """``value`` (a Python number, as a float64; or a tensor of one shape and dtype on every
+        worker) from every worker, stacked in rank order (a collective, as :meth:`all_reduce`)."""
         t = _number(value, self.device)
         if self.world == 1:
             return t.unsqueeze(0)
