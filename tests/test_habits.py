@@ -1922,3 +1922,108 @@ def test_a_checkpoint_on_worker_0_alone_is_said_where_the_workers_share_a_model(
     result = distsgd.spawn(rank_zero_checkpoint_loop, out=str(tmp_path / "run"), **settings)
     assert result.model is not None and (tmp_path / "run" / "summary.json").exists()
     assert "unequal numbers of checkpoints (worker 0 2, worker 1 0)" in caplog.text
+
+
+def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str = "") -> nn.Module:
+    """A resumable loop with an LR scheduler built after run.setup() (the optimiser run.setup() made
+    and, resumed, restored) and its state saved in each checkpoint and loaded on resume. ``kind``:
+    LinearLR (a warm-up, stepped each step), OneCycleLR (each step; it sets the momentum too), StepLR
+    (halved each epoch); ``habit``: when a StepLR steps, "stepped, then saved" or "saved, then
+    stepped". Every epoch from 0, each pass given its epoch (docs/OWN_LOOP.md's), the ones trained
+    before empty passes; with ``habit`` "fresh" the scheduler is built anew, not loaded."""
+    model, opt = run.setup()
+    steps = 4 * N // (2 * B)  # the schedule's length: 4 epochs (a run stopped after 2 and resumed, or not)
+    sched = {
+        "LinearLR": lambda: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=steps // 2),
+        "OneCycleLR": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=steps),
+        "StepLR": lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    }[kind]()
+    if run.resumed is not None and habit != "fresh":
+        sched.load_state_dict(run.resumed["sched"])
+    for epoch in range(epochs):
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if kind != "StepLR":
+                sched.step()
+        if habit == "saved, then stepped":
+            run.checkpoint(epoch=epoch, sched=sched.state_dict())
+        if kind == "StepLR":
+            sched.step()
+        if habit != "saved, then stepped":
+            run.checkpoint(epoch=epoch, sched=sched.state_dict())
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["LinearLR", "OneCycleLR"])
+def test_a_scheduler_built_after_setup_in_a_resumed_run_takes_up_the_checkpoints_lr(tmp_path: Path, kind: str) -> None:
+    """run.setup() restores the optimiser before the loop builds its scheduler, the other way round
+    from PyTorch's order, and the scheduler's construction set the lr: on 30aa15c a LinearLR warm-up
+    resumed past its end stepped at 0.1x the lr for the rest of the run (its steps scale the lr they
+    find), a OneCycleLR its first resumed step at its start's lr and momentum; exit 0. Now each
+    resumed run ends with the weights of one never stopped."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
+    settings.update(lr=0.1, momentum=0.9)
+    run = str(tmp_path / "run")
+    distsgd.spawn(resumed_scheduler_loop, args=(2, kind), out=run, **settings)
+    resumed = distsgd.spawn(resumed_scheduler_loop, args=(4, kind), out=run, resume=run, **settings)
+    whole = distsgd.spawn(resumed_scheduler_loop, args=(4, kind), out=str(tmp_path / "whole"), **settings)
+    assert resumed.model is not None and whole.model is not None
+    assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_per_epoch_scheduler_steps_once_an_epoch_in_a_resumed_loop_from_epoch_0(tmp_path: Path) -> None:
+    """docs/OWN_LOOP.md's resumable loop starts again at epoch 0, the epochs trained before empty
+    passes, and steps its StepLR after each, a scheduler whose state it loaded: on 30aa15c the
+    resumed run halved the lr again for each (0.1 / 16 where a run never stopped stepped at 0.1 / 4),
+    exit 0. Now the steps taken before the checkpoint are held, whether the loop saves before or
+    after it steps the scheduler, and each resumed run ends with the weights of one never stopped."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "lr": 0.1}
+    whole = distsgd.spawn(resumed_scheduler_loop, args=(4, "StepLR"), out=str(tmp_path / "whole"), **settings)
+    assert whole.model is not None
+    for i, habit in enumerate(["stepped, then saved", "saved, then stepped"]):
+        run = str(tmp_path / f"run{i}")
+        distsgd.spawn(resumed_scheduler_loop, args=(2, "StepLR", habit), out=run, **settings)
+        resumed = distsgd.spawn(resumed_scheduler_loop, args=(4, "StepLR", habit), out=run, resume=run, **settings)
+        assert resumed.model is not None
+        assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6, habit
+
+
+@pytest.mark.slow
+def test_a_resumed_run_says_what_its_loop_restarts(tmp_path: Path) -> None:
+    """A resumed run (in a process of its own: the workers' warnings go to their fork server's
+    stderr) whose loop starts at the epoch after its checkpoint with passes given no epoch= (they
+    are epochs 0 and 1 again, empty) and builds its StepLR anew, unloaded: one warning of each."""
+    script = tmp_path / "restarts.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import distsgd, torch, torch.nn.functional as F\n"
+        "from helpers import toy_dataset\n"
+        "from test_habits import B, Net\n"
+        "def main(run, epochs):\n"
+        "    model, opt = run.setup()\n"
+        "    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)\n"
+        "    for epoch in range(run.resumed['epoch'] + 1 if run.resumed else 0, epochs):\n"
+        "        for x, y in run.loader(toy_dataset(), batch_size=B):\n"
+        "            opt.zero_grad()\n"
+        "            F.cross_entropy(model(x), y).backward()\n"
+        "            opt.step()\n"
+        "        sched.step()\n"
+        "        run.checkpoint(epoch=epoch)\n"
+        "    return run.final_model()\n"
+        "if __name__ == '__main__':\n"
+        f"    out = {str(tmp_path / 'run')!r}\n"
+        "    settings = dict(model=Net, algo='allreduce', workers=2, batch_size=B, out=out)\n"
+        "    distsgd.spawn(main, args=(2,), quiet=True, **settings)\n"
+        "    print('resumed', file=sys.stderr)\n"
+        "    distsgd.spawn(main, args=(4,), resume=out, **settings)\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    resumed = res.stderr.split("resumed\n", 1)[1]
+    assert resumed.count("run.loader()'s passes with no epoch= start again at epoch 0, the 1 trained") == 1, resumed
+    assert resumed.count("the LR scheduler StepLR starts again at its first step (last_epoch 0; the") == 1, resumed
