@@ -2027,3 +2027,14 @@ def test_a_resumed_run_says_what_its_loop_restarts(tmp_path: Path) -> None:
     resumed = res.stderr.split("resumed\n", 1)[1]
     assert resumed.count("run.loader()'s passes with no epoch= start again at epoch 0, the 1 trained") == 1, resumed
     assert resumed.count("the LR scheduler StepLR starts again at its first step (last_epoch 0; the") == 1, resumed
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_run_resumed_with_no_out_says_where_to_save(tmp_path: Path) -> None:
+    """spawn(resume=A) reads A; files are written only where out= says (spawn's rule), so the resumed
+    loop's run.checkpoint() is refused, now with what to give (it said "needs out=" alone)."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
+    run = str(tmp_path / "run")
+    distsgd.spawn(resumed_epochs_loop, args=(1, "from 0"), out=run, **settings)
+    with pytest.raises(distsgd.DistsgdError, match=rf"needs out= .*: resume={re.escape(run)} only reads it; out="):
+        distsgd.spawn(resumed_epochs_loop, args=(2, "from 0"), resume=run, **settings)

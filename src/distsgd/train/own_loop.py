@@ -586,7 +586,12 @@ class Run:
         model, the optimiser, the algorithm and the counters, and ``run.resumed`` is ``state``."""
         self._need_setup("run.checkpoint()")
         if not self.cfg.out:
-            raise ConfigError("run.checkpoint() needs out= (the run directory it saves into)")
+            also = (
+                f": resume={self.cfg.resume} only reads it; out={self.cfg.resume} saves there too"
+                if self.cfg.resume
+                else ""
+            )
+            raise ConfigError(f"run.checkpoint() needs out= (the run directory it saves into){also}")
         _loads_back(state)
         self._user.value = state
         if self._lockstep_store() is not None:  # (one alone, DDP's `if rank == 0: save`: it waited in a collective)
