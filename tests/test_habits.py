@@ -2038,3 +2038,56 @@ def test_a_checkpoint_of_a_run_resumed_with_no_out_says_where_to_save(tmp_path: 
     distsgd.spawn(resumed_epochs_loop, args=(1, "from 0"), out=run, **settings)
     with pytest.raises(distsgd.DistsgdError, match=rf"needs out= .*: resume={re.escape(run)} only reads it; out="):
         distsgd.spawn(resumed_epochs_loop, args=(2, "from 0"), resume=run, **settings)
+
+
+LOSSES = [1.0, 0.9, 0.95, 0.97, 0.99, 0.98, 0.96, 0.94]  # a test loss each epoch: best at epoch 1
+
+
+def scripted_figures_loop(run: distsgd.Run, epochs: int, die_after: int | None = None) -> nn.Module:
+    """docs/OWN_LOOP.md's resumable loop, its evaluation a scripted test loss (the figure EarlyStopping
+    judges), a checkpoint each epoch, stopping where run.should_stop() says; worker 1 dies after
+    epoch ``die_after``'s checkpoint (in a run not resumed)."""
+    model, opt = run.setup()
+    for epoch in range(epochs):
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        run.log(test_loss=LOSSES[epoch])
+        run.checkpoint(epoch=epoch)
+        if die_after == epoch and run.resumed is None and run.rank == 1:
+            os._exit(3)
+        if run.should_stop():
+            break
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_early_stopping_resumed_goes_on_counting_where_its_checkpoint_was(tmp_path: Path) -> None:
+    """EarlyStopping(patience=3) over the losses above stops after epoch 4 (three evaluations past
+    the best, 0.9). Stopped after epoch 2 (one past it) and resumed: on 30aa15c its counters began
+    again at the resume, so it never stopped (all 8 epochs, exit 0); now on_resume counts the run's
+    evaluations up to its checkpoint and it stops where the run never stopped did; so does a group
+    --restart-workers started again from the checkpoint (on 30aa15c: all 8 epochs too)."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
+    stops = [distsgd.EarlyStopping(patience=3)]
+    whole = distsgd.spawn(scripted_figures_loop, args=(8,), out=str(tmp_path / "whole"), callbacks=stops, **settings)
+    assert whole.summary["samples"] == 5 * N
+    run = str(tmp_path / "run")
+    first = distsgd.EarlyStopping(patience=3)
+    distsgd.spawn(scripted_figures_loop, args=(3,), out=run, callbacks=[first], **settings)
+    later = distsgd.EarlyStopping(patience=3)
+    resumed = distsgd.spawn(scripted_figures_loop, args=(8,), out=run, resume=run, callbacks=[later], **settings)
+    assert resumed.summary["samples"] == 5 * N
+    assert [e["test_loss"] for e in resumed.summary["evals"]] == LOSSES[:5]
+    # a worker killed after epoch 2's checkpoint, the group started again from it (--restart-workers)
+    stops = [distsgd.EarlyStopping(patience=3)]
+    restarted = distsgd.spawn(
+        scripted_figures_loop,
+        args=(8, 2),
+        out=str(tmp_path / "restarted"),
+        restart_workers=1,
+        callbacks=stops,
+        **settings,
+    )
+    assert restarted.summary["samples"] == 5 * N

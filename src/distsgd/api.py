@@ -30,6 +30,7 @@ from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.callbacks import CallbackSink
 from distsgd.callbacks import checked as checked_callbacks
+from distsgd.callbacks import resumed as callbacks_resumed
 from distsgd.checkpoint import (
     atomic_write_bytes,
     read_manifest,
@@ -348,6 +349,9 @@ def _run(
         job = job.replace(resume_from=_pick_checkpoint(cfg, probe, dataset.n_train, own=job.main is not None))
     elif cfg.resume and job.main is not None:  # under torchrun, each rank (the manifest: read by each, as it is)
         _own_optimiser_settings_kept(cfg)
+    if cfg.resume and job.callbacks:  # (before they travel to the workers)
+        at = job.resume_from if job.resume_from is not None else read_manifest(Path(cfg.resume))
+        callbacks_resumed(job.callbacks, Path(cfg.resume), (at or {}).get("samples"))
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = _prepare_out(cfg, settings_text, where) if cfg.out and chief else None

@@ -13,6 +13,10 @@ with any of these methods (subclass :class:`Callback` or not):
 - ``on_checkpoint(event)``: a checkpoint committed (``seq``, ``samples``, ``epoch``), in the
   process that called ``train`` or ``spawn``.
 - ``on_end(summary)``: the run ended, with summary.json's dict, in that process.
+- ``on_resume(evals)``: a resumed run, before it trains on: the evaluations of the run it resumes
+  up to its checkpoint (metrics.jsonl's, in order; the last of each at one count of samples), in
+  the process that called ``train`` or ``spawn`` (before the callback travels to a worker).
+  :class:`EarlyStopping` counts them again, so its patience goes on where the checkpoint was.
 
 :class:`EarlyStopping` is one: it stops a run whose test loss (or accuracy) has not improved for
 ``patience`` evaluations.
@@ -20,6 +24,8 @@ with any of these methods (subclass :class:`Callback` or not):
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distsgd.errors import ConfigError
@@ -38,6 +44,9 @@ class Callback:
         return None
 
     def on_end(self, summary: dict[str, Any]) -> None:
+        return None
+
+    def on_resume(self, evals: list[dict[str, Any]]) -> None:
         return None
 
 
@@ -77,6 +86,16 @@ class EarlyStopping(Callback):
             return True
         return False
 
+    def on_resume(self, evals: list[dict[str, Any]]) -> None:
+        """The evaluations before the checkpoint, counted as a run never stopped counted them (on
+        30aa15c a resumed run began with none: it waited ``patience`` more from its first, 21
+        evaluations where one never stopped took 14). A run it stopped, resumed, stops at its first
+        evaluation that does not improve (a larger ``patience`` given now trains on)."""
+        self.best, self.waited, self.stopped_at = None, 0, None
+        for event in evals:
+            self.on_eval(event)
+        self.stopped_at = None
+
 
 def stops(event: dict[str, Any], cfg: RunConfig, callbacks: tuple) -> bool:
     """Whether the run stops at this evaluation: ``--stop-at-target``'s target reached, or a
@@ -110,7 +129,35 @@ class CallbackSink:
 __all__ = ["Callback", "EarlyStopping", "CallbackSink", "stops"]
 
 
-HOOKS = ("on_eval", "on_checkpoint", "on_end")
+HOOKS = ("on_eval", "on_checkpoint", "on_end", "on_resume")
+
+
+def resumed(callbacks: tuple, run_dir: Path, samples: int | None) -> None:
+    """A resumed run's callbacks' ``on_resume``: the evaluations ``run_dir``'s metrics.jsonl holds up
+    to ``samples`` (the checkpoint's), by samples, the last logged of each (a run resumed before
+    logged its killed part's again). Nothing where the file is missing or unreadable."""
+    takers = [cb for cb in callbacks if callable(getattr(cb, "on_resume", None))]
+    if not takers or samples is None:
+        return
+    found: dict[Any, dict[str, Any]] = {}
+    path = run_dir / "metrics.jsonl"
+    try:
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line a killed run left torn
+                    continue
+                if isinstance(event, dict) and event.get("event") == "eval":
+                    at = event.get("samples")
+                    if isinstance(at, (int, float)) and at <= samples:
+                        found.pop(at, None)
+                        found[at] = event
+    except OSError:
+        return
+    evals = sorted(found.values(), key=lambda e: e["samples"])
+    for cb in takers:
+        cb.on_resume(evals)
 
 
 def checked(callbacks: Any) -> tuple:

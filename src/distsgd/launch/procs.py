@@ -669,6 +669,7 @@ def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResu
     again, from the last checkpoint in ``--out`` if there is one (else from the start), the way
     torchrun's ``--max-restarts`` does. Each restart is a ``restart`` event and is listed in the
     chief's ``restarts``."""
+    from distsgd.callbacks import resumed as callbacks_resumed
     from distsgd.checkpoint import read_manifest
 
     restarts: list[dict[str, Any]] = []
@@ -679,7 +680,8 @@ def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResu
             if len(restarts) >= job.cfg.restart_workers or isinstance(exc, WorkerInputError):
                 raise
             out = job.cfg.out
-            resume = out if out and read_manifest(Path(out)) is not None else None
+            manifest = read_manifest(Path(out)) if out else None
+            resume = out if manifest is not None else None
             record = {
                 "worker": str(exc).split(" failed")[0],
                 "reason": str(exc),
@@ -689,7 +691,9 @@ def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResu
             log.warning("%s; restarting the group from %s", exc, "the last checkpoint" if resume else "the start")
             sink.emit({"event": "restart", **record})
             restarts.append(record)
-            job = job.replace(cfg=job.cfg.replace(resume=resume)) if resume else job
+            if resume and manifest is not None:  # (the callbacks' counters: as a resume's, see callbacks.resumed)
+                callbacks_resumed(job.callbacks, Path(resume), manifest.get("samples"))
+                job = job.replace(cfg=job.cfg.replace(resume=resume))
             continue
         results[0].attendance = results[0].attendance or Attendance()
         results[0].attendance.restarts = restarts
