@@ -345,13 +345,7 @@ def _run(
             f"--save-format hf is a Hugging Face transformers model's save_pretrained folder, and "
             f"{describe(spec)} has no save_pretrained: save it as pt or safetensors"
         )
-    if cfg.resume and not torchrun:
-        job = job.replace(resume_from=_pick_checkpoint(cfg, probe, dataset.n_train, own=job.main is not None))
-    elif cfg.resume and job.main is not None:  # under torchrun, each rank (the manifest: read by each, as it is)
-        _own_optimiser_settings_kept(cfg)
-    if cfg.resume and job.callbacks:  # (before they travel to the workers)
-        at = job.resume_from if job.resume_from is not None else read_manifest(Path(cfg.resume))
-        callbacks_resumed(job.callbacks, Path(cfg.resume), (at or {}).get("samples"))
+    job = _resumed(job, probe, dataset.n_train, torchrun)
     rerun = str(Path(cfg.out) / "config.toml") if cfg.out else None
     settings_text = config_mod.to_toml(cfg, rerun, _from_python(spec, dataset if dataset_given else None, code))
     out = _prepare_out(cfg, settings_text, where) if cfg.out and chief else None
@@ -387,6 +381,22 @@ def _run(
     if unclosed is not None:
         raise unclosed
     return TrainResult(summary, results[0].model if chief else None, out)  # in a launcher's group: rank 0's
+
+
+def _resumed(job: Job, probe: nn.Module, n_train: int | None, torchrun: bool) -> Job:
+    """A resumed run's job: its checkpoint picked (locally), its callbacks' ``on_resume`` called with
+    the evaluations up to it (before they travel to the workers)."""
+    cfg = job.cfg
+    if not cfg.resume:
+        return job
+    if not torchrun:
+        job = job.replace(resume_from=_pick_checkpoint(cfg, probe, n_train, own=job.main is not None))
+    elif job.main is not None:  # under torchrun, each rank (the manifest: read by each, as it is)
+        _own_optimiser_settings_kept(cfg)
+    if job.callbacks:
+        at = job.resume_from if job.resume_from is not None else read_manifest(Path(cfg.resume))
+        callbacks_resumed(job.callbacks, Path(cfg.resume), (at or {}).get("samples"))
+    return job
 
 
 def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own: bool) -> dict[str, Any]:
