@@ -1928,9 +1928,10 @@ def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str 
     """A resumable loop with an LR scheduler built after run.setup() (the optimiser run.setup() made
     and, resumed, restored) and its state saved in each checkpoint and loaded on resume. ``kind``:
     LinearLR (a warm-up, stepped each step), OneCycleLR (each step; it sets the momentum too), StepLR
-    (halved each epoch); ``habit``: when a StepLR steps, "stepped, then saved" or "saved, then
-    stepped". Every epoch from 0, each pass given its epoch (docs/OWN_LOOP.md's), the ones trained
-    before empty passes; with ``habit`` "fresh" the scheduler is built anew, not loaded."""
+    (halved each epoch); ``habit``, of a StepLR: "stepped, then saved" at each epoch's end, "saved,
+    then stepped", "saved every 8 steps" (inside the pass; an epoch is 8 steps), "stepped first" (at
+    each epoch's start, PyTorch's habit before 1.1). Every epoch from 0, each pass given its epoch
+    (docs/OWN_LOOP.md's), the ones trained before empty passes."""
     model, opt = run.setup()
     steps = 4 * N // (2 * B)  # the schedule's length: 4 epochs (a run stopped after 2 and resumed, or not)
     sched = {
@@ -1938,20 +1939,24 @@ def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str 
         "OneCycleLR": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=steps),
         "StepLR": lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
     }[kind]()
-    if run.resumed is not None and habit != "fresh":
+    if run.resumed is not None:
         sched.load_state_dict(run.resumed["sched"])
     for epoch in range(epochs):
+        if habit == "stepped first":
+            sched.step()
         for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
             if kind != "StepLR":
                 sched.step()
+            if habit == "saved every 8 steps" and run.steps % 8 == 0:
+                run.checkpoint(epoch=epoch, sched=sched.state_dict())
         if habit == "saved, then stepped":
             run.checkpoint(epoch=epoch, sched=sched.state_dict())
-        if kind == "StepLR":
+        if kind == "StepLR" and habit != "stepped first":
             sched.step()
-        if habit != "saved, then stepped":
+        if habit in ("stepped, then saved", "stepped first", ""):
             run.checkpoint(epoch=epoch, sched=sched.state_dict())
     return run.final_model()
 
@@ -1977,18 +1982,23 @@ def test_a_scheduler_built_after_setup_in_a_resumed_run_takes_up_the_checkpoints
 @pytest.mark.slow
 def test_a_per_epoch_scheduler_steps_once_an_epoch_in_a_resumed_loop_from_epoch_0(tmp_path: Path) -> None:
     """docs/OWN_LOOP.md's resumable loop starts again at epoch 0, the epochs trained before empty
-    passes, and steps its StepLR after each, a scheduler whose state it loaded: on 30aa15c the
-    resumed run halved the lr again for each (0.1 / 16 where a run never stopped stepped at 0.1 / 4),
-    exit 0. Now the steps taken before the checkpoint are held, whether the loop saves before or
-    after it steps the scheduler, and each resumed run ends with the weights of one never stopped."""
+    passes, and steps its StepLR in each, a scheduler whose state it loaded: on 30aa15c the resumed
+    run halved the lr again for each (0.1 / 16 where a run never stopped stepped at 0.1 / 4), exit 0.
+    Now as many of the replayed steps as the loaded state had taken are held, wherever in the loop
+    the checkpoint was (before or after the step, inside the pass, or the step at an epoch's start),
+    and each resumed run ends with the weights of one never stopped."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "lr": 0.1}
-    whole = distsgd.spawn(resumed_scheduler_loop, args=(4, "StepLR"), out=str(tmp_path / "whole"), **settings)
-    assert whole.model is not None
-    for i, habit in enumerate(["stepped, then saved", "saved, then stepped"]):
+    wholes = {}
+    for habit in ["stepped, then saved", "stepped first"]:
+        wholes[habit] = distsgd.spawn(
+            resumed_scheduler_loop, args=(4, "StepLR", habit), out=str(tmp_path / f"whole {habit}"), **settings
+        )
+    for i, habit in enumerate(["stepped, then saved", "saved, then stepped", "saved every 8 steps", "stepped first"]):
         run = str(tmp_path / f"run{i}")
         distsgd.spawn(resumed_scheduler_loop, args=(2, "StepLR", habit), out=run, **settings)
         resumed = distsgd.spawn(resumed_scheduler_loop, args=(4, "StepLR", habit), out=run, resume=run, **settings)
-        assert resumed.model is not None
+        whole = wholes["stepped first" if habit == "stepped first" else "stepped, then saved"]
+        assert resumed.model is not None and whole.model is not None
         assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6, habit
 
 
@@ -2026,7 +2036,9 @@ def test_a_resumed_run_says_what_its_loop_restarts(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     resumed = res.stderr.split("resumed\n", 1)[1]
     assert resumed.count("run.loader()'s passes with no epoch= start again at epoch 0, the 1 trained") == 1, resumed
-    assert resumed.count("the LR scheduler StepLR starts again at its first step (last_epoch 0; the") == 1, resumed
+    assert resumed.count("the LR scheduler StepLR starts its schedule again (last_epoch 0, the run 16 steps") == 1, (
+        resumed
+    )
 
 
 @pytest.mark.slow

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import gc
 import io
 import itertools
 import logging
@@ -48,7 +47,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -70,7 +68,7 @@ from distsgd.errors import NO_GROUP, ConfigError, LoopError, loop_failure, one_l
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
-from distsgd.train import device, lockstep, membership
+from distsgd.train import device, lockstep, membership, schedulers
 from distsgd.train.context import LoopEnd, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
 from distsgd.train.optim import build_optimizer, is_internal, schedule_lr, schedule_needs_epochs
@@ -176,11 +174,11 @@ class Run:
     _started = Start.FRESH  # how run.setup() started this worker (a fresh run, a resumed one, a replacement)
     _resumed_steps = -1  # a resumed run: the steps its checkpoint had taken
     # a resumed user's loop until its first step: each optimiser's settings as run.setup() restored them
-    # (see _scheduled_after), with the step run.setup() gave it
+    # (see _schedulers_resumed), with the step run.setup() gave it
     _restored: tuple[tuple[Any, list[dict[str, Any]]], ...] = ()
-    # a resumed user's loop that starts again at epoch 0: its LR schedulers' steps in the epochs trained
-    # before (see _Replay), until its first batch; _replayed: the replay looked for (and over)
-    _replay: _Replay | None = None
+    # a resumed user's loop from its first pass to its first batch: the LR schedulers' steps a loop that
+    # starts again at epoch 0 takes again (see schedulers.Replay); _replayed: over
+    _replay: schedulers.Replay | None = None
     _replayed = False
     _collectives = 0  # run.all_reduce() and run.all_gather() calls (their tensors checked at 1, 2, 17, 33, ...)
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
@@ -601,8 +599,6 @@ class Run:
                 "a checkpoint is every worker's part of it (the model, the optimiser, the counters, the random states)",
             )
         self._save_checkpoint(self._state.seq + 1)
-        if self._replay is not None and self._replay.at_checkpoint:  # the one the run resumed from, again
-            self._end_replay()
 
     def _save_checkpoint(self, seq: int, samples: int | None = None) -> None:
         """This worker's pieces saved as checkpoint ``seq`` (``samples``: all workers' samples at
@@ -795,10 +791,9 @@ class Run:
         """A pass over ``shard``: its batches of the epoch it is (the state says so from here on);
         ``token`` names it among the passes under way until it ends (``_Shard.__iter__`` lets go)."""
         self._need_setup("iterating over run.loader()")
-        self._scheduled_after()  # (the lr a loop logs at its first step is the one it steps with)
-        epoch, skip = self._upcoming_epoch(shard)
         if self._started is Start.RESUMED and not self._replayed and self._ctx.job.main is not None:
-            self._replaying(shard, epoch, skip)
+            self._schedulers_resumed()  # (at a pass: the lr a loop logs at its first step is the one it steps with)
+        epoch, skip = self._upcoming_epoch(shard)
         if shard.epoch is None:
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
@@ -814,35 +809,43 @@ class Run:
             st.epoch, st.start = epoch, 0
         return self._batches(shard, epoch, skip)
 
-    def _replaying(self, shard: "_Shard", epoch: int, skip: int) -> None:
-        """A resumed loop's pass before its first batch: one with no batches (an epoch trained before
-        the checkpoint, a loop that starts again at epoch 0) begins the replay of the steps its LR
-        schedulers took before the checkpoint (:class:`_Replay`); one with batches ends it."""
-        stream = isinstance(shard.dataset, IterableDataset)
-        empty = skip < 0 or (not stream and not len(self._epoch_order(shard, epoch, skip)))
-        if self._replay is None:
-            found = _schedulers(self._optimizers)
-            fresh = [type(s).__name__ for s in found if s.last_epoch == 0]
-            if fresh and self._first_epoch > 0 and self.rank == 0 and self._ctx.reports:
-                log.warning(
-                    "a resumed run: the LR scheduler %s starts again at its first step (last_epoch 0; the "
-                    "checkpoint is at epoch %d), from the lr the checkpoint restored: save its state, "
-                    "run.checkpoint(sched=scheduler.state_dict()), and load it, "
-                    "scheduler.load_state_dict(run.resumed['sched'])",
-                    fresh[0],
-                    self._first_epoch,
-                )
-            self._replay = _Replay(found if empty else [])
-        if not empty:
-            self._end_replay()
+    def _schedulers_resumed(self, first_step: bool = False) -> None:
+        """A resumed user's loop at its first pass (and first step): its LR schedulers as PyTorch's
+        order of loading would leave them (see :mod:`distsgd.train.schedulers`): those built since
+        run.setup() and loaded take up the restored lr; the replay of the epochs trained before
+        holds the steps the loaded ones had taken. Looks for them once (and at the first step again
+        where one was built since)."""
+        pending = [
+            (opt, settings)
+            for opt, (routed, settings) in zip(self._optimizers, self._restored)
+            if schedulers.built_after(opt, routed)
+        ]
+        first_pass = self._replay is None and not self._replayed and not first_step
+        if not pending and not first_pass:
             return
-        # (that epoch's run.checkpoint(), which the resumed one is, ends the replay: see checkpoint)
-        self._replay.at_checkpoint |= epoch == self._state.epoch and skip >= 0
+        found = schedulers.found_on(self._optimizers)
+        for opt, settings in pending:
+            schedulers.take_up(opt, settings, found)
+        if pending:
+            self._restored = ()
+        if not first_pass:
+            return
+        fresh = [type(s).__name__ for s in found if schedulers.steps_taken(s) == 0]
+        if fresh and self._resumed_steps > 0 and not schedulers.saves_a_scheduler(self.resumed):
+            if self.rank == 0 and self._ctx.reports:
+                log.warning(
+                    "a resumed run: the LR scheduler %s starts its schedule again (last_epoch 0, the run %d "
+                    "steps in): save its state, run.checkpoint(sched=scheduler.state_dict()), and load it "
+                    "once built, scheduler.load_state_dict(run.resumed['sched'])",
+                    fresh[0],
+                    self._resumed_steps,
+                )
+        self._replay = schedulers.Replay(found)
 
     def _end_replay(self) -> None:
         if self._replay is not None:
             self._replay.end()
-        self._replayed = True
+        self._replay, self._replayed = None, True
 
     def _check_resumed_pass(self, shard: "_Shard", skip: int) -> None:
         """A resumed run's first pass over run.loader() with no ``epoch=``, from the end of its
@@ -994,6 +997,8 @@ class Run:
         """Count ``samples`` for the next step (``run.loader`` does it for its batches; call it for
         batches from a loader of your own)."""
         self._batch_samples += samples
+        if self._replay is not None:  # (a resumed loop's first batch: the epochs it replays are behind it)
+            self._end_replay()
 
     def global_samples(self) -> int:
         """All workers' samples so far, as this worker knows them."""
@@ -1173,8 +1178,9 @@ class Run:
             )
         if self._syncs > 1:
             self._algo.check_resynced(self._ctx)
-        self._scheduled_after()
-        self._restored = ()
+        if self._restored:
+            self._schedulers_resumed(first_step=True)
+            self._restored = ()
         if not self._replayed and self._ctx.job.main is not None:
             self._end_replay()
         position = self._schedule_position() if cfg.schedule != "constant" or self.steps < self._warmup else None
@@ -1206,12 +1212,6 @@ class Run:
             self._unscale()  # once the gradients are synchronised: every worker finds the same overflow
         if self._clip and not self._algo.clips_combined:  # the synchronised gradient (every replica clips alike)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
-
-    def _scheduled_after(self) -> None:
-        """A resumed loop's LR schedulers built after run.setup(), at its first pass and first step:
-        see :func:`_scheduled_after`."""
-        for opt, (routed, settings) in zip(self._optimizers, self._restored):
-            _scheduled_after(opt, routed, settings)
 
     def _check_lr_alike(self, at_end: bool = False) -> None:
         """A user's loop in a lockstep group, at its first step, every CHECK_EVERY and at its end: the
@@ -2082,89 +2082,6 @@ def _state_to(opt: torch.optim.Optimizer, where: torch.device) -> None:
 def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings (lr, momentum, weight decay, ...), without its parameters."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def _scheduled_after(opt: torch.optim.Optimizer, routed: Any, restored: list[dict[str, Any]]) -> None:
-    """A resumed loop's optimiser at its first step: ``run.setup()`` restored it, then the loop built
-    an LR scheduler on it and loaded the scheduler's state from ``run.resumed``, the other way round
-    from PyTorch's order (the optimiser loaded after the scheduler is built). The scheduler's
-    construction set the lr (``LinearLR``: ``start_factor`` times it, which its later steps scale on
-    for ever; ``LambdaLR``: its step 0's), and loading its state does not set it back: the lr (and
-    the momentum or betas a cyclic schedule sets) go back to the restored ones, as PyTorch's order
-    leaves them. A scheduler built anew and not loaded keeps the lr it set."""
-    step = opt.__dict__.get("step")
-    if step is routed or not hasattr(step, "_wrapped_by_lr_sched"):
-        return  # no scheduler built on it since run.setup()
-    now = [float(g["lr"]) for g in opt.param_groups]
-    if not any([float(lr) for lr in s.get_last_lr()] != now for s in _schedulers([opt])):
-        return  # (a scheduler's state loaded: its last lr is the checkpoint's, not the one it set)
-    for group, settings in zip(opt.param_groups, restored):
-        for key in ("lr", "momentum", "betas"):
-            if key in settings and key in group:
-                group[key] = settings[key]
-
-
-def _schedulers(optimizers: list[torch.optim.Optimizer]) -> list[LRScheduler]:
-    """The LR schedulers built on ``optimizers`` (a ``SequentialLR`` or ``ChainedScheduler``, not the
-    ones inside it), wherever the loop keeps them: found among Python's objects, as nothing of an
-    optimiser's refers to its scheduler (a resumed run looks once or twice, some tens of ms)."""
-    found = [
-        s  # (type(): isinstance() asks some objects' __class__, and deprecated ones warn)
-        for s in gc.get_objects()
-        if issubclass(type(s), LRScheduler) and any(s.optimizer is o for o in optimizers)
-    ]
-    inner = {id(x) for s in found for x in getattr(s, "_schedulers", ())}
-    return [s for s in found if id(s) not in inner]
-
-
-class _Replay:
-    """A resumed loop that starts again at epoch 0 (docs/OWN_LOOP.md's) runs its epochs trained before
-    the checkpoint again as passes with no batches, and steps its per-epoch LR scheduler after each:
-    steps the scheduler had taken before the checkpoint, in the state the loop loaded from
-    ``run.resumed``. They are held while the replay lasts (until the first batch, the first step, or
-    the resumed checkpoint's ``run.checkpoint()`` called again), as a run never stopped took them
-    once: on 30aa15c a ``StepLR`` halved each epoch ended 4x below it, exit 0. A scheduler the loop
-    built anew and did not load (``last_epoch`` 0 at its first step) takes them: its replayed steps
-    are how it catches up. Each scheduler is of a subclass of its class meanwhile (whose ``step``
-    holds): an attribute of its own would be in its ``state_dict()``."""
-
-    def __init__(self, schedulers: list[LRScheduler]) -> None:
-        self.at_checkpoint = False  # a pass of the checkpoint's epoch began (its run.checkpoint() ends the replay)
-        self._held: list[tuple[LRScheduler, type[LRScheduler]]] = []
-        for sched in schedulers:
-            cls = type(sched)
-            try:
-                sched.__class__ = _holding(cls)
-            except TypeError:  # (a layout of its own, __slots__: left as it is)
-                continue
-            _HELD[sched] = []
-            self._held.append((sched, cls))
-
-    def end(self) -> None:
-        for sched, cls in self._held:
-            sched.__class__ = cls
-            _HELD.pop(sched, None)
-        self._held.clear()
-
-
-# the schedulers a _Replay holds, each with whether its state is the checkpoint's (once its first step says)
-_HELD: weakref.WeakKeyDictionary[LRScheduler, list[bool]] = weakref.WeakKeyDictionary()
-_HOLDING: dict[type[LRScheduler], type[LRScheduler]] = {}
-
-
-def _holding(cls: type[LRScheduler]) -> type[LRScheduler]:
-    """``cls`` with a ``step()`` that a :class:`_Replay` holds (made once a class)."""
-    if cls not in _HOLDING:
-
-        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            loaded = _HELD.get(self)
-            if loaded is not None and not loaded:
-                loaded.append(self.last_epoch != 0)
-            return None if loaded and loaded[0] else cls.step(self, *args, **kwargs)
-
-        namespace = {"step": step, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _HOLDING[cls] = type(cls.__name__, (cls,), namespace)
-    return _HOLDING[cls]
 
 
 def _grad_versions(optimizers: list[torch.optim.Optimizer]) -> list[int]:

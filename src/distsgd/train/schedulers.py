@@ -1,0 +1,172 @@
+"""A resumed user's loop's LR schedulers: what PyTorch's order of loading gives, in distsgd's.
+
+``run.setup()`` restores a resumed run's optimisers before the loop builds its scheduler on them
+and loads the scheduler's state from ``run.resumed``: the other way round from PyTorch's order
+(scheduler built, then both loaded). Two things went wrong silently (on 30aa15c):
+
+- the scheduler's construction set the lr, and loading its state does not set it back:
+  ``LinearLR`` multiplies the lr it finds by ``start_factor``, and its later steps scale on from
+  there, so a warm-up resumed past its end stepped at 0.1x the lr for the rest of the run;
+  ``LambdaLR`` and ``OneCycleLR`` stepped once at their start's lr. :func:`take_up` sets the
+  restored lr (and the momentum or betas a cyclic schedule sets) back.
+- docs/OWN_LOOP.md's loop starts again at epoch 0, the epochs trained before passes with no
+  batches, and steps a per-epoch scheduler after each: steps the loaded state has taken already
+  (a ``StepLR`` halved each epoch ended 4x below a run never stopped). :class:`Replay` holds them.
+
+Schedulers are found among Python's objects (``gc.get_objects()``: nothing of an optimiser's
+refers to its scheduler), once at a resumed run's first pass, and again at its first step only
+where a scheduler was built after the first pass: about 0.1 s with torch imported, more with a
+large heap of Python objects (1 s with 5 million lists).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+# what a cyclic or one-cycle scheduler's construction sets in a parameter group, besides the lr
+SET_BY_SCHEDULERS = ("lr", "momentum", "betas")
+
+
+def found_on(optimizers: Iterable[torch.optim.Optimizer]) -> list[LRScheduler]:
+    """The LR schedulers built on ``optimizers`` (a ``SequentialLR`` or ``ChainedScheduler``, not the
+    ones inside it), wherever the loop keeps them."""
+    opts = list(optimizers)
+    found = [
+        s  # (type(): isinstance() asks some objects' __class__, and deprecated ones warn)
+        for s in gc.get_objects()
+        if issubclass(type(s), LRScheduler) and any(getattr(s, "optimizer", None) is o for o in opts)
+    ]
+    inner = {id(x) for s in found for x in getattr(s, "_schedulers", ())}
+    return [s for s in found if id(s) not in inner]
+
+
+def steps_taken(sched: LRScheduler) -> int | None:
+    """The steps a scheduler has taken (``last_epoch``; a ``ChainedScheduler``'s, its first one's):
+    0 for one built anew; None where it does not say."""
+    last = getattr(sched, "last_epoch", None)
+    if last is None:
+        inner = getattr(sched, "_schedulers", None)
+        last = getattr(inner[0], "last_epoch", None) if inner else None
+    return last if isinstance(last, int) else None
+
+
+def built_after(opt: torch.optim.Optimizer, routed: Any) -> bool:
+    """A scheduler was built on ``opt`` since ``run.setup()`` gave it the step ``routed``: a scheduler's
+    construction wraps the optimiser's ``step`` (torch marks the wrapper)."""
+    step = opt.__dict__.get("step")
+    return step is not routed and hasattr(step, "_wrapped_by_lr_sched")
+
+
+def take_up(opt: torch.optim.Optimizer, restored: list[dict[str, Any]], found: list[LRScheduler]) -> None:
+    """``opt``'s lr as its scheduler last set it, where one built on it since ``run.setup()`` loaded
+    its state (it has taken steps: the checkpoint's) and the lr is not the one it set: the
+    scheduler's construction set another, which its ``load_state_dict()`` leaves. A scheduler's last
+    lr is the checkpoint's (or, stepped since, the one that step set); with two on one optimiser,
+    the lr ``run.setup()`` restored. The momentum or betas a cyclic schedule's construction set go
+    back to the restored ones too. A scheduler built anew keeps the lr it set, and so does an
+    optimiser with none; with a loaded one the lr is the scheduler's, so one set by hand after
+    ``run.setup()`` goes back too (a schedule's own lr is its ``base_lrs``)."""
+    mine = [s for s in found if s.optimizer is opt]
+    now = [float(g["lr"]) for g in opt.param_groups]
+    loaded = [s for s in mine if (steps_taken(s) or 0) != 0 and [float(x) for x in s.get_last_lr()] != now]
+    if not loaded:
+        return
+    last = loaded[0].get_last_lr() if len(mine) == 1 else [settings["lr"] for settings in restored]
+    for group, settings, lr in zip(opt.param_groups, restored, last):
+        group["lr"] = lr
+        for key in SET_BY_SCHEDULERS[1:]:
+            if key in settings and key in group:
+                group[key] = settings[key]
+
+
+def saves_a_scheduler(value: Any) -> bool:
+    """``run.resumed`` holds a scheduler's ``state_dict()`` (a dict with its ``last_epoch``, or a
+    ``ChainedScheduler``'s list of them) somewhere."""
+    if isinstance(value, dict):
+        if "last_epoch" in value or "_schedulers" in value:
+            return True
+        return any(saves_a_scheduler(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(saves_a_scheduler(v) for v in value)
+    return False
+
+
+class Replay:
+    """A resumed loop that starts again at epoch 0 runs its epochs trained before the checkpoint as
+    passes with no batches, and steps its per-epoch scheduler after each, in the order the run
+    before it did: the first ``last_epoch`` of them (the loaded state's steps: those taken before
+    the checkpoint, wherever in the loop it was) are held, the ones after taken. The replay lasts
+    from the resumed run's first pass to its first batch (a run that resumes at the epoch after its
+    checkpoint steps nothing in it). A scheduler built anew (``last_epoch`` 0) takes every step.
+
+    The scheduler's class is given a holding ``step()`` meanwhile (it is put back at the end): its
+    objects stay what they are (their ``state_dict()``, pickling, ``type()``)."""
+
+    def __init__(self, found: list[LRScheduler]) -> None:
+        self._classes: list[type] = []
+        for sched in found:
+            if steps_taken(sched) is None:
+                continue
+            _HELD[sched] = [-1]  # its steps to hold: decided at its first step in the replay
+            _hold(type(sched))
+            self._classes.append(type(sched))
+        self._held = [s for s in found if s in _HELD]
+
+    def end(self) -> None:
+        for sched in self._held:
+            _HELD.pop(sched, None)
+        for cls in self._classes:
+            _release(cls)
+        self._held, self._classes = [], []
+
+
+# the schedulers replays hold: each with the steps it has left to hold (-1: not yet stepped)
+_HELD: weakref.WeakKeyDictionary[LRScheduler, list[int]] = weakref.WeakKeyDictionary()
+# each class holding: its own ``step`` (None: inherited) and the replays that hold it
+_CLASSES: dict[type, tuple[Any, int]] = {}
+_LOCK = threading.Lock()  # (the workers of Hogwild! on one GPU are threads of one process)
+
+
+def _hold(cls: type) -> None:
+    with _LOCK:
+        if cls in _CLASSES:
+            own, n = _CLASSES[cls]
+            _CLASSES[cls] = (own, n + 1)
+            return
+        own = cls.__dict__.get("step")
+        impl = getattr(cls, "step")
+        impl = getattr(impl, "_distsgd_holds", impl)  # (a base class's, held too: its own step)
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            left = _HELD.get(self)
+            if left is not None:
+                if left[0] < 0:
+                    left[0] = steps_taken(self) or 0
+                if left[0] > 0:
+                    left[0] -= 1
+                    return None
+            return impl(self, *args, **kwargs)
+
+        step._distsgd_holds = impl  # type: ignore[attr-defined]
+        cls.step = step  # type: ignore[attr-defined]
+        _CLASSES[cls] = (own, 1)
+
+
+def _release(cls: type) -> None:
+    with _LOCK:
+        own, n = _CLASSES[cls]
+        if n > 1:
+            _CLASSES[cls] = (own, n - 1)
+            return
+        del _CLASSES[cls]
+        if own is None:
+            delattr(cls, "step")
+        else:
+            cls.step = own  # type: ignore[attr-defined]
