@@ -2122,6 +2122,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
             raise _with_why(failure, exc, algo, run) from exc
     finally:  # main returned or raised (Ctrl-C too): no hook of the run's stays in this process
         run._end_forwards_seen()
+        run._end_replay()  # (the schedulers' classes as torch made them)
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
