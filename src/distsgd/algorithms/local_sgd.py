@@ -37,6 +37,7 @@ from distsgd.algorithms.averaging import (
     allreduce_mean_,
     average_buffers_,
     average_model_,
+    broadcast_,
     flagged_grads,
     float_buffers,
     params,
@@ -102,8 +103,9 @@ class LocalSGD(GroupAlgorithm[LocalSGDOptions]):
         # warm-up: which parameters had a gradient on any rank, reduced with the gradients
         first = self.params[0] if self.params else torch.zeros(0, device=ctx.device)
         self.flags = torch.ones(len(self.params), dtype=first.dtype, device=first.device)
-        if start is Start.FRESH:  # start from one model (a resumed worker keeps its own)
-            average_model_(model, self.world)
+        if start is Start.FRESH:  # start from one model, rank 0's (a resumed worker keeps its own): the average
+            # of models each rank built with its own seed (nanoGPT's habit) is none of them, its weights shrunk
+            broadcast_([*model.parameters(), *model.buffers()])
         self.anchor = [p.detach().clone() for p in self.params] if self.compressor else []
         return model
 
