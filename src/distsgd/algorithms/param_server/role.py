@@ -122,6 +122,9 @@ class ServerRole:
         self.workers = workers
         self.exact = exact  # a checkpoint needs every worker's part (sync-ps), not only the live ones
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint seq -> {worker rank: its samples then}
+        # a user's loop's workers that finished: a checkpoint needs their parts too, since a resume
+        # without one starts that worker's loop again from nothing (its run.resumed None), counted again
+        self.done: set[int] = set()
         self.writing = threading.Lock()  # one checkpoint written at a time, outside the server's lock
         self.committed = -1  # the newest checkpoint committed (an older one taken meanwhile is not written)
         self.failure: Exception | None = None  # a checkpoint that could not be written: the run stops
@@ -158,7 +161,7 @@ class ServerRole:
     def _take_whole(self) -> Taken | None:
         """The newest checkpoint every live worker has saved, with a copy of the server's state as
         of now (call with the lock held; the writing happens after it is released)."""
-        needed = set(range(1, self.workers + 1)) if self.exact else self.server.active
+        needed = set(range(1, self.workers + 1)) if self.exact else self.server.active | self.done
         whole = [seq for seq, ranks in self.saved.items() if set(ranks) >= needed]
         if not whole or not self.cfg.out or self.failure is not None:
             return None
@@ -264,6 +267,8 @@ class ServerRole:
         """Worker ``rank`` finished its training (with its buffers as it ended, where it sent them)."""
         with self.server.lock:
             self.connected.discard(rank)
+            if self.own:  # (on 30aa15c `if run.rank == 0: run.checkpoint()` committed, timing allowing, once
+                self.done.add(rank)  # worker 1 had finished; the resume trained its part again: 244 samples of 192)
         self.server.finished(rank, samples, buffers)
 
     def worker_gone(self, rank: int, why: str) -> None:
