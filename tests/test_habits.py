@@ -2194,3 +2194,41 @@ def test_a_parameter_servers_checkpoint_waits_for_a_finished_workers_part(tmp_pa
     out = tmp_path / "run"
     distsgd.spawn(rank_zero_saves_last_loop, model=Net, algo="asgd", workers=2, batch_size=B, quiet=True, out=str(out))
     assert read_manifest(out) is None
+
+
+def logs_samples_loop(run: distsgd.Run) -> nn.Module:
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        run.log(loss=1.0, samples=run.samples)  # the loop's own count, under distsgd's field's name
+    return run.final_model()
+
+
+def test_a_figure_named_as_distsgds_own_field_is_refused() -> None:
+    """On 30aa15c run.log(samples=...) replaced the event's samples (all workers' count) with the
+    loop's, and event= its kind, in metrics.jsonl, exit 0 (a nanoGPT-style audit's)."""
+    with pytest.raises(distsgd.DistsgdError, match=r"run\.log\(samples=\.\.\.\): samples is a field distsgd writes"):
+        distsgd.spawn(logs_samples_loop, model=Net, algo="single", workers=1, batch_size=B, quiet=True)
+
+
+def grad_sync_flag_loop(run: distsgd.Run) -> nn.Module:
+    """nanoGPT's accumulation under DDP: `model.require_backward_grad_sync = (micro == last)`."""
+    model, opt = run.setup()
+    batches = iter(run.loader(toy_dataset(), batch_size=B // 2))
+    for first, second in zip(batches, batches):
+        for micro, (x, y) in enumerate((first, second)):
+            model.require_backward_grad_sync = micro == 1
+            (F.cross_entropy(model(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_ddps_grad_sync_flag_set_by_hand_is_refused_naming_it() -> None:
+    """It was refused as a forward through model.module or a second backward (a nanoGPT-style
+    audit's): the line now names the flag and run.no_sync()."""
+    with pytest.raises(distsgd.DistsgdError, match=r"require_backward_grad_sync = False .* inside run\.no_sync\(\)"):
+        distsgd.spawn(grad_sync_flag_loop, model=Net, algo="ddp", workers=2, batch_size=B, quiet=True)

@@ -199,6 +199,11 @@ class DDP(GroupAlgorithm[BucketOptions]):
         forward, after this step applied its replica's own gradients): refused in one line."""
         refuse_unfrozen(self.name, self.frozen)
         forwards, self.forwards = self.forwards, 0
+        if not forwards and getattr(self.ddp, "require_backward_grad_sync", True) is False:
+            raise ConfigError(
+                "model.require_backward_grad_sync = False (nanoGPT's accumulation) is DDP's no_sync() by hand, "
+                "which distsgd does not see: take the micro-batches before the last inside run.no_sync()"
+            )
         if not forwards:
             raise ConfigError(
                 "ddp synchronises a backward pass through a forward of the model run.setup() returned, and "

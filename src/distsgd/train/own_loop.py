@@ -1319,6 +1319,12 @@ class Run:
         stops, ``run.should_stop()`` is True): in a process group every worker calls ``run.log``
         with its test figures at the same point (as ``run.evaluation_model()``), the reporting
         one's decide; under Hogwild! any worker's figure stops them all."""
+        ours = sorted(set(figures) & {"event", "samples", "rank", "train_wall_s"})
+        if ours:  # (on 30aa15c a log event's were the loop's, metrics.jsonl's samples its own count, exit 0)
+            raise ConfigError(
+                f"run.log({ours[0]}=...): {ours[0]} is a field distsgd writes with each figure (the event, all "
+                f"workers' samples so far, the worker, the training time): give yours another name"
+            )
         values = {k: _figure(k, v) for k, v in figures.items()}
         ctx = self._ctx
         writes = ctx.reports or ctx.evaluates
