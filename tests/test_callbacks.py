@@ -173,16 +173,16 @@ def test_one_callback_alone_is_taken_as_lightning_takes_it() -> None:
 
 
 def test_a_resumed_early_stopping_counts_the_evaluations_up_to_the_checkpoint(tmp_path: Path) -> None:
-    """on_resume gets metrics.jsonl's evaluations up to the checkpoint's samples, the last logged at
+    """on_start gets metrics.jsonl's evaluations up to the checkpoint's samples, the last logged at
     each (a run resumed before logged its killed part's again), a torn line skipped."""
     events = [(100, 1.0), (200, 0.9), (300, 0.95), (300, 0.97), (400, 0.5)]  # 400: after the checkpoint
     lines = [json.dumps({"event": "eval", "samples": s, "test_loss": v}) for s, v in events]
     (tmp_path / "metrics.jsonl").write_text("\n".join([*lines[:3], '{"event": "ev', *lines[3:]]) + "\n")
     stopper = EarlyStopping(patience=2)
-    from distsgd.callbacks import resumed
+    from distsgd.callbacks import started
 
-    resumed((stopper,), tmp_path, 300)
+    started((stopper,), tmp_path, 300)
     assert (stopper.best, stopper.waited, stopper.stopped_at) == (0.9, 1, None)
     assert stopper.on_eval({"test_loss": 0.99, "samples": 400}) is True  # two past the best, as never stopped
-    resumed((stopper,), tmp_path / "nowhere", 300)  # no metrics.jsonl: nothing
-    assert stopper.best == 0.9
+    started((stopper,), tmp_path / "nowhere", 300)  # no metrics.jsonl: none to count, as a fresh run's
+    assert (stopper.best, stopper.waited) == (None, 0)

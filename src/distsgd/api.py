@@ -30,7 +30,7 @@ from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.callbacks import CallbackSink
 from distsgd.callbacks import checked as checked_callbacks
-from distsgd.callbacks import resumed as callbacks_resumed
+from distsgd.callbacks import started as callbacks_started
 from distsgd.checkpoint import (
     atomic_write_bytes,
     read_manifest,
@@ -384,18 +384,18 @@ def _run(
 
 
 def _resumed(job: Job, probe: nn.Module, n_train: int | None, torchrun: bool) -> Job:
-    """A resumed run's job: its checkpoint picked (locally), its callbacks' ``on_resume`` called with
-    the evaluations up to it (before they travel to the workers)."""
+    """A resumed run's job: its checkpoint picked (locally); the callbacks' ``on_start`` called with
+    the evaluations up to it (none in a fresh run), before they travel to the workers."""
     cfg = job.cfg
     if not cfg.resume:
+        callbacks_started(job.callbacks)
         return job
     if not torchrun:
         job = job.replace(resume_from=_pick_checkpoint(cfg, probe, n_train, own=job.main is not None))
     elif job.main is not None:  # under torchrun, each rank (the manifest: read by each, as it is)
         _own_optimiser_settings_kept(cfg)
-    if job.callbacks:
-        at = job.resume_from if job.resume_from is not None else read_manifest(Path(cfg.resume))
-        callbacks_resumed(job.callbacks, Path(cfg.resume), (at or {}).get("samples"))
+    at = job.resume_from if job.resume_from is not None else read_manifest(Path(cfg.resume))
+    callbacks_started(job.callbacks, Path(cfg.resume), (at or {}).get("samples"))
     return job
 
 

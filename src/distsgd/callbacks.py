@@ -13,13 +13,11 @@ with any of these methods (subclass :class:`Callback` or not):
 - ``on_checkpoint(event)``: a checkpoint committed (``seq``, ``samples``, ``epoch``), in the
   process that called ``train`` or ``spawn``.
 - ``on_end(summary)``: the run ended, with summary.json's dict, in that process.
-- ``on_resume(evals)``: a resumed run, before it trains on: the evaluations of the run it resumes
-  up to its checkpoint (metrics.jsonl's, in order; the last of each at one count of samples), in
-  the process that called ``train`` or ``spawn`` (before the callback travels to a worker).
-  :class:`EarlyStopping` counts them again, so its patience goes on where the checkpoint was.
-
-:class:`EarlyStopping` is one: it stops a run whose test loss (or accuracy) has not improved for
-``patience`` evaluations.
+- ``on_start(evals)``: the run begins, in the process that called ``train`` or ``spawn`` (before the
+  callback travels to a worker): ``evals`` are the evaluations of the run it resumes up to its
+  checkpoint (metrics.jsonl's, in order; the last of each at one count of samples), none in a fresh
+  run. :class:`EarlyStopping` counts them again, so its patience goes on where the checkpoint was,
+  and starts afresh in a fresh run (an object given to a second run, as Keras' ``on_train_begin``).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ class Callback:
     def on_end(self, summary: dict[str, Any]) -> None:
         return None
 
-    def on_resume(self, evals: list[dict[str, Any]]) -> None:
+    def on_start(self, evals: list[dict[str, Any]]) -> None:
         return None
 
 
@@ -86,11 +84,12 @@ class EarlyStopping(Callback):
             return True
         return False
 
-    def on_resume(self, evals: list[dict[str, Any]]) -> None:
-        """The evaluations before the checkpoint, counted as a run never stopped counted them (on
-        30aa15c a resumed run began with none: it waited ``patience`` more from its first, 21
-        evaluations where one never stopped took 14). A run it stopped, resumed, stops at its first
-        evaluation that does not improve (a larger ``patience`` given now trains on)."""
+    def on_start(self, evals: list[dict[str, Any]]) -> None:
+        """The evaluations before the run's start (a resumed run's up to its checkpoint), counted as a
+        run never stopped counted them (on 30aa15c a resumed run began with none: it waited
+        ``patience`` more from its first, 21 evaluations where one never stopped took 14). A run it
+        stopped, resumed, stops at its first evaluation that does not improve (a larger
+        ``patience`` given now trains on)."""
         self.best, self.waited, self.stopped_at = None, 0, None
         for event in evals:
             self.on_eval(event)
@@ -129,18 +128,27 @@ class CallbackSink:
 __all__ = ["Callback", "EarlyStopping", "CallbackSink", "stops"]
 
 
-HOOKS = ("on_eval", "on_checkpoint", "on_end", "on_resume")
+HOOKS = ("on_eval", "on_checkpoint", "on_end", "on_start")
 
 
-def resumed(callbacks: tuple, run_dir: Path, samples: int | None) -> None:
-    """A resumed run's callbacks' ``on_resume``: the evaluations ``run_dir``'s metrics.jsonl holds up
-    to ``samples`` (the checkpoint's), by samples, the last logged of each (a run resumed before
-    logged its killed part's again). Nothing where the file is missing or unreadable."""
-    takers = [cb for cb in callbacks if callable(getattr(cb, "on_resume", None))]
-    if not takers or samples is None:
+def started(callbacks: tuple, run_dir: Path | None = None, samples: int | None = None) -> None:
+    """The callbacks' ``on_start``: with the evaluations ``run_dir``'s metrics.jsonl holds up to
+    ``samples`` (a resumed run's checkpoint's), by samples, the last logged of each (a run resumed
+    before logged its killed part's again); none in a fresh run (``run_dir`` None), or where the
+    file is missing or unreadable."""
+    takers = [cb for cb in callbacks if callable(getattr(cb, "on_start", None))]
+    if not takers:
         return
     found: dict[Any, dict[str, Any]] = {}
-    path = run_dir / "metrics.jsonl"
+    if run_dir is not None and samples is not None:
+        found = _evals_up_to(run_dir / "metrics.jsonl", samples)
+    evals = sorted(found.values(), key=lambda e: e["samples"])
+    for cb in takers:
+        cb.on_start(evals)
+
+
+def _evals_up_to(path: Path, samples: int) -> dict[Any, dict[str, Any]]:
+    found: dict[Any, dict[str, Any]] = {}
     try:
         with path.open(encoding="utf-8", errors="replace") as fh:
             for line in fh:
@@ -154,10 +162,8 @@ def resumed(callbacks: tuple, run_dir: Path, samples: int | None) -> None:
                         found.pop(at, None)
                         found[at] = event
     except OSError:
-        return
-    evals = sorted(found.values(), key=lambda e: e["samples"])
-    for cb in takers:
-        cb.on_resume(evals)
+        return {}
+    return found
 
 
 def checked(callbacks: Any) -> tuple:

@@ -669,7 +669,7 @@ def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResu
     again, from the last checkpoint in ``--out`` if there is one (else from the start), the way
     torchrun's ``--max-restarts`` does. Each restart is a ``restart`` event and is listed in the
     chief's ``restarts``."""
-    from distsgd.callbacks import resumed as callbacks_resumed
+    from distsgd.callbacks import started as callbacks_started
     from distsgd.checkpoint import read_manifest
 
     restarts: list[dict[str, Any]] = []
@@ -692,7 +692,7 @@ def with_restarts(job: Job, sink: Sink, attempt: Callable[[Job], list[WorkerResu
             sink.emit({"event": "restart", **record})
             restarts.append(record)
             if resume and manifest is not None:  # (the callbacks' counters: as a resume's, see callbacks.resumed)
-                callbacks_resumed(job.callbacks, Path(resume), manifest.get("samples"))
+                callbacks_started(job.callbacks, Path(resume), manifest.get("samples"))
                 job = job.replace(cfg=job.cfg.replace(resume=resume))
             continue
         results[0].attendance = results[0].attendance or Attendance()
