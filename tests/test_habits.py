@@ -2078,7 +2078,7 @@ def scripted_figures_loop(run: distsgd.Run, epochs: int, die_after: int | None =
 def test_early_stopping_resumed_goes_on_counting_where_its_checkpoint_was(tmp_path: Path) -> None:
     """EarlyStopping(patience=3) over the losses above stops after epoch 4 (three evaluations past
     the best, 0.9). Stopped after epoch 2 (one past it) and resumed: on 30aa15c its counters began
-    again at the resume, so it never stopped (all 8 epochs, exit 0); now on_resume counts the run's
+    again at the resume, so it never stopped (all 8 epochs, exit 0); now on_start counts the run's
     evaluations up to its checkpoint and it stops where the run never stopped did; so does a group
     --restart-workers started again from the checkpoint (on 30aa15c: all 8 epochs too)."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
@@ -2232,3 +2232,41 @@ def test_ddps_grad_sync_flag_set_by_hand_is_refused_naming_it() -> None:
     audit's): the line now names the flag and run.no_sync()."""
     with pytest.raises(distsgd.DistsgdError, match=r"require_backward_grad_sync = False .* inside run\.no_sync\(\)"):
         distsgd.spawn(grad_sync_flag_loop, model=Net, algo="ddp", workers=2, batch_size=B, quiet=True)
+
+
+def zipped_resumable_loop(run: distsgd.Run, stop_at: int | None, with_epoch: bool) -> nn.Module:
+    """A labelled loader zipped with an unlabelled one of twice its size (semi-supervised), each pass
+    given its epoch or not, a checkpoint every 3 steps; the first run stops at step ``stop_at``."""
+    model, opt = run.setup()
+    unlabelled = TensorDataset(torch.cat([toy_dataset().tensors[0]] * 2))
+    labelled, other = run.loader(toy_dataset(), batch_size=B), run.loader(unlabelled, batch_size=2 * B)
+    for epoch in range(2):
+        if with_epoch:
+            labelled = run.loader(toy_dataset(), batch_size=B, epoch=epoch)
+            other = run.loader(unlabelled, batch_size=2 * B, epoch=epoch)
+        for (x, y), (u,) in zip(labelled, other):
+            opt.zero_grad()
+            (F.cross_entropy(model(x), y) + 0.1 * model(u).softmax(1).max(1).values.mean()).backward()
+            opt.step()
+            if run.steps % 3 == 0:
+                run.checkpoint(epoch=epoch)
+            if run.steps == stop_at and run.resumed is None:
+                return run.final_model()
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_epoch", [True, False], ids=["epoch=", "no epoch="])
+def test_loaders_read_together_resume_each_where_it_was(tmp_path: Path, with_epoch: bool) -> None:
+    """Stopped at step 12 of 16 (a checkpoint there) and resumed: on 30aa15c the checkpoint kept one
+    position for both (their samples summed, skipped in each, with epoch=; without it each pass was
+    an epoch of its own, and the resume found the first trained before): 1,152 samples for 1,536,
+    0.036 and 0.048 from a run never stopped, exit 0. Now each pass keeps its own position."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "lr": 0.1, "quiet": True}
+    run = str(tmp_path / "run")
+    distsgd.spawn(zipped_resumable_loop, args=(12, with_epoch), out=run, **settings)
+    resumed = distsgd.spawn(zipped_resumable_loop, args=(None, with_epoch), out=run, resume=run, **settings)
+    whole = distsgd.spawn(zipped_resumable_loop, args=(None, with_epoch), out=str(tmp_path / "whole"), **settings)
+    assert resumed.model is not None and whole.model is not None
+    assert resumed.summary["samples"] == whole.summary["samples"] == 2 * (N + 2 * N)
+    assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6

@@ -120,7 +120,8 @@ class LoopState:
 
     def __init__(self, eval_every: int | None = None, checkpoint_every: int | None = None) -> None:
         self.epoch = 0
-        self.start = 0  # where the next batch begins in this epoch's order
+        self.start = 0  # where the next batch begins in this epoch's order (its passes' summed)
+        self.starts: list[int] = []  # a user's loop: each pass of this epoch's, by the order they began
         self.local = 0  # this worker's samples
         self.steps = 0
         self.unstepped = 0  # of them, those no counted step took (a replacement's: its predecessor's)
@@ -135,6 +136,7 @@ class LoopState:
     def state_dict(self) -> dict[str, Any]:
         return {
             **{k: getattr(self, k) for k in self._COUNTERS},
+            "starts": list(self.starts),
             "evals_at": self.evals_at.state_dict(),
             "checkpoints_at": self.checkpoints_at.state_dict(),
         }
@@ -143,6 +145,8 @@ class LoopState:
         for k in self._WHOLE:
             setattr(self, k, count(state, k))
         self.unstepped = count(state, "unstepped") if "unstepped" in state else 0  # (kept since 2026-11-29)
+        starts = state.get("starts", [])  # (kept since 2026-11-30; before, one position: the first pass's)
+        self.starts = [count({"start": v}, "start") for v in starts] if isinstance(starts, list) else []
         self.train_wall_s = seconds(state, "train_wall_s")
         self.evals = evaluations(state, "evals")
         self.evals_at.load_state_dict(state["evals_at"])
@@ -194,7 +198,11 @@ class Run:
         self._user = _UserState()  # a user's loop's own state, in its checkpoints
         self.resumed: dict[str, Any] | None = None  # that state, in a run resumed from a checkpoint
         self._checkpointer: Checkpointer | None = None
-        self._skip = 0  # samples of the resumed epoch trained before its checkpoint
+        # samples of the resumed epoch each of its passes trained before the checkpoint (by their order)
+        self._skips: list[int] = []
+        self._in_epoch = 0  # passes begun in the state's epoch (this run's)
+        self._pass_of: dict[int, int] = {}  # each pass under way (by its token): its place among them
+        self._pending: dict[int, int] = {}  # samples counted since the last step, by the pass (its place)
         self._first_epoch = 0  # epochs before this one were trained before a resume or a replacement
         self._rejoined: int | None = None  # a replacement: the samples its rank had trained
         # the training set's length as run.loader last saw it (a map-style dataset; None: a stream
@@ -327,7 +335,7 @@ class Run:
             if ctx.job.main is not None:
                 self._restored = tuple((r.opt.__dict__.get("step"), _settings(r.opt)) for r in self._real)
             self._resumed_steps = self._state.steps
-            self._skip, self._first_epoch = self._state.start, self._state.epoch
+            self._skips, self._first_epoch = self._state.starts or [self._state.start], self._state.epoch
             self._resumed_short(ctx, self._checkpointer.manifest)
         elif start is Start.REPLACEMENT:
             self._state.local = self._state.unstepped = self._rejoined = self._algo.starting_samples(ctx)
@@ -777,7 +785,8 @@ class Run:
             0 if isinstance(dataset, IterableDataset) else shard_size(len(dataset), self.world, self.cfg.partition)
         )
         st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, self._rejoined)
-        self._skip, self._first_epoch, self._rejoined = st.start, st.epoch, None
+        self._skips, self._first_epoch, self._rejoined = [st.start], st.epoch, None
+        st.starts = []
 
     def _epoch_order(self, shard: "_Shard", epoch: int, skip: int) -> torch.Tensor:
         """The indices of ``shard``'s dataset this worker takes in ``epoch``, the first ``skip`` left out."""
@@ -789,12 +798,21 @@ class Run:
         return order
 
     def _upcoming_epoch(self, shard: "_Shard") -> tuple[int, int]:
-        """The epoch a pass over ``shard`` would be now, and the samples of it already trained."""
+        """The epoch a pass over ``shard`` would be now, and the samples of it already trained. A
+        pass with no ``epoch=`` begun while another is under way (two loaders zipped) is that one's
+        epoch: read together, they make one (each had an epoch of its own, and a resume inside it
+        found the first trained before: the rest of it was lost)."""
         self._rejoin(shard.dataset)
-        epoch = shard.epoch if shard.epoch is not None else self._passes
+        if shard.epoch is not None:
+            epoch = shard.epoch
+        else:
+            epoch = self._state.epoch if self._open else self._passes
         if epoch < self._first_epoch:
             return epoch, -1  # trained before the resume: empty
-        return epoch, self._skip if epoch == self._state.epoch else 0
+        if epoch != self._state.epoch:
+            return epoch, 0
+        place = self._in_epoch  # (its own position: zipped loaders' differ, one position skipped both by their sum)
+        return epoch, self._skips[place] if place < len(self._skips) else 0
 
     def _pass(self, shard: "_Shard", token: object) -> Any:
         """A pass over ``shard``: its batches of the epoch it is (the state says so from here on);
@@ -803,7 +821,7 @@ class Run:
         if self._started is Start.RESUMED and not self._replayed and self._ctx.job.main is not None:
             self._schedulers_resumed()  # (at a pass: the lr a loop logs at its first step is the one it steps with)
         epoch, skip = self._upcoming_epoch(shard)
-        if shard.epoch is None:
+        if shard.epoch is None and not self._open:  # (one begun beside another is its epoch's)
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
             self._passes += 1
@@ -812,10 +830,13 @@ class Run:
         self._data_len = None if None in lengths else sum(cast(list[int], lengths))
         if skip < 0:
             return []
-        self._skip = 0
         st = self._state
         if epoch != st.epoch:
-            st.epoch, st.start = epoch, 0
+            st.epoch, st.start, st.starts, self._in_epoch, self._skips = epoch, 0, [], 0, []
+        self._pass_of[id(token)] = place = self._in_epoch
+        self._in_epoch += 1
+        st.starts[len(st.starts) : place + 1] = [0] * (place + 1 - len(st.starts))
+        st.starts[place] = skip
         return self._batches(shard, epoch, skip)
 
     def _schedulers_resumed(self, first_step: bool = False) -> None:
@@ -1008,6 +1029,13 @@ class Run:
         self._batch_samples += samples
         if self._replay is not None:  # (a resumed loop's first batch: the epochs it replays are behind it)
             self._end_replay()
+
+    def _count_in(self, token: object, samples: int) -> None:
+        """A batch of run.loader's pass ``token``: counted, and its pass's position moves at the step."""
+        self.count(samples)
+        place = self._pass_of.get(id(token))
+        if place is not None:
+            self._pending[place] = self._pending.get(place, 0) + samples
 
     def global_samples(self) -> int:
         """All workers' samples so far, as this worker knows them."""
@@ -1268,6 +1296,7 @@ class Run:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
         self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = 0
         self._stepped.clear()
+        self._pending.clear()
         self._current, self._unscaled, self._unsynced, self._in_backward = None, False, False, False
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
@@ -1296,6 +1325,10 @@ class Run:
         n = self._batch_samples
         self._state.local += n
         self._state.start += n
+        for place, taken in self._pending.items():  # each pass's own position (see _upcoming_epoch)
+            if place < len(self._state.starts):
+                self._state.starts[place] += taken
+        self._pending.clear()
         self._state.steps += 1
         self._batch_samples = self._backwards = self._syncs = 0
         self._stepped.clear()
@@ -1905,13 +1938,14 @@ class _Shard:
             for batch in run._pass(self, token):
                 if run.should_stop():
                     return
-                run.count(_count(batch))
+                run._count_in(token, _count(batch))
                 read += 1
                 yield _to(batch, run.device)
             if read and run._backwards_ever == backwards and run._ctx.job.main is not None:
                 raise ConfigError(_NO_BACKWARD_PASS.format(read=f"{read} batch{'es' * (read != 1)}"))
         finally:  # exhausted, left (a zip's shorter loader ended), or stopped
             run._open.pop(id(token), None)
+            run._pass_of.pop(id(token), None)
 
 
 class _Real:
