@@ -184,6 +184,13 @@ class Run:
     # starts again at epoch 0 takes again (see schedulers.Replay); _replayed: over
     _replay: schedulers.Replay | None = None
     _replayed = False
+    # samples of the resumed epoch each of its passes trained before the checkpoint (by the order they
+    # began); passes begun in the state's epoch (this run's); each pass under way's place among them (by
+    # its token); samples counted since the last step, by the pass's place
+    _skips: tuple[int, ...] = ()
+    _in_epoch = 0
+    _pass_of: dict[int, int]
+    _pending: dict[int, int]
     _collectives = 0  # run.all_reduce() and run.all_gather() calls (their tensors checked at 1, 2, 17, 33, ...)
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
@@ -198,11 +205,7 @@ class Run:
         self._user = _UserState()  # a user's loop's own state, in its checkpoints
         self.resumed: dict[str, Any] | None = None  # that state, in a run resumed from a checkpoint
         self._checkpointer: Checkpointer | None = None
-        # samples of the resumed epoch each of its passes trained before the checkpoint (by their order)
-        self._skips: list[int] = []
-        self._in_epoch = 0  # passes begun in the state's epoch (this run's)
-        self._pass_of: dict[int, int] = {}  # each pass under way (by its token): its place among them
-        self._pending: dict[int, int] = {}  # samples counted since the last step, by the pass (its place)
+        self._pass_of, self._pending = {}, {}  # (see the class's annotations)
         self._first_epoch = 0  # epochs before this one were trained before a resume or a replacement
         self._rejoined: int | None = None  # a replacement: the samples its rank had trained
         # the training set's length as run.loader last saw it (a map-style dataset; None: a stream
@@ -335,7 +338,7 @@ class Run:
             if ctx.job.main is not None:
                 self._restored = tuple((r.opt.__dict__.get("step"), _settings(r.opt)) for r in self._real)
             self._resumed_steps = self._state.steps
-            self._skips, self._first_epoch = self._state.starts or [self._state.start], self._state.epoch
+            self._skips, self._first_epoch = tuple(self._state.starts or [self._state.start]), self._state.epoch
             self._resumed_short(ctx, self._checkpointer.manifest)
         elif start is Start.REPLACEMENT:
             self._state.local = self._state.unstepped = self._rejoined = self._algo.starting_samples(ctx)
@@ -785,7 +788,7 @@ class Run:
             0 if isinstance(dataset, IterableDataset) else shard_size(len(dataset), self.world, self.cfg.partition)
         )
         st.epoch, st.start = divmod(self._rejoined, per_epoch) if per_epoch else (0, self._rejoined)
-        self._skips, self._first_epoch, self._rejoined = [st.start], st.epoch, None
+        self._skips, self._first_epoch, self._rejoined = (st.start,), st.epoch, None
         st.starts = []
 
     def _epoch_order(self, shard: "_Shard", epoch: int, skip: int) -> torch.Tensor:
@@ -832,7 +835,7 @@ class Run:
             return []
         st = self._state
         if epoch != st.epoch:
-            st.epoch, st.start, st.starts, self._in_epoch, self._skips = epoch, 0, [], 0, []
+            st.epoch, st.start, st.starts, self._in_epoch, self._skips = epoch, 0, [], 0, ()
         self._pass_of[id(token)] = place = self._in_epoch
         self._in_epoch += 1
         st.starts[len(st.starts) : place + 1] = [0] * (place + 1 - len(st.starts))
