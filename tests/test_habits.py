@@ -1931,7 +1931,8 @@ def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str 
     (halved each epoch); ``habit``, of a StepLR: "stepped, then saved" at each epoch's end, "saved,
     then stepped", "saved every 8 steps" (inside the pass; an epoch is 8 steps), "stepped first" (at
     each epoch's start, PyTorch's habit before 1.1). Every epoch from 0, each pass given its epoch
-    (docs/OWN_LOOP.md's), the ones trained before empty passes."""
+    (docs/OWN_LOOP.md's), the ones trained before empty passes; or, "saved, then stepped, from its
+    epoch", resumed from the checkpoint's epoch (its pass empty: the checkpoint is at its end)."""
     model, opt = run.setup()
     steps = 4 * N // (2 * B)  # the schedule's length: 4 epochs (a run stopped after 2 and resumed, or not)
     sched = {
@@ -1941,7 +1942,8 @@ def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str 
     }[kind]()
     if run.resumed is not None:
         sched.load_state_dict(run.resumed["sched"])
-    for epoch in range(epochs):
+    at_its_epoch = habit == "saved, then stepped, from its epoch" and run.resumed is not None
+    for epoch in range(run.resumed["epoch"] if at_its_epoch else 0, epochs):
         if habit == "stepped first":
             sched.step()
         for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
@@ -1952,7 +1954,7 @@ def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str 
                 sched.step()
             if habit == "saved every 8 steps" and run.steps % 8 == 0:
                 run.checkpoint(epoch=epoch, sched=sched.state_dict())
-        if habit == "saved, then stepped":
+        if habit.startswith("saved, then stepped"):
             run.checkpoint(epoch=epoch, sched=sched.state_dict())
         if kind == "StepLR" and habit != "stepped first":
             sched.step()
@@ -1993,7 +1995,8 @@ def test_a_per_epoch_scheduler_steps_once_an_epoch_in_a_resumed_loop_from_epoch_
         wholes[habit] = distsgd.spawn(
             resumed_scheduler_loop, args=(4, "StepLR", habit), out=str(tmp_path / f"whole {habit}"), **settings
         )
-    for i, habit in enumerate(["stepped, then saved", "saved, then stepped", "saved every 8 steps", "stepped first"]):
+    habits = ["stepped, then saved", "saved, then stepped", "saved every 8 steps", "stepped first"]
+    for i, habit in enumerate([*habits, "saved, then stepped, from its epoch"]):
         run = str(tmp_path / f"run{i}")
         distsgd.spawn(resumed_scheduler_loop, args=(2, "StepLR", habit), out=run, **settings)
         resumed = distsgd.spawn(resumed_scheduler_loop, args=(4, "StepLR", habit), out=run, resume=run, **settings)
@@ -2270,3 +2273,38 @@ def test_loaders_read_together_resume_each_where_it_was(tmp_path: Path, with_epo
     assert resumed.model is not None and whole.model is not None
     assert resumed.summary["samples"] == whole.summary["samples"] == 2 * (N + 2 * N)
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+
+
+class Positions(nn.Module):
+    """A half-precision model with an integer buffer, as a transformer's position ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 3)
+        self.register_buffer("position_ids", torch.arange(3000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.to(self.fc.weight.dtype)).float()
+
+
+def positions_loop(run: distsgd.Run) -> nn.Module:
+    model = Positions().to(torch.bfloat16)
+    model, opt = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    wrong = int((run.model.position_ids != torch.arange(3000)).sum())  # (ddp's model wraps it: run.model is it)
+    if wrong:
+        raise AssertionError(f"worker {run.rank}: {wrong} of 3000 position ids changed at run.setup()")
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["allreduce", "local-sgd", "diloco"])
+def test_an_integer_buffer_of_a_half_precision_model_starts_exact(algo: str) -> None:
+    """The start's broadcast of rank 0's parameters and buffers was one flat tensor in the dtype
+    torch.cat promotes to: a bf16 model's int64 position ids came back rounded (2,300 of 3,000
+    wrong, 2999 as 2992; a review's), exit 0. Now one broadcast a dtype."""
+    extra = {"inner_optimizer": "sgd", "weight_decay": 0.0} if algo == "diloco" else {}
+    distsgd.spawn(positions_loop, model=Positions, algo=algo, workers=2, batch_size=B, quiet=True, **extra)

@@ -184,6 +184,8 @@ class Run:
     # starts again at epoch 0 takes again (see schedulers.Replay); _replayed: over
     _replay: schedulers.Replay | None = None
     _replayed = False
+    # the tensors of run.resumed (a resumed run's load of its checkpoint's model back: see _same_state)
+    _resumed_ids: frozenset[int] = frozenset()
     # samples of the resumed epoch each of its passes trained before the checkpoint (by the order they
     # began); passes begun in the state's epoch (this run's); each pass under way's place among them (by
     # its token); samples counted since the last step, by the pass's place
@@ -335,6 +337,7 @@ class Run:
         self._started = start
         if start is Start.RESUMED:
             self.resumed = self._user.value
+            self._resumed_ids = frozenset(id(t) for t in _tensors_in(self.resumed))
             if ctx.job.main is not None:
                 self._restored = tuple((r.opt.__dict__.get("step"), _settings(r.opt)) for r in self._real)
             self._resumed_steps = self._state.steps
@@ -404,8 +407,11 @@ class Run:
         same = [False]  # the state being loaded is the model's own (see _same_state)
 
         def loading(mod: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
-            if mod is target() and not prefix:
-                same[0] = _same_state(mod, state)
+            me = run()
+            if me is not None and mod is target() and not prefix:  # (run.resumed's, as every worker loads its own)
+                tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+                mine = bool(tensors) and all(id(v) in me._resumed_ids for v in tensors)
+                same[0] = mine and _same_state(mod, state)
 
         def loaded(mod: nn.Module, incompatible: Any) -> None:  # a function: a copy of the module keeps it
             me = run()
@@ -821,9 +827,11 @@ class Run:
         """A pass over ``shard``: its batches of the epoch it is (the state says so from here on);
         ``token`` names it among the passes under way until it ends (``_Shard.__iter__`` lets go)."""
         self._need_setup("iterating over run.loader()")
-        if self._started is Start.RESUMED and not self._replayed and self._ctx.job.main is not None:
-            self._schedulers_resumed()  # (at a pass: the lr a loop logs at its first step is the one it steps with)
         epoch, skip = self._upcoming_epoch(shard)
+        if self._started is Start.RESUMED and not self._replayed and self._ctx.job.main is not None:
+            self._schedulers_resumed(
+                epoch
+            )  # (at a pass: the lr a loop logs at its first step is the one it steps with)
         if shard.epoch is None and not self._open:  # (one begun beside another is its epoch's)
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
@@ -842,7 +850,7 @@ class Run:
         st.starts[place] = skip
         return self._batches(shard, epoch, skip)
 
-    def _schedulers_resumed(self, first_step: bool = False) -> None:
+    def _schedulers_resumed(self, epoch: int = 0, first_step: bool = False) -> None:
         """A resumed user's loop at its first pass (and first step): its LR schedulers as PyTorch's
         order of loading would leave them (see :mod:`distsgd.train.schedulers`): those built since
         run.setup() and loaded take up the restored lr; the replay of the epochs trained before
@@ -873,7 +881,7 @@ class Run:
                     fresh[0],
                     self._resumed_steps,
                 )
-        self._replay = schedulers.Replay(found)
+        self._replay = schedulers.Replay(found, epoch)
 
     def _end_replay(self) -> None:
         if self._replay is not None:
@@ -2117,11 +2125,25 @@ def _loaded_into(final: nn.Module, own: nn.Module) -> nn.Module:
     return own
 
 
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (dicts, lists and tuples of them, as run.checkpoint keeps)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
+
+
 def _same_state(model: nn.Module, state: Mapping[str, Any]) -> bool:
-    """``state`` holds ``model``'s own values, every one (nanoGPT's resume loads the checkpoint's model
-    back, which ``run.setup()`` restored already): a load that changes nothing, which the algorithm need
-    not take (on 30aa15c diloco, streaming diloco and easgd made each worker's weights of a round's
-    middle their theta or centre, and the replicas parted: 8.6e-3 from a run never stopped)."""
+    """``state`` holds ``model``'s own values, every one: with the state from ``run.resumed`` (nanoGPT's
+    resume loads the checkpoint's model back, which ``run.setup()`` restored already), a load that
+    changes nothing, which the algorithm need not take (on 30aa15c diloco, streaming diloco and easgd
+    made each worker's weights of a round's middle their theta or centre, and the replicas parted:
+    8.6e-3 from a run never stopped). Only from ``run.resumed``, where every worker loads its own
+    part: a load of weights one worker holds (rank 0's, on every worker) is every worker's."""
     own = model.state_dict()
     if set(own) != set(state):
         return False

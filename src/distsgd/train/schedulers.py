@@ -102,19 +102,21 @@ class Replay:
     """A resumed loop that starts again at epoch 0 runs its epochs trained before the checkpoint as
     passes with no batches, and steps its per-epoch scheduler after each, in the order the run
     before it did: the first ``last_epoch`` of them (the loaded state's steps: those taken before
-    the checkpoint, wherever in the loop it was) are held, the ones after taken. The replay lasts
+    the checkpoint, wherever in the loop it was) are held, the ones after taken. A loop that starts
+    again at the checkpoint's epoch e (``range(run.resumed["epoch"], E)``) replays that one alone:
+    ``last_epoch - e`` are held (a scheduler stepped once an epoch took e before it). The replay lasts
     from the resumed run's first pass to its first batch (a run that resumes at the epoch after its
     checkpoint steps nothing in it). A scheduler built anew (``last_epoch`` 0) takes every step.
 
     The scheduler's class is given a holding ``step()`` meanwhile (it is put back at the end): its
     objects stay what they are (their ``state_dict()``, pickling, ``type()``)."""
 
-    def __init__(self, found: list[LRScheduler]) -> None:
+    def __init__(self, found: list[LRScheduler], epoch: int = 0) -> None:
         self._classes: list[type] = []
         for sched in found:
             if steps_taken(sched) is None:
                 continue
-            _HELD[sched] = [-1]  # its steps to hold: decided at its first step in the replay
+            _HELD[sched] = [-1, epoch]  # its steps to hold (decided at its first step in it), the replay's first epoch
             _hold(type(sched))
             self._classes.append(type(sched))
         self._held = [s for s in found if s in _HELD]
@@ -127,7 +129,8 @@ class Replay:
         self._held, self._classes = [], []
 
 
-# the schedulers replays hold: each with the steps it has left to hold (-1: not yet stepped)
+# the schedulers replays hold: each with the steps it has left to hold (-1: not yet stepped) and the
+# epoch its replay began at
 _HELD: weakref.WeakKeyDictionary[LRScheduler, list[int]] = weakref.WeakKeyDictionary()
 # each class holding: its own ``step`` (None: inherited) and the replays that hold it
 _CLASSES: dict[type, tuple[Any, int]] = {}
@@ -147,8 +150,8 @@ def _hold(cls: type) -> None:
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
             left = _HELD.get(self)
             if left is not None:
-                if left[0] < 0:
-                    left[0] = steps_taken(self) or 0
+                if left[0] < 0:  # (a replay from epoch e: a scheduler stepped once an epoch took e before it)
+                    left[0] = max(0, (steps_taken(self) or 0) - left[1])
                 if left[0] > 0:
                     left[0] -= 1
                     return None
