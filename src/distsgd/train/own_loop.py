@@ -191,6 +191,7 @@ class Run:
     # its token); samples counted since the last step, by the pass's place
     _skips: tuple[int, ...] = ()
     _in_epoch = 0
+    _begun_epoch = 0  # the epoch of the pass begun last (one begun beside it with no epoch= is its epoch's)
     _pass_of: dict[int, int]
     _pending: dict[int, int]
     _collectives = 0  # run.all_reduce() and run.all_gather() calls (their tensors checked at 1, 2, 17, 33, ...)
@@ -815,7 +816,7 @@ class Run:
         if shard.epoch is not None:
             epoch = shard.epoch
         else:
-            epoch = self._state.epoch if self._open else self._passes
+            epoch = self._begun_epoch if self._open else self._passes
         if epoch < self._first_epoch:
             return epoch, -1  # trained before the resume: empty
         if epoch != self._state.epoch:
@@ -828,10 +829,10 @@ class Run:
         ``token`` names it among the passes under way until it ends (``_Shard.__iter__`` lets go)."""
         self._need_setup("iterating over run.loader()")
         epoch, skip = self._upcoming_epoch(shard)
+        # (at a pass, the lr a loop logs at its first step is the one it steps with)
         if self._started is Start.RESUMED and not self._replayed and self._ctx.job.main is not None:
-            self._schedulers_resumed(
-                epoch
-            )  # (at a pass: the lr a loop logs at its first step is the one it steps with)
+            self._schedulers_resumed(epoch)
+        self._begun_epoch = epoch
         if shard.epoch is None and not self._open:  # (one begun beside another is its epoch's)
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
