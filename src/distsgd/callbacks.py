@@ -18,6 +18,9 @@ with any of these methods (subclass :class:`Callback` or not):
   checkpoint (metrics.jsonl's, in order; the last of each at one count of samples), none in a fresh
   run. :class:`EarlyStopping` counts them again, so its patience goes on where the checkpoint was,
   and starts afresh in a fresh run (an object given to a second run, as Keras' ``on_train_begin``).
+
+:class:`EarlyStopping` is one: it stops a run whose test loss (or accuracy) has not improved for
+``patience`` evaluations.
 """
 
 from __future__ import annotations
