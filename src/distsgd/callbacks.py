@@ -25,7 +25,6 @@ with any of these methods (subclass :class:`Callback` or not):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,31 +141,17 @@ def started(callbacks: tuple, run_dir: Path | None = None, samples: int | None =
     takers = [cb for cb in callbacks if callable(getattr(cb, "on_start", None))]
     if not takers:
         return
-    found: dict[Any, dict[str, Any]] = {}
-    if run_dir is not None and samples is not None:
-        found = _evals_up_to(run_dir / "metrics.jsonl", samples)
+    from distsgd.metrics import eval_events
+
+    found: dict[Any, dict[str, Any]] = {}  # by samples: the last logged of each
+    for event in eval_events(run_dir / "metrics.jsonl") if run_dir is not None and samples is not None else []:
+        at = event.get("samples")
+        if isinstance(at, (int, float)) and samples is not None and at <= samples:
+            found.pop(at, None)
+            found[at] = event
     evals = sorted(found.values(), key=lambda e: e["samples"])
     for cb in takers:
         cb.on_start(evals)
-
-
-def _evals_up_to(path: Path, samples: int) -> dict[Any, dict[str, Any]]:
-    found: dict[Any, dict[str, Any]] = {}
-    try:
-        with path.open(encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    event = json.loads(line)
-                except ValueError:  # a line a killed run left torn
-                    continue
-                if isinstance(event, dict) and event.get("event") == "eval":
-                    at = event.get("samples")
-                    if isinstance(at, (int, float)) and at <= samples:
-                        found.pop(at, None)
-                        found[at] = event
-    except OSError:
-        return {}
-    return found
 
 
 def checked(callbacks: Any) -> tuple:

@@ -303,26 +303,33 @@ def _eval_key(event: dict[str, Any]) -> tuple[Any, Any]:
     return event.get("samples"), event.get("train_wall_s")
 
 
-def logged_evals(path: Path) -> frozenset[tuple[Any, Any]]:
-    """The evaluations ``path`` (a run directory's metrics.jsonl) holds, by samples and training
-    time. A run resumed in place evaluates the copies its checkpoint filed but had not measured
-    (Hogwild!'s and the parameter server's watcher measure them once training ends), and the part
-    before it, if it reached its end, logged them then: they are not logged twice."""
-    found = set()
-    if not path.is_file():  # (a device, /dev/full in a test, reads for ever)
-        return frozenset()
+def eval_events(path: Path) -> list[dict[str, Any]]:
+    """The ``eval`` events ``path`` (a run directory's metrics.jsonl) holds, in order; a line a killed
+    run left torn is skipped, and a missing or unreadable file (a device, /dev/full in a test,
+    reads for ever) holds none."""
+    if not path.is_file():
+        return []
+    found = []
     try:
         with path.open(encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 try:
                     event = json.loads(line)
-                except ValueError:  # a line a killed run left torn
+                except ValueError:
                     continue
                 if isinstance(event, dict) and event.get("event") == "eval":
-                    found.add(_eval_key(event))
+                    found.append(event)
     except OSError:
-        return frozenset()
-    return frozenset(found)
+        return []
+    return found
+
+
+def logged_evals(path: Path) -> frozenset[tuple[Any, Any]]:
+    """The evaluations ``path`` (a run directory's metrics.jsonl) holds, by samples and training
+    time. A run resumed in place evaluates the copies its checkpoint filed but had not measured
+    (Hogwild!'s and the parameter server's watcher measure them once training ends), and the part
+    before it, if it reached its end, logged them then: they are not logged twice."""
+    return frozenset(_eval_key(event) for event in eval_events(path))
 
 
 def require_logger(name: str) -> None:
