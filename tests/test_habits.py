@@ -2118,10 +2118,7 @@ def per_rank_seed_loop(run: distsgd.Run) -> nn.Module:
     apart = max_diff(weights_of(model), weights_of(Net()))
     if apart > 0:
         raise AssertionError(f"worker {run.rank}'s replica starts {apart:.3g} from rank 0's model")
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     return run.final_model()
 
 
@@ -2293,10 +2290,7 @@ def positions_loop(run: distsgd.Run) -> nn.Module:
     wrong = int((run.model.position_ids != torch.arange(3000)).sum())  # (ddp's model wraps it: run.model is it)
     if wrong:
         raise AssertionError(f"worker {run.rank}: {wrong} of 3000 position ids changed at run.setup()")
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    one_epoch(run, model, opt)
     return run.final_model()
 
 
