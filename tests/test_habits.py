@@ -2005,6 +2005,49 @@ def test_a_per_epoch_scheduler_steps_once_an_epoch_in_a_resumed_loop_from_epoch_
         assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6, habit
 
 
+def hand_set_lr_loop(run: distsgd.Run, epochs: int, when: str, lrs: str) -> nn.Module:
+    """A resumable loop with a per-epoch StepLR that, resumed, sets a new lr by hand (``when``: "after
+    the load" of the scheduler's state, or "before the build" of the scheduler, after run.setup());
+    worker 0 writes each step's lr to the file ``lrs``."""
+    model, opt = run.setup()
+    if run.resumed is not None and when == "before the build":
+        for group in opt.param_groups:
+            group["lr"] = 0.01
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    if run.resumed is not None:
+        sched.load_state_dict(run.resumed["sched"])
+        if when == "after the load":
+            for group in opt.param_groups:
+                group["lr"] = 0.01
+    seen = []
+    for epoch in range(epochs):
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            seen.append(opt.param_groups[0]["lr"])
+        sched.step()
+        run.checkpoint(epoch=epoch, sched=sched.state_dict())
+    if run.rank == 0:
+        Path(lrs).write_text(repr(seen))
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["after the load", "before the build"])
+def test_an_lr_set_by_hand_in_a_resumed_run_stands(tmp_path: Path, when: str) -> None:
+    """A resumed run's loop sets a new lr by hand (0.01) after loading its StepLR's state, or before
+    building it: loading the optimiser after building the scheduler (PyTorch's order) leaves it, and
+    the StepLR halves it at each epoch's end. On a17af78 the first pass set it back to the
+    scheduler's last lr (0.025) in both, unsaid."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "lr": 0.1}
+    run, lrs = str(tmp_path / "run"), tmp_path / "lrs"
+    distsgd.spawn(hand_set_lr_loop, args=(2, when, str(lrs)), out=run, **settings)
+    distsgd.spawn(hand_set_lr_loop, args=(4, when, str(lrs)), out=run, resume=run, **settings)
+    epoch = N // (2 * B)  # steps an epoch
+    assert eval(lrs.read_text()) == [0.01] * epoch + [0.005] * epoch
+
+
 @pytest.mark.slow
 def test_a_resumed_run_says_what_its_loop_restarts(tmp_path: Path) -> None:
     """A resumed run (in a process of its own: the workers' warnings go to their fork server's

@@ -184,6 +184,8 @@ class Run:
     # starts again at epoch 0 takes again (see schedulers.Replay); _replayed: over
     _replay: schedulers.Replay | None = None
     _replayed = False
+    # a resumed user's loop until its first step: its schedulers' loading as PyTorch's order leaves it
+    _loads: schedulers.Loads | None = None
     # the tensors of run.resumed (a resumed run's load of its checkpoint's model back: see _same_state)
     _resumed_ids: frozenset[int] = frozenset()
     # samples of the resumed epoch each of its passes trained before the checkpoint (by the order they
@@ -341,6 +343,7 @@ class Run:
             self._resumed_ids = frozenset(id(t) for t in _tensors_in(self.resumed))
             if ctx.job.main is not None:
                 self._restored = tuple((r.opt.__dict__.get("step"), _settings(r.opt)) for r in self._real)
+                self._loads = schedulers.Loads(r.opt for r in self._real)
             self._resumed_steps = self._state.steps
             self._skips, self._first_epoch = tuple(self._state.starts or [self._state.start]), self._state.epoch
             self._resumed_short(ctx, self._checkpointer.manifest)
@@ -854,7 +857,7 @@ class Run:
     def _schedulers_resumed(self, epoch: int = 0, first_step: bool = False) -> None:
         """A resumed user's loop at its first pass (and first step): its LR schedulers as PyTorch's
         order of loading would leave them (see :mod:`distsgd.train.schedulers`): those built since
-        run.setup() and loaded take up the restored lr; the replay of the epochs trained before
+        run.setup() and loaded where ``schedulers.Loads`` did not see it take up the restored lr; the replay of the epochs trained before
         holds the steps the loaded ones had taken. Looks for them once (and at the first step again
         where one was built since)."""
         pending = [
@@ -888,6 +891,11 @@ class Run:
         if self._replay is not None:
             self._replay.end()
         self._replay, self._replayed = None, True
+
+    def _end_loads(self) -> None:
+        if self._loads is not None:
+            self._loads.end()
+        self._loads = None
 
     def _check_resumed_pass(self, shard: "_Shard", skip: int) -> None:
         """A resumed run's first pass over run.loader() with no ``epoch=``, from the end of its
@@ -1230,6 +1238,7 @@ class Run:
         if self._restored:
             self._schedulers_resumed(first_step=True)
             self._restored = ()
+        self._end_loads()
         if not self._replayed and self._ctx.job.main is not None:
             self._end_replay()
         position = self._schedule_position() if cfg.schedule != "constant" or self.steps < self._warmup else None
@@ -1756,6 +1765,7 @@ class Run:
         for real in self._real:
             real.restore()
         self._end_replay()
+        self._end_loads()
 
     @property
     def train_wall_s(self) -> float:
@@ -2215,6 +2225,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     finally:  # main returned or raised (Ctrl-C too): no hook of the run's stays in this process
         run._end_forwards_seen()
         run._end_replay()  # (the schedulers' classes as torch made them)
+        run._end_loads()
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)

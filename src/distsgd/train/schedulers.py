@@ -13,6 +13,13 @@ and loads the scheduler's state from ``run.resumed``: the other way round from P
   batches, and steps a per-epoch scheduler after each: steps the loaded state has taken already
   (a ``StepLR`` halved each epoch ended 4x below a run never stopped). :class:`Replay` holds them.
 
+The first was mended at the first pass at first (on a17af78), which set an lr the loop set by hand
+after loading its scheduler back to the scheduler's. :class:`Loads` mends it where PyTorch's order
+does: loading a scheduler built since ``run.setup()`` sets its optimiser's lr (and momentum, betas)
+back to what they were before it was built (the checkpoint's, or one set by hand before), and an lr
+set after stands. :func:`take_up` remains for a scheduler whose own ``load_state_dict`` skips its
+base class's.
+
 Schedulers are found among Python's objects (``gc.get_objects()``: nothing of an optimiser's
 refers to its scheduler), once at a resumed run's first pass, and again at its first step only
 where a scheduler was built after the first pass: about 0.1 s with torch imported, more with a
@@ -24,7 +31,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -71,9 +78,10 @@ def take_up(opt: torch.optim.Optimizer, restored: list[dict[str, Any]], found: l
     lr is the checkpoint's (or, stepped since, the one that step set); with two on one optimiser,
     the lr ``run.setup()`` restored. The momentum or betas a cyclic schedule's construction set go
     back to the restored ones too. A scheduler built anew keeps the lr it set, and so does an
-    optimiser with none; with a loaded one the lr is the scheduler's, so one set by hand after
-    ``run.setup()`` goes back too (a schedule's own lr is its ``base_lrs``)."""
-    mine = [s for s in found if s.optimizer is opt]
+    optimiser with none. One whose loading :class:`Loads` saw is left alone: its loading set the lr
+    back, and an lr set by hand since stands. (With one it did not see, an lr set by hand after
+    ``run.setup()`` goes back too.)"""
+    mine = [s for s in found if s.optimizer is opt and s not in _SEEN]
     now = [float(g["lr"]) for g in opt.param_groups]
     loaded = [s for s in mine if (steps_taken(s) or 0) != 0 and [float(x) for x in s.get_last_lr()] != now]
     if not loaded:
@@ -117,7 +125,7 @@ class Replay:
             if steps_taken(sched) is None:
                 continue
             _HELD[sched] = [-1, epoch]  # its steps to hold (decided at its first step in it), the replay's first epoch
-            _hold(type(sched))
+            _patch(type(sched), "step", _holding_step)
             self._classes.append(type(sched))
         self._held = [s for s in found if s in _HELD]
 
@@ -125,51 +133,140 @@ class Replay:
         for sched in self._held:
             _HELD.pop(sched, None)
         for cls in self._classes:
-            _release(cls)
+            _unpatch(cls, "step")
         self._held, self._classes = [], []
+
+
+class Loads:
+    """From a resumed user's loop's ``run.setup()`` to its first step: a scheduler built since on one
+    of ``optimizers`` and loaded (``load_state_dict``) leaves its optimiser's lr, momentum and betas
+    as they were before the first scheduler was built on it (as ``run.setup()`` restored them, or as
+    the loop set them by hand since): what loading the optimiser after building the scheduler, PyTorch's
+    order, leaves. An lr set by hand after the load stands.
+
+    The scheduler classes torch has (and those a loop defined by then) get a watching ``__init__``
+    and ``load_state_dict`` meanwhile, put back at :meth:`end`; their objects stay what they are."""
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        self._opts = list(optimizers)
+        for opt in self._opts:
+            _BEFORE[opt] = None
+        self._keys: list[tuple[type, str]] = []
+        for cls in _classes(LRScheduler):
+            for name, wrap in (("__init__", _watching_init), ("load_state_dict", _watching_load)):
+                if name in cls.__dict__:
+                    _patch(cls, name, wrap)
+                    self._keys.append((cls, name))
+
+    def end(self) -> None:
+        for opt in self._opts:
+            _BEFORE.pop(opt, None)
+        for cls, name in self._keys:
+            _unpatch(cls, name)
+        self._opts, self._keys = [], []
+
+
+def _classes(root: type) -> list[type]:
+    out = [root]
+    sub: type
+    for sub in root.__subclasses__():
+        out += [c for c in _classes(sub) if c not in out]
+    return out
+
+
+def _settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: group[k] for k in SET_BY_SCHEDULERS if k in group} for group in opt.param_groups]
+
+
+def _outermost() -> bool:
+    return getattr(_DEPTH, "n", 0) == 0
+
+
+def _watching_init(impl: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        opt = args[0] if args else kwargs.get("optimizer")
+        if _outermost() and isinstance(opt, torch.optim.Optimizer) and opt in _BEFORE and _BEFORE[opt] is None:
+            _BEFORE[opt] = _settings(opt)  # (before the construction sets anything: a subclass's own __init__ may)
+        _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
+        try:
+            impl(self, *args, **kwargs)
+        finally:
+            _DEPTH.n -= 1
+
+    return __init__
+
+
+def _watching_load(impl: Callable[..., Any]) -> Callable[..., Any]:
+    def load_state_dict(self: Any, *args: Any, **kwargs: Any) -> None:
+        outermost = _outermost()  # (a SequentialLR's loads its schedulers' inside it)
+        _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
+        try:
+            impl(self, *args, **kwargs)
+        finally:
+            _DEPTH.n -= 1
+        opt = getattr(self, "optimizer", None)
+        before = _BEFORE.get(opt) if outermost and isinstance(opt, torch.optim.Optimizer) else None
+        if opt is not None and before is not None:
+            for group, settings in zip(opt.param_groups, before):
+                group.update(settings)
+            _SEEN.add(self)
+
+    return load_state_dict
+
+
+# Loads' optimisers: each one's lr, momentum and betas before the first scheduler built on it since
+# run.setup() (None: none built yet); the schedulers whose loading set them back; the watching
+# methods' depth of calls in this thread (the outermost one acts)
+_BEFORE: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[dict[str, Any]] | None] = weakref.WeakKeyDictionary()
+_SEEN: weakref.WeakSet[LRScheduler] = weakref.WeakSet()
+_DEPTH = threading.local()
 
 
 # the schedulers replays hold: each with the steps it has left to hold (-1: not yet stepped) and the
 # epoch its replay began at
 _HELD: weakref.WeakKeyDictionary[LRScheduler, list[int]] = weakref.WeakKeyDictionary()
-# each class holding: its own ``step`` (None: inherited) and the replays that hold it
-_CLASSES: dict[type, tuple[Any, int]] = {}
+# each (class, method) patched: its own method (None: inherited) and the patches on it
+_PATCHED: dict[tuple[type, str], tuple[Any, int]] = {}
 _LOCK = threading.Lock()  # (the workers of Hogwild! on one GPU are threads of one process)
 
 
-def _hold(cls: type) -> None:
+def _holding_step(impl: Callable[..., Any]) -> Callable[..., Any]:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        left = _HELD.get(self)
+        if left is not None:
+            if left[0] < 0:  # (a replay from epoch e: a scheduler stepped once an epoch took e before it)
+                left[0] = max(0, (steps_taken(self) or 0) - left[1])
+            if left[0] > 0:
+                left[0] -= 1
+                return None
+        return impl(self, *args, **kwargs)
+
+    return step
+
+
+def _patch(cls: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     with _LOCK:
-        if cls in _CLASSES:
-            own, n = _CLASSES[cls]
-            _CLASSES[cls] = (own, n + 1)
+        if (cls, name) in _PATCHED:
+            own, n = _PATCHED[cls, name]
+            _PATCHED[cls, name] = (own, n + 1)
             return
-        own = cls.__dict__.get("step")
-        impl = getattr(cls, "step")
-        impl = getattr(impl, "_distsgd_holds", impl)  # (a base class's, held too: its own step)
-
-        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            left = _HELD.get(self)
-            if left is not None:
-                if left[0] < 0:  # (a replay from epoch e: a scheduler stepped once an epoch took e before it)
-                    left[0] = max(0, (steps_taken(self) or 0) - left[1])
-                if left[0] > 0:
-                    left[0] -= 1
-                    return None
-            return impl(self, *args, **kwargs)
-
-        step._distsgd_holds = impl  # type: ignore[attr-defined]
-        cls.step = step  # type: ignore[attr-defined]
-        _CLASSES[cls] = (own, 1)
+        own = cls.__dict__.get(name)
+        impl = getattr(cls, name)
+        impl = getattr(impl, "_distsgd_wraps", impl)  # (a base class's, patched too: its own)
+        new = wrap(impl)
+        new._distsgd_wraps = impl  # type: ignore[attr-defined]
+        setattr(cls, name, new)
+        _PATCHED[cls, name] = (own, 1)
 
 
-def _release(cls: type) -> None:
+def _unpatch(cls: type, name: str) -> None:
     with _LOCK:
-        own, n = _CLASSES[cls]
+        own, n = _PATCHED[cls, name]
         if n > 1:
-            _CLASSES[cls] = (own, n - 1)
+            _PATCHED[cls, name] = (own, n - 1)
             return
-        del _CLASSES[cls]
+        del _PATCHED[cls, name]
         if own is None:
-            delattr(cls, "step")
+            delattr(cls, name)
         else:
-            cls.step = own  # type: ignore[attr-defined]
+            setattr(cls, name, own)
