@@ -1924,53 +1924,74 @@ def test_a_checkpoint_on_worker_0_alone_is_said_where_the_workers_share_a_model(
     assert "unequal numbers of checkpoints (worker 0 2, worker 1 0)" in caplog.text
 
 
+class WarmUp(torch.optim.lr_scheduler.LinearLR):
+    """A linear warm-up from 0.1x over ``n`` steps, built as ``WarmUp(n, optimizer)`` (a config's
+    order: the optimiser is not its first argument)."""
+
+    def __init__(self, n: int, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, start_factor=0.1, total_iters=n)
+
+
 def resumed_scheduler_loop(run: distsgd.Run, epochs: int, kind: str, habit: str = "") -> nn.Module:
     """A resumable loop with an LR scheduler built after run.setup() (the optimiser run.setup() made
     and, resumed, restored) and its state saved in each checkpoint and loaded on resume. ``kind``:
-    LinearLR (a warm-up, stepped each step), OneCycleLR (each step; it sets the momentum too), StepLR
-    (halved each epoch); ``habit``, of a StepLR: "stepped, then saved" at each epoch's end, "saved,
-    then stepped", "saved every 8 steps" (inside the pass; an epoch is 8 steps), "stepped first" (at
-    each epoch's start, PyTorch's habit before 1.1). Every epoch from 0, each pass given its epoch
-    (docs/OWN_LOOP.md's), the ones trained before empty passes; or, "saved, then stepped, from its
-    epoch", resumed from the checkpoint's epoch (its pass empty: the checkpoint is at its end)."""
-    model, opt = run.setup()
+    LinearLR (a warm-up, stepped each step), the same with a tensor lr (the loop's own SGD, as
+    PyTorch advises for a compiled optimiser: schedulers change it in place), OneCycleLR (each step;
+    it sets the momentum too), "WarmUp, ExponentialLR" (two schedulers on one optimiser, each step),
+    StepLR (halved each epoch); ``habit``, of a StepLR: "stepped, then saved" at each epoch's end,
+    "saved, then stepped", "saved every 8 steps" (inside the pass; an epoch is 8 steps), "stepped
+    first" (at each epoch's start, PyTorch's habit before 1.1). Every epoch from 0, each pass given
+    its epoch (docs/OWN_LOOP.md's), the ones trained before empty passes; or, "saved, then stepped,
+    from its epoch", resumed from the checkpoint's epoch (its pass empty: the checkpoint is at its end)."""
+    if kind == "LinearLR, a tensor lr":
+        net = Net()
+        model, opt = run.setup(net, torch.optim.SGD(net.parameters(), lr=torch.tensor(0.1), momentum=0.9))
+    else:
+        model, opt = run.setup()
     steps = 4 * N // (2 * B)  # the schedule's length: 4 epochs (a run stopped after 2 and resumed, or not)
-    sched = {
-        "LinearLR": lambda: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=steps // 2),
-        "OneCycleLR": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=steps),
-        "StepLR": lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    lr_scheduler = torch.optim.lr_scheduler
+    scheds = {
+        "LinearLR": lambda: [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=steps // 2)],
+        "LinearLR, a tensor lr": lambda: [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=steps // 2)],
+        "OneCycleLR": lambda: [lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=steps)],
+        "WarmUp, ExponentialLR": lambda: [WarmUp(steps // 2, opt), lr_scheduler.ExponentialLR(opt, 0.97)],
+        "StepLR": lambda: [lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)],
     }[kind]()
     if run.resumed is not None:
-        sched.load_state_dict(run.resumed["sched"])
+        for sched, state in zip(scheds, run.resumed["sched"]):
+            sched.load_state_dict(state)
     at_its_epoch = habit == "saved, then stepped, from its epoch" and run.resumed is not None
     for epoch in range(run.resumed["epoch"] if at_its_epoch else 0, epochs):
         if habit == "stepped first":
-            sched.step()
+            scheds[0].step()
         for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
             if kind != "StepLR":
-                sched.step()
+                for sched in scheds:
+                    sched.step()
             if habit == "saved every 8 steps" and run.steps % 8 == 0:
-                run.checkpoint(epoch=epoch, sched=sched.state_dict())
+                run.checkpoint(epoch=epoch, sched=[s.state_dict() for s in scheds])
         if habit.startswith("saved, then stepped"):
-            run.checkpoint(epoch=epoch, sched=sched.state_dict())
+            run.checkpoint(epoch=epoch, sched=[s.state_dict() for s in scheds])
         if kind == "StepLR" and habit != "stepped first":
-            sched.step()
+            scheds[0].step()
         if habit in ("stepped, then saved", "stepped first", ""):
-            run.checkpoint(epoch=epoch, sched=sched.state_dict())
+            run.checkpoint(epoch=epoch, sched=[s.state_dict() for s in scheds])
     return run.final_model()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["LinearLR", "OneCycleLR"])
+@pytest.mark.parametrize("kind", ["LinearLR", "OneCycleLR", "LinearLR, a tensor lr", "WarmUp, ExponentialLR"])
 def test_a_scheduler_built_after_setup_in_a_resumed_run_takes_up_the_checkpoints_lr(tmp_path: Path, kind: str) -> None:
     """run.setup() restores the optimiser before the loop builds its scheduler, the other way round
     from PyTorch's order, and the scheduler's construction set the lr: on 30aa15c a LinearLR warm-up
     resumed past its end stepped at 0.1x the lr for the rest of the run (its steps scale the lr they
-    find), a OneCycleLR its first resumed step at its start's lr and momentum; exit 0. Now each
-    resumed run ends with the weights of one never stopped."""
+    find), a OneCycleLR its first resumed step at its start's lr and momentum; exit 0. The first
+    version of the watch of loads (d950a55) kept a tensor lr by reference, which the construction
+    changed in place (0.335 apart), and missed the construction of a scheduler given its optimiser
+    second (0.310 apart). Now each resumed run ends with the weights of one never stopped."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True}
     settings.update(lr=0.1, momentum=0.9)
     run = str(tmp_path / "run")
@@ -2007,7 +2028,8 @@ def test_a_per_epoch_scheduler_steps_once_an_epoch_in_a_resumed_loop_from_epoch_
 
 def hand_set_lr_loop(run: distsgd.Run, epochs: int, when: str, lrs: str) -> nn.Module:
     """A resumable loop with a per-epoch StepLR that, resumed, sets a new lr by hand (``when``: "after
-    the load" of the scheduler's state, or "before the build" of the scheduler, after run.setup());
+    the load" of the scheduler's state, "before the build" of the scheduler, after run.setup(), or
+    "between two loads" of its state);
     worker 0 writes each step's lr to the file ``lrs``."""
     model, opt = run.setup()
     if run.resumed is not None and when == "before the build":
@@ -2016,9 +2038,11 @@ def hand_set_lr_loop(run: distsgd.Run, epochs: int, when: str, lrs: str) -> nn.M
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     if run.resumed is not None:
         sched.load_state_dict(run.resumed["sched"])
-        if when == "after the load":
+        if when in ("after the load", "between two loads"):
             for group in opt.param_groups:
                 group["lr"] = 0.01
+        if when == "between two loads":  # (loaded again: a helper that loads every state it finds)
+            sched.load_state_dict(run.resumed["sched"])
     seen = []
     for epoch in range(epochs):
         for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
@@ -2034,12 +2058,12 @@ def hand_set_lr_loop(run: distsgd.Run, epochs: int, when: str, lrs: str) -> nn.M
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["after the load", "before the build"])
+@pytest.mark.parametrize("when", ["after the load", "before the build", "between two loads"])
 def test_an_lr_set_by_hand_in_a_resumed_run_stands(tmp_path: Path, when: str) -> None:
     """A resumed run's loop sets a new lr by hand (0.01) after loading its StepLR's state, or before
     building it: loading the optimiser after building the scheduler (PyTorch's order) leaves it, and
     the StepLR halves it at each epoch's end. On a17af78 the first pass set it back to the
-    scheduler's last lr (0.025) in both, unsaid."""
+    scheduler's last lr (0.025), unsaid; on d950a55 a second load of the scheduler's state did."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "lr": 0.1}
     run, lrs = str(tmp_path / "run"), tmp_path / "lrs"
     distsgd.spawn(hand_set_lr_loop, args=(2, when, str(lrs)), out=run, **settings)

@@ -342,7 +342,7 @@ class Run:
             self.resumed = self._user.value
             self._resumed_ids = frozenset(id(t) for t in _tensors_in(self.resumed))
             if ctx.job.main is not None:
-                self._restored = tuple((r.opt.__dict__.get("step"), _settings(r.opt)) for r in self._real)
+                self._restored = tuple((r.opt.__dict__.get("step"), schedulers.settings_of(r.opt)) for r in self._real)
                 self._loads = schedulers.Loads(r.opt for r in self._real)
             self._resumed_steps = self._state.steps
             self._skips, self._first_epoch = tuple(self._state.starts or [self._state.start]), self._state.epoch

@@ -28,6 +28,7 @@ large heap of Python objects (1 s with 5 million lists).
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import weakref
@@ -88,10 +89,10 @@ def take_up(opt: torch.optim.Optimizer, restored: list[dict[str, Any]], found: l
         return
     last = loaded[0].get_last_lr() if len(mine) == 1 else [settings["lr"] for settings in restored]
     for group, settings, lr in zip(opt.param_groups, restored, last):
-        group["lr"] = lr
+        put(group, "lr", lr)
         for key in SET_BY_SCHEDULERS[1:]:
             if key in settings and key in group:
-                group[key] = settings[key]
+                put(group, key, settings[key])
 
 
 def saves_a_scheduler(value: Any) -> bool:
@@ -142,15 +143,19 @@ class Loads:
     of ``optimizers`` and loaded (``load_state_dict``) leaves its optimiser's lr, momentum and betas
     as they were before the first scheduler was built on it (as ``run.setup()`` restored them, or as
     the loop set them by hand since): what loading the optimiser after building the scheduler, PyTorch's
-    order, leaves. An lr set by hand after the load stands.
+    order, leaves. An lr set by hand after the load stands (a second load sets back only what a
+    construction since changed).
 
     The scheduler classes torch has (and those a loop defined by then) get a watching ``__init__``
-    and ``load_state_dict`` meanwhile, put back at :meth:`end`; their objects stay what they are."""
+    and ``load_state_dict`` meanwhile, put back at :meth:`end`; their objects stay what they are.
+    A class whose own ``__init__`` is not watched (defined since) may set the lr before the watch
+    sees it: its optimiser is left to :func:`take_up`."""
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self._opts = list(optimizers)
-        for opt in self._opts:
-            _BEFORE[opt] = None
+        with _LOCK:
+            for opt in self._opts:
+                _BEFORE[opt] = [threading.get_ident(), None]
         self._keys: list[tuple[type, str]] = []
         for cls in _classes(LRScheduler):
             for name, wrap in (("__init__", _watching_init), ("load_state_dict", _watching_load)):
@@ -159,8 +164,9 @@ class Loads:
                     self._keys.append((cls, name))
 
     def end(self) -> None:
-        for opt in self._opts:
-            _BEFORE.pop(opt, None)
+        with _LOCK:
+            for opt in self._opts:
+                _BEFORE.pop(opt, None)
         for cls, name in self._keys:
             _unpatch(cls, name)
         self._opts, self._keys = [], []
@@ -174,8 +180,28 @@ def _classes(root: type) -> list[type]:
     return out
 
 
-def _settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: group[k] for k in SET_BY_SCHEDULERS if k in group} for group in opt.param_groups]
+def settings_of(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's lr, momentum and betas, a copy (a tensor lr is changed in place)."""
+    return [{k: _copy(group[k]) for k in SET_BY_SCHEDULERS if k in group} for group in opt.param_groups]
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_copy(v) for v in value)
+    return value
+
+
+def put(group: dict[str, Any], key: str, value: Any) -> None:
+    """``group[key] = value``; into the tensor it holds, where it holds one (a compiled optimiser's)."""
+    now = group.get(key)
+    if isinstance(now, torch.Tensor) and isinstance(value, torch.Tensor) and now.shape == value.shape:
+        now.copy_(value)
+    elif isinstance(now, torch.Tensor) and not isinstance(value, torch.Tensor):
+        now.fill_(value)
+    else:
+        group[key] = value
 
 
 def _outermost() -> bool:
@@ -183,20 +209,30 @@ def _outermost() -> bool:
 
 
 def _watching_init(impl: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(impl)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        opt = args[0] if args else kwargs.get("optimizer")
-        if _outermost() and isinstance(opt, torch.optim.Optimizer) and opt in _BEFORE and _BEFORE[opt] is None:
-            _BEFORE[opt] = _settings(opt)  # (before the construction sets anything: a subclass's own __init__ may)
+        taken: list[tuple[torch.optim.Optimizer, list[Any], list[dict[str, Any]]]] = []
+        outermost = _outermost()
+        if outermost:  # this thread's optimisers with no construction on them yet, before this one sets anything
+            with _LOCK:
+                me = threading.get_ident()
+                taken = [(o, e, settings_of(o)) for o, e in list(_BEFORE.items()) if e[0] == me and e[1] is None]
         _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
         try:
             impl(self, *args, **kwargs)
         finally:
             _DEPTH.n -= 1
+            # code of the class's own, unwatched, ran before this: it may have set the lr already
+            sure = getattr(type(self).__init__, "_distsgd_wraps", None) is not None
+            for opt, entry, settings in taken:
+                if opt is getattr(self, "optimizer", None):
+                    entry[1] = settings if sure else _UNSURE
 
     return __init__
 
 
 def _watching_load(impl: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(impl)
     def load_state_dict(self: Any, *args: Any, **kwargs: Any) -> None:
         outermost = _outermost()  # (a SequentialLR's loads its schedulers' inside it)
         _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
@@ -205,19 +241,25 @@ def _watching_load(impl: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _DEPTH.n -= 1
         opt = getattr(self, "optimizer", None)
-        before = _BEFORE.get(opt) if outermost and isinstance(opt, torch.optim.Optimizer) else None
-        if opt is not None and before is not None:
-            for group, settings in zip(opt.param_groups, before):
-                group.update(settings)
-            _SEEN.add(self)
+        entry = _BEFORE.get(opt) if outermost and isinstance(opt, torch.optim.Optimizer) else None
+        if opt is None or entry is None or entry[1] is _UNSURE:
+            return
+        if entry[1] is not None:
+            for group, settings in zip(opt.param_groups, entry[1]):
+                for key, value in settings.items():
+                    put(group, key, value)
+            entry[1] = None  # (set back: a later load sets back only what a construction since set)
+        _SEEN.add(self)
 
     return load_state_dict
 
 
-# Loads' optimisers: each one's lr, momentum and betas before the first scheduler built on it since
-# run.setup() (None: none built yet); the schedulers whose loading set them back; the watching
-# methods' depth of calls in this thread (the outermost one acts)
-_BEFORE: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[dict[str, Any]] | None] = weakref.WeakKeyDictionary()
+# Loads' optimisers: each one's thread and its lr, momentum and betas before the first scheduler
+# built on it since run.setup() or its last load (None: none built since; _UNSURE: a class's own
+# unwatched code ran first); the schedulers loaded under the watch (take_up leaves them); the
+# watching methods' depth of calls in this thread (the outermost one acts)
+_BEFORE: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = weakref.WeakKeyDictionary()
+_UNSURE = object()
 _SEEN: weakref.WeakSet[LRScheduler] = weakref.WeakSet()
 _DEPTH = threading.local()
 
@@ -231,6 +273,7 @@ _LOCK = threading.Lock()  # (the workers of Hogwild! on one GPU are threads of o
 
 
 def _holding_step(impl: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(impl)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         left = _HELD.get(self)
         if left is not None:
