@@ -431,13 +431,17 @@ def changed_after_setup(run: distsgd.Run, how: str) -> nn.Module:
         ("asgd", "channels_last", "parameter conv.weight was replaced after run.setup()"),
         ("allreduce", "load", None),
         ("allreduce", "channels_last", None),
+        ("ddp", "channels_last", "parameter conv.weight's memory layout changed after run.setup()"),
     ],
 )
 def test_a_model_changed_between_setup_and_the_first_step(algo: str, how: str, said: str | None) -> None:
     """Before, silent: under allreduce each worker's own random init (the replicas apart all run,
     replica_max_abs_diff 1.97), under sync-ps the init overwritten by the server's weights; under
     hogwild and asgd a channels_last copy trained apart from the shared model (its conv weight
-    never moved). Weights every worker loads alike, and a copy allreduce does not bind, work."""
+    never moved); under ddp (until 2026-11-30) torch's DistributedDataParallel copied the averaged
+    gradient back into the channels_last weights in its buckets' old layout, scrambled (0.09 from
+    DDP's own result in 2 epochs; torch's warning says "This is not an error"). Weights every worker
+    loads alike, and a copy allreduce does not bind, work."""
     loop = functools.partial(changed_after_setup, how=how)
     if said is None:
         distsgd.spawn(loop, model=ConvNet, algo=algo, workers=2, quiet=True)

@@ -155,7 +155,9 @@ def refuse_unfrozen(algo: str, frozen: Frozen) -> None:
         raise ConfigError(
             f"{algo} synchronises the gradients of the parameters that had requires_grad=True at "
             f"run.setup(), and one frozen then has a gradient now: set requires_grad before run.setup() "
-            f"(freezing later is fine: a parameter with no gradient is left alone)"
+            f"(freezing later is fine: a parameter with no gradient is left alone); to unfreeze layers "
+            f"later, keep them requires_grad=True and out of the optimiser until opt.add_param_group(), "
+            f"zeroing every gradient with model.zero_grad()"
         )
 
 

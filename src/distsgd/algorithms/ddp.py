@@ -76,6 +76,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
     frozen: Frozen  # the others
     forwards: int  # forwards through DDP that prepared its reducer for a backward, since the last sync
     grad_bytes: int  # what DDP all-reduces a step without a hook
+    strides: list[tuple[int, ...]]  # each synced parameter's layout when DDP laid out its buckets
     buffer_bytes: int  # what rank 0 broadcasts before every forward
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
@@ -114,6 +115,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )
         self.ddp = ddp
+        self.strides = [p.stride() for p in self.synced]
         ddp.register_forward_pre_hook(self._forward)
         if self.through:
             self.hooked = True
@@ -143,6 +145,22 @@ class DDP(GroupAlgorithm[BucketOptions]):
                 ),
             )
         return ddp
+
+    def check_untouched(self, ctx: WorkerContext) -> None:
+        """No parameter's memory layout changed since DDP was built: its buckets are views laid out
+        by the strides it found, and the averaged gradient copied back into a parameter of another
+        layout is scrambled (``model.to(memory_format=torch.channels_last)`` after run.setup(): 0.09
+        from DDP's own result in 2 epochs, exit 0; torch says "This is not an error" in a warning)."""
+        for p, stride in zip(self.synced, self.strides):
+            if p.stride() != stride:
+                name = next(n for n, q in self.ddp.module.named_parameters() if q is p)
+                raise ConfigError(
+                    f"parameter {name}'s memory layout changed after run.setup() (model.to(memory_format="
+                    f"torch.channels_last)?): torch's DistributedDataParallel laid out its gradient buckets by "
+                    f"the layout it found, and copies the averaged gradient back into the new one scrambled; "
+                    f"convert the model before run.setup() (in its constructor or the model factory), or use "
+                    f"--algo allreduce"
+                )
 
     def _forward(self, ddp: nn.Module, args: Any) -> None:
         # (DDP's forward prepares its reducer for a backward in the same case)

@@ -184,8 +184,13 @@ class Run:
     # starts again at epoch 0 takes again (see schedulers.Replay); _replayed: over
     _replay: schedulers.Replay | None = None
     _replayed = False
+    # the model's persistent buffers as the algorithm took them (see _check_buffers): the module
+    # holding each, its name there and the tensor
+    _buffers: tuple[tuple[str, nn.Module, str, torch.Tensor], ...] = ()
     # a resumed user's loop until its first step: its schedulers' loading as PyTorch's order leaves it
     _loads: schedulers.Loads | None = None
+    _paused = 0  # inside run.paused() (nested)
+    _said_rest = False  # the warning of _unshuffled_rest
     # the tensors of run.resumed (a resumed run's load of its checkpoint's model back: see _same_state)
     _resumed_ids: frozenset[int] = frozenset()
     # samples of the resumed epoch each of its passes trained before the checkpoint (by the order they
@@ -480,6 +485,12 @@ class Run:
         its model alone."""
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
             self._bound = [(name, p, p._version) for name, p in module.named_parameters()]
+            self._buffers = tuple(
+                (f"{prefix}.{name}" if prefix else name, mod, name, b)
+                for prefix, mod in module.named_modules()
+                for name, b in mod._buffers.items()
+                if b is not None and name not in mod._non_persistent_buffers_set
+            )
         if self._algo.binds_storage:
             self._storage = [(name, p, p.data_ptr()) for name, p in module.named_parameters()]
 
@@ -503,7 +514,8 @@ class Run:
                     f"perturbation, as SAM's first step, or a momentum target moved before the first step?): each worker's "
                     f"random state is its own, so under {algo.name} the workers would start from different weights "
                     f"(a server's, or each other's, would overwrite them); initialise the model in its constructor, "
-                    f"or load one set of weights on every worker with model.load_state_dict()"
+                    f"or load one set of weights on every worker with model.load_state_dict(); move a momentum "
+                    f"target after optimizer.step() (MoCo's code moves it in the forward, before the step)"
                 )
 
     def _replicas_alike(self) -> bool:
@@ -542,12 +554,13 @@ class Run:
             known = (shape, [p for g in opt.param_groups for p in g["params"] if id(p) not in own])
             checked[opt] = known
         stepped = [p for p in known[1] if p.grad is not None]
-        if stepped:
+        if stepped and not (self._paused and len(known[1]) == sum(len(g["params"]) for g in opt.param_groups)):
             raise ConfigError(
                 f"an optimiser ({type(opt).__name__}) updates {len(stepped)} parameter(s) that are not the "
                 f"model's (the first of shape {list(stepped[0].shape)}): under {self.cfg.algo} the workers "
                 f"share the parameters of the model given to run.setup(), no others, so each worker's copy "
-                f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it)"
+                f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it), "
+                f"or, for an evaluation's own (a linear probe), step it inside with run.paused():"
             )
 
     def _check_untouched(self, at_end: bool = False) -> None:
@@ -556,7 +569,10 @@ class Run:
         run.setup(); MoCo's and BYOL's momentum update of a target network, ``p.data = p.data * m
         + q.data * (1 - m)``: the target stayed where it started, silently); and what the algorithm
         would overwrite is as it left it (:meth:`Algorithm.check_untouched`)."""
-        if self._ctx.job.main is None or (self.steps % CHECK_EVERY and not at_end):
+        if self.steps % CHECK_EVERY and not at_end:
+            return
+        self._check_buffers()
+        if self._ctx.job.main is None:
             return
         algo = self._algo
         for name, p, ptr in self._storage:
@@ -580,7 +596,25 @@ class Run:
             )
         algo.check_untouched(self._ctx)
 
+    def _check_buffers(self) -> None:
+        """No persistent buffer of the model was replaced by another tensor since the algorithm took
+        them (DINO's ``self.center = self.center * m + c * (1 - m)``): the algorithm keeps, averages
+        or sends the one it took, so the new one trained apart and the model returned held the old
+        (hogwild, the parameter server, easgd: the centre's zeros, 0.33 from one process's), silently.
+        Non-persistent buffers (a rotary embedding's cache) are the model's to replace."""
+        for name, mod, key, tensor in self._buffers:
+            if mod._buffers.get(key) is not tensor:
+                attr = f"self.{key}"
+                raise ConfigError(
+                    f"buffer {name} was replaced by another tensor during the run ({attr} = ...): under "
+                    f"{self._algo.name} the model's buffers are the ones run.setup() took (kept alike on every "
+                    f"worker, or sent with the model), and the new one is apart from them; update it in place "
+                    f"({attr}.mul_(m).add_(x, alpha=1 - m), or {attr}.copy_(new), under torch.no_grad())"
+                )
+
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._paused and not self._steps_the_model(opt):  # (an evaluation's own: a linear probe's)
+            return
         if not any(opt is mine for mine in self._optimizers):
             raise ConfigError(
                 f"under {self.cfg.algo} the server holds the model and steps it with one optimiser: an "
@@ -588,6 +622,10 @@ class Run:
                 f"would be overwritten by the server's weights; put its parameters in a parameter group "
                 f"of spawn(optimizer=...)'s optimiser"
             )
+
+    def _steps_the_model(self, opt: torch.optim.Optimizer) -> bool:
+        own = {id(p) for p in self._need_setup("optimizer.step()").parameters()}
+        return any(id(p) in own for g in opt.param_groups for p in g["params"])
 
     def _pieces(self) -> dict[str, Stateful]:
         """What a checkpoint holds of this worker: the model, the optimiser, the algorithm's state,
@@ -776,7 +814,11 @@ class Run:
         worker that replaced a dead one) it goes on where the run was: an epoch trained before is
         empty, the one it stopped in goes on from there."""
         if "sampler" in options or "batch_sampler" in options:
-            raise ConfigError("run.loader() chooses this worker's samples itself: leave out sampler and batch_sampler")
+            raise ConfigError(
+                "run.loader() chooses this worker's samples itself: leave out sampler and batch_sampler (for a "
+                "sampler of your own, a WeightedRandomSampler, iterate a DataLoader of your own and call "
+                "run.count(len(x)) before each step)"
+            )
         if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__len__"):
             raise ConfigError(
                 f"run.loader(): a {type(dataset).__name__} has no len() and is not a torch IterableDataset: "
@@ -836,6 +878,7 @@ class Run:
         if self._started is Start.RESUMED and not self._replayed and self._ctx.job.main is not None:
             self._schedulers_resumed(epoch)
         self._begun_epoch = epoch
+        self._unshuffled_rest(shard)
         if shard.epoch is None and not self._open:  # (one begun beside another is its epoch's)
             if self._passes == 0 and self._started is Start.RESUMED and self._ctx.job.main is not None:
                 self._check_resumed_pass(shard, skip)
@@ -914,6 +957,26 @@ class Run:
                 self._first_epoch if self._first_epoch > 0 else 1,
             )
 
+    def _unshuffled_rest(self, shard: "_Shard") -> None:
+        """``run.loader(shuffle=False)`` over N samples that W workers do not divide: each worker takes
+        N // W, so the last N mod W of the dataset's order are never trained, every epoch (DDP's
+        DistributedSampler pads instead; with shuffle a different few sit out each epoch). Said once."""
+        n = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
+        if shard.shuffle or n is None or self.cfg.partition != "sharded" or not n % self.world or self._said_rest:
+            return
+        self._said_rest = True
+        if self.rank == 0 and self._ctx.reports:
+            log.warning(
+                "run.loader(shuffle=False) over %d samples and %d workers: each worker takes %d, so the last %d "
+                "of the dataset's order are never trained, in any epoch; make its length a multiple of %d (pad "
+                "it, as DDP's DistributedSampler does) to train them",
+                n,
+                self.world,
+                n // self.world,
+                n % self.world,
+                self.world,
+            )
+
     def _evaluation_pass(self, shard: "_Shard") -> Any:
         """A pass over ``shard`` begun under ``torch.no_grad()`` (an evaluation's): this worker's
         shard of the epoch it names (else the first), neither counted as trained nor moving the
@@ -986,19 +1049,19 @@ class Run:
             work = t.double() if op in ("sum", "mean") and t.is_floating_point() else t
             dist.all_reduce(work, op=ops[op])
             t = work.to(t.dtype)
-        return t / self.world if op == "mean" else t
+        return _no_way_back(t / self.world if op == "mean" else t, value, "run.all_reduce()", "all_reduce")
 
     def all_gather(self, value: Any) -> torch.Tensor:
         """``value`` (a Python number, as a float64; or a tensor of one shape and dtype on every
         worker) from every worker, stacked in rank order (a collective, as :meth:`all_reduce`)."""
         t = _number(value, self.device)
         if self.world == 1:
-            return t.unsqueeze(0)
+            return _no_way_back(t.unsqueeze(0), value, "run.all_gather()", "all_gather")
         self._group_only("run.all_gather()")
         self._alike(t, "run.all_gather()")
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t.contiguous())
-        return torch.stack(out)
+        return _no_way_back(torch.stack(out), value, "run.all_gather()", "all_gather")
 
     def _alike(self, t: torch.Tensor, what: str) -> None:
         """Every worker's ``t`` has one shape and dtype, or ``what`` fails in one line naming each
@@ -1572,12 +1635,16 @@ class Run:
     # -- the model -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The training clock stopped (your evaluation, your logging): not counted in samples/s."""
+        """The training clock stopped (your evaluation, your logging): not counted in samples/s. An
+        optimiser of your evaluation's (a linear probe's on the model's features) may step there
+        parameters that are not the model's: each worker's trains apart, as your evaluation's own."""
         was_running = self._clock.running
         self._clock.pause()
+        self._paused += 1
         try:
             yield
         finally:
+            self._paused -= 1
             if was_running:
                 self._clock.resume()
 
@@ -1857,6 +1924,31 @@ def _number(value: Any, where: torch.device) -> torch.Tensor:
     if isinstance(value, (bool, int, float)):
         return torch.tensor(float(value), dtype=torch.float64, device=where)
     return torch.as_tensor(value, device=where).detach()
+
+
+class _NoWayBack(torch.autograd.Function):
+    """run.all_reduce/all_gather's result of a tensor that requires grad: the values, and a backward
+    pass through them refused (they carry no gradient back to the worker's tensor: a loss through
+    SimCLR's gathered embeddings trained its temperature alone, the encoder not at all, silently)."""
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, result: torch.Tensor, what: str, torchs: str) -> torch.Tensor:
+        ctx.what, ctx.torchs = what, torchs
+        return result.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise ConfigError(
+            f"a backward pass through {ctx.what}'s result: it is the workers' values, for figures, and carries "
+            f"no gradient back to this worker's tensor; for a loss use torch.distributed.nn.functional."
+            f"{ctx.torchs}, which does (a process group's algorithm)"
+        )
+
+
+def _no_way_back(result: torch.Tensor, value: Any, what: str, torchs: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+        return cast(torch.Tensor, _NoWayBack.apply(value, result, what, torchs))
+    return result
 
 
 def _loads_back(state: dict[str, Any]) -> None:

@@ -141,6 +141,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     # built by setup:
     params: list[torch.Tensor]
     weights: torch.Tensor  # the parameters, one buffer they are views of: the server's answers land here
+    landed: int  # the parameters' version counters summed once the last answer landed in them
     floats: list[torch.Tensor]  # the buffers each push carries: floating-point ones
     ints: list[torch.Tensor]  # and the others (integer, bool)
     optimizer: torch.optim.Optimizer  # the worker's: whose settings each push carries (make_optimizer returns it)
@@ -189,6 +190,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         )
         # the weights, and every worker's samples (a replacement's schedule starts from the run's progress)
         self.version = self.client.pull()
+        self.landed = sum(p._version for p in self.params)
         self.total = self.client.total
         # this rank's samples as the server counts them (a replacement's, a resumed run's): what its
         # first message claims to follow (async EASGD's first exchange comes before any after_step)
@@ -252,12 +254,17 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         for p in [] if self.layouts_seen else self.params:  # (a sparse gradient: the first push's look)
             refuse_sparse(p, self.name, "the flat gradient it pushes")
         self.layouts_seen = True
+        # a write through a parameter since the last answer landed (a clamp, a momentum target moved in
+        # place): a look at their version counters (the flat weights' own does not move with them)
+        if sum(p._version for p in self.params) != self.landed and self.client.changed_since_answer():
+            raise ConfigError(self._changed_weights())
         present = [p.grad is not None for p in self.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
         self.version, self.total, self.stop = self.client.push(
             grads, self.version, step.samples, buffers, self.pushed if self.hypers.count else None, present
         )
+        self.landed = sum(p._version for p in self.params)
 
     def global_samples(self, ctx: WorkerContext, local_samples: int) -> int:
         return max(self.total, local_samples)
@@ -320,13 +327,18 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
                 f"steps with its own, and a push carries only the lr, momentum, betas and weight decay, so the "
                 f"change would be ignored; set it from the start (distsgd.spawn(optimizer=...))"
             )
-        if not self.client.changed_since_answer():
-            return
-        raise ConfigError(
+        if self.client.changed_since_answer():
+            raise ConfigError(self._changed_weights())
+
+    def _changed_weights(self) -> str:
+        """The line for weights the loop changed since the server's last reply (found at the next
+        push, where the parameters' version moved, and at the checks between steps)."""
+        return (
             f"your loop changed the model's weights since the server's last reply (a momentum target "
             f"updated in place, a clamp?): under {self.cfg.algo} the server holds them and its next "
             f"reply overwrites them, so the change is lost; keep a network your loop updates itself "
-            f"outside the model given to run.setup()"
+            f"outside the model given to run.setup(), and clamp in the forward (x.clamp(max=...)) "
+            f"rather than the parameter after the step"
         )
 
     def sent(self) -> int:
