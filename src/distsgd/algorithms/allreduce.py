@@ -180,7 +180,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     # built by setup:
     params: list[nn.Parameter]  # those that take gradients
     frozen: Frozen  # those that did not, at setup (their gradients are not synchronised)
-    float_buffers: list[torch.Tensor]  # averaged after every step
+    float_buffers: list[torch.Tensor]  # averaged after every step (the model's as they are then)
     buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
     bucket_of: dict[int, Bucket]  # id(param) -> its bucket
     layouts_seen: bool  # a step's gradients were reduced, none sparse (refuse_sparse looks no more)
@@ -265,6 +265,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         refuse_unfrozen(self.name, self.frozen)
+        self.float_buffers = float_buffers(model)  # (afresh: a buffer the loop replaced, DINO's centre, too)
         if self.compressor is not None:
             if not self.params:
                 return

@@ -317,6 +317,10 @@ class Algorithm(Generic[OptionsT]):
     # weights are copied into): one replaced after setup (model.to(memory_format=...), .double())
     # would train apart from it
     binds_storage: ClassVar[bool] = False
+    # it holds the model's buffers as it took them at setup (shared memory, the buffers a push
+    # carries, the list an elastic exchange moves): one replaced by another tensor after setup
+    # (``self.center = ...``) would train apart from it; the others take the model's buffers afresh
+    keeps_buffers: ClassVar[bool] = False
     # --clip-grad-norm clips what it combines from the workers (sync-ps's server: the round's mean,
     # as one process would clip the global batch's gradient), not each worker's own
     clips_combined: ClassVar[bool] = False

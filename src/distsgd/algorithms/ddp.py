@@ -76,7 +76,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
     frozen: Frozen  # the others
     forwards: int  # forwards through DDP that prepared its reducer for a backward, since the last sync
     grad_bytes: int  # what DDP all-reduces a step without a hook
-    strides: list[tuple[int, ...]]  # each synced parameter's layout when DDP laid out its buckets
+    strides: list[tuple[int, ...]]  # each synced parameter's layout when DDP laid out its buckets (_layout)
     buffer_bytes: int  # what rank 0 broadcasts before every forward
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
@@ -115,7 +115,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )
         self.ddp = ddp
-        self.strides = [p.stride() for p in self.synced]
+        self.strides = [_layout(p) for p in self.synced]
         ddp.register_forward_pre_hook(self._forward)
         if self.through:
             self.hooked = True
@@ -152,7 +152,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
         layout is scrambled (``model.to(memory_format=torch.channels_last)`` after run.setup(): 0.09
         from DDP's own result in 2 epochs, exit 0; torch says "This is not an error" in a warning)."""
         for p, stride in zip(self.synced, self.strides):
-            if p.stride() != stride:
+            if _layout(p) != stride:
                 name = next(n for n, q in self.ddp.module.named_parameters() if q is p)
                 raise ConfigError(
                     f"parameter {name}'s memory layout changed after run.setup() (model.to(memory_format="
@@ -297,3 +297,9 @@ class DDP(GroupAlgorithm[BucketOptions]):
         saved or first step's memory to the wrong gradients, or, with several buckets, fail on
         their sizes. (So a resumed run is not bit-exact; ``allreduce --compress powersgd`` is.)"""
         super().load_state_dict(state)
+
+
+def _layout(p: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's order in memory: the strides of its dimensions longer than 1 (a 1x1 kernel's
+    channels_last strides differ in the others alone, the same memory)."""
+    return tuple(stride for stride, size in zip(p.stride(), p.shape) if size > 1)

@@ -115,6 +115,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     kind = "model averaging"
     trains_through = True  # its one collective through the membership, on a fresh buffer
     local_model = True  # x_i
+    keeps_buffers = True  # x_i's, which the elastic exchange moves
     summary_line = "elastic averaging SGD: workers tied to a centre every --tau steps (--easgd-mode sync|async)"
 
     period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)

@@ -180,6 +180,7 @@ class SharedModel(Algorithm[HogwildOptionsT]):
     kind = "shared memory"
     topology: ClassVar[Topology] = HogwildMemory()
     binds_storage = True  # the shared model's tensors
+    keeps_buffers = True  # (in shared memory too)
 
     seat: SharedSeat
     # numpy views of the shared counters: a read or write is a memory access, not a tensor op

@@ -184,13 +184,13 @@ class Run:
     # starts again at epoch 0 takes again (see schedulers.Replay); _replayed: over
     _replay: schedulers.Replay | None = None
     _replayed = False
-    # the model's persistent buffers as the algorithm took them (see _check_buffers): the module
-    # holding each, its name there and the tensor
-    _buffers: tuple[tuple[str, nn.Module, str, torch.Tensor], ...] = ()
+    # the model's persistent buffers as an algorithm that keeps them took them (see _check_buffers):
+    # the module holding each, its name there, the tensor and its memory (-1: the algorithm binds none)
+    _buffers: tuple[tuple[str, nn.Module, str, torch.Tensor, int], ...] = ()
     # a resumed user's loop until its first step: its schedulers' loading as PyTorch's order leaves it
     _loads: schedulers.Loads | None = None
-    _paused = 0  # inside run.paused() (nested)
     _said_rest = False  # the warning of _unshuffled_rest
+    _said_no_gradient = False  # the warning of _no_gradient
     # the tensors of run.resumed (a resumed run's load of its checkpoint's model back: see _same_state)
     _resumed_ids: frozenset[int] = frozenset()
     # samples of the resumed epoch each of its passes trained before the checkpoint (by the order they
@@ -485,8 +485,10 @@ class Run:
         its model alone."""
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
             self._bound = [(name, p, p._version) for name, p in module.named_parameters()]
+        if self._algo.keeps_buffers and (self.world > 1 or self._algo.topology.server or self._algo.binds_storage):
+            binds = self._algo.binds_storage
             self._buffers = tuple(
-                (f"{prefix}.{name}" if prefix else name, mod, name, b)
+                (f"{prefix}.{name}" if prefix else name, mod, name, b, b.data_ptr() if binds else -1)
                 for prefix, mod in module.named_modules()
                 for name, b in mod._buffers.items()
                 if b is not None and name not in mod._non_persistent_buffers_set
@@ -554,7 +556,7 @@ class Run:
             known = (shape, [p for g in opt.param_groups for p in g["params"] if id(p) not in own])
             checked[opt] = known
         stepped = [p for p in known[1] if p.grad is not None]
-        if stepped and not (self._paused and len(known[1]) == sum(len(g["params"]) for g in opt.param_groups)):
+        if stepped and not (_paused() and len(known[1]) == sum(len(g["params"]) for g in opt.param_groups)):
             raise ConfigError(
                 f"an optimiser ({type(opt).__name__}) updates {len(stepped)} parameter(s) that are not the "
                 f"model's (the first of shape {list(stepped[0].shape)}): under {self.cfg.algo} the workers "
@@ -597,23 +599,25 @@ class Run:
         algo.check_untouched(self._ctx)
 
     def _check_buffers(self) -> None:
-        """No persistent buffer of the model was replaced by another tensor since the algorithm took
-        them (DINO's ``self.center = self.center * m + c * (1 - m)``): the algorithm keeps, averages
-        or sends the one it took, so the new one trained apart and the model returned held the old
-        (hogwild, the parameter server, easgd: the centre's zeros, 0.33 from one process's), silently.
-        Non-persistent buffers (a rotary embedding's cache) are the model's to replace."""
-        for name, mod, key, tensor in self._buffers:
-            if mod._buffers.get(key) is not tensor:
+        """Where the algorithm keeps the model's buffers as it took them (hogwild's shared memory,
+        the buffers a push carries, easgd's exchange), no persistent one was replaced by another
+        tensor, or its memory by ``.data =`` where it binds it (DINO's ``self.center = self.center *
+        m + c * (1 - m)``): the new one trained apart and the model returned held the old (the centre's
+        zeros, 0.33 from one process's), silently. The other algorithms take the buffers afresh (DINO's
+        habit works there); non-persistent buffers (a rotary embedding's cache) are the model's."""
+        for name, mod, key, tensor, ptr in self._buffers:
+            if mod._buffers.get(key) is not tensor or (ptr >= 0 and tensor.data_ptr() != ptr):
                 attr = f"self.{key}"
                 raise ConfigError(
-                    f"buffer {name} was replaced by another tensor during the run ({attr} = ...): under "
-                    f"{self._algo.name} the model's buffers are the ones run.setup() took (kept alike on every "
-                    f"worker, or sent with the model), and the new one is apart from them; update it in place "
-                    f"({attr}.mul_(m).add_(x, alpha=1 - m), or {attr}.copy_(new), under torch.no_grad())"
+                    f"buffer {name} was replaced during the run ({attr} = ..., {attr}.data = ..., or "
+                    f"register_buffer() again): under {self._algo.name} the model's buffers are the ones "
+                    f"run.setup() took (in memory the workers share, or sent with each step), and the new one "
+                    f"is apart from them; update it in place ({attr}.mul_(m).add_(x, alpha=1 - m), or "
+                    f"{attr}.copy_(new), under torch.no_grad())"
                 )
 
     def _foreign_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._paused and not self._steps_the_model(opt):  # (an evaluation's own: a linear probe's)
+        if _paused() and not self._steps_the_model(opt):  # (an evaluation's own: a linear probe's)
             return
         if not any(opt is mine for mine in self._optimizers):
             raise ConfigError(
@@ -1049,19 +1053,43 @@ class Run:
             work = t.double() if op in ("sum", "mean") and t.is_floating_point() else t
             dist.all_reduce(work, op=ops[op])
             t = work.to(t.dtype)
-        return _no_way_back(t / self.world if op == "mean" else t, value, "run.all_reduce()", "all_reduce")
+        self._no_gradient(value, "run.all_reduce()", "all_reduce")
+        return t / self.world if op == "mean" else t
 
     def all_gather(self, value: Any) -> torch.Tensor:
         """``value`` (a Python number, as a float64; or a tensor of one shape and dtype on every
         worker) from every worker, stacked in rank order (a collective, as :meth:`all_reduce`)."""
         t = _number(value, self.device)
         if self.world == 1:
-            return _no_way_back(t.unsqueeze(0), value, "run.all_gather()", "all_gather")
+            self._no_gradient(value, "run.all_gather()", "all_gather")
+            return t.unsqueeze(0)
         self._group_only("run.all_gather()")
         self._alike(t, "run.all_gather()")
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t.contiguous())
-        return _no_way_back(torch.stack(out), value, "run.all_gather()", "all_gather")
+        self._no_gradient(value, "run.all_gather()", "all_gather")
+        return torch.stack(out)
+
+    def _no_gradient(self, value: Any, what: str, torchs: str) -> None:
+        """``value`` requires grad, and ``what``'s result is values with none (for figures, as
+        torch.distributed's own all_gather): said once, since a loss through it trains nothing
+        through that path (an audit's SimCLR over its gathered embeddings trained its temperature
+        alone, the encoder not at all, unsaid). Not refused: the gathered values as constants (a
+        loss's other workers' negatives beside the local ones) and figures (``.numpy()``) are habits."""
+        if self._said_no_gradient or not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return
+        if not torch.is_grad_enabled():
+            return
+        self._said_no_gradient = True
+        if self.rank == 0 and self._ctx.reports:
+            log.warning(
+                "%s of a tensor that requires grad: its result carries no gradient back (the workers' values, as "
+                "torch.distributed.%s's), so a loss through it trains nothing through that path; for a loss use "
+                "torch.distributed.nn.functional.%s, which does, and pass value.detach() for figures or constants",
+                what,
+                torchs,
+                torchs,
+            )
 
     def _alike(self, t: torch.Tensor, what: str) -> None:
         """Every worker's ``t`` has one shape and dtype, or ``what`` fails in one line naming each
@@ -1640,11 +1668,11 @@ class Run:
         parameters that are not the model's: each worker's trains apart, as your evaluation's own."""
         was_running = self._clock.running
         self._clock.pause()
-        self._paused += 1
+        _PAUSED.n = getattr(_PAUSED, "n", 0) + 1
         try:
             yield
         finally:
-            self._paused -= 1
+            _PAUSED.n -= 1
             if was_running:
                 self._clock.resume()
 
@@ -1926,29 +1954,14 @@ def _number(value: Any, where: torch.device) -> torch.Tensor:
     return torch.as_tensor(value, device=where).detach()
 
 
-class _NoWayBack(torch.autograd.Function):
-    """run.all_reduce/all_gather's result of a tensor that requires grad: the values, and a backward
-    pass through them refused (they carry no gradient back to the worker's tensor: a loss through
-    SimCLR's gathered embeddings trained its temperature alone, the encoder not at all, silently)."""
-
-    @staticmethod
-    def forward(ctx: Any, source: torch.Tensor, result: torch.Tensor, what: str, torchs: str) -> torch.Tensor:
-        ctx.what, ctx.torchs = what, torchs
-        return result.clone()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise ConfigError(
-            f"a backward pass through {ctx.what}'s result: it is the workers' values, for figures, and carries "
-            f"no gradient back to this worker's tensor; for a loss use torch.distributed.nn.functional."
-            f"{ctx.torchs}, which does (a process group's algorithm)"
-        )
+# run.paused() in this thread (nested): an optimiser step there that updates no parameter of the
+# model is an evaluation's (a linear probe's). Per thread: Hogwild!'s workers on a GPU are threads of
+# one process, and every run's step hooks see every optimiser's step
+_PAUSED = threading.local()
 
 
-def _no_way_back(result: torch.Tensor, value: Any, what: str, torchs: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
-        return cast(torch.Tensor, _NoWayBack.apply(value, result, what, torchs))
-    return result
+def _paused() -> bool:
+    return getattr(_PAUSED, "n", 0) > 0
 
 
 def _loads_back(state: dict[str, Any]) -> None:

@@ -132,6 +132,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     kind = "parameter server"
     topology: ClassVar[Topology] = ServerTopology(Asynchronous)
     binds_storage = True  # views of the flat buffer the server's weights come into
+    keeps_buffers = True  # the ones each push carries
 
     seat: ServerSeat
     local: int  # this worker's samples, as it last told the server
