@@ -2410,19 +2410,20 @@ def test_a_buffer_replaced_where_the_algorithm_keeps_it_is_refused(algo: str, ho
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("algo", ["hogwild", "allreduce"])
-def test_a_buffer_replaced_where_the_algorithm_takes_it_afresh_is_the_one_updated_in_place(algo: str) -> None:
-    """Updated in place, the centre is the model's returned (hogwild); under allreduce, which now
-    averages the model's buffers as they are at each step (on the first version of the check above,
-    9be96cd, refused: DINO's own code), replaced gives what in place gives."""
+@pytest.mark.parametrize("algo, how", [("hogwild", "in place"), ("asgd", ".data ="), ("allreduce", "reassigned")])
+def test_a_buffer_updated_where_the_algorithm_takes_it_is_the_models_returned(algo: str, how: str) -> None:
+    """The centre updated in place is the model's returned (hogwild); ``.data =`` under the server,
+    whose pushes send what the buffers hold (refused by the second version of the check, 2a995ef);
+    under allreduce, which now averages the model's buffers as they are at each step (the first
+    version, 9be96cd, refused it: DINO's own code), replaced gives what in place gives."""
     settings = {"model": Centred, "algo": algo, "workers": 2, "batch_size": B, "quiet": True}
-    in_place = distsgd.spawn(centred_loop, args=("in place",), **settings)
-    assert in_place.model is not None and in_place.model.center.abs().max() > 0.01
+    result = distsgd.spawn(centred_loop, args=(how,), **settings)
+    assert result.model is not None and result.model.center.abs().max() > 0.01
     if algo == "allreduce":
-        replaced = distsgd.spawn(centred_loop, args=("reassigned",), **settings)
-        assert replaced.model is not None
-        assert max_diff(weights_of(replaced.model), weights_of(in_place.model)) < 1e-6
-        assert (replaced.model.center - in_place.model.center).abs().max() < 1e-6
+        in_place = distsgd.spawn(centred_loop, args=("in place",), **settings)
+        assert in_place.model is not None
+        assert max_diff(weights_of(result.model), weights_of(in_place.model)) < 1e-6
+        assert (result.model.center - in_place.model.center).abs().max() < 1e-6
 
 
 def clamped_early_loop(run: distsgd.Run) -> nn.Module:

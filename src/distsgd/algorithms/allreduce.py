@@ -181,6 +181,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     params: list[nn.Parameter]  # those that take gradients
     frozen: Frozen  # those that did not, at setup (their gradients are not synchronised)
     float_buffers: list[torch.Tensor]  # averaged after every step (the model's as they are then)
+    buffer_slots: list[tuple[dict[str, torch.Tensor | None], str]]  # where the model holds each buffer
     buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
     bucket_of: dict[int, Bucket]  # id(param) -> its bucket
     layouts_seen: bool  # a step's gradients were reduced, none sparse (refuse_sparse looks no more)
@@ -215,6 +216,11 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             broadcast_(params + list(model.buffers()))
         self.params = params
         self.float_buffers = float_buffers(model)
+        # where each is held (a module's buffers, its name there): read again each step, so a buffer
+        # the loop replaced (DINO's centre, prune's new mask) is the one averaged, with no walk of the modules
+        self.buffer_slots = [
+            (mod._buffers, name) for mod in model.modules() for name, b in mod._buffers.items() if b is not None
+        ]
         self.buckets = make_buckets(list(reversed(params)), int(self.opts.bucket_mb * 1024 * 1024))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if self.compressor is None:  # compressed gradients are reduced after backward, all at once
@@ -265,7 +271,8 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
 
     def after_backward(self, ctx: WorkerContext, model: nn.Module, step: Step) -> None:
         refuse_unfrozen(self.name, self.frozen)
-        self.float_buffers = float_buffers(model)  # (afresh: a buffer the loop replaced, DINO's centre, too)
+        held = (slots.get(name) for slots, name in self.buffer_slots)
+        self.float_buffers = [b for b in held if b is not None and b.dtype.is_floating_point]
         if self.compressor is not None:
             if not self.params:
                 return

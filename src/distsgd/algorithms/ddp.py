@@ -153,7 +153,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
         from DDP's own result in 2 epochs, exit 0; torch says "This is not an error" in a warning)."""
         for p, stride in zip(self.synced, self.strides):
             if _layout(p) != stride:
-                name = next(n for n, q in self.ddp.module.named_parameters() if q is p)
+                name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")
                 raise ConfigError(
                     f"parameter {name}'s memory layout changed after run.setup() (model.to(memory_format="
                     f"torch.channels_last)?): torch's DistributedDataParallel laid out its gradient buckets by "
@@ -262,6 +262,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
         parameters, sparse = ddp._build_params_for_reducer()
         ddp._ddp_init_helper(parameters, sparse, ddp._build_debug_param_to_name_mapping(parameters), ddp.static_graph)
         ddp._has_rebuilt_buckets = False
+        self.strides = [_layout(p) for p in self.synced]  # (the new buckets' layouts)
         ddp._comm_hooks = []
         ddp.register_comm_hook(None, self._through_membership)
 

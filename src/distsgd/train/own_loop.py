@@ -486,7 +486,7 @@ class Run:
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
             self._bound = [(name, p, p._version) for name, p in module.named_parameters()]
         if self._algo.keeps_buffers and (self.world > 1 or self._algo.topology.server or self._algo.binds_storage):
-            binds = self._algo.binds_storage
+            binds = self._algo.kind == "shared memory"  # (its buffers' memory too; the server's bind the parameters')
             self._buffers = tuple(
                 (f"{prefix}.{name}" if prefix else name, mod, name, b, b.data_ptr() if binds else -1)
                 for prefix, mod in module.named_modules()
@@ -562,7 +562,7 @@ class Run:
                 f"model's (the first of shape {list(stepped[0].shape)}): under {self.cfg.algo} the workers "
                 f"share the parameters of the model given to run.setup(), no others, so each worker's copy "
                 f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it), "
-                f"or, for an evaluation's own (a linear probe), step it inside with run.paused():"
+                f"or, for an evaluation's own (a linear probe), step it inside `with run.paused():`"
             )
 
     def _check_untouched(self, at_end: bool = False) -> None:
@@ -624,7 +624,8 @@ class Run:
                 f"under {self.cfg.algo} the server holds the model and steps it with one optimiser: an "
                 f"optimiser run.setup() did not return ({type(opt).__name__}) stepped, and its update "
                 f"would be overwritten by the server's weights; put its parameters in a parameter group "
-                f"of spawn(optimizer=...)'s optimiser"
+                f"of spawn(optimizer=...)'s optimiser (for an evaluation's own, a linear probe's, step it "
+                f"inside `with run.paused():`)"
             )
 
     def _steps_the_model(self, opt: torch.optim.Optimizer) -> bool:
@@ -1053,7 +1054,6 @@ class Run:
             work = t.double() if op in ("sum", "mean") and t.is_floating_point() else t
             dist.all_reduce(work, op=ops[op])
             t = work.to(t.dtype)
-        self._no_gradient(value, "run.all_reduce()", "all_reduce")
         return t / self.world if op == "mean" else t
 
     def all_gather(self, value: Any) -> torch.Tensor:
@@ -1071,12 +1071,13 @@ class Run:
         return torch.stack(out)
 
     def _no_gradient(self, value: Any, what: str, torchs: str) -> None:
-        """``value`` requires grad, and ``what``'s result is values with none (for figures, as
+        """``value`` (a tensor of one or more dimensions: embeddings, not a loss averaged for an LR
+        plateau or a log) requires grad, and ``what``'s result is values with none (as
         torch.distributed's own all_gather): said once, since a loss through it trains nothing
         through that path (an audit's SimCLR over its gathered embeddings trained its temperature
         alone, the encoder not at all, unsaid). Not refused: the gathered values as constants (a
         loss's other workers' negatives beside the local ones) and figures (``.numpy()``) are habits."""
-        if self._said_no_gradient or not (isinstance(value, torch.Tensor) and value.requires_grad):
+        if self._said_no_gradient or not (isinstance(value, torch.Tensor) and value.requires_grad and value.dim()):
             return
         if not torch.is_grad_enabled():
             return

@@ -157,11 +157,15 @@ class Loads:
             for opt in self._opts:
                 _BEFORE[opt] = [threading.get_ident(), None]
         self._keys: list[tuple[type, str]] = []
-        for cls in _classes(LRScheduler):
-            for name, wrap in (("__init__", _watching_init), ("load_state_dict", _watching_load)):
-                if name in cls.__dict__:
-                    _patch(cls, name, wrap)
-                    self._keys.append((cls, name))
+        try:
+            for cls in _classes(LRScheduler):
+                for name, wrap in (("__init__", _watching_init), ("load_state_dict", _watching_load)):
+                    if name in cls.__dict__:
+                        _patch(cls, name, wrap)
+                        self._keys.append((cls, name))
+        except BaseException:  # (a class that takes no new method: the others as torch made them)
+            self.end()
+            raise
 
     def end(self) -> None:
         with _LOCK:
