@@ -905,7 +905,7 @@ class Run:
     def _schedulers_resumed(self, epoch: int = 0, first_step: bool = False) -> None:
         """A resumed user's loop at its first pass (and first step): its LR schedulers as PyTorch's
         order of loading would leave them (see :mod:`distsgd.train.schedulers`): those built since
-        run.setup() and loaded where ``schedulers.Loads`` did not see it take up the restored lr; the replay of the epochs trained before
+        run.setup() and loaded unseen by ``schedulers.Loads`` take up the restored lr; the replay of the epochs trained before
         holds the steps the loaded ones had taken. Looks for them once (and at the first step again
         where one was built since)."""
         pending = [
@@ -1956,8 +1956,8 @@ def _number(value: Any, where: torch.device) -> torch.Tensor:
 
 
 # run.paused() in this thread (nested): an optimiser step there that updates no parameter of the
-# model is an evaluation's (a linear probe's). Per thread: Hogwild!'s workers on a GPU are threads of
-# one process, and every run's step hooks see every optimiser's step
+# model is an evaluation's (a linear probe's). Per thread, defensively: every run's step hooks see
+# every optimiser's step in the process
 _PAUSED = threading.local()
 
 
