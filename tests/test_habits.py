@@ -824,24 +824,30 @@ def test_a_loop_that_trains_past_max_samples_is_refused(algo: str) -> None:
     assert 64 <= result.summary["samples"] <= 64 + 4 * B
 
 
+def stderr_of_script(path: Path, body: str) -> str:
+    """Run ``body`` (after a line putting tests/ on sys.path) as a script of its own at ``path``: the
+    workers' warnings go to their fork server's stderr, which a test in this process does not see.
+    Its stderr, once it exited 0."""
+    path.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n" + body)
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stderr
+
+
 @pytest.mark.slow
 def test_a_loop_that_asks_seldom_is_told_the_steps_it_took_past_the_end(tmp_path: Path) -> None:
     """Asking run.should_stop() every 4th batch, max_samples=64 (2 steps of the 2 workers): trained
     to the next asking, as before, now with one warning of the 2 steps past the end (in a process
     of its own: the workers' stderr is their fork server's)."""
-    script = tmp_path / "seldom.py"
-    script.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    stderr = stderr_of_script(
+        tmp_path / "seldom.py",
         "import distsgd\n"
         "from test_habits import B, Net, own_loader_loop\n"
         "if __name__ == '__main__':\n"
         "    distsgd.spawn(own_loader_loop, args=('own, asks seldom',), model=Net, algo='allreduce', workers=2,\n"
-        "                  batch_size=B, max_samples=64)\n"
+        "                  batch_size=B, max_samples=64)\n",
     )
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stderr.count("the loop took 2 steps after the run's end (max_samples=64)") == 1, res.stderr[-2000:]
+    assert stderr.count("the loop took 2 steps after the run's end (max_samples=64)") == 1, stderr[-2000:]
 
 
 def test_a_loop_that_trains_past_the_cosine_schedules_end_is_refused() -> None:
@@ -2077,10 +2083,8 @@ def test_a_resumed_run_says_what_its_loop_restarts(tmp_path: Path) -> None:
     """A resumed run (in a process of its own: the workers' warnings go to their fork server's
     stderr) whose loop starts at the epoch after its checkpoint with passes given no epoch= (they
     are epochs 0 and 1 again, empty) and builds its StepLR anew, unloaded: one warning of each."""
-    script = tmp_path / "restarts.py"
-    script.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    stderr = stderr_of_script(
+        tmp_path / "restarts.py",
         "import distsgd, torch, torch.nn.functional as F\n"
         "from helpers import toy_dataset\n"
         "from test_habits import B, Net\n"
@@ -2100,11 +2104,9 @@ def test_a_resumed_run_says_what_its_loop_restarts(tmp_path: Path) -> None:
         "    settings = dict(model=Net, algo='allreduce', workers=2, batch_size=B, out=out)\n"
         "    distsgd.spawn(main, args=(2,), quiet=True, **settings)\n"
         "    print('resumed', file=sys.stderr)\n"
-        "    distsgd.spawn(main, args=(4,), resume=out, **settings)\n"
+        "    distsgd.spawn(main, args=(4,), resume=out, **settings)\n",
     )
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    resumed = res.stderr.split("resumed\n", 1)[1]
+    resumed = stderr.split("resumed\n", 1)[1]
     assert resumed.count("run.loader()'s passes with no epoch= start again at epoch 0, the 1 trained") == 1, resumed
     assert resumed.count("the LR scheduler StepLR starts its schedule again (last_epoch 0, the run 16 steps") == 1, (
         resumed
@@ -2473,21 +2475,15 @@ def test_a_loss_through_run_all_gather_is_said(tmp_path: Path) -> None:
     its temperature alone). Refusing it at the backward (9be96cd) broke figures (``.numpy()``) and
     the gathered values as constants beside the local ones (open_clip's habit): now one warning (in a
     process of its own: the workers' warnings go to their fork server's stderr), and the run trains."""
-    script = tmp_path / "gathered.py"
-    script.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    stderr = stderr_of_script(
+        tmp_path / "gathered.py",
         "import distsgd\n"
         "from test_habits import B, Net, gathered_loss_loop\n"
         "if __name__ == '__main__':\n"
-        "    distsgd.spawn(gathered_loss_loop, args=('all_gather',), model=Net, algo='allreduce', workers=2, batch_size=B)\n"
+        "    distsgd.spawn(gathered_loss_loop, args=('all_gather',), model=Net, algo='allreduce', workers=2, batch_size=B)\n",
     )
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
     said = "run.all_gather() of a tensor that requires grad: its result carries no gradient back"
-    assert res.stderr.count(said) == 1 and "torch.distributed.nn.functional.all_gather" in res.stderr, res.stderr[
-        -3000:
-    ]
+    assert stderr.count(said) == 1 and "torch.distributed.nn.functional.all_gather" in stderr, stderr[-3000:]
 
 
 class Pointwise(nn.Module):
@@ -2560,10 +2556,8 @@ def test_an_unshuffled_loader_that_the_workers_do_not_divide_says_what_it_never_
     of the dataset's order is never trained, in any epoch (DDP's DistributedSampler pads instead):
     until 2026-11-30 unsaid (an audit's 200 of 202 samples, 0.13 from one process). One warning (in
     a process of its own: the workers' warnings go to their fork server's stderr)."""
-    script = tmp_path / "unshuffled.py"
-    script.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    stderr = stderr_of_script(
+        tmp_path / "unshuffled.py",
         "import distsgd, torch, torch.nn.functional as F\n"
         "from torch.utils.data import TensorDataset\n"
         "from helpers import toy_dataset\n"
@@ -2578,9 +2572,7 @@ def test_an_unshuffled_loader_that_the_workers_do_not_divide_says_what_it_never_
         "            opt.step()\n"
         "    return run.final_model()\n"
         "if __name__ == '__main__':\n"
-        "    distsgd.spawn(main, model=Net, algo='allreduce', workers=2, batch_size=B)\n"
+        "    distsgd.spawn(main, model=Net, algo='allreduce', workers=2, batch_size=B)\n",
     )
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
     said = "run.loader(shuffle=False) over 101 samples and 2 workers: each worker takes 50, so the last 1"
-    assert res.stderr.count(said) == 1, res.stderr[-3000:]
+    assert stderr.count(said) == 1, stderr[-3000:]

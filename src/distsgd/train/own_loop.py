@@ -571,11 +571,9 @@ class Run:
         run.setup(); MoCo's and BYOL's momentum update of a target network, ``p.data = p.data * m
         + q.data * (1 - m)``: the target stayed where it started, silently); and what the algorithm
         would overwrite is as it left it (:meth:`Algorithm.check_untouched`)."""
-        if self.steps % CHECK_EVERY and not at_end:
+        if self._ctx.job.main is None or (self.steps % CHECK_EVERY and not at_end):
             return
         self._check_buffers()
-        if self._ctx.job.main is None:
-            return
         algo = self._algo
         for name, p, ptr in self._storage:
             if p.data_ptr() == ptr:
