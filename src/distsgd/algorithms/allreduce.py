@@ -184,14 +184,15 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
     buffer_slots: list[tuple[dict[str, torch.Tensor | None], str]]  # where the model holds each buffer
     buckets: list[Bucket]  # the gradients' buckets, in backward's order (none used with a compressor)
     bucket_of: dict[int, Bucket]  # id(param) -> its bucket
-    layouts_seen: bool  # a step's gradients were reduced, none sparse (refuse_sparse looks no more)
+    # the parameters whose gradient's layout is not yet seen (refuse_sparse looks at each one's first)
+    unseen: set[int]
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         super().__init__(cfg, seat)
         self.compressor = compress.make(self.opts.compress) if self.opts.compress != "none" else None
         self.accumulating = False
         self.next_bucket = 0
-        self.layouts_seen = False  # a step's gradients were reduced: none was sparse (refuse_sparse)
+        self.unseen = set()  # (filled at setup)
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
@@ -215,6 +216,7 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if not (start is Start.REPLACEMENT and membership.current() is not None):
             broadcast_(params + list(model.buffers()))
         self.params = params
+        self.unseen = {id(p) for p in params}
         self.float_buffers = float_buffers(model)
         # where each is held (a module's buffers, its name there): read again each step, so a buffer
         # the loop replaced (DINO's centre, prune's new mask) is the one averaged, with no walk of the modules
@@ -258,8 +260,9 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             flags.fill_(1)
             for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                 view = bucket.buffer[offset : offset + p.numel()]
-                if not self.layouts_seen:  # (a sparse gradient: the first step's look is enough)
+                if self.unseen and p.grad is not None and id(p) in self.unseen:  # (a sparse one: its first is enough)
                     refuse_sparse(p, self.name, "its flat buckets")
+                    self.unseen.discard(id(p))
                 if p.grad is None:  # no gradient here (unused in this forward, or frozen): zero, flagged
                     view.zero_()
                     flags[i] = 0
@@ -276,9 +279,9 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         if self.compressor is not None:
             if not self.params:
                 return
-            for p in [] if self.layouts_seen else self.params:
+            for p in [p for p in self.params if id(p) in self.unseen and p.grad is not None] if self.unseen else []:
                 refuse_sparse(p, self.name, "the compressor's flat buffers")
-            self.layouts_seen = True
+                self.unseen.discard(id(p))
             grads, absent = flagged_grads(self.params, self.flags)
             self.sent(self.compressor.allreduce_mean_(grads, self.world), self.world)
             # which parameters had a gradient on any rank, reduced with the buffers (the compressor's
@@ -311,7 +314,6 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
             bucket.ready = 0
             bucket.handle = None
         self.next_bucket = 0
-        self.layouts_seen = True
 
     def regrouped(self, ctx: WorkerContext) -> None:
         super().regrouped(ctx)

@@ -187,6 +187,8 @@ class Run:
     # the model's persistent buffers as an algorithm that keeps them took them (see _check_buffers):
     # the module holding each, its name there, the tensor and its memory (-1: the algorithm binds none)
     _buffers: tuple[tuple[str, nn.Module, str, torch.Tensor, int], ...] = ()
+    # the model's parameters as the algorithm took them, by name (see _check_parameters)
+    _params: tuple[tuple[str, nn.Parameter], ...] = ()
     # a resumed user's loop until its first step: its schedulers' loading as PyTorch's order leaves it
     _loads: schedulers.Loads | None = None
     _said_rest = False  # the warning of _unshuffled_rest
@@ -485,6 +487,7 @@ class Run:
         its model alone."""
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
             self._bound = [(name, p, p._version) for name, p in module.named_parameters()]
+            self._params = self._params or tuple(module.named_parameters())  # (a load keeps them: assign=True does not)
         if self._algo.keeps_buffers and (self.world > 1 or self._algo.topology.server or self._algo.binds_storage):
             binds = self._algo.kind == "shared memory"  # (its buffers' memory too; the server's bind the parameters')
             self._buffers = tuple(
@@ -573,6 +576,7 @@ class Run:
         would overwrite is as it left it (:meth:`Algorithm.check_untouched`)."""
         if self._ctx.job.main is None or (self.steps % CHECK_EVERY and not at_end):
             return
+        self._check_parameters()
         self._check_buffers()
         algo = self._algo
         for name, p, ptr in self._storage:
@@ -595,6 +599,35 @@ class Run:
                 f"algorithm holds, and the new tensor is apart from it; {how}"
             )
         algo.check_untouched(self._ctx)
+
+    def _check_parameters(self) -> None:
+        """The model's parameters are still the ones the algorithm took, under the same names: a
+        parametrization registered during the run (``spectral_norm(model.l2)`` at epoch 2: ``l2.weight``
+        becomes ``l2.parametrizations.weight.original``), a module replaced or a parameter assigned
+        trained apart from what the algorithm holds, and the model returned under Hogwild! and the
+        parameter server had the plain weight (0.30-0.35 from one process's outputs, exit 0, the
+        audit of 2026-11-30); a process group's was refused only after the whole run."""
+        if not self._params:
+            return
+        now = tuple(self._algo.unwrap(self._need_setup("optimizer.step()")).named_parameters())
+        if len(now) == len(self._params) and all(n == m and p is q for (n, p), (m, q) in zip(now, self._params)):
+            return
+        names = {n for n, _ in now}
+        gone = next((n for n, p in self._params if n not in names), None)
+        same = {n: p for n, p in now}
+        what = (
+            f"parameter {gone} is no longer the model's"
+            if gone is not None
+            else "parameter " + next(n for n, p in self._params if same.get(n) is not p) + " was replaced"
+            if any(same.get(n) is not p for n, p in self._params)
+            else f"the model has {len(now) - len(self._params)} parameter(s) more"
+        )
+        raise ConfigError(
+            f"{what} since run.setup() (a parametrization registered, as spectral_norm or weight_norm, a module "
+            f"replaced, a parameter assigned, load_state_dict(assign=True)?): under {self._algo.name} the workers train the parameters "
+            f"run.setup() took, and the model's new ones would train apart from them; make the change in the "
+            f"model factory given to distsgd.spawn(model=...), before run.setup()"
+        )
 
     def _check_buffers(self) -> None:
         """Where the algorithm keeps the model's buffers as it took them (hogwild's shared memory,

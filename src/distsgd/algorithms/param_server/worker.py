@@ -152,14 +152,15 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     hypers: Hyperparameters  # what of them travels (nothing where the server's optimiser never steps)
     pushed: list[float]  # their values at the step being taken (apply_step reads them, after_step pushes)
     client: transport.Client  # the connection to the server
-    layouts_seen: bool  # a push was made, no gradient sparse (refuse_sparse looks no more)
+    # the parameters whose gradient's layout is not yet seen (refuse_sparse looks at each one's first)
+    unseen: set[int]
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
         assert isinstance(seat, ServerSeat), "a parameter-server worker runs under the server launcher"
         super().__init__(cfg, seat)
         self.local = self.version = self.total = 0
         self.stop = False
-        self.layouts_seen = False  # a push was made: no gradient was sparse (refuse_sparse)
+        self.unseen = set()  # (filled at setup)
         self.theirs = None
 
     @classmethod
@@ -174,6 +175,7 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         wire.Layout.of(model)  # before flat_view_: it refuses parameters of several dtypes
         self.params = params(model)
+        self.unseen = {id(p) for p in self.params}
         self.weights = flat_view_(self.params)
         self.floats, self.ints = float_buffers(model), int_buffers(model)
         self.optimizer = super().make_optimizer(ctx, model)
@@ -252,9 +254,9 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         self.local = step.samples
         # which parameters have a gradient (host knowledge: no look at a GPU's values); those without
         # (frozen, unused in the forward) travel as zeros and the server's optimiser skips them
-        for p in [] if self.layouts_seen else self.params:  # (a sparse gradient: the first push's look)
-            refuse_sparse(p, self.name, "the flat gradient it pushes")
-        self.layouts_seen = True
+        for p in [p for p in self.params if id(p) in self.unseen and p.grad is not None] if self.unseen else []:
+            refuse_sparse(p, self.name, "the flat gradient it pushes")  # (a sparse gradient: its first push's look)
+            self.unseen.discard(id(p))
         # a write through a parameter since the last answer landed (a clamp, a momentum target moved in
         # place): a look at their version counters (the flat weights' own does not move with them)
         if sum(p._version for p in self.params) != self.landed and self.client.changed_since_answer():
