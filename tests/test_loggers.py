@@ -140,7 +140,7 @@ def test_a_run_saved_as_safetensors_alone_is_evaluated_from_its_directory(tmp_pa
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
     (out / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
-    res = run_cli("eval", "--checkpoint", str(out))
+    res = cli_here("eval", "--checkpoint", str(out))  # eval is one process: its stderr is all there is
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
 
@@ -287,7 +287,7 @@ def test_a_logger_that_cannot_start_after_another_did_leaves_a_directory_a_rerun
     bad = {"MLFLOW_TRACKING_URI": "sideways://nowhere", "WANDB_MODE": "offline"}
     res = run_cli("train", *DIGITS, "--epochs", "1", "--out", str(out), "--logger", "wandb,mlflow", env=bad)
     assert res.returncode == 2 and res.stderr.startswith("error: --logger mlflow could not start its run"), res.stderr
-    res = run_cli("train", *DIGITS, "--epochs", "1", "--out", str(out), "--overwrite", "--quiet")
+    res = cli_here("train", *DIGITS, "--epochs", "1", "--out", str(out), "--overwrite", "--quiet")  # no logger
     assert res.returncode == 0, res.stderr[-3000:]
 
 

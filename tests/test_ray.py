@@ -43,6 +43,13 @@ def cluster():
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(HERE.parent / "src"), str(HERE)) if p)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Each trainer's PreemptionWatcher (a process of its own: it polls for nodes being drained,
+        # and this cluster has one) would start beside the workers on this test's core; so would
+        # the 2 idle workers Ray starts for the first driver, which no trainer's actor uses (their
+        # environment is not the trainer's). The example's driver inherits these variables.
+        mp.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        mp.setenv("RAY_prestart_worker_first_driver", "0")
+        mp.setenv("RAY_enable_worker_prestart", "0")
         ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
         try:
             yield

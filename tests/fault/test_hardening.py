@@ -40,10 +40,6 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-def train_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return run_cli("train", *SMALL, "--quiet", *args, timeout=timeout)
-
-
 def train_here(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
     """``distsgd train`` in this process (a single-process run: no subprocess start-up to pay)."""
     from distsgd import cli
@@ -385,7 +381,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
     )
     assert json.loads((tmp_path / "more" / "summary.json").read_text())["samples"] == 800
     assert stale.exists()  # the run read from, resumed into another directory, is not tidied
-    assert run_cli("train", "--resume", str(out), "--max-samples", "800", "--quiet").returncode == 0  # in place: it is
+    assert cli_here("train", "--resume", str(out), "--max-samples", "800", "--quiet").returncode == 0  # in place: it is
     assert not stale.exists()
 
 
@@ -490,7 +486,7 @@ def test_an_npz_claiming_ten_trillion_elements(tmp_path: Path) -> None:
     with zipfile.ZipFile(tmp_path / "big.npz", "w") as zf:
         zf.writestr("x.npy", bytes(buf) + bytes(64))  # the header (magic included), 64 bytes of data
         zf.writestr("y.npy", bytes(buf) + bytes(64))
-    r = run_cli("train", "--dataset", f"npz:{tmp_path / 'big.npz'}", "--model", "mlp", "--quiet")
+    r = cli_here("train", "--dataset", f"npz:{tmp_path / 'big.npz'}", "--model", "mlp", "--quiet")  # one process
     assert r.returncode == 2 and "claims shape" in one_error_line(r.stderr)
 
 
@@ -529,7 +525,7 @@ def test_bad_paths_and_files_are_one_line(tmp_path: Path, case: str) -> None:
         args = ["--config", str(tmp_path)]
     else:
         args = ["--out", "/dev/null/r", "--max-samples", "64"]
-    r = train_cli(*args)
+    r = cli_here("train", *SMALL, "--quiet", *args)  # refused before any worker starts: its stderr is all there is
     assert r.returncode == 2, r.stderr
     one_error_line(r.stderr)
 
