@@ -232,7 +232,14 @@ class DDP(GroupAlgorithm[BucketOptions]):
         # (frozen after setup: its .grad may still be a tensor, zeroed by zero_grad(set_to_none=False))
         missing = next((p for p in self.synced if p.grad is None or not p.requires_grad), None)
         if missing is not None:
-            name = next((n for n, p in self.ddp.module.named_parameters() if p is missing), "?")
+            name = next((n for n, p in self.ddp.module.named_parameters() if p is missing), None)
+            if name is None:  # (a parametrization registered after setup took its place: spectral_norm)
+                raise ConfigError(
+                    f"a parameter of shape {list(missing.shape)} that DDP synchronises is no longer the model's "
+                    f"since run.setup() (a parametrization registered, as spectral_norm or weight_norm, a module "
+                    f"replaced, a parameter assigned?): make the change in the model factory given to "
+                    f"distsgd.spawn(model=...), before run.setup()"
+                )
             raise ConfigError(
                 f"ddp synchronises every parameter that trains, every step, and {name} has no gradient in "
                 f"this one (unused in the forward, or frozen after run.setup()): DDP then leaves its bucket's "
