@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import distsgd
 from distsgd import checkpoint
 from distsgd.errors import CheckpointError, WorkerError
-from helpers import cli_here, kill_at_step_model, run_cli, torchrun
+from helpers import cli_here, run_cli, torchrun
 
 pytest.importorskip("sklearn")
 
@@ -21,16 +22,22 @@ import torch.nn as nn
 
 class Net(nn.Module):
     """A small MLP with dropout, so resuming must restore the random state too. Under torchrun,
-    worker KILL_RANK is SIGKILLed at its KILL_STEP-th step of the first attempt only."""
+    worker KILL_RANK is SIGKILLed at its KILL_STEP-th step: KILL_STEP a step for each attempt
+    (TORCHELASTIC_RESTART_COUNT) from the first, comma-separated ("15": the first attempt only),
+    marked by the file KILL_MARKER.ATTEMPT where KILL_MARKER is set."""
     def __init__(self, num_classes, input_shape):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, num_classes))
         self.calls = 0
 
     def forward(self, x):
-        if self.training and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        steps = os.environ.get("KILL_STEP", "").split(",")
+        if self.training and attempt is not None and int(attempt) < len(steps):
             self.calls += 1
-            if os.environ.get("RANK") == os.environ.get("KILL_RANK") and self.calls == int(os.environ["KILL_STEP"]):
+            if os.environ.get("RANK") == os.environ.get("KILL_RANK") and self.calls == int(steps[int(attempt)]):
+                if os.environ.get("KILL_MARKER"):
+                    open(os.environ["KILL_MARKER"] + "." + attempt, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
         return self.net(x)
 '''
@@ -220,47 +227,53 @@ def test_bad_resume(tmp_path) -> None:
         distsgd.train(resume=str(tmp_path / "two"), workers=1, algo="single", epochs=2)
 
 
-@pytest.mark.slow
-def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, dropout_model) -> None:
-    """allreduce under torchrun --max-restarts 1, rank 1 SIGKILLed at its 15th step: the restarted
-    group resumes from its last checkpoint and ends where an unkilled run ends, bit for bit. (The
-    unkilled run is distsgd's own launcher's, in this process: the same group, ranks and seeds.)"""
+@pytest.fixture(scope="module")
+def restarted_twice(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, dict]:
+    """allreduce under torchrun --max-restarts 2 with an --out of the user's (checkpoints every 400
+    samples, a model with dropout): rank 1 SIGKILLed at its 3rd step of the first attempt, before
+    any checkpoint, and at its 15th of the second (23 steps each; checkpoints every ~3), after
+    some. One torchrun for the two tests below (each restart is a group's processes started
+    again: 3 s of CPU each); what it said, its --out, and the summary of an unkilled run (distsgd's
+    own launcher's, in this process: the same group, ranks and seeds)."""
+    folder = tmp_path_factory.mktemp("restarted")
+    (folder / "dropnet.py").write_text(DROPOUT_MODEL)
     args = [
         *"--algo allreduce --dataset digits --model".split(),
-        dropout_model,
+        f"{folder / 'dropnet.py'}:Net",
         *"--max-samples 2872 --lr 0.05 --checkpoint-every 400".split(),
-    ]  # not --quiet: it would hide the warning looked for
-    env = {"KILL_RANK": "1", "KILL_STEP": "15"}  # 23 steps each; checkpoints every ~3
-    res = torchrun(*args, "--out", str(tmp_path / "restarted"), restarts=1, timeout=240, env=env)
+    ]  # not --quiet: it would hide the warnings looked for
+    out = folder / "restarted"
+    env = {"KILL_RANK": "1", "KILL_STEP": "3,15", "KILL_MARKER": str(folder / "killed")}
+    res = torchrun(*args, "--out", str(out), restarts=2, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert (folder / "killed.0").exists() and (folder / "killed.1").exists() and "exitcode: -9" in res.stderr
+    clean = cli_here("train", *args, "--workers", "2", "--out", str(folder / "clean"), "--quiet")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    return res, out, json.loads((folder / "clean" / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_from_the_last_checkpoint(restarted_twice) -> None:
+    """The second restart of :func:`restarted_twice` (rank 1 killed at its 15th step, after
+    checkpoints): the restarted group resumes from its last checkpoint and ends where an unkilled
+    run ends, bit for bit."""
+    res, out, clean = restarted_twice
     assert "resuming from the checkpoint" in res.stderr
-    res = cli_here("train", *args, "--workers", "2", "--out", str(tmp_path / "clean"), "--quiet")
-    assert res.returncode == 0, res.stderr[-3000:]
-    restarted = json.loads((tmp_path / "restarted" / "summary.json").read_text())
-    clean = json.loads((tmp_path / "clean" / "summary.json").read_text())
+    restarted = json.loads((out / "summary.json").read_text())
     assert restarted["samples"] == clean["samples"] == 2872
     assert restarted["final_test_loss"] == clean["final_test_loss"]
 
 
 @pytest.mark.slow
-def test_a_torchrun_restart_before_any_checkpoint_trains_again_in_the_out_it_was_given(tmp_path) -> None:
-    """allreduce under torchrun --max-restarts 1 with an --out of the user's: rank 1 SIGKILLed
-    (once) at its 3rd step, before any checkpoint. The restart finds no checkpoint in the directory
-    its first attempt made (that attempt wrote the launch's name there) and trains again from the
-    start in its place. Until 2026-11-28 rank 0 refused it ("run directory ... already exists",
-    exit 2) and the others waited for it until torchrun killed them: 3 of 7 DiLoCo restarts of
+def test_a_torchrun_restart_before_any_checkpoint_trains_again_in_the_out_it_was_given(restarted_twice) -> None:
+    """The first restart of :func:`restarted_twice`: rank 1 SIGKILLed at its 3rd step, before any
+    checkpoint. The restart finds no checkpoint in the directory its first attempt made (that
+    attempt wrote the launch's name there) and trains again from the start in its place. Until
+    2026-11-28 rank 0 refused it ("run directory ... already exists", exit 2) and the others
+    waited for it until torchrun killed them: 3 of 7 DiLoCo restarts of
     `benchmarks/train_through.py --torchrun`. A directory that this launch did not make stays
     refused (test_kubeflow's and test_cli's)."""
-    out = tmp_path / "run"
-    res = torchrun(
-        *"--algo allreduce --dataset digits --lr 0.05 --max-samples 1436 --checkpoint-every 100000 --model".split(),
-        kill_at_step_model(tmp_path),
-        "--out", str(out),
-        restarts=1, timeout=240,
-        env={"KILL_RANK": "1", "KILL_STEP": "3", "KILL_MARKER": str(tmp_path / "killed")},
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert (tmp_path / "killed.1").exists() and "exitcode: -9" in res.stderr
+    res, out, _ = restarted_twice
     assert "no checkpoint in" in res.stderr and "training again from the start" in res.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["samples"] >= 1436 and s["workers"] == 2

@@ -554,15 +554,15 @@ def test_a_member_lost_while_its_group_forms_leaves_the_others_to_form_the_next(
     two form that one and train: they neither wait out --timeout in the group that cannot form
     (before: a store's timeout after 20 s, and the run failed naming the dead worker) nor form one
     with a dead member. A kill 0.02 s after the workers were listed fell there in 4 of 10 runs."""
-    import multiprocessing as mp
     import time
 
     import torch.distributed as dist
 
+    from distsgd.launch.procs import mp_context
     from distsgd.train import membership
 
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()  # forked from distsgd's fork server: torch imported once, not in each
     out = ctx.Queue()
     procs = [ctx.Process(target=_form, args=(r, store.port, r == 1, out)) for r in range(3)]
     for p in procs:
@@ -612,14 +612,13 @@ def test_a_collective_of_torchs_own_that_fails_with_a_loss_is_a_loss() -> None:
     order in the second step's forward) because a member died is a loss, as soon as the launcher
     announces it: the survivors regroup. Before, the RuntimeError ended the run (a DDP join with a
     kill 0.07 s after the workers were listed: "Connection reset by peer", 1 run in 20)."""
-    import multiprocessing as mp
-
     import torch.distributed as dist
 
+    from distsgd.launch.procs import mp_context
     from distsgd.train import membership
 
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()  # forked from distsgd's fork server: torch imported once, not in each
     out = ctx.Queue()
     procs = [ctx.Process(target=_raw, args=(r, store.port, out)) for r in range(3)]
     for p in procs:
@@ -642,21 +641,45 @@ def test_a_stop_asked_for_while_a_survivor_waits_for_its_next_group_ends_the_wai
     5 s later (2 of 4 runs with the settings of the test above: 9.8 s wall against 4.8). Now the
     wait ends with Terminated (here, with --timeout 20 s, it raised the store's timeout after 20
     s). A member of a 2-worker group on a store held here; no other member ever comes."""
-    code = f"""
-import torch.distributed as dist
-from distsgd.errors import STOP, Terminated
-from distsgd.train import membership
-store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-member = membership.Membership(membership.StoreAt("127.0.0.1", store.port), 0, 2, timeout_s=20)
-# the group it was in (here of one: the other member is never started), which it leaves
-dist.init_process_group("gloo", store=dist.PrefixStore("before", store), rank=0, world_size=1)
-if {announced}:
-    membership.announce(store, 1, [0, 1])
-STOP.requested = ("SIGTERM", 15)  # what the handler sets while a loop listens
-try:
-    member.regroup("gloo")
-except Terminated as exc:
-    print("stopped", exc.signal_name)
-"""
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and res.stdout.strip() == "stopped SIGTERM", res.stderr[-2000:]
+    from distsgd.launch.procs import mp_context
+
+    # a process of its own, as a worker is: forked from distsgd's fork server (torch imported once)
+    ctx = mp_context()
+    out = ctx.Queue()
+    p = ctx.Process(target=_stopped_while_waiting, args=(announced, out))
+    p.start()
+    try:
+        said = out.get(timeout=60)
+    finally:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    assert p.exitcode == 0 and said == "stopped SIGTERM", said
+
+
+def _stopped_while_waiting(announced: bool, out) -> None:
+    """The survivor of the test above: how its wait for the next group ended."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from distsgd.errors import STOP, Terminated
+    from distsgd.train import membership
+
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+        member = membership.Membership(membership.StoreAt("127.0.0.1", store.port), 0, 2, timeout_s=20)
+        # the group it was in (here of one: the other member is never started), which it leaves
+        dist.init_process_group("gloo", store=dist.PrefixStore("before", store), rank=0, world_size=1)
+        if announced:
+            membership.announce(store, 1, [0, 1])
+        STOP.requested = ("SIGTERM", 15)  # what the handler sets while a loop listens
+        try:
+            member.regroup("gloo")
+        except Terminated as exc:
+            out.put(f"stopped {exc.signal_name}")
+        else:
+            out.put("regroup returned")
+    except BaseException:  # noqa: BLE001 - the test shows it
+        out.put(traceback.format_exc()[-2000:])
