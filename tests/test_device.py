@@ -22,7 +22,7 @@ import torch
 import distsgd
 from distsgd.errors import ConfigError
 from distsgd.train import device as train_device
-from helpers import cli_here
+from helpers import run_cli
 
 pytest.importorskip("sklearn")
 
@@ -160,8 +160,7 @@ def test_compile_compiles_before_the_clock_and_never_during_training(monkeypatch
 )
 @pytest.mark.slow
 def test_impossible_devices_are_one_error_line(tmp_path: Path, args: list[str], message: str) -> None:
-    # in this process (the command's own main()): refused before any worker starts, so its stderr is all there is
-    res = cli_here("train", "--dataset", "digits", "--model", "mlp", "--out", str(tmp_path / "r"), *args)
+    res = run_cli("train", "--dataset", "digits", "--model", "mlp", "--out", str(tmp_path / "r"), *args)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), res.stderr

@@ -2455,6 +2455,31 @@ def test_a_parametrization_registered_during_the_run_is_refused(algo: str, at: i
         distsgd.spawn(spectral_norm_later_loop, args=(at,), **settings)
 
 
+def checkpointed_activations_loop(run: distsgd.Run) -> nn.Module:
+    """Activation checkpointing applied to the model run.setup() returned (torch's recipes wrap
+    after DDP): its wrappers add ``_checkpoint_wrapped_module.`` to the parameters' names, not to
+    the state's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model, opt = run.setup()
+    apply_activation_checkpointing(getattr(model, "module", model), check_fn=lambda m: isinstance(m, nn.Sequential))
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["hogwild", "allreduce"])
+def test_activation_checkpointing_after_setup_is_no_change_of_parameters(algo: str) -> None:
+    """The same parameters under the same names in the model's state: the check of the parameters
+    (a review's find: its first version compared the modules' names, and refused this) lets it
+    train, and the model returned is spawn's structure."""
+    settings = {"model": Net, "algo": algo, "workers": 2, "batch_size": B, "quiet": True}
+    result = distsgd.spawn(checkpointed_activations_loop, **settings)
+    assert result.model is not None and set(result.model.state_dict()) == set(Net().state_dict())
+
+
 def clamped_early_loop(run: distsgd.Run) -> nn.Module:
     """A clamp of the head's weights after each of the first 3 steps (a warm-up's constraint)."""
     model, opt = run.setup()

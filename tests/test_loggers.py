@@ -140,7 +140,7 @@ def test_a_run_saved_as_safetensors_alone_is_evaluated_from_its_directory(tmp_pa
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["test_accuracy"] == pytest.approx(summary["final_test_accuracy"], abs=1e-9)
     (out / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
-    res = cli_here("eval", "--checkpoint", str(out))  # eval is one process: its stderr is all there is
+    res = run_cli("eval", "--checkpoint", str(out))
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
 

@@ -29,7 +29,6 @@ import pytest
 from conftest import reap
 from distsgd.errors import ConfigError
 from distsgd.launch import slurm
-from helpers import cli_here
 
 # one real SLURM cluster at a time, and never beside Ray (whose workers listen on ports 10002-19999,
 # where an srun step's MASTER_PORT lies): none of its runs (the slow tests) beside another, or beside
@@ -304,23 +303,19 @@ def _one_line(p: subprocess.Popen) -> str:
 @pytest.mark.slow
 @CLUSTERS
 def test_a_bad_slurm_setup_is_one_line(tmp_path: Path) -> None:
-    """Each stops before any group forms: one `error:` line, exit 2, no run directory. (Each case
-    is the command run in this process with the task's environment, as srun gives it: no group
-    forms, so no process of its own is needed, nor the 3 s of an interpreter's start and imports.)"""
-    from unittest import mock
-
+    """Each stops before any group forms: one `error:` line, exit 2, no run directory. (The cases
+    run side by side.)"""
     cases = [
         (2, {}, [], "SLURM_PROCID=2 is not one of SLURM_STEP_NUM_TASKS=2 tasks (0 to 1)"),
         (1, {"RANK": "0", "WORLD_SIZE": "2"}, [], "RANK=0 disagrees with SLURM_PROCID (1) in this srun task"),
         (1, {}, ["--algo", "asgd", "--workers", "2"], "--workers 2, but the group's 2 processes make 1 asgd workers"),
     ]
-    for i, (task, changes, flags, message) in enumerate(cases):
-        env = _task_env(task, 2, _job_with_a_free_port(), **changes)
-        with mock.patch.dict(os.environ, env, clear=True):  # (os.environ as it was, after)
-            res = cli_here(*TRAIN[2:], *flags, "--out", str(tmp_path / f"run{i}"))
-        lines = res.stderr.strip().splitlines()
-        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-3000:]
-        assert lines[0].startswith(f"error: {message}")
+    procs = [
+        _alone([sys.executable, *TRAIN, *flags, "--out", str(tmp_path / f"run{i}")], task, **changes)
+        for i, (task, changes, flags, _) in enumerate(cases)
+    ]
+    for i, (p, (_, _, _, message)) in enumerate(zip(procs, cases)):
+        assert _one_line(p).startswith(f"error: {message}")
         assert not (tmp_path / f"run{i}").exists()
 
 
@@ -719,43 +714,26 @@ REQUEUING_MODEL = STEP_15_MODEL.format(
 )
 
 
-@pytest.fixture(scope="module")
-def requeued_job(real_slurm: dict[str, str], tmp_path_factory) -> tuple[str, str, str, Path]:
-    """examples/slurm_one_node.sbatch, its job requeued mid-run (as a preemption would): task 0 runs
-    ``scontrol requeue`` at its 15th step, and SLURM sends every task SIGTERM, then runs the job
-    again. Its periodic checkpoints are far apart (every 100,000 samples: none before the
-    requeue). One job for the two tests below (a requeued job is a minute of SLURM's: two
-    attempts and cred_expire between them); its id, what ``scontrol show job`` said of it at its
-    end, its output and its run directory."""
-    pytest.importorskip("sklearn")
-    folder = tmp_path_factory.mktemp("requeued")
-    (folder / "requeuing.py").write_text(REQUEUING_MODEL)
-    flags = ["--dataset", "digits", "--model", f"{folder / 'requeuing.py'}:Net", "--max-samples", str(REQUEUE_BUDGET)]
-    job, shown, log = _sbatch(
-        real_slurm,
-        folder,
-        *["--cpus-per-task=1", "-O", str(ROOT / "examples" / "slurm_one_node.sbatch")],
-        *[*flags, "--lr", "0.05", "--batch-size", str(REQUEUE_BATCH), "--log-every", "1"],
-        *["--checkpoint-every", "100000"],
-    )
-    return job, shown, log, folder / "runs" / f"slurm-{job}"
-
-
-# room after the requeue: SLURM takes a while to send SIGTERM, on a fast host the run could end first
-REQUEUE_BATCH, REQUEUE_BUDGET = 16, 5744
-
-
 @pytest.mark.slow
 @CLUSTERS
-def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(requeued_job) -> None:
-    """The requeued job (:func:`requeued_job`): SLURM ran it again and distsgd went on from the
-    newest checkpoint of the first attempt, to the budget."""
-    _, shown, log, out = requeued_job
+def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(real_slurm: dict[str, str], tmp_path: Path) -> None:
+    """examples/slurm_one_node.sbatch, its job requeued mid-run (as a preemption would): SLURM runs
+    it again and distsgd goes on from the newest checkpoint of the first attempt, to the budget."""
+    pytest.importorskip("sklearn")
+    (tmp_path / "requeuing.py").write_text(REQUEUING_MODEL)
+    flags = ["--dataset", "digits", "--model", f"{tmp_path / 'requeuing.py'}:Net", "--max-samples", "2872"]
+    job, shown, log = _sbatch(
+        real_slurm,
+        tmp_path,
+        *["--cpus-per-task=1", "-O", str(ROOT / "examples" / "slurm_one_node.sbatch")],
+        *[*flags, "--lr", "0.05", "--checkpoint-every", "400"],
+    )
     assert "JobState=COMPLETED" in shown, shown + log[-3000:]
     assert "Restarts=1" in shown, shown
     assert "SLURM requeued the job: resuming from the checkpoint" in log, log[-3000:]
+    out = tmp_path / "runs" / f"slurm-{job}"
     s = json.loads((out / "summary.json").read_text())
-    assert s["samples"] == REQUEUE_BUDGET and s["final_test_accuracy"] > 0.6
+    assert s["samples"] == 2872 and s["final_test_accuracy"] > 0.6
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seqs = [e["seq"] for e in events if e["event"] == "checkpoint"]
     assert seqs == sorted(set(seqs))  # the second attempt went on from the first one's last, not from 1
@@ -763,26 +741,39 @@ def test_a_requeued_sbatch_job_resumes_from_its_checkpoint(requeued_job) -> None
 
 @pytest.mark.slow
 @CLUSTERS
-def test_a_job_preempted_with_sigterm_loses_no_step(requeued_job) -> None:
+def test_a_job_preempted_with_sigterm_loses_no_step(real_slurm: dict[str, str], tmp_path: Path) -> None:
     """A preemption mid-epoch of a run whose periodic checkpoints are far apart (every 100,000
-    samples: none before it), the requeued job of :func:`requeued_job`: ``scontrol requeue`` from
-    task 0 at its 15th step sends every task SIGTERM, and the tasks stop together at their next
-    step with a checkpoint of it (issue 46); SLURM runs the job again, which goes on from that
-    checkpoint. Nothing the first attempt trained is lost: its checkpoint is at or past its last
-    progress report and the requeue's step, and the second attempt trains the rest. (Before,
-    SIGTERM kept only the last periodic checkpoint: here none, and the job started over.)"""
-    _, shown, log, out = requeued_job
+    samples: none before it): ``scontrol requeue`` from task 0 at its 15th step sends every task
+    SIGTERM, and the tasks stop together at their next step with a checkpoint of it (issue 46);
+    SLURM runs the job again, which goes on from that checkpoint. Nothing the first attempt
+    trained is lost: its checkpoint is at or past its last progress report and the requeue's
+    step, and the second attempt trains the rest. (Before, SIGTERM kept only the last periodic
+    checkpoint: here none, and the job started over.)"""
+    pytest.importorskip("sklearn")
+    (tmp_path / "requeuing.py").write_text(REQUEUING_MODEL)
+    batch, budget = (
+        16,
+        5744,
+    )  # room after the requeue: SLURM takes a while to send SIGTERM, on a fast host the run could end first
+    flags = ["--dataset", "digits", "--model", f"{tmp_path / 'requeuing.py'}:Net", "--max-samples", str(budget)]
+    job, shown, log = _sbatch(
+        real_slurm,
+        tmp_path,
+        *["--cpus-per-task=1", "-O", str(ROOT / "examples" / "slurm_one_node.sbatch")],
+        *[*flags, "--lr", "0.05", "--batch-size", str(batch), "--log-every", "1", "--checkpoint-every", "100000"],
+    )
     assert "JobState=COMPLETED" in shown and "Restarts=1" in shown, shown + log[-3000:]
     assert "SLURM requeued the job: resuming from the checkpoint" in log, log[-3000:]
+    out = tmp_path / "runs" / f"slurm-{job}"
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(i for i, e in enumerate(events) if e["event"] == "checkpoint")  # the signal's, attempt 1
     kept = events[first]["samples"]
-    step = 2 * REQUEUE_BATCH  # samples of one step, both workers
+    step = 2 * batch  # samples of one step, both workers
     before = [e["samples"] for e in events[:first] if e["event"] == "progress"]
-    assert 15 * step <= kept < REQUEUE_BUDGET and max(before) <= kept, (kept, before[-3:])
+    assert 15 * step <= kept < budget and max(before) <= kept, (kept, before[-3:])
     after = [e["samples"] for e in events[first + 1 :] if e["event"] == "progress"]
     # attempt 2's first step is the one after the checkpoint's: a whole step, or the epoch's last
     # (the shards' remainder: 1,437 samples are not a whole number of steps)
     assert 0 < min(after) - kept <= step, (kept, min(after))
-    assert json.loads((out / "summary.json").read_text())["samples"] == REQUEUE_BUDGET
+    assert json.loads((out / "summary.json").read_text())["samples"] == budget
     print(f"requeued at task 0's step 15 ({15 * step} samples); checkpoint at {kept}; resumed at {min(after)}")

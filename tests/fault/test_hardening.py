@@ -486,7 +486,7 @@ def test_an_npz_claiming_ten_trillion_elements(tmp_path: Path) -> None:
     with zipfile.ZipFile(tmp_path / "big.npz", "w") as zf:
         zf.writestr("x.npy", bytes(buf) + bytes(64))  # the header (magic included), 64 bytes of data
         zf.writestr("y.npy", bytes(buf) + bytes(64))
-    r = cli_here("train", "--dataset", f"npz:{tmp_path / 'big.npz'}", "--model", "mlp", "--quiet")  # one process
+    r = run_cli("train", "--dataset", f"npz:{tmp_path / 'big.npz'}", "--model", "mlp", "--quiet")
     assert r.returncode == 2 and "claims shape" in one_error_line(r.stderr)
 
 
@@ -525,7 +525,7 @@ def test_bad_paths_and_files_are_one_line(tmp_path: Path, case: str) -> None:
         args = ["--config", str(tmp_path)]
     else:
         args = ["--out", "/dev/null/r", "--max-samples", "64"]
-    r = cli_here("train", *SMALL, "--quiet", *args)  # refused before any worker starts: its stderr is all there is
+    r = run_cli("train", *SMALL, "--quiet", *args)  # (a subprocess: its stderr holds the warnings too)
     assert r.returncode == 2, r.stderr
     one_error_line(r.stderr)
 

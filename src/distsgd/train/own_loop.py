@@ -487,7 +487,7 @@ class Run:
         its model alone."""
         if self.world > 1 or self._algo.topology.server or self._algo.binds_storage:
             self._bound = [(name, p, p._version) for name, p in module.named_parameters()]
-            self._params = self._params or tuple(module.named_parameters())  # (a load keeps them: assign=True does not)
+            self._params = self._params or _named_parameters(module)  # (a load keeps them: assign=True does not)
         if self._algo.keeps_buffers and (self.world > 1 or self._algo.topology.server or self._algo.binds_storage):
             binds = self._algo.kind == "shared memory"  # (its buffers' memory too; the server's bind the parameters')
             self._buffers = tuple(
@@ -609,17 +609,15 @@ class Run:
         audit of 2026-11-30); a process group's was refused only after the whole run."""
         if not self._params:
             return
-        now = tuple(self._algo.unwrap(self._need_setup("optimizer.step()")).named_parameters())
-        if len(now) == len(self._params) and all(n == m and p is q for (n, p), (m, q) in zip(now, self._params)):
+        now = dict(_named_parameters(self._algo.unwrap(self._need_setup("optimizer.step()"))))
+        if len(now) == len(self._params) and all(now.get(n) is p for n, p in self._params):
             return
-        names = {n for n, _ in now}
-        gone = next((n for n, p in self._params if n not in names), None)
-        same = {n: p for n, p in now}
+        gone = next((n for n, p in self._params if n not in now), None)
         what = (
             f"parameter {gone} is no longer the model's"
             if gone is not None
-            else "parameter " + next(n for n, p in self._params if same.get(n) is not p) + " was replaced"
-            if any(same.get(n) is not p for n, p in self._params)
+            else "parameter " + next(n for n, p in self._params if now[n] is not p) + " was replaced"
+            if any(now[n] is not p for n, p in self._params)
             else f"the model has {len(now) - len(self._params)} parameter(s) more"
         )
         raise ConfigError(
@@ -2302,6 +2300,12 @@ def _same_state(model: nn.Module, state: Mapping[str, Any]) -> bool:
         if not torch.equal(given.to(device=mine.device, dtype=mine.dtype), mine):
             return False
     return True
+
+
+def _named_parameters(module: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
+    """``module``'s parameters under their names in its state (a wrapper's own prefix left out, as
+    activation checkpointing's ``_checkpoint_wrapped_module.``; a parametrization's ``original`` in)."""
+    return tuple((k, v) for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, nn.Parameter))
 
 
 def _versions(model: nn.Module) -> list[tuple[int, int]]:

@@ -254,14 +254,16 @@ class ServerAlgorithm(Algorithm[ServerOptionsT]):
         self.local = step.samples
         # which parameters have a gradient (host knowledge: no look at a GPU's values); those without
         # (frozen, unused in the forward) travel as zeros and the server's optimiser skips them
-        for p in [p for p in self.params if id(p) in self.unseen and p.grad is not None] if self.unseen else []:
-            refuse_sparse(p, self.name, "the flat gradient it pushes")  # (a sparse gradient: its first push's look)
-            self.unseen.discard(id(p))
         # a write through a parameter since the last answer landed (a clamp, a momentum target moved in
         # place): a look at their version counters (the flat weights' own does not move with them)
         if sum(p._version for p in self.params) != self.landed and self.client.changed_since_answer():
             raise ConfigError(self._changed_weights())
         present = [p.grad is not None for p in self.params]
+        if self.unseen:  # (a sparse gradient: each parameter's first push's look; frozen ones never have one)
+            for p, has in zip(self.params, present):
+                if has and id(p) in self.unseen:
+                    refuse_sparse(p, self.name, "the flat gradient it pushes")
+                    self.unseen.discard(id(p))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         buffers = (self.floats, self.ints) if self.floats or self.ints else None
         self.version, self.total, self.stop = self.client.push(
