@@ -53,6 +53,7 @@ class Recorder:
         self.summary = summary
 
 
+@pytest.mark.slow  # (4-7 s each: out of the fast tier, which ran 190 s on the VM of 2026-11-30)
 @pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2), ("hogwild", 2), ("asgd", 2)])
 def test_on_eval_stops_the_run_at_that_evaluation(tmp_path: Path, algo: str, workers: int) -> None:
     """A process group (every worker stops at that step), Hogwild! and the parameter server (the

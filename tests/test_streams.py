@@ -273,6 +273,7 @@ def hf_rows(n: int, seed: int) -> dict[str, list[str]]:
     return {"text": ["".join(r.choice("abcab ") for _ in range(r.randint(20, 60))) for _ in range(n)]}
 
 
+@pytest.mark.slow  # (4-7 s each: out of the fast tier, which ran 190 s on the VM of 2026-11-30)
 @pytest.mark.parametrize("algo", ["single", "allreduce"])
 def test_a_streaming_hugging_face_dataset_trains_a_language_model(algo: str) -> None:
     """``load_dataset(..., streaming=True)``'s splits (here made by ``to_iterable_dataset``): the
