@@ -51,6 +51,7 @@ from distsgd.config import RunConfig
 from distsgd.errors import ConfigError
 from distsgd.train import membership
 from distsgd.train.context import Start, Step, WorkerContext
+from distsgd.train.own_loop import parameters_changed
 
 # torch 2.13 names DDP's broadcast before each forward forward_sync_buffers (broadcast_buffers before)
 _NO_FORWARD_SYNC = (
@@ -234,11 +235,9 @@ class DDP(GroupAlgorithm[BucketOptions]):
         if missing is not None:
             name = next((n for n, p in self.ddp.module.named_parameters() if p is missing), None)
             if name is None:  # (a parametrization registered after setup took its place: spectral_norm)
-                raise ConfigError(
-                    f"a parameter of shape {list(missing.shape)} that DDP synchronises is no longer the model's "
-                    f"since run.setup() (a parametrization registered, as spectral_norm or weight_norm, a module "
-                    f"replaced, a parameter assigned?): make the change in the model factory given to "
-                    f"distsgd.spawn(model=...), before run.setup()"
+                raise parameters_changed(
+                    f"a parameter of shape {list(missing.shape)} that DDP synchronises is no longer the model's",
+                    self.name,
                 )
             raise ConfigError(
                 f"ddp synchronises every parameter that trains, every step, and {name} has no gradient in "

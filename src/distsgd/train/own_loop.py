@@ -620,12 +620,7 @@ class Run:
             if any(now[n] is not p for n, p in self._params)
             else f"the model has {len(now) - len(self._params)} parameter(s) more"
         )
-        raise ConfigError(
-            f"{what} since run.setup() (a parametrization registered, as spectral_norm or weight_norm, a module "
-            f"replaced, a parameter assigned, load_state_dict(assign=True)?): under {self._algo.name} the workers train the parameters "
-            f"run.setup() took, and the model's new ones would train apart from them; make the change in the "
-            f"model factory given to distsgd.spawn(model=...), before run.setup()"
-        )
+        raise parameters_changed(what, self._algo.name)
 
     def _check_buffers(self) -> None:
         """Where the algorithm keeps the model's buffers as it took them (hogwild's shared memory,
@@ -2300,6 +2295,17 @@ def _same_state(model: nn.Module, state: Mapping[str, Any]) -> bool:
         if not torch.equal(given.to(device=mine.device, dtype=mine.dtype), mine):
             return False
     return True
+
+
+def parameters_changed(what: str, algo: str) -> ConfigError:
+    """The one line for a model whose parameters are not the ones run.setup() took (``what``: which),
+    said by the loop's check and by ddp's, whichever sees it first."""
+    return ConfigError(
+        f"{what} since run.setup() (a parametrization registered, as spectral_norm or weight_norm, a module "
+        f"replaced, a parameter assigned, load_state_dict(assign=True)?): under {algo} the workers train the "
+        f"parameters run.setup() took, and the model's new ones would train apart from them; make the change "
+        f"in the model factory given to distsgd.spawn(model=...), before run.setup()"
+    )
 
 
 def _named_parameters(module: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
