@@ -526,6 +526,55 @@ def test_a_plateau_scheduler_whose_lrs_part_and_meet_again_is_refused(algo: str)
     assert "\n" not in str(info.value) and "run.all_reduce(loss)" in str(info.value)
 
 
+def uneven_loop(run: distsgd.Run, folder: str) -> nn.Module:
+    """A DataLoader-like loop of its own over each worker's own slice of the data, at its own batch
+    size (rank 0: 96 samples, 6 a batch; rank 1: 160, 10 a batch; 16 steps each), counting its
+    batches with run.count and asking run.should_stop() before each; what each trained, written."""
+    model, opt = run.setup()
+    x, y = toy_dataset().tensors
+    mine, per = (list(range(96)), 6) if run.rank == 0 else (list(range(96, N)), 10)
+    taken = 0
+    for start in range(0, len(mine), per):
+        if run.should_stop():
+            break
+        idx = mine[start : start + per]
+        run.count(len(idx))
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x[idx]), y[idx]))
+        opt.step()
+        taken += len(idx)
+    Path(folder, f"taken-{run.rank}").write_text(str(taken))
+    return run.final_model()
+
+
+@pytest.mark.parametrize(
+    "algo, max_samples",
+    [("allreduce", None), ("allreduce", 120), pytest.param("local-sgd", 120, marks=pytest.mark.slow)],
+)
+def test_workers_batches_of_different_sizes_count_the_samples_trained(
+    tmp_path: Path, algo: str, max_samples: int | None
+) -> None:
+    """The run's samples are what the workers trained, summed (they were rank 0's times the
+    workers: 192 for 256), and --max-samples stops every worker at the same step, the first at
+    which the workers' samples reach it (8 steps: 128; before, rank 1 counted 10 x 2 a step and
+    stopped at 6, rank 0 at 10, and the run was refused blaming the loop)."""
+    r = distsgd.spawn(
+        functools.partial(uneven_loop, folder=str(tmp_path)),
+        model=Net,
+        algo=algo,
+        workers=2,
+        batch_size=8,
+        lr=0.05,
+        quiet=True,
+        train_size=N,
+        max_samples=max_samples,
+    )
+    taken = [int(Path(tmp_path, f"taken-{rank}").read_text()) for rank in range(2)]
+    assert taken == ([48, 80] if max_samples else [96, 160])
+    assert r.summary["samples"] == sum(taken)
+    assert r.summary["epochs"] == pytest.approx(sum(taken) / N)
+
+
 def test_a_plateau_scheduler_on_the_shared_loss_is_one_processs() -> None:
     """Stepped on run.all_reduce(loss), the global batch's loss: one process with the global batch,
     its scheduler stepped on that batch's loss (float64, plain PyTorch)."""

@@ -57,6 +57,8 @@ a subclass of :class:`Algorithm` registered with :func:`register`, declaring
     (``model.load_state_dict``): make them the algorithm's (DiLoCo's anchor), or refuse;
   - ``agree(ctx, flag)``: every worker reaches the same stop decision (rank 0's);
   - ``max_of(ctx, values)``: every worker's values, their largest (a signal asked one to stop);
+  - ``sum_started(ctx, values)``: every worker's values summed, begun now, read later (a user's
+    loop's samples, where its workers' batches differ);
   - ``barrier(ctx)``: every worker got here;
   - ``checkpoint_saved(ctx, seq, commit)``: this worker wrote its part of checkpoint ``seq``. In
     lockstep, every worker waits for the others and rank 0 calls ``commit``; an algorithm with a
@@ -466,6 +468,11 @@ class Algorithm(Generic[OptionsT]):
         the previous call (None at the first), its reduction overlapping the steps between."""
         return values
 
+    def sum_started(self, ctx: "WorkerContext", values: list[int]) -> Callable[[], list[int]]:
+        """Every worker's ``values`` summed, element by element (every worker calls it at the same
+        step): begun now, and a function that waits for the sums (a worker alone's: its own)."""
+        return lambda: values
+
     def barrier(self, ctx: "WorkerContext") -> None:
         """Wait until every worker got here."""
 
@@ -682,6 +689,16 @@ class GroupAlgorithm(Algorithm[OptionsT]):
             return None
         membership.wait(previous[0])
         return [int(v) for v in previous[1].tolist()]
+
+    def sum_started(self, ctx: "WorkerContext", values: list[int]) -> Callable[[], list[int]]:
+        t = torch.tensor(values, dtype=torch.int64, device=ctx.device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+
+        def done() -> list[int]:
+            membership.wait(work)
+            return [int(v) for v in t.tolist()]
+
+        return done
 
     def regrouped(self, ctx: "WorkerContext") -> None:
         self.world = ctx.world

@@ -68,7 +68,7 @@ from distsgd.errors import NO_GROUP, ConfigError, LoopError, loop_failure, one_l
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
-from distsgd.train import device, lockstep, membership, schedulers
+from distsgd.train import device, lockstep, membership, schedulers, sums
 from distsgd.train.context import LoopEnd, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
 from distsgd.train.optim import build_optimizer, is_internal, schedule_lr, schedule_needs_epochs
@@ -208,6 +208,7 @@ class Run:
     # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
     # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
     _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
+    _train_wall_s: float | None = None  # the training clock at run.final_model()
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
@@ -248,6 +249,7 @@ class Run:
         self._grad_versions: list[int] | None = None  # fp16: the gradients as the last sync left them
         self._lr_set: list[float] | None = None  # the lrs --schedule set at the last step
         self._lr_sums: list[float] = []  # each group's lr sum and sum of squares since _check_lr_alike looked
+        self._sums = sums.Sums()  # lockstep: the run's samples where the workers' batches differ
         self._evaluations = 0  # run.evaluation_model() calls (a barrier's key, where it is a collective)
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
@@ -265,7 +267,6 @@ class Run:
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self._end_seen = self._schedule_end_seen = False  # the run's end seen at a step (_past_the_end)
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
-        self._train_wall_s: float | None = None
         # distsgd's loop starts training itself (Run._begin) once --compile has warmed up: the start
         # barrier is what the asynchronous launchers' clocks start from, and the shared model's
         # buffers must not be put back while other workers train
@@ -374,6 +375,8 @@ class Run:
             return
         if len(manifest.get("ranks", range(manifest["world"]))) < manifest["world"]:
             ctx.departed_samples = int(manifest["samples"]) - self._state.local * ctx.world
+        elif self._ctx.job.main is not None:  # (a loop whose workers' batches differed: see sums)
+            self._sums.resumed(int(manifest["samples"]), self._algo.global_samples(ctx, self._state.local))
 
     def _check_setup(self, given: nn.Module | None, makers: list[Any]) -> list[torch.optim.Optimizer]:
         """What run.setup() was given, checked (one line for each mistake); the optimiser objects."""
@@ -1175,7 +1178,8 @@ class Run:
 
     def global_samples(self) -> int:
         """All workers' samples so far, as this worker knows them."""
-        return self._algo.global_samples(self._ctx, self.samples)
+        self._sums.read(self._algo, self._ctx)
+        return self._algo.global_samples(self._ctx, self.samples) + self._sums.offset
 
     def should_stop(self) -> bool:
         """True once the run must end: ``--max-samples`` reached (all workers'), a figure given to
@@ -1392,9 +1396,9 @@ class Run:
         workers step with the same learning rates (a scheduler stepped on each worker's own loss,
         ``ReduceLROnPlateau(opt).step(loss)``, gave each its own, and the replicas parted, silently
         but for a warning at the end that blamed another cause). A collective of two numbers a
-        parameter group."""
-        algo = self._algo
-        if self.world == 1 or self._ctx.job.main is None or not algo.topology.lockstep:
+        parameter group, and of the workers' sample counts (:mod:`distsgd.train.sums`)."""
+        algo, ctx = self._algo, self._ctx
+        if self.world == 1 or ctx.job.main is None or not algo.topology.lockstep:
             return
         if not algo.topology.process_group:
             return
@@ -1405,10 +1409,15 @@ class Run:
         for i, lr in enumerate(lrs):
             self._lr_sums[i] += lr
             self._lr_sums[n + i] += lr * lr
+        local = self._state.local + self._batch_samples
         if self.steps % CHECK_EVERY and not at_end:
+            self._sums.step(algo, ctx, local, parted=False)
             return
         sums, self._lr_sums = self._lr_sums, [0.0] * (2 * n)
-        low, high = algo.spread(self._ctx, lrs + sums)
+        low, high = algo.spread(ctx, lrs + sums + [float(local)])
+        self._sums.step(algo, ctx, local, parted=low.pop() != high.pop())
+        if at_end:
+            self._sums.read(algo, ctx)
         parted = [i for i, (lo, hi) in enumerate(zip(low, high)) if hi - lo > 1e-6 * abs(hi)]
         if parted:
             i = parted[0]
@@ -1432,6 +1441,7 @@ class Run:
     def _abandon_step(self) -> None:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
         self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = 0
+        self._sums.forget()
         self._stepped.clear()
         self._pending.clear()
         self._current, self._unscaled, self._unsynced, self._in_backward = None, False, False, False
