@@ -1415,7 +1415,8 @@ class Run:
             return
         sums, self._lr_sums = self._lr_sums, [0.0] * (2 * n)
         low, high = algo.spread(ctx, lrs + sums + [float(local)])
-        self._sums.step(algo, ctx, local, parted=low.pop() != high.pop())
+        self._sums.step(algo, ctx, local, parted=low[-1] != high[-1])
+        low, high = low[:-1], high[:-1]
         if at_end:
             self._sums.read(algo, ctx)
         parted = [i for i, (lo, hi) in enumerate(zip(low, high)) if hi - lo > 1e-6 * abs(hi)]
