@@ -51,9 +51,10 @@ def samples() -> TensorDataset:
 
 def train(run: distsgd.Run, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """One pass of a plain loop over samples(): batches of 16, cross-entropy, loss.backward()."""
+    dtype = next(model.parameters()).dtype  # (a model converted after run.setup(): its data too)
     for x, y in run.loader(samples(), batch_size=16):
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(dtype)).float(), y).backward()
         opt.step()
 
 
@@ -413,6 +414,8 @@ def changed_after_setup(run: distsgd.Run, how: str) -> nn.Module:
         model.apply(init_normal)
     elif how == "channels_last":
         model.to(memory_format=torch.channels_last)
+    elif how in ("double", "half"):  # (the data follows the model's dtype: see train)
+        getattr(model, how)()
     else:
         model.load_state_dict({k: torch.full_like(v, 0.01) for k, v in model.state_dict().items()})
     train(run, model, opt)
@@ -470,6 +473,19 @@ def test_channels_last_after_setup_is_refused_under_ddp() -> None:
     with pytest.raises(distsgd.DistsgdError) as raised:
         distsgd.spawn(loop, model=ConvNet4, algo="ddp", workers=2, quiet=True)
     said = "parameter conv.weight's memory layout changed after run.setup()"
+    assert said in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("how, dtypes", [("double", "float32 to float64"), ("half", "float32 to float16")])
+def test_a_dtype_changed_after_setup_is_refused_under_ddp(how: str, dtypes: str) -> None:
+    """Under ddp, model.double() (or .half(), .to(torch.bfloat16)) after run.setup(): torch's
+    DistributedDataParallel averaged nothing of the converted parameters, and the model returned
+    was worker 0's trained alone (an audit's: 0.11 from one process, exit 0; plain torch DDP the
+    same, silently; OWN_LOOP.md said it was refused). Now one line at the first step."""
+    loop = functools.partial(changed_after_setup, how=how)
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(loop, model=ConvNet, algo="ddp", workers=2, quiet=True)
+    said = f"parameter conv.weight's dtype changed after run.setup() ({dtypes}"
     assert said in str(raised.value) and "\n" not in str(raised.value)
 
 

@@ -77,7 +77,9 @@ class DDP(GroupAlgorithm[BucketOptions]):
     frozen: Frozen  # the others
     forwards: int  # forwards through DDP that prepared its reducer for a backward, since the last sync
     grad_bytes: int  # what DDP all-reduces a step without a hook
-    strides: list[tuple[int, ...]]  # each synced parameter's layout when DDP laid out its buckets (_layout)
+    strides: list[
+        tuple[torch.dtype, tuple[int, ...]]
+    ]  # each synced parameter's dtype and layout (_layout) when DDP laid out its buckets
     buffer_bytes: int  # what rank 0 broadcasts before every forward
 
     def __init__(self, cfg: RunConfig, seat: object = None) -> None:
@@ -116,7 +118,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )
         self.ddp = ddp
-        self.strides = [_layout(p) for p in self.synced]
+        self.strides = [(p.dtype, _layout(p)) for p in self.synced]
         ddp.register_forward_pre_hook(self._forward)
         if self.through:
             self.hooked = True
@@ -148,11 +150,24 @@ class DDP(GroupAlgorithm[BucketOptions]):
         return ddp
 
     def check_untouched(self, ctx: WorkerContext) -> None:
-        """No parameter's memory layout changed since DDP was built: its buckets are views laid out
-        by the strides it found, and the averaged gradient copied back into a parameter of another
-        layout is scrambled (``model.to(memory_format=torch.channels_last)`` after run.setup(): 0.09
-        from DDP's own result in 2 epochs, exit 0; torch says "This is not an error" in a warning)."""
-        for p, stride in zip(self.synced, self.strides):
+        """No parameter's memory layout or dtype changed since DDP was built: its buckets are views
+        laid out by the strides it found, and the averaged gradient copied back into a parameter of
+        another layout is scrambled (``model.to(memory_format=torch.channels_last)`` after
+        run.setup(): 0.09 from DDP's own result in 2 epochs, exit 0; torch says "This is not an
+        error" in a warning); a parameter of another dtype (``model.double()``) kept its worker's own
+        gradient (0.11 from one process, the model returned worker 0's trained alone, exit 0; plain
+        torch DDP the same, without a word)."""
+        for p, (dtype, stride) in zip(self.synced, self.strides):
+            if p.dtype != dtype:
+                name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")
+                raise ConfigError(
+                    f"parameter {name}'s dtype changed after run.setup() ({str(dtype).removeprefix('torch.')} to "
+                    f"{str(p.dtype).removeprefix('torch.')}: model.double(), .half(), .to(dtype)?): torch's "
+                    f"DistributedDataParallel averages the gradients in buckets of the dtype it found, and leaves "
+                    f"a parameter of another dtype its worker's own gradient; convert the model before "
+                    f"run.setup() (in its constructor or the model factory), use --precision for mixed "
+                    f"precision, or --algo allreduce"
+                )
             if _layout(p) != stride:
                 name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")
                 raise ConfigError(
@@ -268,7 +283,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
         parameters, sparse = ddp._build_params_for_reducer()
         ddp._ddp_init_helper(parameters, sparse, ddp._build_debug_param_to_name_mapping(parameters), ddp.static_graph)
         ddp._has_rebuilt_buckets = False
-        self.strides = [_layout(p) for p in self.synced]  # (the new buckets' layouts)
+        self.strides = [(p.dtype, _layout(p)) for p in self.synced]  # (the new buckets' layouts)
         ddp._comm_hooks = []
         ddp.register_comm_hook(None, self._through_membership)
 
