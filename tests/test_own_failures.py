@@ -476,7 +476,10 @@ def test_channels_last_after_setup_is_refused_under_ddp() -> None:
     assert said in str(raised.value) and "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("how, dtypes", [("double", "float32 to float64"), ("half", "float32 to float16")])
+@pytest.mark.parametrize(
+    "how, dtypes",
+    [("double", "float32 to float64"), pytest.param("half", "float32 to float16", marks=pytest.mark.slow)],
+)
 def test_a_dtype_changed_after_setup_is_refused_under_ddp(how: str, dtypes: str) -> None:
     """Under ddp, model.double() (or .half(), .to(torch.bfloat16)) after run.setup(): torch's
     DistributedDataParallel averaged nothing of the converted parameters, and the model returned

@@ -300,6 +300,10 @@ def _bootstrap(env: dict[str, str], target: Callable[..., None], args: _Later) -
     sys.unraisablehook = _stopped_where_it_cannot_raise
     os.environ.clear()
     os.environ.update(env)
+    # the platform's default start method again, not the fork server this process came from: a
+    # user's DataLoader(num_workers=2) forks its loader processes as in a plain script, where under
+    # the fork server's each started a server of its own and imported torch again (4 s an epoch)
+    mp.set_start_method(None, force=True)
     _exit_with_launcher()
     try:
         target(*args.load())
@@ -503,7 +507,13 @@ def pack(result: WorkerResult) -> dict[str, Any]:
 def fit_returned(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load the state of the model a worker returned into ``spawn(model=...)``'s, or one line: a
     module of another structure given to run.setup() (a DDP wrapper's keys start 'module.') ended
-    a whole run in load_state_dict's traceback."""
+    a whole run in load_state_dict's traceback. A model trained in another floating dtype than the
+    factory's (``torch.set_default_dtype`` in main before run.setup(), ``model.double()`` after it)
+    is returned in it, not rounded to the factory's."""
+    trained = {t.dtype for t in state.values() if t.is_floating_point()}
+    built = {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}
+    if len(trained) == 1 and len(built) == 1 and trained != built:
+        model.to(trained.pop())
     try:
         result = model.load_state_dict(state, strict=False)
         odd = [f"missing {k!r}" for k in result.missing_keys[:1]] + [

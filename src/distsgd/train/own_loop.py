@@ -737,6 +737,8 @@ class Run:
         --precision's pieces: the training forward under autocast, the loss scaler."""
         ctx, cfg, algo = self._ctx, self.cfg, self._algo
         ds = ctx.dataset
+        if algo.topology.shared_model and torch.get_default_dtype() != torch.float32:
+            _refuse_default_dtype(cfg.algo, algo.topology.server)
         if given is not None:
             _own_storage(given)
             model = given.to(ctx.device)
@@ -2228,6 +2230,19 @@ def _own_storage(module: nn.Module) -> None:
             for name, buffer in sub._buffers.items():
                 if buffer is not None and buffer.is_shared():
                     sub._buffers[name] = buffer.clone()
+
+
+def _refuse_default_dtype(algo: str, server: bool) -> None:
+    """``torch.set_default_dtype(torch.float64)`` in main before run.setup(), where the model the
+    workers train is built in another process (the server's, the launcher's shared one), in float32:
+    a server's worker waited for ever for twice the bytes the server sent (then blamed the server),
+    and Hogwild!'s trained the float32 model, the setting silently unused."""
+    where = "the parameter server builds it in its own process" if server else "it is built once, in the launcher"
+    raise ConfigError(
+        f"torch.set_default_dtype({torch.get_default_dtype()}) in main does not reach the model under {algo}: "
+        f"{where}, in float32; make the dtype part of the model (its constructor, or the factory: "
+        f"model=lambda: Net().double())"
+    )
 
 
 def _seed_globals(seed: int) -> None:
