@@ -571,6 +571,33 @@ def test_a_loops_own_dataloader_forks_its_loader_processes_as_a_plain_script(tmp
         assert Path(tmp_path, f"seen-{rank}").read_text() == "fork [4.0, 4.0]"
 
 
+def seeded_loop(run: distsgd.Run, seed: int) -> nn.Module:
+    """A script's seed at the top of main, before run.setup(), and a dropout's draw after it."""
+    torch.manual_seed(seed)
+    model, opt = run.setup()
+    x, y = toy_dataset().tensors
+    opt.zero_grad()
+    run.count(4)
+    run.backward(F.cross_entropy(model(F.dropout(x[:4], 0.5)), y[:4]))
+    opt.step()
+    return run.final_model()
+
+
+def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(capfd: pytest.CaptureFixture) -> None:
+    """run.setup() builds the model with spawn(seed=)'s seed and seeds every worker's streams from it:
+    a seed sweep of torch.manual_seed(s) at the top of main gave one run s times, without a word (an
+    audit's: seeds 0, 1 and none bit-identical). Now a warning names spawn(seed=); the same seed as
+    spawn's says nothing."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2}  # (quiet=True would keep the warnings in)
+    a = distsgd.spawn(functools.partial(seeded_loop, seed=5), seed=0, **settings)
+    said = capfd.readouterr().err
+    assert said.count("torch.manual_seed(5) in main before run.setup() chooses nothing") == 1, said
+    assert "pass seed=5 to spawn" in said
+    b = distsgd.spawn(functools.partial(seeded_loop, seed=0), seed=0, **settings)
+    assert "manual_seed" not in capfd.readouterr().err
+    assert max_diff(weights_of(a.model), weights_of(b.model)) == 0  # (the seed chose nothing, as said)
+
+
 def float64_loop(run: distsgd.Run, folder: str) -> nn.Module:
     """torch.set_default_dtype(torch.float64) at the top of main, as a script that wants float64 does."""
     torch.set_default_dtype(torch.float64)

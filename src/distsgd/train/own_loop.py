@@ -209,6 +209,7 @@ class Run:
     # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
     _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
     _train_wall_s: float | None = None  # the training clock at run.final_model()
+    _nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
@@ -272,7 +273,7 @@ class Run:
         # buffers must not be put back while other workers train
         self._begin_later = False
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
-        self._nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
+        self._seed_before = torch.initial_seed()  # before main: a torch.manual_seed() of main's, seen at setup
         self._scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         device.autocast(ctx.device, self.cfg.precision)  # one line where this GPU lacks the precision
         warmup, clip = self.cfg.lr_warmup_steps, self.cfg.clip_grad_norm
@@ -737,6 +738,15 @@ class Run:
         --precision's pieces: the training forward under autocast, the loss scaler."""
         ctx, cfg, algo = self._ctx, self.cfg, self._algo
         ds = ctx.dataset
+        if torch.initial_seed() not in (self._seed_before, cfg.seed) and self.rank == 0 and ctx.reports:
+            log.warning(
+                "torch.manual_seed(%d) in main before run.setup() chooses nothing: run.setup() builds the model "
+                "with spawn(seed=)'s seed (%d) and seeds torch, numpy and random for each worker from it; pass "
+                "seed=%d to spawn to choose the run's",
+                torch.initial_seed(),
+                cfg.seed,
+                torch.initial_seed(),
+            )
         if algo.topology.shared_model and torch.get_default_dtype() != torch.float32:
             _refuse_default_dtype(cfg.algo, algo.topology.server)
         if given is not None:
