@@ -748,7 +748,7 @@ class Run:
                 torch.initial_seed(),
             )
         if algo.topology.shared_model and torch.get_default_dtype() != torch.float32:
-            _refuse_default_dtype(cfg.algo, algo.topology.server)
+            _refuse_default_dtype(algo.name, algo.topology.server)
         if given is not None:
             _own_storage(given)
             model = given.to(ctx.device)
