@@ -2133,6 +2133,11 @@ class _Real:
         self.update = self.original if self.original is not None else types.MethodType(type(opt).step, opt)
 
         def step(_opt: torch.optim.Optimizer, closure: Callable[[], object] | None = None) -> None:
+            if closure is not None and isinstance(_opt, torch.optim.LBFGS):
+                raise ConfigError(
+                    "LBFGS steps through a closure that evaluates the loss several times a step, which "
+                    "distsgd's algorithms do not synchronise: use a first-order optimiser (SGD, Adam, ...)"
+                )
             if closure is not None:
                 raise ConfigError(
                     "optimizer.step(closure) is not supported under distsgd: compute the loss, "
