@@ -12,6 +12,7 @@ import copy
 import functools
 import io
 import itertools
+import logging
 import os
 import re
 import subprocess
@@ -603,8 +604,10 @@ def test_a_step_through_a_closure_is_refused_with_advice_that_fits(lbfgs: bool, 
     assert said in str(raised.value) and "\n" not in str(raised.value)
 
 
-def seeded_loop(run: distsgd.Run, seed: int) -> nn.Module:
-    """A script's seed at the top of main, before run.setup(), and a dropout's draw after it."""
+def seeded_loop(run: distsgd.Run, seed: int, folder: str) -> nn.Module:
+    """A script's seed at the top of main, before run.setup(), and a dropout's draw after it; what
+    distsgd logs in this worker, written to ``folder`` (a worker's stderr is its fork server's)."""
+    logging.getLogger("distsgd").addHandler(logging.FileHandler(Path(folder, f"log-{run.rank}")))
     torch.manual_seed(seed)
     model, opt = run.setup()
     x, y = toy_dataset().tensors
@@ -615,19 +618,41 @@ def seeded_loop(run: distsgd.Run, seed: int) -> nn.Module:
     return run.final_model()
 
 
-def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(capfd: pytest.CaptureFixture) -> None:
+def said(folder: Path) -> str:
+    return "".join(p.read_text() for p in sorted(folder.glob("log-*")))
+
+
+def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(tmp_path: Path) -> None:
     """run.setup() builds the model with spawn(seed=)'s seed and seeds every worker's streams from it:
     a seed sweep of torch.manual_seed(s) at the top of main gave one run s times, without a word (an
     audit's: seeds 0, 1 and none bit-identical). Now a warning names spawn(seed=); the same seed as
     spawn's says nothing."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2}  # (quiet=True would keep the warnings in)
-    a = distsgd.spawn(functools.partial(seeded_loop, seed=5), seed=0, **settings)
-    said = capfd.readouterr().err
-    assert said.count("torch.manual_seed(5) in main before run.setup() chooses nothing") == 1, said
-    assert "pass seed=5 to spawn" in said
-    b = distsgd.spawn(functools.partial(seeded_loop, seed=0), seed=0, **settings)
-    assert "manual_seed" not in capfd.readouterr().err
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = distsgd.spawn(functools.partial(seeded_loop, seed=5, folder=str(tmp_path / "a")), seed=0, **settings)
+    assert said(tmp_path / "a").count("torch.manual_seed(5) in main before run.setup() chooses nothing") == 1
+    assert "pass seed=5 to spawn" in said(tmp_path / "a")
+    b = distsgd.spawn(functools.partial(seeded_loop, seed=0, folder=str(tmp_path / "b")), seed=0, **settings)
+    assert "manual_seed" not in said(tmp_path / "b")
     assert max_diff(weights_of(a.model), weights_of(b.model)) == 0  # (the seed chose nothing, as said)
+
+
+def threads_loop(run: distsgd.Run, threads: int, folder: str) -> nn.Module:
+    torch.set_num_threads(threads)
+    return seeded_loop(run, seed=0, folder=folder)
+
+
+@pytest.mark.slow
+def test_more_threads_than_distsgd_gave_a_worker_are_said(tmp_path: Path) -> None:
+    """torch.set_num_threads(8) at the top of main, 2 workers on 2 cores: kept without a word, where
+    they oversubscribe the cores (an audit's: 26% slower). Now one warning; one thread (no more than
+    distsgd gives) says nothing."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2}  # (quiet=True would keep the warnings in)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    distsgd.spawn(functools.partial(threads_loop, threads=64, folder=str(tmp_path / "a")), seed=0, **settings)
+    assert said(tmp_path / "a").count("torch.set_num_threads(64) in main: distsgd gave each of the 2 worker(s)") == 1
+    distsgd.spawn(functools.partial(threads_loop, threads=1, folder=str(tmp_path / "b")), seed=0, **settings)
+    assert "set_num_threads" not in said(tmp_path / "b")
 
 
 def float64_loop(run: distsgd.Run, folder: str) -> nn.Module:

@@ -210,6 +210,7 @@ class Run:
     _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
     _train_wall_s: float | None = None  # the training clock at run.final_model()
     _nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
+    _said_threads = False  # (see _threads_said)
 
     def __init__(self, ctx: WorkerContext, algo: "Algorithm", replacement: bool = False) -> None:
         self._ctx, self._algo, self.cfg = ctx, algo, ctx.cfg
@@ -570,6 +571,22 @@ class Run:
                 f"share the parameters of the model given to run.setup(), no others, so each worker's copy "
                 f"of these would train apart; make them the model's (an nn.Parameter, or a module, inside it), "
                 f"or, for an evaluation's own (a linear probe), step it inside `with run.paused():`"
+            )
+
+    def _threads_said(self) -> None:
+        """At the first step: more threads than distsgd gave the worker (``torch.set_num_threads(8)``
+        in main), said once, by rank 0: the workers' threads oversubscribe the cores and spin against
+        each other (an audit's: 26% slower, 2 workers of 8 threads on 2 cores), silently."""
+        self._said_threads = True
+        n, given = torch.get_num_threads(), device.threads_per_worker(self.cfg)
+        if n > given and self.rank == 0 and self._ctx.reports and self._ctx.device.type == "cpu":
+            log.warning(
+                "torch.set_num_threads(%d) in main: distsgd gave each of the %d worker(s) %d thread(s), its share "
+                "of the cores; more oversubscribe them and the workers slow each other down: leave the threads "
+                "to distsgd, or set threads_per_worker=",
+                n,
+                self.cfg.workers,
+                given,
             )
 
     def _check_untouched(self, at_end: bool = False) -> None:
@@ -1348,6 +1365,8 @@ class Run:
         if self._nested_done:  # the backward's parameters were all inside its reentrant pass
             self._backward_done()
         self._check_untouched()
+        if not self._said_threads:
+            self._threads_said()
         if self._bound is not None:
             self._check_bound()
         if self._batch_samples == 0:
