@@ -166,8 +166,8 @@ def refuse_unfrozen(algo: str, frozen: Frozen) -> None:
     if frozen.params and frozen.gained():
         raise ConfigError(
             f"{algo} synchronises the gradients of the parameters that had requires_grad=True at "
-            f"run.setup(), and one frozen then has a gradient now: set requires_grad before run.setup() "
-            f"(freezing later is fine: a parameter with no gradient is left alone); to unfreeze layers "
+            f"run.setup(), and one frozen then has a gradient now: set requires_grad before run.setup()"
+            f"{'' if algo == 'ddp' else ' (freezing later is fine: a parameter with no gradient is left alone)'}; to unfreeze layers "
             f"later, keep them requires_grad=True and out of the optimiser until opt.add_param_group(), "
             f"zeroing every gradient with model.zero_grad()"
         )
@@ -233,7 +233,10 @@ class AllReduce(GroupAlgorithm[BucketOptions]):
         # where each is held (a module's buffers, its name there): read again each step, so a buffer
         # the loop replaced (DINO's centre, prune's new mask) is the one averaged, with no walk of the modules
         self.buffer_slots = [
-            (mod._buffers, name) for mod in model.modules() for name, b in mod._buffers.items() if b is not None
+            (mod._buffers, name)
+            for mod in model.modules()
+            for name, b in mod._buffers.items()
+            if b is not None and name not in mod._non_persistent_buffers_set  # (each worker's own: float_buffers)
         ]
         self.buckets = make_buckets(list(reversed(params)), int(self.opts.bucket_mb * 1024 * 1024))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
