@@ -2158,6 +2158,31 @@ def test_a_resumed_loop_evaluating_the_epochs_it_trained_before_takes_them_once(
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
 
 
+def evaluates_on_rank_0(run: distsgd.Run) -> nn.Module:
+    """plain_loop.py's habit with run.evaluation_model(): rank 0 alone asks for the model to evaluate."""
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        if run.rank == 0 and run.steps == 3:
+            run.evaluation_model()
+    return run.final_model()
+
+
+def test_an_evaluation_model_asked_on_one_worker_alone_is_said_as_that() -> None:
+    """Under local-sgd run.evaluation_model() averages the workers' models: rank 0 alone calling it was
+    refused within seconds (an audit's), but with the advice for workers that step apart (a
+    GradScaler's skipped steps, run.should_stop()). Now the line says which call, and that every
+    worker makes it."""
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(evaluates_on_rank_0, model=Net, algo="local-sgd", workers=2, quiet=True, timeout_s=60)
+    said = str(raised.value)
+    assert "worker 0 called run.evaluation_model() (under local-sgd it averages the workers' models) and" in said
+    assert "every worker calls it at the same point of the loop" in said and "GradScaler" not in said
+    assert "\n" not in said
+
+
 def rank_zero_checkpoint_loop(run: distsgd.Run) -> nn.Module:
     """DDP's habit: `if rank == 0: save`, with run.checkpoint()."""
     model, opt = run.setup()
@@ -2177,7 +2202,10 @@ def test_a_checkpoint_on_worker_0_alone_is_refused_in_a_group(tmp_path: Path) ->
     ended in gloo's "Connection closed by peer". Now one line at the call (its peer waits at its
     next step)."""
     settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "quiet": True, "timeout_s": 60}
-    with pytest.raises(distsgd.DistsgdError, match=r"worker 0 called run\.checkpoint\(\) while worker 1") as info:
+    with pytest.raises(
+        distsgd.DistsgdError,
+        match=r"worker 0 called run\.checkpoint\(\) \(under allreduce a checkpoint is every worker's part of it .* and worker 1 did not",
+    ) as info:
         distsgd.spawn(rank_zero_checkpoint_loop, out=str(tmp_path / "run"), **settings)
     assert "\n" not in str(info.value)
 

@@ -115,6 +115,11 @@ def stranded(store: dist.Store, rank: int, world: int, steps: int, algo: str, ba
                 f"worker {peer} {doing} while worker {rank} ({steps} steps) waits for it at a synchronisation "
                 f"(its next step, run.evaluation_model() or run.all_reduce()): {advice(algo, backward)}"
             )
+            if doing.startswith("called "):  # a call every worker makes (Run._all_here), made by one alone
+                why = (
+                    f"worker {peer} {doing} and worker {rank} did not (it went on to a synchronisation after "
+                    f"{steps} steps): every worker calls it at the same point of the loop"
+                )
             store.set(STRANDED, why)
             return why
     return None

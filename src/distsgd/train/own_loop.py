@@ -1808,7 +1808,8 @@ class Run:
             f"worker {self.rank} called {what} and not every worker did within --timeout {self.cfg.timeout_s:g} s: "
             f"under {self._algo.name} {why}, so every worker calls it at the same point of the loop"
         )
-        lockstep.barrier(store, self.rank, [f"distsgd/{key}/all"], f"called {what}", self.cfg.timeout_s, late)
+        doing = f"called {what} (under {self._algo.name} {why})"  # (a peer's line: lockstep.stranded)
+        lockstep.barrier(store, self.rank, [f"distsgd/{key}/all"], doing, self.cfg.timeout_s, late)
 
     def _evaluations_joined(self) -> None:
         """At the end of a user's loop under an algorithm whose evaluation is a collective: no peer
