@@ -166,7 +166,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
                     f"DistributedDataParallel averages the gradients in buckets of the dtype it found, and leaves "
                     f"a parameter of another dtype its worker's own gradient; convert the model before "
                     f"run.setup() (in its constructor or the model factory), use --precision for mixed "
-                    f"precision, or --algo allreduce"
+                    f"precision{', or --algo allreduce' if p.dtype.itemsize < dtype.itemsize else ''}"
                 )
             if _layout(p) != stride:
                 name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")

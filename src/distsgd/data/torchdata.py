@@ -262,9 +262,9 @@ class TorchData:
     def _loader(self, ds: Any, **kwargs: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gpu = self.device.type == "cuda"
         if self.loader_workers and _FORK:
-            # A distsgd worker was started by a fork server (or spawned), and its multiprocessing
-            # default is that method: each epoch's loader processes would start a fork server of
-            # their own and import torch again (seconds an epoch). Fork them, as PyTorch does by default.
+            # Forked, as PyTorch does by default on Linux (a worker's default is the platform's again,
+            # procs._bootstrap; here too where it is not, Python 3.14's forkserver): each epoch's
+            # loader processes would otherwise start a fork server and import torch (seconds an epoch).
             kwargs["multiprocessing_context"] = "fork"
         batches = iter(DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs))
         unwinding = False  # something else ended the loop: an error, a signal, the caller's break

@@ -507,13 +507,7 @@ def pack(result: WorkerResult) -> dict[str, Any]:
 def fit_returned(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load the state of the model a worker returned into ``spawn(model=...)``'s, or one line: a
     module of another structure given to run.setup() (a DDP wrapper's keys start 'module.') ended
-    a whole run in load_state_dict's traceback. A model trained in another floating dtype than the
-    factory's (``torch.set_default_dtype`` in main before run.setup(), ``model.double()`` after it)
-    is returned in it, not rounded to the factory's."""
-    trained = {t.dtype for t in state.values() if t.is_floating_point()}
-    built = {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}
-    if len(trained) == 1 and len(built) == 1 and trained != built:
-        model.to(trained.pop())
+    a whole run in load_state_dict's traceback."""
     try:
         result = model.load_state_dict(state, strict=False)
         odd = [f"missing {k!r}" for k in result.missing_keys[:1]] + [

@@ -274,7 +274,8 @@ class Run:
         # buffers must not be put back while other workers train
         self._begin_later = False
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
-        self._seed_before = torch.initial_seed()  # before main: a torch.manual_seed() of main's, seen at setup
+        # before main: torch's seed and default dtype, to see at setup whether main set them
+        self._before_main = (torch.initial_seed(), torch.get_default_dtype())
         self._scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         device.autocast(ctx.device, self.cfg.precision)  # one line where this GPU lacks the precision
         warmup, clip = self.cfg.lr_warmup_steps, self.cfg.clip_grad_norm
@@ -755,17 +756,19 @@ class Run:
         --precision's pieces: the training forward under autocast, the loss scaler."""
         ctx, cfg, algo = self._ctx, self.cfg, self._algo
         ds = ctx.dataset
-        if torch.initial_seed() not in (self._seed_before, cfg.seed) and self.rank == 0 and ctx.reports:
+        seed, dtype = self._before_main
+        own = ctx.job.main is not None  # (a user's loop: distsgd's own sets neither)
+        if own and given is None and torch.initial_seed() not in (seed, cfg.seed) and self.rank == 0 and ctx.reports:
             log.warning(
-                "torch.manual_seed(%d) in main before run.setup() chooses nothing: run.setup() builds the model "
-                "with spawn(seed=)'s seed (%d) and seeds torch, numpy and random for each worker from it; pass "
-                "seed=%d to spawn to choose the run's",
+                "torch's seed was set in main before run.setup() (torch.manual_seed(%d)?), and chooses nothing: "
+                "run.setup() builds the model with spawn(seed=)'s seed (%d) and seeds torch, numpy and random "
+                "for each worker from it; pass seed=%d to spawn to choose the run's",
                 torch.initial_seed(),
                 cfg.seed,
                 torch.initial_seed(),
             )
-        if algo.topology.shared_model and torch.get_default_dtype() != torch.float32:
-            _refuse_default_dtype(algo.name, algo.topology.server)
+        if own and algo.topology.shared_model and torch.get_default_dtype() != dtype:
+            _refuse_default_dtype(algo.name, algo.topology.server, dtype)
         if given is not None:
             _own_storage(given)
             model = given.to(ctx.device)
@@ -1440,8 +1443,10 @@ class Run:
         for i, lr in enumerate(lrs):
             self._lr_sums[i] += lr
             self._lr_sums[n + i] += lr * lr
-        local = self._state.local + self._batch_samples
-        if self.steps % CHECK_EVERY and not at_end:
+        # this worker's samples once this step is taken (at the end: those stepped, not a batch counted
+        # and left unstepped, a loop's last before its break)
+        local = self._state.local + (0 if at_end else self._batch_samples)
+        if self.steps % CHECK_EVERY and self.steps != self._resumed_steps and not at_end:  # (a resume's first: a look)
             self._sums.step(algo, ctx, local, parted=False)
             return
         sums, self._lr_sums = self._lr_sums, [0.0] * (2 * n)
@@ -2267,16 +2272,17 @@ def _own_storage(module: nn.Module) -> None:
                     sub._buffers[name] = buffer.clone()
 
 
-def _refuse_default_dtype(algo: str, server: bool) -> None:
+def _refuse_default_dtype(algo: str, server: bool, before: torch.dtype) -> None:
     """``torch.set_default_dtype(torch.float64)`` in main before run.setup(), where the model the
-    workers train is built in another process (the server's, the launcher's shared one), in float32:
-    a server's worker waited for ever for twice the bytes the server sent (then blamed the server),
-    and Hogwild!'s trained the float32 model, the setting silently unused."""
+    workers train is built in another process (the server's, the launcher's shared one), where main
+    does not run: a server's worker waited for ever for twice the bytes the server sent (then
+    blamed the server), and Hogwild!'s trained the float32 model, the setting silently unused. (At
+    the script's top level every process runs it: it works there.)"""
     where = "the parameter server builds it in its own process" if server else "it is built once, in the launcher"
     raise ConfigError(
         f"torch.set_default_dtype({torch.get_default_dtype()}) in main does not reach the model under {algo}: "
-        f"{where}, in float32; make the dtype part of the model (its constructor, or the factory: "
-        f"model=lambda: Net().double())"
+        f"{where}, where main does not run ({before} there); set it at the script's top level (every process "
+        f"runs that), or make the dtype the model's (its constructor, or the factory: model=lambda: Net().double())"
     )
 
 

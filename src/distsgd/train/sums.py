@@ -32,9 +32,10 @@ class Sums:
         self.even, self.offset, self._pending = True, 0, None
 
     def resumed(self, samples: int, known: int) -> None:
-        """A resumed run: its checkpoint's ``samples`` against what this worker's count makes of it."""
+        """A resumed run: its checkpoint's ``samples`` against what this worker's count makes of it,
+        until the resumed loop's first step looks at every worker's count (each worker's offset is
+        its own: whether the counts differ is decided there, by all of them alike)."""
         self.offset = samples - known
-        self.even = not self.offset
 
     def step(self, algo: Algorithm, ctx: WorkerContext, local: int, parted: bool) -> None:
         """A step (this worker's ``local`` samples with it): sum the counts once they differ
