@@ -274,8 +274,7 @@ class Run:
         # buffers must not be put back while other workers train
         self._begin_later = False
         self._loss_sum, self._loss_n = torch.zeros((), device=ctx.device), 0
-        # before main: torch's seed and default dtype, to see at setup whether main set them
-        self._before_main = (torch.initial_seed(), torch.get_default_dtype())
+        self._before_main = (torch.initial_seed(), torch.get_default_dtype())  # (did main set them? _build)
         self._scaler = torch.amp.GradScaler(ctx.device.type) if self.cfg.precision == "fp16" else None
         device.autocast(ctx.device, self.cfg.precision)  # one line where this GPU lacks the precision
         warmup, clip = self.cfg.lr_warmup_steps, self.cfg.clip_grad_norm
