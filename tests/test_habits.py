@@ -428,7 +428,7 @@ def test_refusals_name_what_to_do() -> None:
             evaluates_alone,
             "diloco",
             {"sync_every": "3", "timeout_s": 60},
-            r"worker 0 called run.evaluation_model\(\) while",
+            r"worker 0 called run.evaluation_model\(\) \(under diloco it averages the workers' models\) and worker 1 did not",
         ),
     ]
     for main, algo, extra, match in cases:
@@ -752,17 +752,18 @@ def uneven_loop(run: distsgd.Run, folder: str) -> nn.Module:
     return run.final_model()
 
 
-def uneven_resumed_loop(run: distsgd.Run) -> nn.Module:
-    """Worker r takes batches of 2(r + 1) from its own slice, 8 steps, a checkpoint after each; a
+def uneven_resumed_loop(run: distsgd.Run, sizes: list[list[int]]) -> nn.Module:
+    """Worker r takes batches of ``sizes[r]`` from its own slice, a checkpoint after each step; a
     resumed loop goes on from the step its checkpoint had."""
     model, opt = run.setup()
     x, y = toy_dataset().tensors
-    per = 2 * (run.rank + 1)
+    mine = sizes[run.rank]
     first = run.resumed["step"] if run.resumed else 0
-    for step in range(first, 8):
+    for step in range(first, len(mine)):
         if run.should_stop():
             break
-        idx = list(range(64 * run.rank + per * step, 64 * run.rank + per * (step + 1)))
+        start = 64 * run.rank + sum(mine[:step])
+        idx = list(range(start, start + mine[step]))
         run.count(len(idx))
         opt.zero_grad()
         run.backward(F.cross_entropy(model(x[idx]), y[idx]))
@@ -772,18 +773,30 @@ def uneven_resumed_loop(run: distsgd.Run) -> nn.Module:
 
 
 @pytest.mark.slow
-def test_a_resumed_run_of_batches_of_different_sizes_goes_on_from_its_count(tmp_path: Path) -> None:
-    """3 workers of batches 2, 4 and 6 stopped at max_samples=48 (4 steps) and resumed: the workers
-    decide together, at the resumed loop's first step, that their counts differ (each one's own look
-    at the checkpoint's count left one worker, whose batch is the mean, alone in thinking them alike,
-    and its peers' sums met nothing: a review's, gloo's timeout). The resumed run ends where the run
-    never stopped does: 96 samples, the same weights."""
-    settings = {"model": Net, "algo": "allreduce", "workers": 3, "lr": 0.05, "quiet": True, "timeout_s": 60}
-    first = distsgd.spawn(uneven_resumed_loop, out=str(tmp_path / "run"), max_samples=48, **settings)
-    assert first.summary["samples"] == 48
-    resumed = distsgd.spawn(uneven_resumed_loop, out=str(tmp_path / "run"), resume=str(tmp_path / "run"), **settings)
-    whole = distsgd.spawn(uneven_resumed_loop, out=str(tmp_path / "whole"), **settings)
-    assert resumed.summary["samples"] == whole.summary["samples"] == 96
+@pytest.mark.parametrize(
+    "sizes, stop, total",
+    [
+        ([[2] * 8, [4] * 8, [6] * 8], 48, 96),
+        ([[4, 4, 4, 4, 2, 4, 4, 4], [2, 2, 2, 2, 10, 4, 4, 4]], 24, 60),
+    ],
+    ids=["3 workers", "counts that meet again"],
+)
+def test_a_resumed_run_of_batches_of_different_sizes_goes_on_from_its_count(
+    tmp_path: Path, sizes: list[list[int]], stop: int, total: int
+) -> None:
+    """Stopped at max_samples= after 4 steps and resumed: the workers decide together, at the resumed
+    loop's first step, that their counts differ (the reviews': each one's own look at the checkpoint's
+    count left one of 3 workers, whose batch is the mean, alone in thinking them alike, and its
+    peers' sums met nothing, gloo's timeout; and counts that meet again at that step, 18 and 18, hid
+    each worker's offset from the checkpoint's count, the figures apart ever after). The resumed run
+    ends where the run never stopped does: its samples, the same weights."""
+    settings = {"model": Net, "algo": "allreduce", "workers": len(sizes), "lr": 0.05, "quiet": True, "timeout_s": 60}
+    loop = functools.partial(uneven_resumed_loop, sizes=sizes)
+    first = distsgd.spawn(loop, out=str(tmp_path / "run"), max_samples=stop, **settings)
+    assert first.summary["samples"] == stop
+    resumed = distsgd.spawn(loop, out=str(tmp_path / "run"), resume=str(tmp_path / "run"), **settings)
+    whole = distsgd.spawn(loop, out=str(tmp_path / "whole"), **settings)
+    assert resumed.summary["samples"] == whole.summary["samples"] == total
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) == 0
 
 

@@ -160,7 +160,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # fmt: skip
 
 # steps between a user's loop's checks of what would go wrong silently (a lockstep group's lrs, the
-# parameters' memory, what the algorithm overwrites): at steps 1, 17, 33, ... and at the end
+# parameters' memory, what the algorithm overwrites): at steps 1, 17, 33, ..., a resumed loop's first, the end
 CHECK_EVERY = 16
 
 
@@ -759,9 +759,9 @@ class Run:
         own = ctx.job.main is not None  # (a user's loop: distsgd's own sets neither)
         if own and given is None and torch.initial_seed() not in (seed, cfg.seed) and self.rank == 0 and ctx.reports:
             log.warning(
-                "torch's seed was set in main before run.setup() (torch.manual_seed(%d)?), and chooses nothing: "
-                "run.setup() builds the model with spawn(seed=)'s seed (%d) and seeds torch, numpy and random "
-                "for each worker from it; pass seed=%d to spawn to choose the run's",
+                "torch's seed was set in main before run.setup() (torch.manual_seed(%d)?), and chooses nothing of "
+                "the run's: run.setup() builds the model with spawn(seed=)'s seed (%d) and seeds torch, numpy and "
+                "random for each worker from it; pass seed=%d to spawn to choose the run's",
                 torch.initial_seed(),
                 cfg.seed,
                 torch.initial_seed(),
@@ -1425,8 +1425,8 @@ class Run:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._clip)
 
     def _check_lr_alike(self, at_end: bool = False) -> None:
-        """A user's loop in a lockstep group, at its first step, every CHECK_EVERY and at its end: the
-        workers step with the same learning rates (a scheduler stepped on each worker's own loss,
+        """A user's loop in a lockstep group, at its first step, every CHECK_EVERY, a resumed loop's
+        first and its end: the workers step with the same learning rates (a scheduler stepped on each worker's own loss,
         ``ReduceLROnPlateau(opt).step(loss)``, gave each its own, and the replicas parted, silently
         but for a warning at the end that blamed another cause). A collective of two numbers a
         parameter group, and of the workers' sample counts (:mod:`distsgd.train.sums`)."""
@@ -1445,13 +1445,20 @@ class Run:
         # this worker's samples once this step is taken (at the end: those stepped, not a batch counted
         # and left unstepped, a loop's last before its break)
         local = self._state.local + (0 if at_end else self._batch_samples)
-        if self.steps % CHECK_EVERY and self.steps != self._resumed_steps and not at_end:  # (a resume's first: a look)
+        if (
+            self.steps % CHECK_EVERY and self.steps != self._resumed_steps and not at_end
+        ):  # (a resumed loop's first: one)
             self._sums.step(algo, ctx, local, parted=False)
             return
         sums, self._lr_sums = self._lr_sums, [0.0] * (2 * n)
-        low, high = algo.spread(ctx, lrs + sums + [float(local)])
-        self._sums.step(algo, ctx, local, parted=low[-1] != high[-1])
-        low, high = low[:-1], high[:-1]
+        # the counts; at a resumed loop's first look, each worker's offset from its checkpoint too (the
+        # counts may meet again there: a checkpoint's that parted are summed all the same)
+        back = [float(self._sums.offset)] if self.steps == self._resumed_steps else []
+        m = len(lrs) + len(sums)
+        low, high = algo.spread(ctx, lrs + sums + [float(local)] + back)
+        apart = low[m] != high[m] or any(low[m + 1 :]) or any(high[m + 1 :])
+        self._sums.step(algo, ctx, local, parted=apart)
+        low, high = low[:m], high[:m]
         if at_end:
             self._sums.read(algo, ctx)
         parted = [i for i, (lo, hi) in enumerate(zip(low, high)) if hi - lo > 1e-6 * abs(hi)]

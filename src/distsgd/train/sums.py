@@ -6,8 +6,9 @@ group lost had trained): exact, and known at once, while every worker's batches 
 DataLoader over each worker's own slice, a collate that drops samples): the run's samples were
 then the first worker's times the workers (192 for 256 trained), and the workers' stop at
 ``--max-samples`` came at different steps. So the loop's periodic check of its workers (see
-``Run._check_lr_alike``: the first step, every 16th, the end) also compares their counts; once
-they differ, every step's count is summed over the workers, begun at the step and read when a
+``Run._check_lr_alike``: the first step, every 16th, a resumed loop's first, the end) also
+compares their counts (and, resumed, each worker's offset from the checkpoint's count); once they
+differ, every step's count is summed over the workers, begun at the step and read when a
 figure needs it (by then done: the step's update ran meanwhile). Every worker then reads the same
 sum, so they stop at the same step, and every figure is the run's.
 """
