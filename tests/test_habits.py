@@ -2194,25 +2194,13 @@ def test_a_resumed_loop_evaluating_the_epochs_it_trained_before_takes_them_once(
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
 
 
-def evaluates_on_rank_0(run: distsgd.Run) -> nn.Module:
-    """plain_loop.py's habit with run.evaluation_model(): rank 0 alone asks for the model to evaluate."""
-    model, opt = run.setup()
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        run.backward(F.cross_entropy(model(x), y))
-        opt.step()
-        if run.rank == 0 and run.steps == 3:
-            run.evaluation_model()
-    return run.final_model()
-
-
 def test_an_evaluation_model_asked_on_one_worker_alone_is_said_as_that() -> None:
     """Under local-sgd run.evaluation_model() averages the workers' models: rank 0 alone calling it was
     refused within seconds (an audit's), but with the advice for workers that step apart (a
     GradScaler's skipped steps, run.should_stop()). Now the line says which call, and that every
     worker makes it."""
     with pytest.raises(distsgd.DistsgdError) as raised:
-        distsgd.spawn(evaluates_on_rank_0, model=Net, algo="local-sgd", workers=2, quiet=True, timeout_s=60)
+        distsgd.spawn(evaluates_alone, model=Net, algo="local-sgd", workers=2, quiet=True, timeout_s=60)
     said = str(raised.value)
     assert "worker 0 called run.evaluation_model() (under local-sgd it averages the workers' models) and" in said
     assert "every worker calls it at the same point of the loop" in said and "GradScaler" not in said

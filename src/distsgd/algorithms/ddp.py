@@ -158,8 +158,10 @@ class DDP(GroupAlgorithm[BucketOptions]):
         gradient (0.11 from one process, the model returned worker 0's trained alone, exit 0; plain
         torch DDP the same, without a word)."""
         for p, (dtype, stride) in zip(self.synced, self.strides):
+            if p.dtype == dtype and _layout(p) == stride:
+                continue
+            name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")
             if p.dtype != dtype:
-                name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")
                 raise ConfigError(
                     f"parameter {name}'s dtype changed after run.setup() ({str(dtype).removeprefix('torch.')} to "
                     f"{str(p.dtype).removeprefix('torch.')}: model.double(), .half(), .to(dtype)?): torch's "
@@ -168,15 +170,13 @@ class DDP(GroupAlgorithm[BucketOptions]):
                     f"run.setup() (in its constructor or the model factory), use --precision for mixed "
                     f"precision{', or --algo allreduce' if p.dtype.itemsize < dtype.itemsize else ''}"
                 )
-            if _layout(p) != stride:
-                name = next((n for n, q in self.ddp.module.named_parameters() if q is p), "of the model")
-                raise ConfigError(
-                    f"parameter {name}'s memory layout changed after run.setup() (model.to(memory_format="
-                    f"torch.channels_last)?): torch's DistributedDataParallel laid out its gradient buckets by "
-                    f"the layout it found, and copies the averaged gradient back into the new one scrambled; "
-                    f"convert the model before run.setup() (in its constructor or the model factory), or use "
-                    f"--algo allreduce"
-                )
+            raise ConfigError(
+                f"parameter {name}'s memory layout changed after run.setup() (model.to(memory_format="
+                f"torch.channels_last)?): torch's DistributedDataParallel laid out its gradient buckets by "
+                f"the layout it found, and copies the averaged gradient back into the new one scrambled; "
+                f"convert the model before run.setup() (in its constructor or the model factory), or use "
+                f"--algo allreduce"
+            )
 
     def _forward(self, ddp: nn.Module, args: Any) -> None:
         # (DDP's forward prepares its reducer for a backward in the same case)
