@@ -164,7 +164,10 @@ def part_graphs(repeats: int, samples: int) -> list[dict[str, Any]]:
     """--cuda-graphs and Hogwild! as threads on one GPU (issue 45), fp32 batch 128, medians of
     alternating repeats: single eager and captured; hogwild 2 and 4 workers as threads (each step
     a CUDA graph on its own stream: the default on one GPU) and 4 as processes; resnet20 on
-    CIFAR-shaped data and mnist_net on Fashion-MNIST-shaped data."""
+    CIFAR-shaped data and mnist_net on Fashion-MNIST-shaped data. Each worker takes ``samples``
+    (a run, ``samples`` times its workers): every worker's warm-up steps and capture, taken one
+    thread at a time under the capture lock, are then the same share of its run as of single's
+    (with ``samples`` a run, 4 threads took 25 steps each, 4 of them warming up and capturing)."""
     g = torch.Generator().manual_seed(0)
     small = torch.rand(N, 1, 28, 28, generator=g), torch.randint(0, 10, (N,), generator=g)
     shapes = {"resnet20": cifar_shaped(), "mnist_net": (small[0], small[1], small[0][:2000], small[1][:2000])}
@@ -188,7 +191,7 @@ def part_graphs(repeats: int, samples: int) -> list[dict[str, Any]]:
                         algo=algo,
                         workers=workers,
                         batch_size=128,
-                        max_samples=samples,
+                        max_samples=samples * workers,
                         lr=0.01,
                         momentum=0.5,
                         device="cuda",
@@ -414,6 +417,31 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         f"| {r['algo']} | {r['workers']} | {r['samples_per_s']:.0f} | {r['vs_single']:.2f} | {r['backend'] or '-'} |"
         for r in result["topologies"]
+    ]
+    lines += [
+        "",
+        f"## --cuda-graphs and Hogwild! threads (fp32, batch 128 per worker, each worker {result['samples']} samples)",
+        "",
+        "| model | algorithm | workers | settings | samples/s | / single eager | replays | capture_s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['algo']} | {r['workers']} | "
+        f"{'graphs' if r.get('cuda_graphs') else 'eager'}"
+        f"{', threads' if r.get('hogwild_threads') else ', processes' if r.get('hogwild_threads') is False else ''} | "
+        f"{r['samples_per_s']:.0f} | {r['vs_single']:.2f} | {r.get('graph_replays') or '-'} | {r.get('capture_s') or '-'} |"
+        for r in result["graphs"]
+    ]
+    lines += [
+        "",
+        "## --compile against eager (resnet20, single)",
+        "",
+        "| run | samples/s | compile_s |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {'compiled' if r['compile'] else 'eager'} | {r['samples_per_s']:.0f} | {r['compile_s'] or '-'} |"
+        for r in result["compile"]
     ]
     lines += [
         "",
