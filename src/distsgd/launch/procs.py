@@ -523,13 +523,35 @@ def fit_returned(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         )
 
 
+def _say_rounded(model: nn.Module, trained: dict[str, torch.Tensor]) -> None:
+    """One warning where the workers trained another floating dtype than the model built here, in
+    the launcher, which the run returns, saves and evaluates (``evaluate=`` is written for it):
+    ``torch.set_default_dtype(torch.float64)`` in main, which the launcher does not run, trained
+    float64 weights and the model returned was them rounded to float32, without a word (an
+    audit's; returning the float64 model instead broke an ``evaluate=`` fed float32 data)."""
+    dtypes = {k: t.dtype for k, t in model.state_dict().items() if t.is_floating_point()}
+    other = next(((k, t.dtype) for k, t in trained.items() if k in dtypes and t.dtype != dtypes[k]), None)
+    if other is not None:
+        name, dtype = other
+        log.warning(
+            "the workers trained %s in %s and the model returned and saved is %s (built in the launcher, where "
+            "main does not run: torch.set_default_dtype in main?): the trained weights, rounded; set the default "
+            "dtype at the script's top level (every process runs it), or make the dtype the model's",
+            name,
+            str(dtype).removeprefix("torch."),
+            str(dtypes[name]).removeprefix("torch."),
+        )
+
+
 def unpack(payload: dict[str, Any], job: Job) -> WorkerResult:
     payload = dict(payload)
     state = payload.pop("model_state")
     model = None
     if state is not None:
         model = build_model(job.model, job.data.input_shape, job.data.num_classes, job.cfg.init)
-        fit_returned(model, torch.load(io.BytesIO(state), map_location="cpu", weights_only=True))
+        trained = torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
+        _say_rounded(model, trained)
+        fit_returned(model, trained)
     return WorkerResult(model=model, **payload)
 
 
