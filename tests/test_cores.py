@@ -38,22 +38,33 @@ def spinning(n: int) -> Iterator[None]:
             p.wait()
 
 
+def _looked(window_s: float, busy_meanwhile: bool = False) -> float:
+    """The load of other processes over ``window_s``, read as a run reads it (this process spinning
+    meanwhile where ``busy_meanwhile``)."""
+    first = cores_mod.look()
+    assert first is not None
+    stop = time.monotonic() + window_s
+    while time.monotonic() < stop:
+        if busy_meanwhile:  # this process's own work (the data it loads) is not another's load
+            sum(range(1000))
+        else:
+            time.sleep(0.01)
+    busy = first.busy()
+    assert busy is not None
+    return busy
+
+
 def test_the_cores_other_processes_keep_busy_are_seen_and_its_own_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read over a few windows, each claim needing one: a process this test did not start (a
+    finished test's teardown) once kept a core busy through the only window, 0.976 (CI, f5eedb9).
+    A look that counted this process's own work would read about 1 in every window."""
     monkeypatch.setenv(cores_mod.FROM_LOAD, "1")
     others = max(1, cores() - 1)
     with spinning(others):
-        first = cores_mod.look()
-        assert first is not None
-        time.sleep(0.3)
-        busy = first.busy()
-    assert busy is not None and others - 0.5 < busy < others + 0.5, busy
-    stop = time.monotonic() + 0.4
-    first = cores_mod.look()
-    assert first is not None
-    while time.monotonic() < stop:  # this process's own work (the data it loads) is not another's load
-        sum(range(1000))
-    busy = first.busy()
-    assert busy is not None and busy < 0.5, busy
+        seen = [_looked(0.3) for _ in range(3)]
+    assert any(others - 0.5 < busy < others + 0.5 for busy in seen), seen
+    own = [_looked(0.4, busy_meanwhile=True) for _ in range(4)]
+    assert min(own) < 0.5, own
 
 
 def _threads(out: Path, *extra: str) -> int:
