@@ -244,6 +244,7 @@ class Net(nn.Module):
         rank = os.environ.get("RANK")
         if (
             rank in os.environ.get("KILL_RANK", "").split(",")
+            and os.environ.get("DISTSGD_ROLE") != "server"
             and self.calls == int(os.environ["KILL_STEP"])
             and not (marker and os.path.exists(f"{marker}.{rank}"))
         ):

@@ -2968,3 +2968,150 @@ def test_an_unshuffled_loader_that_the_workers_do_not_divide_says_what_it_never_
     )
     said = "run.loader(shuffle=False) over 101 samples and 2 workers: each worker takes 50, so the last 1"
     assert stderr.count(said) == 1, stderr[-3000:]
+
+
+def environment_loop(run: distsgd.Run, folder: str) -> nn.Module:
+    """A converted script's torchrun habits: its sampler from RANK and WORLD_SIZE, LOCAL_RANK read."""
+    import json
+
+    from torch.utils.data import DistributedSampler
+
+    ds = toy_dataset()
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    sampler = DistributedSampler(ds, num_replicas=int(env["WORLD_SIZE"]), rank=int(env["RANK"]), shuffle=False)
+    Path(folder, f"env-{run.rank}.json").write_text(json.dumps({**env, "world": run.world, "took": list(sampler)}))
+    model, opt = run.setup()
+    for x, y in run.loader(ds, batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["asgd", pytest.param("sync-ps", marks=pytest.mark.slow)])
+def test_a_parameter_server_workers_environment_numbers_the_workers(tmp_path: Path, algo: str) -> None:
+    """RANK, WORLD_SIZE and LOCAL_RANK said the server's numbering (RANK 1..N of N + 1) to a
+    parameter server's workers: DistributedSampler(ds, num_replicas=WORLD_SIZE, rank=RANK) never
+    trained shard 0 (344 of 512 samples over 2 epochs), `if RANK == 0: save` ran nowhere, silently
+    (an audit's). They say run.rank and run.world now, as under every other algorithm."""
+    import json
+
+    distsgd.spawn(
+        functools.partial(environment_loop, folder=str(tmp_path)), model=Net, algo=algo, workers=2, quiet=True
+    )
+    seen = [json.loads((tmp_path / f"env-{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, env in enumerate(seen):
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["world"]) == (str(rank), "2", str(rank), 2), env
+    assert sorted(seen[0]["took"] + seen[1]["took"]) == list(range(N))
+
+
+def modes_loop(run: distsgd.Run, folder: str) -> nn.Module:
+    """The HF/timm habit: model.eval() before asking for the evaluation model, then a no-grad pass."""
+    import json
+
+    model, opt = run.setup()
+    x, y = toy_dataset().tensors
+    for xb, yb in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(xb), yb))
+        opt.step()
+    model.eval()
+    em = run.evaluation_model()
+    with run.paused(), torch.no_grad():
+        before = copy.deepcopy(em.state_dict())
+        loss = F.cross_entropy(em(x), y).item()
+        moved = max_diff(before, em.state_dict())
+    Path(folder, f"modes-{run.rank}.json").write_text(
+        json.dumps({"training": [m.training for m in em.modules()], "moved": moved})
+    )
+    run.log(test_loss=loss)
+    return run.final_model()
+
+
+class Normed(Net):
+    """Net with dropout and BatchNorm: what eval mode changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.3))
+
+
+@pytest.mark.parametrize(
+    "algo",
+    ["diloco", pytest.param("easgd", marks=pytest.mark.slow), pytest.param("streaming-diloco", marks=pytest.mark.slow)],
+)
+def test_the_evaluation_model_takes_the_loops_modes(tmp_path: Path, algo: str) -> None:
+    """Under diloco, streaming-diloco and easgd run.evaluation_model() is theta or the centre, made at
+    run.setup() in training mode: a loop's model.eval() before asking for it never reached it, so its
+    figures were of dropout and batch statistics (diloco: 0.5625 logged, 0.734 for the model
+    returned) and under easgd the test batches moved the centre's saved running statistics (an
+    audit's). It takes each module's mode from the loop's model now."""
+    import json
+
+    distsgd.spawn(functools.partial(modes_loop, folder=str(tmp_path)), model=Normed, algo=algo, workers=2, quiet=True)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"modes-{rank}.json").read_text())
+        assert not any(seen["training"]) and seen["moved"] == 0.0, seen
+
+
+def averaging_loop(run: distsgd.Run) -> nn.Module:
+    """pytorch.org's average_gradients(model) after each backward, kept from a converted script."""
+    import torch.distributed as dist
+
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(model(x), y))
+        for p in model.parameters():
+            dist.all_reduce(p.grad.data)
+            p.grad.data /= run.world
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["local-sgd", pytest.param("diloco", marks=pytest.mark.slow)])
+def test_gradients_averaged_by_the_loop_are_refused_where_workers_train_apart(algo: str) -> None:
+    """Under local-sgd the loop's own gradient all-reduce made every step synchronous SGD (weights
+    bit for bit allreduce's), its bytes uncounted, exit 0 (an audit's). One line now."""
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(averaging_loop, model=Net, algo=algo, workers=2, quiet=True, timeout=60)
+    said = str(raised.value)
+    assert f"dist.all_reduce of body.0.weight's gradient in the loop (average_gradients(model)?) under {algo}" in said
+    assert "drop the loop's gradient all-reduce" in said and "\n" not in said
+
+
+def own_group_ddp_loop(run: distsgd.Run, port: int) -> nn.Module:
+    """The DDP tutorial's setup() where the algorithm forms no group: the loop's own, then DDP(model)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=run.rank, world_size=run.world)
+    model, opt = run.setup()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        run.backward(F.cross_entropy(ddp(x), y))
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.slow
+def test_a_ddp_of_the_loops_own_group_is_named_where_the_algorithm_forms_none() -> None:
+    """Under hogwild (and the parameter server) a loop's own process group and DDP(model) were
+    refused as "parameter body.0.weight was changed in place after run.setup()" (DDP's broadcast),
+    which never named DDP (an audit's). The DDP refusal now, as in a process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(
+            functools.partial(own_group_ddp_loop, port=port),
+            model=Net,
+            algo="hogwild",
+            workers=2,
+            quiet=True,
+            timeout=60,
+        )
+    said = str(raised.value)
+    assert "was wrapped in a DistributedDataParallel of the loop's" in said and "\n" not in said, said

@@ -125,7 +125,10 @@ def test_a_loop_that_stops_in_one_worker_ends_the_run_naming_it(algo: str, victi
     with pytest.raises(LoopError) as raised:
         spawn(algo, "hang", victim, timeout_s=3)
     message = str(raised.value)
-    assert message == f"worker {victim} made no progress for 3 s (--timeout), in main (tests/{HERE}:{line_of('hangs')})"
+    assert message == (
+        f"worker {victim} made no progress for 3 s (--timeout), in main (tests/{HERE}:{line_of('hangs')}); an "
+        "evaluation or a save that long between steps needs a longer --timeout (timeout= in spawn)"
+    )
 
 
 @pytest.mark.slow

@@ -421,7 +421,10 @@ def stall_watch(
         armed.clear()
         where = stuck_at(frame)
         if where is not None:  # else it has moved on into distsgd meanwhile: the watch goes on
-            raise LoopError(f"{worker} made no progress for {timeout_s:g} s (--timeout), in main ({where})")
+            raise LoopError(
+                f"{worker} made no progress for {timeout_s:g} s (--timeout), in main ({where}); an evaluation "
+                f"or a save that long between steps needs a longer --timeout (timeout= in spawn)"
+            )
 
     def watch() -> None:
         last, since = progress(), time.monotonic()

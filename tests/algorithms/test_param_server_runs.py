@@ -90,7 +90,7 @@ import os, signal
 import torch.nn as nn
 
 class Net(nn.Module):
-    """logreg whose worker KILL_WORKER is SIGKILLed at its 5th step; the server (RANK 0) when
+    """logreg whose worker KILL_WORKER (its RANK) is SIGKILLed at its 5th step; the server when
     KILL_SERVER is set, when it copies its model for the 5th time (the 5th epoch's evaluation)."""
     def __init__(self, num_classes, input_shape):
         super().__init__()
@@ -99,7 +99,7 @@ class Net(nn.Module):
         self.copies = 0
 
     def state_dict(self, *args, **kwargs):
-        if os.environ.get("RANK") == "0" and os.environ.get("KILL_SERVER"):
+        if os.environ.get("DISTSGD_ROLE") == "server" and os.environ.get("KILL_SERVER"):
             self.copies += 1
             if self.copies == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -108,7 +108,7 @@ class Net(nn.Module):
     def forward(self, x):
         if self.training:
             self.calls += 1
-            if os.environ.get("RANK") == os.environ.get("KILL_WORKER") and self.calls == 5:
+            if os.environ.get("RANK") == os.environ.get("KILL_WORKER") and os.environ.get("DISTSGD_ROLE") != "server" and self.calls == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
         return self.fc(x.flatten(1))
 '''
@@ -122,7 +122,7 @@ def killer(tmp_path: Path) -> str:
 
 
 def test_a_killed_worker_leaves_the_others_to_finish(digits, killer, monkeypatch) -> None:
-    monkeypatch.setenv("KILL_WORKER", "2")  # RPC rank 2 = worker 1
+    monkeypatch.setenv("KILL_WORKER", "1")  # worker 1
     s = distsgd.train(model=killer, data=digits, algo="asgd", workers=2, epochs=3, lr=0.05, quiet=True).summary
     assert s["failed_workers"] == [1] and s["worker_errors"] == {"1": "killed by SIGKILL"}
     assert s["samples_per_worker"] == [3 * 718, 4 * 64]
@@ -130,7 +130,7 @@ def test_a_killed_worker_leaves_the_others_to_finish(digits, killer, monkeypatch
 
 
 def test_ssp_does_not_wait_forever_for_a_dead_worker(digits, killer, monkeypatch) -> None:
-    monkeypatch.setenv("KILL_WORKER", "2")
+    monkeypatch.setenv("KILL_WORKER", "1")
     s = distsgd.train(model=killer, data=digits, algo="ssp", workers=2, epochs=3, staleness=1, quiet=True).summary
     assert s["failed_workers"] == [1] and s["samples_per_worker"][0] == 3 * 718
 

@@ -95,9 +95,9 @@ def kill_once(tmp_path: Path, monkeypatch) -> str:
     return kill_at_step_model(tmp_path)
 
 
-@pytest.mark.parametrize("algo, rank", [("hogwild", "1"), ("asgd", "2"), ("hogwild++", "1"), ("ssp", "2")])
+@pytest.mark.parametrize("algo, rank", [("hogwild", "1"), ("asgd", "1"), ("hogwild++", "1"), ("ssp", "1")])
 def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, rank: str, monkeypatch) -> None:
-    """(hogwild: worker slot 1 has RANK 1; asgd: worker 1 is process rank 2, the server being 0.)
+    """(Worker 1 has RANK 1 under every algorithm; a parameter server's has DISTSGD_ROLE=server.)
     Under ssp the replacement starts at the slowest live worker's clock, and does not wait at the
     start barrier the others passed: it used to, while they waited for it at the staleness bound."""
     import distsgd
@@ -126,11 +126,11 @@ def test_a_killed_worker_is_replaced(tmp_path: Path, kill_once: str, algo: str, 
 
 
 def test_the_only_worker_is_replaced(tmp_path: Path, kill_once: str, monkeypatch) -> None:
-    """--workers 1 (process rank 1, the server being 0): its death used to end the run as "all 1
-    workers failed" before the launcher could start a replacement."""
+    """--workers 1 (RANK 0, beside the server): its death used to end the run as "all 1 workers
+    failed" before the launcher could start a replacement."""
     import distsgd
 
-    monkeypatch.setenv("KILL_RANK", "1")
+    monkeypatch.setenv("KILL_RANK", "0")
     s = distsgd.train(
         model=kill_once,
         data="digits",
@@ -143,7 +143,7 @@ def test_the_only_worker_is_replaced(tmp_path: Path, kill_once: str, monkeypatch
         out=str(tmp_path / "run"),
         quiet=True,
     ).summary
-    assert (tmp_path / "killed.1").exists() and len(s["restarts"]) == 1 and s["failed_workers"] == []
+    assert (tmp_path / "killed.0").exists() and len(s["restarts"]) == 1 and s["failed_workers"] == []
     assert s["samples_per_worker"][0] >= 2 * 1436 - 16
 
 
@@ -159,7 +159,7 @@ class Net(nn.Module):
 
     def __init__(self, num_classes, input_shape):
         super().__init__()
-        if os.environ.get("RANK") == os.environ["KILL_RANK"]:
+        if os.environ.get("RANK") == os.environ["KILL_RANK"] and os.environ.get("DISTSGD_ROLE") != "server":
             how, marker = os.environ["DIE_HOW"], os.environ["KILL_MARKER"]
             if how == "bad-input":
                 raise ValueError("this worker's input is bad")
@@ -176,10 +176,10 @@ class Net(nn.Module):
 @pytest.mark.parametrize(
     "algo, rank, how",
     [
-        ("asgd", "2", "once"),
-        ("asgd", "2", "always"),
-        ("ssp", "2", "always"),
-        ("asgd", "2", "bad-input"),
+        ("asgd", "1", "once"),
+        ("asgd", "1", "always"),
+        ("ssp", "1", "always"),
+        ("asgd", "1", "bad-input"),
         ("hogwild", "1", "bad-input"),
     ],
 )
@@ -257,7 +257,7 @@ class Net(nn.Module):
 
     def state_dict(self, *args, **kwargs):
         marker = os.environ["KILL_MARKER"]
-        if os.environ.get("RANK") == "0" and not os.path.exists(marker):
+        if os.environ.get("DISTSGD_ROLE") == "server" and not os.path.exists(marker):
             self.copies += 1
             if self.copies == 5:
                 open(marker, "w").close()

@@ -279,7 +279,7 @@ import torch.nn as nn
 
 
 class Net(nn.Module):
-    '''The server (RANK 0) SIGKILLs itself at its second copy of the model: before its first checkpoint.'''
+    '''The server (DISTSGD_ROLE=server) SIGKILLs itself at its second copy of the model: before its first checkpoint.'''
 
     def __init__(self, num_classes, input_shape):
         super().__init__()
@@ -287,7 +287,7 @@ class Net(nn.Module):
         self.copies = 0
 
     def state_dict(self, *args, **kwargs):
-        if os.environ.get("RANK") == "0":
+        if os.environ.get("DISTSGD_ROLE") == "server":
             self.copies += 1
             if self.copies == 2:
                 os.kill(os.getpid(), signal.SIGKILL)

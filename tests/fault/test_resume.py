@@ -111,9 +111,9 @@ def test_sync_ps_stops_when_a_worker_dies_and_resumes_exactly(tmp_path, dropout_
         model=dropout_model, data="digits", algo="sync-ps", workers=2, lr=0.05, checkpoint_every="500", quiet=True
     )
     full = distsgd.train(max_samples=2872, out=str(tmp_path / "full"), **common)
-    # Worker 1 (RPC rank 2) is SIGKILLed at its 15th step, after the third checkpoint (about 1500 samples).
+    # Worker 1 (RANK 1) is SIGKILLed at its 15th step, after the third checkpoint (about 1500 samples).
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv("KILL_RANK", "2")
+    monkeypatch.setenv("KILL_RANK", "1")
     monkeypatch.setenv("KILL_STEP", "15")
     out = str(tmp_path / "killed")
     with pytest.raises(WorkerError, match=rf"worker 1 failed: killed by SIGKILL; .* --resume {out}$"):

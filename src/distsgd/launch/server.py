@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import secrets
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -63,6 +64,12 @@ def plan(cfg: RunConfig, algo_cls: type[Algorithm], torchrun: bool) -> RunConfig
     return cfg
 
 
+# A parameter server's processes say which they are in their environment ("server" or "worker"): a
+# worker's RANK is its data rank, 0..N-1 (as run.rank), and the server, which runs no loop but builds
+# the model (a factory may read the environment), keeps the launcher's numbering, rank 0 of N + 1.
+ROLE = "DISTSGD_ROLE"
+
+
 def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list[WorkerResult]:
     topology = _server(algo_cls)
     if not torchrun:
@@ -75,6 +82,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
     with launcher_group(job.cfg.replace(backend="gloo")) as (rank, world):  # its store: where the server listens
         store = distributed_c10d._get_default_store()
         if rank == 0:
+            os.environ[ROLE] = "server"
             address = f"{group_host()}:0"
             secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
             # torch's stub types the value str; Store.set takes bytes as they are (the secret is raw bytes)
@@ -120,9 +128,17 @@ def _work(
     tell_end: Callable[[LoopEnd], None] | None = None,
 ) -> WorkerResult:
     """Be worker ``rank`` (1..N): its data rank is rank - 1 of N; its device, by its index on its
-    machine (the server computes on the CPU: what it sends and receives are host bytes)."""
+    machine (the server computes on the CPU: what it sends and receives are host bytes). A loop's
+    ``os.environ`` says the same as ``run.rank`` and ``run.world`` (torchrun's contract, which a
+    converted script reads: ``DistributedSampler(ds, num_replicas=WORLD_SIZE, rank=RANK)``,
+    ``if RANK == 0: save``, ``torch.cuda.set_device(LOCAL_RANK)``): it said the server's numbering,
+    RANK 1..N of N + 1, so such a sampler never trained shard 0 and no worker saved (an audit's),
+    and a local run put worker k on GPU k + 1."""
     where = environment.current()
-    local = rank - 1 if isinstance(where, environment.Local) else where.local_rank
+    local = rank - 1 if isinstance(where, (environment.Local, environment.Spawned)) else where.local_rank
+    os.environ.update({"RANK": str(rank - 1), "WORLD_SIZE": str(world - 1), "LOCAL_RANK": str(local), ROLE: "worker"})
+    if isinstance(where, (environment.Local, environment.Spawned)):  # every worker on this machine
+        os.environ["LOCAL_WORLD_SIZE"] = str(world - 1)
     ctx = WorkerContext(
         job,
         rank=rank - 1,
@@ -149,6 +165,8 @@ def _entry(
     """A process of a local parameter-server run: rank 0 serves, the others train."""
     q = procs.Outbox(out)
     procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world, job.cfg.quiet)
+    if rank == 0:
+        os.environ[ROLE] = "server"
 
     def body() -> WorkerResult:
         if rank == 0:
