@@ -8,6 +8,7 @@ habit taking effect satisfies (an lr of 0 moves nothing; loaded weights are what
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
@@ -3115,3 +3116,42 @@ def test_a_ddp_of_the_loops_own_group_is_named_where_the_algorithm_forms_none() 
         )
     said = str(raised.value)
     assert "was wrapped in a DistributedDataParallel of the loop's" in said and "\n" not in said, said
+
+
+def ddp_script_loop(run: distsgd.Run, habit: str) -> nn.Module:
+    """What a converted DDP script keeps: its setup()'s init_process_group, or DDP's model.no_sync()."""
+    import torch.distributed as dist
+
+    if habit == "init":
+        dist.init_process_group("gloo")
+    model, opt = run.setup()
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        with model.no_sync() if habit == "no_sync" else contextlib.nullcontext():
+            run.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize(
+    "habit, advice",
+    [
+        ("init", "distsgd formed the workers' process group before main: leave out the loop's init_process_group"),
+        ("no_sync", "is your module, not a DistributedDataParallel: use run.no_sync() for DDP's .no_sync"),
+    ],
+)
+def test_a_converted_ddp_scripts_leftovers_are_refused_with_the_fix(habit: str, advice: str) -> None:
+    """Under allreduce a converted script's init_process_group was "trying to initialize the default
+    process group twice!" and DDP's model.no_sync() a bare AttributeError: the cause, not the fix
+    (an audit's). Each line says what to do now."""
+    with pytest.raises(distsgd.DistsgdError) as raised:
+        distsgd.spawn(
+            functools.partial(ddp_script_loop, habit=habit),
+            model=Net,
+            algo="allreduce",
+            workers=2,
+            quiet=True,
+            timeout=60,
+        )
+    said = str(raised.value)
+    assert advice in said and "\n" not in said, said

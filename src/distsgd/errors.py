@@ -336,6 +336,7 @@ class _Code:
 
 
 NO_GROUP = "Default process group has not been initialized"  # torch.distributed's, called with no group
+TWICE = "trying to initialize the default process group twice"  # its init_process_group, called with one
 
 
 def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
@@ -351,7 +352,8 @@ def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
     code = _Code()
     stack = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
     # (torch.distributed's words for a call the loop made with no process group are its mistake, not a peer's fault)
-    if code.inner(stack) == code.SYNC and not (NO_GROUP in str(exc) and code.called_by_user(stack)):
+    mistake = NO_GROUP in str(exc) or TWICE in str(exc)
+    if code.inner(stack) == code.SYNC and not (mistake and code.called_by_user(stack)):
         return None
     if stack and code.zone(stack[-1][0]) != code.USER and peer_symptom(str(exc)):  # gloo's or NCCL's words
         return None

@@ -281,7 +281,8 @@ def test_a_torchrun_restart_before_any_checkpoint_trains_again_in_the_out_it_was
 
 @pytest.mark.slow
 def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp_path, dropout_model) -> None:
-    """asgd under torchrun --max-restarts 1: worker 1 (process rank 2) SIGKILLed at its 10th step,
+    """asgd under torchrun --max-restarts 1: worker 1 (torchrun's rank 2; its RANK says 1, as
+    run.rank, since 2026-12-01) SIGKILLed at its 10th step,
     after a few checkpoints; torchrun stops the group before the survivor finishes the budget and
     restarts the server and both workers, which resume from the server's last checkpoint (not from
     scratch) and finish it. (With a 5,744-sample budget the survivor used to finish the whole run
@@ -297,7 +298,7 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
         nproc=3,
         restarts=1,
         timeout=240,
-        env={"KILL_RANK": "2", "KILL_STEP": "10"},
+        env={"KILL_RANK": "1", "KILL_STEP": "10"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "exitcode: -9" in res.stderr and "resuming from the checkpoint" in res.stderr

@@ -64,7 +64,7 @@ from distsgd.checkpoint import (
 from distsgd.config import checkpoint_record
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
-from distsgd.errors import NO_GROUP, ConfigError, LoopError, loop_failure, one_line, stall_watch
+from distsgd.errors import NO_GROUP, TWICE, ConfigError, LoopError, loop_failure, one_line, stall_watch
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
@@ -2550,6 +2550,18 @@ def _with_why(failure: LoopError, exc: BaseException, algo: "Algorithm", run: Ru
             f"run.rank and run.world say which worker this is, run.loader splits the data, distsgd "
             f"synchronises the model, and run.log reports from worker 0)"
         )
+    if TWICE in str(exc) and algo.topology.process_group:  # a converted script's setup() kept
+        return LoopError(
+            f"{one_line(failure)} (under {algo.name} distsgd formed the workers' process group before main: "
+            f"leave out the loop's init_process_group, or guard it with `if not dist.is_initialized()`)"
+        )
+    if isinstance(exc, AttributeError) and exc.name in ("no_sync", "module") and run._model is not None:
+        if exc.obj is run._model or exc.obj is algo.unwrap(run._model):  # DDP's, on the model setup returned
+            instead = "run.no_sync()" if exc.name == "no_sync" else "the model itself"
+            return LoopError(
+                f"{one_line(failure)} (under {algo.name} the model run.setup() returned is your module, not a "
+                f"DistributedDataParallel: use {instead} for DDP's .{exc.name})"
+            )
     why = algo.loop_failure_why(exc)  # (ddp's, for torch's paragraph on setting its DDP up)
     if why is not None:
         return LoopError(f"{one_line(failure).split(': ' + type(exc).__name__ + ': ', 1)[0]}: {why}")
