@@ -3155,3 +3155,29 @@ def test_a_converted_ddp_scripts_leftovers_are_refused_with_the_fix(habit: str, 
         )
     said = str(raised.value)
     assert advice in said and "\n" not in said, said
+
+
+def test_a_server_workers_numbering_is_its_run_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun a rank's process may run a second run, whose environment is read from its
+    variables: a worker's RANK 1 of 2 (run.rank) stayed after the first, and the second took the
+    process for another rank (a review's: two processes claimed rank 0). The variables are the
+    worker's while it works, torchrun's after, also when the work fails."""
+    from distsgd.launch import environment, server
+
+    for k, v in {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv(server.ROLE, raising=False)
+    during: list[dict[str, str | None]] = []
+
+    def work(*args: object) -> None:
+        during.append({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", server.ROLE)})
+        raise RuntimeError("its loop failed")
+
+    monkeypatch.setattr(server, "_as_worker", work)
+    with environment.using(environment.detect()), pytest.raises(RuntimeError, match="its loop failed"):
+        server._work(None, None, 2, 3, None, None)  # type: ignore[arg-type]
+    assert during == [{"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", server.ROLE: "worker"}]
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("2", "3", "2")
+    assert server.ROLE not in os.environ

@@ -587,6 +587,15 @@ def test_a_sparse_gradient_where_the_algorithm_flattens_gradients_is_one_line(al
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("algo", ["local-sgd", pytest.param("diloco", marks=pytest.mark.slow)])
+def test_a_sparse_gradient_trains_where_workers_train_apart(algo: str) -> None:
+    """What the sparse refusal advises (local-sgd) trains: the watch for a loop's own gradient
+    all-reduce (ba1551b) read every gradient's storage at distsgd's own averaging, and a sparse one
+    has none ("NotImplementedError", the run failed at its first synchronisation: a review's)."""
+    s = distsgd.spawn(sgd_loop, model=SparseNet, algo=algo, workers=2, quiet=True, sync_every=2).summary
+    assert s["samples"] > 0 and s["bytes_sent"] > 0, s
+
+
 def backward_with_graph(run: distsgd.Run, penalty: float) -> nn.Module:
     """A penalty on the gradient: loss.backward(create_graph=True), then backward through the
     loss plus ``penalty`` times the squared gradient (of the averaged gradient: the penalty's

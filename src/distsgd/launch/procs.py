@@ -530,7 +530,14 @@ def _say_rounded(model: nn.Module, trained: dict[str, torch.Tensor]) -> None:
     float64 weights and the model returned was them rounded to float32, without a word (an
     audit's; returning the float64 model instead broke an ``evaluate=`` fed float32 data)."""
     dtypes = {k: t.dtype for k, t in model.state_dict().items() if t.is_floating_point()}
-    other = next(((k, t.dtype) for k, t in trained.items() if k in dtypes and t.dtype != dtypes[k]), None)
+    other = next(  # a value the built tensor cannot hold exactly (float16 trained into float32 is exact)
+        (
+            (k, t.dtype)
+            for k, t in trained.items()
+            if k in dtypes and t.is_floating_point() and torch.promote_types(t.dtype, dtypes[k]) != dtypes[k]
+        ),
+        None,
+    )
     if other is not None:
         name, dtype = other
         log.warning(

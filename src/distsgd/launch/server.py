@@ -12,13 +12,14 @@ run fails at once with one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -82,14 +83,14 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
     with launcher_group(job.cfg.replace(backend="gloo")) as (rank, world):  # its store: where the server listens
         store = distributed_c10d._get_default_store()
         if rank == 0:
-            os.environ[ROLE] = "server"
             address = f"{group_host()}:0"
             secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
             # torch's stub types the value str; Store.set takes bytes as they are (the secret is raw bytes)
             store.set(f"{key}/secret", secret)  # type: ignore[arg-type]
-            chief = topology.serve(
-                job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a), secret=secret
-            )
+            with _environ({ROLE: "server"}):
+                chief = topology.serve(
+                    job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a), secret=secret
+                )
             chief.attendance = chief.attendance or Attendance(failed_workers=[])  # those the server dropped
             ended = [f"{key}/end/{r}" for r in range(1, world)]  # each told before its DONE: there now
             _add_loop_ends(chief, [LoopEnd(**json.loads(store.get(k))) for k in ended if store.check([k])])
@@ -135,10 +136,40 @@ def _work(
     RANK 1..N of N + 1, so such a sampler never trained shard 0 and no worker saved (an audit's),
     and a local run put worker k on GPU k + 1."""
     where = environment.current()
-    local = rank - 1 if isinstance(where, (environment.Local, environment.Spawned)) else where.local_rank
-    os.environ.update({"RANK": str(rank - 1), "WORLD_SIZE": str(world - 1), "LOCAL_RANK": str(local), ROLE: "worker"})
-    if isinstance(where, (environment.Local, environment.Spawned)):  # every worker on this machine
-        os.environ["LOCAL_WORLD_SIZE"] = str(world - 1)
+    here = isinstance(where, (environment.Local, environment.Spawned))  # every worker on this machine
+    local = rank - 1 if here else where.local_rank
+    numbered = {"RANK": str(rank - 1), "WORLD_SIZE": str(world - 1), "LOCAL_RANK": str(local), ROLE: "worker"}
+    with _environ({**numbered, **({"LOCAL_WORLD_SIZE": str(world - 1)} if here else {})}):
+        return _as_worker(job, algo_cls, rank, world, seat, sink, local, replacement, tell_end)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the body runs, as it was after: under torchrun (Kubeflow,
+    SLURM) a rank's process may run another run, whose environment is read from its variables."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _as_worker(
+    job: Job,
+    algo_cls: type[Algorithm],
+    rank: int,
+    world: int,
+    seat: ServerSeat,
+    sink: Sink,
+    local: int,
+    replacement: bool,
+    tell_end: Callable[[LoopEnd], None] | None,
+) -> WorkerResult:
     ctx = WorkerContext(
         job,
         rank=rank - 1,
@@ -166,7 +197,7 @@ def _entry(
     q = procs.Outbox(out)
     procs.begin_worker("server" if rank == 0 else f"worker {rank - 1}", rank, world, job.cfg.quiet)
     if rank == 0:
-        os.environ[ROLE] = "server"
+        os.environ[ROLE] = "server"  # (this process serves, then ends)
 
     def body() -> WorkerResult:
         if rank == 0:

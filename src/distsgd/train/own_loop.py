@@ -2482,10 +2482,11 @@ def _no_gradient_average(run: Run, algo: "Algorithm") -> Iterator[None]:
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         model = run._model
-        if model is not None and isinstance(tensor, torch.Tensor):
+        if model is not None and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
             at = tensor.untyped_storage().data_ptr()
             for name, p in algo.unwrap(model).named_parameters():
-                if p.grad is not None and p.grad.untyped_storage().data_ptr() == at:
+                grad = p.grad  # (a sparse one, nn.Embedding(sparse=True)'s, has no storage to compare)
+                if grad is not None and grad.layout == torch.strided and grad.untyped_storage().data_ptr() == at:
                     raise ConfigError(
                         f"dist.all_reduce of {name}'s gradient in the loop (average_gradients(model)?) under "
                         f"{algo.name}: it would make every step synchronous SGD, where {algo.name}'s workers "
