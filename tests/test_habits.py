@@ -3130,6 +3130,8 @@ def ddp_script_loop(run: distsgd.Run, habit: str) -> nn.Module:
         with model.no_sync() if habit == "no_sync" else contextlib.nullcontext():
             run.backward(F.cross_entropy(model(x), y))
         opt.step()
+    if habit == "destroy":  # the tutorial's cleanup(), before the end
+        dist.destroy_process_group()
     return run.final_model()
 
 
@@ -3138,12 +3140,14 @@ def ddp_script_loop(run: distsgd.Run, habit: str) -> nn.Module:
     [
         ("init", "distsgd formed the workers' process group before main: leave out the loop's init_process_group"),
         ("no_sync", "is your module, not a DistributedDataParallel: use run.no_sync() for DDP's .no_sync"),
+        ("destroy", "destroyed in main (dist.destroy_process_group()?) before distsgd was done with it: call it after"),
     ],
 )
 def test_a_converted_ddp_scripts_leftovers_are_refused_with_the_fix(habit: str, advice: str) -> None:
     """Under allreduce a converted script's init_process_group was "trying to initialize the default
-    process group twice!" and DDP's model.no_sync() a bare AttributeError: the cause, not the fix
-    (an audit's). Each line says what to do now."""
+    process group twice!", DDP's model.no_sync() a bare AttributeError, and its cleanup()'s
+    destroy_process_group() before run.final_model() "Default process group has not been
+    initialized": the cause, not the fix (an audit's). Each line says what to do now."""
     with pytest.raises(distsgd.DistsgdError) as raised:
         distsgd.spawn(
             functools.partial(ddp_script_loop, habit=habit),

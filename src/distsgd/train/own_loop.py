@@ -2456,6 +2456,11 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
             returned = None
         else:  # an exception, or sys.exit(1) (or any other code): the worker failed
             failure = loop_failure(exc, worker)
+            if failure is None and NO_GROUP in str(exc) and algo.topology.process_group and not dist.is_initialized():
+                raise ConfigError(  # a converted script's cleanup() before the end, where distsgd still needs it
+                    "the workers' process group was destroyed in main (dist.destroy_process_group()?) before "
+                    "distsgd was done with it: call it after run.final_model(), or leave it to distsgd"
+                ) from None
             if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
                 raise
             raise _with_why(failure, exc, algo, run) from exc
