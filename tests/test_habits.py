@@ -3081,54 +3081,21 @@ def test_gradients_averaged_by_the_loop_are_refused_where_workers_train_apart(al
     assert "drop the loop's gradient all-reduce" in said and "\n" not in said
 
 
-def own_group_ddp_loop(run: distsgd.Run, port: int) -> nn.Module:
-    """The DDP tutorial's setup() where the algorithm forms no group: the loop's own, then DDP(model)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=run.rank, world_size=run.world)
-    model, opt = run.setup()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    for x, y in run.loader(toy_dataset(), batch_size=B):
-        opt.zero_grad()
-        run.backward(F.cross_entropy(ddp(x), y))
-        opt.step()
-    return run.final_model()
-
-
-@pytest.mark.slow
-def test_a_ddp_of_the_loops_own_group_is_named_where_the_algorithm_forms_none() -> None:
-    """Under hogwild (and the parameter server) a loop's own process group and DDP(model) were
-    refused as "parameter body.0.weight was changed in place after run.setup()" (DDP's broadcast),
-    which never named DDP (an audit's). The DDP refusal now, as in a process group."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(distsgd.DistsgdError) as raised:
-        distsgd.spawn(
-            functools.partial(own_group_ddp_loop, port=port),
-            model=Net,
-            algo="hogwild",
-            workers=2,
-            quiet=True,
-            timeout=60,
-        )
-    said = str(raised.value)
-    assert "was wrapped in a DistributedDataParallel of the loop's" in said and "\n" not in said, said
-
-
-def ddp_script_loop(run: distsgd.Run, habit: str) -> nn.Module:
-    """What a converted DDP script keeps: its setup()'s init_process_group, or DDP's model.no_sync()."""
+def ddp_script_loop(run: distsgd.Run, habit: str, port: int) -> nn.Module:
+    """What a converted DDP script keeps: its setup()'s init_process_group (with DDP(model) where the
+    algorithm forms no group), DDP's model.no_sync(), its cleanup()."""
     import torch.distributed as dist
 
     if habit == "init":
         dist.init_process_group("gloo")
+    if habit == "own-group-ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=run.rank, world_size=run.world)
     model, opt = run.setup()
+    net = nn.parallel.DistributedDataParallel(model) if habit == "own-group-ddp" else model
     for x, y in run.loader(toy_dataset(), batch_size=B):
         opt.zero_grad()
         with model.no_sync() if habit == "no_sync" else contextlib.nullcontext():
-            run.backward(F.cross_entropy(model(x), y))
+            run.backward(F.cross_entropy(net(x), y))
         opt.step()
     if habit == "destroy":  # the tutorial's cleanup(), before the end
         dist.destroy_process_group()
@@ -3136,23 +3103,33 @@ def ddp_script_loop(run: distsgd.Run, habit: str) -> nn.Module:
 
 
 @pytest.mark.parametrize(
-    "habit, advice",
+    "habit, algo, advice",
     [
-        ("init", "distsgd formed the workers' process group before main: leave out the loop's init_process_group"),
-        ("no_sync", "is your module, not a DistributedDataParallel: use run.no_sync() for DDP's .no_sync"),
-        ("destroy", "destroyed in main (dist.destroy_process_group()?) before distsgd was done with it: call it after"),
+        ("init", "allreduce", "distsgd formed the workers' process group before main: leave out the loop's init_"),
+        ("no_sync", "allreduce", "is your module, not a DistributedDataParallel: use run.no_sync() for DDP's .no_sync"),
+        ("destroy", "allreduce", "destroyed in main (dist.destroy_process_group()?) before distsgd was done with it"),
+        pytest.param(
+            "own-group-ddp", "hogwild", "was wrapped in a DistributedDataParallel of the loop's", marks=pytest.mark.slow
+        ),
     ],
 )
-def test_a_converted_ddp_scripts_leftovers_are_refused_with_the_fix(habit: str, advice: str) -> None:
+def test_a_converted_ddp_scripts_leftovers_are_refused_with_the_fix(habit: str, algo: str, advice: str) -> None:
     """Under allreduce a converted script's init_process_group was "trying to initialize the default
     process group twice!", DDP's model.no_sync() a bare AttributeError, and its cleanup()'s
     destroy_process_group() before run.final_model() "Default process group has not been
-    initialized": the cause, not the fix (an audit's). Each line says what to do now."""
+    initialized"; under hogwild its own group and DDP(model) were refused as "parameter body.0.weight
+    was changed in place after run.setup()" (DDP's broadcast), DDP unnamed: the cause, not the fix
+    (an audit's). Each line says what to do now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with pytest.raises(distsgd.DistsgdError) as raised:
         distsgd.spawn(
-            functools.partial(ddp_script_loop, habit=habit),
+            functools.partial(ddp_script_loop, habit=habit, port=port),
             model=Net,
-            algo="allreduce",
+            algo=algo,
             workers=2,
             quiet=True,
             timeout=60,
@@ -3175,13 +3152,16 @@ def test_a_server_workers_numbering_is_its_run_alone(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv(server.ROLE, raising=False)
     during: list[dict[str, str | None]] = []
 
-    def work(*args: object) -> None:
+    def work(*args: object, **kwargs: object) -> None:
         during.append({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", server.ROLE)})
         raise RuntimeError("its loop failed")
 
-    monkeypatch.setattr(server, "_as_worker", work)
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(server, "run_worker", work)
+    job = SimpleNamespace(cfg=SimpleNamespace(device="cpu"))
     with environment.using(environment.detect()), pytest.raises(RuntimeError, match="its loop failed"):
-        server._work(None, None, 2, 3, None, None)  # type: ignore[arg-type]
+        server._work(job, lambda cfg, seat: None, 2, 3, None, None)  # type: ignore[arg-type]
     assert during == [{"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", server.ROLE: "worker"}]
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("2", "3", "2")
     assert server.ROLE not in os.environ

@@ -58,11 +58,15 @@ STOP_GRACE_S = 5.0
 
 
 @contextlib.contextmanager
-def child_env(**values: str) -> Iterator[None]:
-    """Set environment variables for the processes spawned inside the block (unless already set)."""
+def child_env(values: dict[str, str], override: bool = False) -> Iterator[None]:
+    """Environment variables for the block (and the processes it spawns), unless already set (with
+    ``override``, whatever was set); as they were after."""
     saved = {k: os.environ.get(k) for k in values}
     for k, v in values.items():
-        os.environ.setdefault(k, v)
+        if override:
+            os.environ[k] = v
+        else:
+            os.environ.setdefault(k, v)
     try:
         yield
     finally:
@@ -107,7 +111,7 @@ def mp_context() -> SpawnContext | ForkServerContext:
     ctx.set_forkserver_preload([PRELOAD])
     # The server starts ignoring Ctrl-C (the launcher handles it and stops the workers; otherwise
     # a Ctrl-C while the server imports torch prints its traceback). Workers restore the handler.
-    with child_env(TORCH_CPP_LOG_LEVEL="ERROR"), _sigint_ignored(), _main_only_if_readable():
+    with child_env({"TORCH_CPP_LOG_LEVEL": "ERROR"}), _sigint_ignored(), _main_only_if_readable():
         forkserver.ensure_running()
     global _WARM_SERVER
     server = getattr(forkserver._forkserver, "_forkserver_pid", None)

@@ -12,14 +12,13 @@ run fails at once with one line.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -87,7 +86,7 @@ def run(job: Job, algo_cls: type[Algorithm], sink: Sink, torchrun: bool) -> list
             secret = secrets.token_bytes(32)  # the workers read it from torchrun's store, as the address
             # torch's stub types the value str; Store.set takes bytes as they are (the secret is raw bytes)
             store.set(f"{key}/secret", secret)  # type: ignore[arg-type]
-            with _environ({ROLE: "server"}):
+            with procs.child_env({ROLE: "server"}, override=True):
                 chief = topology.serve(
                     job, algo_cls, world - 1, address, sink, publish=lambda a: store.set(key, a), secret=secret
                 )
@@ -139,37 +138,6 @@ def _work(
     here = isinstance(where, (environment.Local, environment.Spawned))  # every worker on this machine
     local = rank - 1 if here else where.local_rank
     numbered = {"RANK": str(rank - 1), "WORLD_SIZE": str(world - 1), "LOCAL_RANK": str(local), ROLE: "worker"}
-    with _environ({**numbered, **({"LOCAL_WORLD_SIZE": str(world - 1)} if here else {})}):
-        return _as_worker(job, algo_cls, rank, world, seat, sink, local, replacement, tell_end)
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` while the body runs, as it was after: under torchrun (Kubeflow,
-    SLURM) a rank's process may run another run, whose environment is read from its variables."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _as_worker(
-    job: Job,
-    algo_cls: type[Algorithm],
-    rank: int,
-    world: int,
-    seat: ServerSeat,
-    sink: Sink,
-    local: int,
-    replacement: bool,
-    tell_end: Callable[[LoopEnd], None] | None,
-) -> WorkerResult:
     ctx = WorkerContext(
         job,
         rank=rank - 1,
@@ -180,7 +148,10 @@ def _as_worker(
         device=device.use(job.cfg.device, local),
         tell_end=tell_end,
     )
-    return run_worker(ctx, algo_cls(job.cfg, seat), replacement=replacement)
+    # the worker's numbering while it works, torchrun's after: under torchrun (Kubeflow, SLURM) a
+    # rank's process may run another run, whose environment is read from its variables
+    with procs.child_env({**numbered, **({"LOCAL_WORLD_SIZE": str(world - 1)} if here else {})}, override=True):
+        return run_worker(ctx, algo_cls(job.cfg, seat), replacement=replacement)
 
 
 def _entry(
