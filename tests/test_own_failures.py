@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distsgd
-from distsgd.errors import LoopError, loop_failure, stall_watch
+from distsgd.errors import LoopError, WorkerError, loop_failure, stall_watch
 
 HERE = Path(__file__).name
 
@@ -65,13 +65,14 @@ def bad_batch() -> None:
 def failing_loop(run: distsgd.Run, victim: int, how: str) -> nn.Module:
     """Worker ``victim`` fails at its third step: ``raise`` (an exception of the user's code), ``hang``
     (it sleeps, its process alive), ``kill`` (its process is SIGKILLed) or ``refused`` (a call distsgd
-    refuses: a step with no batch)."""
+    refuses: a step with no batch); ``pause``: every worker evaluates there for longer than --timeout,
+    inside run.paused() (``pause-alone``: worker ``victim`` alone)."""
     model, opt = run.setup()
     for epoch in range(run.cfg.epochs):
         for x, y in run.loader(samples(), batch_size=16, epoch=epoch):
             opt.zero_grad()
-            run.backward(F.cross_entropy(model(x), y))
-            opt.step()
+            run.backward(F.cross_entropy(model(x), y))  # all-reduces
+            opt.step()  # averages
             if run.rank == victim and run.steps == 3:
                 if how == "raise":
                     bad_batch()
@@ -83,6 +84,10 @@ def failing_loop(run: distsgd.Run, victim: int, how: str) -> nn.Module:
                     opt.step()
                 elif how == "exit":
                     sys.exit(1)  # exits
+            if how == "pause" or (how == "pause-alone" and run.rank == victim):
+                if run.steps == 3:  # an evaluation longer than --timeout
+                    with run.paused():
+                        time.sleep(1.5 * run.cfg.timeout_s)
     if how == "exit0":
         sys.exit(0)  # a script's habit at the end of main: as a return
     return run.final_model()
@@ -127,7 +132,36 @@ def test_a_loop_that_stops_in_one_worker_ends_the_run_naming_it(algo: str, victi
     message = str(raised.value)
     assert message == (
         f"worker {victim} made no progress for 3 s (--timeout), in main (tests/{HERE}:{line_of('hangs')}); an "
-        "evaluation or a save that long between steps needs a longer --timeout (timeout= in spawn)"
+        "evaluation or a save that long between steps goes inside run.paused(), or needs a longer --timeout "
+        "(timeout= in spawn)"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild", "asgd", "local-sgd"])
+def test_an_evaluation_longer_than_timeout_inside_run_paused_is_no_stall(algo: str) -> None:
+    """run.paused() is the documented place for an evaluation: before, one longer than --timeout
+    there ended the run as "made no progress" (an audit's, 2026-12-01: after hours of training)."""
+    result = spawn(algo, "pause", timeout_s=2)
+    assert result.summary["samples"] == 3 * len(samples())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo, waits", [("allreduce", "all-reduces"), ("local-sgd", "averages")])
+def test_a_peer_evaluating_alone_longer_than_timeout_is_said_as_a_wait_not_in_gloos_words(
+    algo: str, waits: str
+) -> None:
+    """Worker 0 evaluates alone inside run.paused() while worker 1 waits at its next all-reduce:
+    that wait has --timeout's deadline. Before, the line was gloo's ("RuntimeError: [.../gloo/
+    transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete")."""
+    with pytest.raises(WorkerError) as raised:
+        spawn(algo, "pause-alone", victim=0, timeout_s=2)
+    assert str(raised.value) == (
+        f"worker 1 failed: RuntimeError: waited --timeout (2 s) for the other workers at a synchronisation "
+        f"(tests/{HERE}:{line_of(waits)}) and timed out: a worker that evaluates or saves that long while the "
+        "others wait (inside run.paused() too) needs a longer --timeout (timeout= in spawn)"
     )
 
 

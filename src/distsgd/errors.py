@@ -362,6 +362,25 @@ def loop_failure(exc: BaseException, worker: str) -> LoopError | None:
     return LoopError(f"{worker} failed in main ({where}): {error_text(exc)}")
 
 
+def waited_too_long(exc: BaseException, timeout_s: float) -> RuntimeError | None:
+    """A collective of a user's loop that timed out (gloo's or NCCL's words), said as what it
+    means: this worker waited --timeout for a peer that was elsewhere (an evaluation or a save on
+    one worker, inside ``run.paused()`` too, where that worker's own watch leaves it be); None for
+    any other error. Its words stay a peer symptom: a peer whose loop stopped names itself."""
+    if not any(s in str(exc) for s in ("Timed out", "timed out")):
+        return None
+    import traceback
+
+    place = _Code().user_place(
+        [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
+    )
+    return RuntimeError(
+        f"waited --timeout ({timeout_s:g} s) for the other workers at a synchronisation"
+        f"{f' ({place})' if place else ''} and timed out: a worker that evaluates or saves that long while "
+        f"the others wait (inside run.paused() too) needs a longer --timeout (timeout= in spawn)"
+    )
+
+
 def _stack_of(frame: FrameType | None) -> Stack:
     """The (file, line) of ``frame`` and its callers, outermost first."""
     stack: Stack = []
@@ -371,6 +390,12 @@ def _stack_of(frame: FrameType | None) -> Stack:
     stack.reverse()
     return stack
 
+
+# what a loop that takes no step for --timeout is told (an evaluation, a save)
+LONGER = (
+    "an evaluation or a save that long between steps goes inside run.paused(), or needs a longer --timeout "
+    "(timeout= in spawn)"
+)
 
 WAITING_S = 1.0  # a wait for peers this long, with no progress, is reported to stall_watch's ``waiting``
 
@@ -423,10 +448,7 @@ def stall_watch(
         armed.clear()
         where = stuck_at(frame)
         if where is not None:  # else it has moved on into distsgd meanwhile: the watch goes on
-            raise LoopError(
-                f"{worker} made no progress for {timeout_s:g} s (--timeout), in main ({where}); an evaluation "
-                f"or a save that long between steps needs a longer --timeout (timeout= in spawn)"
-            )
+            raise LoopError(f"{worker} made no progress for {timeout_s:g} s (--timeout), in main ({where}); {LONGER}")
 
     def watch() -> None:
         last, since = progress(), time.monotonic()

@@ -64,7 +64,16 @@ from distsgd.checkpoint import (
 from distsgd.config import checkpoint_record
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
-from distsgd.errors import NO_GROUP, TWICE, ConfigError, LoopError, loop_failure, one_line, stall_watch
+from distsgd.errors import (
+    NO_GROUP,
+    TWICE,
+    ConfigError,
+    LoopError,
+    loop_failure,
+    one_line,
+    stall_watch,
+    waited_too_long,
+)
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
@@ -175,6 +184,7 @@ class Run:
     _returned_versions: list[tuple[int, int]] | None = None
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _past_steps = 0  # steps a user's loop took after the run's end (max_samples, a target reached)
+    _pauses = 0  # run.paused() blocks open (any thread): the loop's stall watch waits for their end
     _started = Start.FRESH  # how run.setup() started this worker (a fresh run, a resumed one, a replacement)
     _resumed_steps = -1  # a resumed run: the steps its checkpoint had taken
     # a resumed user's loop until its first step: each optimiser's settings as run.setup() restored them
@@ -1740,15 +1750,20 @@ class Run:
     # -- the model -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The training clock stopped (your evaluation, your logging): not counted in samples/s. An
-        optimiser of your evaluation's (a linear probe's on the model's features) may step there
-        parameters that are not the model's: each worker's trains apart, as your evaluation's own."""
+        """The training clock stopped (your evaluation, your logging, a save): not counted in
+        samples/s, nor in --timeout's watch for a loop that makes no progress (an evaluation longer
+        than --timeout is no stall; its peers' waits for it, at the next collective, still have
+        --timeout's deadline). An optimiser of your evaluation's (a linear probe's on the model's
+        features) may step there parameters that are not the model's: each worker's trains apart,
+        as your evaluation's own."""
         was_running = self._clock.running
         self._clock.pause()
         _PAUSED.n = getattr(_PAUSED, "n", 0) + 1
+        self._pauses += 1
         try:
             yield
         finally:
+            self._pauses -= 1
             _PAUSED.n -= 1
             if was_running:
                 self._clock.resume()
@@ -2441,8 +2456,8 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     assert main is not None, "run_worker calls this for a user's loop only"
     worker = f"worker {ctx.rank}"
 
-    def progress() -> int | None:  # watched from run.setup() to run.final_model()
-        return run.samples if run._model is not None and run._returned is None else None
+    def progress() -> int | None:  # watched from run.setup() to run.final_model(), outside run.paused()
+        return run.samples if run._model is not None and run._returned is None and not run._pauses else None
 
     try:
         with stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded), _no_gradient_average(run, algo):
@@ -2454,12 +2469,8 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
             returned = None
         else:  # an exception, or sys.exit(1) (or any other code): the worker failed
             failure = loop_failure(exc, worker)
-            if failure is None and NO_GROUP in str(exc) and algo.topology.process_group and not dist.is_initialized():
-                raise ConfigError(  # a converted script's cleanup() before the end, where distsgd still needs it
-                    "the workers' process group was destroyed in main (dist.destroy_process_group()?) before "
-                    "distsgd was done with it: call it after run.final_model(), or leave it to distsgd"
-                ) from None
             if failure is None:  # distsgd's own one-line refusal, or a fault elsewhere the launcher names
+                _at_a_sync(exc, algo, ctx.cfg.timeout_s)
                 raise
             raise _with_why(failure, exc, algo, run) from exc
     finally:  # main returned or raised (Ctrl-C too): no hook of the run's stays in this process
@@ -2469,6 +2480,21 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     if run._model is None:
         raise ConfigError("main(run) never called run.setup(): distsgd had no model to train")
     return run._result(returned)
+
+
+def _at_a_sync(exc: BaseException, algo: "Algorithm", timeout_s: float) -> None:
+    """``exc``, raised where the loop synchronises with its peers, said as what it means where
+    torch's words would not say it (else it is raised as it is)."""
+    if not algo.topology.process_group:
+        return
+    if NO_GROUP in str(exc) and not dist.is_initialized():
+        raise ConfigError(  # a converted script's cleanup() before the end, where distsgd still needs it
+            "the workers' process group was destroyed in main (dist.destroy_process_group()?) before "
+            "distsgd was done with it: call it after run.final_model(), or leave it to distsgd"
+        ) from None
+    waited = waited_too_long(exc, timeout_s)
+    if waited is not None:  # a peer evaluating alone, inside run.paused() too
+        raise waited from None
 
 
 @contextlib.contextmanager
