@@ -194,3 +194,40 @@ def test_hogwild_threads_replay_beside_each_other_and_capture_alone(monkeypatch:
     assert seen["captures"] == 2 and seen["beside_capture"] == 0, seen
     assert seen["together"] > 0, seen
     assert s["final_test_accuracy"] > 0.6, s["final_test_accuracy"]
+
+
+def test_a_capture_interrupted_while_it_waits_leaves_the_gate_open() -> None:
+    """The gate is the process's (Hogwild!'s threads share one GPU): a Ctrl-C in the main thread
+    while its capture waits for another thread's step left the count of waiting captures up on
+    80d465a, and every later step in the process (a notebook's next run) waited for ever."""
+    import signal
+    import threading
+
+    gate = graphs._Gate()
+    stepping, release = threading.Event(), threading.Event()
+
+    def a_step() -> None:
+        with gate.step():
+            stepping.set()
+            release.wait(10)
+
+    other = threading.Thread(target=a_step)
+    other.start()
+    assert stepping.wait(10)
+    main = threading.get_ident()
+    timer = threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        with gate.alone():
+            pass
+    release.set()
+    other.join(10)
+    done = threading.Event()
+
+    def next_step() -> None:
+        with gate.step():
+            done.set()
+
+    later = threading.Thread(target=next_step, daemon=True)
+    later.start()
+    assert done.wait(5), "a step after the interrupted capture waits for ever"

@@ -79,9 +79,12 @@ class _Gate:
     def alone(self) -> Iterator[None]:
         with self._cond:
             self._waiting += 1
-            while self._steps or self._capturing:
-                self._cond.wait()
-            self._waiting -= 1
+            try:  # (a Ctrl-C while it waits: the gate is the process's, and the next run's steps would wait on)
+                while self._steps or self._capturing:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()
             self._capturing = True
         try:
             yield
