@@ -160,8 +160,8 @@ def test_a_peer_evaluating_alone_longer_than_timeout_is_said_as_a_wait_not_in_gl
         spawn(algo, "pause-alone", victim=0, timeout_s=2)
     assert str(raised.value) == (
         f"worker 1 failed: RuntimeError: waited --timeout (2 s) for the other workers at a synchronisation "
-        f"(tests/{HERE}:{line_of(waits)}) and timed out: a worker that evaluates or saves that long while the "
-        "others wait (inside run.paused() too) needs a longer --timeout (timeout= in spawn)"
+        f"(tests/{HERE}:{line_of(waits)}) and timed out: one of them stopped, or was elsewhere that long (a worker "
+        "that evaluates or saves alone, inside run.paused() too, needs a longer --timeout: timeout= in spawn)"
     )
 
 

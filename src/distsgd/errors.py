@@ -376,8 +376,8 @@ def waited_too_long(exc: BaseException, timeout_s: float) -> RuntimeError | None
     )
     return RuntimeError(
         f"waited --timeout ({timeout_s:g} s) for the other workers at a synchronisation"
-        f"{f' ({place})' if place else ''} and timed out: a worker that evaluates or saves that long while "
-        f"the others wait (inside run.paused() too) needs a longer --timeout (timeout= in spawn)"
+        f"{f' ({place})' if place else ''} and timed out: one of them stopped, or was elsewhere that long (a "
+        f"worker that evaluates or saves alone, inside run.paused() too, needs a longer --timeout: timeout= in spawn)"
     )
 
 
