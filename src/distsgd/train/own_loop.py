@@ -77,9 +77,10 @@ from distsgd.errors import (
 from distsgd.metrics import TrainClock
 from distsgd.models import build_model
 from distsgd.schedule import Periodic
-from distsgd.train import device, lockstep, membership, schedulers, sums
+from distsgd.train import device, forwards, lockstep, membership, schedulers, sums
 from distsgd.train.context import LoopEnd, Start, Step, WorkerContext, WorkerResult
 from distsgd.train.evaluate import equal_states, eval_event, snapshot
+from distsgd.train.forwards import Forwards
 from distsgd.train.optim import build_optimizer, is_internal, schedule_lr, schedule_needs_epochs
 
 if TYPE_CHECKING:
@@ -215,9 +216,10 @@ class Run:
     _pending: dict[int, int]
     _collectives = 0  # run.all_reduce() and run.all_gather() calls (their tensors checked at 1, 2, 17, 33, ...)
     _backwards_ever = 0  # backward passes through the model, the run's (a pass over run.loader took any?)
-    # forwards since run.evaluation_model() made a model apart from the worker's (an average): the
-    # handle of _forwards_seen's hook (None once the figures are logged), and what it saw
-    _eval_watch: tuple[Any | None, dict[str, bool]] | None = None
+    # in a user's loop, the models that ran a forward from the last step's end, run.evaluation_model()
+    # or run.final_model() to the loop's test figures (see forwards.Forwards)
+    _forwards: Forwards | None = None
+    _step_forwards: Forwards | None = None  # the one of a step's end, started again at each
     _train_wall_s: float | None = None  # the training clock at run.final_model()
     _nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
     _said_threads = False  # (see _threads_said)
@@ -266,8 +268,6 @@ class Run:
         self._test_logs = 0  # run.log() calls with test figures (a barrier's key, with --stop-at-target)
         self._where: dict[str, Any] = {}  # more of how this worker computed, for summary.json (--cuda-graphs)
         self._returned: nn.Module | None = None
-        self._after_end = {"mine": False, "other": False}  # forwards after run.final_model(): _forwards_seen
-        self._after_end_hook: Any = None
         # the parameters as the algorithm took them, until the first step (see _check_bound)
         self._bound: list[tuple[str, nn.Parameter, int]] | None = None  # (name, parameter, in-place version)
         self._storage: list[tuple[str, nn.Parameter, int]] = []  # where the algorithm binds them: their memory
@@ -275,7 +275,8 @@ class Run:
         self._stranded_why: str | None = None  # why this worker waits for ever for a peer (see lockstep.stranded)
         self.rewrote_at = -1  # the last step whose end rewrote the weights in place (model averaging's)
         self._made: tuple[int, float] | None = None  # steps and clock of run.evaluation_model()'s last model
-        self._warned_own = self._warned_another = False  # test figures of a worker's own, or another, model (said once)
+        # test figures of a worker's own model, of another, or of the model beside a copy of it (said once)
+        self._warned_own = self._warned_another = self._warned_both = False
         self._stopped = False  # --stop-at-target: a figure run.log was given reached the target
         self._end_seen = self._schedule_end_seen = False  # the run's end seen at a step (_past_the_end)
         self._clock = TrainClock(sync=device.synchronizer(ctx.device))  # waits for the GPU before a reading
@@ -1408,7 +1409,7 @@ class Run:
         position = self._schedule_position() if cfg.schedule != "constant" or self.steps < self._warmup else None
         if self._ctx.job.main is not None:
             self._past_the_end(position)
-            self._end_eval_watch()
+            self._end_forwards()
         if position is not None:
             groups = [g for opt in self._optimizers for g in opt.param_groups]
             if self._lr_set is not None and [g["lr"] for g in groups] != self._lr_set:
@@ -1541,6 +1542,8 @@ class Run:
             self.rewrote_at = self._state.steps
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
+        if ctx.job.main is not None:  # what the loop evaluates before its next step (see log)
+            self._watch_forwards(self._algo.unwrap(model), also=model, step=True)
 
     # -- reporting -------------------------------------------------------------------------------
     def log(self, **figures: Any) -> None:
@@ -1563,10 +1566,15 @@ class Run:
         if "test_accuracy" in values or "test_loss" in values:
             reached = False
             with self.paused():
-                if writes and self._of_a_workers_own_model():
+                whose = self._forwards.verdict() if self._forwards is not None else None
+                if self._forwards is not None:
+                    self._forwards.reset()
+                if writes and self._of_a_workers_own_model(whose):
                     self._demoted(values)
-                elif writes and self._of_another_model():
-                    self._demoted(values, another=True)
+                elif writes and whose == forwards.ANOTHER:
+                    self._demoted(values, another="another")
+                elif writes and whose == forwards.BOTH and not _names_the_copys(values):
+                    self._demoted(values, another="both")
                 elif writes:
                     reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
@@ -1580,7 +1588,6 @@ class Run:
                     )
                 if ctx.job.may_stop and self._algo.agree(ctx, reached):
                     self._stopped = True
-            self._end_eval_watch(keep=True)  # (no hook left for a training forward: torch.compile warns of one)
         elif writes:
             ctx.sink.emit(
                 {
@@ -1592,39 +1599,42 @@ class Run:
                 }
             )
 
-    def _of_a_workers_own_model(self) -> bool:
+    def _of_a_workers_own_model(self, whose: str | None) -> bool:
         """Whether test figures logged now were measured on this worker's own model where that is not
         the model the run returns (local-sgd's, DiLoCo's, EASGD's replicas between their averages):
         in a user's loop, of an algorithm whose models are local, with no run.evaluation_model()
-        since the last step and before run.final_model()."""
-        made, seen = self._made, self._eval_watch[1] if self._eval_watch is not None else None
-        evaluated = made is not None and made[0] == self.steps
-        # (made, and a forward of the worker's own model since and none of it: of the worker's own, too)
-        evaluated = evaluated and not (seen is not None and seen["other"] and not seen["mine"])
+        since the last step, or after it a forward of the worker's own model and none of its, before
+        run.final_model()."""
+        made = self._made
+        evaluated = made is not None and made[0] == self.steps and whose != forwards.OWN
         return self._ctx.job.main is not None and self._algo.local_model and self._returned is None and not evaluated
 
-    def _of_another_model(self) -> bool:
-        """Whether test figures logged now, after run.final_model(), are another model's: since it,
-        a module holding parameters outside the model it returned ran a forward, and none of that
-        model's modules did (an EMA's figures, ``AveragedModel``'s module). summary.json gave them
-        as the figures of the model returned and saved, silently (the audit of 2026-11-30). With no
-        forward at all since (figures measured before, a compiled model's graph, which runs no
-        hooks), nothing is known, and they stand as before."""
-        seen = self._after_end
-        return self._ctx.job.main is not None and self._returned is not None and seen["other"] and not seen["mine"]
-
-    def _demoted(self, values: dict[str, Any], another: bool = False) -> None:
-        """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`), or of another
-        (:meth:`_of_another_model`): a ``log`` event, not an evaluation (not the final figures, nor
-        a time to target); said once."""
-        if another:
+    def _demoted(self, values: dict[str, Any], another: str | None = None) -> None:
+        """Test figures of a worker's own model (:meth:`_of_a_workers_own_model`), or perhaps of
+        another (``another``: "another", only other models ran a forward since the last step,
+        run.evaluation_model() or run.final_model(); "both", the model and a copy of it with other
+        weights, an EMA's, and the figures do not say which is which: see
+        :mod:`distsgd.train.forwards`): a ``log`` event, not an evaluation (not the final figures,
+        nor a time to target); said once."""
+        if another == "both":
+            if not self._warned_both:
+                self._warned_both = True
+                log.warning(
+                    "run.log(test_...) after forwards of the model and of a copy of it with other weights (an "
+                    "EMA's?): whose figures they are is not said, so they are logged but not taken as the figures "
+                    "of the model returned and saved; log the model's as test_accuracy/test_loss and the copy's in "
+                    "the same call under names that hold those (ema_test_accuracy=...), or log the model's before "
+                    "the copy runs (to return the copy, load its weights into the model before run.final_model())"
+                )
+        elif another:
             if not self._warned_another:
                 self._warned_another = True
                 log.warning(
-                    "run.log(test_...) after run.final_model(), after a forward of another model and none of the "
-                    "one it returned: the figures are another model's (an EMA's?), logged but not taken as the "
-                    "figures of the model returned and saved; evaluate that model (to return an EMA, load its "
-                    "weights into the model before run.final_model())"
+                    "run.log(test_...) after a forward of another model and none of the one the run returns "
+                    "(since the last step, run.evaluation_model() or run.final_model()): the figures are another "
+                    "model's (an EMA's?), logged but not taken as the figures of the model returned and saved; "
+                    "evaluate that model (to return an EMA, load its weights into the model before "
+                    "run.final_model())"
                 )
         elif not self._warned_own:
             self._warned_own = True
@@ -1786,28 +1796,39 @@ class Run:
                 self._clock.sync()
             if self._returned is None:  # the final model's time is the clock's, stopped where it was made
                 self._made = (self.steps, self._clock.elapsed() + time.perf_counter() - began)
-                self._watch_evaluation(returned, model)
+                if returned is self._algo.unwrap(model):  # (model: the module, or a wrapper of it, DDP's)
+                    self._watch_forwards(returned, also=model)
+                else:  # an average, theta, a centre: the worker's model (and any wrapper of it) is its own
+                    self._watch_forwards(returned, own=model)
             return returned
 
-    def _watch_evaluation(self, made: nn.Module, model: nn.Module) -> None:
-        """Note, until test figures are logged (what it saw kept until the next step), which
-        models run a forward: where ``made`` (an average) is not the worker's own model, a loop that calls
-        run.evaluation_model() but evaluates its ``model`` (an ``evaluate(model)`` kept from the
-        script) logs figures of the worker's own model, which stood as the run's (local-sgd:
-        0.7483 final for a returned model of 0.7672), exit 0."""
-        self._end_eval_watch()
-        own = self._algo.unwrap(model)
-        if self._ctx.job.main is not None and self._algo.local_model and made is not own:
-            seen = {"mine": False, "other": False}  # (a copy of made, moved or halved, is neither)
-            self._eval_watch = (_forwards_seen(made, seen, own), seen)
+    def _watch_forwards(
+        self, mine: nn.Module, own: nn.Module | None = None, also: nn.Module | None = None, step: bool = False
+    ) -> None:
+        """In a user's loop, note which models run a forward from here (``step``: a step's end,
+        until the next training forward; run.evaluation_model(); run.final_model()) to its test figures
+        (see :meth:`log`): ``mine``, the model the run returns (``also``: a wrapper of it), ``own``,
+        the worker's replica where that is another (local-sgd's between averages: a loop that calls
+        run.evaluation_model() but evaluates its ``model``, an ``evaluate(model)`` kept from the
+        script, logged its replica's figures as the run's: 0.7483 final for a returned model of
+        0.7672), or another (an EMA's: see :mod:`distsgd.train.forwards`)."""
+        if self._ctx.job.main is None:
+            return
+        self._end_forwards()
+        again = self._step_forwards  # (one watch of a step's end, kept: each step's)
+        if step and again is not None and (again.mine, again.own, again.also) == (mine, own, also):
+            again.start(until_training=True)
+            self._forwards = again
+            return
+        self._forwards = Forwards(mine, own, also, until_training=step)
+        if step:
+            self._step_forwards = self._forwards
 
-    def _end_eval_watch(self, keep: bool = False) -> None:
-        """Stop :meth:`_watch_evaluation`'s hook; ``keep``: what it saw, until the next step."""
-        if self._eval_watch is not None:
-            handle, seen = self._eval_watch
-            if handle is not None:
-                handle.remove()
-            self._eval_watch = (None, seen) if keep else None
+    def _end_forwards(self) -> None:
+        """Remove the hook of :meth:`_watch_forwards` (a step began, main returned or raised)."""
+        if self._forwards is not None:
+            self._forwards.end()
+            self._forwards = None
 
     def _evaluated_at(self) -> float:
         """The training-clock time an evaluation made now describes: when the model
@@ -1923,8 +1944,7 @@ class Run:
             returned = _loaded_into(returned, self._algo.unwrap(model))
         self._returned = returned  # (made again from the start where a lost worker interrupted it)
         self._returned_versions = _versions(returned)
-        if self._ctx.job.main is not None and self._after_end_hook is None:  # (see _of_another_model)
-            self._after_end_hook = _forwards_seen(returned, self._after_end)
+        self._watch_forwards(returned)
         if self.rank == 0 and self._ctx.reports:  # (one line: every Hogwild! worker reports)
             _say_nonfinite(returned)
         if self._nonfinite[0] > 1:
@@ -1938,12 +1958,6 @@ class Run:
                 end,
             )
         return self._returned
-
-    def _end_forwards_seen(self) -> None:
-        """Remove the hook :func:`_forwards_seen` added (main returned, or raised)."""
-        if self._after_end_hook is not None:
-            self._after_end_hook.remove()
-        self._end_eval_watch()
 
     def _unhook(self) -> None:
         """The model and optimisers as they were given: no hooks of the run's, their own step and
@@ -1977,7 +1991,7 @@ class Run:
     def _result(self, returned: Any = None) -> WorkerResult:
         """What this worker tells the launcher once ``main`` returned ``returned``."""
         final = self.final_model()
-        self._end_forwards_seen()
+        self._end_forwards()
         if returned is not None and returned is not final:
             unwrapped = self._algo.unwrap(self._model) if self._model is not None else None
             if not isinstance(returned, nn.Module):
@@ -2474,7 +2488,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
                 raise
             raise _with_why(failure, exc, algo, run) from exc
     finally:  # main returned or raised (Ctrl-C too): no hook of the run's stays in this process
-        run._end_forwards_seen()
+        run._end_forwards()
         run._end_replay()  # (the schedulers' classes as torch made them)
         run._end_loads()
     if run._model is None:
@@ -2535,21 +2549,10 @@ def _no_gradient_average(run: Run, algo: "Algorithm") -> Iterator[None]:
 INPLACE = "modified by an inplace operation"  # autograd's words for a weight changed under a graph
 
 
-def _forwards_seen(mine: nn.Module, seen: dict[str, bool], other: nn.Module | None = None) -> Any:
-    """A forward pre-hook of every module in this process (torch's global one: nothing is stored on
-    the model, which a loop may pickle whole), noting in ``seen`` a forward of any module of
-    ``mine`` ("mine") and one of any module of ``other`` ("other"; without it, of any other module
-    that holds parameters); its handle."""
-    ours = {id(m) for m in mine.modules()}
-    theirs = {id(m) for m in other.modules()} if other is not None else None
-
-    def ran(module: nn.Module, args: Any) -> None:
-        if id(module) in ours:
-            seen["mine"] = True
-        elif id(module) in theirs if theirs is not None else next(module.parameters(recurse=False), None) is not None:
-            seen["other"] = True
-
-    return torch.nn.modules.module.register_module_forward_pre_hook(ran)
+def _names_the_copys(values: dict[str, Any]) -> bool:
+    """Whether figures logged together name a copy's apart from the model's: beside test_accuracy or
+    test_loss, another name that holds one of those (``ema_test_accuracy``, ``test_loss_ema``)."""
+    return any(k not in ("test_accuracy", "test_loss") and ("test_accuracy" in k or "test_loss" in k) for k in values)
 
 
 def _not_in_a_users_ddp(module: nn.Module, args: Any) -> None:
