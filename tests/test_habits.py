@@ -2086,6 +2086,37 @@ def test_an_emas_figures_logged_before_the_end_are_not_the_returned_models(algo:
         assert result.summary["final_test_loss"] == pytest.approx(expected, rel=1e-5), which
 
 
+def ema_on_rank_0(run: distsgd.Run) -> nn.Module:
+    """timm's habit: an EMA made by copying the model (AveragedModel(model): a deepcopy) right
+    after run.setup(), evaluated on rank 0 alone (a BatchNorm model)."""
+    model, opt = run.setup()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    assert type(ema.module) is NormedNet, type(ema.module)  # under ddp: not a copy of the DDP wrapper
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        ema.update_parameters(model)
+    if run.rank == 0:
+        with run.paused(), torch.no_grad():
+            ema.eval()
+            ema(toy_dataset().tensors[0])
+    return run.final_model()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_ema_copied_from_the_ddp_model_is_a_copy_of_the_module() -> None:
+    """Under ddp run.setup() returns a DistributedDataParallel; a copy of it (AveragedModel(model),
+    timm's ModelEmaV2(model)) was a second DDP on the group, whose forward on rank 0 alone waited
+    for the others at its broadcast of buffers for --timeout, then said a longer one was needed
+    (an audit's, 2026-12-01). The copy is now the module's, as under every other algorithm."""
+    result = distsgd.spawn(
+        ema_on_rank_0, model=NormedNet, algo="ddp", workers=2, batch_size=B, quiet=True, timeout_s=15
+    )
+    assert result.model is not None and result.summary["samples"] == len(toy_dataset())
+
+
 def scaler_skipping(run: distsgd.Run, skip: str) -> nn.Module:
     """A loop's own GradScaler (torch.amp, on the CPU), whose step is skipped on an inf loss: at the
     third iteration on worker 0 alone (``one``), or at every iteration (``every``)."""

@@ -34,6 +34,7 @@ waits on itself); ``--compress`` (torch's hooks wait on their own collectives).
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from typing import Any, Callable
 
@@ -59,6 +60,18 @@ _NO_FORWARD_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else {"broadcast_buffers": False}
 )
+
+
+class _Wrapper(DistributedDataParallel):
+    """torch's DistributedDataParallel, whose deep copy is a copy of the module inside it, as a
+    copy of the model run.setup() returns is under every other algorithm: an EMA of it
+    (``AveragedModel(model)``, timm's ``ModelEmaV2(model)``, both a ``copy.deepcopy``) was a second
+    DDP on the workers' group, whose forward on one worker alone (the EMA evaluated on rank 0) waited
+    for the others at its broadcast of buffers for --timeout, and then said that a longer one was
+    needed (an audit's, 2026-12-01). Plain torch DDP scripts build the EMA before wrapping."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        return copy.deepcopy(self.module, memo)
 
 
 @register
@@ -114,7 +127,7 @@ class DDP(GroupAlgorithm[BucketOptions]):
             through = {**_NO_FORWARD_SYNC, "init_sync": False}
             if start is not Start.REPLACEMENT:
                 broadcast_(list(model.parameters()) + list(model.buffers()))
-        ddp = DistributedDataParallel(
+        ddp = _Wrapper(
             model, bucket_cap_mb=bucket_mb, device_ids=[ctx.device] if ctx.device.type == "cuda" else None, **through
         )
         self.ddp = ddp
