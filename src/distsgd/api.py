@@ -411,6 +411,8 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
     ended = _finished_at(Path(cfg.resume), chosen.get("samples"))
     _within_budget(cfg, chosen, n_train, own, ended)
+    if in_place:
+        _not_finished(cfg, n_train, own)
     if own:
         _own_optimiser_settings_kept(cfg)
     return {**chosen, ENDED_HERE: ended["final"] if ended else None}
@@ -431,6 +433,29 @@ def _own_optimiser_settings_kept(cfg: RunConfig) -> None:
                 f"load_state_dict does), so {name}={getattr(cfg, name)} would not take effect (the run's was "
                 f"{getattr(before, name)}): resume with the run's, or set each param_group['{name}'] after run.setup()"
             )
+
+
+def _not_finished(cfg: RunConfig, n_train: int | None, own: bool) -> None:
+    """A run resumed in place that already finished within the budget asked for is refused: nothing
+    more is to train, and its checkpoint, which may be older than its end (the last one before it,
+    or an asynchronous run's taken before its final model), would have replaced the finished model,
+    summary and figures (an audit's: a plain --resume of a finished Hogwild! run changed model.pt by
+    0.015 and its accuracy from 0.7694 to 0.7944; one of an allreduce run with --lr 2.0 trained its
+    last 156 samples again, 0.525 to 0.369, exit 0)."""
+    try:
+        summary = json.loads((Path(str(cfg.resume)) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return  # (a run that never finished: a killed one resumes)
+    done = summary.get("samples") if isinstance(summary, dict) else None
+    budget, flag = cfg.max_samples, f"--max-samples {cfg.max_samples}"
+    if budget is None and not own and n_train:
+        budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
+        flag = f"--epochs {cfg.epochs} ({budget} samples)"
+    if isinstance(done, int) and budget is not None and done >= budget:
+        raise ConfigError(
+            f"--resume {cfg.resume}: the run finished at {done} samples, within {flag}: nothing more would train, "
+            f"and its model would become its last checkpoint's; resume with a larger budget, or into another --out"
+        )
 
 
 def _finished_at(run_dir: Path, samples: Any) -> dict[str, Any] | None:
