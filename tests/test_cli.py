@@ -141,7 +141,21 @@ def _bad_magic_idx(tmp_path: Path) -> str:
 
 
 BAD = {
-    "missing dataset": (lambda t: ["--dataset", "mnist", "--data-dir", str(t / "empty")], "dataset 'mnist' not found"),
+    "missing dataset": (lambda t: ["--dataset", "mnist", "--data-dir", _empty(t)], "dataset 'mnist' not found"),
+    # these two trained on the bundled copy, without a word, until 2026-12-01 (an audit's)
+    "data dir that is not there": (
+        lambda t: ["--dataset", "digits", "--data-dir", str(t / "mistyped")],
+        "--data-dir " + "{t}/mistyped is not a directory",
+    ),
+    "data dir that is a file": (
+        lambda t: ["--dataset", "digits", "--data-dir", str(_existing_file(t))],
+        "notes.txt is not a directory",
+    ),
+    # the file was read by nothing, exit 0, until 2026-12-01 (an audit's)
+    "config with resume": (
+        lambda t: ["--resume", _existing(t), "--config", _toml(t, "lr = 0.5\n")],
+        "with --resume: a resumed run takes its own settings (its config.toml); give the ones to change as flags",
+    ),
     "truncated idx": (
         lambda t: ["--dataset", "mnist", "--data-dir", _corrupt_idx(t)],
         "train-images-idx3-ubyte is truncated",
@@ -202,6 +216,11 @@ BAD = {
 }
 
 
+def _empty(t: Path) -> str:
+    (t / "empty").mkdir()
+    return str(t / "empty")
+
+
 def _existing_file(t: Path) -> Path:
     path = t / "notes.txt"
     path.write_text("notes")
@@ -250,7 +269,7 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str, capsys: pytest.C
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert lines[0].startswith("error: ") and message.format(t=tmp_path) in lines[0], lines[0]
     assert not (tmp_path / "out" / "summary.json").exists()
 
 

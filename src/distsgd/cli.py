@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from distsgd import __version__, _early, options
 from distsgd import config as config_mod
 from distsgd.config import RunConfig
-from distsgd.errors import DistsgdError, Terminated, on_sigterm, one_line
+from distsgd.errors import ConfigError, DistsgdError, Terminated, on_sigterm, one_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -191,6 +191,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.command == "bench":
         given.pop("workers", None)
     if given.get("resume"):  # the saved run's settings, with the flags given now on top
+        if getattr(args, "config", None):  # (until 2026-12-01 the file was read by nothing, exit 0)
+            raise ConfigError(
+                f"--config {args.config} with --resume: a resumed run takes its own settings (its config.toml); "
+                f"give the ones to change as flags"
+            )
         return config_mod.for_resume(given["resume"], given, option_names=names, options_of=registry.own_options)
     cfg = config_mod.load_toml(args.config, option_names=names) if args.config else RunConfig()
     return config_mod.from_mapping(given, cfg, source="the command line", option_names=names)

@@ -230,6 +230,9 @@ def load_dataset(
     ``text:PATH``, ``hf:PATH``, ``path/file.py:function``). ``context``: the sequence length of
     token data (``--context``)."""
     context = context or text.DEFAULT_CONTEXT
+    if data_dir is not None and not Path(data_dir).is_dir() and (Path(data_dir).exists() or not download):
+        # (until 2026-12-01 a mistyped --data-dir was passed over: the bundled copy trained, without a word)
+        raise DataError(f"--data-dir {data_dir} is not a directory")
     for fmt in FORMATS:
         if fmt.matches(spec):
             prefix = fmt.usage.removesuffix("PATH")
