@@ -59,6 +59,21 @@ def test_compare_two_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
     for png in report["plots"]:
         assert (out / png).read_bytes()[:8] == PNG
     assert (out / "notes.txt").read_text() == "mine"
+    again = cli_here("compare", str(base), "--out", str(out))  # its own report's files it replaces
+    assert (
+        again.returncode == 0 and json.loads((out / "compare.json").read_text())["rows"][0]["algo"] == "base (single)"
+    )
+    # a file of the report's names that distsgd did not write is refused, the folder as it was (until
+    # 2026-12-01 the user's compare.md was replaced, an audit's)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "compare.md").write_text("mine")
+    refused = cli_here("compare", str(base), "--out", str(theirs))
+    assert refused.returncode == 2 and refused.stderr == (
+        f"error: --out {theirs} holds compare.md, which distsgd did not write, and a compare writes files of those "
+        "names: choose another --out\n"
+    )
+    assert [p.name for p in theirs.iterdir()] == ["compare.md"] and (theirs / "compare.md").read_text() == "mine"
     # the throughput curve is the run's progress events
     progress = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     progress = [e for e in progress if e["event"] == "progress"]

@@ -50,6 +50,13 @@ def record(*paths: Path) -> None:
             os.close(fd)
 
 
+def wrote(path: Path) -> bool:
+    """Whether the ledger of the nearest distsgd directory holding ``path`` lists it."""
+    path = Path(os.path.abspath(path))
+    folder = next((d for d in path.parents if (d / MARKER).is_file()), None)
+    return folder is not None and str(path.relative_to(folder)) in (_written(folder) or set())
+
+
 def _written(folder: Path) -> set[str] | None:
     """What ``folder``'s ledger lists (None: no ledger; an older distsgd's marker, which lists nothing)."""
     try:
@@ -155,4 +162,4 @@ def prepare(out: Path, overwrite: bool, keep: Path | None = None, kind: str = "r
     return out
 
 
-__all__ = ["MARKER", "is_ours", "prepare", "record", "refusal"]
+__all__ = ["MARKER", "is_ours", "prepare", "record", "refusal", "wrote"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import config as config_mod
+from distsgd import rundir
 from distsgd.algorithms import registry
 from distsgd.bench import report
 from distsgd.errors import ConfigError, DistsgdError
@@ -55,9 +56,40 @@ def compare_runs(run_dirs: list[Path], out: Path) -> dict[str, Any]:
     }
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+    _not_the_users(out)
     out.mkdir(parents=True, exist_ok=True)
     report.write(result, out, "compare")
     return result
+
+
+# what a compare writes: its report and, as the runs make them, these plots
+REPORT_FILES = (
+    ("compare.json", "compare.md")
+    + tuple(f"{what}_vs_{x}.png" for what in ("accuracy", "loss") for x in ("time", "samples"))
+    + ("throughput_vs_time.png", "throughput_vs_workers.png")
+)
+
+
+def _not_the_users(out: Path) -> None:
+    """Refuse, before writing anything, an ``--out`` that holds a file of the report's names which
+    distsgd did not write (its ledger does not list it, nor an earlier compare's compare.json
+    there): until 2026-12-01 the user's compare.md (or a plot's name) was replaced, an audit's.
+    Other files there are left alone."""
+    if not out.is_dir():
+        return
+    try:
+        earlier = json.loads((out / "compare.json").read_text())
+    except (OSError, ValueError):
+        earlier = None
+    ours: set[str] = set()
+    if isinstance(earlier, dict) and earlier.get("kind") == "compare":
+        ours = {"compare.json", "compare.md", *(p for p in earlier.get("plots", []) if isinstance(p, str))}
+    theirs = [n for n in REPORT_FILES if (out / n).exists() and n not in ours and not rundir.wrote(out / n)]
+    if theirs:
+        raise ConfigError(
+            f"--out {out} holds {', '.join(theirs)}, which distsgd did not write, and a compare writes files of "
+            f"those names: choose another --out"
+        )
 
 
 def _with_benches_runs(run_dirs: list[Path]) -> list[Path]:
