@@ -385,6 +385,24 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
     assert not stale.exists()
 
 
+@pytest.mark.slow
+def test_checkpoints_of_random_bytes_are_one_error_line_without_torchs_advice(tmp_path: Path) -> None:
+    """Both generations overwritten with random bytes: one error line. On 7bc0941 torch's warning of
+    another pickle protocol came first, and the line quoted torch's advice to load with
+    weights_only=False ("it can result in arbitrary code execution"), an audit's."""
+    out = tmp_path / "run"
+    flags = ("--max-samples", "600", "--checkpoint-every", "200", "--out", str(out))
+    assert cli_here("train", *SMALL, "--quiet", *flags).returncode == 0
+    ckpt = out / "checkpoint"
+    newest = checkpoint.read_manifest(out)
+    previous = json.loads((ckpt / checkpoint.PREVIOUS).read_text())
+    for seq in (newest["seq"], previous["seq"]):
+        checkpoint.worker_file(ckpt, seq, 0).write_bytes(np.random.default_rng(seq).bytes(1000))
+    r = run_cli("train", "--resume", str(out), "--max-samples", "800")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "cannot be read as tensors and plain data" in r.stderr and "weights_only" not in r.stderr
+
+
 def _tmpfs(path: Path, size: str) -> Path:
     path.mkdir()
     if (
