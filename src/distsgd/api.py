@@ -409,6 +409,12 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
     if cfg.out is not None and not in_place:  # refused before the run read from is touched (a fallback)
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
+    was = chosen.get("n_train")
+    if isinstance(was, int) and n_train and was != n_train:  # (until 2026-12-01 trained on, its epochs another's)
+        raise ConfigError(
+            f"--resume {cfg.resume}: its checkpoint was written on {was} training samples of {cfg.dataset}, and "
+            f"the data now has {n_train}: the data changed; resume with the data the run trained on"
+        )
     ended = _finished_at(Path(cfg.resume), chosen.get("samples"))
     _within_budget(cfg, chosen, n_train, own, ended)
     if in_place:

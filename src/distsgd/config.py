@@ -656,12 +656,15 @@ RESUME_FIXED: dict[str, Callable[[Any], object]] = {
 }
 
 
-def checkpoint_record(cfg: RunConfig) -> dict[str, Any]:
+def checkpoint_record(cfg: RunConfig, data: Any = None) -> dict[str, Any]:
     """What a checkpoint's manifest records of the settings its state depends on (the algorithm,
     the settings of :data:`RESUME_FIXED` and the algorithm's options), so that a resume is held
-    against the checkpoint itself, not the run's config.toml, which a hand may have edited since."""
+    against the checkpoint itself, not the run's config.toml, which a hand may have edited since;
+    and ``data``'s training samples, where known (its positions in an epoch index them)."""
     fixed = {name: getattr(cfg, name) for name in RESUME_FIXED}
-    return {"algo": cfg.algo, "settings": fixed, "options": dict(cfg.options)}
+    n_train = getattr(data, "n_train", None)
+    sized = {"n_train": n_train} if isinstance(n_train, int) and n_train > 0 else {}
+    return {"algo": cfg.algo, "settings": fixed, "options": dict(cfg.options), **sized}
 
 
 def check_resume_settings(

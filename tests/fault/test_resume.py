@@ -427,6 +427,33 @@ def test_a_resume_past_its_budget_or_into_a_taken_out_leaves_the_run_it_reads_as
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("hogwild", 2)])
+def test_a_resume_on_data_of_another_size_is_refused(tmp_path, algo, workers) -> None:
+    """The data given again under the same name with other samples: on ad5499d the resume trained
+    on, its epoch's positions indexing another set, summary.json's epochs 5.33 for 4 (an audit's)."""
+    g = torch.Generator().manual_seed(0)
+
+    def data(n: int) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.randn(n, 8, generator=g),
+            torch.randint(0, 3, (n,), generator=g),
+            torch.randn(60, 8),
+            torch.zeros(60, dtype=torch.long),
+        )
+
+    common = dict(model="logreg", algo=algo, workers=workers, batch_size=16, quiet=True)
+    run = tmp_path / "a"
+    distsgd.train(data=data(500), epochs=2, checkpoint_every="200", out=str(run), **common)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(
+        distsgd.ConfigError, match=r"written on 500 training samples of arrays, and the data now has 300"
+    ):
+        distsgd.train(data=data(300), resume=str(run), epochs=4, **common)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert distsgd.train(data=data(500), resume=str(run), epochs=3, **common).summary["epochs"] == 3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, settings", [("hogwild", {}), ("allreduce", {"lr": 2.0})])
 def test_a_finished_run_resumed_in_place_within_its_budget_is_refused_and_kept(tmp_path, algo, settings) -> None:
     """A plain --resume of a finished Hogwild! run replaced its model with its last checkpoint's

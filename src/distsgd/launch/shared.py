@@ -395,7 +395,7 @@ class Machine:
             ckpt_dir,
             seq,
             self.cfg.workers,
-            {"samples": samples, **checkpoint_record(self.cfg)},
+            {"samples": samples, **checkpoint_record(self.cfg, self.dataset)},
             ranks=sorted(self.first_rank + s for s in self.saved[seq]),
             coordinator=True,
         )
@@ -424,7 +424,7 @@ class Machine:
         }
         samples = int(counts.sum())
         seq = commit_coordinator_only(
-            out, state, self.cfg.workers, {"samples": samples, **checkpoint_record(self.cfg)}, self.saved
+            out, state, self.cfg.workers, {"samples": samples, **checkpoint_record(self.cfg, self.dataset)}, self.saved
         )
         if seq is None:
             return

@@ -749,7 +749,7 @@ class Run:
             ranks = sorted(member.members) if member is not None and len(member.members) < member.first_world else None
 
             def commit() -> None:
-                checkpointer.commit(seq, {**where, **checkpoint_record(cfg)}, ranks=ranks)
+                checkpointer.commit(seq, {**where, **checkpoint_record(cfg, self._ctx.dataset)}, ranks=ranks)
                 self._ctx.sink.emit({"event": "checkpoint", "seq": seq, **where, "train_wall_s": st.train_wall_s})
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)
