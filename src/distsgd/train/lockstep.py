@@ -49,9 +49,12 @@ def advice(algo: str, backward: bool = False) -> str:
         "broadcasts no buffers)"
         if backward
         # (a GradScaler of the loop's skips opt.step() on an inf in one worker's gradients alone: the
-        # audit of 2026-11-30 found it blamed on an early stop)
-        else ", a step a GradScaler of the loop's skipped (an inf in that worker's own gradients) being none "
-        "(precision='fp16' with run.backward(loss) counts the steps its scaler skips)"
+        # audit of 2026-11-30 found it blamed on an early stop; one of 2026-12-01 a scaler blamed in
+        # loops that had none, a `continue` past a non-finite step on one worker)
+        else ", a step skipped on one worker alone being none (a `continue` past opt.step() on one worker's "
+        "non-finite loss or gradient norm, a loop left early there, or a step a GradScaler of the loop's skipped "
+        "on an inf in that worker's own gradients: precision='fp16' with run.backward(loss) counts the steps its "
+        "scaler skips)"
     )
     return (
         f"under {algo} every worker takes as many steps and makes the same synchronising calls{each}; stop them "
