@@ -436,6 +436,10 @@ def read_manifest(run_dir: Path, fallback: bool = True) -> dict[str, Any] | None
     ``fallback=False``); with none, one ``CheckpointError``."""
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     manifest, damage = _manifest_in(ckpt_dir / MANIFEST)
+    if (
+        manifest is None and damage is None and (ckpt_dir / PREVIOUS).is_file()
+    ):  # (said "no checkpoint" until 2026-12-01)
+        damage = f"{ckpt_dir / MANIFEST} is missing"
     if damage is None:
         return manifest
     older, _ = _manifest_in(ckpt_dir / PREVIOUS) if fallback else (None, None)

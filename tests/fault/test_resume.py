@@ -314,6 +314,23 @@ def test_torchrun_restart_of_an_asynchronous_run_resumes_from_its_checkpoint(tmp
 
 
 @pytest.mark.slow
+def test_a_missing_manifest_gives_way_to_the_one_before(tmp_path, caplog) -> None:
+    """manifest.json deleted, manifest.prev.json and the checkpoints whole: on 486a73c the resume
+    said "no checkpoint in ... (train with --checkpoint-every to make one)", an audit's."""
+    run = tmp_path / "run"
+    common = ["--dataset", "digits", "--model", "logreg", "--algo", "allreduce", "--workers", "2", "--quiet"]
+    assert (
+        cli_here("train", *common, "--max-samples", "256", "--checkpoint-every", "64", "--out", str(run)).returncode
+        == 0
+    )
+    (run / "checkpoint" / "manifest.json").unlink()
+    res = cli_here("train", "--resume", str(run), "--max-samples", "384")
+    assert res.returncode == 0, res.stderr
+    assert "manifest.json is missing; resuming from the checkpoint before it (" in caplog.text, caplog.text
+    assert json.loads((run / "summary.json").read_text())["samples"] == 384
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["ranks []", "ranks [0, 0]", "torn"])
 def test_a_damaged_manifest_gives_way_to_the_one_before_or_is_one_error_line(tmp_path, caplog, damage: str) -> None:
     """A lockstep group's newest manifest (hand-edited: no worker's part listed, or one twice; or
