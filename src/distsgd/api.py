@@ -336,6 +336,7 @@ def _run(
     first_look = None if torchrun else cores.look(procs.forked_server())  # how busy the cores are, while the data loads
     if dataset is None:
         assert cfg.dataset is not None  # settle resolved it
+        _data_given_again(cfg)
         dataset = load_dataset(cfg.dataset, cfg.data_dir, context=cfg.context)
     dataset = dataset.options(augment=cfg.augment, loader_workers=cfg.loader_workers)
     job = Job(cfg, spec, dataset, **(code or {}))
@@ -561,6 +562,24 @@ def _prepare_out(cfg: RunConfig, settings_text: str, where: environment.Environm
     except OSError as exc:
         raise OutputError.of(exc) from None
     return out
+
+
+def _data_given_again(cfg: RunConfig) -> None:
+    """A resume of a run whose data came from Python, without the data: one line that says to pass
+    it again (until 2026-12-01: "unknown dataset 'arrays'", an audit's). Its config.toml's header
+    says what came from Python (:func:`config.to_toml`)."""
+    if not cfg.resume:
+        return
+    try:
+        with (Path(cfg.resume) / "config.toml").open() as fh:
+            header = fh.readline()
+    except OSError:
+        return
+    if f"the data ({cfg.dataset})" in header and "came from Python" in header:
+        raise ConfigError(
+            f"--resume {cfg.resume}: its data ({cfg.dataset}) came from Python, and the run directory holds only "
+            f"its name: pass it again, distsgd.train(data=..., resume={str(cfg.resume)!r})"
+        )
 
 
 def _from_python(spec: ModelSpec, dataset: TrainingData | None, code: dict[str, Any] | None) -> list[str]:

@@ -447,7 +447,8 @@ def test_a_resume_past_its_budget_or_into_a_taken_out_leaves_the_run_it_reads_as
 @pytest.mark.parametrize("algo, workers", [("single", 1), ("hogwild", 2)])
 def test_a_resume_on_data_of_another_size_is_refused(tmp_path, algo, workers) -> None:
     """The data given again under the same name with other samples: on ad5499d the resume trained
-    on, its epoch's positions indexing another set, summary.json's epochs 5.33 for 4 (an audit's)."""
+    on, its epoch's positions indexing another set, summary.json's epochs 5.33 for 4 (an audit's);
+    not given again, it is asked for."""
     g = torch.Generator().manual_seed(0)
 
     def data(n: int) -> tuple[torch.Tensor, ...]:
@@ -466,6 +467,8 @@ def test_a_resume_on_data_of_another_size_is_refused(tmp_path, algo, workers) ->
         distsgd.ConfigError, match=r"written on 500 training samples of arrays, and the data now has 300"
     ):
         distsgd.train(data=data(300), resume=str(run), epochs=4, **common)
+    with pytest.raises(distsgd.ConfigError, match=r"its data \(arrays\) came from Python.*: pass it again"):
+        distsgd.train(resume=str(run), epochs=4, **common)  # (on ad5499d: "unknown dataset 'arrays'")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert distsgd.train(data=data(500), resume=str(run), epochs=3, **common).summary["epochs"] == 3
 
