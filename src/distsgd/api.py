@@ -8,8 +8,10 @@ any process starts), launch the algorithm's workers, then write ``model.pt`` and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
+import fcntl
 import functools
 import itertools
 import json
@@ -17,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Callable, ParamSpec, TypeVar
 
@@ -304,7 +306,46 @@ def _check_writable_dir(path: Path | None, flag: str) -> None:
             raise ConfigError(f"{flag} {path}: {on} is a file, not a directory")
 
 
+@contextlib.contextmanager
+def _resume_lock(cfg: RunConfig) -> Iterator[None]:
+    """A run resumed in place holds its run directory's lock (an exclusive ``flock`` of its marker)
+    from before it picks the checkpoint to its end: a second resume of it meanwhile is refused in
+    one line. Until 2026-12-01 two at once each rotated the other's checkpoints, and the one that
+    failed left its config.toml beside the other's model (an audit's). Not under torchrun, whose
+    ranks resume one run together."""
+    run_dir = Path(cfg.resume) if cfg.resume else None
+    in_place = run_dir is not None and (cfg.out is None or Path(cfg.out).resolve() == run_dir.resolve())
+    if run_dir is None or not in_place or launched() or not (run_dir / rundir.MARKER).is_file():
+        yield
+        return
+    fd = os.open(run_dir / rundir.MARKER, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"--resume {cfg.resume}: another distsgd run is training in it now (it holds the run directory's "
+                f"lock): wait for it to end"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # (the lock goes with it)
+
+
 def _run(
+    cfg: RunConfig,
+    model_spec: ModelSpec | None,
+    dataset: TrainingData | None,
+    progress: Sink | None,
+    code: dict[str, Any] | None,
+    evaluate: Callable | None,
+    fresh: bool,
+) -> TrainResult:
+    with _resume_lock(cfg):
+        return _run_locked(cfg, model_spec, dataset, progress, code, evaluate, fresh)
+
+
+def _run_locked(
     cfg: RunConfig,
     model_spec: ModelSpec | None,
     dataset: TrainingData | None,

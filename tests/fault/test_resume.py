@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -441,6 +442,28 @@ def test_a_resume_past_its_budget_or_into_a_taken_out_leaves_the_run_it_reads_as
     distsgd.train(resume=str(run), epochs=3, quiet=True, callbacks=[watch])
     assert watch.seen and not any(watch.seen)
     assert json.loads((run / "summary.json").read_text())["samples"] == 3 * 1437
+
+
+def test_a_second_resume_in_place_while_one_trains_is_refused(tmp_path) -> None:
+    """A run resumed in place holds its directory's lock: a second resume of it meanwhile (here the
+    lock held as the first one holds it) is refused in one line, the run as it was. Until 2026-12-01
+    two at once each rotated the other's checkpoints, and the one that failed left its config.toml
+    beside the other's model (an audit's)."""
+    import fcntl
+
+    run = tmp_path / "a"
+    common = dict(model="logreg", data="digits", quiet=True)
+    distsgd.train(max_samples=400, checkpoint_every="128", out=str(run), **common)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    fd = os.open(run / ".distsgd", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(distsgd.ConfigError, match="another distsgd run is training in it now"):
+            distsgd.train(resume=str(run), max_samples=800, **common)
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    finally:
+        os.close(fd)
+    assert distsgd.train(resume=str(run), max_samples=800, **common).summary["samples"] >= 800
 
 
 @pytest.mark.slow
