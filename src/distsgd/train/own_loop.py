@@ -376,9 +376,24 @@ class Run:
                 self._state.seq = max(self._state.seq, int(manifest["seq"]) if manifest is not None else 0)
         if self._ctx.job.main is not None:  # distsgd's loop calls run.backward and loads no weights itself
             self._own_loop_hooks()
+            self._synced_norms_said(model)
         if not self._begin_later:
             self._begin(self._state.train_wall_s)
         return (_compiled_as(compiled, model), *self._optimizers)
+
+    def _synced_norms_said(self, model: nn.Module) -> None:
+        """One warning where the model holds ``nn.SyncBatchNorm`` (a DDP script's
+        ``convert_sync_batchnorm``) and the workers form no process group (Hogwild!, the parameter
+        server): torch's SyncBatchNorm then normalises each worker's batch alone, as BatchNorm does
+        (an audit's, 2026-12-01: sync-ps ended with BatchNorm's weights to the bit, unsaid)."""
+        synced = next((n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
+        if synced is not None and not self._algo.topology.process_group and self.rank == 0 and self._ctx.reports:
+            log.warning(
+                "%s is a SyncBatchNorm, and under %s the workers form no process group to synchronise its "
+                "statistics over: it normalises each worker's batch alone, as BatchNorm does",
+                synced or "the model",
+                self.cfg.algo,
+            )
 
     def _resumed_short(self, ctx: WorkerContext, manifest: dict[str, Any] | None) -> None:
         """Resumed from a lockstep group's checkpoint that lacks the parts of workers it had lost
