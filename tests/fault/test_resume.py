@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -442,6 +443,57 @@ def test_a_resume_past_its_budget_or_into_a_taken_out_leaves_the_run_it_reads_as
     distsgd.train(resume=str(run), epochs=3, quiet=True, callbacks=[watch])
     assert watch.seen and not any(watch.seen)
     assert json.loads((run / "summary.json").read_text())["samples"] == 3 * 1437
+
+
+SIGNALLED_IN_AN_EVALUATION = """
+import os, signal, sys
+import torch
+from torch import nn
+import distsgd
+
+class Net(nn.Module):
+    \"\"\"An MLP that sends its own process SIGTERM at its KILL_AT-th evaluation batch.\"\"\"
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.batches = 0
+    def forward(self, x):
+        if not self.training and not torch.is_grad_enabled():
+            self.batches += 1
+            if self.batches == int(os.environ.get("KILL_AT", "0")):
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.body(x)
+
+if __name__ == "__main__":
+    out, algo, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    common = dict(model=Net, data="digits", algo=algo, workers=workers, epochs=3, eval_batch_size=64,
+                  checkpoint_every="epoch", quiet=True)
+    r = distsgd.train(resume=out, **common) if len(sys.argv) > 4 else distsgd.train(out=out, **common)
+    print("EVALS", [e["samples"] for e in r.summary["evals"]])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("allreduce", 2)])
+def test_a_signal_during_an_evaluation_stops_there_and_the_resume_makes_it(tmp_path, algo, workers) -> None:
+    """SIGTERM in worker 0's second evaluation (its second batch of 64): the run stops at that
+    step, its checkpoint owing the evaluation, which the resumed run makes first. On 87969bd the
+    workers took another step first and the resume never made it: 4 evaluations for 5, an audit's
+    (its time and samples to a target, and with --stop-at-target its model, another run's)."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_IN_AN_EVALUATION)
+
+    def evals(out: str, *resume: str, kill: int = 0) -> str:
+        env = {**os.environ, "KILL_AT": str(kill), "PYTHONPATH": str(Path(distsgd.__file__).parents[1])}
+        r = subprocess.run(
+            [sys.executable, str(script), out, algo, str(workers), *resume], env=env, capture_output=True, text=True
+        )
+        return r.stdout.strip().splitlines()[-1] if r.returncode == 0 else f"exit {r.returncode}"
+
+    straight = evals(str(tmp_path / "a"))
+    assert straight.startswith("EVALS [") and straight.count(",") == 4, straight
+    assert evals(str(tmp_path / "b"), kill=8) != straight  # stopped by the signal
+    assert evals(str(tmp_path / "b"), "resume") == straight
 
 
 def test_a_second_resume_in_place_while_one_trains_is_refused(tmp_path) -> None:

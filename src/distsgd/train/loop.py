@@ -134,6 +134,9 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
     where the counters stand (a resumed run's, or those a regrouped group took), so that every
     worker that enters it with the same counters goes through the same collectives."""
     stop = False
+    if w.state.owed:  # resumed from a signal's checkpoint: the evaluation the signal cut comes first
+        w.state.owed = False
+        stop = w.evaluate()
     while not stop and w.more_epochs():
         for micro in _groups(w.epoch_batches(), ctx.cfg.accumulate):
             if w.out_of_samples() or not algo.keep_going(ctx):
@@ -143,7 +146,7 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
             if w.signalled():
                 w.stop_for_signal()
             # the run's last step: finish() evaluates the model returned, made on the training clock
-            if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate():
+            if w.state.evals_at.due(w.all_samples) and not w.budget_spent() and w.evaluate(cut_stops=True):
                 stop = True
                 break
             if w.state.checkpoints_at.due(w.all_samples):
@@ -152,7 +155,7 @@ def _train(w: "_Worker", ctx: WorkerContext, algo: "Algorithm") -> None:
             break
         w.end_epoch()
         if w.eval_every is None and not w.budget_spent():
-            stop = w.evaluate()
+            stop = w.evaluate(cut_stops=True)
         if w.checkpoint_each_epoch:
             w.checkpoint()
     if w.signalled(at_once=True):  # one that came since the last look: this last step's checkpoint keeps it all
@@ -228,6 +231,7 @@ class _Worker:
         if cfg.compile and device.compiles():  # compiled before the clock starts, for every shape it will meet
             run._where["compile_s"] = round(self.warm_compiled(), 3)
         self.next_check, self.checked = 0, (time.perf_counter(), 0)  # signalled(): the next step it asks at
+        self.cut = False  # an evaluation a signal cut short, since the workers last asked (stop_owing)
         self.evaluated: dict[str, torch.Tensor] | None = None  # the state of the model last evaluated
         self.recovering: dict[str, Any] | None = None  # a recovery whose next step is yet to come
         self.done = False  # the loop has ended (--min-workers: shared when the group regroups)
@@ -482,14 +486,34 @@ class _Worker:
                 run.backward(loss, len(y) / n if len(micro) > 1 else 1.0)
         run.optimizer.step()
 
-    def evaluate(self) -> bool:
-        """Measure the model the algorithm would return now (clock paused); True: every worker stops."""
+    def evaluate(self, cut_stops: bool = False) -> bool:
+        """Measure the model the algorithm would return now (clock paused); True: every worker stops.
+        ``cut_stops``: where a signal came meanwhile, on any worker, the run stops at this step (see
+        :meth:`stop_owing`)."""
         with self.run.paused():
             returned = self.run.evaluation_model()  # on every worker: may be a collective
             reached = False
             if self.ctx.evaluates:
                 reached = self.measure(returned)
+        if cut_stops:
+            self.stop_owing()
         return self.algo.agree(self.ctx, reached) if self.ctx.job.may_stop else False
+
+    def stop_owing(self) -> None:
+        """After an evaluation during training, where the workers listen for a signal: if one came
+        to any of them meanwhile, they stop at this step, and its checkpoint owes the evaluation
+        where a signal cut it short, which the resumed run makes first (:func:`_train`). Until
+        2026-12-01 the workers took another step first, and a resume never made it: its time and
+        samples to a target, and with --stop-at-target its model, were another's (an audit's:
+        27,284 samples to target for 25,848). Every worker asks, at once: one small all-reduce an
+        evaluation."""
+        if not STOP.listening:
+            return
+        cut, asked = self.algo.sum_started(self.ctx, [int(self.cut), int(STOP.requested is not None)])()
+        self.cut = False
+        if asked:
+            self.state.owed = cut > 0
+            self.stop_for_signal()
 
     def measure(self, model: torch.nn.Module, final: bool = False) -> bool:
         """Evaluate ``model`` (this worker evaluates) and report it as ``run.log`` reports a user's
@@ -501,8 +525,9 @@ class _Worker:
         try:
             acc, loss = evaluate(model, self.ctx.dataset, self.cfg.eval_batch_size, self.loss_fn, cut=cut)
         except Cut:
-            # (the workers ask whether to stop at the steps they agreed on: within CHECK_S of training)
+            # (the workers then stop at this step: see stop_owing)
             log.info("worker %d: evaluation at %d samples given up: the run stops", self.ctx.rank, self.all_samples)
+            self.cut = True
             return False
         self.evaluated = snapshot(model)
         return self.run._evaluation({"test_accuracy": acc, "test_loss": loss})

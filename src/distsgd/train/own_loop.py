@@ -139,6 +139,7 @@ class LoopState:
         self.train_wall_s = 0.0
         self.evals: list[dict[str, Any]] = []
         self.evals_at, self.checkpoints_at = Periodic(eval_every), Periodic(checkpoint_every)
+        self.owed = False  # distsgd's loop: the evaluation at this step, which a signal cut short, is owed
 
     _COUNTERS = ("epoch", "start", "local", "steps", "unstepped", "seq", "train_wall_s", "evals")
     _WHOLE = ("epoch", "start", "local", "steps", "seq")  # of the counters, those that count (>= 0)
@@ -149,6 +150,7 @@ class LoopState:
             "starts": list(self.starts),
             "evals_at": self.evals_at.state_dict(),
             "checkpoints_at": self.checkpoints_at.state_dict(),
+            "owed": self.owed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,6 +163,7 @@ class LoopState:
         self.evals = evaluations(state, "evals")
         self.evals_at.load_state_dict(state["evals_at"])
         self.checkpoints_at.load_state_dict(state["checkpoints_at"])
+        self.owed = state.get("owed") is True  # (kept since 2026-12-01)
 
 
 # run.all_reduce/all_gather's check that the workers' tensors agree: a tensor's dims, its dtype (an
