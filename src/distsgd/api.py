@@ -327,6 +327,8 @@ def _resume_lock(cfg: RunConfig) -> Iterator[None]:
                 f"--resume {cfg.resume}: another distsgd run is training in it now (it holds the run directory's "
                 f"lock): wait for it to end"
             ) from None
+        except OSError:  # a file system without locks (some network mounts): resumed unguarded, as before
+            pass
         yield
     finally:
         os.close(fd)  # (the lock goes with it)
@@ -483,6 +485,15 @@ def _own_optimiser_settings_kept(cfg: RunConfig) -> None:
             )
 
 
+def _budget(cfg: RunConfig, n_train: int | None, own: bool) -> tuple[int | None, str]:
+    """The run's budget in samples (``--max-samples``, or the samples of ``--epochs`` passes in
+    distsgd's loop; None: not known, a loop of the user's own without max_samples) and its flag."""
+    if cfg.max_samples is not None or own or not n_train:
+        return cfg.max_samples, f"--max-samples {cfg.max_samples}"
+    budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
+    return budget, f"--epochs {cfg.epochs} ({budget} samples)"
+
+
 def _not_finished(cfg: RunConfig, n_train: int | None, own: bool) -> None:
     """A run resumed in place that already finished within the budget asked for is refused: nothing
     more is to train, and its checkpoint, which may be older than its end (the last one before it,
@@ -495,10 +506,7 @@ def _not_finished(cfg: RunConfig, n_train: int | None, own: bool) -> None:
     except (OSError, ValueError):
         return  # (a run that never finished: a killed one resumes)
     done = summary.get("samples") if isinstance(summary, dict) else None
-    budget, flag = cfg.max_samples, f"--max-samples {cfg.max_samples}"
-    if budget is None and not own and n_train:
-        budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
-        flag = f"--epochs {cfg.epochs} ({budget} samples)"
+    budget, flag = _budget(cfg, n_train, own)
     if isinstance(done, int) and budget is not None and done >= budget:
         raise ConfigError(
             f"--resume {cfg.resume}: the run finished at {done} samples, within {flag}: nothing more would train, "
@@ -535,10 +543,7 @@ def _within_budget(
     at = manifest.get("samples")
     if not isinstance(at, int):
         return
-    budget, flag = cfg.max_samples, f"--max-samples {cfg.max_samples}"
-    if budget is None and not own and n_train:
-        budget = cfg.epochs * samples_per_epoch(n_train, cfg.workers, cfg.partition)
-        flag = f"--epochs {cfg.epochs} ({budget} samples)"
+    budget, flag = _budget(cfg, n_train, own)
     finished = ended is not None and cfg.max_samples is not None and ended["max_samples"] == cfg.max_samples
     if budget is not None and at > budget and not finished:
         raise ConfigError(

@@ -422,8 +422,11 @@ def _damage(ckpt_dir: Path, manifest: dict[str, Any], check: Callable[[Loaded], 
             return f"{path.name} is missing"
         except (OSError, MemoryError) as exc:  # the disk or this machine, not the file: no fallback
             raise CheckpointError(f"cannot read {path}: {exc}") from None
-        except Exception:  # torch's many errors for a torn or overwritten file (one advised weights_only=False)
-            return f"{path.name} cannot be read as tensors and plain data (torn, overwritten, or not distsgd's)"
+        except Exception as exc:  # torch's many errors for a torn or overwritten file (one advised weights_only=False)
+            return (
+                f"{path.name} cannot be read as tensors and plain data (torn, overwritten, or not distsgd's: "
+                f"{type(exc).__name__})"
+            )
         if check is not None and name != COORDINATOR:
             check(loaded(data, path))
     return None

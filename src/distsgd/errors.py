@@ -371,9 +371,11 @@ def waited_too_long(exc: BaseException, timeout_s: float) -> RuntimeError | None
         return None
     import traceback
 
-    place = _Code().user_place(
-        [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
-    )
+    code = _Code()
+    stack = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
+    if code.inner(stack) != code.SYNC:  # (a DataLoader's timeout, a download's: their own words)
+        return None
+    place = code.user_place(stack)
     return RuntimeError(
         f"waited --timeout ({timeout_s:g} s) for the other workers at a synchronisation"
         f"{f' ({place})' if place else ''} and timed out: one of them stopped, or was elsewhere that long (a "
@@ -402,15 +404,18 @@ WAITING_S = 1.0  # a wait for peers this long, with no progress, is reported to 
 
 @contextlib.contextmanager
 def stall_watch(
-    worker: str, progress: Callable[[], object], timeout_s: float, waiting: Callable[[bool], None] | None = None
+    worker: str,
+    progress: Callable[[], object],
+    timeout_s: float,
+    waiting: Callable[[bool], None] | None = None,
+    paused: Callable[[], bool] | None = None,
 ) -> Iterator[None]:
     """While the body (a user's ``main(run)``) runs in this process's main thread: once
     ``progress()`` has kept one value for ``timeout_s`` seconds (None: the loop is not training,
     and is not watched) while the main thread is in the user's code, the main thread raises a
-    :class:`LoopError` where it is, naming ``worker`` and that line. A worker that waits at one of
-    distsgd's sync points (a collective, its parameter server, the Hogwild! start) is left alone:
-    the peer that stopped is the one to name, and that wait has its own deadline. Nothing is
-    watched off the main thread, or where the signal the watch interrupts with is taken.
+    :class:`LoopError` where it is, naming ``worker`` and that line; not while ``paused()`` (an
+    evaluation in ``run.paused()``), nor at one of distsgd's sync points (the peer that stopped
+    is the one to name; that wait has its own deadline), off the main thread, or where its signal is taken.
     ``waiting(in_backward)`` is called (from the watch's thread, at most four times a second) while
     the main thread, training, has waited for its peers (in a collective; ``in_backward``: or in a
     backward pass, where DDP's all-reduces wait) for :data:`WAITING_S` with no progress: see
@@ -461,7 +466,7 @@ def stall_watch(
                 if at is not None and waited is not None and now - waited >= WAITING_S:
                     with contextlib.suppress(Exception):  # the store gone with the run: nothing to say
                         waiting(not at)
-            if value is None or value != last:
+            if value is None or value != last or (paused is not None and paused()):
                 last, since = value, now
             elif now - since >= timeout_s and not armed.is_set():
                 frame = sys._current_frames().get(main_thread)

@@ -22,7 +22,7 @@ from torch import nn
 # what Forwards.verdict() says of the figures logged now
 THE_MODELS = None  # the model's (or nothing is known: no forward seen)
 OWN = "own"  # only the worker's own replica ran, where the run returns another model (an average)
-ANOTHER = "another"  # only other models ran (an EMA's, a teacher's, an old copy's): not the model's
+ANOTHER = "another"  # only copies of the model with other weights ran (an EMA's, an old copy's): not its
 BOTH = "both"  # the model and a copy of it with other weights (an EMA's?) both ran: the loop's to say
 
 
@@ -31,8 +31,8 @@ class Forwards:
     the model, which a loop may pickle whole) that sorts each forward: of ``mine`` (the model the
     run returns, or what run.evaluation_model() made, and ``also``: a wrapper of it), of ``own``
     (the worker's replica, where that is not ``mine``), of a copy of ``mine`` (another module with
-    its parameters' shapes: its weights are compared when figures are logged), or of another module
-    holding parameters. ``until_training``: the hook ends at the next forward that records
+    its parameters' shapes: its weights are compared when figures are logged); another model's
+    (a teacher's, a probe's, a fused or quantised copy's) says nothing. ``until_training``: the hook ends at the next forward that records
     gradients in training mode (the next step's), so that no step runs it: from a step's end (an
     evaluation is in eval mode or under ``torch.no_grad()``), not from run.evaluation_model(), whose
     model a loop may measure as it is, until its figures are logged."""
@@ -65,16 +65,15 @@ class Forwards:
             self.end()  # a training step's forward: the watch is over
             return
         label = self.labels.get(id(module))
-        if label == "part":
+        if label == "none":
             return
         if label is None:
             if self.shapes and [p.shape for p in module.parameters()] == self.shapes:
                 label = "copy"  # (its modules are part of it)
-                self.labels.update({id(m): "part" for m in module.modules()})
+                self.labels.update({id(m): "none" for m in module.modules()})
                 self.labels[id(module)] = label
-            elif next(module.parameters(recurse=False), None) is not None:
-                label = "other"
-            else:
+            else:  # another model (a teacher's, a probe's, a fused or quantised copy's): nothing known
+                self.labels[id(module)] = "none"
                 return
         if label == "copy" and all(c() is not module for c in self.copies):
             self.copies.append(weakref.ref(module))
@@ -88,7 +87,7 @@ class Forwards:
         if not model_ran:
             if "own" in self.seen:
                 return OWN
-            return ANOTHER if differing or "other" in self.seen else THE_MODELS
+            return ANOTHER if differing else THE_MODELS
         return BOTH if differing else THE_MODELS
 
     def reset(self) -> None:

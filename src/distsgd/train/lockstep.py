@@ -99,9 +99,7 @@ def arrive(
     counts = [int(v) for v in store.multi_get(keys)]
     if min(counts) != max(counts):
         raise ConfigError(
-            f"the workers took from {min(counts)} to {max(counts)} steps (worker {rank}: {steps}): {advice(algo, backward)} "
-            f"(a GradScaler of your own skips opt.step() where one worker's gradients overflowed: --precision "
-            f"fp16 with run.backward(loss) counts its skipped steps)"
+            f"the workers took from {min(counts)} to {max(counts)} steps (worker {rank}: {steps}): {advice(algo, backward)}"
         )
 
 

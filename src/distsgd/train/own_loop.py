@@ -222,7 +222,7 @@ class Run:
     # in a user's loop, the models that ran a forward from the last step's end, run.evaluation_model()
     # or run.final_model() to the loop's test figures (see forwards.Forwards)
     _forwards: Forwards | None = None
-    _step_forwards: Forwards | None = None  # the one of a step's end, started again at each
+    _compiled = False  # the model given to run.setup() was torch.compile's (see _watch_forwards)
     _saved_at: tuple[int, dict[str, float]] | None = None  # main's last save of the model's weights (_saved)
     _train_wall_s: float | None = None  # the training clock at run.final_model()
     _nonfinite = (0, 0, 0)  # reports of a nan or inf loss: how many, the first's and last's samples
@@ -326,6 +326,7 @@ class Run:
         if self._model is not None:
             raise ConfigError("run.setup() was called twice: set up one model (and its optimisers) per run")
         given, compiled = _uncompiled(parts[0] if parts and isinstance(parts[0], nn.Module) else None)
+        self._compiled = compiled is not None
         makers = [m for m in (*(parts[1:] if given is not None else parts), optimizer) if m is not None]
         objects = self._check_setup(given, makers)
         if len(makers) == 1 and isinstance(makers[0], str):
@@ -390,7 +391,8 @@ class Run:
         server): torch's SyncBatchNorm then normalises each worker's batch alone, as BatchNorm does
         (an audit's, 2026-12-01: sync-ps ended with BatchNorm's weights to the bit, unsaid)."""
         synced = next((n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
-        if synced is not None and not self._algo.topology.process_group and self.rank == 0 and self._ctx.reports:
+        alone = self.rank == 0 and self._ctx.reports and self.world > 1
+        if synced is not None and not self._algo.topology.process_group and alone:
             log.warning(
                 "%s is a SyncBatchNorm, and under %s the workers form no process group to synchronise its "
                 "statistics over: it normalises each worker's batch alone, as BatchNorm does",
@@ -1561,8 +1563,6 @@ class Run:
             self.rewrote_at = self._state.steps
         if ctx.reports and self.steps % cfg.log_every == 0:
             self._progress()
-        if ctx.job.main is not None:  # what the loop evaluates before its next step (see log)
-            self._watch_forwards(self._algo.unwrap(model), also=model, step=True)
 
     # -- reporting -------------------------------------------------------------------------------
     def log(self, **figures: Any) -> None:
@@ -1821,27 +1821,24 @@ class Run:
                     self._watch_forwards(returned, own=model)
             return returned
 
-    def _watch_forwards(
-        self, mine: nn.Module, own: nn.Module | None = None, also: nn.Module | None = None, step: bool = False
-    ) -> None:
-        """In a user's loop, note which models run a forward from here (``step``: a step's end,
-        until the next training forward; run.evaluation_model(); run.final_model()) to its test figures
-        (see :meth:`log`): ``mine``, the model the run returns (``also``: a wrapper of it), ``own``,
-        the worker's replica where that is another (local-sgd's between averages: a loop that calls
+    def _watch_forwards(self, mine: nn.Module, own: nn.Module | None = None, also: nn.Module | None = None) -> None:
+        """In a user's loop in a process group, note which models run a forward from here
+        (run.evaluation_model(), run.final_model()) to its test figures (see :meth:`log`):
+        ``mine``, the model the run returns (``also``: a wrapper of it), ``own``, the worker's
+        replica where that is another (local-sgd's between averages: a loop that calls
         run.evaluation_model() but evaluates its ``model``, an ``evaluate(model)`` kept from the
         script, logged its replica's figures as the run's: 0.7483 final for a returned model of
-        0.7672), or another (an EMA's: see :mod:`distsgd.train.forwards`)."""
-        if self._ctx.job.main is None:
-            return
+        0.7672), or a copy of it with other weights (an EMA's: see :mod:`distsgd.train.forwards`).
+        Not under Hogwild! and the parameter server, whose loop's figures are not the final ones
+        (and a copy taken there is of weights the other workers move on); not for a compiled model
+        (a global hook makes torch.compile warn, and recompile as it comes and goes)."""
         self._end_forwards()
-        again = self._step_forwards  # (one watch of a step's end, kept: each step's)
-        if step and again is not None and (again.mine, again.own, again.also) == (mine, own, also):
-            again.start(until_training=True)
-            self._forwards = again
-            return
-        self._forwards = Forwards(mine, own, also, until_training=step)
-        if step:
-            self._step_forwards = self._forwards
+        model = self._model
+        compiled = self._compiled or (
+            model is not None and any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        )
+        if self._ctx.job.main is not None and self._algo.topology.process_group and not compiled:
+            self._forwards = Forwards(mine, own, also)
 
     def _end_forwards(self) -> None:
         """Remove the hook of :meth:`_watch_forwards` (a step began, main returned or raised)."""
@@ -2533,11 +2530,11 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     worker = f"worker {ctx.rank}"
 
     def progress() -> int | None:  # watched from run.setup() to run.final_model(), outside run.paused()
-        return run.samples if run._model is not None and run._returned is None and not run._pauses else None
+        return run.samples if run._model is not None and run._returned is None else None
 
     try:
         with (
-            stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded),
+            stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded, lambda: run._pauses > 0),
             _no_gradient_average(run, algo),
             _saves_watched(run, algo),
         ):
