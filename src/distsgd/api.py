@@ -272,7 +272,8 @@ def run(
         # who this process is, detected once: its own launcher, or a rank of a launcher's group
         with environment.using(environment.detect()) as where:
             try:
-                return _run(cfg, model_spec, dataset, progress, code, evaluate, fresh)
+                with _resume_lock(cfg):
+                    return _run(cfg, model_spec, dataset, progress, code, evaluate, fresh)
             except PeerFailed:
                 if where.agent_ends_ranks:  # let it name the rank that failed: it ends this one first
                     ended_by_sigterm_within(PEER_WAIT_S, asked=STOP.requested is not None)
@@ -335,19 +336,6 @@ def _resume_lock(cfg: RunConfig) -> Iterator[None]:
 
 
 def _run(
-    cfg: RunConfig,
-    model_spec: ModelSpec | None,
-    dataset: TrainingData | None,
-    progress: Sink | None,
-    code: dict[str, Any] | None,
-    evaluate: Callable | None,
-    fresh: bool,
-) -> TrainResult:
-    with _resume_lock(cfg):
-        return _run_locked(cfg, model_spec, dataset, progress, code, evaluate, fresh)
-
-
-def _run_locked(
     cfg: RunConfig,
     model_spec: ModelSpec | None,
     dataset: TrainingData | None,

@@ -32,31 +32,21 @@ class Forwards:
     run returns, or what run.evaluation_model() made, and ``also``: a wrapper of it), of ``own``
     (the worker's replica, where that is not ``mine``), of a copy of ``mine`` (another module with
     its parameters' shapes: its weights are compared when figures are logged); another model's
-    (a teacher's, a probe's, a fused or quantised copy's) says nothing. ``until_training``: the hook ends at the next forward that records
-    gradients in training mode (the next step's), so that no step runs it: from a step's end (an
-    evaluation is in eval mode or under ``torch.no_grad()``), not from run.evaluation_model(), whose
-    model a loop may measure as it is, until its figures are logged."""
+    (a teacher's, a probe's, a fused or quantised copy's) says nothing. Once figures are logged
+    (:meth:`reset`) the hook ends at the next forward that records gradients in training mode (the
+    next step's), so that no step runs it; until then a loop may measure the model as it is."""
 
-    def __init__(
-        self, mine: nn.Module, own: nn.Module | None = None, also: nn.Module | None = None, until_training: bool = False
-    ) -> None:
-        self.mine, self.own, self.also = mine, own, also
-        self.known: dict[int, str] = {id(m): "own" for m in own.modules()} if own is not None else {}
+    def __init__(self, mine: nn.Module, own: nn.Module | None = None, also: nn.Module | None = None) -> None:
+        self.mine = mine
+        self.labels: dict[int, str] = {id(m): "own" for m in own.modules()} if own is not None else {}
         for model in (also, mine):
             if model is not None:
-                self.known.update({id(m): "mine" for m in model.modules()})
+                self.labels.update({id(m): "mine" for m in model.modules()})
         self.shapes = [p.shape for p in mine.parameters()]
-        self.handle: Any = None
-        self.start(until_training)
-
-    def start(self, until_training: bool) -> None:
-        """Watch from here (again: a step's end, each step, reuses one watch of the same models)."""
-        self.end()
-        self.labels = dict(self.known)  # and other modules as they are seen: a copy's, or its part
-        self.until_training = until_training
+        self.until_training = False
         self.seen: set[str] = set()
         self.copies: list[weakref.ref] = []  # copies of mine that ran since the last reset
-        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._ran)
+        self.handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(self._ran)
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():

@@ -2588,8 +2588,12 @@ def _no_gradient_average(run: Run, algo: "Algorithm") -> Iterator[None]:
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         model = run._model
-        ours = sys._getframe(1).f_globals.get("__name__", "").startswith("distsgd.")  # the algorithm's own
-        if not ours and model is not None and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+        if (
+            not _distsgds_call()
+            and model is not None
+            and isinstance(tensor, torch.Tensor)
+            and tensor.layout == torch.strided
+        ):
             at = tensor.untyped_storage().data_ptr()
             for name, p in algo.unwrap(model).named_parameters():
                 grad = p.grad  # (a sparse one, nn.Embedding(sparse=True)'s, has no storage to compare)
@@ -2602,11 +2606,8 @@ def _no_gradient_average(run: Run, algo: "Algorithm") -> Iterator[None]:
                     )
         return original(tensor, *args, **kwargs)
 
-    dist.all_reduce = all_reduce
-    try:
+    with _replaced(dist, "all_reduce", all_reduce):
         yield
-    finally:
-        dist.all_reduce = original
 
 
 @contextlib.contextmanager
@@ -2624,15 +2625,29 @@ def _saves_watched(run: Run, algo: "Algorithm") -> Iterator[None]:
     original = torch.save
 
     def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if not sys._getframe(1).f_globals.get("__name__", "").startswith("distsgd."):  # (not run.checkpoint's)
+        if not _distsgds_call():  # (not run.checkpoint's)
             run._saved(obj)
         return original(obj, *args, **kwargs)
 
-    torch.save = save
+    with _replaced(torch, "save", save):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, replacement: Callable) -> Iterator[None]:
+    """``owner.name`` is ``replacement`` while the block runs (``main``: see the watches above)."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
     try:
         yield
     finally:
-        torch.save = original
+        setattr(owner, name, original)
+
+
+def _distsgds_call() -> bool:
+    """Whether the caller of the function calling this is distsgd's own code (an algorithm's
+    collective, run.checkpoint's save), not the user's."""
+    return bool(sys._getframe(2).f_globals.get("__name__", "").startswith("distsgd."))
 
 
 def _sums(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
