@@ -422,10 +422,13 @@ def _resumed(job: Job, probe: nn.Module, n_train: int | None, torchrun: bool) ->
     if not cfg.resume:
         callbacks_started(job.callbacks)
         return job
+    own = job.main is not None
     if not torchrun:
-        job = job.replace(resume_from=_pick_checkpoint(cfg, probe, n_train, own=job.main is not None))
-    elif job.main is not None:  # under torchrun, each rank (the manifest: read by each, as it is)
-        _own_optimiser_settings_kept(cfg)
+        job = job.replace(resume_from=_pick_checkpoint(cfg, probe, n_train, own))
+    else:  # each rank, on the manifest as it is, which each reads (until 2026-12-01 none of these checks ran)
+        manifest = read_manifest(Path(cfg.resume))
+        if manifest is not None:
+            _resumable(cfg, manifest, n_train, own)
     at = job.resume_from if job.resume_from is not None else read_manifest(Path(cfg.resume))
     callbacks_started(job.callbacks, Path(cfg.resume), (at or {}).get("samples"))
     return job
@@ -441,6 +444,16 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
     if cfg.out is not None and not in_place:  # refused before the run read from is touched (a fallback)
         rundir.refusal(Path(cfg.out), cfg.overwrite, Path(cfg.resume))
     chosen = usable_checkpoint(Path(cfg.resume), check=lambda saved: check_saved(saved, probe), tidy=in_place)
+    ended = _resumable(cfg, chosen, n_train, own)
+    return {**chosen, ENDED_HERE: ended["final"] if ended else None}
+
+
+def _resumable(cfg: RunConfig, chosen: dict[str, Any], n_train: int | None, own: bool) -> dict[str, Any] | None:
+    """Refuse, in one line, a resume from the checkpoint whose manifest is ``chosen`` that would
+    train on other data, nothing, or past a finished run in its place, or a user's loop's with
+    optimiser settings that would not take effect; return what the run finished with at that
+    checkpoint (:func:`_finished_at`)."""
+    assert cfg.resume is not None
     was = chosen.get("n_train")
     if isinstance(was, int) and n_train and was != n_train:  # (until 2026-12-01 trained on, its epochs another's)
         raise ConfigError(
@@ -449,11 +462,11 @@ def _pick_checkpoint(cfg: RunConfig, probe: nn.Module, n_train: int | None, own:
         )
     ended = _finished_at(Path(cfg.resume), chosen.get("samples"))
     _within_budget(cfg, chosen, n_train, own, ended)
-    if in_place:
+    if cfg.resumes_in_place:
         _not_finished(cfg, n_train, own)
     if own:
         _own_optimiser_settings_kept(cfg)
-    return {**chosen, ENDED_HERE: ended["final"] if ended else None}
+    return ended
 
 
 def _own_optimiser_settings_kept(cfg: RunConfig) -> None:

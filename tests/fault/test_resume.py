@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -519,11 +520,12 @@ def test_a_second_resume_in_place_while_one_trains_is_refused(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, workers", [("single", 1), ("hogwild", 2)])
+@pytest.mark.parametrize("algo, workers", [("single", 1), ("hogwild", 2), ("asgd", 2)])
 def test_a_resume_on_data_of_another_size_is_refused(tmp_path, algo, workers) -> None:
     """The data given again under the same name with other samples: on ad5499d the resume trained
     on, its epoch's positions indexing another set, summary.json's epochs 5.33 for 4 (an audit's);
-    not given again, it is asked for."""
+    not given again, it is asked for. The parameter server's checkpoints record the size too (until
+    2026-12-01 they did not, and its resume trained on)."""
     g = torch.Generator().manual_seed(0)
 
     def data(n: int) -> tuple[torch.Tensor, ...]:
@@ -712,3 +714,46 @@ def test_a_run_finished_at_its_checkpoint_resumed_with_fewer_epochs_is_refused(t
     r = cli_here("train", "--resume", str(out), "--epochs", "1", "--quiet")
     assert r.returncode == 2 and "past --epochs 1 (1437 samples)" in r.stderr, r.stderr
     assert {name: (out / name).read_bytes() for name in kept} == kept
+
+
+@pytest.mark.slow
+def test_a_finished_torchrun_run_resumed_in_place_is_refused_and_kept(tmp_path: Path) -> None:
+    """Under torchrun each rank reads the checkpoint's manifest itself, and until 2026-12-01 none of
+    a resume's checks ran there: a finished run resumed in place with nothing changed trained its
+    last samples again and saved that model as the run's, exit 0; one with a budget below its
+    checkpoint's went on. Each rank refuses both now, as distsgd's own launcher does; the run is
+    left byte for byte."""
+    out = tmp_path / "run"
+    flags = [*"--algo allreduce --dataset digits --model logreg --quiet".split()]
+    r = torchrun(*flags, "--max-samples", "2000", "--checkpoint-every", "500", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    r = torchrun("--resume", str(out), "--quiet")
+    assert r.returncode != 0 and "error: --resume" in r.stderr, r.stderr[-3000:]
+    assert re.search(r"the run finished at \d+ samples, within --max-samples 2000", r.stderr), r.stderr[-3000:]
+    r = torchrun("--resume", str(out), "--max-samples", "1000", "--quiet")
+    assert r.returncode != 0 and "past --max-samples 1000" in r.stderr, r.stderr[-3000:]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["hogwild", "asgd"])
+def test_an_asynchronous_checkpoint_says_the_samples_its_resume_goes_on_from(tmp_path: Path, algo: str) -> None:
+    """An asynchronous run's checkpoint holds each worker's samples when it saved its part, which a
+    resume goes on from; its manifest said the count when the coordinator committed it, later (an
+    audit's, 2026-12-01: a short Hogwild! run's checkpoints all said its final 2,872 samples, so
+    that one taken before the end passed for the finished run's). The manifest's samples are now
+    its workers' (the sum a resume starts its count from), and below the run's end."""
+    out = tmp_path / "run"
+    distsgd.train(
+        model="logreg", data="digits", algo=algo, workers=2, epochs=2, checkpoint_every="500", out=str(out), quiet=True
+    )
+    manifest = checkpoint.read_manifest(out)
+    assert manifest is not None and manifest["coordinator"]
+    state = torch.load(
+        checkpoint.worker_file(out / checkpoint.CHECKPOINT_DIR, manifest["seq"], checkpoint.COORDINATOR),
+        weights_only=True,
+    )
+    counts = state["counts"] if algo == "hogwild" else state["server"]["counts"]
+    assert manifest["samples"] == int(sum(int(c) for c in counts)), (manifest["samples"], counts)
+    assert manifest["samples"] < json.loads((out / "summary.json").read_text())["samples"]

@@ -390,7 +390,9 @@ class Machine:
             "watcher": self.watcher.state_dict(),
         }
         save_worker_state(ckpt_dir, seq, COORDINATOR, state)
-        samples = self.samples()
+        # the samples its resume goes on from: each worker's when it saved its part (until 2026-12-01 the
+        # count at this commit, past theirs, which a short run's checkpoints all gave as its final count)
+        samples = self.samples() if self.link is not None else int(counts.sum())
         commit_checkpoint(
             ckpt_dir,
             seq,

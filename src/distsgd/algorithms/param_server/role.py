@@ -99,7 +99,7 @@ class ServerRole:
     ) -> None:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
-        self.cfg, self.sink = cfg, sink
+        self.cfg, self.sink, self.data = cfg, sink, data
         self.report_at = Periodic(cfg.log_every * cfg.batch_size * workers)  # as often as a worker's progress
         self.model = build_model(job.model, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
         per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
@@ -171,7 +171,9 @@ class ServerRole:
             state["server"]["counts"][rank] = samples  # worker may already have pushed the next round)
         ranks = sorted(r - 1 for r in self.saved[seq])
         self.saved = {s: r for s, r in self.saved.items() if s > seq}
-        return seq, state, self.server.total_samples(), ranks
+        # the samples its resume goes on from, each worker's when it saved (until 2026-12-01 the server's
+        # count now, past theirs: a short run's checkpoints all gave its final count)
+        return seq, state, sum(state["server"]["counts"]), ranks
 
     def _commit(self, taken: Taken | None) -> None:
         """Write and commit a checkpoint taken by :meth:`_take_whole`, outside the server's lock. A
@@ -190,7 +192,7 @@ class ServerRole:
                     ckpt_dir,
                     seq,
                     self.workers,
-                    {"samples": total, **checkpoint_record(self.cfg)},
+                    {"samples": total, **checkpoint_record(self.cfg, self.data)},
                     ranks=ranks,
                     coordinator=True,
                 )
@@ -234,7 +236,7 @@ class ServerRole:
             state = copy.deepcopy(gather(self.pieces))
             total = self.server.total_samples()
         with self.writing:
-            meta = {"samples": total, **checkpoint_record(self.cfg)}
+            meta = {"samples": total, **checkpoint_record(self.cfg, self.data)}
             seq = commit_coordinator_only(out, state, self.workers, meta, above=[self.committed, *self.saved])
             if seq is None:
                 return
