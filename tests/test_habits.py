@@ -13,6 +13,7 @@ import copy
 import functools
 import io
 import itertools
+import json
 import logging
 import os
 import re
@@ -2347,9 +2348,9 @@ def test_a_resumed_loop_trains_the_epochs_left(tmp_path: Path, habit: str) -> No
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
 
 
-def evaluated_epochs_loop(run: distsgd.Run, epochs: int) -> nn.Module:
+def evaluated_epochs_loop(run: distsgd.Run, epochs: int, asks: bool = True) -> nn.Module:
     """docs/OWN_LOOP.md's resumable loop: every epoch from 0 (those trained before empty), each
-    pass given its epoch, then an evaluation and a checkpoint."""
+    pass given its epoch, then an evaluation and a checkpoint (and, ``asks``, run.should_stop())."""
     model, opt = run.setup()
     for epoch in range(epochs):
         for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
@@ -2358,7 +2359,7 @@ def evaluated_epochs_loop(run: distsgd.Run, epochs: int) -> nn.Module:
             opt.step()
         run.log(test_loss=loss_on_toy(run.evaluation_model()))
         run.checkpoint(epoch=epoch)
-        if run.should_stop():
+        if asks and run.should_stop():
             break
     return run.final_model()
 
@@ -2380,6 +2381,21 @@ def test_a_resumed_loop_evaluating_the_epochs_it_trained_before_takes_them_once(
     figures = [[(e["samples"], e["test_loss"]) for e in r.summary["evals"]] for r in (resumed, whole)]
     assert figures[0] == figures[1]
     assert max_diff(weights_of(resumed.model), weights_of(whole.model)) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_loop_evaluating_the_passes_max_samples_left_empty_makes_one_evaluation(tmp_path: Path) -> None:
+    """A loop of 4 epochs given max_samples= of one, that never asks run.should_stop(): run.loader
+    ends its passes after the first, and the loop evaluates the one model trained after each. Until
+    2026-12-01 each was another evaluation at the same samples with the same figures (summary.json's
+    evals 4, EarlyStopping counting them; an audit's). Now one, the others logged."""
+    settings = {"model": Net, "algo": "allreduce", "workers": 2, "batch_size": B, "lr": 0.1, "quiet": True}
+    result = distsgd.spawn(evaluated_epochs_loop, args=(4, False), out=str(tmp_path / "run"), max_samples=N, **settings)
+    assert [e["samples"] for e in result.summary["evals"]] == [N], result.summary["evals"]
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["samples"] for e in events if e["event"] == "eval"] == [N]
+    repeats = [e for e in events if e["event"] == "log" and "test_loss" in e]
+    assert len(repeats) == 3 and {e["test_loss"] for e in repeats} == {result.summary["final_test_loss"]}
 
 
 def test_an_evaluation_model_asked_on_one_worker_alone_is_said_as_that() -> None:

@@ -74,6 +74,8 @@ def tuple_loop(run: distsgd.Run) -> nn.Module:
             run.backward(loss)
             opt.step()
             run.log(loss=loss)
+    if os.environ.get("STEP_WITHOUT_A_BATCH_ON_RANK") == str(run.rank):  # (a test's: a step distsgd refuses)
+        opt.step()
     final = run.final_model()
     if run.rank == 0:
         with torch.no_grad():
@@ -559,6 +561,7 @@ def test_the_group_a_run_joined_under_torchrun_is_gone_when_it_returns(tmp_path)
     assert res.returncode != 0 and "gloo threads left" not in res.stdout, res.stdout
     assert "ConfigError: resume=" in res.stderr, res.stderr[-3000:]
     assert "lr=0.01 would not take effect (the run's was 0.05)" in res.stderr, res.stderr[-3000:]
+    assert not re.search(r"src/distsgd/(launch|train)", res.stderr), res.stderr[-3000:]  # (until 2026-12-01: 40 lines)
     assert (tmp_path / "run" / "config.toml").read_bytes() == before
 
 
@@ -578,6 +581,23 @@ def test_torchrun_names_the_worker_whose_loop_raised_as_the_root_cause(tmp_path,
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root), res.stderr[-3000:]
     assert "another process of the group failed" not in res.stderr, res.stderr[-3000:]
     assert "distsgd/launch" not in res.stderr, res.stderr[-3000:]  # worker 1's traceback: its loop's, then spawn's
+
+
+@pytest.mark.slow
+def test_a_refusal_of_one_ranks_loop_under_torchrun_is_the_scripts_lines_and_the_others_end_quietly(
+    tmp_path,
+) -> None:
+    """Worker 0 steps once more with no batch under torchrun, which distsgd refuses, while worker 1
+    waits at run.final_model(). Until 2026-12-01 the refusal reached the script through 40 lines of
+    distsgd's frames, and worker 1, which torchrun's agent then ended, printed a traceback of its own
+    (``Terminated: SIGTERM``) under it (an audit's). Now the refusal's traceback holds the script's
+    lines, and worker 1 ends as the agent's SIGTERM ends a plain script's rank, silently."""
+    res = _torchrun_loop(tmp_path, "local-sgd", 2, epochs=1, env={"STEP_WITHOUT_A_BATCH_ON_RANK": "0"})
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "distsgd.errors.ConfigError: optimizer.step() with no batch" in res.stderr, res.stderr[-3000:]
+    assert "Terminated" not in res.stderr, res.stderr[-3000:]
+    assert not re.search(r"src/distsgd/(launch|train)|contextlib", res.stderr), res.stderr[-3000:]
+    assert "in tuple_loop" in res.stderr, res.stderr[-3000:]  # the line of the loop the refusal came from
 
 
 @pytest.mark.slow

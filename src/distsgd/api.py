@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+import types
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Callable, ParamSpec, TypeVar
@@ -50,10 +51,12 @@ from distsgd.errors import (
     CheckpointError,
     ConfigError,
     DataError,
+    DistsgdError,
     LoopError,
     MainGuardError,
     OutputError,
     PeerFailed,
+    Terminated,
     ended_by_sigterm_within,
     on_sigterm,
     one_line,
@@ -133,8 +136,29 @@ def _user_facing(entry: Callable[_P, _R]) -> Callable[_P, _R]:
             raise SystemExit(exc.exit_code) from None
         except LoopError as exc:
             raise exc.with_traceback(None) from exc.__cause__
+        except DistsgdError as exc:  # distsgd's refusal, whole in its message: the script's frames only
+            raise exc.with_traceback(_without_ours(exc.__traceback__)) from exc.__cause__
 
     return entered
+
+
+_OURS = (str(Path(__file__).resolve().parent) + os.sep, str(Path(contextlib.__file__).resolve().parent) + os.sep)
+
+
+def _without_ours(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback ``tb`` without distsgd's frames and the Python library's between them: what is
+    left is the script's (its ``main``'s lines where the refusal came from inside it). Under
+    torchrun each rank printed 40 lines through the launcher for one refusal (an audit's,
+    2026-12-01)."""
+    kept = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_OURS):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for t in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return rebuilt
 
 
 @_user_facing
@@ -277,6 +301,13 @@ def run(
             except PeerFailed:
                 if where.agent_ends_ranks:  # let it name the rank that failed: it ends this one first
                     ended_by_sigterm_within(PEER_WAIT_S, asked=STOP.requested is not None)
+                raise
+            except Terminated as exc:
+                # torchrun's agent ends the other ranks with SIGTERM once one failed (or it was stopped):
+                # this one ends as the signal ends a plain script's rank, its clean-up done, silently (the
+                # agent's report says why), not a Terminated traceback under the failed rank's error
+                if where.agent_ends_ranks and exc.signal_name == "SIGTERM":
+                    ended_by_sigterm_within(0.0, asked=True)
                 raise
     finally:
         restore()

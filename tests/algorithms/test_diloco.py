@@ -152,7 +152,8 @@ def test_the_clock_and_the_bytes_include_the_last_sync(digits) -> None:
 def test_a_run_shorter_than_a_round_under_theta_says_its_model_is_the_initial_one(tmp_path, algo: str) -> None:
     """--partial-round theta drops the round cut short; a run that ends before its first outer step
     returned the model it started from, and said only "of the model returned, as it was at N
-    samples" (8f65d93: no word). Now worker 0 says so in one warning; average keeps the steps. (A
+    samples" (8f65d93: no word). Now worker 0 says so in one warning; average keeps the steps (and
+    says no outer step ran). (A
     subprocess: its workers' lines are what a user sees.)"""
     common = ["train", "--model", "mlp", "--dataset", "digits", "--algo", algo, "--workers", "2"]
     common += ["--batch-size", "16", "--sync-every", "64", "--max-samples", str(2 * 16 * 5)]
@@ -168,6 +169,9 @@ def test_a_run_shorter_than_a_round_under_theta_says_its_model_is_the_initial_on
     assert all(torch.equal(model["state_dict"][k], v) for k, v in start.items())
     r = run_cli(*common, "--partial-round", "average", "--out", str(tmp_path / "average"))
     assert r.returncode == 0 and "trained on none" not in r.stderr, r.stderr[-3000:]
+    # 5 steps of a round of 64: no outer step, the workers averaged once at the end, which worker 0
+    # says (until 2026-12-01 nothing: the default diloco job, 469 steps against H = 500, an audit's)
+    assert r.stderr.count("no outer step ran: the model returned is the workers' models averaged once") == 1, r.stderr
     assert "started from" not in r.stdout and "untrained" not in json.loads(
         (tmp_path / "average" / "summary.json").read_text()
     )

@@ -48,7 +48,7 @@ from torch import nn
 from distsgd.algorithms import compress
 from distsgd.algorithms.averaging import adopt_buffers_, average_buffers_, broadcast_, params
 from distsgd.algorithms.base import GroupAlgorithm, GroupFigures, register
-from distsgd.algorithms.periodic import period_option, refuse_epochs_in_own_loop, untrained_by_theta
+from distsgd.algorithms.periodic import averaged_once, period_option, refuse_epochs_in_own_loop, untrained_by_theta
 from distsgd.checkpoint import count
 from distsgd.config import OPTIMIZERS, Period, RunConfig
 from distsgd.errors import ConfigError
@@ -272,6 +272,8 @@ class DiLoCo(InnerOuter[DiLoCoOptions]):
         self.untrained = self.period.pending and rule == "theta" and self.rounds == 0
         if self.untrained and ctx.rank == 0:
             log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
+        if self.period.pending and rule == "average" and self.rounds == 0 and ctx.rank == 0:
+            log.warning("%s", averaged_once(self.opts.sync_every, self.name))
         if self.period.pending and rule == "step":
             self.outer_step(model)
         elif self.period.pending and rule == "average":

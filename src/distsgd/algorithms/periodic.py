@@ -43,4 +43,17 @@ def untrained_by_theta(period: Period, algo: str) -> str:
     )
 
 
-__all__ = ["period_option", "refuse_epochs_in_own_loop", "untrained_by_theta"]
+def averaged_once(period: Period, algo: str) -> str:
+    """The warning for a run of ``algo`` with ``--partial-round average`` (the default) that ends
+    before its first outer step: no outer step ran, and the model returned is the workers' models
+    averaged once at the end (local SGD with one average, not ``algo``). The default job under
+    diloco (469 steps a worker against H = 500) said nothing of it until 2026-12-01 (an audit's)."""
+    every = "an epoch" if period.each_epoch else f"{period.count} inner steps"
+    return (
+        f"{algo}: the run ended before a round of --sync-every {every} completed, so no outer step ran: the "
+        f"model returned is the workers' models averaged once at the end (local SGD with one average); give "
+        f"a smaller --sync-every (or a longer run) for {algo}'s outer steps"
+    )
+
+
+__all__ = ["averaged_once", "period_option", "refuse_epochs_in_own_loop", "untrained_by_theta"]

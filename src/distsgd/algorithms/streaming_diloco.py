@@ -60,7 +60,7 @@ from torch import nn
 from distsgd.algorithms.averaging import adopt_buffers_, average_buffers_, broadcast_, flat_view_, params
 from distsgd.algorithms.base import GroupFigures, register
 from distsgd.algorithms.diloco import InnerOuter, OuterOptions
-from distsgd.algorithms.periodic import period_option, untrained_by_theta
+from distsgd.algorithms.periodic import averaged_once, period_option, untrained_by_theta
 from distsgd.checkpoint import count
 from distsgd.config import Period, RunConfig
 from distsgd.errors import ConfigError
@@ -373,6 +373,9 @@ class StreamingDiLoCo(InnerOuter[StreamingOptions]):
         )
         if self.untrained and ctx.rank == 0:
             log.warning("%s", untrained_by_theta(self.opts.sync_every, self.name))
+        elif self.rounds == 0 and self.flight is None and any(pending) and ctx.rank == 0:
+            if self.opts.partial_round == "average":
+                log.warning("%s", averaged_once(self.opts.sync_every, self.name))
         landing = self.flight is not None or any(pending)
         final = self._ending(self.globals, self.flat, model, self.flight, pending, self.sent)
         if not landing and ctx.job.main is not None:  # a loop's update_bn after the last landing: theta's

@@ -183,6 +183,7 @@ class Run:
     step, setup and ending are defined here once for both."""
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
+    _steps_at_eval = -1  # this worker's steps at its last evaluation in this part of the run (-1: none)
     # the model run.final_model() returned, its tensors' in-place versions where its figures were
     # last its own: at run.final_model(), then at each evaluation after it (see _figures_stale)
     _returned_versions: list[tuple[int, int]] | None = None
@@ -1680,7 +1681,7 @@ class Run:
         an event kept for the summary and emitted; whether it reaches --stop-at-target's target
         (or a callback stops the run there)."""
         ctx = self._ctx
-        if self._evaluated_before():
+        if self._evaluated_before(figures):
             ctx.sink.emit({"event": "log", "samples": self.global_samples(), "rank": self.rank, **figures})
             return False
         event = eval_event(
@@ -1693,26 +1694,31 @@ class Run:
         )
         event.update({k: v for k, v in figures.items() if k not in event})
         self._state.evals.append(event)
+        self._steps_at_eval = self.steps
         if self._returned is not None:
             self._returned_versions = _versions(self._returned)
         ctx.sink.emit(event)
         return stops(event, self.cfg, ctx.job.callbacks)
 
-    def _evaluated_before(self) -> bool:
-        """Whether an evaluation now is one the checkpoint a resumed run started from holds: before
-        the resumed run's first step and any load, at the samples of its last evaluation, the
-        model restored being the one measured then. A loop that starts again at epoch 0 (its
-        trained epochs empty passes) evaluates it again each of them: on 3623a92 each was another
-        evaluation, and EarlyStopping(patience=2) counted them and stopped the resumed run before
-        its first step (2,048 samples of 4,096, exit 0; an audit's). Logged, not an evaluation."""
+    def _evaluated_before(self, figures: dict[str, Any]) -> bool:
+        """Whether an evaluation now is the last one made again, on the same model: at its samples,
+        with no step and no load since, the same figures (a loop whose passes ``run.loader`` left
+        empty once ``--max-samples`` was reached evaluates after each: until 2026-12-01 each was
+        another evaluation, 4 alike at 3,008 samples, an audit's); or, in a resumed run, the one the
+        checkpoint it started from holds: before its first step and any load, at the samples of
+        its last evaluation, the model restored being the one measured then (a loop that starts
+        again at epoch 0 evaluates it after each empty pass: on 3623a92 each was another, and
+        EarlyStopping(patience=2) stopped the resumed run before its first step, 2,048 samples of
+        4,096, exit 0; an audit's). Logged, not an evaluation."""
         evals = self._state.evals
+        if self._ctx.job.main is None or not evals or evals[-1].get("samples") != self.global_samples():
+            return False
+        if self._started is Start.RESUMED and self.steps == self._resumed_steps and self._loaded_at < 0:
+            return True
         return (
-            self._ctx.job.main is not None
-            and self._started is Start.RESUMED
-            and self.steps == self._resumed_steps
-            and self._loaded_at < 0
-            and bool(evals)
-            and evals[-1].get("samples") == self.global_samples()
+            self.steps == self._steps_at_eval
+            and self._loaded_at < len(evals)
+            and all(evals[-1].get(k) == v for k, v in figures.items())
         )
 
     def _schedule_position(self) -> tuple[float, float]:
