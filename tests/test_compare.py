@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distsgd import cli
+from distsgd import cli, rundir
 from distsgd.bench.compare import _labels, compare_runs
 from distsgd.errors import ConfigError
 from helpers import cli_here, run_cli
@@ -270,6 +270,11 @@ def test_a_benchs_directory_stands_for_its_finished_runs(
         shutil.copytree(run, bench / "runs" / run.name)
     (bench / "runs" / "cut").mkdir()
     (bench / "runs" / "cut" / "config.toml").write_text((two_runs[0] / "config.toml").read_text())
+    # a plain directory holding runs/ (the one a user trains from) is no bench: until 2026-12-01 its
+    # runs were compared, a bench among them called unfinished, exit 0 (an audit's)
+    with pytest.raises(ConfigError, match="has no summary.json: not a finished distsgd run"):
+        compare_runs([bench], tmp_path / "cmp0")
+    (bench / rundir.MARKER).write_text("")  # what `distsgd bench` made (bench.json comes at its end)
     report = compare_runs([bench], tmp_path / "cmp")
     assert [Path(e["run_dir"]).name for e in report["runs"]] == ["base", "two"]
     assert f"skipping {bench / 'runs' / 'cut'}: it did not finish" in caplog.text

@@ -172,7 +172,7 @@ def test_sync_every_parsing() -> None:
     "settings, message",
     [
         ({"algo": "local-sgd", "workers": 2, "tau": 4}, "--tau is an option of easgd, not of local-sgd"),
-        ({"workers": 1, "tau": 4}, "--tau is an option of easgd, not of single"),  # the algorithm chosen for them
+        ({"workers": 1, "tau": 4}, "--tau is an option of easgd, not of single: run it with --algo easgd"),  # (chosen)
         (
             {"algo": "allreduce", "workers": 2, "synch_every": 4},
             r"unknown setting 'synch_every'.*did you mean 'sync_every'",

@@ -101,7 +101,9 @@ class RunConfig:
     )
     epochs: int = setting(1, "passes over the training data", check=at_least(1))
     max_samples: int | None = setting(
-        None, "stop after this many training samples (all workers together); overrides --epochs", check=at_least(1)
+        None,
+        "stop after this many training samples (all workers together; the last step, whole, may go past it); overrides --epochs",
+        check=at_least(1),
     )
     batch_size: int = setting(64, "samples per micro-batch per worker", check=at_least(1))
     accumulate: int = setting(
@@ -305,12 +307,12 @@ class RunConfig:
         0,
         "local runs: start a dead worker again, up to this many times in all "
         "(asynchronous algorithms: it rejoins; lockstep ones: the group restarts "
-        "from the last checkpoint)",
+        "from the last checkpoint); under torchrun with --min-workers, replacements that join the others",
         check=not_negative,
     )
     min_workers: int | None = setting(
         None,
-        "local runs of allreduce, ddp, local-sgd, diloco, streaming-diloco, sync easgd: train on without a worker that dies while at least this many remain "
+        "allreduce, ddp, local-sgd, diloco, streaming-diloco, sync easgd (gloo; local runs and under torchrun): train on without a worker that dies while at least this many remain "
         "(no restart: the others regroup, take the most advanced one's state and keep their shards)",
         default_help="--workers: a worker's death stops the run",
         check=at_least(1),

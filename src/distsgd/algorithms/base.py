@@ -590,7 +590,12 @@ def options_of(cfg: RunConfig, algo_cls: type[Algorithm]) -> Options:
         if key not in own:
             whose = owners.get(key, [])
             flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {algo_cls.name}")
+            advice = (
+                f": run it with --algo {whose[0]}" if len(whose) == 1 else (": choose one with --algo" if whose else "")
+            )
+            raise ConfigError(
+                f"{flag} is an option of {', '.join(whose) or 'no algorithm'}, not of {algo_cls.name}{advice}"
+            )
     return algo_cls.parse_options(cfg)
 
 

@@ -21,4 +21,7 @@ class SingleProcess(Algorithm[NoOptions]):
     def check(cls, cfg: RunConfig) -> None:
         super().check(cfg)
         if cfg.workers != 1:
-            raise ConfigError(f"--algo single runs one worker, got --workers {cfg.workers}")
+            raise ConfigError(
+                f"--algo single runs one worker, got --workers {cfg.workers}: leave out --algo (allreduce then) "
+                f"or choose another"
+            )

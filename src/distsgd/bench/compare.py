@@ -95,12 +95,15 @@ def _not_the_users(out: Path) -> None:
 def _with_benches_runs(run_dirs: list[Path]) -> list[Path]:
     """``run_dirs``, a bench's directory among them replaced by its runs (``DIR/runs/*``): those
     that finished (an interrupted bench's others are skipped, saying so). A bench's directory is
-    one with ``runs/`` and no summary.json of its own (so ``distsgd compare runs/*`` takes a bench
-    written under runs/)."""
+    one distsgd made (``bench.json``, or its marker) with ``runs/`` and no summary.json of its own
+    (so ``distsgd compare runs/*`` takes a bench written under runs/). Another directory holding
+    ``runs/`` (the one a user trains from) is no bench: until 2026-12-01 it was taken for one, its
+    runs compared and a bench among them called unfinished, exit 0 (an audit's)."""
     out = []
     for d in run_dirs:
         runs = d / "runs"
-        if d.is_dir() and runs.is_dir() and not (d / "summary.json").exists():
+        bench = (d / "bench.json").is_file() or rundir.is_ours(d)
+        if d.is_dir() and runs.is_dir() and bench and not (d / "summary.json").exists():
             inside = sorted(p for p in runs.iterdir() if p.is_dir())
             for p in inside:
                 if (p / "summary.json").is_file():
