@@ -196,6 +196,48 @@ def test_hogwild_threads_replay_beside_each_other_and_capture_alone(monkeypatch:
     assert s["final_test_accuracy"] > 0.6, s["final_test_accuracy"]
 
 
+def test_hogwild_threads_draw_no_batch_beside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --augment each thread's batch is gathered and cropped where the model is (on a GPU:
+    allocations, launches and draws on the default CUDA generator, which a capture in another
+    thread must not meet, as a step must not). The stand-in capture takes 0.2 s and a crop before
+    the captures 0.05 s; the crops that end while a capture runs are counted. Until 2026-12-01 the
+    threads drew their batches outside the gate, and one thread's crops ran beside the other's
+    capture."""
+    import time
+
+    from distsgd.data import augment
+
+    capturing = [0]
+    seen = {"crops": 0, "beside_capture": 0, "captures": 0}
+    crop = augment.crop_flip
+
+    def counted_crop(*args, **kwargs):
+        seen["crops"] += 1
+        if seen["captures"] < 2:  # until both have captured, a crop takes a while (a GPU's would be queued)
+            time.sleep(0.05)
+        seen["beside_capture"] += capturing[0]
+        return crop(*args, **kwargs)
+
+    def capture(step, stream):
+        seen["captures"] += 1
+        capturing[0] += 1
+        try:
+            time.sleep(0.2)
+        finally:
+            capturing[0] -= 1
+        return SimpleNamespace(replay=step)
+
+    import distsgd.data as data_mod
+
+    monkeypatch.setattr(data_mod, "crop_flip", counted_crop)
+    monkeypatch.setattr(device, "capture_step", capture)
+    monkeypatch.setattr(api, "graphs_refusal", lambda cfg, kind: None)
+    s = distsgd.train(algo="hogwild", workers=2, hogwild_threads="on", cuda_graphs=True, augment=True, **COMMON)
+    assert s.summary["cuda_graphs"] is True and s.summary["hogwild_threads"] is True
+    assert seen["captures"] == 2 and seen["crops"] > 40, seen
+    assert seen["beside_capture"] == 0, seen
+
+
 def test_a_capture_interrupted_while_it_waits_leaves_the_gate_open() -> None:
     """The gate is the process's (Hogwild!'s threads share one GPU): a Ctrl-C in the main thread
     while its capture waits for another thread's step left the count of waiting captures up on

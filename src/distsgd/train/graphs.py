@@ -28,8 +28,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -95,6 +95,24 @@ class _Gate:
 
 
 _GPU = _Gate()
+T = TypeVar("T")
+
+
+def drawn_in_steps(make: Callable[[], Iterable[T]]) -> Iterator[T]:
+    """The batches of ``make()``, each drawn (and ``make()`` called) inside a step of the gate: a
+    batch made on the GPU allocates and launches there (the epoch's order moved to it, a gather,
+    --augment's crops drawn on the default CUDA generator), which another thread's capture must
+    not meet, as a step must not. Until 2026-12-01 Hogwild!'s threads drew theirs beside another's
+    capture (a CPU test's stand-in capture saw crops made while it ran)."""
+    with _GPU.step():
+        batches = iter(make())
+    while True:
+        with _GPU.step():
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+        yield batch
 
 
 def graphs_refusal(cfg: "RunConfig", kind: str) -> str | None:

@@ -30,7 +30,7 @@ from distsgd.errors import STOP, ConfigError, Terminated
 from distsgd.train import device, membership
 from distsgd.train.context import ENDED_HERE, Start, WorkerContext, WorkerResult
 from distsgd.train.evaluate import Cut, equal_states, eval_period, evaluate, snapshot
-from distsgd.train.graphs import GraphedSteps
+from distsgd.train.graphs import GraphedSteps, drawn_in_steps
 from distsgd.train.objective import loss_function
 from distsgd.train.own_loop import LoopState, Run, run_own_loop
 
@@ -317,7 +317,13 @@ class _Worker:
         return st.epoch > last or (st.epoch == last and bool(self.per_epoch) and st.start >= self.per_epoch)
 
     def epoch_batches(self) -> Iterator[Item]:
-        """This epoch's batches for this worker, from where the epoch stands (a resumed run's)."""
+        """This epoch's batches for this worker, from where the epoch stands (a resumed run's); with
+        --cuda-graphs each drawn inside a step of the process's gate, never beside a capture."""
+        if self.graphed is not None:
+            return drawn_in_steps(self._epoch_batches)
+        return self._epoch_batches()
+
+    def _epoch_batches(self) -> Iterator[Item]:
         ctx, ds, st = self.ctx, self.ctx.dataset, self.state
         if self.stream:
             return cast("TorchData", ds).stream_batches(ctx.data_rank, ctx.data_world, st.start, self.cfg.batch_size)
