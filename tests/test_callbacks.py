@@ -59,7 +59,7 @@ def test_on_eval_stops_the_run_at_that_evaluation(tmp_path: Path, algo: str, wor
     """A process group (every worker stops at that step), Hogwild! and the parameter server (the
     copy measured is the model returned): two evaluations, then the end, well inside the budget;
     the summary's final figures are the second evaluation's."""
-    recorder = Recorder()
+    recorder, stopper = Recorder(), StopAtSecond()
     result = distsgd.train(
         model="mlp",
         data="digits",
@@ -69,11 +69,14 @@ def test_on_eval_stops_the_run_at_that_evaluation(tmp_path: Path, algo: str, wor
         eval_every=200,
         lr=0.05,
         out=str(tmp_path / "run"),
-        callbacks=[StopAtSecond(), recorder],
+        callbacks=[stopper, recorder],
         quiet=True,
     )
     s = result.summary
     assert len(s["evals"]) == 2, s["evals"]
+    # the object given holds what the one that ran (in a worker, under allreduce and asgd) ended with:
+    # until 2026-12-01 it stayed as given there (an audit's: EarlyStopping's stopped_at None)
+    assert stopper.seen == 2, stopper.seen
     assert s["samples"] < 20 * 1437 // 4
     assert s["final_test_accuracy"] == s["evals"][-1]["test_accuracy"]
     assert recorder.summary is not None and recorder.summary["samples"] == s["samples"]
@@ -95,10 +98,11 @@ def test_early_stopping_and_checkpoints_under_allreduce(tmp_path: Path) -> None:
         checkpoint_every=200,
         lr=0.5,
         out=str(tmp_path / "run"),
-        callbacks=[EarlyStopping(patience=2), recorder],
+        callbacks=[stopping := EarlyStopping(patience=2), recorder],
         quiet=True,
     )
     losses = [e["test_loss"] for e in result.summary["evals"]]
+    assert stopping.stopped_at == result.summary["evals"][-1]["samples"] and stopping.best == min(losses)
     assert len(losses) >= 3 and min(losses[-2:]) >= min(losses[:-2])
     assert all(min(losses[j - 1 : j + 1]) < min(losses[: j - 1]) for j in range(2, len(losses) - 1))  # no earlier stop
     assert result.summary["samples"] < 30 * 1437

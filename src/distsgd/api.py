@@ -32,7 +32,9 @@ from distsgd import launch, rundir
 from distsgd.algorithms import registry
 from distsgd.algorithms.base import Algorithm
 from distsgd.callbacks import CallbackSink
+from distsgd.callbacks import adopt as adopt_callbacks
 from distsgd.callbacks import checked as checked_callbacks
+from distsgd.callbacks import sent as sent_callbacks
 from distsgd.callbacks import started as callbacks_started
 from distsgd.checkpoint import (
     atomic_write_bytes,
@@ -424,7 +426,9 @@ def _run(
     try:
         # the threads the other processes leave to this machine's workers
         with cores.chosen(cfg, first_look, where.local_world_size if torchrun else cfg.workers):
+            given = None if torchrun else sent_callbacks(job.callbacks)  # (under torchrun rank 0 runs these objects)
             results = launch.run(job, algo_cls, Fanout(*sinks, logged=logged), torchrun)
+            adopt_callbacks(job.callbacks, [r.callbacks for r in results], given)
             if job.main is not None and chief:
                 checkpoints_whole(results)
                 own_final_figures(job, algo_cls, results, Fanout(*sinks, logged=logged), evaluate)

@@ -8,8 +8,8 @@ with any of these methods (subclass :class:`Callback` or not):
   run there, as ``--stop-at-target`` does at its target: the model returned and saved is the one
   that evaluation measured (Hogwild! and the parameter server: the copy measured; a process
   group: the model at that step). It runs where the model is evaluated, which may be a worker
-  process (so a callback travels there: define its class at module level); every callback sees
-  every evaluation.
+  process (so a callback travels there: define its class at module level; the attributes it
+  changes there come back to your object when the run ends); every callback sees every evaluation.
 - ``on_checkpoint(event)``: a checkpoint committed (``seq``, ``samples``, ``epoch``), in the
   process that called ``train`` or ``spawn``.
 - ``on_end(summary)``: the run ended, with summary.json's dict, in that process.
@@ -25,6 +25,7 @@ with any of these methods (subclass :class:`Callback` or not):
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,7 +128,7 @@ class CallbackSink:
                 cb.on_end(summary)
 
 
-__all__ = ["Callback", "EarlyStopping", "CallbackSink", "stops"]
+__all__ = ["Callback", "EarlyStopping", "CallbackSink", "adopt", "sent", "states", "stops"]
 
 
 HOOKS = ("on_eval", "on_checkpoint", "on_end", "on_start")
@@ -175,3 +176,49 @@ def checked(callbacks: Any) -> tuple:
                 f"never be called: a callback is an object with those methods (distsgd.callbacks)"
             )
     return given
+
+
+def states(callbacks: tuple) -> list[dict[str, Any] | None] | None:
+    """What the callbacks' attributes are now, in a worker that ran them (their copies), to travel
+    back to the process that called train or spawn (:func:`adopt`); None where they cannot travel."""
+    if not callbacks:
+        return None
+    now = [dict(vars(cb)) if hasattr(cb, "__dict__") else None for cb in callbacks]
+    try:
+        pickle.dumps(now)
+    except Exception:  # noqa: BLE001 - a state that cannot travel (a file handle it opened): left where it is
+        return None
+    return now
+
+
+def sent(callbacks: tuple) -> list[dict[str, bytes] | None]:
+    """The callbacks' attributes as they leave for the workers (pickled), for :func:`adopt`."""
+    out: list[dict[str, bytes] | None] = []
+    for cb in callbacks:
+        try:
+            out.append({k: pickle.dumps(v) for k, v in vars(cb).items()})
+        except Exception:  # noqa: BLE001 - no attributes, or one that cannot be pickled: not adopted
+            out.append(None)
+    return out
+
+
+def adopt(callbacks: tuple, returned: list[Any], before: list[dict[str, bytes] | None] | None) -> None:
+    """The callbacks given to train or spawn take the attributes their copies in a worker changed
+    (``returned``: the workers' :func:`states`, against ``before``, :func:`sent`; None: nothing to
+    take): ``EarlyStopping.stopped_at`` and ``best`` say where the run stopped, while what
+    ``on_checkpoint`` or ``on_end`` set here stays. Until 2026-12-01 they
+    did so only where the callbacks ran in this process (single, Hogwild!): under a process group or
+    the parameter server they stayed as given (an audit's: stopped_at None)."""
+    now = next((states for states in returned if states), None)  # (the worker's that ran them)
+    if now is None or before is None or len(now) != len(callbacks) or len(before) != len(callbacks):
+        return
+    for cb, state, was in zip(callbacks, now, before):
+        if state is None or was is None:
+            continue
+        for name, value in state.items():
+            try:
+                changed = pickle.dumps(value) != was.get(name)
+            except Exception:  # noqa: BLE001 - (states() pickled them all)
+                continue
+            if changed:
+                setattr(cb, name, value)

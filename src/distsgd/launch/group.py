@@ -394,7 +394,7 @@ def _run_torchrun(job: Job, algo_cls: type[Algorithm], sink: Sink) -> list[Worke
 
 def gather_results(mine: list[WorkerResult], rank: int, world: int) -> list[list[WorkerResult]]:
     """Every process's results (without models) on rank 0, by rank; others get []."""
-    light = [{k: v for k, v in vars(r).items() if k != "model"} for r in mine]
+    light = [{k: v for k, v in vars(r).items() if k not in ("model", "callbacks")} for r in mine]  # (rank 0's own)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(light, gathered if rank == 0 else None, dst=0)
     return [[WorkerResult(model=None, **g) for g in node] for node in gathered]

@@ -186,3 +186,4 @@ class WorkerResult:
     stale: str | None = None  # a user's loop: why its last evaluation is not the model returned's (no final figures)
     checkpoints: int | None = None  # a user's loop (not a replacement's): the checkpoints it saved its part of
     generation: int | None = None  # --min-workers: the generation of the group it finished in
+    callbacks: list | None = None  # the worker that ran the callbacks: their attributes at its end (callbacks.states)

@@ -50,7 +50,7 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from distsgd.callbacks import stops
+from distsgd.callbacks import states, stops
 from distsgd.checkpoint import (
     Checkpointer,
     RngState,
@@ -2115,6 +2115,7 @@ class Run:
             stale=stale,
             checkpoints=self._state.seq if self._ctx.job.main is not None and not self._replacement else None,
             where={**device.describe(self._ctx.device, self.cfg.precision), **self._where},
+            callbacks=states(self._ctx.job.callbacks) if self._ctx.evaluates else None,
         )
 
     def _figures_stale(self, final: nn.Module) -> str | None:

@@ -14,6 +14,7 @@ import torch
 
 from distsgd.algorithms.param_server.core import ParameterServer
 from distsgd.algorithms.param_server.rules import Rule
+from distsgd.callbacks import states
 from distsgd.checkpoint import (
     CHECKPOINT_DIR,
     COORDINATOR,
@@ -100,6 +101,7 @@ class ServerRole:
         torch.set_num_threads(1)
         cfg, data = job.cfg, job.data
         self.cfg, self.sink, self.data = cfg, sink, data
+        self.job_callbacks = job.callbacks  # (run here, by the watcher: their state goes back with the result)
         self.report_at = Periodic(cfg.log_every * cfg.batch_size * workers)  # as often as a worker's progress
         self.model = build_model(job.model, data.input_shape, data.num_classes, cfg.init, seed=cfg.seed)
         per_epoch = samples_per_epoch(data.n_train, workers, cfg.partition)
@@ -382,4 +384,5 @@ class ServerRole:
             model=self.model,
             figures=figures,
             attendance=attendance,
+            callbacks=states(self.job_callbacks),
         )
