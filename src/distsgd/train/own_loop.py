@@ -184,7 +184,6 @@ class Run:
 
     _loaded_at = -1  # the evaluations there were when the loop last loaded weights into the model (-1: never)
     _steps_at_eval = -1  # this worker's steps at its last evaluation in this part of the run (-1: none)
-    _said_dropped = False  # a zero_grad() that dropped a backward's gradients was said (_zeroed)
     # the model run.final_model() returned, its tensors' in-place versions where its figures were
     # last its own: at run.final_model(), then at each evaluation after it (see _figures_stale)
     _returned_versions: list[tuple[int, int]] | None = None
@@ -251,7 +250,10 @@ class Run:
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
-        self._dropped = self._at_backward = 0  # of them: dropped by a zero_grad() (_zeroed); at the last backward
+        # of them, those whose gradients the loop dropped before any step (_zeroed), and those counted
+        # when the last backward ended
+        self._dropped = self._at_backward = 0
+        self._said_dropped = False
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
         self._optimizers: list[torch.optim.Optimizer] = []  # what run.setup() returned, in its order
