@@ -250,10 +250,6 @@ class Run:
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
-        # of them, those whose gradients the loop dropped before any step (_zeroed), and those counted
-        # when the last backward ended
-        self._dropped = self._at_backward = 0
-        self._said_dropped = False
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
         self._optimizers: list[torch.optim.Optimizer] = []  # what run.setup() returned, in its order
@@ -1318,7 +1314,6 @@ class Run:
         the algorithm's gradient synchronisation, unless inside run.no_sync()."""
         model = self._need_setup("run.backward()")
         self._nested_done = False
-        self._at_backward = self._batch_samples
         self._backwards += 1
         self._backwards_ever += 1
         if self._no_sync_depth:
@@ -1329,27 +1324,6 @@ class Run:
         self._unsynced = False
         if self._scaler is not None:
             self._grad_versions = _grad_versions(self._optimizers)
-
-    def _zeroed(self) -> None:
-        """An optimiser's ``zero_grad()`` in a user's loop: after a backward and before any step, it
-        drops that backward's gradients, and its batches are counted as read, not as trained (until
-        2026-12-01 the next step counted them: an accumulation over an odd number of micro-batches
-        an epoch, whose last one the next epoch's first ``zero_grad()`` dropped, said 7,968 samples
-        for 7,936 stepped; an audit's). Said once, by worker 0. (``model.zero_grad()`` is
-        not seen.)"""
-        if not self._backwards or self._stepped or self._ctx.job.main is None:
-            return
-        lost = self._at_backward - self._dropped
-        if lost <= 0:
-            return
-        self._dropped = self._at_backward
-        if not self._said_dropped and self.rank == 0:  # (once, by the first worker)
-            self._said_dropped = True
-            log.warning(
-                "optimizer.zero_grad() after a backward and before any step dropped the gradients of %d samples "
-                "(an accumulation's last micro-batch of an epoch?): they are not counted as trained",
-                lost,
-            )
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         """A gradient of the model was accumulated by a plain ``loss.backward()`` (not
@@ -1504,7 +1478,7 @@ class Run:
             self._lr_sums[n + i] += lr * lr
         # this worker's samples once this step is taken (at the end: those stepped, not a batch counted
         # and left unstepped, a loop's last before its break)
-        local = self._state.local + (0 if at_end else self._batch_samples - self._dropped)
+        local = self._state.local + (0 if at_end else self._batch_samples)
         if self.steps % CHECK_EVERY and self.steps != self._resumed_steps and not at_end:  # (resumed: a look)
             self._sums.step(algo, ctx, local, parted=False)
             return
@@ -1542,7 +1516,6 @@ class Run:
     def _abandon_step(self) -> None:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
         self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = 0
-        self._dropped = self._at_backward = 0
         self._sums.forget()
         self._stepped.clear()
         self._pending.clear()
@@ -1572,14 +1545,14 @@ class Run:
         if self._scaler is not None:
             self._scaler.update()
         n = self._batch_samples
-        self._state.local += n - self._dropped  # (the batches whose gradients were dropped: read, not trained)
+        self._state.local += n
         self._state.start += n
         for place, taken in self._pending.items():  # each pass's own position (see _upcoming_epoch)
             if place < len(self._state.starts):
                 self._state.starts[place] += taken
         self._pending.clear()
         self._state.steps += 1
-        self._batch_samples = self._backwards = self._syncs = self._dropped = self._at_backward = 0
+        self._batch_samples = self._backwards = self._syncs = 0
         self._stepped.clear()
         self._current, self._unscaled = None, False
         model = self._need_setup("optimizer.step()")
@@ -2301,14 +2274,6 @@ class _Real:
         if hasattr(self.original, "_wrapped_by_lr_sched"):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # that scheduler's mark
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
-        self.original_zero = opt.__dict__.get("zero_grad")
-        zero = self.original_zero if self.original_zero is not None else types.MethodType(type(opt).zero_grad, opt)
-
-        def zero_grad(_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-            run._zeroed()
-            zero(*args, **kwargs)
-
-        opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
 
     def step(self, closure: Callable[[], object] | None = None) -> object:
         return self.update()
@@ -2318,10 +2283,6 @@ class _Real:
             self.opt.__dict__.pop("step", None)
         else:
             self.opt.step = self.original  # type: ignore[method-assign]
-        if self.original_zero is None:
-            self.opt.__dict__.pop("zero_grad", None)
-        else:
-            self.opt.zero_grad = self.original_zero  # type: ignore[method-assign]
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, _step_supports_amp_scaling, ...
         return getattr(self.opt, name)
