@@ -58,7 +58,6 @@ from distsgd.errors import (
     MainGuardError,
     OutputError,
     PeerFailed,
-    Terminated,
     ended_by_sigterm_within,
     on_sigterm,
     one_line,
@@ -303,13 +302,6 @@ def run(
             except PeerFailed:
                 if where.agent_ends_ranks:  # let it name the rank that failed: it ends this one first
                     ended_by_sigterm_within(PEER_WAIT_S, asked=STOP.requested is not None)
-                raise
-            except Terminated as exc:
-                # torchrun's agent ends the other ranks with SIGTERM once one failed (or it was stopped):
-                # this one ends as the signal ends a plain script's rank, its clean-up done, silently (the
-                # agent's report says why), not a Terminated traceback under the failed rank's error
-                if where.agent_ends_ranks and exc.signal_name == "SIGTERM":
-                    ended_by_sigterm_within(0.0, asked=True)
                 raise
     finally:
         restore()
