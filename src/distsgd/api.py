@@ -153,7 +153,8 @@ def _without_ours(tb: types.TracebackType | None) -> types.TracebackType | None:
     2026-12-01)."""
     kept = []
     while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_OURS):
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(_OURS) or "-packages" + os.sep in name[len(_OURS[1]) :]:  # (an install's packages: kept)
             kept.append(tb)
         tb = tb.tb_next
     rebuilt = None

@@ -183,11 +183,14 @@ def states(callbacks: tuple) -> list[dict[str, Any] | None] | None:
     back to the process that called train or spawn (:func:`adopt`); None where they cannot travel."""
     if not callbacks:
         return None
-    now = [dict(vars(cb)) if hasattr(cb, "__dict__") else None for cb in callbacks]
-    try:
-        pickle.dumps(now)
-    except Exception:  # noqa: BLE001 - a state that cannot travel (a file handle it opened): left where it is
-        return None
+    now: list[dict[str, Any] | None] = []
+    for cb in callbacks:
+        try:  # a state that cannot travel (a file handle it opened): that callback's left where it is
+            state = dict(vars(cb))
+            pickle.dumps(state)
+        except Exception:  # noqa: BLE001
+            state = None
+        now.append(state)
     return now
 
 
