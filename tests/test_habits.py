@@ -624,6 +624,56 @@ def said(folder: Path) -> str:
     return "".join(p.read_text() for p in sorted(folder.glob("log-*")))
 
 
+def dropping_loop(run: distsgd.Run, folder: str, adversarial: bool = False) -> nn.Module:
+    """Two epochs of 8 batches a worker, a step every 3 micro-batches (zero_grad() before the
+    first): each epoch's last 2 micro-batches are read, back-propagated, and their gradients dropped
+    by the next epoch's first zero_grad() (or left by the loop's end). ``adversarial``: a step of
+    one batch, backward, zero_grad() and a second backward on the same batch before the step."""
+    logging.getLogger("distsgd").addHandler(logging.FileHandler(Path(folder, f"log-{run.rank}")))
+    model, opt = run.setup()
+    for epoch in range(2):
+        for i, (x, y) in enumerate(run.loader(toy_dataset(), batch_size=B, epoch=epoch)):
+            if adversarial:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.zero_grad()
+                F.cross_entropy(model(x + 0.1), y).backward()
+                opt.step()
+                continue
+            if i % 3 == 0:
+                opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if i % 3 == 2:
+                opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild"])
+def test_micro_batches_whose_gradients_the_loop_drops_are_said(tmp_path: Path, algo: str) -> None:
+    """Of each epoch's 8 batches a worker, 6 are stepped (2 steps of 3 micro-batches); the last 2
+    are back-propagated and their gradients dropped, by the next epoch's zero_grad() or the loop's
+    end. The first epoch's 2 (32 samples) reach the next step's count (2 workers x (8 + 6) x 16 =
+    448 read, 384 trained), unsaid until 2026-12-01 (an audit's: 7,968 samples said for 7,936
+    stepped): worker 0 says it once. An adversarial step (a second backward on the same batch
+    after zero_grad) drops nothing and says nothing."""
+    result = distsgd.spawn(
+        functools.partial(dropping_loop, folder=str(tmp_path)), model=Net, algo=algo, workers=2, batch_size=B
+    )
+    assert result.summary["samples"] == 2 * (8 + 6) * B, result.summary["samples"]
+    assert said(tmp_path).count("before any step dropped the gradients of 32 samples") == 1, said(tmp_path)
+    if algo == "allreduce":
+        quiet = tmp_path / "adversarial"
+        quiet.mkdir()
+        result = distsgd.spawn(
+            functools.partial(dropping_loop, folder=str(quiet), adversarial=True),
+            model=Net,
+            algo=algo,
+            workers=2,
+            batch_size=B,
+        )
+        assert result.summary["samples"] == 2 * 2 * 8 * B and "dropped" not in said(quiet), said(quiet)
+
+
 def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(tmp_path: Path) -> None:
     """run.setup() builds the model with spawn(seed=)'s seed and seeds every worker's streams from it:
     a seed sweep of torch.manual_seed(s) at the top of main gave one run s times, without a word (an

@@ -67,6 +67,26 @@ def test_the_csv_has_a_row_per_event_of_metrics_jsonl(tmp_path: Path) -> None:
     assert float(evals[-1]["test_accuracy"]) == pytest.approx(summary["evals"][-1]["test_accuracy"])
 
 
+def test_the_epoch_column_is_the_epochs_trained_in_every_row(tmp_path: Path) -> None:
+    """A checkpoint's row of metrics.csv (its event in metrics.jsonl) says the epochs trained, as
+    the evaluation at the same samples does. Until 2026-12-01 it said the index of the epoch a
+    resume goes on in (an audit's: ('eval', 8064, 0.1344), ('checkpoint', 8064, 0)), one column
+    of two meanings."""
+    out = tmp_path / "run"
+    every = ["--checkpoint-every", "600", "--eval-every", "600", "--max-samples", "2400"]
+    res = cli_here(
+        "train", *DIGITS, "--algo", "allreduce", "--workers", "2", *every, "--out", str(out), "--logger", "csv"
+    )
+    assert res.returncode == 0, res.stderr
+    with (out / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    evals = {r["samples"]: float(r["epoch"]) for r in rows if r["event"] == "eval"}
+    checkpoints = [(r["samples"], float(r["epoch"])) for r in rows if r["event"] == "checkpoint"]
+    assert len(checkpoints) >= 3 and all(samples in evals for samples, _ in checkpoints), (checkpoints, evals)
+    assert all(epoch == evals[samples] for samples, epoch in checkpoints), (checkpoints, evals)
+    assert checkpoints[-1][1] > 1.0, checkpoints  # (past the first epoch: an index said 1 there, a fraction more)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(find_spec("tensorboard") is None, reason="pip install 'distsgd[tensorboard]'")
 def test_logger_tensorboard_is_the_tensorboard_flag(tmp_path: Path) -> None:

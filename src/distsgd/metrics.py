@@ -16,7 +16,9 @@ Every event is one JSON object on one line of ``metrics.jsonl``:
   the bytes the server and its workers have sent so far (what summary.json's ``bytes_sent`` adds
   up at the end), and how stale the applied gradients were so far (versions; absent when the
   server applies no gradients, as in async easgd).
-- ``{"event": "checkpoint", "seq", "samples", "epoch", "algo", "train_wall_s"}``
+- ``{"event": "checkpoint", "seq", "samples", "epoch", "train_wall_s"}`` (``epoch``: the epochs
+  trained, as a progress event's, not the index a resume goes on in; absent from Hogwild!'s and a
+  parameter server's, whose checkpoints are taken apart from the workers' loops)
 
 ``samples`` always counts training samples processed by all workers together; ``train_wall_s``
 is the training clock, which stops while the model is evaluated.

@@ -250,6 +250,7 @@ class Run:
         self._passes = 0  # passes over run.loader()s given no epoch: the next one's epoch
         self._said_evaluation = False  # run.loader() read under torch.no_grad(): said once
         self._batch_samples = 0  # samples of the batches yielded since the last step
+        self._drops = _Drops()  # gradients a zero_grad() may have dropped before any step
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
         self._optimizers: list[torch.optim.Optimizer] = []  # what run.setup() returned, in its order
@@ -771,7 +772,10 @@ class Run:
 
             def commit() -> None:
                 checkpointer.commit(seq, {**where, **checkpoint_record(cfg, self._ctx.dataset)}, ranks=ranks)
-                self._ctx.sink.emit({"event": "checkpoint", "seq": seq, **where, "train_wall_s": st.train_wall_s})
+                # (the event's epoch the epochs trained, as a progress or eval event's; the manifest's
+                # the epoch a resume goes on in: metrics.csv's one column held both until 2026-12-01)
+                event = {"event": "checkpoint", "seq": seq, **where, "epoch": self.epoch()}
+                self._ctx.sink.emit({**event, "train_wall_s": st.train_wall_s})
 
             self._algo.checkpoint_saved(self._ctx, seq, commit)
 
@@ -1314,6 +1318,9 @@ class Run:
         the algorithm's gradient synchronisation, unless inside run.no_sync()."""
         model = self._need_setup("run.backward()")
         self._nested_done = False
+        if self._drops.at is not None:
+            self._dropped_said()
+        self._drops.backward = self._batch_samples
         self._backwards += 1
         self._backwards_ever += 1
         if self._no_sync_depth:
@@ -1324,6 +1331,43 @@ class Run:
         self._unsynced = False
         if self._scaler is not None:
             self._grad_versions = _grad_versions(self._optimizers)
+
+    def _zeroed(self) -> None:
+        """An optimiser run.setup() returned zeroes its gradients: after a backward and before any
+        step, that backward's are gone, unless it is the step's own (an adversarial step's: backward,
+        zero_grad(), a second backward on the same batch, step). Which of the two the next backward
+        tells: a batch counted since the last one makes it a drop (_dropped_said). Whether the
+        gradients dropped were finite is kept unread (no wait on a GPU): a GradScaler of the loop's
+        skips a step on an inf, a drop of its own."""
+        if self._backwards and not self._stepped and self._ctx.job.main is not None:
+            self._drops.at = self._drops.backward
+            grads = [p.grad for opt in self._optimizers for g in opt.param_groups for p in g["params"]]
+            dense = [t for t in grads if t is not None and t.layout == torch.strided]
+            try:
+                self._drops.finite = torch.stack(torch._foreach_norm(dense)).isfinite().all() if dense else None
+            except RuntimeError:  # (gradients on several devices)
+                self._drops.finite = None
+
+    def _dropped_said(self) -> None:
+        """A backward after a zero_grad() that followed another backward: with a batch counted between
+        the two, the earlier one's gradients (its micro-batches') were dropped, and no step trained on
+        them; the step counts them as read (its samples, its epochs and schedule's position). Said
+        once, by worker 0: an accumulation over a number of batches an epoch its micro-batches do not
+        divide drops each epoch's last ones (an audit's: 7,968 samples said for 7,936 stepped).
+        Gradients with an inf or nan are not said: a GradScaler's skipped step, a loop's skip."""
+        lost, finite, self._drops.at, self._drops.finite = self._drops.at, self._drops.finite, None, None
+        if not lost or self._batch_samples <= self._drops.backward or self._drops.said or self.rank != 0:
+            return
+        if finite is not None and not bool(finite):
+            return
+        self._drops.said = True
+        log.warning(
+            "optimizer.zero_grad() after a backward and before any step dropped the gradients of %d "
+            "samples, and no step trained on them (the run's samples and epochs count them as read): an "
+            "accumulation whose micro-batches do not divide an epoch's batches? step at the epoch's end "
+            "to train on them",
+            lost,
+        )
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         """A gradient of the model was accumulated by a plain ``loss.backward()`` (not
@@ -1515,7 +1559,8 @@ class Run:
 
     def _abandon_step(self) -> None:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
-        self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = 0
+        self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = self._drops.backward = 0
+        self._drops.at = self._drops.finite = None
         self._sums.forget()
         self._stepped.clear()
         self._pending.clear()
@@ -1552,7 +1597,8 @@ class Run:
                 self._state.starts[place] += taken
         self._pending.clear()
         self._state.steps += 1
-        self._batch_samples = self._backwards = self._syncs = 0
+        self._batch_samples = self._backwards = self._syncs = self._drops.backward = 0
+        self._drops.at = self._drops.finite = None
         self._stepped.clear()
         self._current, self._unscaled = None, False
         model = self._need_setup("optimizer.step()")
@@ -2249,6 +2295,19 @@ class _Shard:
             run._pass_of.pop(id(token), None)
 
 
+class _Drops:
+    """A user's loop's ``zero_grad()`` after a backward and before any step (Run._zeroed): the
+    samples counted when that backward ended (``at``; None: none pending), whether its gradients
+    were finite (a tensor not read yet), the samples counted at the last backward, and whether the
+    drop was said (once, Run._dropped_said)."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None
+        self.finite: torch.Tensor | None = None
+        self.backward = 0
+        self.said = False
+
+
 class _Real:
     """An optimiser's own update, apart from the ``step()`` the run routes through the algorithm
     (what GradScaler and the algorithm's ``apply_step`` call); anything else is the optimiser's."""
@@ -2274,6 +2333,14 @@ class _Real:
         if hasattr(self.original, "_wrapped_by_lr_sched"):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # that scheduler's mark
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+        self.original_zero = opt.__dict__.get("zero_grad")
+        zero = self.original_zero if self.original_zero is not None else types.MethodType(type(opt).zero_grad, opt)
+
+        def zero_grad(_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            run._zeroed()
+            zero(*args, **kwargs)
+
+        opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
 
     def step(self, closure: Callable[[], object] | None = None) -> object:
         return self.update()
@@ -2283,6 +2350,10 @@ class _Real:
             self.opt.__dict__.pop("step", None)
         else:
             self.opt.step = self.original  # type: ignore[method-assign]
+        if self.original_zero is None:
+            self.opt.__dict__.pop("zero_grad", None)
+        else:
+            self.opt.zero_grad = self.original_zero  # type: ignore[method-assign]
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, _step_supports_amp_scaling, ...
         return getattr(self.opt, name)
