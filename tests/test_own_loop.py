@@ -591,14 +591,15 @@ def test_a_refusal_of_one_ranks_loop_under_torchrun_is_the_scripts_lines_and_the
     waits at run.final_model(). Until 2026-12-01 the refusal reached the script through 40 lines of
     distsgd's frames, and worker 1, which torchrun's agent then ended, printed a traceback of its own
     (``Terminated: SIGTERM``) under it (an audit's). Now the refusal's traceback holds the script's
-    lines (worker 1, which the agent ends, still says Terminated: a silent end is left for a later
-    change that tells a peer's failure from a stop of the whole job)."""
+    lines, and worker 1, which the agent ends, says nothing: worker 0 wrote its failure on the
+    group's store, which tells it from a stop of the whole job (that one still says Terminated)."""
     res = _torchrun_loop(tmp_path, "local-sgd", 2, epochs=1, env={"STEP_WITHOUT_A_BATCH_ON_RANK": "0"})
     assert res.returncode == 1, res.stderr[-3000:]
     assert "distsgd.errors.ConfigError: optimizer.step() with no batch" in res.stderr, res.stderr[-3000:]
     refused = "\n".join(line for line in res.stderr.splitlines() if line.startswith("[rank0]"))
     assert not re.search(r"src/distsgd/(launch|train)|contextlib", refused), refused[-3000:]
     assert "in tuple_loop" in res.stderr, res.stderr[-3000:]  # the line of the loop the refusal came from
+    assert "Terminated" not in res.stderr and "[rank1]:Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 @pytest.mark.slow

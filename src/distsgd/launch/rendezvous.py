@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 # Imported before any group forms, on purpose: this module's functions take ``group=group.WORLD``
 # as a default argument, evaluated at import. torch imports it lazily (the first optimizer built
@@ -63,8 +64,6 @@ def group_host() -> str | None:
     if address is not None:
         return address
     if formed_group():
-        from torch.distributed import distributed_c10d
-
         store = distributed_c10d._get_default_store()
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
@@ -85,8 +84,38 @@ def launcher_group(cfg: RunConfig) -> Iterator[tuple[int, int]]:
     init_torchrun_group(cfg, rank, world)
     try:
         yield rank, world
+    except BaseException as exc:
+        _said_on_the_store(exc, rank)
+        raise
     finally:
         leave_group()
+
+
+FAILED = "distsgd/failed"  # on a launcher's group's store: the rank whose run failed (its error its own)
+
+
+def _said_on_the_store(exc: BaseException, rank: int) -> None:
+    """This rank's run ends on ``exc``. Its own failure (a refusal, an error of the loop or the
+    model) is written on the group's store before it is raised, so that a peer the launcher's agent
+    then ends with SIGTERM (torchrun's, which ends every rank once one fails) ends as that signal
+    ends a process, silently: the failure is this rank's, said here. Until 2026-12-01 such a peer,
+    stopped at a wait that makes no collective (run.final_model()'s on the store), printed a
+    ``Terminated: SIGTERM`` traceback of its own under the error (an audit's). A SIGTERM with no
+    failure written (a stop of the whole job: scancel, a preemption) stops the run as ever, with
+    its resume hint."""
+    from distsgd.errors import PeerFailed, Terminated, ended_by_sigterm_within
+
+    if not dist.is_initialized():
+        return
+    try:
+        store = distributed_c10d._get_default_store()
+        if isinstance(exc, Terminated):
+            if environment.current().agent_ends_ranks and store.check([FAILED]):
+                ended_by_sigterm_within(0.0, asked=True)
+        elif not isinstance(exc, (PeerFailed, KeyboardInterrupt, GeneratorExit)):
+            store.set(FAILED, str(rank))
+    except Exception:  # (a store gone with its host: nothing known, nothing said)
+        pass
 
 
 def formed_backend(cfg: RunConfig) -> RunConfig:
