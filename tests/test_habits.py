@@ -674,6 +674,77 @@ def test_micro_batches_whose_gradients_the_loop_drops_are_said(tmp_path: Path, a
         assert result.summary["samples"] == 2 * 2 * 8 * B and "dropped" not in said(quiet), said(quiet)
 
 
+def samples_apart(batch: list) -> tuple:
+    """torchvision's detection collate: ``tuple(zip(*batch))``, a tuple of each field's samples."""
+    return tuple(zip(*batch))
+
+
+def not_batch_first_loop(run: distsgd.Run, epochs: int = 2) -> nn.Module:
+    """A loop whose collate keeps the samples apart (``tuple(zip(*batch))``), stacking them itself."""
+    model, opt = run.setup()
+    for epoch in range(epochs):
+        for xs, ys in run.loader(toy_dataset(100), batch_size=8, epoch=epoch, collate_fn=samples_apart):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.stack(xs)), torch.stack(ys)).backward()
+            opt.step()
+    return run.final_model()
+
+
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild"])
+def test_a_collate_that_is_not_batch_first_counts_the_batches_samples(algo: str) -> None:
+    """run.loader counts each batch by its indices, not by its first tensor's length: under a
+    collate that keeps the samples apart the first tensor is a sample (12 features). Until
+    2026-12-01 such a loop said 12 samples a batch (an audit's: 140 samples and 2.8 epochs for 100
+    and 2; a budget of 100 stopped at 74). 100 samples, 2 workers: 50 each, batches of 8 (the
+    last of 2), 2 epochs. With max_samples=100 the run trains one epoch's 100."""
+    common = dict(model=Net, algo=algo, workers=2, batch_size=B, quiet=True)
+    summary = distsgd.spawn(not_batch_first_loop, **common).summary
+    assert (summary["samples"], summary["epochs"]) == (200, 2.0), summary
+    summary = distsgd.spawn(functools.partial(not_batch_first_loop, epochs=3), max_samples=100, **common).summary
+    assert summary["samples"] == 100 or algo == "hogwild" and 100 <= summary["samples"] < 100 + 2 * 8, summary
+
+
+def zipped_or_dropping_loop(run: distsgd.Run, habit: str, lr_file: str | None = None) -> nn.Module:
+    """Two epochs of a labelled set of 64 zipped with an unlabelled one of 256 (``zip``, the
+    semi-supervised habit: the unlabelled batch's predictions as their own targets), or of one
+    set of 100 with drop_last=True (``drop_last``)."""
+    model, opt = run.setup()
+    for epoch in range(2):
+        if habit == "zip":
+            pairs = zip(run.loader(toy_dataset(64), batch_size=8), run.loader(toy_dataset(256), batch_size=8))
+            for (x, y), (u, _) in pairs:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                (loss + 0.1 * F.cross_entropy(model(u), model(u).argmax(1).detach())).backward()
+                opt.step()
+        else:
+            for x, y in run.loader(toy_dataset(100), batch_size=8, drop_last=True):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+    if lr_file is not None and run.rank == 0:
+        Path(lr_file).write_text(str(opt.param_groups[0]["lr"]))
+    return run.final_model()
+
+
+@pytest.mark.parametrize("habit", ["zip", "drop_last"])
+def test_an_epoch_of_zipped_loaders_or_of_drop_last_is_what_a_pass_reads(tmp_path: Path, habit: str) -> None:
+    """Zipped, 2 workers: each pass reads 4 labelled batches of 8 (32 of each worker's 128
+    unlabelled beside them), 64 samples a worker an epoch: 256 samples, 2 epochs, and a cosine
+    schedule over 2 epochs ends at its end. drop_last: each worker's 50 are 6 batches of 8, 48 an
+    epoch: 192 samples, 2 epochs. Until 2026-12-01 an epoch was the datasets' lengths summed (0.8
+    epochs said for 2; the cosine never got past 42% of its course in the audit's) or drop_last's
+    whole shard (1.92)."""
+    common = dict(model=Net, algo="allreduce", workers=2, batch_size=B, epochs=2, quiet=True, lr=0.1)
+    lr_file = str(tmp_path / "lr")
+    loop = functools.partial(zipped_or_dropping_loop, habit=habit, lr_file=lr_file)
+    summary = distsgd.spawn(loop, schedule="cosine", **common).summary
+    expected = 2 * 2 * 64 if habit == "zip" else 2 * 2 * 48
+    assert (summary["samples"], summary["epochs"]) == (expected, 2.0), summary
+    # the last step's lr: the cosine at 1.75 of 2 epochs (zip: 224 of 256 samples before it), 0.038 of 0.1's
+    assert float(Path(lr_file).read_text()) < 0.01, Path(lr_file).read_text()
+
+
 def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(tmp_path: Path) -> None:
     """run.setup() builds the model with spawn(seed=)'s seed and seeds every worker's streams from it:
     a seed sweep of torch.manual_seed(s) at the top of main gave one run s times, without a word (an

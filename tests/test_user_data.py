@@ -129,6 +129,28 @@ def test_an_npz_of_float_targets_is_a_regression_trained_with_mse(tmp_path: Path
         distsgd.train(model="logreg", data=f"npz:{tmp_path / 'reg.npz'}", loss="cross-entropy", quiet=True)
 
 
+@pytest.mark.parametrize("algo", ["allreduce", "hogwild"])
+def test_a_torch_dataset_of_scalar_float_targets_is_a_regression_of_one_output(algo: str) -> None:
+    """The same targets as the npz test's, as a torch Dataset of scalar targets (shape (N,), as
+    pandas gives a column): trained as a regression of one output, the noise's variance reached.
+    Until 2026-12-01 each batch's targets stayed (B,) against the model's (B, 1) outputs, which
+    F.mse_loss broadcast into every pair: a constant model (an audit's: test loss 4.67, the
+    targets' variance, for 0.026 with (N, 1)), exit 0. Outputs and targets of other shapes under
+    mse are refused in one line."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.normal(size=(600, 5)).astype(np.float32))
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0]) + 0.05 * torch.from_numpy(rng.normal(size=600).astype(np.float32))
+    data = (torch.utils.data.TensorDataset(x[:500], y[:500]), torch.utils.data.TensorDataset(x[500:], y[500:]))
+    result = distsgd.train(model="logreg", data=data, algo=algo, workers=2, epochs=10, lr=0.05, quiet=True)
+    assert result.summary["final_test_loss"] < 0.05, result.summary["final_test_loss"]  # (y's variance: about 14)
+    from distsgd.train.objective import loss_function
+
+    mse = loss_function("mse", None, "regression")
+    assert float(mse(torch.ones(4, 1), torch.ones(4, 1))) == 0.0
+    with pytest.raises(distsgd.ConfigError, match=r"outputs \(4, 1\) and the targets \(4,\) differ in shape"):
+        mse(torch.ones(4, 1), torch.ones(4))
+
+
 def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 

@@ -180,7 +180,7 @@ class WorkerResult:
     figures: Figures = field(default_factory=Figures)
     attendance: Attendance | None = None
     where: dict[str, Any] | None = None  # its device and precision (train.device.describe)
-    data_len: int | None = None  # a user's loop: the training set's length its run.loader saw (its epochs)
+    data_len: int | None = None  # a user's loop: an epoch of its run.loader's passes, as a training set's length
     steps: int | None = None  # a user's loop: the optimiser steps this worker took (its samples a step)
     step_samples: int | None = None  # the samples of those steps (a replacement's predecessor's are not)
     stale: str | None = None  # a user's loop: why its last evaluation is not the model returned's (no final figures)
