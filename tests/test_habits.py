@@ -745,6 +745,46 @@ def test_an_epoch_of_zipped_loaders_or_of_drop_last_is_what_a_pass_reads(tmp_pat
     assert float(Path(lr_file).read_text()) < 0.01, Path(lr_file).read_text()
 
 
+def head_added_loop(run: distsgd.Run, lr_file: str, at_epoch: int) -> nn.Module:
+    """The optimiser built on the model's first layer; the second added as a group of the same lr
+    (0.1) before the first step (``at_epoch`` 0) or after the first epoch (unfreezing a layer):
+    each step's groups' lrs written by worker 0."""
+    model = Net()
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)  # (the head out of it: OWN_LOOP.md's unfreezing)
+    model, opt = run.setup(model, opt)
+    lrs = []
+    for epoch in range(3):
+        if epoch == at_epoch:
+            opt.add_param_group({"params": model.head.parameters(), "lr": 0.1})
+        for x, y in run.loader(toy_dataset(), batch_size=B, epoch=epoch):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            lrs.append([g["lr"] for g in opt.param_groups])
+    if run.rank == 0:
+        Path(lr_file).write_text(json.dumps(lrs))
+    return run.final_model()
+
+
+@pytest.mark.parametrize("at_epoch", [0, 1])
+@pytest.mark.parametrize("settings", [{"lr_warmup_steps": 4}, {"schedule": "cosine"}], ids=["warmup", "cosine"])
+def test_a_group_added_to_the_optimiser_follows_the_schedule_from_its_own_lr(
+    tmp_path: Path, at_epoch: int, settings: dict
+) -> None:
+    """A group added after run.setup() (a head's, a layer unfrozen after an epoch) with the lr of
+    the first: both groups' lrs are the same at every step, under a warm-up and a cosine. Until
+    2026-12-01 an added group had no base lr, and the schedule scaled its lr again at each step
+    (an audit's: 0.00938 for 0.1 through the run after a warm-up of 4 steps; under cosine, 0 long
+    before the end), exit 0; added after the first epoch it was refused as an LR scheduler's."""
+    lr_file = tmp_path / "lrs"
+    loop = functools.partial(head_added_loop, lr_file=str(lr_file), at_epoch=at_epoch)
+    distsgd.spawn(loop, model=Net, algo="allreduce", workers=2, batch_size=B, epochs=3, lr=0.1, quiet=True, **settings)
+    lrs = json.loads(lr_file.read_text())
+    assert len(lrs) == 3 * 8 and all(len(step) == 2 for step in lrs[8 * at_epoch :]), lrs
+    assert all(step[0] == pytest.approx(step[-1], rel=1e-12) for step in lrs), lrs
+    assert lrs[-1][0] == pytest.approx(0.1 if "lr_warmup_steps" in settings else 0.0, abs=0.002), lrs
+
+
 def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(tmp_path: Path) -> None:
     """run.setup() builds the model with spawn(seed=)'s seed and seeds every worker's streams from it:
     a seed sweep of torch.manual_seed(s) at the top of main gave one run s times, without a word (an

@@ -130,5 +130,5 @@ def schedule_lr(
     factor = lr_at(cfg, epoch_progress, total_epochs) / settled_lr(cfg)
     if step is not None:
         factor *= warmup_factor(cfg, step)
-    for group in optimizer.param_groups:
-        group["lr"] = group.get("base_lr", group["lr"]) * factor
+    for group in optimizer.param_groups:  # (a group added since the last step: its lr is its base, as a new one's)
+        group["lr"] = group.setdefault("base_lr", group["lr"]) * factor

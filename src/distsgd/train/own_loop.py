@@ -1511,7 +1511,8 @@ class Run:
             self._end_forwards()
         if position is not None:
             groups = [g for opt in self._optimizers for g in opt.param_groups]
-            if self._lr_set is not None and [g["lr"] for g in groups] != self._lr_set:
+            # (the groups stepped before: one added since, an unfrozen layer's, takes its lr as its base)
+            if self._lr_set is not None and [g["lr"] for g in groups][: len(self._lr_set)] != self._lr_set:
                 raise ConfigError(
                     f"the learning rate changed between steps while --schedule {cfg.schedule} "
                     f"(or --lr-warmup-steps) sets it: use your LR scheduler or the run's schedule, not both"
