@@ -357,6 +357,13 @@ def test_mistakes_get_one_line() -> None:
         distsgd.spawn(tuple_loop, model=Net, checkpoint_every="100", out="unused", quiet=True)
     with pytest.raises(distsgd.ConfigError, match="cannot be sent to worker processes"):
         distsgd.spawn(lambda run: None, model=Net, algo="allreduce", workers=2, quiet=True)
+    # a model instance torch's parametrizations hold (weight_norm): its reason and the fix, its class (until
+    # 2026-12-01 "define it at module level", which it was, an audit's)
+    weighted = Net()
+    torch.nn.utils.parametrizations.weight_norm(next(m for m in weighted.modules() if isinstance(m, nn.Linear)))
+    with pytest.raises(distsgd.ConfigError, match=r"parametrized modules .*: pass its class or a function") as info:
+        distsgd.spawn(tuple_loop, model=weighted, algo="allreduce", workers=2, quiet=True)
+    assert "\n" not in str(info.value), str(info.value)
 
 
 def timed_evaluations_loop(run: distsgd.Run) -> nn.Module:

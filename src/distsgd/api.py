@@ -912,10 +912,19 @@ def _check_travels(pieces: Iterable[tuple[str, object]]) -> None:
         try:
             pickle.dumps(obj)
         except Exception as exc:
+            # a model instance whose class is at module level may hold what pickle refuses (torch's
+            # parametrizations: weight_norm, spectral_norm, orthogonal); its class travels (an audit's:
+            # such a model was told to be defined at module level, which it was, torch's reason dropped)
+            instance = isinstance(obj, (_CopyOf, nn.Module))
+            fix = (
+                "pass its class or a function that builds it (model=MyNet), not an instance"
+                if instance
+                else "define it at module level, not inside a function or as a lambda"
+            )
+            why = one_line(str(exc))[:200]
             raise ConfigError(
                 f"the {what} ({describe(obj)}) cannot be sent to worker processes "
-                f"({type(exc).__name__}): define it at module level, not inside a function "
-                f"or as a lambda"
+                f"({type(exc).__name__}{': ' + why if why else ''}): {fix}"
             ) from None
 
 
