@@ -153,6 +153,16 @@ def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
         ({"x": np.array([[3.3e38], [3.3e38], [-3.3e38]], np.float32), "y": np.array([0, 1, 1])}, "too far apart"),
         # one class: 8f65d93 trained to "test accuracy 1.0000, test loss 0.0000", exit 0
         ({"x": np.zeros((3, 2)), "y": np.full(3, 2)}, "every training label is 2: a classifier needs two"),
+        # test labels encoded otherwise: the model had 7 outputs and scored 0.0, exit 0 (an audit's, 2026-12-01)
+        (
+            {
+                "x": np.zeros((4, 2)),
+                "y": np.array([0, 1, 0, 1]),
+                "x_test": np.zeros((2, 2)),
+                "y_test": np.array([5, 6]),
+            },
+            r"'y_test' has label 6, past the training labels \(0..1\)",
+        ),
     ],
 )
 def test_npz_bad_arrays(tmp_path: Path, arrays: dict, message: str) -> None:

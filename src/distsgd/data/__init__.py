@@ -360,6 +360,15 @@ def _outputs(name: str, y_train: torch.Tensor, y_test: torch.Tensor, num_classes
         return int(y_train.shape[1])
     largest, key = max((int(y_train.max()), "y"), (int(y_test.max()) if len(y_test) else 0, "y_test"))
     if num_classes is None:
+        # the classes are the training labels': a test label past them (test labels encoded otherwise,
+        # 1-based) widened the model to it and scored 0 (an audit's: 7 outputs, accuracy 0.0, exit 0)
+        top = int(y_train.max())
+        if key == "y_test" and largest > top:
+            raise DataError(
+                f"{name}: 'y_test' has label {largest}, past the training labels (0..{top}): are the test "
+                f"labels encoded as the training ones? (a class the training set lacks: from_arrays(num_classes=) "
+                f"in Python)"
+            )
         num_classes = formats.classes_from_labels(largest, f"{name}: '{key}'")
     elif largest + 1 > num_classes:
         raise DataError(f"{name}: labels must lie in 0..{num_classes - 1}, found {largest}")
