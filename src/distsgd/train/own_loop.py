@@ -190,6 +190,10 @@ class Run:
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _past_steps = 0  # steps a user's loop took after the run's end (max_samples, a target reached)
     _pauses = 0  # run.paused() blocks open (any thread): the loop's stall watch waits for their end
+    # an evaluation's pass over run.loader() read this worker's share of a set: its group's collectives
+    # then (_collectives), or None (no share read since test figures were last logged)
+    _share_read: tuple[int | None] | None = None
+    _warned_share = False
     _started = Start.FRESH  # how run.setup() started this worker (a fresh run, a resumed one, a replacement)
     _resumed_steps = -1  # a resumed run: the steps its checkpoint had taken
     # a resumed user's loop until its first step: each optimiser's settings as run.setup() restored them
@@ -1113,26 +1117,38 @@ class Run:
 
     def _evaluation_pass(self, shard: "_Shard") -> Any:
         """A pass over ``shard`` begun under ``torch.no_grad()`` (an evaluation's): this worker's
-        shard of the epoch it names (else the first), neither counted as trained nor moving the
-        epochs and the position a checkpoint holds. Said once: each worker reads its shard."""
+        share of the dataset, every W-th sample from its rank (the workers' shares make the whole
+        set: an evaluation needs no equal steps), neither counted as trained nor moving the epochs
+        and the position a checkpoint holds. Said once: each worker reads its share. Test figures
+        logged after it with no run.all_reduce()/all_gather() between are this worker's share's
+        (see :meth:`log`). Until 2026-12-01 the shares were equal (20 of 21 samples: figures
+        summed over the workers missed one) and a worker's share's figures were the run's final
+        ones (an audit's: 0.80 said for a model scoring 0.619)."""
         if not self._said_evaluation and self.rank == 0 and self.world > 1:
-            n = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
             log.warning(
-                "run.loader() read under torch.no_grad() (an evaluation?): each worker reads its shard of "
-                "it%s, and its batches count as no training; combine its figures over the workers with "
-                "run.all_reduce(), or read the whole set with a DataLoader of your own",
-                f" (equal shards: {n - n % self.world} of its {n} samples)" if n is not None and n % self.world else "",
+                "run.loader() read under torch.no_grad() (an evaluation?): each worker reads its share of "
+                "it, and its batches count as no training; combine its figures over the workers with "
+                "run.all_reduce(), or read the whole set with a DataLoader of your own"
             )
         self._said_evaluation = True
-        return self._batches(shard, shard.epoch or 0, 0)
+        if isinstance(shard.dataset, IterableDataset):
+            return self._batches(shard, shard.epoch or 0, 0)
+        shared = self.world > 1 and self.cfg.partition == "sharded"
+        self._share_read = (_collectives(),) if shared else None
+        order = torch.arange(len(shard.dataset))
+        order = order[self.rank :: self.world] if shared else order
+        if shard.drop_last:
+            order = order[: len(order) - len(order) % shard.size]
+        return self._batches(shard, shard.epoch or 0, 0, order)
 
-    def _batches(self, shard: "_Shard", epoch: int, skip: int) -> Any:
-        """A loader over this worker's part of ``shard``'s dataset in ``epoch``, ``skip`` samples in."""
+    def _batches(self, shard: "_Shard", epoch: int, skip: int, order: torch.Tensor | None = None) -> Any:
+        """A loader over this worker's part of ``shard``'s dataset in ``epoch``, ``skip`` samples in
+        (or of a map-style dataset's indices ``order``)."""
         dataset, size, options = shard.dataset, shard.size, shard.options
         if isinstance(dataset, IterableDataset):
             part = StreamPart(dataset, self.rank, self.world, skip)
             return DataLoader(part, batch_size=size, drop_last=shard.drop_last, **options)
-        order = self._epoch_order(shard, epoch, skip)
+        order = self._epoch_order(shard, epoch, skip) if order is None else order
         plain = options["collate_fn"] is None and not options["num_workers"] and len(options) == 3
         if isinstance(dataset, TensorDataset) and plain:
             # tensors in memory: index them a batch at a time, as distsgd's loop does (a DataLoader
@@ -1675,6 +1691,8 @@ class Run:
                     self._demoted(values, another="another")
                 elif writes and whose == forwards.BOTH and not _names_the_copys(values):
                     self._demoted(values, another="both")
+                elif writes and self._share_read not in (None, (-1,)) and self._share_read == (_collectives(),):
+                    self._demoted(values, another="share")  # (no collective since the pass: one worker's share)
                 elif writes:
                     reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
@@ -1716,7 +1734,17 @@ class Run:
         weights, an EMA's, and the figures do not say which is which: see
         :mod:`distsgd.train.forwards`): a ``log`` event, not an evaluation (not the final figures,
         nor a time to target); said once."""
-        if another == "both":
+        if another == "share":
+            self._share_read = None
+            if not self._warned_share:
+                self._warned_share = True
+                log.warning(
+                    "run.log(test_...) after a pass over run.loader() under torch.no_grad() and no run.all_reduce() "
+                    "since: the figures are this worker's share of the set's, logged but not taken as the run's "
+                    "evaluations (final figures, time to target); combine them over the workers with run.all_reduce() "
+                    "(sums of correct and seen), or evaluate the whole set with a DataLoader of your own"
+                )
+        elif another == "both":
             if not self._warned_both:
                 self._warned_both = True
                 log.warning(
@@ -2198,6 +2226,18 @@ class Run:
                 f"a load_state_dict(), or a forward in training mode that moved BatchNorm's statistics"
             )
         return None
+
+
+def _collectives() -> int | None:
+    """The collectives this process's group has made so far (its sequence number; None: no group,
+    a Hogwild! or parameter-server worker's, where figures cannot be combined; -1: a backend that
+    keeps no count, taken as combined)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())  # type: ignore[attr-defined]
+    except (RuntimeError, AttributeError):  # (a backend that keeps none: taken as combined)
+        return -1
 
 
 def _number(value: Any, where: torch.device) -> torch.Tensor:
