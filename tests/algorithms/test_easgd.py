@@ -258,3 +258,21 @@ def test_async_runs_keep_the_sample_budget(digits) -> None:
 def test_bad_settings() -> None:
     with pytest.raises(distsgd.ConfigError, match="beta = N alpha"):
         distsgd.train(model="mlp", data="digits", algo="easgd", workers=2, alpha=1.5, quiet=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples, said", [(512, True), (1536, False)])
+def test_a_run_ending_before_its_centre_moved_says_so(tmp_path, samples: int, said: bool) -> None:
+    """The centre moves at exchanges, every tau steps from the first (at step 1, from the one starting
+    point, it moves nothing): a run of 4 steps a worker under tau 8 returns the starting model. Until
+    2026-12-01 unsaid (an audit's: a fine-tune of tau steps or fewer returned the pretrained weights
+    bit for bit); 12 steps a worker (an exchange at step 9) say nothing."""
+    from helpers import run_cli
+
+    res = run_cli(
+        "train", "--dataset", "digits", "--model", "logreg", "--algo", "easgd", "--workers", "2", "--tau", "8",
+        "--batch-size", "64", "--max-samples", str(samples), "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert ("the centre it returns took nothing from the workers' training" in out) == said, out

@@ -36,6 +36,7 @@ at the same lr. To match their progress per sample, scale the lr by (N + 1) / N 
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -61,6 +62,8 @@ from distsgd.options import Options, option
 from distsgd.schedule import Periodic
 from distsgd.train import membership
 from distsgd.train.context import Figures, Start, Step, WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 def sync_elastic_step(
@@ -120,6 +123,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
 
     period: Periodic  # exchanges at steps 0, tau, 2 tau, ... (counting those taken before; checkpointed)
     exchanged_at: int  # the step whose exchange was made (a user's loop steps several optimisers a step)
+    moved: bool  # an exchange after training began moved the centre (or a resume's checkpoint held one)
     move: torch.Tensor | None  # x_i's elastic move, owed once this step's optimisers have stepped
     # built by setup:
     alpha: float  # the elastic strength (its default depends on the workers)
@@ -144,6 +148,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
     def setup(self, ctx: WorkerContext, model: nn.Module, start: Start) -> nn.Module:
         model = super().setup(ctx, model, start)
         self.alpha = elastic_alpha(self.opts, ctx.world)
+        self.moved = start is not Start.FRESH
         if start is Start.FRESH:
             for p in model.parameters():  # one starting point for workers and centre
                 membership.call(dist.broadcast, p.data, src=0)
@@ -167,6 +172,7 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         term is part of the gradient); x_i's elastic move once every optimiser stepped (after_step)."""
         if self.period.due(step.number - 1) and step.number != self.exchanged_at:
             self.exchanged_at = step.number
+            self.moved = self.moved or step.number > 1  # (the first, at step 1, is from one starting point)
             sent, self.move = sync_elastic_step(self.x, self.center, self.alpha, self.world)
             self.sent(sent, self.world)
             unflatten_into(flatten(self.x_ints), self.center_ints)
@@ -210,6 +216,14 @@ class EASGD(GroupAlgorithm[EASGDOptions]):
         if self.watch is not None:  # (every worker alike: a user's loop's)
             self.sent(
                 adopt_buffers_(self.center_model, self.unwrap(model), self.watch.changed(), self.world), self.world
+            )
+        if not self.moved and ctx.rank == 0 and self.exchanged_at:
+            # (a fine-tune of tau steps or fewer returned its pretrained weights bit for bit, unsaid: an audit's)
+            log.warning(
+                "easgd: the run ended before an exchange after its first step (--tau %d steps): the centre it "
+                "returns took nothing from the workers' training, it is the starting model; give a smaller --tau "
+                "(or a longer run)",
+                self.opts.tau,
             )
         return self.center_model
 
