@@ -859,6 +859,30 @@ def test_an_evaluation_over_run_loader_is_the_whole_sets_once_combined(tmp_path:
         assert said(tmp_path).count("the figures are this worker's share of the set's") == 1, said(tmp_path)
 
 
+def own_sgd_loop(run: distsgd.Run) -> nn.Module:
+    """A loop that builds its optimiser itself: SGD, lr 0.1, no momentum."""
+    model = Net()
+    model, opt = run.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x, y in run.loader(toy_dataset(), batch_size=B):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return run.final_model()
+
+
+def test_an_optimiser_setting_given_to_spawn_and_not_the_loops_optimiser_is_refused() -> None:
+    """spawn(lr=0.5) beside a loop that builds SGD(lr=0.1) itself: its optimiser steps with 0.1, so
+    0.5 would do nothing (until 2026-12-01 it trained at 0.1 and config.toml said 0.5, an audit's):
+    refused in one line, as is momentum it does not have; the same lr given to both runs."""
+    common = dict(model=Net, algo="allreduce", workers=2, batch_size=B, quiet=True)
+    with pytest.raises(distsgd.DistsgdError, match=r"spawn\(lr=0.5\) does nothing here: .*SGD, lr=0.1") as info:
+        distsgd.spawn(own_sgd_loop, lr=0.5, **common)
+    assert "\n" not in str(info.value)
+    with pytest.raises(distsgd.DistsgdError, match=r"spawn\(momentum=0.9\) does nothing here"):
+        distsgd.spawn(own_sgd_loop, momentum=0.9, **common)
+    assert distsgd.spawn(own_sgd_loop, lr=0.1, **common).summary["samples"] == 256
+
+
 def test_a_seed_set_in_main_before_setup_is_said_to_choose_nothing(tmp_path: Path) -> None:
     """run.setup() builds the model with spawn(seed=)'s seed and seeds every worker's streams from it:
     a seed sweep of torch.manual_seed(s) at the top of main gave one run s times, without a word (an
@@ -1762,11 +1786,12 @@ def shared_net() -> Net:
 def test_a_model_optimiser_and_data_of_the_script_train_as_one_process_would(algo: str) -> None:
     """spawn(net, args=(net, data, ...)): the model reaches each worker in shared memory (torch's
     multiprocessing sends tensors so), yet each replica steps its own copy; the optimiser built in
-    the loop steps with its own lr (0.1, not the run's 0.05; under sync-ps the server takes it from
-    each push); each pass over run.loader is the next epoch; the net given ends trained in place."""
+    the loop steps with its own lr (0.1; under sync-ps the server takes it from each push; a
+    spawn(lr=) of another is refused since 2026-12-01); each pass over run.loader is the next epoch;
+    the net given ends trained in place."""
     net = shared_net()
     result = distsgd.spawn(
-        objects_through_args, net, algo, 2, args=(net, toy_dataset(), 0.1, 0.0), batch_size=B, lr=0.05, quiet=True
+        objects_through_args, net, algo, 2, args=(net, toy_dataset(), 0.1, 0.0), batch_size=B, quiet=True
     )
     expected = reference_epochs(2, 0.1)
     assert result.model is not None and result.summary["samples"] == 2 * N

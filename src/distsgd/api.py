@@ -850,7 +850,13 @@ def spawn(
     cfg = cfg.replace(model=spec if isinstance(spec, str) else describe(spec), dataset=OWN_LOOP_DATA)
     data = OwnData(n_train=train_size or 0)
     entry = _WithArgs(main, tuple(args)) if args else main
-    code = {"main": entry, "optimizer": optimizer, "callbacks": checked_callbacks(callbacks)}
+    given_optimiser = tuple(k for k in ("lr", "momentum", "weight_decay") if settings.get(k) is not None)
+    code = {
+        "main": entry,
+        "optimizer": optimizer,
+        "callbacks": checked_callbacks(callbacks),
+        "settings_given": given_optimiser,
+    }
     result = run(cfg, model_spec=spec, dataset=data, code=code, evaluate=evaluate)
     if module is not None and result.model is not None:
         with torch.no_grad():  # the module given ends trained, on its own device

@@ -35,6 +35,7 @@ class Job:
     param_groups: Callable | None = None  # param_groups(model) -> [{"params": [...], "lr": ...}, ...]
     main: Callable | None = None  # main(run): the user's own loop (distsgd.spawn); None: distsgd's loop
     callbacks: tuple = ()  # objects with on_eval / on_checkpoint / on_end (distsgd.callbacks)
+    settings_given: tuple[str, ...] = ()  # the optimiser's settings spawn() was given (a loop's own must match)
     # the manifest of the checkpoint a local launcher chose to resume from (the newest whole one, or
     # the one before a damaged newest, which a run resumed elsewhere leaves unnamed in the run it
     # reads); None: the manifest of ``cfg.resume`` as it is (torchrun's ranks, or no resume). Its

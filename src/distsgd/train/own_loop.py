@@ -61,7 +61,7 @@ from distsgd.checkpoint import (
     scatter,
     seconds,
 )
-from distsgd.config import checkpoint_record
+from distsgd.config import RunConfig, checkpoint_record
 from distsgd.data.partition import epoch_indices, mix_seed, shard_size
 from distsgd.data.torchdata import STREAM_REPLICATED, StreamPart
 from distsgd.errors import (
@@ -449,6 +449,7 @@ class Run:
                         f"run.setup(model, ...): optimiser {i + 1} ({type(opt).__name__}) steps parameters "
                         f"that are not the model's: build it on model.parameters()"
                     )
+            _given_settings_kept(self._ctx.job.settings_given, self.cfg, objects[0])
         return objects
 
     def _own_loop_hooks(self) -> None:
@@ -2238,6 +2239,29 @@ def _collectives() -> int | None:
         return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())  # type: ignore[attr-defined]
     except (RuntimeError, AttributeError):  # (a backend that keeps none: taken as combined)
         return -1
+
+
+def _given_settings_kept(names: tuple[str, ...], cfg: RunConfig, opt: torch.optim.Optimizer) -> None:
+    """spawn()'s optimiser settings ``names`` (lr, momentum, weight_decay) where the loop built its
+    optimiser itself, which steps with its own: one that differs from it (or that it has not) is
+    refused in one line. Until 2026-12-01 spawn(lr=0.5) beside a loop's SGD(lr=0.1) trained at 0.1,
+    and config.toml said 0.5 (an audit's)."""
+    group = opt.param_groups[0]
+    for name in names:
+        wanted, own = getattr(cfg, name), group.get(name)
+        own = float(own) if isinstance(own, torch.Tensor) and own.numel() == 1 else own  # (a tensor lr)
+        if (
+            isinstance(own, (int, float))
+            and not isinstance(own, bool)
+            and math.isclose(own, wanted, rel_tol=1e-6, abs_tol=1e-12)  # (float32's rounding)
+        ):
+            continue
+        has = f"{name}={own}" if own is not None else f"no {name}"
+        raise ConfigError(
+            f"spawn({name}={wanted}) does nothing here: the loop built its optimiser ({type(opt).__name__}, {has}), "
+            f"which steps with its own settings; leave {name} out of spawn(), or let run.setup(model) build the "
+            f"optimiser from spawn()'s settings"
+        )
 
 
 def _number(value: Any, where: torch.device) -> torch.Tensor:
