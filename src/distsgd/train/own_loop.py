@@ -1295,6 +1295,18 @@ class Run:
         if place is not None:
             self._pending[place] = self._pending.get(place, 0) + samples
 
+    def _untaken(self, token: object, last: int) -> None:
+        """A pass of run.loader ends (``last``: the samples of its last batch): a batch counted after
+        the last backward, with no step since, was read but never trained (zip(unlabelled,
+        labelled) pulls a batch from the first and drops it when the second ends; a loop's break
+        before training on the batch it took), and is not counted (an audit's: 220 samples said for
+        212)."""
+        if last and not self._stepped and self._batch_samples - self._drops.backward >= last:
+            self._batch_samples -= last
+            place = self._pass_of.get(id(token))
+            if place is not None and self._pending.get(place, 0) >= last:
+                self._pending[place] -= last
+
     def global_samples(self) -> int:
         """All workers' samples so far, as this worker knows them."""
         self._sums.read(self._algo, self._ctx)
@@ -2378,18 +2390,20 @@ class _Shard:
             for batch in run._evaluation_pass(self):
                 yield _to(batch, run.device)
             return
-        token, backwards, read = object(), run._backwards_ever, 0
+        token, backwards, read, last = object(), run._backwards_ever, 0, 0
         try:
             batches, sizes = run._pass(self, token)
             for batch in batches:
                 if run.should_stop():
                     return
-                run._count_in(token, next(sizes) if sizes is not None else _count(batch))
+                last = next(sizes) if sizes is not None else _count(batch)
+                run._count_in(token, last)
                 read += 1
                 yield _to(batch, run.device)
             if read and run._backwards_ever == backwards and run._ctx.job.main is not None:
                 raise ConfigError(_NO_BACKWARD_PASS.format(read=f"{read} batch{'es' * (read != 1)}"))
         finally:  # exhausted, left (a zip's shorter loader ended), or stopped
+            run._untaken(token, last)
             run._open.pop(id(token), None)
             run._pass_of.pop(id(token), None)
 
