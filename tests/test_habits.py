@@ -719,6 +719,12 @@ def zipped_or_dropping_loop(run: distsgd.Run, habit: str, lr_file: str | None = 
                 loss = F.cross_entropy(model(x), y)
                 (loss + 0.1 * F.cross_entropy(model(u), model(u).argmax(1).detach())).backward()
                 opt.step()
+        elif habit == "next(iter(loader))":  # (each pass ends at once; its one batch is trained after)
+            for _ in range(6):
+                x, y = next(iter(run.loader(toy_dataset(100), batch_size=8, epoch=epoch)))
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
         else:
             for x, y in run.loader(toy_dataset(100), batch_size=8, drop_last=True):
                 opt.zero_grad()
@@ -729,7 +735,7 @@ def zipped_or_dropping_loop(run: distsgd.Run, habit: str, lr_file: str | None = 
     return run.final_model()
 
 
-@pytest.mark.parametrize("habit", ["zip", "zip the longer first", "drop_last"])
+@pytest.mark.parametrize("habit", ["zip", "zip the longer first", "drop_last", "next(iter(loader))"])
 def test_an_epoch_of_zipped_loaders_or_of_drop_last_is_what_a_pass_reads(tmp_path: Path, habit: str) -> None:
     """Zipped, 2 workers: each pass reads 4 labelled batches of 8 (32 of each worker's 128
     unlabelled beside them), 64 samples a worker an epoch: 256 samples, 2 epochs, and a cosine
@@ -743,6 +749,9 @@ def test_an_epoch_of_zipped_loaders_or_of_drop_last_is_what_a_pass_reads(tmp_pat
     lr_file = str(tmp_path / "lr")
     loop = functools.partial(zipped_or_dropping_loop, habit=habit, lr_file=lr_file)
     summary = distsgd.spawn(loop, schedule="cosine", **common).summary
+    if habit == "next(iter(loader))":  # each batch taken alone is trained: 2 epochs x 6 x 2 workers x 8
+        assert summary["samples"] == 2 * 6 * 2 * 8, summary
+        return
     expected = 2 * 2 * 64 if habit.startswith("zip") else 2 * 2 * 48
     assert (summary["samples"], summary["epochs"]) == (expected, 2.0), summary
     # the last step's lr: the cosine at 1.75 of 2 epochs (zip: 224 of 256 samples before it), 0.038 of 0.1's

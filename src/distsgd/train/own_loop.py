@@ -1284,6 +1284,7 @@ class Run:
     def count(self, samples: int) -> None:
         """Count ``samples`` for the next step (``run.loader`` does it for its batches; call it for
         batches from a loader of your own)."""
+        self._drop_untaken()
         self._batch_samples += samples
         if self._replay is not None:  # (a resumed loop's first batch: the epochs it replays are behind it)
             self._end_replay()
@@ -1296,14 +1297,23 @@ class Run:
             self._pending[place] = self._pending.get(place, 0) + samples
 
     def _untaken(self, token: object, last: int) -> None:
-        """A pass of run.loader ends (``last``: the samples of its last batch): a batch counted after
-        the last backward, with no step since, was read but never trained (zip(unlabelled,
+        """A pass of run.loader ends (``last``: the samples of its last batch), its last batch
+        counted after the last backward with no step since: read, and trained only if a backward
+        comes before another batch is counted (``next(iter(run.loader(...)))``, whose pass ends at
+        once, trains on its batch after); a batch counted first says it was dropped (zip(unlabelled,
         labelled) pulls a batch from the first and drops it when the second ends; a loop's break
-        before training on the batch it took), and is not counted (an audit's: 220 samples said for
-        212)."""
+        before training on the batch it took), and it is not counted (:meth:`count`; an audit's:
+        220 samples said for 212)."""
         if last and not self._stepped and self._batch_samples - self._drops.backward >= last:
+            self._drops.untaken = (last, self._pass_of.get(id(token)))
+
+    def _drop_untaken(self) -> None:
+        """A batch counted or a step begun with a pass's last batch untrained since (_untaken): it is
+        not counted."""
+        if self._drops.untaken is not None:
+            last, place = self._drops.untaken
+            self._drops.untaken = None
             self._batch_samples -= last
-            place = self._pass_of.get(id(token))
             if place is not None and self._pending.get(place, 0) >= last:
                 self._pending[place] -= last
 
@@ -1382,7 +1392,7 @@ class Run:
         self._nested_done = False
         if self._drops.at is not None:
             self._dropped_said()
-        self._drops.backward = self._batch_samples
+        self._drops.backward, self._drops.untaken = self._batch_samples, None
         self._backwards += 1
         self._backwards_ever += 1
         if self._no_sync_depth:
@@ -1506,6 +1516,7 @@ class Run:
         model = self._need_setup("optimizer.step()")
         if self._nested_done:  # the backward's parameters were all inside its reentrant pass
             self._backward_done()
+        self._drop_untaken()
         self._check_untouched()
         if not self._said_threads:
             self._threads_said()
@@ -1623,7 +1634,7 @@ class Run:
     def _abandon_step(self) -> None:
         """Forget the step in flight (its collective failed: the group lost a worker)."""
         self._batch_samples = self._backwards = self._syncs = self._no_sync_depth = self._drops.backward = 0
-        self._drops.at = self._drops.finite = None
+        self._drops.at = self._drops.finite = self._drops.untaken = None
         self._sums.forget()
         self._stepped.clear()
         self._pending.clear()
@@ -1661,7 +1672,7 @@ class Run:
         self._pending.clear()
         self._state.steps += 1
         self._batch_samples = self._backwards = self._syncs = self._drops.backward = 0
-        self._drops.at = self._drops.finite = None
+        self._drops.at = self._drops.finite = self._drops.untaken = None
         self._stepped.clear()
         self._current, self._unscaled = None, False
         model = self._need_setup("optimizer.step()")
@@ -2419,6 +2430,7 @@ class _Drops:
         self.finite: torch.Tensor | None = None
         self.backward = 0
         self.said = False
+        self.untaken: tuple[int, int | None] | None = None  # a pass's last batch, perhaps never trained (Run._untaken)
 
 
 class _Real:
