@@ -128,6 +128,13 @@ def test_npz_without_test_holds_out_ten_percent(tmp_path: Path) -> None:
     np.savez(path, x=np.arange(200, dtype=np.float32).reshape(100, 2), y=np.arange(100) % 4)
     ds = load_dataset(f"npz:{path}")
     assert len(ds.y_train) == 90 and len(ds.y_test) == 10
+    # a rare class whose one sample the held-out tenth took (rows 11 and 20 of 21): its classes, not
+    # a refusal of test labels the file never gave
+    y = np.arange(21) % 2
+    y[11] = 2
+    np.savez(path, x=np.arange(42, dtype=np.float32).reshape(21, 2), y=y)
+    ds = load_dataset(f"npz:{path}")
+    assert int(ds.y_test.max()) == 2 and ds.num_classes == 3
 
 
 @pytest.mark.parametrize(

@@ -714,6 +714,7 @@ def zipped_or_dropping_loop(run: distsgd.Run, habit: str, lr_file: str | None = 
             labelled, unlabelled = run.loader(toy_dataset(64), batch_size=8), run.loader(toy_dataset(256), batch_size=8)
             # (the longer first: zip pulls its batch, then ends on the shorter, dropping it)
             pairs = zip(labelled, unlabelled) if habit == "zip" else ((a, b) for b, a in zip(unlabelled, labelled))
+            pairs = zip(itertools.cycle(labelled), unlabelled) if habit == "zip cycling the labelled" else pairs
             for (x, y), (u, _) in pairs:
                 opt.zero_grad()
                 loss = F.cross_entropy(model(x), y)
@@ -735,24 +736,28 @@ def zipped_or_dropping_loop(run: distsgd.Run, habit: str, lr_file: str | None = 
     return run.final_model()
 
 
-@pytest.mark.parametrize("habit", ["zip", "zip the longer first", "drop_last", "next(iter(loader))"])
+@pytest.mark.parametrize(
+    "habit", ["zip", "zip the longer first", "zip cycling the labelled", "drop_last", "next(iter(loader))"]
+)
 def test_an_epoch_of_zipped_loaders_or_of_drop_last_is_what_a_pass_reads(tmp_path: Path, habit: str) -> None:
     """Zipped, 2 workers: each pass reads 4 labelled batches of 8 (32 of each worker's 128
-    unlabelled beside them), 64 samples a worker an epoch: 256 samples, 2 epochs, and a cosine
-    schedule over 2 epochs ends at its end. drop_last: each worker's 50 are 6 batches of 8, 48 an
-    epoch: 192 samples, 2 epochs. Until 2026-12-01 an epoch was the datasets' lengths summed (0.8
-    epochs said for 2; the cosine never got past 42% of its course in the audit's) or drop_last's
-    whole shard (1.92). Zipped with the longer loader first, zip pulls one more batch from it and
-    drops it when the shorter ends: read, never trained, and not counted (until 2026-12-01 it
-    was, at the next step: 272 samples said for 256)."""
+    unlabelled beside them), 64 samples a worker an epoch: 256 samples; an epoch of passes read
+    together is their lengths summed (right where the labelled are cycled: 32 + 128 a worker, 2
+    epochs), so a zip that ends with the shorter names its epoch with spawn(train_size=): then 2
+    epochs, and a cosine over them ends at its end. drop_last: each worker's 50 are 6 batches of 8,
+    48 an epoch: 192 samples, 2 epochs (until 2026-12-01 its whole shard: 1.92, an audit's). Zipped
+    with the longer loader first, zip pulls one more batch from it and drops it when the shorter
+    ends: read, never trained, and not counted (until 2026-12-01 it was, at the next step: 272
+    samples said for 256)."""
     common = dict(model=Net, algo="allreduce", workers=2, batch_size=B, epochs=2, quiet=True, lr=0.1)
     lr_file = str(tmp_path / "lr")
     loop = functools.partial(zipped_or_dropping_loop, habit=habit, lr_file=lr_file)
-    summary = distsgd.spawn(loop, schedule="cosine", **common).summary
+    zipped = habit in ("zip", "zip the longer first")
+    summary = distsgd.spawn(loop, schedule="cosine", **common, **({"train_size": 2 * 64} if zipped else {})).summary
     if habit == "next(iter(loader))":  # each batch taken alone is trained: 2 epochs x 6 x 2 workers x 8
         assert summary["samples"] == 2 * 6 * 2 * 8, summary
         return
-    expected = 2 * 2 * 64 if habit.startswith("zip") else 2 * 2 * 48
+    expected = 2 * 2 * 64 if zipped else 2 * 2 * (32 + 128) if habit.startswith("zip") else 2 * 2 * 48
     assert (summary["samples"], summary["epochs"]) == (expected, 2.0), summary
     # the last step's lr: the cosine at 1.75 of 2 epochs (zip: 224 of 256 samples before it), 0.038 of 0.1's
     assert float(Path(lr_file).read_text()) < 0.01, Path(lr_file).read_text()
@@ -826,9 +831,10 @@ def test_a_pretrained_state_loaded_after_setup_under_ddp_is_loaded(strict: bool)
     assert max_diff(ddp, reference) < 1e-5, max_diff(ddp, reference)
 
 
-def shared_evaluation_loop(run: distsgd.Run, folder: str, combine: bool) -> nn.Module:
-    """An epoch, then an evaluation over run.loader() under torch.no_grad() of a test set of 21:
-    each worker's share's figures logged as they are, or (``combine``) summed over the workers."""
+def shared_evaluation_loop(run: distsgd.Run, folder: str, combine: str) -> nn.Module:
+    """An epoch, then an evaluation over run.loader() under torch.no_grad() of a test set of 22:
+    each worker's shard's figures logged as they are (``none``; ``twice``: loss and accuracy in two
+    calls), or summed over the workers with run.all_reduce or dist.all_reduce."""
     logging.getLogger("distsgd").addHandler(logging.FileHandler(Path(folder, f"log-{run.rank}")))
     model, opt = run.setup()
     for x, y in run.loader(toy_dataset(), batch_size=B):
@@ -836,40 +842,59 @@ def shared_evaluation_loop(run: distsgd.Run, folder: str, combine: bool) -> nn.M
         F.cross_entropy(model(x), y).backward()
         opt.step()
     final = run.final_model()
+    final.eval()
     correct = seen = 0
     with torch.no_grad():
-        for x, y in run.loader(TensorDataset(*(t[-21:] for t in toy_dataset(277).tensors)), batch_size=4):
+        for x, y in run.loader(TensorDataset(*(t[-22:] for t in toy_dataset(278).tensors)), batch_size=4):
             correct += int((final(x).argmax(1) == y).sum())
             seen += len(y)
-    if combine:
+    if combine == "run.all_reduce":
         correct, seen = int(run.all_reduce(correct, "sum")), int(run.all_reduce(seen, "sum"))
+    elif combine == "dist.all_reduce":
+        both = torch.tensor([correct, seen], dtype=torch.float64)
+        torch.distributed.all_reduce(both)
+        correct, seen = int(both[0]), int(both[1])
+    if combine == "twice":
+        run.log(test_loss=1.0)
     run.log(test_accuracy=correct / seen)
     return final
 
 
-@pytest.mark.parametrize("combine", [False, True])
-def test_an_evaluation_over_run_loader_is_the_whole_sets_once_combined(tmp_path: Path, combine: bool) -> None:
-    """Under no_grad run.loader gives each worker a share of the set, the shares the whole of it
-    (11 and 10 of 21 samples). Figures summed over the workers with run.all_reduce are the model's
-    on the whole set, the run's final ones; a worker's share's, logged as they are, are not taken as
-    the run's evaluation (a warning says so). Until 2026-12-01 the shares were equal (20 of 21) and
-    a share's figures were the final ones (an audit's: 0.80 for a model scoring 0.619)."""
+@pytest.mark.parametrize(
+    "combine, algo",
+    [
+        ("none", "allreduce"),
+        ("twice", "allreduce"),
+        ("none", "ddp"),
+        ("run.all_reduce", "allreduce"),
+        ("dist.all_reduce", "ddp"),
+    ],
+)
+def test_an_evaluation_over_run_loader_is_the_whole_sets_once_combined(tmp_path: Path, combine: str, algo: str) -> None:
+    """Under no_grad run.loader gives each worker an equal shard of the set (11 of 22 here, so
+    that a collective a batch pairs). Figures summed over the workers (run.all_reduce, or
+    torch.distributed's in a converted script) are the model's on the whole set, the run's final
+    ones; a worker's shard's, logged as they are, are not taken as the run's evaluation (a warning
+    says so), in a second run.log too, and under ddp, whose forward of a BatchNorm model makes a
+    collective of its own. Until 2026-12-01 a shard's figures were the final ones (an audit's:
+    0.80 for a model scoring 0.619)."""
     result = distsgd.spawn(
         functools.partial(shared_evaluation_loop, folder=str(tmp_path), combine=combine),
-        model=Net,
-        algo="allreduce",
+        model=Normed,
+        algo=algo,
         workers=2,
         batch_size=B,
     )
-    x, y = toy_dataset(277).tensors
+    x, y = toy_dataset(278).tensors
+    result.model.eval()
     with torch.no_grad():
-        whole = float((result.model(x[-21:]).argmax(1) == y[-21:]).float().mean())
-    if combine:
+        whole = float((result.model(x[-22:]).argmax(1) == y[-22:]).float().mean())
+    if combine.endswith("all_reduce"):
         assert result.summary["final_test_accuracy"] == pytest.approx(whole, abs=1e-6), result.summary
-        assert "this worker's share of the set's" not in said(tmp_path), said(tmp_path)
+        assert "this worker's shard of the set's" not in said(tmp_path), said(tmp_path)
     else:
-        assert result.summary["final_test_accuracy"] is None, result.summary
-        assert said(tmp_path).count("the figures are this worker's share of the set's") == 1, said(tmp_path)
+        assert result.summary["final_test_accuracy"] is None and result.summary["final_test_loss"] is None
+        assert said(tmp_path).count("the figures are this worker's shard of the set's") == 1, said(tmp_path)
 
 
 def own_sgd_loop(run: distsgd.Run) -> nn.Module:

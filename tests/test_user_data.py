@@ -143,12 +143,21 @@ def test_a_torch_dataset_of_scalar_float_targets_is_a_regression_of_one_output(a
     data = (torch.utils.data.TensorDataset(x[:500], y[:500]), torch.utils.data.TensorDataset(x[500:], y[500:]))
     result = distsgd.train(model="logreg", data=data, algo=algo, workers=2, epochs=10, lr=0.05, quiet=True)
     assert result.summary["final_test_loss"] < 0.05, result.summary["final_test_loss"]  # (y's variance: about 14)
+    # a loss= of the user's written for the dataset's (B,) targets sees them as they are
+    result = distsgd.train(
+        model="logreg", data=data, algo=algo, workers=2, epochs=10, lr=0.05, loss=squeezed_mse, quiet=True
+    )
+    assert result.summary["final_test_loss"] < 0.05, result.summary["final_test_loss"]
     from distsgd.train.objective import loss_function
 
     mse = loss_function("mse", None, "regression")
-    assert float(mse(torch.ones(4, 1), torch.ones(4, 1))) == 0.0
-    with pytest.raises(distsgd.ConfigError, match=r"outputs \(4, 1\) and the targets \(4,\) differ in shape"):
-        mse(torch.ones(4, 1), torch.ones(4))
+    assert float(mse(torch.ones(4, 1), torch.ones(4))) == 0.0
+    with pytest.raises(distsgd.ConfigError, match=r"outputs \(4, 2\) and the targets \(4,\) differ in shape"):
+        mse(torch.ones(4, 2), torch.ones(4))
+
+
+def squeezed_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.squeeze(-1), y)
 
 
 def _params(model: torch.nn.Module) -> torch.Tensor:

@@ -269,11 +269,9 @@ class TorchData:
         batches = iter(DataLoader(ds, num_workers=self.loader_workers, pin_memory=gpu, **kwargs))
         unwinding = False  # something else ended the loop: an error, a signal, the caller's break
         try:
-            column = self.task == "regression"  # scalar targets (B,) as (B, 1), one per output, as npz's are
             for x, y in batches:
                 x = x.float() if x.dtype == torch.float64 else x
                 y = y.float() if y.dtype == torch.float64 else y
-                y = y[:, None] if column and y.dim() == 1 else y
                 yield (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) if gpu else (x, y)
         except Exception as exc:
             unwinding = True

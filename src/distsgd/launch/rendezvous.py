@@ -103,7 +103,7 @@ def _said_on_the_store(exc: BaseException, rank: int) -> None:
     ``Terminated: SIGTERM`` traceback of its own under the error (an audit's). A SIGTERM with no
     failure written (a stop of the whole job: scancel, a preemption) stops the run as ever, with
     its resume hint."""
-    from distsgd.errors import PeerFailed, Terminated, ended_by_sigterm_within
+    from distsgd.errors import STOP, PeerFailed, Terminated, ended_by_sigterm_within
 
     if not dist.is_initialized():
         return
@@ -112,7 +112,9 @@ def _said_on_the_store(exc: BaseException, rank: int) -> None:
         if isinstance(exc, Terminated):
             if environment.current().agent_ends_ranks and store.check([FAILED]):
                 ended_by_sigterm_within(0.0, asked=True)
-        elif not isinstance(exc, (PeerFailed, KeyboardInterrupt, GeneratorExit)):
+        elif not isinstance(exc, (PeerFailed, KeyboardInterrupt, GeneratorExit)) and STOP.requested is None:
+            # (not a failure a stop of the whole job caused here, a DataLoader's process the same
+            # SIGTERM ended: the others keep their resume hint)
             store.set(FAILED, str(rank))
     except Exception:  # (a store gone with its host: nothing known, nothing said)
         pass

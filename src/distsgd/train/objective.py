@@ -24,10 +24,14 @@ from distsgd.models import logits_of
 
 
 def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The mean squared error of outputs and targets of one shape. Of two shapes, F.mse_loss
-    broadcasts them ((B, 1) against (B,): every output against every target) and trains a constant
-    model, with a warning of torch's alone (an audit's: test loss 4.67, the targets' variance, for
-    0.026): refused in one line."""
+    """The mean squared error of each output and its target: one output a sample (B, 1) against
+    scalar targets (B,) (a torch Dataset's float column) as one column; other shapes that differ
+    refused in one line. F.mse_loss broadcast (B, 1) against (B,) into every output against every
+    target and trained a constant model, with a warning of torch's alone (an audit's: test loss
+    4.67, the targets' variance, for 0.026). The batches are left as the dataset gives them: a
+    ``loss=`` of the user's written for them (``out.squeeze(-1)``) sees what it saw."""
+    if out.dim() == 2 and out.shape[1] == 1 and target.shape == out.shape[:1]:
+        target = target[:, None]
     if out.shape != target.shape:
         raise ConfigError(
             f"--loss mse: the model's outputs {tuple(out.shape)} and the targets {tuple(target.shape)} differ in "

@@ -190,9 +190,9 @@ class Run:
     _asked = False  # whether the loop (or run.loader for it) ever asked run.should_stop()
     _past_steps = 0  # steps a user's loop took after the run's end (max_samples, a target reached)
     _pauses = 0  # run.paused() blocks open (any thread): the loop's stall watch waits for their end
-    # an evaluation's pass over run.loader() read this worker's share of a set: its group's collectives
-    # then (_collectives), or None (no share read since test figures were last logged)
-    _share_read: tuple[int | None] | None = None
+    # an evaluation's pass over run.loader() read this worker's shard of a set, and no collective of the
+    # loop's (run.all_reduce, dist.all_reduce, ...: _collectives_seen) nor step came since
+    _share_read = False
     _warned_share = False
     _started = Start.FRESH  # how run.setup() started this worker (a fresh run, a resumed one, a replacement)
     _resumed_steps = -1  # a resumed run: the steps its checkpoint had taken
@@ -1012,17 +1012,15 @@ class Run:
 
     def _epoch_len(self) -> int | None:
         """All workers' samples an epoch of the passes under way (None: one reads a stream), as
-        ``shard_size`` reads a training set's length: read together (zipped), the passes end with
-        the one of fewest batches, and each reads as many batches. Until 2026-12-01 their datasets'
-        lengths summed (a labelled set of 50 zipped with 200 unlabelled: 0.848 epochs said for 2,
-        and a cosine over 2 epochs left at 42% of its course), and drop_last's samples were in it
-        (1.88 epochs for 2; an audit's)."""
+        ``shard_size`` reads a training set's length: their samples summed, without those
+        ``drop_last`` drops (until 2026-12-01 in it: 1.88 epochs said for 2, an audit's). Passes
+        zipped whose lengths differ are summed whole, right where the shorter is cycled
+        (``zip(cycle(labelled), unlabelled)``), not where zip ends with it (0.848 epochs said for 2:
+        ``spawn(train_size=)`` says what an epoch is)."""
         open_ = list(self._open.values())
         if not open_ or None in open_:
             return None
-        passes = cast(list[tuple[int, int]], open_)
-        steps = min(-(-n // size) for n, size in passes)
-        per_worker = sum(min(steps * size, n) for n, size in passes)
+        per_worker = sum(n for n, _ in cast(list[tuple[int, int]], open_))
         return per_worker * self.world if self.cfg.partition == "sharded" else per_worker
 
     def _sizes(self, shard: "_Shard", epoch: int, skip: int) -> Iterator[int] | None:
@@ -1118,38 +1116,33 @@ class Run:
 
     def _evaluation_pass(self, shard: "_Shard") -> Any:
         """A pass over ``shard`` begun under ``torch.no_grad()`` (an evaluation's): this worker's
-        share of the dataset, every W-th sample from its rank (the workers' shares make the whole
-        set: an evaluation needs no equal steps), neither counted as trained nor moving the epochs
-        and the position a checkpoint holds. Said once: each worker reads its share. Test figures
-        logged after it with no run.all_reduce()/all_gather() between are this worker's share's
-        (see :meth:`log`). Until 2026-12-01 the shares were equal (20 of 21 samples: figures
-        summed over the workers missed one) and a worker's share's figures were the run's final
-        ones (an audit's: 0.80 said for a model scoring 0.619)."""
+        shard of the epoch it names (else the first), neither counted as trained nor moving the
+        epochs and the position a checkpoint holds; the shards are equal, so that every worker reads
+        as many batches (a collective a batch pairs). Said once: each worker reads its shard. Test
+        figures logged after it with no collective of the loop's since are one worker's shard's
+        (see :meth:`log`; until 2026-12-01 they were the run's final figures, an audit's: 0.80 said
+        for a model scoring 0.619)."""
         if not self._said_evaluation and self.rank == 0 and self.world > 1:
+            n = None if isinstance(shard.dataset, IterableDataset) else len(shard.dataset)
             log.warning(
-                "run.loader() read under torch.no_grad() (an evaluation?): each worker reads its share of "
-                "it, and its batches count as no training; combine its figures over the workers with "
-                "run.all_reduce(), or read the whole set with a DataLoader of your own"
+                "run.loader() read under torch.no_grad() (an evaluation?): each worker reads its shard of "
+                "it%s, and its batches count as no training; combine its figures over the workers with "
+                "run.all_reduce(), or read the whole set with a DataLoader of your own",
+                f" (equal shards: {n - n % self.world} of its {n} samples)" if n is not None and n % self.world else "",
             )
         self._said_evaluation = True
-        if isinstance(shard.dataset, IterableDataset):
-            return self._batches(shard, shard.epoch or 0, 0)
-        shared = self.world > 1 and self.cfg.partition == "sharded"
-        self._share_read = (_collectives(),) if shared else None
-        order = torch.arange(len(shard.dataset))
-        order = order[self.rank :: self.world] if shared else order
-        if shard.drop_last:
-            order = order[: len(order) - len(order) % shard.size]
-        return self._batches(shard, shard.epoch or 0, 0, order)
+        self._share_read = self.world > 1 and (
+            isinstance(shard.dataset, IterableDataset) or self.cfg.partition == "sharded"
+        )
+        return self._batches(shard, shard.epoch or 0, 0)
 
-    def _batches(self, shard: "_Shard", epoch: int, skip: int, order: torch.Tensor | None = None) -> Any:
-        """A loader over this worker's part of ``shard``'s dataset in ``epoch``, ``skip`` samples in
-        (or of a map-style dataset's indices ``order``)."""
+    def _batches(self, shard: "_Shard", epoch: int, skip: int) -> Any:
+        """A loader over this worker's part of ``shard``'s dataset in ``epoch``, ``skip`` samples in."""
         dataset, size, options = shard.dataset, shard.size, shard.options
         if isinstance(dataset, IterableDataset):
             part = StreamPart(dataset, self.rank, self.world, skip)
             return DataLoader(part, batch_size=size, drop_last=shard.drop_last, **options)
-        order = self._epoch_order(shard, epoch, skip) if order is None else order
+        order = self._epoch_order(shard, epoch, skip)
         plain = options["collate_fn"] is None and not options["num_workers"] and len(options) == 3
         if isinstance(dataset, TensorDataset) and plain:
             # tensors in memory: index them a batch at a time, as distsgd's loop does (a DataLoader
@@ -1194,6 +1187,7 @@ class Run:
         if op not in ops:
             raise ConfigError(f"run.all_reduce(op=...) is one of {', '.join(ops)}, got {op!r}")
         t = _number(value, self.device).clone()
+        self._share_read = False  # (figures combined over the workers)
         if self.world > 1:
             self._group_only("run.all_reduce()")
             self._alike(t, "run.all_reduce()")
@@ -1206,6 +1200,7 @@ class Run:
         """``value`` (a Python number, as a float64; or a tensor of one shape and dtype on every
         worker) from every worker, stacked in rank order (a collective, as :meth:`all_reduce`)."""
         t = _number(value, self.device)
+        self._share_read = False  # (figures combined over the workers)
         if self.world == 1:
             self._no_gradient(value, "run.all_gather()", "all_gather")
             return t.unsqueeze(0)
@@ -1412,11 +1407,14 @@ class Run:
         gradients dropped were finite is kept unread (no wait on a GPU): a GradScaler of the loop's
         skips a step on an inf, a drop of its own."""
         if self._backwards and not self._stepped and self._ctx.job.main is not None:
+            if self._drops.said or self.rank != 0:  # (said once, by worker 0: nothing more to look at)
+                return
             self._drops.at = self._drops.backward
             grads = [p.grad for opt in self._optimizers for g in opt.param_groups for p in g["params"]]
             dense = [t for t in grads if t is not None and t.layout == torch.strided]
-            try:
-                self._drops.finite = torch.stack(torch._foreach_norm(dense)).isfinite().all() if dense else None
+            try:  # (the largest magnitude: an fp16 gradient's 2-norm may overflow where each value is finite)
+                finite = torch.stack(torch._foreach_norm(dense, math.inf)).isfinite().all() if dense else None
+                self._drops.finite = finite
             except RuntimeError:  # (gradients on several devices)
                 self._drops.finite = None
 
@@ -1673,6 +1671,7 @@ class Run:
         self._state.steps += 1
         self._batch_samples = self._backwards = self._syncs = self._drops.backward = 0
         self._drops.at = self._drops.finite = self._drops.untaken = None
+        self._share_read = False  # (a shard's figures are of the model before this step)
         self._stepped.clear()
         self._current, self._unscaled = None, False
         model = self._need_setup("optimizer.step()")
@@ -1715,8 +1714,8 @@ class Run:
                     self._demoted(values, another="another")
                 elif writes and whose == forwards.BOTH and not _names_the_copys(values):
                     self._demoted(values, another="both")
-                elif writes and self._share_read not in (None, (-1,)) and self._share_read == (_collectives(),):
-                    self._demoted(values, another="share")  # (no collective since the pass: one worker's share)
+                elif writes and self._share_read:  # (no collective since the pass: one worker's shard's)
+                    self._demoted(values, another="share")
                 elif writes:
                     reached = self._evaluation(values)
                 # every worker of a process group gets here (the reporting one decides); a Hogwild!
@@ -1759,12 +1758,11 @@ class Run:
         :mod:`distsgd.train.forwards`): a ``log`` event, not an evaluation (not the final figures,
         nor a time to target); said once."""
         if another == "share":
-            self._share_read = None
             if not self._warned_share:
                 self._warned_share = True
                 log.warning(
                     "run.log(test_...) after a pass over run.loader() under torch.no_grad() and no run.all_reduce() "
-                    "since: the figures are this worker's share of the set's, logged but not taken as the run's "
+                    "since: the figures are this worker's shard of the set's, logged but not taken as the run's "
                     "evaluations (final figures, time to target); combine them over the workers with run.all_reduce() "
                     "(sums of correct and seen), or evaluate the whole set with a DataLoader of your own"
                 )
@@ -2252,18 +2250,6 @@ class Run:
         return None
 
 
-def _collectives() -> int | None:
-    """The collectives this process's group has made so far (its sequence number; None: no group,
-    a Hogwild! or parameter-server worker's, where figures cannot be combined; -1: a backend that
-    keeps no count, taken as combined)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())  # type: ignore[attr-defined]
-    except (RuntimeError, AttributeError):  # (a backend that keeps none: taken as combined)
-        return -1
-
-
 def _given_settings_kept(names: tuple[str, ...], cfg: RunConfig, opt: torch.optim.Optimizer) -> None:
     """spawn()'s optimiser settings ``names`` (lr, momentum, weight_decay) where the loop built its
     optimiser itself, which steps with its own: one that differs from it (or that it has not) is
@@ -2738,6 +2724,7 @@ def run_own_loop(ctx: WorkerContext, algo: "Algorithm", replacement: bool = Fals
     try:
         with (
             stall_watch(worker, progress, ctx.cfg.timeout_s, run._check_stranded, lambda: run._pauses > 0),
+            _combining_watched(run, algo),  # (inside the next's: that one sees the loop's own call)
             _no_gradient_average(run, algo),
             _saves_watched(run, algo),
         ):
@@ -2810,6 +2797,48 @@ def _no_gradient_average(run: Run, algo: "Algorithm") -> Iterator[None]:
         return original(tensor, *args, **kwargs)
 
     with _replaced(dist, "all_reduce", all_reduce):
+        yield
+
+
+# torch.distributed's collectives that combine the workers' values: one of the loop's after an evaluation
+# pass over run.loader (each worker's shard) makes the figures logged next the whole set's
+_COMBINING = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "reduce",
+    "gather",
+    "gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+)
+
+
+@contextlib.contextmanager
+def _combining_watched(run: Run, algo: "Algorithm") -> Iterator[None]:
+    """While ``main`` runs in a process group, a collective of torch.distributed's that combines
+    (``dist.all_reduce(correct)``, a converted DDP script's) ends what an evaluation pass over
+    run.loader left unsaid: figures logged after it are no longer one worker's shard's (see
+    Run.log). A collective torch makes inside a module (DDP's broadcast of buffers at a forward)
+    goes through none of these and changes nothing."""
+    if not (algo.topology.process_group and dist.is_available()):
+        yield
+        return
+
+    def combining(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            run._share_read = False
+            return original(*args, **kwargs)
+
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name in _COMBINING:
+            original = getattr(dist, name, None)
+            if original is not None:
+                stack.enter_context(_replaced(dist, name, combining(original)))
         yield
 
 
